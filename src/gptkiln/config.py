@@ -1,0 +1,236 @@
+"""Typed configuration: the model (`GPTConfig`), training (`TrainConfig`), sampling (`SampleConfig`).
+
+No torch import here, so the CLI can parse and validate flags before torch loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gptkiln.errors import GptkilnError
+
+GPT2_VOCAB_SIZE = 50257
+
+
+@dataclass
+class GPTConfig:
+    """Shape and options of a GPT-2 style model.
+
+    Attributes:
+        vocab_size: number of token ids (GPT-2 BPE: 50257).
+        context_length: longest sequence the model sees (GPT-2's ``n_positions``; nanoGPT's
+            ``block_size``).
+        n_layer: transformer blocks.
+        n_head: attention heads per block.
+        n_embd: width of the residual stream.
+        dropout: dropout on embeddings, attention weights and residual branches (0 at inference).
+        qkv_bias: bias in the fused query/key/value projection (GPT-2: yes, the book: no).
+        tie_embeddings: share the token embedding with the output head (GPT-2: yes, the book: no).
+        attention: ``"sdpa"`` uses ``F.scaled_dot_product_attention``; ``"math"`` spells out
+            softmax(QK^T / sqrt(hs)) V with an explicit causal mask. Both give the same numbers.
+    """
+
+    vocab_size: int = GPT2_VOCAB_SIZE
+    context_length: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    qkv_bias: bool = True
+    tie_embeddings: bool = True
+    attention: Literal["sdpa", "math"] = "sdpa"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise GptkilnError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise GptkilnError(
+                f"model config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise GptkilnError(f"model config: dropout must be in [0, 1), got {self.dropout!r}")
+        if self.attention not in ("sdpa", "math"):
+            raise GptkilnError(
+                f"model config: attention must be 'sdpa' or 'math', got {self.attention!r}"
+            )
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> GPTConfig:
+        """A named preset (see ``PRESETS``), with any field overridden by keyword."""
+        if name not in PRESETS:
+            raise GptkilnError(
+                f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}"
+            )
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise GptkilnError(
+                f"model config: unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}"
+            )
+        return cls(**values)
+
+
+_GPT2 = dict(vocab_size=GPT2_VOCAB_SIZE, context_length=1024, qkv_bias=True, tie_embeddings=True)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # OpenAI's GPT-2 family (Hugging Face names). gpt2 has 124,439,808 parameters.
+    "gpt2": dict(_GPT2, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(_GPT2, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(_GPT2, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(_GPT2, n_layer=48, n_head=25, n_embd=1600),
+    # The book's GPT_CONFIG_124M: no qkv bias, untied head, dropout 0.1: 163,009,536 parameters.
+    "book-124m": dict(
+        vocab_size=GPT2_VOCAB_SIZE, context_length=1024, n_layer=12, n_head=12, n_embd=768,
+        dropout=0.1, qkv_bias=False, tie_embeddings=False,
+    ),
+    # Small presets that train on a 2-core CPU. vocab_size follows the tokenizer at train time.
+    "tiny": dict(context_length=64, n_layer=2, n_head=2, n_embd=32),
+    "baby": dict(context_length=64, n_layer=4, n_head=4, n_embd=128),
+    "mini": dict(context_length=128, n_layer=4, n_head=4, n_embd=192),
+}
+
+
+@dataclass
+class SampleConfig:
+    """How to pick each next token.
+
+    temperature 0 means greedy (argmax); top_k keeps the k most likely tokens; top_p keeps the
+    smallest set whose probability reaches p (nucleus sampling). ``stop_at_eos`` ends a sequence
+    at the tokenizer's end-of-text id.
+    """
+
+    max_new_tokens: int = 100
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.max_new_tokens < 0:
+            raise GptkilnError(
+                f"max_new_tokens must be >= 0, got {self.max_new_tokens}; pass e.g. 100"
+            )
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise `GptkilnError` for sampling settings that have no meaning."""
+    if temperature < 0:
+        raise GptkilnError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise GptkilnError(f"top_k must be >= 1 (or unset to keep all tokens), got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise GptkilnError(f"top_p must be in (0, 1] (1 keeps all tokens), got {top_p}")
+
+
+@dataclass
+class TrainConfig:
+    """Everything about a training run except the model's shape.
+
+    Sampling of training data: ``"windows"`` walks the book's sliding windows (``stride``) in
+    seeded-shuffled epochs; ``"random"`` draws windows at seeded random offsets (nanoGPT style,
+    for corpora far larger than one pass). The run length is ``max_steps`` optimizer steps, or
+    ``epochs`` passes over the windows when ``max_steps`` is 0 (windows sampling only).
+    """
+
+    data: str | None = None  # a prepared data dir or a text/jsonl source; None = bundled corpus
+    out: str = "runs/default"
+    model: str = "mini"
+    tokenizer: str = "gpt2"
+    val_fraction: float = 0.1
+    context_length: int | None = None  # None = the preset's
+    dropout: float | None = None  # None = the preset's
+    sampling: Literal["windows", "random"] = "random"
+    stride: int | None = None  # windows sampling; None = context_length
+    batch_size: int = 16
+    grad_accum: int = 1
+    max_steps: int = 300
+    epochs: int = 0
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 30
+    decay_lr: bool = True
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_interval: int = 50
+    eval_batches: int = 10
+    eval_train: bool = True
+    sample_interval: int = 100
+    sample_prompt: str = "ROMEO:"
+    sample_tokens: int = 60
+    checkpoint_interval: int = 100
+    seed: int = 1337
+    device: str = "auto"
+    compile: bool = False
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        positive = ["batch_size", "grad_accum", "eval_interval", "eval_batches"]
+        positive += ["sample_interval", "checkpoint_interval"]
+        for name in positive:
+            _positive_int(name, getattr(self, name))
+        for name in ("max_steps", "epochs", "warmup_steps", "sample_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise GptkilnError(f"{name} must be a whole number >= 0, got {value!r}")
+        for name in ("context_length", "stride"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.max_steps == 0 and self.epochs == 0:
+            raise GptkilnError("set max_steps > 0, or epochs > 0 with sampling 'windows'")
+        if self.max_steps == 0 and self.sampling != "windows":
+            raise GptkilnError("epochs need sampling 'windows'; with 'random' set max_steps")
+        if self.sampling not in ("windows", "random"):
+            raise GptkilnError(f"sampling must be 'windows' or 'random', got {self.sampling!r}")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise GptkilnError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        for name in ("lr", "grad_clip"):
+            if not getattr(self, name) > 0:
+                raise GptkilnError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise GptkilnError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
+        if self.weight_decay < 0:
+            raise GptkilnError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise GptkilnError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise GptkilnError(f"dropout must be in [0, 1), got {self.dropout!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise GptkilnError(
+                f"training config: unknown key(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return cls(**values)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise GptkilnError(f"{name} must be a whole number >= 1, got {value!r}")

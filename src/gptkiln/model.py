@@ -1,0 +1,262 @@
+"""The GPT-2 model: MLP, CausalSelfAttention (with an optional static KV cache), Block, GPT.
+
+Parameter names follow OpenAI's / Hugging Face's GPT-2 (``wte``, ``wpe``, ``h.N.ln_1``,
+``attn.c_attn``, ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``, ``lm_head``)
+so checkpoints map one to one. This file imports only torch and the config: devices, dtypes,
+compilation and parallelism are applied to a built model from outside.
+
+Shape legend: B batch, T time (new tokens), S keys attended (cache length), C channels
+(``n_embd``), nh heads, hs head size (C // nh), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptkiln.config import GPTConfig
+
+
+class KVCache(nn.Module):
+    """Pre-allocated keys and values of one attention layer, written in place as tokens arrive.
+
+    Static shapes (as in gpt-fast): nothing is concatenated or re-allocated per decode step.
+    """
+
+    def __init__(self, batch_size: int, max_seq_len: int, n_head: int, head_size: int,
+                 dtype: torch.dtype, device: torch.device | str | None = None):
+        super().__init__()
+        shape = (batch_size, n_head, max_seq_len, head_size)  # (B, nh, S_max, hs)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v (B, nh, T, hs) at positions start..start+T; return all keys/values so far."""
+        end = start + k.size(2)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, nh, S, hs) with S = end
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused query/key/value projection (``c_attn``).
+
+    The book's ``MultiHeadAttention`` computes the same thing with three separate projections
+    (``W_query``, ``W_key``, ``W_value``); ``c_attn`` holds them stacked, which is one matmul.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.use_sdpa = config.attention == "sdpa"
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.qkv_bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, start_pos: int | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C).
+
+        Args:
+            start_pos: position of x's first token when the KV cache is in use, else None.
+            mask: boolean (B or 1, 1, T, S), True where a query may attend a key; None means
+                plain causal attention over the T keys (or, for T = 1, attend to every key).
+        """
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if self.kv_cache is not None and start_pos is not None:
+            k, v = self.kv_cache.update(start_pos, k, v)  # (B, nh, S, hs)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.use_sdpa:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and T > 1
+            )
+        else:
+            y = explicit_attention(q, k, v, mask, dropout_p)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, nh, hs) -> (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs)) v, spelled out: the math that SDPA fuses.
+
+    q (B, nh, T, hs), k and v (B, nh, S, hs) -> (B, nh, T, hs). Scale *before* softmax
+    (scaling the probabilities afterwards is a classic bug: rows would no longer sum to 1).
+    """
+    T, S = q.size(-2), k.size(-2)
+    attn_scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, S)
+    if mask is None and T > 1:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+    if mask is not None:
+        attn_scores = attn_scores.masked_fill(~mask, float("-inf"))
+    attn_weights = torch.softmax(attn_scores, dim=-1)
+    attn_weights = F.dropout(attn_weights, p=dropout_p, training=dropout_p > 0)
+    return attn_weights @ v  # (B, nh, T, hs)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: expand 4x, GELU (tanh approximation, as GPT-2), project back."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block with two shortcut (residual) connections."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, start_pos: int | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), start_pos, mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2: token + position embeddings, ``n_layer`` blocks, final LayerNorm, output head."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.context_length, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.pad_lens: torch.Tensor | None = None  # (B,) left-padding per row, set with the cache
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """Share the token embedding with the output head when the config says so (GPT-2)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02) weights, zero biases, unit LayerNorms, and residual
+        projections scaled by 1/sqrt(2 * n_layer) (GPT-2 paper, section 2.3)."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith("c_proj") else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        self.tie_weights()
+
+    def num_parameters(self, exclude_position_embeddings: bool = False) -> int:
+        """Parameter count; a tied embedding/head counts once."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if exclude_position_embeddings else n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, forward + backward: 6N + 12 L T C (PaLM paper, appendix B),
+        N excluding position embeddings, the second term the attention score/value matmuls."""
+        c = self.config
+        return 6 * self.num_parameters(True) + 12 * c.n_layer * seq_len * c.n_embd
+
+    # -- the KV cache ------------------------------------------------------------------------
+    def setup_cache(self, batch_size: int, max_seq_len: int | None = None,
+                    pad_lens: torch.Tensor | None = None) -> None:
+        """Allocate a static KV cache in every layer (dtype and device of the weights).
+
+        Args:
+            pad_lens: (B,) number of left-padding tokens per row, for prompts of unequal length;
+                padded slots are never attended and positions count from each row's first token.
+        """
+        max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
+        weight = self.wte.weight
+        for block in self.h:
+            cache = block.attn.kv_cache
+            if cache is None or cache.k.shape[0] != batch_size or cache.k.shape[2] < max_seq_len \
+                    or cache.k.dtype != weight.dtype or cache.k.device != weight.device:
+                block.attn.kv_cache = KVCache(batch_size, max_seq_len, self.config.n_head,
+                                              self.config.head_size, weight.dtype, weight.device)
+        self.pad_lens = None if pad_lens is None or not pad_lens.any() else pad_lens.to(weight.device)
+
+    def clear_cache(self) -> None:
+        for block in self.h:
+            block.attn.kv_cache = None
+        self.pad_lens = None
+
+    @property
+    def cache_len(self) -> int:
+        """How many positions the cache holds (0 without one)."""
+        cache = self.h[0].attn.kv_cache
+        return 0 if cache is None else cache.k.size(2)
+
+    def _positions_and_mask(self, T: int, start_pos: int | None, device: torch.device):
+        """Position ids (T,) or (B, T) and the attention mask for this forward (None = causal)."""
+        start = start_pos or 0
+        pos = torch.arange(start, start + T, device=device)  # (T,)
+        if start_pos is None or (self.pad_lens is None and (start == 0 or T == 1)):
+            return pos, None
+        S = start + T
+        key = torch.arange(S, device=device)
+        mask = key[None, :] <= pos[:, None]  # (T, S) causal
+        if self.pad_lens is None:
+            return pos, mask[None, None]  # (1, 1, T, S)
+        pad = self.pad_lens[:, None]  # (B, 1)
+        mask = mask[None] & (key[None, None, :] >= pad[:, :, None])  # (B, T, S)
+        return (pos[None, :] - pad).clamp(min=0), mask[:, None]  # (B, T), (B, 1, T, S)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                start_pos: int | None = None, last_only: bool = False):
+        """Logits for token ids, and the cross-entropy loss when targets are given.
+
+        Args:
+            idx: (B, T) token ids.
+            targets: (B, T) next-token ids; positions with -100 are ignored.
+            start_pos: position of idx's first token when decoding with the KV cache
+                (``setup_cache`` first); None for an ordinary full-sequence forward.
+            last_only: compute logits for the last position only (generation), (B, 1, V).
+
+        Returns:
+            logits (B, T, V), or (logits, loss) when targets are given.
+        """
+        B, T = idx.shape
+        end = (start_pos or 0) + T
+        limit = self.cache_len if start_pos is not None else self.config.context_length
+        if end > limit:
+            raise ValueError(f"sequence reaches position {end}, beyond the {limit} available")
+        pos, mask = self._positions_and_mask(T, start_pos, idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.h:
+            x = block(x, start_pos, mask)
+        x = self.ln_f(x)
+        if last_only:
+            x = x[:, -1:, :]  # (B, 1, C)
+        logits = self.lm_head(x)  # (B, T, V)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return logits, loss
