@@ -1,0 +1,127 @@
+"""The GPT-2 model: presets, parameter names and counts, initialisation, loss, purity."""
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import gptkiln.model
+from gptkiln.config import PRESETS, GPTConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT
+
+
+def meta_model(name: str, **kw) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig.from_name(name, **kw))
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("gpt2", 124_439_808), ("book-124m", 163_009_536), ("gpt2-medium", 354_823_168),
+     ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)],
+)
+def test_parameter_counts(name, expected):
+    assert meta_model(name).num_parameters() == expected
+
+
+def test_gpt2_parameter_names_map_one_to_one():
+    names = set(meta_model("gpt2").state_dict())
+    for n in ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight"]:
+        assert n in names
+    for part in ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+                 "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "mlp.c_fc.weight",
+                 "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]:
+        assert f"h.11.{part}" in names
+    assert not any("mask" in n for n in names)  # no buffers in the checkpoint
+
+
+def test_tied_and_untied_heads():
+    tied = GPT(GPTConfig.from_name("tiny", vocab_size=20))
+    untied = GPT(GPTConfig.from_name("tiny", vocab_size=20, tie_embeddings=False))
+    assert tied.lm_head.weight is tied.wte.weight
+    assert untied.lm_head.weight is not untied.wte.weight
+    assert untied.num_parameters() - tied.num_parameters() == 20 * 32
+    assert "attn.c_attn.bias" not in str(list(dict(GPT(GPTConfig.from_name(
+        "tiny", vocab_size=20, qkv_bias=False)).named_parameters())))
+
+
+def test_gpt2_initialisation():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=500, context_length=64, n_layer=8, n_head=4, n_embd=256))
+    assert model.h[0].attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.h[0].mlp.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert model.h[0].attn.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert torch.all(model.h[0].attn.c_attn.bias == 0)
+    assert torch.all(model.ln_f.weight == 1)
+
+
+def test_initial_loss_is_near_uniform():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=300)).eval()
+    idx, targets = torch.randint(0, 300, (2, 4, 32))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (4, 32, 300)
+    assert loss.item() == pytest.approx(math.log(300), abs=0.1)
+
+
+def test_loss_ignores_minus_100_targets():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=30)).eval()
+    idx = torch.randint(0, 30, (1, 8))
+    targets = idx.clone()
+    _, full = model(idx, targets)
+    targets[0, 4:] = -100
+    _, half = model(idx, targets)
+    logits = model(idx)
+    expected = torch.nn.functional.cross_entropy(logits[0, :4], idx[0, :4])
+    torch.testing.assert_close(half, expected)
+    assert not torch.isclose(half, full)
+
+
+def test_sequence_longer_than_context_is_refused():
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=30, context_length=8))
+    with pytest.raises(ValueError, match="beyond"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_training_mode_dropout_changes_outputs():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=30, dropout=0.5))
+    idx = torch.randint(0, 30, (2, 16))
+    model.train()
+    assert not torch.allclose(model(idx), model(idx))
+    model.eval()
+    torch.testing.assert_close(model(idx), model(idx))
+
+
+def test_model_file_imports_only_torch_and_config():
+    tree = ast.parse(Path(gptkiln.model.__file__).read_text())
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            modules.add(node.module)
+    assert modules <= {"__future__", "math", "torch", "gptkiln.config"}, modules
+
+
+def test_presets_and_config_errors():
+    assert {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "book-124m"} <= set(PRESETS)
+    book = GPTConfig.from_name("book-124m")
+    assert (book.qkv_bias, book.tie_embeddings, book.dropout) == (False, False, 0.1)
+    with pytest.raises(GptkilnError, match="unknown model preset 'gpt5'"):
+        GPTConfig.from_name("gpt5")
+    with pytest.raises(GptkilnError, match="divisible"):
+        GPTConfig(n_embd=30, n_head=4)
+    with pytest.raises(GptkilnError, match="unknown field"):
+        GPTConfig.from_dict({"n_layers": 3})
+    assert GPTConfig.from_dict(book.to_dict()) == book
+
+
+def test_flops_per_token_formula():
+    model = meta_model("gpt2")
+    n = 124_439_808 - 1024 * 768
+    assert model.flops_per_token(1024) == 6 * n + 12 * 12 * 1024 * 768

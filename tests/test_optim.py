@@ -1,0 +1,35 @@
+"""AdamW parameter groups and the warm-up + cosine schedule."""
+
+import math
+
+import pytest
+import torch
+
+from gptkiln.config import GPTConfig
+from gptkiln.model import GPT
+from gptkiln.optim import lr_at, make_optimizer, param_groups
+
+
+def test_weight_decay_only_on_matrices():
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=20))
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and len(decay["params"]) > 0
+    assert all(p.dim() == 1 for p in no_decay["params"]) and len(no_decay["params"]) > 0
+    total = len(decay["params"]) + len(no_decay["params"])
+    assert total == len(list(model.parameters()))
+    opt = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95))
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.95)
+
+
+def test_warmup_then_cosine_to_floor():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110)
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(10, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(0.1 + 0.5 * 0.9)  # half-way down the cosine
+    assert lr_at(110, **kw) == pytest.approx(0.1) and lr_at(500, **kw) == pytest.approx(0.1)
+    lrs = [lr_at(s, **kw) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # monotone decay
+    assert lr_at(80, **{**kw, "decay": False}) == 1.0
+    assert lr_at(35, **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.25)))

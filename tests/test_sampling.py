@@ -1,0 +1,118 @@
+"""Generation: filters, greedy, seeds, end-of-text, batches, streaming, and the KV cache."""
+
+import pytest
+import torch
+
+from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT
+from gptkiln.sampling import generate, generate_stream, logits_to_probs, sample
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.from_name("tiny", vocab_size=64, context_length=24)).eval()
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]])
+    probs = logits_to_probs(logits, top_k=2)
+    assert (probs > 0).sum().item() == 2
+    assert probs[0, 1] > probs[0, 3] > 0 and probs[0, [0, 2, 4]].sum() == 0
+    torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs_in = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs_in.log()
+    kept = logits_to_probs(logits, top_p=0.75) > 0
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.75 <= 0.8
+    assert (logits_to_probs(logits, top_p=0.5) > 0).sum() == 1  # the top token alone reaches it
+    torch.testing.assert_close(logits_to_probs(logits, top_p=1.0), probs_in)
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    cold, warm = logits_to_probs(logits, 0.5), logits_to_probs(logits, 2.0)
+    assert cold[0, 2] > logits_to_probs(logits, 1.0)[0, 2] > warm[0, 2]
+
+
+def test_greedy_is_argmax_and_sampling_is_seeded():
+    logits = torch.randn(3, 10)
+    assert torch.equal(sample(logits, temperature=0), logits.argmax(-1))
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    draws1 = [sample(logits, 1.0, generator=g1) for _ in range(5)]
+    draws2 = [sample(logits, 1.0, generator=g2) for _ in range(5)]
+    assert all(torch.equal(a, b) for a, b in zip(draws1, draws2))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_k=0), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(max_new_tokens=-1), "max_new"),
+])
+def test_invalid_sampling_values_raise(kwargs, message):
+    with pytest.raises(GptkilnError, match=message):
+        SampleConfig(**kwargs)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 2, 7, 16, 23, 24, 30])
+def test_kv_cache_greedy_equals_no_cache(model, prompt_len):
+    # Lengths past the context (24) crop the prompt; 20 new tokens slide past it too.
+    prompt = torch.randint(0, 64, (prompt_len,), generator=torch.Generator().manual_seed(1))
+    with_cache = generate(model, prompt.tolist(), max_new_tokens=20, temperature=0)
+    without = generate(model, prompt.tolist(), max_new_tokens=20, temperature=0, use_cache=False)
+    assert len(with_cache) == 20
+    assert with_cache == without
+
+
+def test_no_cache_path_is_the_books_generate_text_simple(model):
+    prompt = [5, 9, 2, 33]
+    idx = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(10):  # generate_text_simple, spelled out
+            logits = model(idx[:, -24:])[:, -1, :]
+            idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+    assert generate(model, prompt, max_new_tokens=10, temperature=0) == idx[0, 4:].tolist()
+
+
+def test_batched_prompts_of_unequal_length_match_one_by_one(model):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    batch = generate(model, prompts, max_new_tokens=12, temperature=0)
+    assert batch == [generate(model, p, max_new_tokens=12, temperature=0) for p in prompts]
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(model):
+    cfg = SampleConfig(max_new_tokens=15, temperature=1.0, top_k=20, seed=3)
+    a, b = generate(model, [1, 2], cfg), generate(model, [1, 2], cfg)
+    c = generate(model, [1, 2], cfg, seed=4)
+    assert a == b and a != c
+
+
+def test_end_of_text_stops_generation(model):
+    greedy = generate(model, [1, 2, 3], max_new_tokens=10, temperature=0)
+    eot = greedy[3]  # pretend the 4th greedy token is end-of-text
+    stopped = generate(model, [1, 2, 3], max_new_tokens=10, temperature=0, eot_id=eot)
+    assert stopped == greedy[: greedy.index(eot)]
+    kept = generate(model, [1, 2, 3], max_new_tokens=10, temperature=0, eot_id=eot,
+                    stop_at_eos=False)
+    assert kept == greedy
+
+
+def test_stream_yields_one_token_per_step(model):
+    steps = list(generate_stream(model, [[1, 2, 3]], SampleConfig(max_new_tokens=6,
+                                                                  temperature=0)))
+    assert len(steps) == 6 and all(s.shape == (1,) for s in steps)
+    assert [int(s) for s in steps] == generate(model, [1, 2, 3], max_new_tokens=6, temperature=0)
+
+
+def test_generate_restores_training_mode_and_clears_the_cache(model):
+    model.train()
+    generate(model, [1, 2], max_new_tokens=3, temperature=0)
+    assert model.training and model.cache_len == 0
+    model.eval()
+
+
+def test_empty_prompt_is_an_error(model):
+    with pytest.raises(GptkilnError, match="at least one token"):
+        generate(model, [[]], max_new_tokens=3)
