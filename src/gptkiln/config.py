@@ -204,9 +204,10 @@ class TrainConfig:
             raise GptkilnError(f"sampling must be 'windows' or 'random', got {self.sampling!r}")
         if self.parallel not in ("ddp", "fsdp"):
             raise GptkilnError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
-        for name in ("lr", "grad_clip"):
-            if not getattr(self, name) > 0:
-                raise GptkilnError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.lr > 0:
+            raise GptkilnError(f"lr must be > 0, got {self.lr!r}")
+        if self.grad_clip < 0:
+            raise GptkilnError(f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip!r}")
         if not 0 <= self.min_lr <= self.lr:
             raise GptkilnError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
         if self.weight_decay < 0:

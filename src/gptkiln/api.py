@@ -1,0 +1,125 @@
+"""Library functions behind the CLI subcommands that work on a trained model: generate and eval.
+
+`prepare` is `gptkiln.data.prepare.prepare`, `train` is `gptkiln.train.train`, `convert` and
+`download` live in `gptkiln.interop`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gptkiln.config import SampleConfig
+from gptkiln.errors import GptkilnError
+
+
+def stream_text(run_dir: str | os.PathLike, prompt: str, cfg: SampleConfig | None = None, *,
+                device: str = "cpu", on_notice: Callable[[str], None] | None = None
+                ) -> Iterator[str]:
+    """Yield the generated text piece by piece as tokens are chosen.
+
+    A prompt longer than the model's context keeps its last ``context_length`` tokens; the
+    ``on_notice`` callback (if given) is told so.
+    """
+    from gptkiln.checkpoint import load_run
+    from gptkiln.sampling import generate_stream
+
+    cfg = cfg or SampleConfig()
+    model, tokenizer, _ = load_run(run_dir, device=device)
+    model.eval()
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise GptkilnError("the prompt is empty; pass --prompt with some text")
+    ctx = model.config.context_length
+    if len(ids) > ctx and on_notice:
+        on_notice(f"prompt has {len(ids)} tokens, more than the model's context of {ctx}; "
+                  f"keeping the last {ctx}")
+    new: list[int] = []
+    shown = ""
+    for token in generate_stream(model, [ids], cfg, tokenizer.eot_id):
+        t = int(token[0])
+        if cfg.stop_at_eos and t == tokenizer.eot_id:
+            break
+        new.append(t)
+        text = tokenizer.decode(new)
+        if text.endswith("\ufffd"):  # a multi-byte character is still incomplete
+            continue
+        yield text[len(shown):]
+        shown = text
+    model.clear_cache()
+
+
+def generate_text(run_dir: str | os.PathLike, prompt: str, cfg: SampleConfig | None = None, *,
+                  device: str = "cpu") -> str:
+    """The prompt followed by the generated text."""
+    return prompt + "".join(stream_text(run_dir, prompt, cfg, device=device))
+
+
+@dataclass
+class EvalResult:
+    loss: float
+    perplexity: float
+    tokens: int
+
+
+def evaluate_run(run_dir: str | os.PathLike, data: str | os.PathLike, *, batch_size: int = 8,
+                 device: str = "cpu", progress: bool = True) -> EvalResult:
+    """Cross-entropy and perplexity of a model on text.
+
+    Args:
+        data: a prepared data directory (its validation split is used) or a text/jsonl file,
+            tokenized with the run's tokenizer and cut into non-overlapping context windows.
+    """
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from gptkiln.checkpoint import load_run
+    from gptkiln.data.windows import SlidingWindowDataset
+
+    if batch_size < 1:
+        raise GptkilnError(f"batch_size must be >= 1, got {batch_size}")
+    model, tokenizer, _ = load_run(run_dir, device=device)
+    model.eval()
+    tokens = _eval_tokens(Path(data), tokenizer)
+    ctx = model.config.context_length
+    dataset = SlidingWindowDataset(np.asarray(tokens), min(ctx, len(tokens) - 1),
+                                   min(ctx, len(tokens) - 1))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in tqdm(range(0, len(dataset), batch_size), disable=not progress, unit="batch"):
+            xs, ys = zip(*(dataset[i] for i in range(start, min(start + batch_size, len(dataset)))))
+            x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
+            _, loss = model(x, y)
+            total += loss.item() * y.numel()
+            count += y.numel()
+    loss = total / count
+    return EvalResult(loss=loss, perplexity=math.exp(min(loss, 50)), tokens=count)
+
+
+def _eval_tokens(data: Path, tokenizer):
+    from gptkiln.data.prepare import load_prepared
+    from gptkiln.data.sources import iter_documents
+
+    if data.is_dir() and (data / "meta.json").is_file():
+        prepared = load_prepared(data)
+        if prepared.meta.get("tokenizer") != tokenizer.kind or \
+                prepared.meta.get("vocab_size") != tokenizer.vocab_size:
+            raise GptkilnError(
+                f"{data} was prepared with the {prepared.meta.get('tokenizer')!r} tokenizer, the "
+                f"model uses {tokenizer.kind!r}; pass a text file, or prepare it with the run's tokenizer"
+            )
+        return prepared.val
+    docs = list(iter_documents(data))
+    ids: list[int] = []
+    for i, doc in enumerate(docs):
+        if i and tokenizer.eot_id is not None:
+            ids.append(tokenizer.eot_id)
+        ids.extend(tokenizer.encode(doc))
+    if len(ids) < 2:
+        raise GptkilnError(f"{data} has {len(ids)} token(s); evaluation needs at least 2")
+    return ids

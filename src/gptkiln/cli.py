@@ -1,0 +1,242 @@
+"""The ``gptkiln`` command: thin subcommands, each parsing flags and calling one library function.
+
+A `GptkilnError` (bad input) prints one line and exits with code 2; so does a bad flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from gptkiln.config import PRESETS, SampleConfig, TrainConfig
+from gptkiln.errors import GptkilnError
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (what, and where to look), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
+# -- prepare ---------------------------------------------------------------------------------
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from gptkiln.data.prepare import prepare
+
+    meta = prepare(args.source, args.out, tokenizer=args.tokenizer,
+                   val_fraction=args.val_fraction, progress=not args.quiet)
+    print(f"wrote {args.out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
+          f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,})")
+
+
+# -- train -----------------------------------------------------------------------------------
+# TrainConfig fields whose default is None need their type spelled out for argparse.
+_OPTIONAL_TYPES = {"data": str, "context_length": int, "dropout": float, "stride": int}
+_NOT_FLAGS = {"extra"}
+
+
+def add_train_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per `TrainConfig` field (``max_steps`` -> ``--max-steps``)."""
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in _NOT_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=f"(default: {default})")
+        else:
+            kind = _OPTIONAL_TYPES.get(f.name, type(default))
+            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(),
+                           help=f"(default: {default})")
+
+
+def load_recipe(name_or_path: str) -> dict[str, Any]:
+    """A YAML training recipe: a bundled name (``book-verdict``) or a file path."""
+    import yaml
+
+    path = Path(name_or_path)
+    if not path.is_file():
+        bundled = RECIPES_DIR / f"{name_or_path}.yaml"
+        if not bundled.is_file():
+            names = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+            raise GptkilnError(f"--config {name_or_path}: no such file or bundled recipe; "
+                               f"bundled recipes: {names}")
+        path = bundled
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        problem = str(e).replace("\n", " ")
+        raise GptkilnError(f"{path}: not valid YAML ({problem}); fix the file") from None
+    if not isinstance(values, dict):
+        raise GptkilnError(f"{path}: a recipe is a mapping of training settings (key: value)")
+    return values
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the recipe (--config), then the flags given on the command line."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_recipe(args.config))
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - _NOT_FLAGS
+    values.update({k: v for k, v in vars(args).items() if k in names})
+    return TrainConfig.from_dict(values)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    cfg = train_config_from_args(args)
+    if args.nproc is not None:
+        return launch_torchrun(args.nproc)
+    from gptkiln.train import train
+
+    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    if result.val_loss is not None and int(os.environ.get("RANK", 0)) == 0:
+        print(f"done: {result.steps} steps, {result.tokens_seen:,} tokens; "
+              f"train loss {result.train_loss:.3f}, val loss {result.val_loss:.3f}; "
+              f"run saved in {result.run_dir}")
+
+
+def launch_torchrun(nproc: int) -> None:
+    """Re-run this train command under torchrun with ``nproc`` processes on this machine."""
+    if nproc < 1:
+        raise GptkilnError(f"--nproc must be >= 1, got {nproc}")
+    argv = sys.argv[1:]
+    rest, skip = [], False
+    for i, a in enumerate(argv):  # drop --nproc N / --nproc=N, keep everything else as given
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+        del i
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "gptkiln", *rest]
+    raise SystemExit(subprocess.call(cmd))
+
+
+# -- generate / eval -------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace) -> None:
+    from gptkiln.api import stream_text
+
+    cfg = SampleConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    notice = lambda msg: print(f"note: {msg}", file=sys.stderr)
+    sys.stdout.write(args.prompt)
+    for piece in stream_text(args.run_dir, args.prompt, cfg, device=args.device, on_notice=notice):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from gptkiln.api import evaluate_run
+
+    r = evaluate_run(args.run_dir, args.data, batch_size=args.batch_size, device=args.device,
+                     progress=not args.quiet)
+    print(f"loss {r.loss:.4f} | perplexity {r.perplexity:.2f} | {r.tokens:,} tokens")
+
+
+# -- convert / download ----------------------------------------------------------------------
+def cmd_convert(args: argparse.Namespace) -> None:
+    from gptkiln import interop
+
+    if args.direction == "hf":
+        interop.import_hf(args.path, args.out)
+    elif args.direction == "book":
+        interop.import_book(args.path, args.out, n_head=args.n_head)
+    else:
+        interop.export_hf(args.path, args.out)
+    print(f"wrote {args.out}")
+
+
+def cmd_download(args: argparse.Namespace) -> None:
+    from gptkiln import interop
+
+    interop.download(args.name, args.out)
+    print(f"wrote {args.out}")
+
+
+# -- the parser ------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="gptkiln", description="Train, run and share GPT-2 style models.")
+    parser.add_argument("--version", action="version", version="gptkiln 0.1.0")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    p = sub.add_parser("prepare", help="tokenize a corpus into train.bin / val.bin")
+    p.add_argument("source", help="a .txt/.jsonl file, a folder of them, or 'shakespeare'")
+    p.add_argument("--tokenizer", default="gpt2", help="gpt2 | char | bpe[:VOCAB_SIZE]")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("train", help="train a model (no flags: a small model on Shakespeare)",
+                       description="Train a GPT. Settings come from the defaults, then --config, "
+                       f"then flags. Model presets: {', '.join(PRESETS)}.")
+    p.add_argument("--config", help="a YAML recipe file, or a bundled recipe name")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    p.add_argument("--nproc", type=int, help="launch N processes on this machine via torchrun")
+    add_train_flags(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate", help="generate text from a run (streams to the terminal)")
+    p.add_argument("run_dir", help="a run directory, or an imported Hugging Face GPT-2 directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="loss and perplexity of a run on text")
+    p.add_argument("run_dir")
+    p.add_argument("--data", required=True, help="a prepared data dir (val split) or a text file")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("convert", help="Hugging Face / book checkpoints in, Hugging Face out")
+    p.add_argument("direction", choices=["hf", "book", "to-hf"],
+                   help="hf: HF GPT-2 dir -> run; book: the book's model.pth -> run; "
+                   "to-hf: run -> HF GPT-2 dir")
+    p.add_argument("path", help="the directory or file to convert")
+    p.add_argument("--out", required=True)
+    p.add_argument("--n-head", type=int, default=12, help="heads of a book model (not in its file)")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("download", help="download OpenAI's GPT-2 weights (needs internet)")
+    p.add_argument("name", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_download)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except GptkilnError as e:
+        print(f"gptkiln {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"gptkiln {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `gptkiln generate ... | head`
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

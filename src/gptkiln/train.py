@@ -1,0 +1,423 @@
+"""Training: `train(config)` runs the loop, evaluates, samples, logs, checkpoints and resumes.
+
+Data order is a pure function of (seed, step): optimizer step s reads the global windows
+[s*G, (s+1)*G) of an epoch's seeded permutation (or of a seeded random stream), G = batch_size x
+grad_accum x world_size, and rank r takes its own slice of them. So a resumed run needs only the
+step to continue the exact data order, and N processes read disjoint windows that together are
+exactly what one process with N times the batch would read.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gptkiln import distributed as dist_utils
+from gptkiln.config import GPTConfig, SampleConfig, TrainConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT
+from gptkiln.optim import lr_at, make_optimizer
+
+METRICS_FIELDS = ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s"]
+
+
+def resolve_device(spec: str = "auto") -> str:
+    """``auto`` picks cuda, then mps, then cpu; any torch device string is used as given."""
+    if spec != "auto":
+        try:
+            torch.device(spec)
+        except RuntimeError as e:
+            raise GptkilnError(f"--device {spec!r} is not a torch device ({e}); try cpu or cuda") from None
+        if spec.startswith("cuda") and not torch.cuda.is_available():
+            raise GptkilnError(f"--device {spec}: CUDA is not available here; use --device cpu")
+        return spec
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+class Batches:
+    """Training windows by (step, micro-step, rank), computed from indices alone."""
+
+    def __init__(self, tokens: np.ndarray, cfg: TrainConfig, context_length: int,
+                 world: dist_utils.World):
+        from gptkiln.data.windows import RandomWindowDataset, SlidingWindowDataset
+
+        self.cfg, self.world = cfg, world
+        self.global_batch = cfg.batch_size * cfg.grad_accum * world.world_size
+        if cfg.sampling == "windows":
+            self.dataset = SlidingWindowDataset(tokens, context_length, cfg.stride or context_length)
+            self.steps_per_epoch = len(self.dataset) // self.global_batch
+            if self.steps_per_epoch == 0:
+                raise GptkilnError(
+                    f"the training split has {len(self.dataset)} windows, fewer than one step's "
+                    f"{self.global_batch} (batch_size x grad_accum x processes); lower batch_size "
+                    "or context_length, or use more text"
+                )
+        else:
+            num = max(1, cfg.max_steps) * self.global_batch
+            self.dataset = RandomWindowDataset(tokens, context_length, num, cfg.seed)
+            self.steps_per_epoch = cfg.max_steps
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def total_steps(self) -> int:
+        return self.cfg.max_steps or self.cfg.epochs * self.steps_per_epoch
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            gen = torch.Generator().manual_seed(self.cfg.seed + epoch)
+            self._perm = (epoch, torch.randperm(len(self.dataset), generator=gen))
+        return self._perm[1]
+
+    def get(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of shape (batch_size, T) for this rank's micro-step of optimizer step ``step``."""
+        b = self.cfg.batch_size
+        first = (micro * self.world.world_size + self.world.rank) * b
+        if self.cfg.sampling == "windows":
+            epoch, within = divmod(step, self.steps_per_epoch)
+            order = self._order(epoch)
+            ids = order[within * self.global_batch + first:][:b].tolist()
+        else:
+            ids = range(step * self.global_batch + first, step * self.global_batch + first + b)
+        xs, ys = zip(*(self.dataset[i] for i in ids))
+        return torch.stack(xs), torch.stack(ys)
+
+
+def eval_batches(tokens: np.ndarray, context_length: int, batch_size: int,
+                 n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed list of evaluation batches: the first non-overlapping windows of a split, in order
+    (as the book's validation loader). Raises when the split is shorter than one window."""
+    from gptkiln.data.windows import SlidingWindowDataset
+
+    dataset = SlidingWindowDataset(tokens, context_length, context_length)
+    batches = []
+    for start in range(0, min(len(dataset), n_batches * batch_size), batch_size):
+        xs, ys = zip(*(dataset[i] for i in range(start, min(start + batch_size, len(dataset)))))
+        batches.append((torch.stack(xs), torch.stack(ys)))
+    return batches
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             device: str, world: dist_utils.World = dist_utils.World(),
+             autocast=None) -> float:
+    """Mean cross-entropy over ``batches`` (weighted by targets), the work split across ranks.
+
+    Every rank runs the same number of forwards (FSDP needs all ranks in every forward); the
+    padding ones carry weight 0.
+    """
+    was_training = model.training
+    model.eval()
+    rounds = math.ceil(len(batches) / world.world_size)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(rounds):
+        j = i * world.world_size + world.rank
+        x, y = batches[j % len(batches)]
+        with autocast or torch.autocast(device_type="cpu", enabled=False):
+            _, loss = model(x.to(device), y.to(device))
+        if j < len(batches):
+            totals += torch.stack([loss.double() * y.numel(), torch.tensor(y.numel(), device=device)])
+    totals = dist_utils.all_reduce_sum(totals, world)
+    model.train(was_training)
+    return (totals[0] / totals[1]).item()
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports."""
+
+    run_dir: Path
+    steps: int
+    tokens_seen: int
+    train_loss: float | None
+    val_loss: float | None
+    sample: str | None
+    history: list[dict] = field(default_factory=list)
+
+
+def model_config_for(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    """The model config a training config asks for, sized to the tokenizer's vocabulary."""
+    overrides: dict = {"vocab_size": vocab_size}
+    if cfg.context_length is not None:
+        overrides["context_length"] = cfg.context_length
+    if cfg.dropout is not None:
+        overrides["dropout"] = cfg.dropout
+    return GPTConfig.from_name(cfg.model, **overrides)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> TrainResult:
+    """Train a GPT as ``cfg`` says, writing a run directory at ``cfg.out``.
+
+    Args:
+        resume: continue the run in ``cfg.out`` from its last checkpoint; the result is the same,
+            bit for bit on CPU, as a run that was never interrupted.
+        overwrite: start afresh even if ``cfg.out`` already holds a checkpoint.
+    """
+    return Trainer(cfg, resume=resume, overwrite=overwrite).fit()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Rows of a metrics.csv as dicts of floats (empty cells become None)."""
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            rows.append({k: (float(v) if v not in ("", None) else None) for k, v in row.items()})
+    return rows
+
+
+def sample_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, seed: int,
+                use_cache: bool = True) -> str:
+    """A short sample from ``prompt`` (top-k 50, temperature 0.8) for watching a run learn."""
+    from gptkiln.sampling import generate
+
+    ids = tokenizer.encode(prompt)
+    cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=0.8, top_k=50, seed=seed)
+    new = generate(model, ids, cfg, eot_id=tokenizer.eot_id, use_cache=use_cache)
+    return prompt + tokenizer.decode(new)
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+class Trainer:
+    """One training run: builds data, model and optimizer from a `TrainConfig`, then `fit()`s."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False):
+        from gptkiln import checkpoint
+
+        self.cfg, self.run_dir = cfg, Path(cfg.out)
+        self.device = resolve_device(cfg.device)
+        self.world = dist_utils.setup(self.device)
+        if self.device == "cuda":
+            self.device = f"cuda:{self.world.local_rank}"
+        checkpoint.check_run_dir_for_training(self.run_dir, resume=resume, overwrite=overwrite)
+        self.data = self._load_data()
+        self.tokenizer = self.data.tokenizer
+        self.model_config = model_config_for(cfg, self.tokenizer.vocab_size)
+        if resume:
+            checkpoint.check_same_model_config(self.run_dir, self.model_config)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        model = GPT(self.model_config).to(self.device)
+        self.model = dist_utils.parallelize(model, self.world, cfg.parallel)
+        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
+        ctx = self.model_config.context_length
+        self.batches = Batches(self.data.train, cfg, ctx, self.world)
+        self.val_batches = eval_batches(self.data.val, ctx, cfg.batch_size, cfg.eval_batches)
+        self.train_eval_batches = eval_batches(self.data.train, ctx, cfg.batch_size,
+                                               cfg.eval_batches) if cfg.eval_train else []
+        self.tokens_per_step = self.batches.global_batch * ctx
+        self.step, self.history = 0, []
+        torch.manual_seed(cfg.seed + self.world.rank)  # dropout differs across ranks
+        if resume:
+            self._restore()
+        elif self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "metrics.csv").unlink(missing_ok=True)
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _load_data(self):
+        from gptkiln.data.prepare import load_prepared, prepare
+        from gptkiln.tokenizers import parse_tokenizer_spec
+
+        cfg = self.cfg
+        if cfg.data is not None and (Path(cfg.data) / "meta.json").is_file():
+            return load_prepared(cfg.data)
+        data_dir = self.run_dir / "data"
+        source = cfg.data
+        kind, _ = parse_tokenizer_spec(cfg.tokenizer)
+        if self.world.is_main and not _prepared_matches(data_dir, source, kind, cfg.val_fraction):
+            prepare(source, data_dir, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction,
+                    progress=cfg.progress)
+        dist_utils.barrier(self.world)
+        return load_prepared(data_dir)
+
+    @property
+    def autocast(self):
+        """bf16 autocast on CUDA; fp32 elsewhere."""
+        if self.device.startswith("cuda"):
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+    @property
+    def raw_model(self) -> GPT:
+        return dist_utils.unwrap(self.model)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        cfg, total = self.cfg, self.batches.total_steps
+        bar = tqdm(total=total, initial=self.step, unit="step", dynamic_ncols=True,
+                   disable=not (cfg.progress and self.world.is_main))
+        train_loss = val_loss = None
+        sample = None
+        tokens_per_s = 0.0
+        try:
+            while self.step < total:
+                t0 = now()
+                lr, loss = self.train_step(total)
+                self.step += 1
+                dt = now() - t0
+                tokens_per_s = self.tokens_per_step / dt if tokens_per_s == 0 else \
+                    0.9 * tokens_per_s + 0.1 * self.tokens_per_step / dt
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+                last = self.step == total
+                if self.step % cfg.eval_interval == 0 or last:
+                    train_loss, val_loss = self.log_eval(loss, lr, tokens_per_s, bar)
+                if self.step % cfg.sample_interval == 0 and not last:
+                    self.log_sample(bar)
+                if self.step % cfg.checkpoint_interval == 0 or last:
+                    self.save()
+            if self.world.is_main:
+                self.plot()
+            sample = self.log_sample(bar)
+        finally:
+            bar.close()
+        return TrainResult(self.run_dir, self.step, self.step * self.tokens_per_step,
+                           train_loss, val_loss, sample, self.history)
+
+    def train_step(self, total: int) -> tuple[float, float]:
+        """One optimizer step over grad_accum micro-batches; returns (lr, mean loss on this rank)."""
+        cfg = self.cfg
+        lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                   total_steps=total, decay=cfg.decay_lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(cfg.grad_accum):
+            x, y = self.batches.get(self.step, micro)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with dist_utils.gradient_sync(self.model, micro == cfg.grad_accum - 1):
+                with self.autocast:
+                    _, loss = self.forward(x, y)
+                (loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr, loss_sum.item() / cfg.grad_accum
+
+    # -- watching it learn -------------------------------------------------------------------
+    def log_eval(self, batch_loss: float, lr: float, tokens_per_s: float, bar):
+        """Loss (and perplexity) on the fixed validation and training batches; one CSV row."""
+        val = evaluate(self.model, self.val_batches, self.device, self.world, self.autocast) \
+            if self.val_batches else None
+        train = evaluate(self.model, self.train_eval_batches, self.device, self.world,
+                         self.autocast) if self.train_eval_batches else None
+        mean_batch = dist_utils.all_reduce_mean(torch.tensor(batch_loss), self.world).item()
+        row = {"step": self.step, "tokens": self.step * self.tokens_per_step,
+               "train_loss": train if train is not None else mean_batch, "val_loss": val,
+               "lr": lr, "tokens_per_s": tokens_per_s * self.world.world_size}
+        self.history.append(row)
+        if self.world.is_main:
+            self._append_metrics(row)
+            val_text = f" | val {val:.3f} (ppl {math.exp(min(val, 50)):.1f})" if val else ""
+            bar.write(f"step {self.step:>6} | train {row['train_loss']:.3f}{val_text} "
+                      f"| lr {lr:.2e} | {row['tokens_per_s']:,.0f} tok/s")
+        return row["train_loss"], val
+
+    def log_sample(self, bar) -> str:
+        """Every rank generates (FSDP needs all of them); rank 0 prints."""
+        model = self.raw_model
+        text = sample_text(model, self.tokenizer, self.cfg.sample_prompt, self.cfg.sample_tokens,
+                           self.cfg.seed, use_cache=self.cfg.parallel != "fsdp")
+        model.train()
+        if self.world.is_main:
+            bar.write(f"--- sample at step {self.step} ---\n{text}\n---")
+        return text
+
+    def _append_metrics(self, row: dict) -> None:
+        path = self.run_dir / "metrics.csv"
+        new = not path.exists()
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=METRICS_FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerow({k: ("" if row[k] is None else row[k]) for k in METRICS_FIELDS})
+
+    def plot(self) -> None:
+        from gptkiln.plots import plot_losses
+
+        path = self.run_dir / "metrics.csv"
+        if path.exists():
+            plot_losses(read_metrics(path), self.run_dir / "loss.png")
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self) -> None:
+        """Write the checkpoint (all ranks gather, rank 0 writes)."""
+        from gptkiln import checkpoint
+
+        model_sd, optim_sd = dist_utils.full_state(self.model, self.optimizer)
+        rng = _gather_rng(self.world)
+        if self.world.is_main:
+            state = {
+                "step": self.step,
+                "world_size": self.world.world_size,
+                "optimizer": optim_sd,
+                "rng": rng,
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "scheduler": {"step": self.step, "total_steps": self.batches.total_steps},
+            }
+            checkpoint.write_checkpoint(self.run_dir, self.model_config, model_sd, state,
+                                        train_config=self.cfg.to_dict(), tokenizer=self.tokenizer)
+        dist_utils.barrier(self.world)
+
+    def _restore(self) -> None:
+        from gptkiln import checkpoint
+
+        model_sd, state = checkpoint.read_checkpoint(self.run_dir)
+        dist_utils.load_full_state(self.model, self.optimizer, model_sd, state["optimizer"])
+        self.step = int(state["step"])
+        rng = state["rng"]
+        if len(rng) == self.world.world_size:
+            torch.set_rng_state(rng[self.world.rank])
+        if state.get("cuda_rng") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        metrics = self.run_dir / "metrics.csv"
+        if self.world.is_main and metrics.exists():
+            # A killed run may have logged past its last checkpoint: keep rows up to the step.
+            rows = [r for r in read_metrics(metrics) if r["step"] <= self.step]
+            metrics.unlink()
+            for row in rows:
+                row["step"] = int(row["step"])
+                row["tokens"] = int(row["tokens"])
+                self._append_metrics(row)
+            self.history = rows
+
+
+def _gather_rng(world: dist_utils.World) -> list[torch.Tensor]:
+    state = torch.get_rng_state()
+    if not world.distributed:
+        return [state]
+    import torch.distributed as dist
+
+    states: list = [None] * world.world_size
+    dist.all_gather_object(states, state)
+    return states
+
+
+def _prepared_matches(data_dir: Path, source, kind: str, val_fraction: float) -> bool:
+    """Whether data_dir already holds this source prepared the same way (so it is reused)."""
+    import json
+
+    meta_path = data_dir / "meta.json"
+    if not meta_path.is_file():
+        return False
+    meta = json.loads(meta_path.read_text())
+    return (meta.get("source") == str(source) and meta.get("tokenizer") == kind
+            and meta.get("val_fraction") == val_fraction)

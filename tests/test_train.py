@@ -1,0 +1,154 @@
+"""Training end to end: learning, metrics, plots, checkpoints, exact resume after a real kill."""
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gptkiln.config import TrainConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.train import Batches, train
+
+
+def tiny_config(data, out, **kw) -> TrainConfig:
+    base = dict(data=str(data), out=str(out), model="tiny", tokenizer="char", context_length=32,
+                batch_size=4, max_steps=12, eval_interval=4, eval_batches=2, sample_interval=6,
+                sample_tokens=10, checkpoint_interval=4, warmup_steps=2, lr=3e-3, progress=False,
+                sample_prompt="I ")
+    return TrainConfig(**{**base, **kw})
+
+
+def test_training_learns_and_writes_a_run_directory(verdict_path, tmp_path):
+    result = train(tiny_config(verdict_path, tmp_path / "run", max_steps=40, eval_interval=10))
+    run = tmp_path / "run"
+    for name in ["config.json", "model.safetensors", "trainer_state.pt", "metrics.csv",
+                 "loss.png", "tokenizer_meta.json"]:
+        assert (run / name).is_file(), name
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    assert list(rows[0]) == ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s"]
+    assert [int(r["step"]) for r in rows] == [10, 20, 30, 40]
+    assert int(rows[-1]["tokens"]) == 40 * 4 * 32  # tokens seen
+    losses = [float(r["train_loss"]) for r in rows]
+    vocab = json.loads((run / "config.json").read_text())["model"]["vocab_size"]
+    assert losses[-1] < math.log(vocab) - 0.8  # far below a uniform guess: it learns
+    assert losses[-1] < losses[0]
+    assert result.val_loss == pytest.approx(float(rows[-1]["val_loss"]))
+    assert result.sample.startswith("I ") and len(result.sample) > 2
+    assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_batches_are_disjoint_across_ranks_and_equal_one_big_batch():
+    from gptkiln.distributed import World
+
+    tokens = torch.arange(2000).numpy()
+    for sampling in ("windows", "random"):
+        cfg = dict(batch_size=2, max_steps=5, sampling=sampling, stride=8, seed=3)
+        big = Batches(tokens, TrainConfig(**{**cfg, "batch_size": 4}), 8, World())
+        ranks = [Batches(tokens, TrainConfig(**cfg), 8, World(r, 2)) for r in range(2)]
+        for step in range(5):
+            x_big, _ = big.get(step, 0)
+            parts = [b.get(step, 0)[0] for b in ranks]
+            assert torch.equal(torch.cat(parts), x_big)  # same windows as 1 process x 2b
+            assert not set(parts[0][:, 0].tolist()) & set(parts[1][:, 0].tolist())
+
+
+def test_windows_sampling_walks_epochs_of_the_books_windows():
+    from gptkiln.distributed import World
+
+    tokens = torch.arange(100).numpy()  # context 10, stride 10: range(0, 90, 10) = 9 windows
+    b = Batches(tokens, TrainConfig(batch_size=3, max_steps=0, epochs=2, sampling="windows",
+                                    stride=10), 10, World())
+    assert b.steps_per_epoch == 3 and b.total_steps == 6
+    starts = sorted(int(x[0]) for s in range(3) for x in b.get(s, 0)[0][:, :1])
+    assert starts == list(range(0, 90, 10))  # one epoch = every window once
+    x, y = b.get(0, 0)
+    assert torch.equal(y[:, :-1], x[:, 1:])  # targets are inputs shifted by one
+
+
+def run_cli(*args, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "gptkiln", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def checkpoint_step(run: Path) -> int:
+    try:
+        return int(torch.load(run / "trainer_state.pt", weights_only=True)["step"])
+    except Exception:  # not written yet
+        return -1
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_ends_with_the_same_weights(verdict_path, tmp_path):
+    args = ["train", "--data", str(verdict_path), "--model", "tiny", "--tokenizer", "char",
+            "--context-length", "32", "--batch-size", "4", "--max-steps", "60", "--dropout", "0.1",
+            "--eval-interval", "20", "--eval-batches", "2", "--sample-interval", "30",
+            "--sample-tokens", "5", "--checkpoint-interval", "5", "--no-progress"]
+    full = run_cli(*args, "--out", str(tmp_path / "full"))
+    assert full.wait(timeout=300) == 0, full.stdout.read()
+
+    victim = run_cli(*args, "--out", str(tmp_path / "cut"))
+    deadline = time.time() + 240
+    while checkpoint_step(tmp_path / "cut") < 10 and victim.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    cut_at = checkpoint_step(tmp_path / "cut")
+    assert 10 <= cut_at < 60, f"the run was not interrupted mid-way (checkpoint at {cut_at})"
+
+    resumed = run_cli(*args, "--out", str(tmp_path / "cut"), "--resume")
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, output
+    a = load_file(tmp_path / "full" / "model.safetensors")
+    b = load_file(tmp_path / "cut" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k  # bit for bit
+    steps = [int(r["step"]) for r in csv.DictReader(open(tmp_path / "cut" / "metrics.csv"))]
+    assert steps == [20, 40, 60]  # no duplicated rows from the killed run
+
+
+def test_resume_refuses_a_changed_model_and_fresh_runs_refuse_to_overwrite(verdict_path, tmp_path):
+    cfg = tiny_config(verdict_path, tmp_path / "run", max_steps=4)
+    train(cfg)
+    with pytest.raises(GptkilnError, match="already holds a checkpoint"):
+        train(cfg)
+    changed = tiny_config(verdict_path, tmp_path / "run", max_steps=8, model="baby")
+    with pytest.raises(GptkilnError, match="n_layer 2 in the checkpoint, 4 now"):
+        train(changed, resume=True)
+    with pytest.raises(GptkilnError, match="cannot resume"):
+        train(tiny_config(verdict_path, tmp_path / "none"), resume=True)
+    longer = train(tiny_config(verdict_path, tmp_path / "run", max_steps=8), resume=True)
+    assert longer.steps == 8  # resuming may extend a run
+
+
+def test_gradient_accumulation_equals_the_bigger_batch(verdict_path, tmp_path):
+    a = train(tiny_config(verdict_path, tmp_path / "a", batch_size=4, grad_accum=2, max_steps=3,
+                          sampling="windows", stride=16))
+    b = train(tiny_config(verdict_path, tmp_path / "b", batch_size=8, grad_accum=1, max_steps=3,
+                          sampling="windows", stride=16))
+    wa = load_file(a.run_dir / "model.safetensors")
+    wb = load_file(b.run_dir / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=1e-4)
+
+
+def test_train_config_rejects_nonsense():
+    with pytest.raises(GptkilnError, match="batch_size"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(GptkilnError, match="max_steps"):
+        TrainConfig(max_steps=-5)
+    with pytest.raises(GptkilnError, match="lr must be > 0"):
+        TrainConfig(lr=0)
+    with pytest.raises(GptkilnError, match="unknown key"):
+        TrainConfig.from_dict({"learning_rate": 1})
