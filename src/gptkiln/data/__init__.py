@@ -1,0 +1,31 @@
+"""Data: sources of documents, tokenizing them to disk, and windows over the tokens.
+
+source (txt / md / jsonl / folder / bundled Shakespeare)
+  -> prepare(...)        train.bin, val.bin, meta.json, tokenizer files
+  -> load_prepared(...)  read-only memmaps + meta + tokenizer
+  -> SlidingWindowDataset / RandomWindowDataset / create_dataloader
+"""
+
+from gptkiln.data.prepare import PreparedData, load_prepared, prepare, token_dtype
+from gptkiln.data.sources import iter_documents, iter_pieces, play_to_text, source_checksums
+from gptkiln.data.windows import (
+    RandomWindowDataset,
+    SlidingWindowDataset,
+    create_dataloader,
+    windows_from_text,
+)
+
+__all__ = [
+    "PreparedData",
+    "RandomWindowDataset",
+    "SlidingWindowDataset",
+    "create_dataloader",
+    "iter_documents",
+    "iter_pieces",
+    "load_prepared",
+    "play_to_text",
+    "prepare",
+    "source_checksums",
+    "token_dtype",
+    "windows_from_text",
+]

@@ -1,0 +1,340 @@
+"""Tokenize a source to disk, streaming: ``train.bin``, ``val.bin``, ``meta.json``, tokenizer.
+
+The layout is nanoGPT's: each ``.bin`` is a flat array of token ids (``uint16`` when the
+vocabulary fits, else ``uint32``) that training reads through ``np.memmap``. Documents are
+joined with the end-of-text id (between documents, not after the last).
+
+The train/validation split follows the book: the first ``1 - val_fraction`` of the characters
+are train, the rest validation, and the document that straddles the boundary is cut there. For
+one document this is exactly the book's ``text[:split_idx]`` / ``text[split_idx:]`` with
+``split_idx = int(train_ratio * len(text))``, each tokenized on its own.
+
+Memory stays flat on any corpus size: the source is read in pieces (one pass to count
+characters, plus one to train a ``char``/``bpe`` tokenizer), pieces are encoded in batches of
+about :data:`BATCH_CHARS` characters by the tokenizer's parallel batch encoder, and the ids are
+appended to the files as they come. Everything is written to a hidden staging folder and moved
+into place at the end, ``meta.json`` last, so a failed run never leaves a half dataset under the
+final names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from gptkiln.data.sources import (
+    DEFAULT_SOURCE,
+    PIECE_CHARS,
+    check_source,
+    iter_pieces,
+    source_checksums,
+)
+from gptkiln.errors import GptkilnError
+from gptkiln.tokenizers import (
+    TOKENIZER_FILES,
+    TOKENIZER_KINDS,
+    CharTokenizer,
+    GPT2Tokenizer,
+    Tokenizer,
+    collect_chars,
+    load_tokenizer,
+    parse_tokenizer_spec,
+    train_bpe_tokenizer,
+)
+
+FORMAT = 1
+BATCH_CHARS = 8 << 20
+"""Characters encoded per batch (8 Mi): enough pieces to keep every core busy, while the ids of
+one batch (a few tens of MB as Python ints) bound the memory."""
+FILES = ("meta.json", "train.bin", "val.bin")
+_SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """``uint16`` when every id fits (``vocab_size <= 65536``), else ``uint32``."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+@dataclass
+class _Survey:
+    """What the first, cheap pass over a source learns."""
+
+    documents: int = 0
+    chars: int = 0
+    utf8_bytes: int = 0
+    code_points: dict[int, None] = field(default_factory=dict)  # characters, if asked for
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    # delay: a prepare that fails (or finishes) at once never draws a bar
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, delay=0.5)
+
+
+def _survey(source, *, want_charset: bool, progress: bool) -> _Survey:
+    survey = _Survey()
+    with _progress(None, "reading", progress) as bar:
+        for starts_document, text in iter_pieces(source):
+            survey.documents += starts_document
+            survey.chars += len(text)
+            size = _utf8_len(text)
+            survey.utf8_bytes += size
+            if want_charset:
+                collect_chars(text, survey.code_points)
+            bar.update(size)
+    return survey
+
+
+def _kind_to_build(spec) -> str | None:
+    """The kind of tokenizer ``spec`` asks to build (checked before any reading), else ``None``."""
+    ready = isinstance(spec, Tokenizer) or not isinstance(spec, str)
+    if ready or (spec not in TOKENIZER_KINDS and Path(spec).is_dir()):
+        return None
+    return parse_tokenizer_spec(spec)[0]
+
+
+def _make_tokenizer(spec, source, survey: _Survey) -> Tokenizer:
+    """The tokenizer named by ``spec``: given, loaded from a folder, or built from the source."""
+    if isinstance(spec, Tokenizer):
+        return spec
+    if _kind_to_build(spec) is None:
+        return load_tokenizer(spec)
+    kind, vocab_size = parse_tokenizer_spec(spec)
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    if kind == "char":
+        return CharTokenizer(sorted(map(chr, survey.code_points)), with_eot=survey.documents > 1)
+    return train_bpe_tokenizer((text for _, text in iter_pieces(source)), vocab_size)
+
+
+def _assign_splits(pieces: Iterable[tuple[bool, str]], split_at: int) -> Iterator[tuple]:
+    """Tag pieces ``(split, starts_document, text)``; cut the piece that crosses ``split_at``."""
+    offset = 0
+    for starts_document, text in pieces:
+        end = offset + len(text)
+        if end <= split_at:
+            yield 0, starts_document, text
+        elif offset >= split_at:
+            yield 1, starts_document, text
+        else:  # offset < split_at < end: both halves are non-empty
+            cut = split_at - offset
+            yield 0, starts_document, text[:cut]
+            yield 1, False, text[cut:]
+        offset = end
+
+
+def _batches(items: Iterable[tuple], batch_chars: int) -> Iterator[list[tuple]]:
+    batch, size = [], 0
+    for item in items:
+        batch.append(item)
+        size += len(item[2])
+        if size >= batch_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _write_tokens(staging: Path, pieces, tokenizer: Tokenizer, dtype, batch_chars, bar) -> list:
+    """Encode tagged pieces batch by batch and append them to ``train.bin`` / ``val.bin``.
+
+    The next batch is encoded on a helper thread (the encoders release the GIL) while this one is
+    converted and written, so reading, encoding and writing overlap.
+    """
+    counts = [0, 0]
+    files = [open(staging / f"{name}.bin", "wb") for name in _SPLITS]
+    encode = lambda batch: (batch, tokenizer.encode_ordinary_batch_arrays([t for _, _, t in batch]))
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = None
+            for batch in _batches(pieces, batch_chars):
+                future = pool.submit(encode, batch)
+                if pending is not None:
+                    _append(pending.result(), tokenizer.eot_id, dtype, files, counts, bar)
+                pending = future
+            if pending is not None:
+                _append(pending.result(), tokenizer.eot_id, dtype, files, counts, bar)
+    finally:
+        for f in files:
+            f.close()
+    return counts
+
+
+def _append(encoded, eot_id, dtype, files, counts, bar) -> None:
+    batch, arrays = encoded
+    for (split, starts_document, text), ids in zip(batch, arrays, strict=True):
+        if starts_document and counts[split]:
+            np.array([eot_id], dtype=dtype).tofile(files[split])
+            counts[split] += 1
+        ids.astype(dtype, copy=False).tofile(files[split])
+        counts[split] += len(ids)
+        bar.update(_utf8_len(text))
+
+
+def prepare(
+    source: str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    tokenizer: str | os.PathLike | Tokenizer = "gpt2",
+    val_fraction: float = 0.1,
+    *,
+    progress: bool = True,
+    batch_chars: int = BATCH_CHARS,
+) -> dict:
+    """Tokenize ``source`` into ``out_dir``: ``train.bin``, ``val.bin``, ``meta.json``, tokenizer.
+
+    Args:
+        source: a file, folder, or ``None`` / ``"shakespeare"`` (see :mod:`gptkiln.data.sources`).
+        out_dir: folder to write (created; files of an earlier prepare there are replaced).
+        tokenizer: ``"gpt2"``, ``"char"``, ``"bpe"`` (``bpe:N`` for N ids; default
+            :data:`~gptkiln.tokenizers.DEFAULT_BPE_VOCAB_SIZE`), a folder holding a saved tokenizer
+            (e.g. earlier prepared data, to share its vocabulary), or a :class:`Tokenizer`.
+            ``char`` and ``bpe`` are built from the whole source (train and validation).
+        val_fraction: share of the characters, taken from the end, that becomes ``val.bin``.
+        progress: show tqdm progress bars (in bytes of text) on stderr.
+        batch_chars: characters per encoding batch; lower it to save memory (memory use is a
+            few times this, whatever the corpus size).
+
+    Returns:
+        The contents of ``meta.json``.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise GptkilnError(f"val_fraction {val_fraction!r}: must be between 0 and 1, e.g. 0.1")
+    if batch_chars < 1:
+        raise GptkilnError(f"batch_chars {batch_chars!r}: must be a positive number of characters")
+    check_source(source)
+    _kind_to_build(tokenizer)  # an unknown tokenizer name fails before any reading
+    survey = _survey(source, want_charset=_kind_to_build(tokenizer) == "char", progress=progress)
+    tok = _make_tokenizer(tokenizer, source, survey)
+    if survey.documents > 1 and tok.eot_id is None:
+        raise GptkilnError(
+            f"{source}: has {survey.documents} documents but tokenizer {tok.kind!r} has no "
+            "<|endoftext|> id to join them; use a tokenizer with one (gpt2, bpe, or char built "
+            "from this source)"
+        )
+    out_dir = Path(out_dir)
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
+    try:
+        meta = _write_dataset(staging, source, tok, survey, val_fraction, batch_chars, progress)
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+    return meta
+
+
+def _write_dataset(staging, source, tok, survey, val_fraction, batch_chars, progress) -> dict:
+    """Write every file of a prepared dataset into ``staging``; return the meta dict."""
+    dtype = token_dtype(tok.vocab_size)
+    split_at = int((1.0 - val_fraction) * survey.chars)  # the book's split_idx
+    pieces = iter_pieces(source, piece_chars=min(PIECE_CHARS, batch_chars))
+    pieces = _assign_splits(pieces, split_at)
+    with _progress(survey.utf8_bytes, f"tokenizing ({tok.kind})", progress) as bar:
+        train_tokens, val_tokens = _write_tokens(staging, pieces, tok, dtype, batch_chars, bar)
+    if min(train_tokens, val_tokens) < 2:
+        raise GptkilnError(
+            f"{source}: corpus too small for val_fraction={val_fraction}: train has "
+            f"{train_tokens} tokens and val {val_tokens}, at least 2 each are needed; use "
+            "more text or another val_fraction"
+        )
+    meta = {
+        "format": FORMAT,
+        "tokenizer": tok.kind,
+        "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id,
+        "dtype": dtype.name,
+        "train_tokens": train_tokens,
+        "val_tokens": val_tokens,
+        "val_fraction": val_fraction,
+        "source": DEFAULT_SOURCE if source is None else str(source),
+        "checksums": source_checksums(source),
+        "documents": survey.documents,
+        "characters": survey.chars,
+    }
+    tok.save(staging)
+    (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return meta
+
+
+def _move_into_place(staging: Path, out_dir: Path) -> None:
+    """Rename staged files over the final names, ``meta.json`` last; drop stale tokenizer files."""
+    for name in TOKENIZER_FILES:
+        if not (staging / name).exists():
+            (out_dir / name).unlink(missing_ok=True)
+    names = sorted(p.name for p in staging.iterdir() if p.name != "meta.json")
+    for name in [*names, "meta.json"]:
+        os.replace(staging / name, out_dir / name)
+
+
+@dataclass
+class PreparedData:
+    """Tokenized data on disk, opened read-only.
+
+    Attributes:
+        path: the folder.
+        train: token ids of the training split, ``(train_tokens,)`` read-only ``np.memmap``.
+        val: token ids of the validation split, ``(val_tokens,)`` read-only ``np.memmap``.
+        meta: the contents of ``meta.json``.
+        tokenizer: the tokenizer the ids were made with.
+    """
+
+    path: Path
+    train: np.memmap
+    val: np.memmap
+    meta: dict
+    tokenizer: Tokenizer
+
+
+def load_prepared(data_dir: str | os.PathLike) -> PreparedData:
+    """Open a folder written by :func:`prepare` (memory-mapped, so any size loads instantly)."""
+    data_dir = Path(data_dir)
+    hint = "make it with `gptkiln prepare` (or gptkiln.data.prepare)"
+    if not data_dir.is_dir():
+        raise GptkilnError(f"{data_dir}: no such folder of prepared data; {hint}")
+    for name in FILES:
+        if not (data_dir / name).is_file():
+            raise GptkilnError(f"{data_dir}: missing {name}, so not prepared data; {hint}")
+    meta_path = data_dir / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        fmt, dtype = meta["format"], np.dtype(meta["dtype"])
+        counts = [int(meta[f"{split}_tokens"]) for split in _SPLITS]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise GptkilnError(f"{meta_path}: unreadable ({e}); {hint} again") from None
+    if fmt != FORMAT:
+        raise GptkilnError(
+            f"{meta_path}: format {fmt!r}, this gptkiln reads {FORMAT}; {hint} again"
+        )
+    arrays = []
+    for split, count in zip(_SPLITS, counts, strict=True):
+        path = data_dir / f"{split}.bin"
+        if path.stat().st_size != count * dtype.itemsize:
+            raise GptkilnError(
+                f"{path}: {path.stat().st_size} bytes, but meta.json says {count} {dtype.name} "
+                f"tokens; the folder is damaged, {hint} again"
+            )
+        arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(count,)))
+    tokenizer = load_tokenizer(data_dir)
+    if tokenizer.vocab_size != meta.get("vocab_size"):
+        raise GptkilnError(
+            f"{meta_path}: vocab_size {meta.get('vocab_size')} but the saved tokenizer has "
+            f"{tokenizer.vocab_size}; the folder mixes two runs, {hint} again"
+        )
+    return PreparedData(data_dir, arrays[0], arrays[1], meta, tokenizer)

