@@ -114,12 +114,11 @@ def _eval_tokens(data: Path, tokenizer):
                 f"model uses {tokenizer.kind!r}; pass a text file, or prepare it with the run's tokenizer"
             )
         return prepared.val
-    docs = list(iter_documents(data))
     ids: list[int] = []
-    for i, doc in enumerate(docs):
-        if i and tokenizer.eot_id is not None:
+    for i, doc_ids in enumerate(tokenizer.encode_ordinary_batch(list(iter_documents(data)))):
+        if i and tokenizer.eot_id is not None:  # documents joined as `prepare` joins them
             ids.append(tokenizer.eot_id)
-        ids.extend(tokenizer.encode(doc))
+        ids.extend(doc_ids)
     if len(ids) < 2:
         raise GptkilnError(f"{data} has {len(ids)} token(s); evaluation needs at least 2")
     return ids

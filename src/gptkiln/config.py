@@ -185,6 +185,13 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Names first: a wrong preset or tokenizer must fail before any data is prepared.
+        from gptkiln.tokenizers import parse_tokenizer_spec
+
+        if self.model not in PRESETS:
+            raise GptkilnError(f"unknown model preset {self.model!r}; "
+                               f"choose one of: {', '.join(PRESETS)}")
+        parse_tokenizer_spec(self.tokenizer)
         positive = ["batch_size", "grad_accum", "eval_interval", "eval_batches"]
         positive += ["sample_interval", "checkpoint_interval"]
         for name in positive:

@@ -1,0 +1,176 @@
+"""The CLI as a user meets it: the main paths work, and bad input gets one line and exit code 2."""
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gptkiln.cli import build_parser, main, train_config_from_args
+
+
+def cli(*argv, capsys):
+    """Run the CLI in-process; return (exit code, stdout, stderr)."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one line, no traceback
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, verdict_path_module):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    code = main(["train", "--data", str(verdict_path_module), "--model", "tiny", "--tokenizer",
+                 "char", "--context-length", "32", "--batch-size", "4", "--max-steps", "6",
+                 "--eval-interval", "3", "--eval-batches", "1", "--sample-interval", "100",
+                 "--sample-tokens", "5", "--no-progress", "--out", str(out)])
+    assert code == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def verdict_path_module():
+    from conftest import SHARED_DATA
+
+    path = SHARED_DATA / "the-verdict.txt"
+    if not path.exists():
+        pytest.skip("the-verdict.txt not present")
+    return path
+
+
+def sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_bad_sources_through_prepare(tmp_path, capsys):
+    out = tmp_path / "prepared"
+    code, _, err = cli("prepare", tmp_path / "missing.txt", "--out", out, capsys=capsys)
+    assert_one_line_error(code, err, "missing.txt")
+    (tmp_path / "empty.txt").write_text("")
+    code, _, err = cli("prepare", tmp_path / "empty.txt", "--out", out, capsys=capsys)
+    assert_one_line_error(code, err, "empty.txt")
+    (tmp_path / "blob.txt").write_bytes(b"abc\x00\x01\x02" * 10)
+    code, _, err = cli("prepare", tmp_path / "blob.txt", "--out", out, capsys=capsys)
+    assert_one_line_error(code, err, "blob.txt", "binary")
+    (tmp_path / "latin.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    code, _, err = cli("prepare", tmp_path / "latin.txt", "--out", out, capsys=capsys)
+    assert_one_line_error(code, err, "latin.txt", "UTF-8")
+    (tmp_path / "docs.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    code, _, err = cli("prepare", tmp_path / "docs.jsonl", "--out", out, capsys=capsys)
+    assert_one_line_error(code, err, "docs.jsonl", "line 2")
+    code, _, err = cli("prepare", tmp_path / "docs.jsonl", "--out", out, "--tokenizer",
+                       "wordpiece", capsys=capsys)
+    assert_one_line_error(code, err, "wordpiece")
+    assert not out.exists() or not (out / "train.bin").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--model", "gpt5"], "gpt5"), (["--max-steps", "0"], "max_steps"),
+    (["--batch-size", "-2"], "batch_size"), (["--lr", "-1"], "lr"),
+    (["--eval-interval", "0"], "eval_interval"), (["--context-length", "0"], "context_length"),
+    (["--max-steps", "ten"], "--max-steps"), (["--tokenizer", "morse"], "morse"),
+    (["--config", "no-such-recipe"], "no-such-recipe"), (["--nproc", "0"], "nproc"),
+])
+def test_bad_train_flags(flags, needle, tmp_path, capsys, verdict_path):
+    code, _, err = cli("train", "--data", verdict_path, "--out", tmp_path / "r", *flags,
+                       capsys=capsys)
+    assert_one_line_error(code, err, needle)
+    assert not (tmp_path / "r" / "model.safetensors").exists()
+
+
+def test_generate_streams_and_is_seeded(run_dir, capsys):
+    args = ["generate", run_dir, "--prompt", "I had", "--max-new-tokens", "20", "--seed", "1"]
+    code, out1, _ = cli(*args, capsys=capsys)
+    assert code == 0 and out1.startswith("I had") and len(out1.strip()) > len("I had")
+    code, out2, _ = cli(*args, capsys=capsys)
+    assert out1 == out2
+
+
+def test_prompt_longer_than_context_is_cropped_with_a_notice(run_dir, capsys):
+    long_prompt = "the " * 40  # 160 characters, context 32
+    code, out, err = cli("generate", run_dir, "--prompt", long_prompt, "--max-new-tokens", "5",
+                         "--temperature", "0", capsys=capsys)
+    assert code == 0
+    assert "note: prompt has 160 tokens" in err and "keeping the last 32" in err
+    assert out.startswith(long_prompt)
+
+
+def test_eval_prints_loss_and_perplexity(run_dir, verdict_path, capsys):
+    code, out, _ = cli("eval", run_dir, "--data", verdict_path, "--quiet", capsys=capsys)
+    assert code == 0
+    loss = float(out.split("loss ")[1].split()[0])
+    ppl = float(out.split("perplexity ")[1].split()[0])
+    assert 0 < loss < 5 and ppl == pytest.approx(2.718281828 ** loss, rel=1e-3)
+
+
+def test_bad_run_directories(run_dir, tmp_path, capsys):
+    code, _, err = cli("generate", tmp_path, "--prompt", "x", capsys=capsys)
+    assert_one_line_error(code, err, str(tmp_path))
+    code, _, err = cli("generate", run_dir, "--prompt", "x", "--temperature", "-1", capsys=capsys)
+    assert_one_line_error(code, err, "temperature")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in run_dir.iterdir():
+        if f.is_file():
+            (broken / f.name).write_bytes(f.read_bytes())
+    weights = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    code, _, err = cli("generate", broken, "--prompt", "x", capsys=capsys)
+    assert_one_line_error(code, err, "model.safetensors", "truncated")
+    from safetensors.torch import save_file
+    import torch
+
+    save_file({"encoder.weight": torch.zeros(2, 2)}, broken / "model.safetensors")
+    code, _, err = cli("eval", broken, "--data", run_dir / "config.json", capsys=capsys)
+    assert_one_line_error(code, err, "model.safetensors")
+
+
+def test_resume_with_a_changed_model_loses_nothing(run_dir, verdict_path, capsys):
+    before = sha(run_dir / "model.safetensors"), sha(run_dir / "trainer_state.pt")
+    code, _, err = cli("train", "--data", verdict_path, "--model", "baby", "--tokenizer", "char",
+                       "--context-length", "32", "--max-steps", "8", "--out", run_dir,
+                       "--resume", "--no-progress", capsys=capsys)
+    assert_one_line_error(code, err, "cannot resume", "n_layer")
+    code, _, err = cli("train", "--data", verdict_path, "--model", "tiny", "--out", run_dir,
+                       "--no-progress", capsys=capsys)
+    assert_one_line_error(code, err, "already holds a checkpoint", "--resume")
+    assert (sha(run_dir / "model.safetensors"), sha(run_dir / "trainer_state.pt")) == before
+
+
+def test_book_verdict_recipe_holds_the_books_settings():
+    args = build_parser().parse_args(["train", "--config", "book-verdict", "--data", "x.txt"])
+    cfg = train_config_from_args(args)
+    assert (cfg.model, cfg.context_length, cfg.lr, cfg.weight_decay, cfg.batch_size) == (
+        "book-124m", 256, 4e-4, 0.1, 2)
+    assert (cfg.epochs, cfg.max_steps, cfg.eval_interval, cfg.eval_batches, cfg.seed) == (
+        10, 0, 5, 5, 123)
+    assert (cfg.sampling, cfg.stride, cfg.val_fraction, cfg.data) == ("windows", 256, 0.1, "x.txt")
+    # flags override the recipe
+    args = build_parser().parse_args(["train", "--config", "book-verdict", "--epochs", "2"])
+    assert train_config_from_args(args).epochs == 2
+
+
+def test_a_real_process_prints_one_line_and_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "gptkiln", "prepare", str(tmp_path / "nope.txt"),
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "nope.txt" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_run_directory_config_records_model_train_and_tokenizer(run_dir):
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["model"]["n_layer"] == 2 and cfg["train"]["max_steps"] == 6
+    assert cfg["tokenizer"] == "char"
