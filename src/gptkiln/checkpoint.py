@@ -1,0 +1,538 @@
+"""Run directories: the model's config, its weights, its tokenizer and the trainer's state.
+
+A run directory holds::
+
+    config.json          {"format": 1, "model": GPTConfig.to_dict(), "train": {...} or null,
+                          "tokenizer": "gpt2" | "char" | ... or null}
+    model.safetensors    the weights; a tied head is stored once, as ``wte.weight``
+    <tokenizer files>    written by the tokenizer's own ``save(dir)``
+    trainer_state.pt     optimizer / scheduler / RNG / step (the trainer's; no model weights),
+                         read with ``torch.load(weights_only=True)``
+
+Every file is written atomically (temp file, fsync, rename, fsync of the directory), so a run
+killed mid-save keeps its previous checkpoint. Loading builds the model on the meta device and
+assigns the memory-mapped tensors of the safetensors file, so it needs about one copy of the
+weights in memory, not two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from gptkiln.config import GPTConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT
+
+FORMAT = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TRAINER_STATE_FILE = "trainer_state.pt"
+PREVIOUS_STATE_FILE = "trainer_state.prev.pt"  # kept only while a save is under way
+_MAX_NAMES = 6  # parameter names listed in one error line before "and N more"
+
+
+# -- writing ---------------------------------------------------------------------------------
+def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> None:
+    """Write ``path`` all at once or not at all.
+
+    ``write_fn(tmp_path)`` writes a temporary file in the same directory; it is fsynced, renamed
+    onto ``path`` with ``os.replace`` (atomic on POSIX and Windows) and the directory is fsynced,
+    so a crash leaves either the old file or the new one, never half of either. When
+    ``write_fn`` raises, the temporary file is removed and the old file is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write_fn(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable: fsync the directory entry (POSIX only; Windows has no dir fds)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Atomically write ``obj`` as indented JSON."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+
+    atomic_write(path, write)
+
+
+def write_safetensors(
+    path: str | os.PathLike, sd: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
+    """Atomically write tensors as safetensors, made contiguous on CPU first."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def unwrap(model: torch.nn.Module) -> GPT:
+    """The plain GPT inside a DDP (``.module``) or ``torch.compile`` (``._orig_mod``) wrapper."""
+    while not isinstance(model, GPT):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            raise GptkilnError(f"save_model needs a gptkiln GPT, got {type(model).__name__}")
+        model = inner
+    return model
+
+
+def save_model(
+    model: torch.nn.Module,
+    run_dir: str | os.PathLike,
+    *,
+    train_config: dict | None = None,
+    tokenizer: Any = None,
+) -> Path:
+    """Write config.json, model.safetensors and the tokenizer files into ``run_dir``.
+
+    Each file is written atomically; config.json is written last, so a directory with a
+    config.json always has the weights it describes.
+
+    Args:
+        model: a GPT (or a DDP / compiled wrapper of one).
+        run_dir: the run directory (created if needed).
+        train_config: the training settings to record (``TrainConfig.to_dict()``), or None.
+        tokenizer: a gptkiln tokenizer; its ``save(dir)`` writes its files. None writes none.
+
+    Returns:
+        The run directory as a Path.
+    """
+    model = unwrap(model)
+    return _write_run(Path(run_dir), model.config, model.state_dict(), train_config, tokenizer)
+
+
+def write_checkpoint(
+    run_dir: str | os.PathLike,
+    model_config: GPTConfig,
+    model_sd: Mapping[str, torch.Tensor],
+    state: dict[str, Any],
+    *,
+    train_config: dict | None = None,
+    tokenizer: Any = None,
+) -> Path:
+    """A training checkpoint: what `save_model` writes, plus ``trainer_state.pt``.
+
+    Args:
+        model_sd: the full model state dict (gptkiln names; a tied ``lm_head.weight`` may be
+            included, it is stored once).
+        state: the trainer's state (optimizer, RNG, step, ...): tensors, numbers, strings,
+            lists and dicts only, so it loads with ``torch.load(weights_only=True)``.
+
+    A save is several files, and no rename covers them all, so a crash midway must leave a
+    resumable pair. The step (``state["step"]``) is recorded in both the trainer state and the
+    weights' metadata, and the previous trainer state is kept (renamed to
+    ``trainer_state.prev.pt``) until the new weights are in place: `read_checkpoint` takes
+    whichever trainer state matches the weights' step.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    current, previous = run_dir / TRAINER_STATE_FILE, run_dir / PREVIOUS_STATE_FILE
+    weights = run_dir / WEIGHTS_FILE
+    if current.is_file() and weights.is_file():
+        # Keep the state that belongs with the weights still on disk. After a save that was cut
+        # short, that is `previous`, not `current` (rare: only then is a state file read here).
+        stale = previous.is_file() and str(
+            _load_trainer_state(current).get("step")
+        ) != _safetensors_metadata(weights).get("step")
+        if not stale:
+            os.replace(current, previous)
+    atomic_write(current, lambda tmp: torch.save(state, tmp))
+    _write_run(run_dir, model_config, model_sd, train_config, tokenizer, step=state.get("step"))
+    previous.unlink(missing_ok=True)
+    _fsync_dir(run_dir)
+    return run_dir
+
+
+def _write_run(
+    run_dir: Path,
+    config: GPTConfig,
+    sd: Mapping[str, torch.Tensor],
+    train_config: dict | None,
+    tokenizer: Any,
+    step: int | None = None,
+) -> Path:
+    from gptkiln import __version__
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sd = dict(sd)
+    if config.tie_embeddings:
+        sd.pop("lm_head.weight", None)  # the same tensor as wte.weight; safetensors stores it once
+    check_state_dict(sd, config, "the model being saved")
+    metadata = {"format": "pt", "gptkiln_version": __version__}
+    if step is not None:
+        metadata["step"] = str(step)
+    write_safetensors(run_dir / WEIGHTS_FILE, sd, metadata)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, run_dir)
+    write_json(
+        run_dir / CONFIG_FILE,
+        {
+            "format": FORMAT,
+            "model": config.to_dict(),
+            "train": train_config,
+            "tokenizer": getattr(tokenizer, "kind", None),
+        },
+    )
+    return run_dir
+
+
+def save_tokenizer(tokenizer: Any, run_dir: Path) -> None:
+    """Let the tokenizer write its files into a scratch directory, then move each atomically."""
+    with tempfile.TemporaryDirectory(prefix="gptkiln-tokenizer-") as scratch:
+        tokenizer.save(scratch)
+        for src in sorted(Path(scratch).iterdir()):
+            if src.is_file():
+                atomic_write(run_dir / src.name, lambda tmp, src=src: shutil.copyfile(src, tmp))
+
+
+# -- reading ---------------------------------------------------------------------------------
+def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The parsed config.json of a run (or Hugging Face) directory, with readable errors."""
+    run_dir = Path(run_dir)
+    path = run_dir / CONFIG_FILE
+    if not run_dir.exists():
+        raise GptkilnError(
+            f"{run_dir} does not exist; give a run directory made by "
+            f"`gptkiln train --out DIR` or `gptkiln convert`"
+        )
+    if not path.is_file():
+        raise GptkilnError(
+            f"{run_dir} is not a gptkiln run directory ({CONFIG_FILE} is missing); "
+            f"make one with `gptkiln train --out {run_dir}` or `gptkiln convert`"
+        )
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GptkilnError(
+            f"{path} is not valid JSON ({e}); restore it from a copy or re-run training"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise GptkilnError(f"{path} should hold a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _resolve(run_dir_or_file: str | os.PathLike) -> tuple[Path, Path | None]:
+    """(run directory, weights file given explicitly or None) from a directory or a file."""
+    path = Path(run_dir_or_file)
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return path.parent, path
+        if path.name == CONFIG_FILE:
+            return path.parent, None
+        raise GptkilnError(
+            f"{path} is neither a run directory nor a .safetensors file; "
+            f"give the run directory (the one holding {CONFIG_FILE})"
+        )
+    return path, None
+
+
+def run_model_config(cfg: dict[str, Any], path: Path) -> GPTConfig:
+    """The GPTConfig recorded in a gptkiln config.json."""
+    fmt = cfg.get("format")
+    if not isinstance(cfg.get("model"), dict) or fmt is None:
+        raise GptkilnError(
+            f"{path} is not a gptkiln config (no 'format'/'model' keys); give a "
+            f"run directory from `gptkiln train` or `gptkiln convert`"
+        )
+    if not isinstance(fmt, int) or fmt > FORMAT:
+        raise GptkilnError(
+            f"{path} has format {fmt!r}, newer than this gptkiln reads ({FORMAT}); upgrade gptkiln"
+        )
+    return GPTConfig.from_dict(cfg["model"])
+
+
+def load_model(
+    run_dir_or_file: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> GPT:
+    """Rebuild the model of a run directory, or of a Hugging Face GPT-2 directory.
+
+    The model is built on the meta device (no memory, no initialisation) and the tensors of the
+    memory-mapped safetensors file are assigned to it, so loading needs about one copy of the
+    weights. A tied head is re-tied. Then it is moved to ``device`` / ``dtype``.
+
+    Args:
+        run_dir_or_file: a run directory, its config.json or a .safetensors file inside one;
+            or a Hugging Face GPT-2 directory (config.json with ``"model_type": "gpt2"``).
+        device: where the weights end up.
+        dtype: floating-point dtype for the weights; None keeps the stored one.
+
+    Returns:
+        The GPT in eval mode.
+    """
+    run_dir, weights = _resolve(run_dir_or_file)
+    cfg = read_config(run_dir)
+    if "model_type" in cfg:
+        from gptkiln.interop import load_hf
+
+        return load_hf(run_dir, device=device, dtype=dtype)
+    config = run_model_config(cfg, run_dir / CONFIG_FILE)
+    weights = weights or run_dir / WEIGHTS_FILE
+    if not weights.is_file():
+        raise GptkilnError(
+            f"{run_dir} is not a complete run directory ({weights.name} is "
+            f"missing); re-run `gptkiln train --out {run_dir}` or restore the file"
+        )
+    sd = read_safetensors(weights)
+    return build_model(config, sd, str(weights), device=device, dtype=dtype)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Memory-map a safetensors file (tensors are read lazily, page by page)."""
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GptkilnError(
+            f"{path} is truncated or corrupt ({reason}); restore it or re-run training"
+        ) from None
+
+
+def build_model(
+    config: GPTConfig,
+    sd: dict[str, torch.Tensor],
+    source: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> GPT:
+    """A GPT with the weights of ``sd`` (gptkiln names), built on meta and assigned, not copied.
+
+    ``source`` names where the weights came from, for error messages.
+    """
+    check_state_dict(sd, config, source)
+    with torch.device("meta"):
+        model = GPT(config)
+    sd = dict(sd)
+    if config.tie_embeddings:
+        sd["lm_head.weight"] = sd["wte.weight"]
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.tie_weights()
+    model.to(device=device, dtype=dtype)
+    return model.eval()
+
+
+def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a checkpoint of this config stores (tied head excluded)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    sd = model.state_dict()
+    if config.tie_embeddings:
+        sd.pop("lm_head.weight")
+    return {k: tuple(v.shape) for k, v in sd.items()}
+
+
+def check_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig, source: str) -> None:
+    """Raise one readable GptkilnError when ``sd``'s names or shapes do not fit ``config``."""
+    check_shapes(sd, expected_shapes(config), source)
+
+
+def check_shapes(
+    sd: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], source: str
+) -> None:
+    """Raise a GptkilnError naming missing, unexpected and wrongly shaped tensors of ``sd``."""
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    wrong = [
+        f"{k} {tuple(sd[k].shape)} (expected {tuple(expected[k])})"
+        for k in expected
+        if k in sd and tuple(sd[k].shape) != tuple(expected[k])
+    ]
+    problems = [
+        f"{what} {_names(items)}"
+        for what, items in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("wrong shape", wrong),
+        )
+        if items
+    ]
+    if problems:
+        raise GptkilnError(
+            f"{source} does not fit this model config: {'; '.join(problems)}; "
+            f"is it a checkpoint of a different model or format?"
+        )
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_NAMES])
+    more = len(items) - _MAX_NAMES
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def load_run(
+    run_dir: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[GPT, Any, dict[str, Any]]:
+    """(model, tokenizer, parsed config.json) of a run directory or a Hugging Face GPT-2 one."""
+    from gptkiln.tokenizers import load_tokenizer
+
+    run_dir = Path(run_dir)
+    cfg = read_config(run_dir)
+    model = load_model(run_dir, device=device, dtype=dtype)
+    tokenizer = load_tokenizer("gpt2" if "model_type" in cfg else str(run_dir))
+    return model, tokenizer, cfg
+
+
+def tokenizer_name(run_dir: str | os.PathLike) -> str | None:
+    """The kind of tokenizer a run uses ("gpt2", "char", "bpe"), None when it records none."""
+    run_dir = Path(run_dir)
+    cfg = read_config(run_dir)
+    if "model_type" in cfg:
+        return "gpt2"
+    name = cfg.get("tokenizer")
+    meta = run_dir / "tokenizer_meta.json"
+    if not name and meta.is_file():
+        try:
+            name = json.loads(meta.read_text(encoding="utf-8")).get("kind")
+        except (ValueError, AttributeError):
+            name = None
+    if not name:
+        name = (cfg.get("train") or {}).get("tokenizer")
+    return name if isinstance(name, str) else None
+
+
+# -- training checkpoints --------------------------------------------------------------------
+def has_checkpoint(run_dir: str | os.PathLike) -> bool:
+    """Whether run_dir holds any file of a checkpoint."""
+    run_dir = Path(run_dir)
+    names = (CONFIG_FILE, WEIGHTS_FILE, TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)
+    return any((run_dir / name).exists() for name in names)
+
+
+def check_run_dir_for_training(
+    run_dir: str | os.PathLike, *, resume: bool, overwrite: bool
+) -> None:
+    """Refuse to train over an existing checkpoint by accident, or to resume from nothing."""
+    run_dir = Path(run_dir)
+    if resume and overwrite:
+        raise GptkilnError("--resume and --overwrite contradict each other; pass one of them")
+    has_state = any((run_dir / f).is_file() for f in (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE))
+    if resume and not has_state:
+        what = (
+            "a model but no trainer_state.pt (saved for inference only)"
+            if (run_dir / WEIGHTS_FILE).is_file()
+            else "no checkpoint"
+        )
+        raise GptkilnError(
+            f"cannot resume {run_dir}: it holds {what}; drop --resume to start a new run"
+        )
+    if not resume and not overwrite and has_checkpoint(run_dir):
+        raise GptkilnError(
+            f"{run_dir} already holds a checkpoint; pass --resume to continue it, "
+            f"--overwrite to start afresh, or choose another --out"
+        )
+
+
+def check_same_model_config(run_dir: str | os.PathLike, model_config: GPTConfig) -> None:
+    """Refuse to resume a run with a model config other than the one it was saved with."""
+    run_dir = Path(run_dir)
+    saved = run_model_config(read_config(run_dir), run_dir / CONFIG_FILE).to_dict()
+    diffs = [
+        f"{k} {saved[k]!r} in the checkpoint, {v!r} now"
+        for k, v in model_config.to_dict().items()
+        if saved[k] != v
+    ]
+    if diffs:
+        raise GptkilnError(
+            f"cannot resume {run_dir}: its model differs ({'; '.join(diffs)}); "
+            f"resume with the same model settings, or pass --overwrite"
+        )
+
+
+def read_checkpoint(run_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(model state dict, trainer state) of a training checkpoint, to resume from.
+
+    The state dict has every key of ``GPT.state_dict()`` (a tied ``lm_head.weight`` is the same
+    tensor as ``wte.weight``); its tensors are memory-mapped from model.safetensors.
+    """
+    run_dir = Path(run_dir)
+    cfg = read_config(run_dir)
+    config = run_model_config(cfg, run_dir / CONFIG_FILE)
+    weights = run_dir / WEIGHTS_FILE
+    if not weights.is_file():
+        raise GptkilnError(
+            f"cannot resume {run_dir}: {WEIGHTS_FILE} is missing; drop --resume to start a new run"
+        )
+    sd = read_safetensors(weights)
+    check_state_dict(sd, config, str(weights))
+    if config.tie_embeddings:
+        sd["lm_head.weight"] = sd["wte.weight"]
+    return sd, _matching_trainer_state(run_dir, _safetensors_metadata(weights).get("step"))
+
+
+def _matching_trainer_state(run_dir: Path, weights_step: str | None) -> dict[str, Any]:
+    """The trainer state saved with the weights of step ``weights_step`` (None: the current)."""
+    paths = [
+        p for p in (run_dir / TRAINER_STATE_FILE, run_dir / PREVIOUS_STATE_FILE) if p.is_file()
+    ]
+    if not paths:
+        raise GptkilnError(
+            f"cannot resume {run_dir}: {TRAINER_STATE_FILE} is missing; drop --resume to start "
+            f"a new run"
+        )
+    steps = []
+    for path in paths:
+        state = _load_trainer_state(path)
+        if weights_step is None or str(state.get("step")) == weights_step:
+            return state
+        steps.append(f"{path.name} from step {state.get('step')}")
+    raise GptkilnError(
+        f"{run_dir}: {WEIGHTS_FILE} is from step {weights_step} but {', '.join(steps)}; "
+        f"restore the files of one save, or start afresh with --overwrite"
+    )
+
+
+def _load_trainer_state(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, or a pickle that is not plain data
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GptkilnError(
+            f"{path} is truncated or corrupt ({reason}); restore it, or drop --resume to start "
+            f"a new run"
+        ) from None
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str]:
+    """The metadata of a safetensors file; {} when it cannot be read (errors come on loading)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError):
+        return {}

@@ -1,0 +1,293 @@
+"""Run directories: round trips, tied weights, atomic writes, and errors a person can act on."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from gptkiln.checkpoint import (
+    CONFIG_FILE,
+    PREVIOUS_STATE_FILE,
+    TRAINER_STATE_FILE,
+    WEIGHTS_FILE,
+    atomic_write,
+    check_run_dir_for_training,
+    check_same_model_config,
+    load_model,
+    load_run,
+    read_checkpoint,
+    save_model,
+    write_checkpoint,
+)
+from gptkiln.config import GPTConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT
+
+
+def tiny_config(**overrides) -> GPTConfig:
+    return GPTConfig(
+        **{**dict(vocab_size=50, context_length=16, n_layer=2, n_head=2, n_embd=16), **overrides}
+    )
+
+
+def tiny_model(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides)).eval()
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    save_model(tiny_model(), tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_round_trip_gives_equal_tensors_and_logits(tmp_path, tied):
+    model = tiny_model(tie_embeddings=tied, qkv_bias=not tied)
+    save_model(model, tmp_path, train_config={"lr": 1e-3})
+    loaded = load_model(tmp_path)
+    assert loaded.config == model.config
+    expected, got = model.state_dict(), loaded.state_dict()
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
+    idx = torch.randint(0, 50, (2, 10))
+    torch.testing.assert_close(loaded(idx), model(idx), rtol=0, atol=0)
+    cfg = json.loads((tmp_path / CONFIG_FILE).read_text())
+    assert cfg["format"] == 1 and cfg["train"] == {"lr": 1e-3}
+    assert cfg["model"] == model.config.to_dict()
+
+
+def test_tied_head_is_stored_once_and_shared_after_load(run_dir):
+    from safetensors import safe_open
+
+    with safe_open(run_dir / WEIGHTS_FILE, framework="pt") as f:
+        assert "wte.weight" in f.keys() and "lm_head.weight" not in f.keys()
+        assert f.metadata()["format"] == "pt" and "gptkiln_version" in f.metadata()
+    model = load_model(run_dir)
+    assert model.lm_head.weight is model.wte.weight
+    with torch.no_grad():
+        model.wte.weight[0, 0] = 123.0
+    assert model.lm_head.weight[0, 0] == 123.0
+
+
+def test_untied_head_stays_separate(tmp_path):
+    save_model(tiny_model(tie_embeddings=False), tmp_path)
+    model = load_model(tmp_path)
+    assert model.lm_head.weight is not model.wte.weight
+    assert not torch.equal(model.lm_head.weight, model.wte.weight)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_loaded_model_has_no_meta_tensors(tmp_path, tied):
+    save_model(tiny_model(tie_embeddings=tied), tmp_path)
+    for kwargs in ({}, {"dtype": torch.bfloat16}):
+        model = load_model(tmp_path, **kwargs)
+        tensors = list(model.parameters()) + list(model.buffers())
+        assert tensors and not any(t.is_meta for t in tensors)
+        assert all(t.device.type == "cpu" for t in tensors)
+        assert model.wte.weight.dtype == kwargs.get("dtype", torch.float32)
+        assert (model.lm_head.weight is model.wte.weight) is tied
+    model = load_model(tmp_path)
+    out = model(torch.zeros(1, 4, dtype=torch.long))
+    assert out.shape == (1, 4, 50) and torch.isfinite(out).all()
+
+
+def test_load_accepts_the_weights_file_or_config_path(run_dir):
+    reference = load_model(run_dir).state_dict()
+    for path in (run_dir / WEIGHTS_FILE, run_dir / CONFIG_FILE):
+        got = load_model(path).state_dict()
+        assert all(torch.equal(got[k], reference[k]) for k in reference)
+
+
+def test_save_unwraps_a_compiled_or_ddp_style_wrapper(tmp_path):
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = tiny_model()
+    save_model(Wrapper(model), tmp_path)
+    assert torch.equal(load_model(tmp_path).h[0].attn.c_attn.weight, model.h[0].attn.c_attn.weight)
+
+
+def test_atomic_write_keeps_the_old_file_when_write_fn_fails(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"old contents")
+
+    def half_write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(b"new con")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(path, half_write)
+    assert path.read_bytes() == b"old contents"
+    assert os.listdir(tmp_path) == ["model.safetensors"]  # no temp file left behind
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(b"new contents"))
+    assert path.read_bytes() == b"new contents"
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+
+
+def test_failed_save_leaves_the_previous_checkpoint_loadable(run_dir, monkeypatch):
+    before = load_model(run_dir).state_dict()
+
+    def fail(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr("gptkiln.checkpoint.save_file", fail)
+    with pytest.raises(OSError):
+        save_model(tiny_model(seed=1), run_dir)
+    after = load_model(run_dir).state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99, 20])
+def test_truncated_weights_are_reported(run_dir, keep):
+    path = run_dir / WEIGHTS_FILE
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)] if keep < 1 else data[:keep])
+    with pytest.raises(GptkilnError, match="truncated") as info:
+        load_model(run_dir)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and "re-run training" in message
+
+
+def test_foreign_safetensors_names_the_bad_keys(run_dir):
+    sd = load_model(run_dir).state_dict()
+    sd.pop("lm_head.weight")
+    sd["transformer.wte.weight"] = sd.pop("wte.weight")
+    sd["h.0.mlp.c_fc.weight"] = torch.zeros(3, 3)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(run_dir / WEIGHTS_FILE))
+    with pytest.raises(GptkilnError) as info:
+        load_model(run_dir)
+    message = str(info.value)
+    assert "missing wte.weight" in message
+    assert "unexpected transformer.wte.weight" in message
+    assert "h.0.mlp.c_fc.weight (3, 3) (expected (64, 16))" in message
+    assert "\n" not in message
+
+
+def test_not_a_run_directory(tmp_path):
+    with pytest.raises(GptkilnError, match="config.json is missing.*gptkiln train --out"):
+        load_model(tmp_path)
+    with pytest.raises(GptkilnError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_missing_weights_file(run_dir):
+    (run_dir / WEIGHTS_FILE).unlink()
+    with pytest.raises(GptkilnError, match="model.safetensors is missing"):
+        load_model(run_dir)
+
+
+def test_invalid_config_json(run_dir):
+    (run_dir / CONFIG_FILE).write_text('{"format": 1, "model": {')
+    with pytest.raises(GptkilnError, match="config.json is not valid JSON"):
+        load_model(run_dir)
+
+
+def test_newer_format_is_refused(run_dir):
+    cfg = json.loads((run_dir / CONFIG_FILE).read_text())
+    (run_dir / CONFIG_FILE).write_text(json.dumps({**cfg, "format": 99}))
+    with pytest.raises(GptkilnError, match="upgrade gptkiln"):
+        load_model(run_dir)
+
+
+def test_load_run_returns_the_saved_tokenizer(tmp_path):
+    from gptkiln.tokenizers import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(["hello world"], with_eot=True)
+    model = tiny_model(vocab_size=tokenizer.vocab_size)
+    save_model(model, tmp_path, train_config={"tokenizer": "char"}, tokenizer=tokenizer)
+    loaded, loaded_tok, cfg = load_run(tmp_path)
+    assert loaded_tok.kind == "char" and loaded_tok.encode("hello") == tokenizer.encode("hello")
+    assert cfg["tokenizer"] == "char" and cfg["train"] == {"tokenizer": "char"}
+    assert loaded.config == model.config
+    assert not any(name.startswith(".") for name in os.listdir(tmp_path))
+
+
+# -- training checkpoints --------------------------------------------------------------------
+def _trained_state(model: GPT):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _, loss = model(torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8)))
+    loss.backward()
+    optimizer.step()
+    return {"step": 7, "optimizer": optimizer.state_dict(), "rng": [torch.get_rng_state()]}
+
+
+def test_write_and_read_checkpoint(tmp_path):
+    model = tiny_model()
+    state = _trained_state(model)
+    write_checkpoint(tmp_path, model.config, model.state_dict(), state, train_config={"a": 1})
+    sd, got = read_checkpoint(tmp_path)
+    assert sd.keys() == model.state_dict().keys()
+    assert sd["lm_head.weight"] is sd["wte.weight"]
+    assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+    assert got["step"] == 7 and torch.equal(got["rng"][0], state["rng"][0])
+    exp_avg = state["optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(got["optimizer"]["state"][0]["exp_avg"], exp_avg)
+    fresh = tiny_model(seed=5)
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.h[1].mlp.c_fc.weight, model.h[1].mlp.c_fc.weight)
+
+
+def test_read_checkpoint_detects_weights_and_state_of_different_saves(tmp_path):
+    model = tiny_model()
+    state = _trained_state(model)
+    write_checkpoint(tmp_path, model.config, model.state_dict(), state)
+    torch.save({**state, "step": 9}, tmp_path / TRAINER_STATE_FILE)
+    with pytest.raises(GptkilnError, match="step 7 but trainer_state.pt from step 9"):
+        read_checkpoint(tmp_path)
+    (tmp_path / TRAINER_STATE_FILE).write_bytes(b"PK\x03\x04 not a zip")
+    with pytest.raises(GptkilnError, match="trainer_state.pt is truncated or corrupt"):
+        read_checkpoint(tmp_path)
+
+
+def test_a_crash_between_the_files_of_a_save_leaves_a_resumable_pair(tmp_path, monkeypatch):
+    model = tiny_model()
+    state = _trained_state(model)
+    write_checkpoint(tmp_path, model.config, model.state_dict(), state)
+    old_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.h[0].mlp.c_fc.weight.add_(1.0)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the process dies after the trainer state, before the weights
+
+    monkeypatch.setattr("gptkiln.checkpoint.write_safetensors", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint(tmp_path, model.config, model.state_dict(), {**state, "step": 12})
+    assert (tmp_path / TRAINER_STATE_FILE).is_file() and (tmp_path / PREVIOUS_STATE_FILE).is_file()
+    sd, got = read_checkpoint(tmp_path)
+    assert got["step"] == 7  # the state that goes with the weights on disk
+    assert torch.equal(sd["h.0.mlp.c_fc.weight"], old_weights["h.0.mlp.c_fc.weight"])
+    check_run_dir_for_training(tmp_path, resume=True, overwrite=False)
+    # The resumed run's next save is cut short too: the step-7 pair must survive that as well.
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint(tmp_path, model.config, model.state_dict(), {**state, "step": 17})
+    assert read_checkpoint(tmp_path)[1]["step"] == 7
+    monkeypatch.undo()
+    write_checkpoint(tmp_path, model.config, model.state_dict(), {**state, "step": 12})
+    assert not (tmp_path / PREVIOUS_STATE_FILE).exists()
+    sd, got = read_checkpoint(tmp_path)
+    assert got["step"] == 12 and torch.equal(sd["h.0.mlp.c_fc.weight"], model.h[0].mlp.c_fc.weight)
+
+
+def test_run_dir_checks_for_training(tmp_path, run_dir):
+    check_run_dir_for_training(tmp_path / "new", resume=False, overwrite=False)
+    with pytest.raises(GptkilnError, match="already holds a checkpoint.*--resume.*--overwrite"):
+        check_run_dir_for_training(run_dir, resume=False, overwrite=False)
+    check_run_dir_for_training(run_dir, resume=False, overwrite=True)
+    with pytest.raises(GptkilnError, match="cannot resume.*no trainer_state.pt"):
+        check_run_dir_for_training(run_dir, resume=True, overwrite=False)
+    with pytest.raises(GptkilnError, match="cannot resume.*no checkpoint"):
+        check_run_dir_for_training(tmp_path / "new", resume=True, overwrite=False)
+    check_same_model_config(run_dir, tiny_config())
+    with pytest.raises(GptkilnError, match="n_layer 2 in the checkpoint, 3 now"):
+        check_same_model_config(run_dir, tiny_config(n_layer=3))
