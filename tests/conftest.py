@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models and the workplace's test corpora (../shared/data beside the repo)."""
+"""Shared fixtures: the workplace's test corpora (../shared/data beside the repo)."""
 
 from __future__ import annotations
 

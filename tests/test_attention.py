@@ -14,7 +14,9 @@ def copy_teaching_weights(teach: MultiHeadAttention, attn: CausalSelfAttention) 
         attn.c_attn.weight.copy_(
             torch.cat([teach.W_query.weight, teach.W_key.weight, teach.W_value.weight])
         )
-        attn.c_attn.bias.copy_(torch.cat([teach.W_query.bias, teach.W_key.bias, teach.W_value.bias]))
+        attn.c_attn.bias.copy_(
+            torch.cat([teach.W_query.bias, teach.W_key.bias, teach.W_value.bias])
+        )
         attn.c_proj.weight.copy_(teach.out_proj.weight)
         attn.c_proj.bias.copy_(teach.out_proj.bias)
 
@@ -22,8 +24,9 @@ def copy_teaching_weights(teach: MultiHeadAttention, attn: CausalSelfAttention) 
 @pytest.mark.parametrize("kernel", ["sdpa", "math"])
 def test_model_attention_equals_teaching_multihead(kernel):
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=10, context_length=8, n_layer=1, n_head=4, n_embd=16,
-                    attention=kernel)
+    cfg = GPTConfig(
+        vocab_size=10, context_length=8, n_layer=1, n_head=4, n_embd=16, attention=kernel
+    )
     teach = MultiHeadAttention(16, 16, 8, 0.0, num_heads=4, qkv_bias=True).eval()
     attn = CausalSelfAttention(cfg).eval()
     copy_teaching_weights(teach, attn)
@@ -45,8 +48,9 @@ def test_sdpa_and_math_paths_agree_on_the_whole_model():
 @pytest.mark.parametrize("kernel", ["sdpa", "math"])
 def test_changing_a_later_token_never_changes_earlier_positions(kernel):
     torch.manual_seed(0)
-    model = GPT(GPTConfig.from_name("tiny", vocab_size=50, context_length=16,
-                                    attention=kernel)).eval()
+    model = GPT(
+        GPTConfig.from_name("tiny", vocab_size=50, context_length=16, attention=kernel)
+    ).eval()
     idx = torch.randint(0, 50, (1, 12))
     base = model(idx)
     for j in (0, 5, 11):

@@ -32,10 +32,34 @@ def assert_one_line_error(code, err, *needles):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, verdict_path_module):
     out = tmp_path_factory.mktemp("cli") / "run"
-    code = main(["train", "--data", str(verdict_path_module), "--model", "tiny", "--tokenizer",
-                 "char", "--context-length", "32", "--batch-size", "4", "--max-steps", "6",
-                 "--eval-interval", "3", "--eval-batches", "1", "--sample-interval", "100",
-                 "--sample-tokens", "5", "--no-progress", "--out", str(out)])
+    code = main(
+        [
+            "train",
+            "--data",
+            str(verdict_path_module),
+            "--model",
+            "tiny",
+            "--tokenizer",
+            "char",
+            "--context-length",
+            "32",
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "6",
+            "--eval-interval",
+            "3",
+            "--eval-batches",
+            "1",
+            "--sample-interval",
+            "100",
+            "--sample-tokens",
+            "5",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     return out
 
@@ -70,22 +94,32 @@ def test_bad_sources_through_prepare(tmp_path, capsys):
     (tmp_path / "docs.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
     code, _, err = cli("prepare", tmp_path / "docs.jsonl", "--out", out, capsys=capsys)
     assert_one_line_error(code, err, "docs.jsonl", "line 2")
-    code, _, err = cli("prepare", tmp_path / "docs.jsonl", "--out", out, "--tokenizer",
-                       "wordpiece", capsys=capsys)
+    code, _, err = cli(
+        "prepare", tmp_path / "docs.jsonl", "--out", out, "--tokenizer", "wordpiece", capsys=capsys
+    )
     assert_one_line_error(code, err, "wordpiece")
     assert not out.exists() or not (out / "train.bin").exists()  # nothing half-written
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--model", "gpt5"], "gpt5"), (["--max-steps", "0"], "max_steps"),
-    (["--batch-size", "-2"], "batch_size"), (["--lr", "-1"], "lr"),
-    (["--eval-interval", "0"], "eval_interval"), (["--context-length", "0"], "context_length"),
-    (["--max-steps", "ten"], "--max-steps"), (["--tokenizer", "morse"], "morse"),
-    (["--config", "no-such-recipe"], "no-such-recipe"), (["--nproc", "0"], "nproc"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--model", "gpt5"], "gpt5"),
+        (["--max-steps", "0"], "max_steps"),
+        (["--batch-size", "-2"], "batch_size"),
+        (["--lr", "-1"], "lr"),
+        (["--eval-interval", "0"], "eval_interval"),
+        (["--context-length", "0"], "context_length"),
+        (["--max-steps", "ten"], "--max-steps"),
+        (["--tokenizer", "morse"], "morse"),
+        (["--config", "no-such-recipe"], "no-such-recipe"),
+        (["--nproc", "0"], "nproc"),
+    ],
+)
 def test_bad_train_flags(flags, needle, tmp_path, capsys, verdict_path):
-    code, _, err = cli("train", "--data", verdict_path, "--out", tmp_path / "r", *flags,
-                       capsys=capsys)
+    code, _, err = cli(
+        "train", "--data", verdict_path, "--out", tmp_path / "r", *flags, capsys=capsys
+    )
     assert_one_line_error(code, err, needle)
     assert not (tmp_path / "r" / "model.safetensors").exists()
 
@@ -100,8 +134,17 @@ def test_generate_streams_and_is_seeded(run_dir, capsys):
 
 def test_prompt_longer_than_context_is_cropped_with_a_notice(run_dir, capsys):
     long_prompt = "the " * 40  # 160 characters, context 32
-    code, out, err = cli("generate", run_dir, "--prompt", long_prompt, "--max-new-tokens", "5",
-                         "--temperature", "0", capsys=capsys)
+    code, out, err = cli(
+        "generate",
+        run_dir,
+        "--prompt",
+        long_prompt,
+        "--max-new-tokens",
+        "5",
+        "--temperature",
+        "0",
+        capsys=capsys,
+    )
     assert code == 0
     assert "note: prompt has 160 tokens" in err and "keeping the last 32" in err
     assert out.startswith(long_prompt)
@@ -112,7 +155,7 @@ def test_eval_prints_loss_and_perplexity(run_dir, verdict_path, capsys):
     assert code == 0
     loss = float(out.split("loss ")[1].split()[0])
     ppl = float(out.split("perplexity ")[1].split()[0])
-    assert 0 < loss < 5 and ppl == pytest.approx(2.718281828 ** loss, rel=1e-3)
+    assert 0 < loss < 5 and ppl == pytest.approx(2.718281828**loss, rel=1e-3)
 
 
 def test_bad_run_directories(run_dir, tmp_path, capsys):
@@ -129,8 +172,8 @@ def test_bad_run_directories(run_dir, tmp_path, capsys):
     (broken / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     code, _, err = cli("generate", broken, "--prompt", "x", capsys=capsys)
     assert_one_line_error(code, err, "model.safetensors", "truncated")
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     save_file({"encoder.weight": torch.zeros(2, 2)}, broken / "model.safetensors")
     code, _, err = cli("eval", broken, "--data", run_dir / "config.json", capsys=capsys)
@@ -139,12 +182,36 @@ def test_bad_run_directories(run_dir, tmp_path, capsys):
 
 def test_resume_with_a_changed_model_loses_nothing(run_dir, verdict_path, capsys):
     before = sha(run_dir / "model.safetensors"), sha(run_dir / "trainer_state.pt")
-    code, _, err = cli("train", "--data", verdict_path, "--model", "baby", "--tokenizer", "char",
-                       "--context-length", "32", "--max-steps", "8", "--out", run_dir,
-                       "--resume", "--no-progress", capsys=capsys)
+    code, _, err = cli(
+        "train",
+        "--data",
+        verdict_path,
+        "--model",
+        "baby",
+        "--tokenizer",
+        "char",
+        "--context-length",
+        "32",
+        "--max-steps",
+        "8",
+        "--out",
+        run_dir,
+        "--resume",
+        "--no-progress",
+        capsys=capsys,
+    )
     assert_one_line_error(code, err, "cannot resume", "n_layer")
-    code, _, err = cli("train", "--data", verdict_path, "--model", "tiny", "--out", run_dir,
-                       "--no-progress", capsys=capsys)
+    code, _, err = cli(
+        "train",
+        "--data",
+        verdict_path,
+        "--model",
+        "tiny",
+        "--out",
+        run_dir,
+        "--no-progress",
+        capsys=capsys,
+    )
     assert_one_line_error(code, err, "already holds a checkpoint", "--resume")
     assert (sha(run_dir / "model.safetensors"), sha(run_dir / "trainer_state.pt")) == before
 
@@ -153,9 +220,19 @@ def test_book_verdict_recipe_holds_the_books_settings():
     args = build_parser().parse_args(["train", "--config", "book-verdict", "--data", "x.txt"])
     cfg = train_config_from_args(args)
     assert (cfg.model, cfg.context_length, cfg.lr, cfg.weight_decay, cfg.batch_size) == (
-        "book-124m", 256, 4e-4, 0.1, 2)
+        "book-124m",
+        256,
+        4e-4,
+        0.1,
+        2,
+    )
     assert (cfg.epochs, cfg.max_steps, cfg.eval_interval, cfg.eval_batches, cfg.seed) == (
-        10, 0, 5, 5, 123)
+        10,
+        0,
+        5,
+        5,
+        123,
+    )
     assert (cfg.sampling, cfg.stride, cfg.val_fraction, cfg.data) == ("windows", 256, 0.1, "x.txt")
     # flags override the recipe
     args = build_parser().parse_args(["train", "--config", "book-verdict", "--epochs", "2"])
@@ -163,8 +240,19 @@ def test_book_verdict_recipe_holds_the_books_settings():
 
 
 def test_a_real_process_prints_one_line_and_exits_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "gptkiln", "prepare", str(tmp_path / "nope.txt"),
-                           "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptkiln",
+            "prepare",
+            str(tmp_path / "nope.txt"),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "nope.txt" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""

@@ -20,8 +20,13 @@ def meta_model(name: str, **kw) -> GPT:
 
 @pytest.mark.parametrize(
     "name, expected",
-    [("gpt2", 124_439_808), ("book-124m", 163_009_536), ("gpt2-medium", 354_823_168),
-     ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)],
+    [
+        ("gpt2", 124_439_808),
+        ("book-124m", 163_009_536),
+        ("gpt2-medium", 354_823_168),
+        ("gpt2-large", 774_030_080),
+        ("gpt2-xl", 1_557_611_200),
+    ],
 )
 def test_parameter_counts(name, expected):
     assert meta_model(name).num_parameters() == expected
@@ -31,9 +36,19 @@ def test_gpt2_parameter_names_map_one_to_one():
     names = set(meta_model("gpt2").state_dict())
     for n in ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight"]:
         assert n in names
-    for part in ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
-                 "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "mlp.c_fc.weight",
-                 "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]:
+    for part in [
+        "ln_1.weight",
+        "ln_1.bias",
+        "attn.c_attn.weight",
+        "attn.c_attn.bias",
+        "attn.c_proj.weight",
+        "attn.c_proj.bias",
+        "ln_2.weight",
+        "mlp.c_fc.weight",
+        "mlp.c_fc.bias",
+        "mlp.c_proj.weight",
+        "mlp.c_proj.bias",
+    ]:
         assert f"h.11.{part}" in names
     assert not any("mask" in n for n in names)  # no buffers in the checkpoint
 
@@ -44,16 +59,23 @@ def test_tied_and_untied_heads():
     assert tied.lm_head.weight is tied.wte.weight
     assert untied.lm_head.weight is not untied.wte.weight
     assert untied.num_parameters() - tied.num_parameters() == 20 * 32
-    assert "attn.c_attn.bias" not in str(list(dict(GPT(GPTConfig.from_name(
-        "tiny", vocab_size=20, qkv_bias=False)).named_parameters())))
+    assert "attn.c_attn.bias" not in str(
+        list(
+            dict(GPT(GPTConfig.from_name("tiny", vocab_size=20, qkv_bias=False)).named_parameters())
+        )
+    )
 
 
 def test_gpt2_initialisation():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=500, context_length=64, n_layer=8, n_head=4, n_embd=256))
     assert model.h[0].attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    assert model.h[0].mlp.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert model.h[0].attn.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert model.h[0].mlp.c_proj.weight.std().item() == pytest.approx(
+        0.02 / math.sqrt(16), rel=0.05
+    )
+    assert model.h[0].attn.c_proj.weight.std().item() == pytest.approx(
+        0.02 / math.sqrt(16), rel=0.05
+    )
     assert torch.all(model.h[0].attn.c_attn.bias == 0)
     assert torch.all(model.ln_f.weight == 1)
 

@@ -47,10 +47,16 @@ def test_greedy_is_argmax_and_sampling_is_seeded():
     assert all(torch.equal(a, b) for a, b in zip(draws1, draws2))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.1), "temperature"), (dict(top_k=0), "top_k"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(max_new_tokens=-1), "max_new"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_new_tokens=-1), "max_new"),
+    ],
+)
 def test_invalid_sampling_values_raise(kwargs, message):
     with pytest.raises(GptkilnError, match=message):
         SampleConfig(**kwargs)
@@ -94,14 +100,14 @@ def test_end_of_text_stops_generation(model):
     eot = greedy[3]  # pretend the 4th greedy token is end-of-text
     stopped = generate(model, [1, 2, 3], max_new_tokens=10, temperature=0, eot_id=eot)
     assert stopped == greedy[: greedy.index(eot)]
-    kept = generate(model, [1, 2, 3], max_new_tokens=10, temperature=0, eot_id=eot,
-                    stop_at_eos=False)
+    kept = generate(
+        model, [1, 2, 3], max_new_tokens=10, temperature=0, eot_id=eot, stop_at_eos=False
+    )
     assert kept == greedy
 
 
 def test_stream_yields_one_token_per_step(model):
-    steps = list(generate_stream(model, [[1, 2, 3]], SampleConfig(max_new_tokens=6,
-                                                                  temperature=0)))
+    steps = list(generate_stream(model, [[1, 2, 3]], SampleConfig(max_new_tokens=6, temperature=0)))
     assert len(steps) == 6 and all(s.shape == (1,) for s in steps)
     assert [int(s) for s in steps] == generate(model, [1, 2, 3], max_new_tokens=6, temperature=0)
 

@@ -20,18 +20,38 @@ from gptkiln.train import Batches, train
 
 
 def tiny_config(data, out, **kw) -> TrainConfig:
-    base = dict(data=str(data), out=str(out), model="tiny", tokenizer="char", context_length=32,
-                batch_size=4, max_steps=12, eval_interval=4, eval_batches=2, sample_interval=6,
-                sample_tokens=10, checkpoint_interval=4, warmup_steps=2, lr=3e-3, progress=False,
-                sample_prompt="I ")
+    base = dict(
+        data=str(data),
+        out=str(out),
+        model="tiny",
+        tokenizer="char",
+        context_length=32,
+        batch_size=4,
+        max_steps=12,
+        eval_interval=4,
+        eval_batches=2,
+        sample_interval=6,
+        sample_tokens=10,
+        checkpoint_interval=4,
+        warmup_steps=2,
+        lr=3e-3,
+        progress=False,
+        sample_prompt="I ",
+    )
     return TrainConfig(**{**base, **kw})
 
 
 def test_training_learns_and_writes_a_run_directory(verdict_path, tmp_path):
     result = train(tiny_config(verdict_path, tmp_path / "run", max_steps=40, eval_interval=10))
     run = tmp_path / "run"
-    for name in ["config.json", "model.safetensors", "trainer_state.pt", "metrics.csv",
-                 "loss.png", "tokenizer_meta.json"]:
+    for name in [
+        "config.json",
+        "model.safetensors",
+        "trainer_state.pt",
+        "metrics.csv",
+        "loss.png",
+        "tokenizer_meta.json",
+    ]:
         assert (run / name).is_file(), name
     rows = list(csv.DictReader(open(run / "metrics.csv")))
     assert list(rows[0]) == ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s"]
@@ -65,8 +85,12 @@ def test_windows_sampling_walks_epochs_of_the_books_windows():
     from gptkiln.distributed import World
 
     tokens = torch.arange(100).numpy()  # context 10, stride 10: range(0, 90, 10) = 9 windows
-    b = Batches(tokens, TrainConfig(batch_size=3, max_steps=0, epochs=2, sampling="windows",
-                                    stride=10), 10, World())
+    b = Batches(
+        tokens,
+        TrainConfig(batch_size=3, max_steps=0, epochs=2, sampling="windows", stride=10),
+        10,
+        World(),
+    )
     assert b.steps_per_epoch == 3 and b.total_steps == 6
     starts = sorted(int(x[0]) for s in range(3) for x in b.get(s, 0)[0][:, :1])
     assert starts == list(range(0, 90, 10))  # one epoch = every window once
@@ -76,8 +100,14 @@ def test_windows_sampling_walks_epochs_of_the_books_windows():
 
 def run_cli(*args, **kw):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "gptkiln", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gptkiln", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def checkpoint_step(run: Path) -> int:
@@ -89,10 +119,34 @@ def checkpoint_step(run: Path) -> int:
 
 @pytest.mark.slow
 def test_killed_and_resumed_run_ends_with_the_same_weights(verdict_path, tmp_path):
-    args = ["train", "--data", str(verdict_path), "--model", "tiny", "--tokenizer", "char",
-            "--context-length", "32", "--batch-size", "4", "--max-steps", "60", "--dropout", "0.1",
-            "--eval-interval", "20", "--eval-batches", "2", "--sample-interval", "30",
-            "--sample-tokens", "5", "--checkpoint-interval", "5", "--no-progress"]
+    args = [
+        "train",
+        "--data",
+        str(verdict_path),
+        "--model",
+        "tiny",
+        "--tokenizer",
+        "char",
+        "--context-length",
+        "32",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "60",
+        "--dropout",
+        "0.1",
+        "--eval-interval",
+        "20",
+        "--eval-batches",
+        "2",
+        "--sample-interval",
+        "30",
+        "--sample-tokens",
+        "5",
+        "--checkpoint-interval",
+        "5",
+        "--no-progress",
+    ]
     full = run_cli(*args, "--out", str(tmp_path / "full"))
     assert full.wait(timeout=300) == 0, full.stdout.read()
 
@@ -133,10 +187,28 @@ def test_resume_refuses_a_changed_model_and_fresh_runs_refuse_to_overwrite(verdi
 
 
 def test_gradient_accumulation_equals_the_bigger_batch(verdict_path, tmp_path):
-    a = train(tiny_config(verdict_path, tmp_path / "a", batch_size=4, grad_accum=2, max_steps=3,
-                          sampling="windows", stride=16))
-    b = train(tiny_config(verdict_path, tmp_path / "b", batch_size=8, grad_accum=1, max_steps=3,
-                          sampling="windows", stride=16))
+    a = train(
+        tiny_config(
+            verdict_path,
+            tmp_path / "a",
+            batch_size=4,
+            grad_accum=2,
+            max_steps=3,
+            sampling="windows",
+            stride=16,
+        )
+    )
+    b = train(
+        tiny_config(
+            verdict_path,
+            tmp_path / "b",
+            batch_size=8,
+            grad_accum=1,
+            max_steps=3,
+            sampling="windows",
+            stride=16,
+        )
+    )
     wa = load_file(a.run_dir / "model.safetensors")
     wb = load_file(b.run_dir / "model.safetensors")
     for k in wa:

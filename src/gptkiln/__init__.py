@@ -1,4 +1,4 @@
-"""gptkiln: a GPT-2 style language model from scratch, and what is needed to train, run and share it.
+"""gptkiln: a GPT-2 style language model from scratch, and what it takes to train, run, share it.
 
 The public API::
 

@@ -18,9 +18,14 @@ from gptkiln.config import SampleConfig
 from gptkiln.errors import GptkilnError
 
 
-def stream_text(run_dir: str | os.PathLike, prompt: str, cfg: SampleConfig | None = None, *,
-                device: str = "cpu", on_notice: Callable[[str], None] | None = None
-                ) -> Iterator[str]:
+def stream_text(
+    run_dir: str | os.PathLike,
+    prompt: str,
+    cfg: SampleConfig | None = None,
+    *,
+    device: str = "cpu",
+    on_notice: Callable[[str], None] | None = None,
+) -> Iterator[str]:
     """Yield the generated text piece by piece as tokens are chosen.
 
     A prompt longer than the model's context keeps its last ``context_length`` tokens; the
@@ -37,8 +42,10 @@ def stream_text(run_dir: str | os.PathLike, prompt: str, cfg: SampleConfig | Non
         raise GptkilnError("the prompt is empty; pass --prompt with some text")
     ctx = model.config.context_length
     if len(ids) > ctx and on_notice:
-        on_notice(f"prompt has {len(ids)} tokens, more than the model's context of {ctx}; "
-                  f"keeping the last {ctx}")
+        on_notice(
+            f"prompt has {len(ids)} tokens, more than the model's context of {ctx}; "
+            f"keeping the last {ctx}"
+        )
     new: list[int] = []
     shown = ""
     for token in generate_stream(model, [ids], cfg, tokenizer.eot_id):
@@ -49,13 +56,14 @@ def stream_text(run_dir: str | os.PathLike, prompt: str, cfg: SampleConfig | Non
         text = tokenizer.decode(new)
         if text.endswith("\ufffd"):  # a multi-byte character is still incomplete
             continue
-        yield text[len(shown):]
+        yield text[len(shown) :]
         shown = text
     model.clear_cache()
 
 
-def generate_text(run_dir: str | os.PathLike, prompt: str, cfg: SampleConfig | None = None, *,
-                  device: str = "cpu") -> str:
+def generate_text(
+    run_dir: str | os.PathLike, prompt: str, cfg: SampleConfig | None = None, *, device: str = "cpu"
+) -> str:
     """The prompt followed by the generated text."""
     return prompt + "".join(stream_text(run_dir, prompt, cfg, device=device))
 
@@ -67,8 +75,14 @@ class EvalResult:
     tokens: int
 
 
-def evaluate_run(run_dir: str | os.PathLike, data: str | os.PathLike, *, batch_size: int = 8,
-                 device: str = "cpu", progress: bool = True) -> EvalResult:
+def evaluate_run(
+    run_dir: str | os.PathLike,
+    data: str | os.PathLike,
+    *,
+    batch_size: int = 8,
+    device: str = "cpu",
+    progress: bool = True,
+) -> EvalResult:
     """Cross-entropy and perplexity of a model on text.
 
     Args:
@@ -87,8 +101,9 @@ def evaluate_run(run_dir: str | os.PathLike, data: str | os.PathLike, *, batch_s
     model.eval()
     tokens = _eval_tokens(Path(data), tokenizer)
     ctx = model.config.context_length
-    dataset = SlidingWindowDataset(np.asarray(tokens), min(ctx, len(tokens) - 1),
-                                   min(ctx, len(tokens) - 1))
+    dataset = SlidingWindowDataset(
+        np.asarray(tokens), min(ctx, len(tokens) - 1), min(ctx, len(tokens) - 1)
+    )
     total, count = 0.0, 0
     with torch.no_grad():
         for start in tqdm(range(0, len(dataset), batch_size), disable=not progress, unit="batch"):
@@ -107,11 +122,14 @@ def _eval_tokens(data: Path, tokenizer):
 
     if data.is_dir() and (data / "meta.json").is_file():
         prepared = load_prepared(data)
-        if prepared.meta.get("tokenizer") != tokenizer.kind or \
-                prepared.meta.get("vocab_size") != tokenizer.vocab_size:
+        if (
+            prepared.meta.get("tokenizer") != tokenizer.kind
+            or prepared.meta.get("vocab_size") != tokenizer.vocab_size
+        ):
             raise GptkilnError(
                 f"{data} was prepared with the {prepared.meta.get('tokenizer')!r} tokenizer, the "
-                f"model uses {tokenizer.kind!r}; pass a text file, or prepare it with the run's tokenizer"
+                f"model uses {tokenizer.kind!r}; pass a text file, or prepare the data with "
+                "the run's tokenizer"
             )
         return prepared.val
     ids: list[int] = []

@@ -30,10 +30,17 @@ class Parser(argparse.ArgumentParser):
 def cmd_prepare(args: argparse.Namespace) -> None:
     from gptkiln.data.prepare import prepare
 
-    meta = prepare(args.source, args.out, tokenizer=args.tokenizer,
-                   val_fraction=args.val_fraction, progress=not args.quiet)
-    print(f"wrote {args.out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
-          f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,})")
+    meta = prepare(
+        args.source,
+        args.out,
+        tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
+        progress=not args.quiet,
+    )
+    print(
+        f"wrote {args.out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
+        f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,})"
+    )
 
 
 # -- train -----------------------------------------------------------------------------------
@@ -50,12 +57,21 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         if isinstance(default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=f"(default: {default})")
+            p.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=f"(default: {default})",
+            )
         else:
             kind = _OPTIONAL_TYPES.get(f.name, type(default))
-            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"(default: {default})")
+            p.add_argument(
+                flag,
+                type=kind,
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper(),
+                help=f"(default: {default})",
+            )
 
 
 def load_recipe(name_or_path: str) -> dict[str, Any]:
@@ -67,8 +83,9 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
         bundled = RECIPES_DIR / f"{name_or_path}.yaml"
         if not bundled.is_file():
             names = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
-            raise GptkilnError(f"--config {name_or_path}: no such file or bundled recipe; "
-                               f"bundled recipes: {names}")
+            raise GptkilnError(
+                f"--config {name_or_path}: no such file or bundled recipe; bundled recipes: {names}"
+            )
         path = bundled
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -98,9 +115,11 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if result.val_loss is not None and int(os.environ.get("RANK", 0)) == 0:
-        print(f"done: {result.steps} steps, {result.tokens_seen:,} tokens; "
-              f"train loss {result.train_loss:.3f}, val loss {result.val_loss:.3f}; "
-              f"run saved in {result.run_dir}")
+        print(
+            f"done: {result.steps} steps, {result.tokens_seen:,} tokens; "
+            f"train loss {result.train_loss:.3f}, val loss {result.val_loss:.3f}; "
+            f"run saved in {result.run_dir}"
+        )
 
 
 def launch_torchrun(nproc: int) -> None:
@@ -117,8 +136,16 @@ def launch_torchrun(nproc: int) -> None:
         elif not a.startswith("--nproc="):
             rest.append(a)
         del i
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "gptkiln", *rest]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "gptkiln",
+        *rest,
+    ]
     raise SystemExit(subprocess.call(cmd))
 
 
@@ -126,8 +153,13 @@ def launch_torchrun(nproc: int) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from gptkiln.api import stream_text
 
-    cfg = SampleConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    cfg = SampleConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     notice = lambda msg: print(f"note: {msg}", file=sys.stderr)
     sys.stdout.write(args.prompt)
     for piece in stream_text(args.run_dir, args.prompt, cfg, device=args.device, on_notice=notice):
@@ -139,8 +171,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from gptkiln.api import evaluate_run
 
-    r = evaluate_run(args.run_dir, args.data, batch_size=args.batch_size, device=args.device,
-                     progress=not args.quiet)
+    r = evaluate_run(
+        args.run_dir,
+        args.data,
+        batch_size=args.batch_size,
+        device=args.device,
+        progress=not args.quiet,
+    )
     print(f"loss {r.loss:.4f} | perplexity {r.perplexity:.2f} | {r.tokens:,} tokens")
 
 
@@ -178,9 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("train", help="train a model (no flags: a small model on Shakespeare)",
-                       description="Train a GPT. Settings come from the defaults, then --config, "
-                       f"then flags. Model presets: {', '.join(PRESETS)}.")
+    p = sub.add_parser(
+        "train",
+        help="train a model (no flags: a small model on Shakespeare)",
+        description="Train a GPT. Settings come from the defaults, then --config, "
+        f"then flags. Model presets: {', '.join(PRESETS)}.",
+    )
     p.add_argument("--config", help="a YAML recipe file, or a bundled recipe name")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
@@ -208,9 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("convert", help="Hugging Face / book checkpoints in, Hugging Face out")
-    p.add_argument("direction", choices=["hf", "book", "to-hf"],
-                   help="hf: HF GPT-2 dir -> run; book: the book's model.pth -> run; "
-                   "to-hf: run -> HF GPT-2 dir")
+    p.add_argument(
+        "direction",
+        choices=["hf", "book", "to-hf"],
+        help="hf: HF GPT-2 dir -> run; book: the book's model.pth -> run; "
+        "to-hf: run -> HF GPT-2 dir",
+    )
     p.add_argument("path", help="the directory or file to convert")
     p.add_argument("--out", required=True)
     p.add_argument("--n-head", type=int, default=12, help="heads of a book model (not in its file)")

@@ -1,4 +1,4 @@
-"""Typed configuration: the model (`GPTConfig`), training (`TrainConfig`), sampling (`SampleConfig`).
+"""Typed configuration: model (`GPTConfig`), training (`TrainConfig`), sampling (`SampleConfig`).
 
 No torch import here, so the CLI can parse and validate flags before torch loads.
 """
@@ -46,7 +46,9 @@ class GPTConfig:
         for name in ("vocab_size", "context_length", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise GptkilnError(f"model config: {name} must be a positive integer, got {value!r}")
+                raise GptkilnError(
+                    f"model config: {name} must be a positive integer, got {value!r}"
+                )
         if self.n_embd % self.n_head:
             raise GptkilnError(
                 f"model config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
@@ -95,8 +97,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-xl": dict(_GPT2, n_layer=48, n_head=25, n_embd=1600),
     # The book's GPT_CONFIG_124M: no qkv bias, untied head, dropout 0.1: 163,009,536 parameters.
     "book-124m": dict(
-        vocab_size=GPT2_VOCAB_SIZE, context_length=1024, n_layer=12, n_head=12, n_embd=768,
-        dropout=0.1, qkv_bias=False, tie_embeddings=False,
+        vocab_size=GPT2_VOCAB_SIZE,
+        context_length=1024,
+        n_layer=12,
+        n_head=12,
+        n_embd=768,
+        dropout=0.1,
+        qkv_bias=False,
+        tie_embeddings=False,
     ),
     # Small presets that train on a 2-core CPU. vocab_size follows the tokenizer at train time.
     "tiny": dict(context_length=64, n_layer=2, n_head=2, n_embd=32),
@@ -189,8 +197,9 @@ class TrainConfig:
         from gptkiln.tokenizers import parse_tokenizer_spec
 
         if self.model not in PRESETS:
-            raise GptkilnError(f"unknown model preset {self.model!r}; "
-                               f"choose one of: {', '.join(PRESETS)}")
+            raise GptkilnError(
+                f"unknown model preset {self.model!r}; choose one of: {', '.join(PRESETS)}"
+            )
         parse_tokenizer_spec(self.tokenizer)
         positive = ["batch_size", "grad_accum", "eval_interval", "eval_batches"]
         positive += ["sample_interval", "checkpoint_interval"]
@@ -214,7 +223,9 @@ class TrainConfig:
         if not self.lr > 0:
             raise GptkilnError(f"lr must be > 0, got {self.lr!r}")
         if self.grad_clip < 0:
-            raise GptkilnError(f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip!r}")
+            raise GptkilnError(
+                f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip!r}"
+            )
         if not 0 <= self.min_lr <= self.lr:
             raise GptkilnError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
         if self.weight_decay < 0:
