@@ -395,3 +395,22 @@ def test_download_imports_what_the_hub_client_returns(hf_dir, tmp_path, monkeypa
     idx = ids(seed=8)
     with torch.no_grad():
         torch.testing.assert_close(model(idx), hf_logits(hf, idx), rtol=0, atol=1e-5)
+
+
+def test_generate_and_eval_cli_take_an_hf_directory_directly(tmp_path, capsys):
+    from gptkiln.cli import main
+    from gptkiln.tokenizers import load_tokenizer
+
+    model = tiny_hf_model(vocab_size=50257)
+    model.save_pretrained(tmp_path / "hf")
+    prompt = "Hello, do you like tea?"
+    assert main(["generate", str(tmp_path / "hf"), "--prompt", prompt, "--max-new-tokens", "6",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([TEA_IDS]), max_new_tokens=6, do_sample=False)
+    assert out.rstrip("\n") == prompt + load_tokenizer("gpt2").decode(expected[0, 7:].tolist())
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    assert main(["eval", str(tmp_path / "hf"), "--data", str(text), "--quiet"]) == 0
+    assert "perplexity" in capsys.readouterr().out
