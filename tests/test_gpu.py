@@ -1,0 +1,72 @@
+"""CUDA paths: bf16 autocast training, torch.compile, cached generation on the GPU.
+
+Skipped without a GPU (CI has none); run them on a machine with one: ``pytest -m gpu``.
+"""
+
+import pytest
+import torch
+
+from gptkiln.config import GPTConfig, TrainConfig
+from gptkiln.model import GPT
+from gptkiln.sampling import generate
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_bf16_autocast_training_step_on_cuda():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("baby", vocab_size=512)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    idx = torch.randint(0, 512, (8, 64), device="cuda")
+    losses = []
+    for _ in range(20):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx, idx.roll(-1, dims=1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_compiled_model_matches_eager_on_cuda():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=256)).cuda().eval()
+    compiled = torch.compile(model)
+    idx = torch.randint(0, 256, (2, 32), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(idx), model(idx), atol=1e-4, rtol=1e-4)
+
+
+def test_kv_cache_generation_on_cuda_equals_no_cache():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=256, context_length=32)).cuda().eval()
+    prompt = torch.randint(0, 256, (5,)).tolist()
+    cached = generate(model, prompt, max_new_tokens=30, temperature=0)
+    assert cached == generate(model, prompt, max_new_tokens=30, temperature=0, use_cache=False)
+
+
+def test_trainer_picks_cuda_and_trains(tmp_path):
+    from gptkiln.train import resolve_device, train
+
+    assert resolve_device("auto") == "cuda"
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question. " * 200)
+    result = train(
+        TrainConfig(
+            data=str(text),
+            out=str(tmp_path / "run"),
+            model="tiny",
+            tokenizer="char",
+            context_length=32,
+            batch_size=8,
+            max_steps=30,
+            eval_interval=30,
+            sample_interval=30,
+            progress=False,
+        )
+    )
+    assert result.val_loss < 3.0
