@@ -147,3 +147,15 @@ def test_flops_per_token_formula():
     model = meta_model("gpt2")
     n = 124_439_808 - 1024 * 768
     assert model.flops_per_token(1024) == 6 * n + 12 * 12 * 1024 * 768
+
+
+def test_book_preset_draws_the_books_pytorch_default_weights():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("book-124m", context_length=64, n_layer=2))
+    assert model.wte.weight.std().item() == pytest.approx(1.0, rel=0.02)  # nn.Embedding: N(0, 1)
+    bound = 1 / math.sqrt(768)  # nn.Linear: Kaiming-uniform within +-1/sqrt(fan_in)
+    assert model.h[0].mlp.c_fc.weight.abs().max().item() <= bound
+    assert model.h[0].mlp.c_fc.weight.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.02)
+    assert model.h[0].mlp.c_fc.bias.abs().sum() > 0  # PyTorch's biases are not zero
+    with pytest.raises(GptkilnError, match="init"):
+        GPTConfig(init="xavier")

@@ -30,6 +30,10 @@ class GPTConfig:
         tie_embeddings: share the token embedding with the output head (GPT-2: yes, the book: no).
         attention: ``"sdpa"`` uses ``F.scaled_dot_product_attention``; ``"math"`` spells out
             softmax(QK^T / sqrt(hs)) V with an explicit causal mask. Both give the same numbers.
+        init: how a fresh model's weights are drawn: ``"gpt2"`` (N(0, 0.02), residual
+            projections scaled by 1/sqrt(2 n_layer)) or ``"pytorch"`` (each layer's PyTorch
+            default, e.g. N(0, 1) embeddings: what the book's ``GPTModel`` gets, and why its
+            chapter-5 run memorises its small corpus as fast as it does).
     """
 
     vocab_size: int = GPT2_VOCAB_SIZE
@@ -41,6 +45,7 @@ class GPTConfig:
     qkv_bias: bool = True
     tie_embeddings: bool = True
     attention: Literal["sdpa", "math"] = "sdpa"
+    init: Literal["gpt2", "pytorch"] = "gpt2"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "n_layer", "n_head", "n_embd"):
@@ -55,6 +60,8 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise GptkilnError(f"model config: dropout must be in [0, 1), got {self.dropout!r}")
+        if self.init not in ("gpt2", "pytorch"):
+            raise GptkilnError(f"model config: init must be 'gpt2' or 'pytorch', got {self.init!r}")
         if self.attention not in ("sdpa", "math"):
             raise GptkilnError(
                 f"model config: attention must be 'sdpa' or 'math', got {self.attention!r}"
@@ -95,7 +102,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-medium": dict(_GPT2, n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": dict(_GPT2, n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": dict(_GPT2, n_layer=48, n_head=25, n_embd=1600),
-    # The book's GPT_CONFIG_124M: no qkv bias, untied head, dropout 0.1: 163,009,536 parameters.
+    # The book's GPT_CONFIG_124M: no qkv bias, untied head, dropout 0.1, PyTorch's default
+    # initialisation: 163,009,536 parameters.
     "book-124m": dict(
         vocab_size=GPT2_VOCAB_SIZE,
         context_length=1024,
@@ -105,6 +113,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         dropout=0.1,
         qkv_bias=False,
         tie_embeddings=False,
+        init="pytorch",
     ),
     # Small presets that train on a 2-core CPU. vocab_size follows the tokenizer at train time.
     "tiny": dict(context_length=64, n_layer=2, n_head=2, n_embd=32),

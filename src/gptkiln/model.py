@@ -157,8 +157,18 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, 0.02) weights, zero biases, unit LayerNorms, and residual
-        projections scaled by 1/sqrt(2 * n_layer) (GPT-2 paper, section 2.3)."""
+        """Fresh weights as ``config.init`` says.
+
+        ``"gpt2"``: N(0, 0.02) weights, zero biases, unit LayerNorms, and residual projections
+        scaled by 1/sqrt(2 * n_layer) (GPT-2 paper, section 2.3). ``"pytorch"``: every layer's
+        own default (the book's ``GPTModel``).
+        """
+        if self.config.init == "pytorch":
+            for module in self.modules():
+                if module is not self and hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+            self.tie_weights()
+            return
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
