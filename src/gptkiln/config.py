@@ -85,13 +85,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise GptkilnError(
-                f"model config: unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}"
-            )
-        return cls(**values)
+        return _from_dict(cls, values, "model config")
 
 
 _GPT2 = dict(vocab_size=GPT2_VOCAB_SIZE, context_length=1024, qkv_bias=True, tie_embeddings=True)
@@ -249,14 +243,18 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise GptkilnError(
-                f"training config: unknown key(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
-        return cls(**values)
+        return _from_dict(cls, values, "training config")
+
+
+def _from_dict(cls, values: dict[str, Any], what: str):
+    """Build a config dataclass from a mapping, naming any key it does not have."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise GptkilnError(
+            f"{what}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    return cls(**values)
 
 
 def _positive_int(name: str, value: Any) -> None:
