@@ -3,19 +3,26 @@
 Parallelism wraps a built model from outside (as torchtitan does); the model never knows.
 Launch with ``torchrun --nproc-per-node N -m gptkiln train ...``: torchrun sets RANK, WORLD_SIZE,
 LOCAL_RANK and the rendezvous; `setup` reads them. Without them, everything is a no-op and the
-world is one process.
+world is one process. docs/DISTRIBUTED.md tells the whole story (several machines, faults).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
+import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+DEFAULT_TIMEOUT_S = 300.0
+# Words in the errors a collective raises when a peer died, hung or lost its network (gloo's
+# "Connection reset by peer", "Timed out waiting 300000ms", NCCL's watchdog, ...).
+_PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "broken pipe")
 
 
 @dataclass(frozen=True)
@@ -39,23 +46,62 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def restart_count() -> int:
+    """How many times torchrun has restarted the workers (``--max-restarts``); 0 otherwise."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective may wait for the other ranks: GPTKILN_DIST_TIMEOUT seconds (300)."""
+    return datetime.timedelta(
+        seconds=float(os.environ.get("GPTKILN_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+    )
+
+
 def setup(device: str) -> World:
     """Join the process group when launched by torchrun: gloo on CPU, nccl on CUDA.
 
     A collective that waits longer than GPTKILN_DIST_TIMEOUT seconds (default 300) fails instead
-    of hanging, so a dead rank ends the job.
+    of hanging, so a rank that hangs (not only one that dies) ends the job.
     """
     if not launched_by_torchrun():
         return World()
-    world = World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                  int(os.environ.get("LOCAL_RANK", 0)))
+    world = World(
+        int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    )
     if not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(world.local_rank)
-        timeout = datetime.timedelta(seconds=float(os.environ.get("GPTKILN_DIST_TIMEOUT", 300)))
-        dist.init_process_group(backend=backend, timeout=timeout)
+        timeout = collective_timeout()
+        store = _restart_store(world, timeout)
+        dist.init_process_group(
+            backend=backend,
+            timeout=timeout,
+            store=store,
+            rank=world.rank if store else -1,
+            world_size=world.world_size if store else -1,
+        )
     return world
+
+
+def _restart_store(world: World, timeout: datetime.timedelta):
+    """The rendezvous store, under a prefix of its own, for workers that torchrun restarted.
+
+    torchrun's agent keeps one store for all its attempts (pytorch#135712): restarted workers
+    would read the addresses their dead predecessors published there and fail to connect. A
+    prefix per attempt keeps every attempt to its own keys. None (the default store) otherwise,
+    and when the agent does not share its store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+    """
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if restart_count() == 0 or not shared:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", world.rank, world.world_size, timeout=timeout))
+    return dist.PrefixStore(f"gptkiln/restart_{restart_count()}", store)
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def teardown() -> None:
@@ -64,9 +110,15 @@ def teardown() -> None:
 
 
 def parallelize(model: nn.Module, world: World, strategy: str) -> nn.Module:
-    """Wrap a built model for data parallelism: DDP (a full copy per rank, gradients
-    all-reduced) or FSDP2 (`fully_shard` per block, then the root: parameters, gradients and
-    optimizer state sharded across ranks)."""
+    """Wrap a built model for data parallelism.
+
+    ``"ddp"``: a full copy per rank, gradients all-reduced in buckets during backward.
+    ``"fsdp"``: FSDP2's `fully_shard` on every block, then on the root. Parameters, gradients and
+    optimizer state are sharded across ranks; each block's parameters are all-gathered just for
+    its forward and backward. The root unit holds what no block owns: ``wte``, ``wpe``, ``ln_f``
+    and ``lm_head``; so a tied ``lm_head.weight``, the same Parameter as ``wte.weight``, lives in
+    one FSDP unit and stays one (sharded) parameter.
+    """
     if not world.distributed:
         return model
     if strategy == "fsdp":
@@ -89,7 +141,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 @contextmanager
 def gradient_sync(model: nn.Module, enabled: bool):
-    """Skip the gradient all-reduce on all but the last micro-step of gradient accumulation."""
+    """Skip the gradient all-reduce on all but the last micro-step of gradient accumulation.
+
+    Gradients then accumulate locally (DDP: in ``.grad``; FSDP2: in the unsharded gradients) and
+    the last micro-step reduces their sum once.
+    """
     if hasattr(model, "no_sync"):  # DDP
         with nullcontext() if enabled else model.no_sync():
             yield
@@ -116,14 +172,37 @@ def all_reduce_sum(values: torch.Tensor, world: World) -> torch.Tensor:
     return values
 
 
+def any_rank(flag: bool, world: World) -> bool:
+    """Whether any rank passed True."""
+    if not world.distributed:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def all_equal(value: int, world: World) -> bool:
+    """Whether every rank passed the same integer."""
+    if not world.distributed:
+        return True
+    both = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # [max, -min]
+    return int(both[0]) == -int(both[1])
+
+
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()
 
 
+# -- checkpoints -----------------------------------------------------------------------------
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None):
     """Full (unsharded) model and optimizer state dicts on CPU, keyed by parameter name, the same
-    whether the model is plain, DDP or FSDP2: so checkpoints move between 1 and N processes."""
+    whether the model is plain, DDP or FSDP2: so checkpoints move between 1 and N processes.
+
+    A collective under FSDP2 (every rank must call it); with ``cpu_offload`` only rank 0 gets the
+    tensors, the other ranks get empty dicts.
+    """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -132,20 +211,112 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None):
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=options)
-    optim_sd = None if optimizer is None else get_optimizer_state_dict(model, optimizer,
-                                                                       options=options)
+    optim_sd = (
+        None if optimizer is None else get_optimizer_state_dict(model, optimizer, options=options)
+    )
     return model_sd, optim_sd
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                    model_sd: dict, optim_sd: dict) -> None:
-    """Load full state dicts (as saved by `full_state`) into a plain, DDP or FSDP2 model."""
+def load_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict
+) -> None:
+    """Load full state dicts (as saved by `full_state`) into a plain, DDP or FSDP2 model; under
+    FSDP2 every rank keeps its own shard of each tensor. The dicts are left as they were."""
+    import copy
+
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
+    # set_*_state_dict rename keys in place (``wte.weight`` -> ``module.wte.weight`` under DDP).
+    model_sd, optim_sd = dict(model_sd), copy.copy(optim_sd)
+    optim_sd["state"] = dict(optim_sd["state"])
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_sd, options=options)
     set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
+
+
+# -- faults ----------------------------------------------------------------------------------
+class WorkerStopped(Exception):
+    """SIGTERM arrived: torchrun ends every worker this way when one of them fails."""
+
+
+class TerminationGuard:
+    """SIGTERM as a `WorkerStopped` exception, held back while a checkpoint is written.
+
+    When a worker fails, torchrun sends SIGTERM to the others (and SIGKILL 30 s later). Left at
+    its default, SIGTERM kills a process on the spot, possibly between the files of a
+    checkpoint, which would then not load. Inside `hold()` SIGTERM and SIGINT wait until the
+    block ends, then take effect. Usable only from the main thread (elsewhere it does nothing).
+    """
+
+    def __init__(self) -> None:
+        self._holding = False
+        self._pending: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def active(self) -> bool:
+        return threading.current_thread() is threading.main_thread()
+
+    def __enter__(self) -> TerminationGuard:
+        if self.active:
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._holding:
+            self._pending = signum
+        else:
+            self._raise(signum)
+
+    @staticmethod
+    def _raise(signum: int) -> None:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise WorkerStopped(f"stopped by {signal.Signals(signum).name}")
+
+    @contextmanager
+    def hold(self):
+        """Defer SIGTERM and SIGINT until the block has finished."""
+        if not self.active:
+            yield
+            return
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._holding, self._pending = True, None
+        try:
+            yield
+        finally:
+            self._holding = False
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                self._raise(pending)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether an error says another rank died, hung or became unreachable (not a bug here)."""
+    if isinstance(error, WorkerStopped):
+        return True
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(m in text for m in _PEER_FAILURE_MARKERS)
+
+
+def fail_for_test(step: int, world: World) -> None:
+    """A fault to test recovery with: given GPTKILN_FAULT_AT_STEP=N, the last rank kills itself
+    (SIGKILL, as the OOM killer would) on reaching step N, in torchrun's first attempt only."""
+    at = os.environ.get("GPTKILN_FAULT_AT_STEP")
+    if not at or not world.distributed or restart_count() > 0:
+        return
+    if step == int(at) and world.rank == world.world_size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)

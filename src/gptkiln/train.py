@@ -35,7 +35,9 @@ def resolve_device(spec: str = "auto") -> str:
         try:
             torch.device(spec)
         except RuntimeError as e:
-            raise GptkilnError(f"--device {spec!r} is not a torch device ({e}); try cpu or cuda") from None
+            raise GptkilnError(
+                f"--device {spec!r} is not a torch device ({e}); try cpu or cuda"
+            ) from None
         if spec.startswith("cuda") and not torch.cuda.is_available():
             raise GptkilnError(f"--device {spec}: CUDA is not available here; use --device cpu")
         return spec
@@ -49,14 +51,16 @@ def resolve_device(spec: str = "auto") -> str:
 class Batches:
     """Training windows by (step, micro-step, rank), computed from indices alone."""
 
-    def __init__(self, tokens: np.ndarray, cfg: TrainConfig, context_length: int,
-                 world: dist_utils.World):
+    def __init__(
+        self, tokens: np.ndarray, cfg: TrainConfig, context_length: int, world: dist_utils.World
+    ):
         from gptkiln.data.windows import RandomWindowDataset, SlidingWindowDataset
 
         self.cfg, self.world = cfg, world
         self.global_batch = cfg.batch_size * cfg.grad_accum * world.world_size
         if cfg.sampling == "windows":
-            self.dataset = SlidingWindowDataset(tokens, context_length, cfg.stride or context_length)
+            stride = cfg.stride or context_length
+            self.dataset = SlidingWindowDataset(tokens, context_length, stride)
             self.steps_per_epoch = len(self.dataset) // self.global_batch
             if self.steps_per_epoch == 0:
                 raise GptkilnError(
@@ -87,15 +91,16 @@ class Batches:
         if self.cfg.sampling == "windows":
             epoch, within = divmod(step, self.steps_per_epoch)
             order = self._order(epoch)
-            ids = order[within * self.global_batch + first:][:b].tolist()
+            ids = order[within * self.global_batch + first :][:b].tolist()
         else:
             ids = range(step * self.global_batch + first, step * self.global_batch + first + b)
-        xs, ys = zip(*(self.dataset[i] for i in ids))
+        xs, ys = zip(*(self.dataset[i] for i in ids), strict=True)
         return torch.stack(xs), torch.stack(ys)
 
 
-def eval_batches(tokens: np.ndarray, context_length: int, batch_size: int,
-                 n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    tokens: np.ndarray, context_length: int, batch_size: int, n_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed list of evaluation batches: the first non-overlapping windows of a split, in order
     (as the book's validation loader). Raises when the split is shorter than one window."""
     from gptkiln.data.windows import SlidingWindowDataset
@@ -103,20 +108,26 @@ def eval_batches(tokens: np.ndarray, context_length: int, batch_size: int,
     dataset = SlidingWindowDataset(tokens, context_length, context_length)
     batches = []
     for start in range(0, min(len(dataset), n_batches * batch_size), batch_size):
-        xs, ys = zip(*(dataset[i] for i in range(start, min(start + batch_size, len(dataset)))))
+        ids = range(start, min(start + batch_size, len(dataset)))
+        xs, ys = zip(*(dataset[i] for i in ids), strict=True)
         batches.append((torch.stack(xs), torch.stack(ys)))
     return batches
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-             device: str, world: dist_utils.World = dist_utils.World(),
-             autocast=None) -> float:
+def evaluate(
+    model: torch.nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    device: str,
+    world: dist_utils.World | None = None,
+    autocast=None,
+) -> float:
     """Mean cross-entropy over ``batches`` (weighted by targets), the work split across ranks.
 
     Every rank runs the same number of forwards (FSDP needs all ranks in every forward); the
     padding ones carry weight 0.
     """
+    world = world or dist_utils.World()
     was_training = model.training
     model.eval()
     rounds = math.ceil(len(batches) / world.world_size)
@@ -127,7 +138,8 @@ def evaluate(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch
         with autocast or torch.autocast(device_type="cpu", enabled=False):
             _, loss = model(x.to(device), y.to(device))
         if j < len(batches):
-            totals += torch.stack([loss.double() * y.numel(), torch.tensor(y.numel(), device=device)])
+            count = torch.tensor(y.numel(), device=device)
+            totals += torch.stack([loss.double() * count, count])
     totals = dist_utils.all_reduce_sum(totals, world)
     model.train(was_training)
     return (totals[0] / totals[1]).item()
@@ -163,8 +175,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
         resume: continue the run in ``cfg.out`` from its last checkpoint; the result is the same,
             bit for bit on CPU, as a run that was never interrupted.
         overwrite: start afresh even if ``cfg.out`` already holds a checkpoint.
+
+    Under torchrun (``torchrun --nproc-per-node N -m gptkiln train ...``) every process calls
+    this; rank 0 alone logs and writes. After torchrun restarts failed workers
+    (``--max-restarts``), the run resumes from its last checkpoint by itself.
     """
-    return Trainer(cfg, resume=resume, overwrite=overwrite).fit()
+    trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
+    result = trainer.fit()
+    trainer.close()
+    return result
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -176,8 +195,9 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
-def sample_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, seed: int,
-                use_cache: bool = True) -> str:
+def sample_text(
+    model: GPT, tokenizer, prompt: str, max_new_tokens: int, seed: int, use_cache: bool = True
+) -> str:
     """A short sample from ``prompt`` (top-k 50, temperature 0.8) for watching a run learn."""
     from gptkiln.sampling import generate
 
@@ -199,10 +219,12 @@ class Trainer:
 
         self.cfg, self.run_dir = cfg, Path(cfg.out)
         self.device = resolve_device(cfg.device)
+        self.owns_process_group = dist_utils.launched_by_torchrun() and not dist_utils.initialized()
         self.world = dist_utils.setup(self.device)
         if self.device == "cuda":
             self.device = f"cuda:{self.world.local_rank}"
-        checkpoint.check_run_dir_for_training(self.run_dir, resume=resume, overwrite=overwrite)
+        self.guard = dist_utils.TerminationGuard()
+        resume, overwrite = self._start_mode(resume, overwrite)
         self.data = self._load_data()
         self.tokenizer = self.data.tokenizer
         self.model_config = model_config_for(cfg, self.tokenizer.vocab_size)
@@ -212,22 +234,54 @@ class Trainer:
         model = GPT(self.model_config).to(self.device)
         self.model = dist_utils.parallelize(model, self.world, cfg.parallel)
         self.forward = torch.compile(self.model) if cfg.compile else self.model
-        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
+        betas = (cfg.beta1, cfg.beta2)
+        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay, betas)
         ctx = self.model_config.context_length
         self.batches = Batches(self.data.train, cfg, ctx, self.world)
-        self.val_batches = eval_batches(self.data.val, ctx, cfg.batch_size, cfg.eval_batches)
-        self.train_eval_batches = eval_batches(self.data.train, ctx, cfg.batch_size,
-                                               cfg.eval_batches) if cfg.eval_train else []
+        # eval_batches of the global batch, split across ranks: N x b evaluates what 1 x Nb does.
+        n_eval = cfg.eval_batches * self.world.world_size
+        self.val_batches = eval_batches(self.data.val, ctx, cfg.batch_size, n_eval)
+        self.train_eval_batches = (
+            eval_batches(self.data.train, ctx, cfg.batch_size, n_eval) if cfg.eval_train else []
+        )
         self.tokens_per_step = self.batches.global_batch * ctx
-        self.step, self.history = 0, []
+        self.step, self.history, self.saved_step = 0, [], None
         torch.manual_seed(cfg.seed + self.world.rank)  # dropout differs across ranks
         if resume:
             self._restore()
         elif self.world.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "metrics.csv").unlink(missing_ok=True)
+            self._start_afresh(overwrite)
+
+    def close(self) -> None:
+        """Leave the process group, if this trainer joined it."""
+        if self.owns_process_group:
+            dist_utils.teardown()
 
     # -- set-up ------------------------------------------------------------------------------
+    def _start_mode(self, resume: bool, overwrite: bool) -> tuple[bool, bool]:
+        """(resume, overwrite) for this attempt, the same on every rank, or an error."""
+        from gptkiln import checkpoint
+
+        # Any rank: restart counts are per machine, and an agent whose workers were healthy
+        # restarts them without counting it.
+        self.restarted = dist_utils.any_rank(dist_utils.restart_count() > 0, self.world)
+        resume, overwrite = resume_after_restart(self.run_dir, resume, overwrite, self.restarted)
+        checkpoint.check_run_dir_for_training(self.run_dir, resume=resume, overwrite=overwrite)
+        if not dist_utils.all_equal(int(resume), self.world):
+            raise GptkilnError(
+                f"the ranks disagree whether {self.run_dir} holds a checkpoint to resume; "
+                "with several machines, --out must be on a filesystem that every machine sees"
+            )
+        return resume, overwrite
+
+    def _start_afresh(self, overwrite: bool) -> None:
+        from gptkiln.checkpoint import TRAINER_STATE_FILE
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "metrics.csv").unlink(missing_ok=True)
+        if overwrite:  # so that a restart after a failure never resumes the replaced run
+            (self.run_dir / TRAINER_STATE_FILE).unlink(missing_ok=True)
+
     def _load_data(self):
         from gptkiln.data.prepare import load_prepared, prepare
         from gptkiln.tokenizers import parse_tokenizer_spec
@@ -239,8 +293,13 @@ class Trainer:
         source = cfg.data
         kind, _ = parse_tokenizer_spec(cfg.tokenizer)
         if self.world.is_main and not _prepared_matches(data_dir, source, kind, cfg.val_fraction):
-            prepare(source, data_dir, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction,
-                    progress=cfg.progress)
+            prepare(
+                source,
+                data_dir,
+                tokenizer=cfg.tokenizer,
+                val_fraction=cfg.val_fraction,
+                progress=cfg.progress,
+            )
         dist_utils.barrier(self.world)
         return load_prepared(data_dir)
 
@@ -257,44 +316,101 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self) -> TrainResult:
+        """Train to the last step, then plot the losses and print a sample.
+
+        Raises:
+            GptkilnError: when this process was stopped (SIGTERM) or lost the other ranks (one
+                died or hung past GPTKILN_DIST_TIMEOUT); the message names the last checkpoint.
+        """
         from tqdm.auto import tqdm
 
-        cfg, total = self.cfg, self.batches.total_steps
-        bar = tqdm(total=total, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=not (cfg.progress and self.world.is_main))
-        train_loss = val_loss = None
-        sample = None
-        tokens_per_s = 0.0
+        bar = tqdm(
+            total=self.batches.total_steps,
+            initial=self.step,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (self.cfg.progress and self.world.is_main),
+        )
         try:
-            while self.step < total:
-                t0 = now()
-                lr, loss = self.train_step(total)
-                self.step += 1
-                dt = now() - t0
-                tokens_per_s = self.tokens_per_step / dt if tokens_per_s == 0 else \
-                    0.9 * tokens_per_s + 0.1 * self.tokens_per_step / dt
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
-                last = self.step == total
-                if self.step % cfg.eval_interval == 0 or last:
-                    train_loss, val_loss = self.log_eval(loss, lr, tokens_per_s, bar)
-                if self.step % cfg.sample_interval == 0 and not last:
-                    self.log_sample(bar)
-                if self.step % cfg.checkpoint_interval == 0 or last:
-                    self.save()
-            if self.world.is_main:
-                self.plot()
-            sample = self.log_sample(bar)
+            with self.guard:
+                train_loss, val_loss = self._loop(bar)
+                if self.world.is_main:
+                    self.plot()
+                sample = self.log_sample(bar)
+        except (RuntimeError, dist_utils.WorkerStopped) as e:
+            if isinstance(e, dist_utils.WorkerStopped) or (
+                self.world.distributed and dist_utils.is_peer_failure(e)
+            ):
+                raise GptkilnError(self._stopped_message(e)) from e
+            raise
         finally:
             bar.close()
-        return TrainResult(self.run_dir, self.step, self.step * self.tokens_per_step,
-                           train_loss, val_loss, sample, self.history)
+        return TrainResult(
+            self.run_dir,
+            self.step,
+            self.step * self.tokens_per_step,
+            train_loss,
+            val_loss,
+            sample,
+            self.history,
+        )
+
+    def _loop(self, bar) -> tuple[float | None, float | None]:
+        """Optimizer steps until the last; evaluates, samples and saves at their intervals."""
+        cfg, total = self.cfg, self.batches.total_steps
+        train_loss = val_loss = None
+        tokens_per_s = 0.0
+        while self.step < total:
+            dist_utils.fail_for_test(self.step, self.world)
+            t0 = now()
+            lr, loss = self.train_step(total)
+            self.step += 1
+            dt = now() - t0
+            tokens_per_s = (
+                self.tokens_per_step / dt
+                if tokens_per_s == 0
+                else 0.9 * tokens_per_s + 0.1 * self.tokens_per_step / dt
+            )
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            last = self.step == total
+            if self.step % cfg.eval_interval == 0 or last:
+                train_loss, val_loss = self.log_eval(loss, lr, tokens_per_s, bar)
+            if self.step % cfg.sample_interval == 0 and not last:
+                self.log_sample(bar)
+            if self.step % cfg.checkpoint_interval == 0 or last:
+                self.save()
+        return train_loss, val_loss
+
+    def _stopped_message(self, error: BaseException) -> str:
+        """One line for a person: who stopped, why, and where the last checkpoint is."""
+        world = self.world
+        who = f"rank {world.rank} of {world.world_size}" if world.distributed else "training"
+        if isinstance(error, dist_utils.WorkerStopped):
+            why = str(error)
+            if world.distributed:
+                why += " (torchrun stops every worker when one fails)"
+        else:
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            why = f"lost contact with the other ranks ({first_line[:200]})"
+        if self.saved_step is None:
+            where = "no checkpoint was written"
+        else:
+            where = f"the last checkpoint, step {self.saved_step}, is in {self.run_dir}"
+            where += ": continue with --resume"
+        return f"{who} stopped at step {self.step}: {why}; {where}"
 
     def train_step(self, total: int) -> tuple[float, float]:
-        """One optimizer step over grad_accum micro-batches; returns (lr, mean loss on this rank)."""
+        """One optimizer step over grad_accum micro-batches; (lr, mean loss on this rank)."""
         cfg = self.cfg
-        lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                   total_steps=total, decay=cfg.decay_lr)
+        lr = lr_at(
+            self.step,
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total,
+            decay=cfg.decay_lr,
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
@@ -315,27 +431,46 @@ class Trainer:
     # -- watching it learn -------------------------------------------------------------------
     def log_eval(self, batch_loss: float, lr: float, tokens_per_s: float, bar):
         """Loss (and perplexity) on the fixed validation and training batches; one CSV row."""
-        val = evaluate(self.model, self.val_batches, self.device, self.world, self.autocast) \
-            if self.val_batches else None
-        train = evaluate(self.model, self.train_eval_batches, self.device, self.world,
-                         self.autocast) if self.train_eval_batches else None
+        val = (
+            evaluate(self.model, self.val_batches, self.device, self.world, self.autocast)
+            if self.val_batches
+            else None
+        )
+        train = (
+            evaluate(self.model, self.train_eval_batches, self.device, self.world, self.autocast)
+            if self.train_eval_batches
+            else None
+        )
         mean_batch = dist_utils.all_reduce_mean(torch.tensor(batch_loss), self.world).item()
-        row = {"step": self.step, "tokens": self.step * self.tokens_per_step,
-               "train_loss": train if train is not None else mean_batch, "val_loss": val,
-               "lr": lr, "tokens_per_s": tokens_per_s * self.world.world_size}
+        row = {
+            "step": self.step,
+            "tokens": self.step * self.tokens_per_step,
+            "train_loss": train if train is not None else mean_batch,
+            "val_loss": val,
+            "lr": lr,
+            "tokens_per_s": tokens_per_s * self.world.world_size,
+        }
         self.history.append(row)
         if self.world.is_main:
             self._append_metrics(row)
             val_text = f" | val {val:.3f} (ppl {math.exp(min(val, 50)):.1f})" if val else ""
-            bar.write(f"step {self.step:>6} | train {row['train_loss']:.3f}{val_text} "
-                      f"| lr {lr:.2e} | {row['tokens_per_s']:,.0f} tok/s")
+            bar.write(
+                f"step {self.step:>6} | train {row['train_loss']:.3f}{val_text} "
+                f"| lr {lr:.2e} | {row['tokens_per_s']:,.0f} tok/s"
+            )
         return row["train_loss"], val
 
     def log_sample(self, bar) -> str:
         """Every rank generates (FSDP needs all of them); rank 0 prints."""
         model = self.raw_model
-        text = sample_text(model, self.tokenizer, self.cfg.sample_prompt, self.cfg.sample_tokens,
-                           self.cfg.seed, use_cache=self.cfg.parallel != "fsdp")
+        text = sample_text(
+            model,
+            self.tokenizer,
+            self.cfg.sample_prompt,
+            self.cfg.sample_tokens,
+            self.cfg.seed,
+            use_cache=self.cfg.parallel != "fsdp",
+        )
         model.train()
         if self.world.is_main:
             bar.write(f"--- sample at step {self.step} ---\n{text}\n---")
@@ -344,7 +479,7 @@ class Trainer:
     def _append_metrics(self, row: dict) -> None:
         path = self.run_dir / "metrics.csv"
         new = not path.exists()
-        with open(path, "a", newline="") as f:
+        with self.guard.hold(), open(path, "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=METRICS_FIELDS)
             if new:
                 writer.writeheader()
@@ -373,16 +508,30 @@ class Trainer:
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                 "scheduler": {"step": self.step, "total_steps": self.batches.total_steps},
             }
-            checkpoint.write_checkpoint(self.run_dir, self.model_config, model_sd, state,
-                                        train_config=self.cfg.to_dict(), tokenizer=self.tokenizer)
+            with self.guard.hold():  # a SIGTERM now would leave half a checkpoint
+                checkpoint.write_checkpoint(
+                    self.run_dir,
+                    self.model_config,
+                    model_sd,
+                    state,
+                    train_config=self.cfg.to_dict(),
+                    tokenizer=self.tokenizer,
+                )
+                self.saved_step = self.step
         dist_utils.barrier(self.world)
+        self.saved_step = self.step
 
     def _restore(self) -> None:
         from gptkiln import checkpoint
 
         model_sd, state = checkpoint.read_checkpoint(self.run_dir)
         dist_utils.load_full_state(self.model, self.optimizer, model_sd, state["optimizer"])
-        self.step = int(state["step"])
+        self.step = self.saved_step = int(state["step"])
+        if self.world.is_main and self.restarted:
+            print(
+                f"torchrun restarted the workers: resuming from step {self.step} in {self.run_dir}",
+                flush=True,
+            )
         rng = state["rng"]
         if len(rng) == self.world.world_size:
             torch.set_rng_state(rng[self.world.rank])
@@ -398,6 +547,22 @@ class Trainer:
                 row["tokens"] = int(row["tokens"])
                 self._append_metrics(row)
             self.history = rows
+
+
+def resume_after_restart(
+    run_dir: Path, resume: bool, overwrite: bool, restarted: bool
+) -> tuple[bool, bool]:
+    """(resume, overwrite) for this attempt of the run.
+
+    When torchrun has ``restarted`` the workers after a failure (``--max-restarts``), the run
+    continues from the checkpoint the failed attempt left in ``run_dir``, whatever the command
+    line said (it is the same command); before any checkpoint, it starts as the command says.
+    """
+    from gptkiln.checkpoint import TRAINER_STATE_FILE
+
+    if restarted and (run_dir / TRAINER_STATE_FILE).is_file():
+        return True, False
+    return resume, overwrite
 
 
 def _gather_rng(world: dist_utils.World) -> list[torch.Tensor]:
@@ -419,5 +584,8 @@ def _prepared_matches(data_dir: Path, source, kind: str, val_fraction: float) ->
     if not meta_path.is_file():
         return False
     meta = json.loads(meta_path.read_text())
-    return (meta.get("source") == str(source) and meta.get("tokenizer") == kind
-            and meta.get("val_fraction") == val_fraction)
+    return (
+        meta.get("source") == str(source)
+        and meta.get("tokenizer") == kind
+        and meta.get("val_fraction") == val_fraction
+    )
