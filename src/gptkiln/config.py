@@ -169,7 +169,7 @@ class TrainConfig:
     dropout: float | None = None  # None = the preset's
     sampling: Literal["windows", "random"] = "random"
     stride: int | None = None  # windows sampling; None = context_length
-    batch_size: int = 16
+    batch_size: int = 8
     grad_accum: int = 1
     max_steps: int = 300
     epochs: int = 0
