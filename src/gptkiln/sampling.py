@@ -17,8 +17,12 @@ from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                    top_p: float | None = None) -> torch.Tensor:
+def logits_to_probs(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
     """Next-token probabilities (B, V) from logits (B, V) after temperature, top-k and top-p.
 
     temperature must be > 0 here (0 means greedy and never reaches this function).
@@ -38,8 +42,13 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int |
     return probs
 
 
-def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-           top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Pick one token per row from logits (B, V): argmax when temperature is 0. Returns (B,)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -59,11 +68,12 @@ def decode_one_token(model: GPT, token: torch.Tensor, pos: int) -> torch.Tensor:
 
 def window_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     """No cache: run the last context_length tokens of idx (B, T); last logits (B, V)."""
-    return model(idx[:, -model.config.context_length:], last_only=True)[:, -1, :]
+    return model(idx[:, -model.config.context_length :], last_only=True)[:, -1, :]
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
-             device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch prompts of unequal length: (B, T) ids left-padded with pad_id, and pad counts (B,)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GptkilnError("every prompt needs at least one token; give a non-empty prompt")
@@ -74,8 +84,13 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
 
 
 @torch.inference_mode()
-def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], cfg: SampleConfig,
-                    eot_id: int | None = None, use_cache: bool = True) -> Iterator[torch.Tensor]:
+def generate_stream(
+    model: GPT,
+    prompts: Sequence[Sequence[int]],
+    cfg: SampleConfig,
+    eot_id: int | None = None,
+    use_cache: bool = True,
+) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,) per step, until max_new_tokens or every row ended.
 
     A row that produced ``eot_id`` (with ``cfg.stop_at_eos``) is finished: it keeps yielding
@@ -94,8 +109,8 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], cfg: SampleCon
     stop = eot_id if cfg.stop_at_eos else None
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=device)
     pos = idx.size(1)
-    if use_cache:
-        model.setup_cache(idx.size(0), ctx, pad_lens)
+    if use_cache:  # room for the prompt and the new tokens only: 1024 slots are 600 MB at batch 8
+        model.setup_cache(idx.size(0), min(ctx, pos + cfg.max_new_tokens), pad_lens)
         logits = prefill(model, idx)
     else:
         logits = window_logits(model, idx)
@@ -118,8 +133,14 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], cfg: SampleCon
             logits = prefill(model, idx[:, -ctx:])
 
 
-def generate(model: GPT, prompts: Sequence[Sequence[int]] | Sequence[int], cfg: SampleConfig | None = None,
-             eot_id: int | None = None, use_cache: bool = True, **overrides) -> list[list[int]] | list[int]:
+def generate(
+    model: GPT,
+    prompts: Sequence[Sequence[int]] | Sequence[int],
+    cfg: SampleConfig | None = None,
+    eot_id: int | None = None,
+    use_cache: bool = True,
+    **overrides,
+) -> list[list[int]] | list[int]:
     """New token ids for one prompt (a list of ids) or a batch (a list of lists).
 
     ``overrides`` set `SampleConfig` fields directly: ``generate(model, ids, max_new_tokens=20,

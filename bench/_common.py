@@ -1,0 +1,231 @@
+"""What every benchmark shares: one fresh process per measurement, medians, peak RSS, the machine.
+
+Each benchmark script is both the driver and the worker. The driver (``python bench/X.py``)
+starts the script again once per implementation, ``python bench/X.py --worker '{json}'``, so no
+implementation inherits another's allocator state, threads or peak memory; the worker prints one
+line ``RESULT {json}`` that the driver collects. Peers are measured in the same run and, with
+``--rounds N``, interleaved (A B C A B C ...), so a busy neighbour slows all of them alike; the
+figure kept is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+THREADS = 2
+RESULT_PREFIX = "RESULT "
+
+
+# -- inside a worker ---------------------------------------------------------------------------
+def status_mb(field: str = "VmHWM") -> float:
+    """A memory field of /proc/self/status in MB (VmHWM: peak resident set; VmRSS: now)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
+
+
+def setup_torch(threads: int = THREADS, seed: int = 0):
+    """Fixed intra-op threads and seed; returns the torch module."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    return torch
+
+
+def time_calls(fn: Callable[[], object], warmup: int, repeats: int) -> list[float]:
+    """Seconds per call of ``fn`` over ``repeats`` calls, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def emit(result: dict) -> None:
+    """Hand a worker's result back to the driver (always with the worker's peak RSS)."""
+    result.setdefault("peak_rss_mb", status_mb("VmHWM"))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def worker_args(argv: Sequence[str] | None = None) -> dict | None:
+    """The worker's job when the script was started with ``--worker JSON``, else None."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--worker":
+        return json.loads(argv[1])
+    return None
+
+
+# -- in the driver -----------------------------------------------------------------------------
+def _busy_seconds() -> float:
+    """CPU seconds spent busy on this machine since boot, all cores (/proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def wait_for_quiet(max_wait: float | None = None, busy_cores: float = 0.25) -> float:
+    """Wait (up to ``max_wait`` s, env BENCH_MAX_WAIT, default 120) until other processes use
+    less than ``busy_cores`` cores over a 1 s window; returns the last window's busy cores."""
+    max_wait = float(os.environ.get("BENCH_MAX_WAIT", 120)) if max_wait is None else max_wait
+    deadline = time.monotonic() + max_wait
+    while True:
+        b0 = _busy_seconds()
+        time.sleep(1.0)
+        busy = _busy_seconds() - b0
+        if busy < busy_cores or time.monotonic() > deadline:
+            return busy
+
+
+def run_worker(script: str | Path, job: dict, timeout: float = 900) -> dict:
+    """Run one job in a fresh interpreter; its ``RESULT`` dict (raises with its stderr if none).
+
+    Adds ``others_cores``: the mean number of cores that *other* processes kept busy while it ran
+    (machine busy time minus the worker's own CPU time, over its wall time); near 0 on a quiet
+    machine, and a figure to distrust when it is not.
+    """
+    wait_for_quiet()
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(job.get("threads", THREADS)),
+        TOKENIZERS_PARALLELISM="false",
+        TRANSFORMERS_VERBOSITY="error",
+        PYTHONWARNINGS="ignore",
+    )
+    t0, b0, c0 = time.perf_counter(), _busy_seconds(), _children_cpu_seconds()
+    proc = subprocess.run(
+        [sys.executable, str(script), "--worker", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+    wall = time.perf_counter() - t0
+    others = (_busy_seconds() - b0) - (_children_cpu_seconds() - c0)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX) :])
+            result["others_cores"] = max(0.0, others / wall)
+            return result
+    raise RuntimeError(f"worker {job} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def run_rounds(script: str | Path, jobs: Sequence[dict], rounds: int, key: str) -> list[dict]:
+    """Run every job ``rounds`` times, interleaved; per job, the round with the median ``key``
+    (that round's other fields come along; ``key + '_rounds'`` lists every round's value)."""
+    results: list[list[dict]] = [[] for _ in jobs]
+    for _ in range(rounds):
+        for i, job in enumerate(jobs):
+            results[i].append(run_worker(script, job))
+    out = []
+    for rs in results:
+        ordered = sorted(rs, key=lambda r: r[key])
+        best = dict(ordered[(len(ordered) - 1) // 2])
+        best[key + "_rounds"] = [r[key] for r in rs]
+        out.append(best)
+    return out
+
+
+def matmul_peak_gflops(threads: int = THREADS, n: int = 2048, repeats: int = 10) -> float:
+    """fp32 matmul throughput (n x n @ n x n, 2 n^3 FLOPs) in a fresh process: the machine's
+    practical peak, measured in the same run as the model figures it is compared with."""
+    return run_worker(__file__, {"job": "matmul", "threads": threads, "n": n, "repeats": repeats})[
+        "gflops"
+    ]
+
+
+def _matmul_worker(job: dict) -> None:
+    torch = setup_torch(job["threads"])
+    n = job["n"]
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    times = time_calls(lambda: torch.mm(a, b, out=out), warmup=3, repeats=job["repeats"])
+    emit({"gflops": 2 * n**3 / statistics.median(times) / 1e9})
+
+
+def machine() -> dict:
+    """CPU model and cores, torch and Python versions, and the load average right now."""
+    model = platform.processor() or "unknown"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import torch
+
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": THREADS,
+        "loadavg_1m": os.getloadavg()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def print_machine(info: dict | None = None) -> dict:
+    info = info or machine()
+    print(
+        f"# {info['date']} | {info['cpu']}, {info['cores']} cores | torch {info['torch']} | "
+        f"python {info['python']} | {info['threads']} threads | "
+        f"load average (1 min) at start {info['loadavg_1m']:.2f}"
+    )
+    return info
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> None:
+    """A Markdown table of ``rows``; ``columns`` are (key, header) pairs."""
+    cells = [[_cell(r.get(k)) for k, _ in columns] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h) in enumerate(columns)]
+    print("| " + " | ".join(h.ljust(w) for (_, h), w in zip(columns, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for c in cells:
+        print("| " + " | ".join(v.ljust(w) for v, w in zip(c, widths)) + " |")
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (list, tuple)):
+        return " / ".join(_cell(v) for v in value)
+    if isinstance(value, float):
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.2f}"
+    return str(value)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else a / b
+
+
+if __name__ == "__main__":
+    job = worker_args()
+    if job is None or job.get("job") != "matmul":
+        sys.exit("usage: the benchmarks start this file as a worker; run bench/*.py instead")
+    _matmul_worker(job)

@@ -1,0 +1,253 @@
+"""Greedy generation throughput, new tokens/s: gptkiln against transformers and the book.
+
+    python bench/generate.py [--batches 1 8] [--new-tokens 200] [--repeats 3] [--book-batch8]
+                             [--no-check]
+
+A GPT-2 124M-shaped model with random weights (fp32, 2 threads), an 8-token prompt per row,
+200 new greedy tokens, batch 1 and batch 8; tokens/s counts every row's new tokens. Each
+implementation runs in a fresh process; one short warm-up call is excluded and the figure is the
+median over ``--repeats`` full calls.
+
+- gptkiln: ``gptkiln.sampling.generate(model, prompts, temperature=0, max_new_tokens=200)``
+  (static KV cache, the default).
+- transformers: ``GPT2LMHeadModel`` (SDPA attention) ``.generate(do_sample=False,
+  use_cache=True, max_new_tokens=200, min_new_tokens=200)``, so it never stops early.
+- the book: ``llms_from_scratch.ch04.generate_text_simple`` (no cache: every step re-runs the
+  whole sequence). At batch 8 it takes minutes, so it runs only with ``--book-batch8``.
+
+gptkiln and transformers share the GPT-2 layout (qkv bias, tied head); the book's model has its
+own (no qkv bias, untied head), which costs the same per token. Unless ``--no-check``, one more
+process copies a book model's weights into gptkiln and transformers (``gptkiln.interop``) and
+checks that all three pick the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+
+SHAPE = dict(vocab=50257, context=1024, n_layer=12, n_head=12, n_embd=768)
+PROMPT_LEN = 8
+
+
+def prompts(batch: int, vocab: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab, (batch, PROMPT_LEN), generator=gen)  # (B, T)
+
+
+def gptkiln_model(layout: str = "gpt2"):
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+
+    book = layout == "book"
+    return GPT(
+        GPTConfig(
+            vocab_size=SHAPE["vocab"],
+            context_length=SHAPE["context"],
+            n_layer=SHAPE["n_layer"],
+            n_head=SHAPE["n_head"],
+            n_embd=SHAPE["n_embd"],
+            dropout=0.0,
+            qkv_bias=not book,
+            tie_embeddings=not book,
+        )
+    ).eval()
+
+
+def hf_model(config_dict: dict | None = None):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if config_dict is None:
+        config_dict = dict(
+            vocab_size=SHAPE["vocab"],
+            n_positions=SHAPE["context"],
+            n_embd=SHAPE["n_embd"],
+            n_layer=SHAPE["n_layer"],
+            n_head=SHAPE["n_head"],
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    return GPT2LMHeadModel._from_config(
+        GPT2Config(**config_dict), attn_implementation="sdpa"
+    ).eval()
+
+
+def book_model():
+    from llms_from_scratch.ch04 import GPTModel
+
+    return GPTModel(
+        {
+            "vocab_size": SHAPE["vocab"],
+            "context_length": SHAPE["context"],
+            "emb_dim": SHAPE["n_embd"],
+            "n_heads": SHAPE["n_head"],
+            "n_layers": SHAPE["n_layer"],
+            "drop_rate": 0.0,
+            "qkv_bias": False,
+        }
+    ).eval()
+
+
+def generator_for(impl: str, model):
+    """A function (prompt ids (B, T), n) -> new ids (B, n) for this implementation."""
+    import torch
+
+    if impl == "gptkiln":
+        from gptkiln.sampling import generate
+
+        def run(idx, n):
+            return torch.tensor(generate(model, idx.tolist(), max_new_tokens=n, temperature=0))
+    elif impl == "transformers":
+
+        def run(idx, n):
+            out = model.generate(
+                idx,
+                attention_mask=torch.ones_like(idx),
+                do_sample=False,
+                use_cache=True,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=model.config.eos_token_id,
+            )
+            return out[:, idx.size(1) :]
+    else:
+        from llms_from_scratch.ch04 import generate_text_simple
+
+        def run(idx, n):
+            return generate_text_simple(model, idx, n, SHAPE["context"])[:, idx.size(1) :]
+
+    return run
+
+
+def worker(job: dict) -> None:
+    torch = common.setup_torch(job.get("threads", common.THREADS))
+    if job["impl"] == "check":
+        return check_same_tokens(job)
+    impl = job["impl"]
+    model = {"gptkiln": gptkiln_model, "transformers": hf_model, "book": book_model}[impl]()
+    run = generator_for(impl, model)
+    idx = prompts(job["batch"], SHAPE["vocab"])
+    n = job["new_tokens"]
+    with torch.inference_mode():
+        run(idx, 8)  # warm-up: first calls allocate and pick kernels
+        times = common.time_calls(lambda: run(idx, n), warmup=0, repeats=job["repeats"])
+        out = run(idx, 2)
+    assert out.shape == (job["batch"], 2), out.shape
+    sec = statistics.median(times)
+    common.emit(
+        {"tokens_per_s": job["batch"] * n / sec, "seconds": sec, "ms_per_token": 1e3 * sec / n}
+    )
+
+
+def check_same_tokens(job: dict) -> None:
+    """One book model's weights in all three implementations: the same greedy tokens?"""
+    import torch
+
+    from gptkiln.config import GPTConfig
+    from gptkiln.interop import book_state_dict_to_gptkiln, config_to_hf, gptkiln_state_dict_to_hf
+    from gptkiln.model import GPT
+
+    book = book_model()
+    config, sd = book_state_dict_to_gptkiln(book.state_dict(), n_head=SHAPE["n_head"])
+    with torch.device("meta"):
+        kiln = GPT(config)
+    kiln.load_state_dict(sd, assign=True)
+    kiln.eval()
+    hf = hf_model(config_to_hf(config))
+    hf.load_state_dict(gptkiln_state_dict_to_hf(kiln.state_dict(), config))
+    assert isinstance(config, GPTConfig)
+    idx = prompts(job["batch"], SHAPE["vocab"])
+    n = job["new_tokens"]
+    with torch.inference_mode():
+        outs = {
+            impl: generator_for(impl, m)(idx, n)
+            for impl, m in (("gptkiln", kiln), ("transformers", hf), ("book", book))
+        }
+    ref = outs["book"]
+    common.emit(
+        {
+            impl: {
+                "same": bool(torch.equal(o, ref)),
+                "first_diff": int((o != ref).any(0).nonzero()[0])
+                if not torch.equal(o, ref)
+                else None,
+            }
+            for impl, o in outs.items()
+            if impl != "book"
+        }
+    )
+
+
+# -- driver ------------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved repeats of every process")
+    p.add_argument(
+        "--book-batch8",
+        action="store_true",
+        help="also time the book (no cache) at batch sizes above 1: minutes",
+    )
+    p.add_argument("--no-book", action="store_true", help="leave the book out entirely")
+    p.add_argument("--no-check", action="store_true", help="skip the same-tokens check")
+    args = p.parse_args()
+
+    info = common.print_machine()
+    rows = []
+    for batch in args.batches:
+        jobs = [dict(impl="gptkiln"), dict(impl="transformers")]
+        if not args.no_book and (batch == 1 or args.book_batch8):
+            jobs.append(dict(impl="book", repeats=1))
+        for job in jobs:
+            job.update(batch=batch, new_tokens=args.new_tokens)
+            job.setdefault("repeats", args.repeats)
+        results = common.run_rounds(__file__, jobs, args.rounds, "tokens_per_s")
+        kiln = results[0]["tokens_per_s"]
+        for job, r in zip(jobs, results):
+            row = dict(batch=batch, impl=job["impl"], **r)
+            if job["impl"] != "gptkiln":
+                row["ratio"] = common.ratio(kiln, r["tokens_per_s"])
+            rows.append(row)
+    print()
+    common.print_table(
+        rows,
+        [
+            ("batch", "batch"),
+            ("impl", "implementation"),
+            ("tokens_per_s", "new tokens/s"),
+            ("ms_per_token", "ms/step"),
+            ("ratio", "gptkiln ratio"),
+            ("peak_rss_mb", "peak RSS MB"),
+            ("tokens_per_s_rounds", "tokens/s per round"),
+            ("others_cores", "others' cores"),
+        ],
+    )
+    print(
+        f"\n# {PROMPT_LEN}-token prompt, {args.new_tokens} new greedy tokens per row; "
+        f"'gptkiln ratio' = gptkiln tokens/s / that row's; load average now "
+        f"{common.machine()['loadavg_1m']:.2f} (at start {info['loadavg_1m']:.2f})"
+    )
+    if not args.no_check:
+        check = common.run_worker(__file__, dict(impl="check", batch=2, new_tokens=20))
+        for impl in ("gptkiln", "transformers"):
+            c = check[impl]
+            verdict = "same tokens" if c["same"] else f"DIFFERENT from token {c['first_diff']}"
+            print(
+                f"# check (book weights copied in, batch 2, 20 greedy tokens): {impl} vs book: "
+                f"{verdict}"
+            )
+
+
+if __name__ == "__main__":
+    job = common.worker_args()
+    worker(job) if job is not None else main()

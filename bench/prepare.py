@@ -1,0 +1,131 @@
+"""Tokenizing a corpus to disk, MB/s and peak RSS: gptkiln's ``prepare`` against tiktoken alone.
+
+    python bench/prepare.py [--sizes-mb 25 50 100] [--rounds 1]
+
+The corpus is tiny Shakespeare (../shared/data/tinyshakespeare.txt) repeated into a temporary
+file of each size (one document). Every measurement is a fresh process:
+
+- gptkiln: ``gptkiln.data.prepare.prepare(path, out_dir, tokenizer="gpt2", progress=False)``,
+  the whole job: read the file, tokenize (GPT-2 BPE via tiktoken), write train.bin / val.bin.
+- tiktoken: the same GPT-2 encoding's ``encode_ordinary_batch(pieces, num_threads=2)`` over the
+  file's text, already in memory, cut into ~1 MB pieces at line ends; nothing is written. This
+  is the speed of the encoder itself, the most prepare could reach.
+
+MB = 10^6 bytes of UTF-8 text. Peak RSS is VmHWM of the worker process, so it includes the
+interpreter and imports (numpy, tiktoken, torch is not imported by either).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+
+CORPUS = common.SHARED_DATA / "tinyshakespeare.txt"
+PIECE_BYTES = 1 << 20
+
+
+def make_corpus(path: Path, size_mb: float) -> int:
+    """Write tiny Shakespeare repeated until ``size_mb`` MB are reached; returns the bytes."""
+    text = CORPUS.read_bytes()
+    copies = max(1, round(size_mb * 1e6 / len(text)))
+    with open(path, "wb") as f:
+        for _ in range(copies):
+            f.write(text)
+    return copies * len(text)
+
+
+def worker(job: dict) -> None:
+    path = Path(job["path"])
+    size = path.stat().st_size
+    if job["impl"] == "gptkiln":
+        from gptkiln.data.prepare import prepare
+
+        t0 = time.perf_counter()
+        meta = prepare(path, job["out"], tokenizer="gpt2", progress=False)
+        sec = time.perf_counter() - t0
+        tokens = meta["train_tokens"] + meta["val_tokens"]
+    else:
+        from gptkiln.tokenizers import GPT2Tokenizer
+
+        encoding = GPT2Tokenizer()._encoding  # GPT-2's ranks, as tiktoken.get_encoding("gpt2")
+        text = path.read_text(encoding="utf-8")
+        pieces, start = [], 0
+        while start < len(text):
+            end = text.find("\n", start + PIECE_BYTES)
+            end = len(text) if end < 0 else end + 1
+            pieces.append(text[start:end])
+            start = end
+        t0 = time.perf_counter()
+        ids = encoding.encode_ordinary_batch(pieces, num_threads=common.THREADS)
+        sec = time.perf_counter() - t0
+        tokens = sum(map(len, ids))
+    common.emit(
+        {"mb_per_s": size / 1e6 / sec, "seconds": sec, "tokens": tokens, "size_mb": size / 1e6}
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes-mb", nargs="+", type=float, default=[25, 50, 100])
+    p.add_argument("--rounds", type=int, default=1, help="interleaved repeats of every process")
+    args = p.parse_args()
+    if not CORPUS.is_file():
+        sys.exit(f"{CORPUS} is missing: it is the corpus this benchmark repeats")
+
+    info = common.print_machine()
+    tmp = Path(tempfile.mkdtemp(prefix="gptkiln-bench-prepare-"))
+    rows = []
+    try:
+        for size_mb in args.sizes_mb:
+            path = tmp / f"corpus-{size_mb:g}mb.txt"
+            make_corpus(path, size_mb)
+            jobs = [
+                dict(
+                    impl=impl,
+                    path=str(path),
+                    out=str(tmp / f"out-{size_mb:g}"),
+                    threads=common.THREADS,
+                )
+                for impl in ("gptkiln", "tiktoken")
+            ]
+            results = common.run_rounds(__file__, jobs, args.rounds, "mb_per_s")
+            for job, r in zip(jobs, results):
+                row = dict(impl=job["impl"], **r)
+                if job["impl"] == "gptkiln":
+                    row["ratio"] = common.ratio(r["mb_per_s"], results[1]["mb_per_s"])
+                rows.append(row)
+            path.unlink()
+            shutil.rmtree(tmp / f"out-{size_mb:g}", ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    common.print_table(
+        rows,
+        [
+            ("size_mb", "corpus MB"),
+            ("impl", "implementation"),
+            ("mb_per_s", "MB/s"),
+            ("ratio", "ratio vs tiktoken"),
+            ("seconds", "seconds"),
+            ("tokens", "tokens"),
+            ("peak_rss_mb", "peak RSS MB"),
+            ("others_cores", "others' cores"),
+        ],
+    )
+    print(
+        f"\n# tiktoken = encode_ordinary_batch(num_threads={common.THREADS}) of the text in "
+        f"memory; gptkiln = prepare() end to end (read, encode, write); load average now "
+        f"{common.machine()['loadavg_1m']:.2f} (at start {info['loadavg_1m']:.2f})"
+    )
+
+
+if __name__ == "__main__":
+    job = common.worker_args()
+    worker(job) if job is not None else main()

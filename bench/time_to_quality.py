@@ -1,0 +1,149 @@
+"""Time to quality: wall seconds until the char-level baby GPT first reaches val loss <= 1.88.
+
+    python bench/time_to_quality.py [--target 1.88] [-- extra gptkiln train flags]
+
+Runs the bundled recipe, end to end, as a user would:
+
+    gptkiln train --config shakespeare-char --data ../shared/data/tinyshakespeare.txt \
+        --out RUN --overwrite --no-progress
+
+(4 layers, 4 heads, 128 dims, context 64, batch 12, lr 1e-3, 100 warm-up steps, cosine to 1e-4
+over 2000 steps, dropout 0, evaluation every 250 steps; see src/gptkiln/recipes/). The clock
+starts when the process is launched (imports, data preparation and evaluations included) and
+the run's ``metrics.csv`` is watched while it trains: the time to quality is when the first row
+with ``val_loss <= target`` appears. The reference: nanoGPT's baby GPT on this machine, 90 s for
+2000 steps, final val loss 1.886.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+
+DATA = common.SHARED_DATA / "tinyshakespeare.txt"
+
+
+def read_rows(path: Path) -> list[dict]:
+    """metrics.csv rows (step, tokens, train_loss, val_loss, lr, tokens_per_s); "" -> None."""
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        text = f.read()
+    if not text.endswith("\n"):  # a row being written: leave it for the next look
+        text = text[: text.rfind("\n") + 1]
+    return [
+        {k: float(v) if v not in ("", None) else None for k, v in row.items()}
+        for row in csv.DictReader(text.splitlines())
+    ]
+
+
+def run(target: float, extra: list[str], run_dir: Path, poll_s: float = 0.05) -> dict:
+    """Train once, watching metrics.csv; the figures of the run."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "gptkiln",
+        "train",
+        "--config",
+        "shakespeare-char",
+        "--data",
+        str(DATA),
+        "--out",
+        str(run_dir),
+        "--overwrite",
+        "--no-progress",
+        *extra,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=str(common.THREADS))
+    metrics = run_dir / "metrics.csv"
+    reached = None
+    seen = 0
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with (
+        open(log_path, "w") as log,
+        subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=common.REPO
+        ) as proc,
+    ):
+        while proc.poll() is None:
+            time.sleep(poll_s)
+            rows = read_rows(metrics)
+            for row in rows[seen:]:
+                if reached is None and row["val_loss"] is not None and row["val_loss"] <= target:
+                    reached = (time.perf_counter() - t0, row)
+            seen = len(rows)
+        wall = time.perf_counter() - t0
+    output = log_path.read_text()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{output[-3000:]}")
+    rows = read_rows(metrics)
+    for row in rows[seen:]:  # rows written after the last look
+        if reached is None and row["val_loss"] is not None and row["val_loss"] <= target:
+            reached = (wall, row)
+    final = rows[-1]
+    return {
+        "wall_s": wall,
+        "reached_s": reached[0] if reached else None,
+        "reached_step": int(reached[1]["step"]) if reached else None,
+        "reached_val": reached[1]["val_loss"] if reached else None,
+        "final_step": int(final["step"]),
+        "final_val": final["val_loss"],
+        "tokens_per_s": final["tokens_per_s"],
+        "rows": rows,
+        "output": output,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", type=float, default=1.88)
+    p.add_argument("--keep", help="keep the run directory here instead of a temporary one")
+    p.add_argument("extra", nargs="*", help="more `gptkiln train` flags (after --)")
+    args = p.parse_args()
+    if not DATA.is_file():
+        sys.exit(f"{DATA} is missing")
+
+    info = common.print_machine()
+    common.wait_for_quiet()
+    with tempfile.TemporaryDirectory(prefix="gptkiln-bench-ttq-") as tmp:
+        run_dir = Path(args.keep) if args.keep else Path(tmp) / "run"
+        r = run(args.target, args.extra, run_dir)
+    print("\n| step | val loss | tokens/s (EMA, trainer) |")
+    print("|------|----------|-------------------------|")
+    for row in r["rows"]:
+        val = "-" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
+        print(f"| {int(row['step'])} | {val} | {row['tokens_per_s']:,.0f} |")
+    print()
+    common.print_table(
+        [dict(target=args.target, **r)],
+        [
+            ("target", "target val"),
+            ("reached_s", "seconds to target"),
+            ("reached_step", "at step"),
+            ("reached_val", "val there"),
+            ("final_val", "final val"),
+            ("final_step", "steps"),
+            ("wall_s", "total wall s"),
+        ],
+    )
+    verdict = "MET" if r["reached_s"] is not None and r["reached_s"] <= 60 else "MISSED"
+    print(
+        f"\n# target: val <= {args.target} within 60 s: {verdict}; nanoGPT reference: 90 s for "
+        f"2000 steps, final 1.886; load average now {common.machine()['loadavg_1m']:.2f} "
+        f"(at start {info['loadavg_1m']:.2f})"
+    )
+
+
+if __name__ == "__main__":
+    main()

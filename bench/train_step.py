@@ -1,0 +1,271 @@
+"""Training-step throughput, tokens/s: gptkiln against transformers and the book's model.
+
+    python bench/train_step.py [--sizes baby 124m] [--rounds 3] [--compile]
+
+One step = forward + loss + backward + AdamW step + zero_grad, fp32, dropout 0, 2 threads, on a
+fixed random batch. Every implementation runs in a fresh process; warm-up steps are excluded and
+the figure is the median step time over the timed steps (then the median over rounds). Each
+implementation is used as its own project uses it:
+
+- gptkiln: ``GPT(config)(x, y)`` returns the loss; ``gptkiln.optim.make_optimizer`` (decay groups,
+  the AdamW kernel gptkiln picks).
+- transformers: ``GPT2LMHeadModel`` with SDPA attention, ``model(input_ids=x, labels=x).loss``,
+  ``torch.optim.AdamW(model.parameters())`` (torch's default kernel choice).
+- the book: ``llms_from_scratch.ch04.GPTModel``, ``cross_entropy(logits.flatten(0, 1), y)`` as in
+  its ``calc_loss_batch``, ``torch.optim.AdamW(model.parameters())`` as in its chapter 5.
+
+Pairs with identical shapes: gptkiln's GPT-2 layout (qkv bias, tied head) against transformers,
+its book layout (no qkv bias, untied head: the ``book-124m`` preset) against the book's model.
+Sizes: ``baby`` (4 layers, 4 heads, 128 dims, context 64, batch 12, vocab 65) and ``124m``
+(12 layers, 12 heads, 768 dims, context 256, batch 2, vocab 50257).
+
+gptkiln's achieved FLOP/s use ``GPT.flops_per_token``: 6 N + 12 L T C per token (N parameters
+without position embeddings, L layers, T context, C width), compared with an fp32 matmul peak
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+
+SIZES = {
+    "baby": dict(
+        n_layer=4,
+        n_head=4,
+        n_embd=128,
+        context=64,
+        batch=12,
+        vocab=65,
+        warmup=10,
+        steps=60,
+        rounds=3,
+    ),
+    "124m": dict(
+        n_layer=12,
+        n_head=12,
+        n_embd=768,
+        context=256,
+        batch=2,
+        vocab=50257,
+        warmup=2,
+        steps=5,
+        rounds=1,
+    ),
+}
+LAYOUTS = {"gpt2": dict(qkv_bias=True, tie=True), "book": dict(qkv_bias=False, tie=False)}
+PEER = {"gpt2": "transformers", "book": "book"}
+LR, WEIGHT_DECAY = 4e-4, 0.1
+
+
+# -- workers -----------------------------------------------------------------------------------
+def build_gptkiln(job: dict):
+    import torch
+
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.optim import make_optimizer
+
+    s, lay = job["shape"], LAYOUTS[job["layout"]]
+    model = GPT(
+        GPTConfig(
+            vocab_size=s["vocab"],
+            context_length=s["context"],
+            n_layer=s["n_layer"],
+            n_head=s["n_head"],
+            n_embd=s["n_embd"],
+            dropout=0.0,
+            qkv_bias=lay["qkv_bias"],
+            tie_embeddings=lay["tie"],
+        )
+    )
+    kind = job.get("optimizer", "gptkiln")
+    if kind == "gptkiln":
+        opt = make_optimizer(model, LR, WEIGHT_DECAY, (0.9, 0.95))
+    else:  # an explicit AdamW kernel, for measuring the choice
+        from gptkiln.optim import param_groups
+
+        flags = {
+            "fused": dict(fused=True),
+            "foreach": dict(foreach=True),
+            "loop": dict(foreach=False),
+        }[kind]
+        opt = torch.optim.AdamW(
+            param_groups(model, WEIGHT_DECAY), lr=LR, betas=(0.9, 0.95), **flags
+        )
+    forward = torch.compile(model) if job.get("compile") else model
+
+    def loss_fn(x, y):
+        return forward(x, y)[1]
+
+    return model, opt, loss_fn
+
+
+def build_transformers(job: dict):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    s = job["shape"]
+    cfg = GPT2Config(
+        vocab_size=s["vocab"],
+        n_positions=s["context"],
+        n_embd=s["n_embd"],
+        n_layer=s["n_layer"],
+        n_head=s["n_head"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=s["vocab"] - 1,
+        eos_token_id=s["vocab"] - 1,
+        tie_word_embeddings=True,
+    )
+    model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+    def loss_fn(x, y):
+        return model(input_ids=x, labels=x).loss  # labels are shifted inside
+
+    return model, opt, loss_fn
+
+
+def build_book(job: dict):
+    import torch
+    import torch.nn.functional as F
+    from llms_from_scratch.ch04 import GPTModel
+
+    s = job["shape"]
+    model = GPTModel(
+        {
+            "vocab_size": s["vocab"],
+            "context_length": s["context"],
+            "emb_dim": s["n_embd"],
+            "n_heads": s["n_head"],
+            "n_layers": s["n_layer"],
+            "drop_rate": 0.0,
+            "qkv_bias": False,
+        }
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+    def loss_fn(x, y):
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # the book's calc_loss_batch
+
+    return model, opt, loss_fn
+
+
+BUILDERS = {"gptkiln": build_gptkiln, "transformers": build_transformers, "book": build_book}
+
+
+def worker(job: dict) -> None:
+    torch = common.setup_torch(job.get("threads", common.THREADS))
+    s = job["shape"]
+    model, opt, loss_fn = BUILDERS[job["impl"]](job)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    x = torch.randint(0, s["vocab"], (s["batch"], s["context"]))
+    y = torch.randint(0, s["vocab"], (s["batch"], s["context"]))
+
+    def step():
+        loss = loss_fn(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = common.time_calls(step, warmup=s["warmup"], repeats=s["steps"])
+    sec = statistics.median(times)
+    out = {
+        "tokens_per_s": s["batch"] * s["context"] / sec,
+        "ms_per_step": sec * 1e3,
+        "params": n_params,
+    }
+    if job["impl"] == "gptkiln":
+        out["flops_per_token"] = model.flops_per_token(s["context"])
+    common.emit(out)
+
+
+# -- driver ------------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved repeats of every process (default: 3 baby, 1 124m)",
+    )
+    p.add_argument(
+        "--optimizers",
+        nargs="+",
+        default=["gptkiln"],
+        choices=["gptkiln", "fused", "foreach", "loop"],
+        help="extra gptkiln rows with an explicit AdamW kernel",
+    )
+    p.add_argument("--compile", action="store_true", help="add a torch.compile'd gptkiln row")
+    args = p.parse_args()
+
+    info = common.print_machine()
+    peak = common.matmul_peak_gflops()
+    print(f"# fp32 matmul peak (2048^2, {common.THREADS} threads): {peak:.1f} GFLOP/s")
+    rows = []
+    for size in args.sizes:
+        shape = SIZES[size]
+        jobs = []
+        for layout in args.layouts:
+            for kind in args.optimizers:
+                jobs.append(dict(impl="gptkiln", layout=layout, optimizer=kind))
+            if args.compile:
+                jobs.append(dict(impl="gptkiln", layout=layout, compile=True))
+            jobs.append(dict(impl=PEER[layout], layout=layout))
+        for job in jobs:
+            job["shape"] = shape
+        results = common.run_rounds(__file__, jobs, args.rounds or shape["rounds"], "tokens_per_s")
+        peers = {
+            j["layout"]: r["tokens_per_s"] for j, r in zip(jobs, results) if j["impl"] != "gptkiln"
+        }
+        for job, r in zip(jobs, results):
+            name = job["impl"]
+            if job.get("optimizer", "gptkiln") != "gptkiln":
+                name += f" (AdamW {job['optimizer']})"
+            if job.get("compile"):
+                name += " (compiled)"
+            row = dict(size=size, layout=job["layout"], impl=name, **r)
+            if job["impl"] == "gptkiln":
+                row["ratio"] = common.ratio(r["tokens_per_s"], peers[job["layout"]])
+                row["vs"] = PEER[job["layout"]]
+                achieved = r["tokens_per_s"] * r["flops_per_token"] / 1e9
+                row["gflops"], row["of_peak"] = achieved, 100 * achieved / peak
+            rows.append(row)
+    print()
+    common.print_table(
+        rows,
+        [
+            ("size", "size"),
+            ("layout", "layout"),
+            ("impl", "implementation"),
+            ("tokens_per_s", "tokens/s"),
+            ("ms_per_step", "ms/step"),
+            ("ratio", "ratio"),
+            ("vs", "vs"),
+            ("gflops", "GFLOP/s"),
+            ("of_peak", "% of peak"),
+            ("peak_rss_mb", "peak RSS MB"),
+            ("tokens_per_s_rounds", "tokens/s per round"),
+            ("others_cores", "others' cores"),
+        ],
+    )
+    print(
+        f"\n# GFLOP/s = tokens/s x GPT.flops_per_token(T) = tokens/s x (6N + 12 L T C); "
+        f"peak = {peak:.1f} GFLOP/s; load average now {common.machine()['loadavg_1m']:.2f} "
+        f"(at start {info['loadavg_1m']:.2f})"
+    )
+
+
+if __name__ == "__main__":
+    job = common.worker_args()
+    worker(job) if job is not None else main()
