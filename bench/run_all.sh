@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # Every gptkiln benchmark, one after the other, each printing its figures and ratios; the output
-# is what bench/README.md's table is copied from. About 10-15 minutes on a quiet 2-core machine.
+# is what bench/README.md's tables are copied from. About 20 minutes on a quiet 2-core machine.
 #
 #   bash bench/run_all.sh [OUTPUT_FILE]       (default: bench/results-$(date +%F).txt)
 #
-# Run it on an otherwise idle machine: every worker waits (up to BENCH_MAX_WAIT s, default 120)
-# for other processes to go quiet, and each table reports the cores others kept busy meanwhile.
+# Run it on an otherwise idle machine: two threads on two cores leave no room for a neighbour,
+# and every multi-threaded op waits for the slower core. Each worker first waits (up to
+# BENCH_MAX_WAIT s, default 120) for other processes to go quiet, and the tables report the
+# cores that others kept busy meanwhile ("others' cores"); distrust a row where that is not ~0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${1:-bench/results-$(date +%F).txt}
 export OMP_NUM_THREADS=2
 {
-  echo "## train_step";      "$PY" bench/train_step.py
-  echo; echo "## generate";  "$PY" bench/generate.py
-  echo; echo "## prepare";   "$PY" bench/prepare.py
+  echo "## train_step";       "$PY" bench/train_step.py --rounds 2 --malloc-keep
+  echo; echo "## adamw";      "$PY" bench/adamw.py
+  echo; echo "## generate";   "$PY" bench/generate.py --rounds 2
+  echo; echo "## prepare";    "$PY" bench/prepare.py
   echo; echo "## time_to_quality"; "$PY" bench/time_to_quality.py
+  echo; echo "## load_memory"; "$PY" bench/load_memory.py
+  echo; echo "## ddp_scaling"; "$PY" bench/ddp_scaling.py
 } 2>&1 | tee "$OUT"
 echo "written to $OUT"

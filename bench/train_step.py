@@ -1,14 +1,15 @@
 """Training-step throughput, tokens/s: gptkiln against transformers and the book's model.
 
-    python bench/train_step.py [--sizes baby 124m] [--rounds 3] [--compile]
+    python bench/train_step.py [--sizes baby 124m] [--rounds 3] [--compile] [--malloc-keep]
 
 One step = forward + loss + backward + AdamW step + zero_grad, fp32, dropout 0, 2 threads, on a
 fixed random batch. Every implementation runs in a fresh process; warm-up steps are excluded and
-the figure is the median step time over the timed steps (then the median over rounds). Each
+the figure is the median step time over the timed steps (then the best round). Each
 implementation is used as its own project uses it:
 
 - gptkiln: ``GPT(config)(x, y)`` returns the loss; ``gptkiln.optim.make_optimizer`` (decay groups,
-  the AdamW kernel gptkiln picks).
+  the AdamW kernel gptkiln picks); ``gptkiln.allocator.keep_freed_memory()`` first, as the
+  ``gptkiln train`` command does on CPU (glibc keeps freed blocks: no page faults per step).
 - transformers: ``GPT2LMHeadModel`` with SDPA attention, ``model(input_ids=x, labels=x).loss``,
   ``torch.optim.AdamW(model.parameters())`` (torch's default kernel choice).
 - the book: ``llms_from_scratch.ch04.GPTModel``, ``cross_entropy(logits.flatten(0, 1), y)`` as in
@@ -16,6 +17,9 @@ implementation is used as its own project uses it:
 
 Pairs with identical shapes: gptkiln's GPT-2 layout (qkv bias, tied head) against transformers,
 its book layout (no qkv bias, untied head: the ``book-124m`` preset) against the book's model.
+With ``--malloc-keep`` the peers also run a second time with glibc set the same way (through
+its environment variables), and the gptkiln rows get a second ratio against those: what is left
+of the lead when the peer gets the same allocator treatment.
 Sizes: ``baby`` (4 layers, 4 heads, 128 dims, context 64, batch 12, vocab 65) and ``124m``
 (12 layers, 12 heads, 768 dims, context 256, batch 2, vocab 50257).
 
@@ -53,13 +57,20 @@ SIZES = {
         context=256,
         batch=2,
         vocab=50257,
-        warmup=2,
+        warmup=3,
         steps=5,
         rounds=1,
     ),
 }
 LAYOUTS = {"gpt2": dict(qkv_bias=True, tie=True), "book": dict(qkv_bias=False, tie=False)}
 PEER = {"gpt2": "transformers", "book": "book"}
+# What gptkiln.allocator.keep_freed_memory sets with mallopt, as glibc environment variables, for
+# the peers' "(malloc keep)" rows.
+MALLOC_KEEP = {
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": "100000000000",
+    "MALLOC_TOP_PAD_": str(256 << 20),
+}
 LR, WEIGHT_DECAY = 4e-4, 0.1
 
 
@@ -72,6 +83,10 @@ def build_gptkiln(job: dict):
     from gptkiln.optim import make_optimizer
 
     s, lay = job["shape"], LAYOUTS[job["layout"]]
+    if not job.get("no_keep"):
+        from gptkiln.allocator import keep_freed_memory
+
+        keep_freed_memory()
     model = GPT(
         GPTConfig(
             vocab_size=s["vocab"],
@@ -207,6 +222,13 @@ def main() -> None:
         help="extra gptkiln rows with an explicit AdamW kernel",
     )
     p.add_argument("--compile", action="store_true", help="add a torch.compile'd gptkiln row")
+    p.add_argument(
+        "--malloc-keep",
+        action="store_true",
+        help="also run the peers with glibc told to keep freed memory "
+        f"({' '.join(f'{k}={v}' for k, v in MALLOC_KEEP.items())}), as gptkiln does, and a "
+        "gptkiln row without it",
+    )
     args = p.parse_args()
 
     info = common.print_machine()
@@ -222,11 +244,16 @@ def main() -> None:
             if args.compile:
                 jobs.append(dict(impl="gptkiln", layout=layout, compile=True))
             jobs.append(dict(impl=PEER[layout], layout=layout))
+            if args.malloc_keep:
+                jobs.append(dict(impl="gptkiln", layout=layout, no_keep=True))
+                jobs.append(dict(impl=PEER[layout], layout=layout, env=MALLOC_KEEP))
         for job in jobs:
             job["shape"] = shape
         results = common.run_rounds(__file__, jobs, args.rounds or shape["rounds"], "tokens_per_s")
         peers = {
-            j["layout"]: r["tokens_per_s"] for j, r in zip(jobs, results) if j["impl"] != "gptkiln"
+            (j["layout"], bool(j.get("env"))): r["tokens_per_s"]
+            for j, r in zip(jobs, results)
+            if j["impl"] != "gptkiln"
         }
         for job, r in zip(jobs, results):
             name = job["impl"]
@@ -234,9 +261,16 @@ def main() -> None:
                 name += f" (AdamW {job['optimizer']})"
             if job.get("compile"):
                 name += " (compiled)"
+            if job.get("env"):
+                name += " (malloc keep)"
+            if job.get("no_keep"):
+                name += " (glibc default)"
             row = dict(size=size, layout=job["layout"], impl=name, **r)
             if job["impl"] == "gptkiln":
-                row["ratio"] = common.ratio(r["tokens_per_s"], peers[job["layout"]])
+                row["ratio"] = common.ratio(r["tokens_per_s"], peers[(job["layout"], False)])
+                if (job["layout"], True) in peers:
+                    kept_peer = peers[(job["layout"], True)]
+                    row["ratio_keep"] = common.ratio(r["tokens_per_s"], kept_peer)
                 row["vs"] = PEER[job["layout"]]
                 achieved = r["tokens_per_s"] * r["flops_per_token"] / 1e9
                 row["gflops"], row["of_peak"] = achieved, 100 * achieved / peak
@@ -251,6 +285,7 @@ def main() -> None:
             ("tokens_per_s", "tokens/s"),
             ("ms_per_step", "ms/step"),
             ("ratio", "ratio"),
+            ("ratio_keep", "ratio vs kept"),
             ("vs", "vs"),
             ("gflops", "GFLOP/s"),
             ("of_peak", "% of peak"),
@@ -260,7 +295,9 @@ def main() -> None:
         ],
     )
     print(
-        f"\n# GFLOP/s = tokens/s x GPT.flops_per_token(T) = tokens/s x (6N + 12 L T C); "
+        f"\n# GFLOP/s = tokens/s x GPT.flops_per_token(T) = tokens/s x (6N + 12 L T C), N the "
+        f"parameters without position embeddings; for the untied book layout N also counts the "
+        f"token embedding (V x C), which does no matmul, so its figure is high by 6VC/token. "
         f"peak = {peak:.1f} GFLOP/s; load average now {common.machine()['loadavg_1m']:.2f} "
         f"(at start {info['loadavg_1m']:.2f})"
     )

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from gptkiln.config import TrainConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.train import Batches, train
+from gptkiln.train import Batches, eval_batches, train
 
 
 def tiny_config(data, out, **kw) -> TrainConfig:
@@ -79,6 +79,24 @@ def test_batches_are_disjoint_across_ranks_and_equal_one_big_batch():
             parts = [b.get(step, 0)[0] for b in ranks]
             assert torch.equal(torch.cat(parts), x_big)  # same windows as 1 process x 2b
             assert not set(parts[0][:, 0].tolist()) & set(parts[1][:, 0].tolist())
+
+
+def test_eval_batches_cover_the_whole_split():
+    import numpy as np
+
+    # 100 windows of 4 tokens: the window index is written into its tokens.
+    tokens = np.repeat(np.arange(100, dtype=np.uint16), 4)
+    tokens = np.append(tokens, 0)  # one more token, so the last window has its target
+    few = eval_batches(tokens, 4, batch_size=5, n_batches=3)  # 15 of the 100 windows
+    firsts = [int(x[0]) for xb, _ in few for x in xb]
+    assert len(few) == 3 and firsts[0] == 0 and firsts[-1] == 99  # from the start to the end
+    assert firsts == sorted(set(firsts))
+    assert max(b - a for a, b in zip(firsts, firsts[1:])) <= 8  # evenly spread
+    every = eval_batches(tokens, 4, batch_size=8, n_batches=20)  # room for all: all, in order
+    assert [int(x[0]) for xb, _ in every for x in xb] == list(range(100))
+    assert [len(xb) for xb, _ in every] == [8] * 12 + [4]
+    x, y = every[0]
+    assert torch.equal(y[:, :-1], x[:, 1:])  # targets are the inputs shifted by one
 
 
 def test_windows_sampling_walks_epochs_of_the_books_windows():

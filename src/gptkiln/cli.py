@@ -111,8 +111,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = train_config_from_args(args)
     if args.nproc is not None:
         return launch_torchrun(args.nproc)
-    from gptkiln.train import train
+    from gptkiln.allocator import keep_freed_memory
+    from gptkiln.train import resolve_device, train
 
+    if resolve_device(cfg.device).startswith("cpu"):  # our own process: no page faults per step
+        keep_freed_memory()
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if result.val_loss is not None and int(os.environ.get("RANK", 0)) == 0:
         print(

@@ -101,15 +101,25 @@ class Batches:
 def eval_batches(
     tokens: np.ndarray, context_length: int, batch_size: int, n_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed list of evaluation batches: the first non-overlapping windows of a split, in order
-    (as the book's validation loader). Raises when the split is shorter than one window."""
+    """A fixed list of evaluation batches over a split's non-overlapping windows.
+
+    When the split has at most ``n_batches * batch_size`` windows, all of them, in order (the
+    book's validation loader). When it has more, that many windows spread evenly from the split's
+    start to its end, so the estimate covers the whole split and not only its first pages (on
+    char-level tiny Shakespeare the first 15k characters of the validation split score ~0.015
+    lower than the whole split). Raises when the split is shorter than one window.
+    """
     from gptkiln.data.windows import SlidingWindowDataset
 
     dataset = SlidingWindowDataset(tokens, context_length, context_length)
+    wanted = n_batches * batch_size
+    if len(dataset) <= wanted:
+        order = list(range(len(dataset)))
+    else:
+        order = torch.linspace(0, len(dataset) - 1, wanted).round().long().tolist()
     batches = []
-    for start in range(0, min(len(dataset), n_batches * batch_size), batch_size):
-        ids = range(start, min(start + batch_size, len(dataset)))
-        xs, ys = zip(*(dataset[i] for i in ids), strict=True)
+    for start in range(0, len(order), batch_size):
+        xs, ys = zip(*(dataset[i] for i in order[start : start + batch_size]), strict=True)
         batches.append((torch.stack(xs), torch.stack(ys)))
     return batches
 
