@@ -116,7 +116,8 @@ def eval_batches(
     if len(dataset) <= wanted:
         order = list(range(len(dataset)))
     else:
-        order = torch.linspace(0, len(dataset) - 1, wanted).round().long().tolist()
+        spread = torch.linspace(0, len(dataset) - 1, wanted, dtype=torch.float64)
+        order = spread.round().long().tolist()  # float64: exact for any real corpus
     batches = []
     for start in range(0, len(order), batch_size):
         xs, ys = zip(*(dataset[i] for i in order[start : start + batch_size]), strict=True)
