@@ -72,6 +72,50 @@ def worker_args(argv: Sequence[str] | None = None) -> dict | None:
     return None
 
 
+# -- the models under test ---------------------------------------------------------------------
+LAYOUTS = {
+    "gpt2": dict(qkv_bias=True, tie_embeddings=True),  # GPT-2's, as transformers builds it
+    "book": dict(qkv_bias=False, tie_embeddings=False),  # the book's GPTModel (book-124m)
+}
+
+
+def gptkiln_gpt(shape: dict, layout: str = "gpt2"):
+    """A freshly initialised gptkiln ``GPT`` of ``shape`` (vocab, context, n_layer, n_head,
+    n_embd) in one of `LAYOUTS`, dropout 0."""
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+
+    config = GPTConfig(
+        vocab_size=shape["vocab"],
+        context_length=shape["context"],
+        n_layer=shape["n_layer"],
+        n_head=shape["n_head"],
+        n_embd=shape["n_embd"],
+        dropout=0.0,
+        **LAYOUTS[layout],
+    )
+    return GPT(config)
+
+
+def hf_gpt2(shape: dict, **extra):
+    """A freshly initialised transformers ``GPT2LMHeadModel`` of ``shape`` with SDPA attention,
+    dropout 0; ``extra`` goes to ``GPT2Config``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=shape["vocab"],
+        n_positions=shape["context"],
+        n_embd=shape["n_embd"],
+        n_layer=shape["n_layer"],
+        n_head=shape["n_head"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **extra,
+    )
+    return GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+
+
 # -- in the driver -----------------------------------------------------------------------------
 def _busy_seconds() -> float:
     """CPU seconds spent busy on this machine since boot, all cores (/proc/stat)."""

@@ -28,20 +28,10 @@ KERNELS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dic
 
 def worker(job: dict) -> None:
     torch = common.setup_torch(job.get("threads", common.THREADS))
-    from gptkiln.config import GPTConfig
-    from gptkiln.model import GPT
     from gptkiln.optim import param_groups
 
     s = SIZES[job["size"]]
-    model = GPT(
-        GPTConfig(
-            vocab_size=s["vocab"],
-            context_length=64,
-            n_layer=s["n_layer"],
-            n_head=s["n_head"],
-            n_embd=s["n_embd"],
-        )
-    )
+    model = common.gptkiln_gpt(dict(s, context=64))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(

@@ -43,38 +43,14 @@ def prompts(batch: int, vocab: int):
 
 
 def gptkiln_model(layout: str = "gpt2"):
-    from gptkiln.config import GPTConfig
-    from gptkiln.model import GPT
-
-    book = layout == "book"
-    return GPT(
-        GPTConfig(
-            vocab_size=SHAPE["vocab"],
-            context_length=SHAPE["context"],
-            n_layer=SHAPE["n_layer"],
-            n_head=SHAPE["n_head"],
-            n_embd=SHAPE["n_embd"],
-            dropout=0.0,
-            qkv_bias=not book,
-            tie_embeddings=not book,
-        )
-    ).eval()
+    return common.gptkiln_gpt(SHAPE, layout).eval()
 
 
 def hf_model(config_dict: dict | None = None):
+    if config_dict is None:
+        return common.hf_gpt2(SHAPE).eval()
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    if config_dict is None:
-        config_dict = dict(
-            vocab_size=SHAPE["vocab"],
-            n_positions=SHAPE["context"],
-            n_embd=SHAPE["n_embd"],
-            n_layer=SHAPE["n_layer"],
-            n_head=SHAPE["n_head"],
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
     return GPT2LMHeadModel._from_config(
         GPT2Config(**config_dict), attn_implementation="sdpa"
     ).eval()

@@ -62,7 +62,7 @@ SIZES = {
         rounds=1,
     ),
 }
-LAYOUTS = {"gpt2": dict(qkv_bias=True, tie=True), "book": dict(qkv_bias=False, tie=False)}
+LAYOUTS = common.LAYOUTS
 PEER = {"gpt2": "transformers", "book": "book"}
 # What gptkiln.allocator.keep_freed_memory sets with mallopt, as glibc environment variables, for
 # the peers' "(malloc keep)" rows.
@@ -78,27 +78,13 @@ LR, WEIGHT_DECAY = 4e-4, 0.1
 def build_gptkiln(job: dict):
     import torch
 
-    from gptkiln.config import GPTConfig
-    from gptkiln.model import GPT
     from gptkiln.optim import make_optimizer
 
-    s, lay = job["shape"], LAYOUTS[job["layout"]]
     if not job.get("no_keep"):
         from gptkiln.allocator import keep_freed_memory
 
         keep_freed_memory()
-    model = GPT(
-        GPTConfig(
-            vocab_size=s["vocab"],
-            context_length=s["context"],
-            n_layer=s["n_layer"],
-            n_head=s["n_head"],
-            n_embd=s["n_embd"],
-            dropout=0.0,
-            qkv_bias=lay["qkv_bias"],
-            tie_embeddings=lay["tie"],
-        )
-    )
+    model = common.gptkiln_gpt(job["shape"], job["layout"])
     kind = job.get("optimizer", "gptkiln")
     if kind == "gptkiln":
         opt = make_optimizer(model, LR, WEIGHT_DECAY, (0.9, 0.95))
@@ -123,23 +109,11 @@ def build_gptkiln(job: dict):
 
 def build_transformers(job: dict):
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
-    s = job["shape"]
-    cfg = GPT2Config(
-        vocab_size=s["vocab"],
-        n_positions=s["context"],
-        n_embd=s["n_embd"],
-        n_layer=s["n_layer"],
-        n_head=s["n_head"],
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=s["vocab"] - 1,
-        eos_token_id=s["vocab"] - 1,
-        tie_word_embeddings=True,
+    vocab = job["shape"]["vocab"]
+    model = common.hf_gpt2(
+        job["shape"], bos_token_id=vocab - 1, eos_token_id=vocab - 1, tie_word_embeddings=True
     )
-    model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
     def loss_fn(x, y):
