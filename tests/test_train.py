@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from gptkiln.checkpoint import read_checkpoint
 from gptkiln.config import TrainConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.train import Batches, eval_batches, train
@@ -129,9 +130,14 @@ def run_cli(*args, **kw):
 
 
 def checkpoint_step(run: Path) -> int:
+    """The step a resume would start from, as the trainer itself reads it (-1: none yet).
+
+    A kill can land inside a save, after trainer_state.pt was moved aside to
+    trainer_state.prev.pt; `read_checkpoint` then takes the state that matches the weights.
+    """
     try:
-        return int(torch.load(run / "trainer_state.pt", weights_only=True)["step"])
-    except Exception:  # not written yet
+        return int(read_checkpoint(run)[1]["step"])
+    except Exception:  # not written yet, or caught mid-write while the run is alive
         return -1
 
 
