@@ -21,5 +21,8 @@ export OMP_NUM_THREADS=2
   echo; echo "## time_to_quality"; "$PY" bench/time_to_quality.py
   echo; echo "## load_memory"; "$PY" bench/load_memory.py
   echo; echo "## ddp_scaling"; "$PY" bench/ddp_scaling.py
+  if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    echo; echo "## gpu";      "$PY" bench/gpu.py
+  fi
 } 2>&1 | tee "$OUT"
 echo "written to $OUT"
