@@ -8,6 +8,10 @@ import sys
 import pytest
 
 from gptkiln.cli import build_parser, main, train_config_from_args
+from gptkiln.config import TrainConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT
+from gptkiln.train import model_config_for
 
 
 def cli(*argv, capsys):
@@ -237,6 +241,23 @@ def test_book_verdict_recipe_holds_the_books_settings():
     # flags override the recipe
     args = build_parser().parse_args(["train", "--config", "book-verdict", "--epochs", "2"])
     assert train_config_from_args(args).epochs == 2
+
+
+def test_shakespeare_char_recipe_unties_the_head_and_flags_choose_either_way():
+    def model_config(*flags):
+        cfg = train_config_from_args(build_parser().parse_args(["train", *flags]))
+        return model_config_for(cfg, vocab_size=65)
+
+    char = model_config("--config", "shakespeare-char")
+    assert (char.n_layer, char.n_embd, char.context_length) == (4, 128, 64)
+    assert char.tie_embeddings is False
+    model = GPT(char)
+    assert model.lm_head.weight.data_ptr() != model.wte.weight.data_ptr()
+    assert model_config("--config", "shakespeare-char", "--tie-embeddings").tie_embeddings
+    assert model_config("--model", "baby").tie_embeddings  # the preset's own layout
+    assert not model_config("--model", "baby", "--no-tie-embeddings").tie_embeddings
+    with pytest.raises(GptkilnError, match="tie_embeddings must be true or false, got 'no'"):
+        TrainConfig(tie_embeddings="no")
 
 
 def test_a_real_process_prints_one_line_and_exits_2(tmp_path):

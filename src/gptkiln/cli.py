@@ -45,7 +45,13 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 # -- train -----------------------------------------------------------------------------------
 # TrainConfig fields whose default is None need their type spelled out for argparse.
-_OPTIONAL_TYPES = {"data": str, "context_length": int, "dropout": float, "stride": int}
+_OPTIONAL_TYPES = {
+    "data": str,
+    "context_length": int,
+    "dropout": float,
+    "tie_embeddings": bool,
+    "stride": int,
+}
 _NOT_FLAGS = {"extra"}
 
 
@@ -56,7 +62,7 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
-        if isinstance(default, bool):
+        if isinstance(default, bool) or _OPTIONAL_TYPES.get(f.name) is bool:
             p.add_argument(
                 flag,
                 action=argparse.BooleanOptionalAction,

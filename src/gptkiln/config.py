@@ -167,6 +167,7 @@ class TrainConfig:
     val_fraction: float = 0.1
     context_length: int | None = None  # None = the preset's
     dropout: float | None = None  # None = the preset's
+    tie_embeddings: bool | None = None  # share wte with the head; None = the preset's
     sampling: Literal["windows", "random"] = "random"
     stride: int | None = None  # windows sampling; None = context_length
     batch_size: int = 8
@@ -237,6 +238,8 @@ class TrainConfig:
             raise GptkilnError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise GptkilnError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.tie_embeddings is not None and not isinstance(self.tie_embeddings, bool):
+            raise GptkilnError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

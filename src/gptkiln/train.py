@@ -176,6 +176,8 @@ def model_config_for(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
         overrides["context_length"] = cfg.context_length
     if cfg.dropout is not None:
         overrides["dropout"] = cfg.dropout
+    if cfg.tie_embeddings is not None:
+        overrides["tie_embeddings"] = cfg.tie_embeddings
     return GPTConfig.from_name(cfg.model, **overrides)
 
 
