@@ -243,21 +243,25 @@ def test_book_verdict_recipe_holds_the_books_settings():
     assert train_config_from_args(args).epochs == 2
 
 
-def test_shakespeare_char_recipe_unties_the_head_and_flags_choose_either_way():
+def test_shakespeare_char_recipe_unties_the_head_takes_exact_gelu_and_flags_override():
     def model_config(*flags):
         cfg = train_config_from_args(build_parser().parse_args(["train", *flags]))
         return model_config_for(cfg, vocab_size=65)
 
     char = model_config("--config", "shakespeare-char")
     assert (char.n_layer, char.n_embd, char.context_length) == (4, 128, 64)
-    assert char.tie_embeddings is False
+    assert char.tie_embeddings is False and char.gelu == "exact"
     model = GPT(char)
     assert model.lm_head.weight.data_ptr() != model.wte.weight.data_ptr()
     assert model_config("--config", "shakespeare-char", "--tie-embeddings").tie_embeddings
-    assert model_config("--model", "baby").tie_embeddings  # the preset's own layout
+    assert model_config("--config", "shakespeare-char", "--gelu", "tanh").gelu == "tanh"
+    baby = model_config("--model", "baby")  # the preset's own GPT-2 layout
+    assert baby.tie_embeddings and baby.gelu == "tanh"
     assert not model_config("--model", "baby", "--no-tie-embeddings").tie_embeddings
     with pytest.raises(GptkilnError, match="tie_embeddings must be true or false, got 'no'"):
         TrainConfig(tie_embeddings="no")
+    with pytest.raises(GptkilnError, match="gelu must be 'tanh' or 'exact', got 'erf'"):
+        TrainConfig(gelu="erf")
 
 
 def test_a_real_process_prints_one_line_and_exits_2(tmp_path):

@@ -171,6 +171,8 @@ def test_config_from_hf_reads_defaults_and_refuses_other_models():
         1024,
     )
     assert config.vocab_size == 50257 and config.tie_embeddings and config.qkv_bias
+    assert config.gelu == "tanh"
+    assert config_from_hf({"model_type": "gpt2", "activation_function": "gelu"}).gelu == "exact"
     with pytest.raises(GptkilnError, match="activation_function='relu'"):
         config_from_hf({"model_type": "gpt2", "activation_function": "relu"})
     with pytest.raises(GptkilnError, match="model_type is 'llama'"):
@@ -193,8 +195,8 @@ def test_export_of_an_imported_run_loads_in_transformers(hf_dir, tmp_path):
     )
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_export_without_qkv_bias_or_tying_keeps_logits(tmp_path, tied):
+@pytest.mark.parametrize("tied, gelu", [(True, "tanh"), (False, "exact")])
+def test_export_without_qkv_bias_or_tying_keeps_logits(tmp_path, tied, gelu):
     from gptkiln.tokenizers import load_tokenizer
 
     torch.manual_seed(0)
@@ -208,6 +210,7 @@ def test_export_without_qkv_bias_or_tying_keeps_logits(tmp_path, tied):
                 n_embd=32,
                 qkv_bias=False,
                 tie_embeddings=tied,
+                gelu=gelu,
             )
         )
     )
@@ -215,6 +218,8 @@ def test_export_without_qkv_bias_or_tying_keeps_logits(tmp_path, tied):
     export_hf(tmp_path / "run", tmp_path / "out")
     hf_config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert hf_config["tie_word_embeddings"] is tied
+    assert hf_config["activation_function"] == {"tanh": "gelu_new", "exact": "gelu"}[gelu]
+    assert config_from_hf(hf_config).gelu == gelu
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
     assert not reloaded.transformer.h[0].attn.c_attn.bias.any()  # zero qkv biases
     idx = ids(seed=6)

@@ -143,6 +143,29 @@ def test_presets_and_config_errors():
     assert GPTConfig.from_dict(book.to_dict()) == book
 
 
+def test_gelu_is_gpt2s_tanh_form_unless_the_config_asks_for_the_exact_one():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50, context_length=8, n_layer=1, n_head=2, n_embd=16)
+    tanh = GPT(config).eval()
+    with torch.no_grad():  # unit-scale weights: pre-activations of order 1, where the forms differ
+        for p in tanh.parameters():
+            p.normal_()
+    exact = GPT(GPTConfig(**{**config.to_dict(), "gelu": "exact"})).eval()
+    exact.load_state_dict(tanh.state_dict())
+    x = torch.randn(2, 8, 16)
+    mlp = tanh.h[0].mlp
+    u = mlp.c_fc(x)
+    by_hand_tanh = 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
+    by_hand_exact = 0.5 * u * (1 + torch.erf(u / math.sqrt(2)))
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), mlp.c_proj(by_hand_tanh))
+        torch.testing.assert_close(exact.h[0].mlp(x), mlp.c_proj(by_hand_exact))
+        idx = torch.randint(0, 50, (2, 8))
+        assert not torch.allclose(tanh(idx), exact(idx), rtol=0, atol=1e-5)
+    with pytest.raises(GptkilnError, match="gelu must be 'tanh' or 'exact', got 'relu'"):
+        GPTConfig(gelu="relu")
+
+
 def test_flops_per_token_formula():
     model = meta_model("gpt2")
     n = 124_439_808 - 1024 * 768

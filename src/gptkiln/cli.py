@@ -50,6 +50,7 @@ _OPTIONAL_TYPES = {
     "context_length": int,
     "dropout": float,
     "tie_embeddings": bool,
+    "gelu": str,
     "stride": int,
 }
 _NOT_FLAGS = {"extra"}

@@ -30,6 +30,8 @@ class GPTConfig:
         tie_embeddings: share the token embedding with the output head (GPT-2: yes, the book: no).
         attention: ``"sdpa"`` uses ``F.scaled_dot_product_attention``; ``"math"`` spells out
             softmax(QK^T / sqrt(hs)) V with an explicit causal mask. Both give the same numbers.
+        gelu: the MLP's activation: ``"tanh"``, GPT-2's tanh approximation (HF's ``gelu_new``),
+            or ``"exact"``, the erf form (``nn.GELU()``, as nanoGPT; HF's ``gelu``).
         init: how a fresh model's weights are drawn: ``"gpt2"`` (N(0, 0.02), residual
             projections scaled by 1/sqrt(2 n_layer)) or ``"pytorch"`` (each layer's PyTorch
             default, e.g. N(0, 1) embeddings: what the book's ``GPTModel`` gets, and why its
@@ -45,6 +47,7 @@ class GPTConfig:
     qkv_bias: bool = True
     tie_embeddings: bool = True
     attention: Literal["sdpa", "math"] = "sdpa"
+    gelu: Literal["tanh", "exact"] = "tanh"
     init: Literal["gpt2", "pytorch"] = "gpt2"
 
     def __post_init__(self) -> None:
@@ -62,6 +65,8 @@ class GPTConfig:
             raise GptkilnError(f"model config: dropout must be in [0, 1), got {self.dropout!r}")
         if self.init not in ("gpt2", "pytorch"):
             raise GptkilnError(f"model config: init must be 'gpt2' or 'pytorch', got {self.init!r}")
+        if self.gelu not in ("tanh", "exact"):
+            raise GptkilnError(f"model config: gelu must be 'tanh' or 'exact', got {self.gelu!r}")
         if self.attention not in ("sdpa", "math"):
             raise GptkilnError(
                 f"model config: attention must be 'sdpa' or 'math', got {self.attention!r}"
@@ -168,6 +173,7 @@ class TrainConfig:
     context_length: int | None = None  # None = the preset's
     dropout: float | None = None  # None = the preset's
     tie_embeddings: bool | None = None  # share wte with the head; None = the preset's
+    gelu: str | None = None  # "tanh" or "exact"; None = the preset's
     sampling: Literal["windows", "random"] = "random"
     stride: int | None = None  # windows sampling; None = context_length
     batch_size: int = 8
@@ -238,6 +244,8 @@ class TrainConfig:
             raise GptkilnError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise GptkilnError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.gelu not in (None, "tanh", "exact"):
+            raise GptkilnError(f"gelu must be 'tanh' or 'exact', got {self.gelu!r}")
         if self.tie_embeddings is not None and not isinstance(self.tie_embeddings, bool):
             raise GptkilnError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
 

@@ -73,6 +73,9 @@ _HF_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+# HF activation names gptkiln computes, and GPTConfig.gelu for each.
+_HF_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "exact"}
+
 HUB_MODELS = {
     "gpt2": "openai-community/gpt2",
     "gpt2-medium": "openai-community/gpt2-medium",
@@ -95,8 +98,8 @@ def config_from_hf(hf_config: Mapping[str, Any], source: str = "Hugging Face con
 
     Dropout is set to 0 (an imported model is usually run, not trained; a fine-tuning run
     sets its own). Configs whose model gptkiln does not compute the same way are refused:
-    another activation than tanh-GELU, another LayerNorm epsilon than 1e-5, an MLP width other
-    than 4 x n_embd, unscaled or layer-scaled attention, cross-attention.
+    another activation than GELU (tanh or exact), another LayerNorm epsilon than 1e-5, an MLP
+    width other than 4 x n_embd, unscaled or layer-scaled attention, cross-attention.
     """
     hf = {**_HF_DEFAULTS, **hf_config}
     if hf.get("model_type") != "gpt2":
@@ -106,7 +109,7 @@ def config_from_hf(hf_config: Mapping[str, Any], source: str = "Hugging Face con
         )
     n_embd = hf["n_embd"]
     unsupported = {
-        "activation_function": hf["activation_function"] not in ("gelu_new", "gelu_pytorch_tanh"),
+        "activation_function": hf["activation_function"] not in _HF_GELU,
         "layer_norm_epsilon": not math.isclose(hf["layer_norm_epsilon"], 1e-5),
         "n_inner": hf["n_inner"] not in (None, 4 * n_embd),
         "scale_attn_weights": not hf["scale_attn_weights"],
@@ -117,7 +120,7 @@ def config_from_hf(hf_config: Mapping[str, Any], source: str = "Hugging Face con
     if bad:
         raise GptkilnError(
             f"{source}: {', '.join(bad)} is not what gptkiln's GPT-2 computes "
-            f"(tanh GELU, eps 1e-5, 4x MLP, 1/sqrt(hs) attention); it cannot be "
+            f"(GELU, eps 1e-5, 4x MLP, 1/sqrt(hs) attention); it cannot be "
             f"converted"
         )
     return GPTConfig(
@@ -129,6 +132,7 @@ def config_from_hf(hf_config: Mapping[str, Any], source: str = "Hugging Face con
         dropout=0.0,
         qkv_bias=True,
         tie_embeddings=bool(hf["tie_word_embeddings"]),
+        gelu=_HF_GELU[hf["activation_function"]],
     )
 
 
@@ -152,7 +156,7 @@ def config_to_hf(config: GPTConfig) -> dict[str, Any]:
         "n_layer": config.n_layer,
         "n_head": config.n_head,
         "n_inner": None,
-        "activation_function": "gelu_new",
+        "activation_function": "gelu_new" if config.gelu == "tanh" else "gelu",
         "layer_norm_epsilon": 1e-5,
         "embd_pdrop": config.dropout,
         "attn_pdrop": config.dropout,

@@ -178,6 +178,8 @@ def model_config_for(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
         overrides["dropout"] = cfg.dropout
     if cfg.tie_embeddings is not None:
         overrides["tie_embeddings"] = cfg.tie_embeddings
+    if cfg.gelu is not None:
+        overrides["gelu"] = cfg.gelu
     return GPTConfig.from_name(cfg.model, **overrides)
 
 
