@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from gptkiln.checkpoint import read_checkpoint
 from gptkiln.config import TrainConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.train import Batches, eval_batches, train
+from gptkiln.train import Batches, Trainer, eval_batches, train
 
 
 def tiny_config(data, out, **kw) -> TrainConfig:
@@ -237,6 +237,26 @@ def test_gradient_accumulation_equals_the_bigger_batch(verdict_path, tmp_path):
     wb = load_file(b.run_dir / "model.safetensors")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=1e-4)
+
+
+def test_bf16_precision_runs_the_cpu_step_in_bf16_and_keeps_fp32_weights(verdict_path, tmp_path):
+    runs = {}
+    for precision in ("auto", "bf16"):
+        cfg = tiny_config(verdict_path, tmp_path / precision, max_steps=8, precision=precision)
+        trainer = Trainer(cfg)
+        x, y = trainer.batches.get(0, 0)
+        with trainer.autocast:
+            logits, _ = trainer.model(x, y)
+        assert logits.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+        trainer.close()
+        result = train(cfg, overwrite=True)
+        assert result.val_loss < 4.0  # learnt (it starts near ln(vocab) = 4.1), either precision
+        runs[precision] = load_file(tmp_path / precision / "model.safetensors")
+        assert all(t.dtype == torch.float32 for t in runs[precision].values())
+    # the same seed and batches: only the arithmetic differs
+    assert not torch.equal(runs["auto"]["h.0.mlp.c_fc.weight"], runs["bf16"]["h.0.mlp.c_fc.weight"])
+    with pytest.raises(GptkilnError, match="precision must be 'auto', 'fp32' or 'bf16'"):
+        TrainConfig(precision="fp16")
 
 
 def test_train_config_rejects_nonsense():

@@ -320,10 +320,11 @@ class Trainer:
 
     @property
     def autocast(self):
-        """bf16 autocast on CUDA; fp32 elsewhere."""
-        if self.device.startswith("cuda"):
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+        """The autocast context of ``cfg.precision`` ("auto": bf16 on CUDA, fp32 elsewhere)."""
+        device_type = self.device.split(":")[0]
+        precision = self.cfg.precision
+        bf16 = precision == "bf16" or (precision == "auto" and device_type == "cuda")
+        return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
 
     @property
     def raw_model(self) -> GPT:
