@@ -3,7 +3,8 @@
 Parameter names follow OpenAI's / Hugging Face's GPT-2 (``wte``, ``wpe``, ``h.N.ln_1``,
 ``attn.c_attn``, ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``, ``lm_head``)
 so checkpoints map one to one. This file imports only torch and the config: devices, dtypes,
-compilation and parallelism are applied to a built model from outside.
+compilation and parallelism are applied to a built model from outside (the standard library's
+``time`` only times `Linear`'s two decoding paths).
 
 Shape legend: B batch, T time (new tokens), S keys attended (cache length), C channels
 (``n_embd``), nh heads, hs head size (C // nh), V vocabulary.
@@ -12,6 +13,7 @@ Shape legend: B batch, T time (new tokens), S keys attended (cache length), C ch
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn as nn
@@ -28,12 +30,14 @@ class Linear(nn.Linear):
     decoding.
 
     For a handful of rows, ``F.linear`` on CPU reaches MKL's matrix-vector and small-GEMM
-    kernels, which stream an (out, in) weight at a fraction of the memory bandwidth on one
-    thread. The same product as one batched matmul over the two halves of the weight
-    (`split_linear`) runs near the bandwidth: on the 2-core machine of bench/README.md, 34 ->
-    16 ms per token for GPT-2 124M's weights at batch 1, 53 -> 38 ms at batch 8. Taken only
-    without autograd (generation, evaluation), for fp32 weights, at most `FEW_ROWS` rows; the
-    sums are the same, so results agree to float rounding.
+    kernels. On some CPUs they stream an (out, in) weight at a fraction of the memory bandwidth
+    on one thread, and the same product as one batched matmul over the two halves of the weight
+    (`split_linear`) runs near the bandwidth: on a 2-core AMD EPYC, 34 -> 16 ms per token for
+    GPT-2 124M's weights at batch 1, 53 -> 38 ms at batch 8. On others (a 2-core Intel Xeon
+    with AMX) it is the other way round: 27 against 56 ms per token. So the first product of
+    each shape in a process times both (`split_is_faster`) and keeps the faster one. Taken only
+    without autograd (generation, evaluation), for fp32 weights, at most `FEW_ROWS` rows; both
+    paths compute the same sums, so results agree to float rounding.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,10 +48,42 @@ class Linear(nn.Linear):
             and not torch.is_grad_enabled()
             and x.numel() <= FEW_ROWS * self.in_features
             and w.is_contiguous()
-            and type(w) in (nn.Parameter, torch.Tensor)
-        ):  # not a DTensor shard (FSDP)
+            and type(w) in (nn.Parameter, torch.Tensor)  # not a DTensor shard (FSDP)
+            and split_is_faster(x, w, self.bias)
+        ):
             return split_linear(x, w, self.bias)
         return F.linear(x, w, self.bias)
+
+
+_SPLIT_IS_FASTER: dict[tuple[int, int, int, int], bool] = {}
+"""(out, in, rows, threads) -> `split_linear`'s verdict against ``F.linear`` in this process."""
+
+
+def split_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `split_linear` beats ``F.linear`` at this product's shape, timed on first use.
+
+    Each path runs once to warm up, then three times; the split path is kept only when its best
+    time is under 3/4 of the plain one's, so near-ties always take ``F.linear`` (and the choice
+    does not flip from one process to the next on timing noise).
+    """
+    rows = x.numel() // weight.shape[1]
+    key = (weight.shape[0], weight.shape[1], rows, torch.get_num_threads())
+    verdict = _SPLIT_IS_FASTER.get(key)
+    if verdict is None:
+        split = _best_seconds(lambda: split_linear(x, weight, bias))
+        plain = _best_seconds(lambda: F.linear(x, weight, bias))
+        verdict = _SPLIT_IS_FASTER[key] = split < 0.75 * plain
+    return verdict
+
+
+def _best_seconds(fn, repeats: int = 3) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def split_linear(
