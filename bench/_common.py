@@ -58,6 +58,17 @@ def time_calls(fn: Callable[[], object], warmup: int, repeats: int) -> list[floa
     return times
 
 
+def training_step(loss_fn: Callable, opt, x, y, autocast):
+    """One training step as every training benchmark times it: the loss under ``autocast``,
+    backward, the optimizer step, zero_grad. Returns the loss, detached."""
+    with autocast:
+        loss = loss_fn(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def emit(result: dict) -> None:
     """Hand a worker's result back to the driver (always with the worker's peak RSS)."""
     result.setdefault("peak_rss_mb", status_mb("VmHWM"))

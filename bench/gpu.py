@@ -116,12 +116,7 @@ def train_worker(job: dict) -> None:
     losses = []
 
     def step():
-        with autocast:
-            loss = loss_fn(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(common.training_step(loss_fn, opt, x, y, autocast))
 
     t0 = time.perf_counter()
     for _ in range(job["warmup"]):

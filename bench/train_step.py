@@ -166,11 +166,7 @@ def worker(job: dict) -> None:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(job.get("bf16")))
 
     def step():
-        with autocast:
-            loss = loss_fn(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        common.training_step(loss_fn, opt, x, y, autocast)
 
     times = common.time_calls(step, warmup=s["warmup"], repeats=s["steps"])
     sec = statistics.median(times)
