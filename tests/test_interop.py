@@ -409,8 +409,21 @@ def test_generate_and_eval_cli_take_an_hf_directory_directly(tmp_path, capsys):
     model = tiny_hf_model(vocab_size=50257)
     model.save_pretrained(tmp_path / "hf")
     prompt = "Hello, do you like tea?"
-    assert main(["generate", str(tmp_path / "hf"), "--prompt", prompt, "--max-new-tokens", "6",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(tmp_path / "hf"),
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     with torch.no_grad():
         expected = model.generate(torch.tensor([TEA_IDS]), max_new_tokens=6, do_sample=False)

@@ -19,15 +19,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float,
-                   betas: tuple[float, float]) -> torch.optim.AdamW:
+def make_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]
+) -> torch.optim.AdamW:
     """AdamW over `param_groups`, with the fused kernel where this torch build and device have one
     (one kernel for all parameters instead of a Python loop), else the multi-tensor one."""
     groups = param_groups(model, weight_decay)
     device = next(model.parameters()).device.type
     fused = device in ("cuda", "cpu") and _is_plain_tensor(model)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None,
-                             foreach=None if fused else True)
+    return torch.optim.AdamW(
+        groups, lr=lr, betas=betas, fused=fused or None, foreach=None if fused else True
+    )
 
 
 def _is_plain_tensor(model: nn.Module) -> bool:
@@ -35,8 +37,9 @@ def _is_plain_tensor(model: nn.Module) -> bool:
     return all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in model.parameters())
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,
-          decay: bool = True) -> float:
+def lr_at(
+    step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int, decay: bool = True
+) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warm-up from lr/warmup to lr over
     ``warmup_steps``, then cosine decay to ``min_lr`` at ``total_steps`` (constant lr when
     ``decay`` is False, as in the book's chapter 5)."""
