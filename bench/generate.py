@@ -118,9 +118,14 @@ def worker(job: dict) -> None:
         out = run(idx, 2)
     assert out.shape == (job["batch"], 2), out.shape
     sec = statistics.median(times)
-    common.emit(
-        {"tokens_per_s": job["batch"] * n / sec, "seconds": sec, "ms_per_token": 1e3 * sec / n}
-    )
+    result = {"tokens_per_s": job["batch"] * n / sec, "seconds": sec, "ms_per_token": 1e3 * sec / n}
+    if impl == "gptkiln":  # what gptkiln.kernels.tune_decoding picked for the decode steps
+        from gptkiln.kernels import chosen
+
+        result["kernels"] = {
+            f"{o}x{i}": name for (o, i, rows, _), name in chosen().items() if rows == job["batch"]
+        }
+    common.emit(result)
 
 
 def check_same_tokens(job: dict) -> None:
@@ -179,7 +184,7 @@ def main() -> None:
     args = p.parse_args()
 
     info = common.print_machine()
-    rows = []
+    rows, kernel_lines = [], []
     for batch in args.batches:
         jobs = [dict(impl="gptkiln"), dict(impl="transformers")]
         if not args.no_book and (batch == 1 or args.book_batch8):
@@ -189,6 +194,9 @@ def main() -> None:
             job.setdefault("repeats", args.repeats)
         results = common.run_rounds(__file__, jobs, args.rounds, "tokens_per_s")
         kiln = results[0]["tokens_per_s"]
+        kernel_lines.append(
+            f"# gptkiln's decoding kernels at batch {batch}: {results[0]['kernels']}"
+        )
         for job, r in zip(jobs, results):
             row = dict(batch=batch, impl=job["impl"], **r)
             if job["impl"] != "gptkiln":
@@ -213,6 +221,7 @@ def main() -> None:
         f"'gptkiln ratio' = gptkiln tokens/s / that row's; load average now "
         f"{common.machine()['loadavg_1m']:.2f} (at start {info['loadavg_1m']:.2f})"
     )
+    print("\n".join(kernel_lines))
     if not args.no_check:
         check = common.run_worker(__file__, dict(impl="check", batch=2, new_tokens=20))
         for impl in ("gptkiln", "transformers"):

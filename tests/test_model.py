@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import gptkiln.model
 from gptkiln.config import PRESETS, GPTConfig
@@ -128,7 +127,7 @@ def test_model_file_imports_only_torch_and_config():
             modules |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             modules.add(node.module)
-    assert modules <= {"__future__", "math", "time", "torch", "gptkiln.config"}, modules
+    assert modules <= {"__future__", "math", "torch", "gptkiln.config"}, modules
 
 
 def test_presets_and_config_errors():
@@ -165,46 +164,6 @@ def test_gelu_is_gpt2s_tanh_form_unless_the_config_asks_for_the_exact_one():
         assert not torch.allclose(tanh(idx), exact(idx), rtol=0, atol=1e-5)
     with pytest.raises(GptkilnError, match="gelu must be 'tanh' or 'exact', got 'relu'"):
         GPTConfig(gelu="relu")
-
-
-@pytest.mark.parametrize("n_out", [96, 97])  # even; odd (the halves overlap by a row, as 50257)
-@pytest.mark.parametrize("rows", [1, 5])
-def test_split_linear_is_f_linear(n_out, rows):
-    torch.manual_seed(0)
-    w, b, x = torch.randn(n_out, 32), torch.randn(n_out), torch.randn(rows, 1, 32)
-    for bias in (b, None):
-        got = gptkiln.model.split_linear(x, w, bias)
-        assert got.shape == (rows, 1, n_out)
-        torch.testing.assert_close(got, F.linear(x, w, bias))
-
-
-def test_decoding_linear_takes_the_path_timed_faster_once_per_shape(monkeypatch):
-    torch.manual_seed(0)
-    layer = gptkiln.model.Linear(32, 97)
-    x = torch.randn(3, 32)
-    verdicts, split_calls = {}, []
-    split_linear = gptkiln.model.split_linear
-
-    def counted_split_linear(*args):
-        split_calls.append(args[0].shape)
-        return split_linear(*args)
-
-    monkeypatch.setattr(gptkiln.model, "_SPLIT_IS_FASTER", verdicts)
-    monkeypatch.setattr(gptkiln.model, "split_linear", counted_split_linear)
-    with torch.no_grad():
-        layer(x)
-        key = (97, 32, 3, torch.get_num_threads())
-        assert list(verdicts) == [key] and len(split_calls) >= 4  # timed on first use
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-        for verdict in (True, False):
-            verdicts[key], split_calls[:] = verdict, []
-            layer(x)
-            assert len(split_calls) == int(verdict)  # the path the verdict names, nothing timed
-        layer(torch.randn(2, 4, 32))  # 8 rows: another shape, another verdict
-        assert len(verdicts) == 2
-    split_calls[:] = []
-    layer(x)  # with autograd: always F.linear
-    assert not split_calls and len(verdicts) == 2
 
 
 def test_flops_per_token_formula():

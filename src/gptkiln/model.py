@@ -3,8 +3,7 @@
 Parameter names follow OpenAI's / Hugging Face's GPT-2 (``wte``, ``wpe``, ``h.N.ln_1``,
 ``attn.c_attn``, ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``, ``lm_head``)
 so checkpoints map one to one. This file imports only torch and the config: devices, dtypes,
-compilation and parallelism are applied to a built model from outside (the standard library's
-``time`` only times `Linear`'s two decoding paths).
+compilation, parallelism and decoding kernels are applied to a built model from outside.
 
 Shape legend: B batch, T time (new tokens), S keys attended (cache length), C channels
 (``n_embd``), nh heads, hs head size (C // nh), V vocabulary.
@@ -13,7 +12,6 @@ Shape legend: B batch, T time (new tokens), S keys attended (cache length), C ch
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.nn as nn
@@ -21,98 +19,28 @@ import torch.nn.functional as F
 
 from gptkiln.config import GPTConfig
 
-FEW_ROWS = 64
-"""At most this many rows (batch x new tokens) take `Linear`'s decoding path."""
-
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state dict) with a faster CPU path for the few rows of
-    decoding.
+    """``nn.Linear`` (same parameters, same state dict) that can take another kernel for the
+    few rows of decoding.
 
-    For a handful of rows, ``F.linear`` on CPU reaches MKL's matrix-vector and small-GEMM
-    kernels. On some CPUs they stream an (out, in) weight at a fraction of the memory bandwidth
-    on one thread, and the same product as one batched matmul over the two halves of the weight
-    (`split_linear`) runs near the bandwidth: on a 2-core AMD EPYC, 34 -> 16 ms per token for
-    GPT-2 124M's weights at batch 1, 53 -> 38 ms at batch 8. On others (a 2-core Intel Xeon
-    with AMX) it is the other way round: 27 against 56 ms per token. So the first product of
-    each shape in a process times both (`split_is_faster`) and keeps the faster one. Taken only
-    without autograd (generation, evaluation), for fp32 weights, at most `FEW_ROWS` rows; both
-    paths compute the same sums, so results agree to float rounding.
+    ``few_row_kernels`` maps a number of rows (batch x new tokens) to a function
+    ``(x, weight, bias) -> y`` equal to ``F.linear``; `gptkiln.kernels.tune_decoding` fills it
+    from outside with the kernel it timed fastest on this machine (on some CPUs ``F.linear``
+    streams a weight at a third of the memory bandwidth when it multiplies one row). Used only
+    without autograd, on the CPU; everything else, and every untuned row count, is ``F.linear``.
     """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs):
+        super().__init__(in_features, out_features, bias, **kwargs)
+        self.few_row_kernels: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (
-            x.device.type == "cpu"
-            and w.dtype == torch.float32
-            and not torch.is_grad_enabled()
-            and x.numel() <= FEW_ROWS * self.in_features
-            and w.is_contiguous()
-            and type(w) in (nn.Parameter, torch.Tensor)  # not a DTensor shard (FSDP)
-            and split_is_faster(x, w, self.bias)
-        ):
-            return split_linear(x, w, self.bias)
-        return F.linear(x, w, self.bias)
-
-
-_SPLIT_IS_FASTER: dict[tuple[int, int, int, int], bool] = {}
-"""(out, in, rows, threads) -> `split_linear`'s verdict against ``F.linear`` in this process."""
-
-
-def split_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `split_linear` beats ``F.linear`` at this product's shape, timed on first use.
-
-    Each path runs once to warm up, then three times; the split path is kept only when its best
-    time is under 3/4 of the plain one's, so near-ties always take ``F.linear`` (and the choice
-    does not flip from one process to the next on timing noise).
-    """
-    rows = x.numel() // weight.shape[1]
-    key = (weight.shape[0], weight.shape[1], rows, torch.get_num_threads())
-    verdict = _SPLIT_IS_FASTER.get(key)
-    if verdict is None:
-        split = _best_seconds(lambda: split_linear(x, weight, bias))
-        plain = _best_seconds(lambda: F.linear(x, weight, bias))
-        verdict = _SPLIT_IS_FASTER[key] = split < 0.75 * plain
-    return verdict
-
-
-def _best_seconds(fn, repeats: int = 3) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def split_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` as one batched matmul over the two halves of weight's rows.
-
-    x (..., in), weight (out, in) contiguous, bias (out,) or None -> (..., out). For an odd
-    ``out`` (GPT-2's 50257 tokens) the halves overlap by one row; both are views, no copy.
-    """
-    n_out, n_in = weight.shape
-    x2 = x.reshape(-1, n_in)  # (M, in)
-    h = (n_out + 1) // 2
-    shift = n_out - h  # where the second half starts: h, or h - 1 when they overlap
-    halves = weight.as_strided((2, h, n_in), (shift * n_in, n_in, 1))  # (2, h, in)
-    if x2.size(0) == 1:  # one row: weight @ x is the faster orientation
-        y = _bmm(halves, x2.T.expand(2, n_in, 1), bias, (2, h, 1), (shift, 1, 0))  # (2, h, 1)
-        y = y.view(1, n_out) if shift == h else torch.cat([y[0, :, 0], y[1, 1:, 0]])[None]
-    else:
-        y = _bmm(x2.expand(2, -1, n_in), halves.transpose(1, 2), bias, (2, 1, h), (shift, 0, 1))
-        y = torch.cat([y[0], y[1, :, h - shift :]], dim=1)  # (2, M, h) -> (M, out)
-    return y.view(*x.shape[:-1], n_out)
-
-
-def _bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, size, stride):
-    """a @ b, plus ``bias`` viewed as the halves (size, stride) of the product when given."""
-    if bias is None:
-        return torch.bmm(a, b)
-    return torch.baddbmm(bias.as_strided(size, stride), a, b)
+        if self.few_row_kernels and not torch.is_grad_enabled() and x.device.type == "cpu":
+            kernel = self.few_row_kernels.get(x.numel() // self.in_features)
+            if kernel is not None:
+                return kernel(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class KVCache(nn.Module):

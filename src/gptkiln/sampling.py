@@ -14,6 +14,7 @@ import torch
 
 from gptkiln.config import SampleConfig, check_sampling
 from gptkiln.errors import GptkilnError
+from gptkiln.kernels import tune_decoding
 from gptkiln.model import GPT
 
 
@@ -111,6 +112,8 @@ def generate_stream(
     pos = idx.size(1)
     if use_cache:  # room for the prompt and the new tokens only: 1024 slots are 600 MB at batch 8
         model.setup_cache(idx.size(0), min(ctx, pos + cfg.max_new_tokens), pad_lens)
+        if cfg.max_new_tokens > 1:  # each decode step multiplies B rows: the fastest kernel
+            tune_decoding(model, rows=idx.size(0))
         logits = prefill(model, idx)
     else:
         logits = window_logits(model, idx)

@@ -1,0 +1,170 @@
+"""Few-row decoding kernels: each equals F.linear, and the tuner picks the fastest correct one."""
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gptkiln.kernels as kernels
+from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.model import GPT, Linear
+from gptkiln.sampling import generate, generate_stream
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices(monkeypatch):
+    """Every test tunes from scratch (the process-wide choices would carry over)."""
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+
+
+@pytest.mark.parametrize("name", sorted(kernels.candidates()))
+@pytest.mark.parametrize("n_out", [96, 97])  # divisible by the blocks; odd, as GPT-2's 50257
+@pytest.mark.parametrize("rows", [1, 5])
+def test_every_kernel_is_f_linear(name, n_out, rows):
+    torch.manual_seed(0)
+    kernel = kernels.candidates()[name]
+    w, b, x = torch.randn(n_out, 32), torch.randn(n_out), torch.randn(rows, 1, 32)
+    for bias in (b, None):
+        got = kernel(x, w, bias)
+        assert got.shape == (rows, 1, n_out)
+        torch.testing.assert_close(got, F.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("blocks", [2, 3, 4, 8])
+def test_row_blocks_cover_every_output_once(blocks):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(50, 16), torch.randn(50), torch.randn(3, 16)
+    for kernel in (kernels.weight_rows, kernels.input_rows):
+        torch.testing.assert_close(kernel(x, w, b, blocks), F.linear(x, w, b))
+
+
+def slow(seconds: float, wrong: bool = False, fails: bool = False):
+    """A kernel that takes ``seconds`` per call; ``wrong`` adds 1 to the result."""
+
+    def kernel(x, w, b):
+        if fails:
+            raise RuntimeError("not on this CPU")
+        time.sleep(seconds)
+        return F.linear(x, w, b) + (1.0 if wrong else 0.0)
+
+    return kernel
+
+
+def test_the_fastest_correct_kernel_wins():
+    layers = [Linear(8, 12) for _ in range(3)]
+    found = {
+        "linear": slow(0.004),
+        "fast_but_wrong": slow(0.0, wrong=True),
+        "cannot_run": slow(0.0, fails=True),
+        "medium": slow(0.002),
+        "fastest": slow(0.001),
+    }
+    assert kernels._fastest(found, layers, rows=2, repeats=2) == "fastest"
+    del found["fastest"]
+    assert kernels._fastest(found, layers, rows=2, repeats=2) == "medium"
+
+
+def test_f_linear_keeps_a_near_tie():
+    layers = [Linear(8, 12)]
+    found = {"linear": slow(0.010), "barely_faster": slow(0.0099)}  # 1% faster: noise
+    assert kernels._fastest(found, layers, rows=1, repeats=2) == "linear"
+
+
+def tiny_model(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.from_name("tiny", vocab_size=61, context_length=32, **kw)).eval()
+
+
+def test_tuning_hands_every_linear_its_kernel_once_per_shape_and_rows(monkeypatch):
+    model = tiny_model()
+    timed = []
+    monkeypatch.setattr(kernels, "candidates", lambda: {"linear": F.linear, "mine": slow(0.0)})
+
+    def fastest(found, layers, rows, repeats):
+        timed.append((tuple(layers[0].weight.shape), rows, len(layers)))
+        return "mine"
+
+    monkeypatch.setattr(kernels, "_fastest", fastest)
+    chosen = kernels.tune_decoding(model, rows=3)
+    n_layer, c = model.config.n_layer, model.config.n_embd
+    assert chosen == {
+        (3 * c, c): "mine",
+        (c, c): "mine",
+        (4 * c, c): "mine",
+        (c, 4 * c): "mine",
+        (61, c): "mine",
+    }
+    # one timing per shape, over all the layers of that shape
+    assert sorted(timed) == sorted(
+        [
+            ((3 * c, c), 3, n_layer),
+            ((c, c), 3, n_layer),
+            ((4 * c, c), 3, n_layer),
+            ((c, 4 * c), 3, n_layer),
+            ((61, c), 3, 1),
+        ]
+    )
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(set(m.few_row_kernels) == {3} for m in linears)
+    kernels.tune_decoding(model, rows=3)  # tuned already in this process: nothing timed
+    assert len(timed) == 5
+    kernels.tune_decoding(model, rows=kernels.FEW_ROWS + 1)  # too many rows: not tuned
+    assert len(timed) == 5 and all(set(m.few_row_kernels) == {3} for m in linears)
+    assert kernels.chosen() == {(*shape, 3, torch.get_num_threads()): "mine" for shape in chosen}
+
+
+def test_a_tuned_linear_uses_its_kernel_only_for_those_rows_and_without_autograd():
+    layer = Linear(8, 12)
+    calls = []
+
+    def counted(x, w, b):
+        calls.append(x.shape)
+        return F.linear(x, w, b)
+
+    layer.few_row_kernels[2] = counted
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer(torch.randn(1, 2, 8))  # 2 rows in another shape: the same product
+        layer(torch.randn(3, 8))  # 3 rows: not tuned
+    assert calls == [(2, 8), (1, 2, 8)]
+    layer(x).sum().backward()  # autograd: always F.linear
+    assert len(calls) == 2 and layer.weight.grad is not None
+
+
+def test_only_cpu_fp32_plain_weights_are_tuned():
+    model = tiny_model().to(torch.bfloat16)
+    assert kernels.tune_decoding(model, rows=1) == {}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_generation_tunes_and_gives_the_untuned_tokens(batch, monkeypatch):
+    model = tiny_model()
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8]][:batch]
+    cfg = SampleConfig(max_new_tokens=20, temperature=0)
+    # every candidate in turn, forced: the same greedy tokens as plain F.linear
+    reference = None  # "linear" comes first: F.linear itself
+    for name in kernels.candidates():
+        monkeypatch.setattr(kernels, "_CHOSEN", {})
+        monkeypatch.setattr(kernels, "_fastest", lambda found, *a, name=name: name)
+        tokens = generate(model, prompts, cfg)
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert all(m.few_row_kernels[batch] is not None for m in linears)
+        assert set(kernels._CHOSEN.values()) == {name}
+        reference = reference or tokens
+        assert tokens == reference, name
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.few_row_kernels.clear()
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(kernels, "_fastest", lambda *a: pytest.fail("timed"))
+    one = list(generate_stream(model, prompts, SampleConfig(max_new_tokens=1, temperature=0)))
+    assert len(one) == 1 and kernels._CHOSEN == {}  # one token: no decode step, nothing tuned
+
+
+def test_tuning_leaves_the_global_random_state_alone():
+    model = tiny_model()
+    state = torch.get_rng_state()
+    kernels.tune_decoding(model, rows=2)
+    assert kernels.chosen() and torch.equal(torch.get_rng_state(), state)
