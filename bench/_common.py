@@ -300,6 +300,17 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else a / b
 
 
+def paired_ratio(a_rounds: Sequence[float], b_rounds: Sequence[float]) -> float | None:
+    """The median over rounds of a / b, each round's two figures taken minutes apart at most.
+
+    A machine that slows down for tens of seconds at a time can give one implementation its
+    best round in a fast phase and the other none: the ratio of the best rounds then swings
+    with the phases, while the ratio within a round pairs figures from the same phase.
+    """
+    pairs = [a / b for a, b in zip(a_rounds, b_rounds) if a and b]
+    return statistics.median(pairs) if pairs else None
+
+
 if __name__ == "__main__":
     job = worker_args()
     if job is None or job.get("job") != "matmul":

@@ -201,6 +201,9 @@ def main() -> None:
             row = dict(batch=batch, impl=job["impl"], **r)
             if job["impl"] != "gptkiln":
                 row["ratio"] = common.ratio(kiln, r["tokens_per_s"])
+                row["ratio_paired"] = common.paired_ratio(
+                    results[0]["tokens_per_s_rounds"], r["tokens_per_s_rounds"]
+                )
             rows.append(row)
     print()
     common.print_table(
@@ -211,6 +214,7 @@ def main() -> None:
             ("tokens_per_s", "new tokens/s"),
             ("ms_per_token", "ms/step"),
             ("ratio", "gptkiln ratio"),
+            ("ratio_paired", "ratio, paired rounds"),
             ("peak_rss_mb", "peak RSS MB"),
             ("tokens_per_s_rounds", "tokens/s per round"),
             ("others_cores", "others' cores"),

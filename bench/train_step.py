@@ -4,8 +4,10 @@
 
 One step = forward + loss + backward + AdamW step + zero_grad, fp32, dropout 0, 2 threads, on a
 fixed random batch. Every implementation runs in a fresh process; warm-up steps are excluded and
-the figure is the median step time over the timed steps (then the best round). Each
-implementation is used as its own project uses it:
+the figure is the median step time over the timed steps (then the best round). Rounds run
+every implementation once each, interleaved; ``ratio`` divides the best rounds and ``ratio,
+paired rounds`` is the median over rounds of the ratio within a round (baby: 4 rounds, 124M:
+2). Each implementation is used as its own project uses it:
 
 - gptkiln: ``GPT(config)(x, y)`` returns the loss; ``gptkiln.optim.make_optimizer`` (decay groups,
   the AdamW kernel gptkiln picks); ``gptkiln.allocator.keep_freed_memory()`` first, as the
@@ -52,7 +54,7 @@ SIZES = {
         vocab=65,
         warmup=10,
         steps=60,
-        rounds=3,
+        rounds=4,
     ),
     "124m": dict(
         n_layer=12,
@@ -63,7 +65,7 @@ SIZES = {
         vocab=50257,
         warmup=3,
         steps=5,
-        rounds=1,
+        rounds=2,
     ),
 }
 LAYOUTS = common.LAYOUTS
@@ -238,7 +240,7 @@ def main() -> None:
             job["shape"] = shape
         results = common.run_rounds(__file__, jobs, args.rounds or shape["rounds"], "tokens_per_s")
         peers = {
-            (j["layout"], bool(j.get("env")), bool(j.get("bf16"))): r["tokens_per_s"]
+            (j["layout"], bool(j.get("env")), bool(j.get("bf16"))): r
             for j, r in zip(jobs, results)
             if j["impl"] != "gptkiln"
         }
@@ -258,9 +260,12 @@ def main() -> None:
             row = dict(size=size, layout=job["layout"], impl=name, **r)
             if job["impl"] == "gptkiln":
                 peer = peers[(job["layout"], False, bf16)]
-                row["ratio"] = common.ratio(r["tokens_per_s"], peer)
+                row["ratio"] = common.ratio(r["tokens_per_s"], peer["tokens_per_s"])
+                row["ratio_paired"] = common.paired_ratio(
+                    r["tokens_per_s_rounds"], peer["tokens_per_s_rounds"]
+                )
                 if (job["layout"], True, False) in peers and not bf16:
-                    kept_peer = peers[(job["layout"], True, False)]
+                    kept_peer = peers[(job["layout"], True, False)]["tokens_per_s"]
                     row["ratio_keep"] = common.ratio(r["tokens_per_s"], kept_peer)
                 row["vs"] = PEER[job["layout"]] + (" (bf16)" if bf16 else "")
                 achieved = r["tokens_per_s"] * r["flops_per_token"] / 1e9
@@ -277,6 +282,7 @@ def main() -> None:
             ("tokens_per_s", "tokens/s"),
             ("ms_per_step", "ms/step"),
             ("ratio", "ratio"),
+            ("ratio_paired", "ratio, paired rounds"),
             ("ratio_keep", "ratio vs kept"),
             ("vs", "vs"),
             ("gflops", "GFLOP/s"),
@@ -290,8 +296,9 @@ def main() -> None:
         f"\n# GFLOP/s = tokens/s x GPT.flops_per_token(T) = tokens/s x (6N + 12 L T C), N the "
         f"parameters without position embeddings; for the untied book layout N also counts the "
         f"token embedding (V x C), which does no matmul, so its figure is high by 6VC/token. "
-        f"peak = {peak:.1f} GFLOP/s; load average now {common.machine()['loadavg_1m']:.2f} "
-        f"(at start {info['loadavg_1m']:.2f})"
+        f"peak = {peak:.1f} GFLOP/s. 'ratio' divides the best rounds; 'ratio, paired rounds' is "
+        f"the median over rounds of the ratio within a round. Load average now "
+        f"{common.machine()['loadavg_1m']:.2f} (at start {info['loadavg_1m']:.2f})"
     )
 
 

@@ -32,9 +32,10 @@ def test_every_kernel_is_f_linear(name, n_out, rows):
 
 
 @pytest.mark.parametrize("blocks", [2, 3, 4, 8])
-def test_row_blocks_cover_every_output_once(blocks):
+@pytest.mark.parametrize("n_out", [50, 3])  # 3 < blocks: nothing to cut, F.linear
+def test_row_blocks_cover_every_output_once(blocks, n_out):
     torch.manual_seed(0)
-    w, b, x = torch.randn(50, 16), torch.randn(50), torch.randn(3, 16)
+    w, b, x = torch.randn(n_out, 16), torch.randn(n_out), torch.randn(3, 16)
     for kernel in (kernels.weight_rows, kernels.input_rows):
         torch.testing.assert_close(kernel(x, w, b, blocks), F.linear(x, w, b))
 

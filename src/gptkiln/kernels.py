@@ -52,8 +52,10 @@ def weight_rows(
     ``out % blocks`` rows (GPT-2's 50257 tokens are odd) go through ``F.linear``.
     """
     n_out, n_in = weight.shape
-    x2 = x.reshape(-1, n_in)  # (M, in)
     h = n_out // blocks
+    if h == 0:
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(-1, n_in)  # (M, in)
     main = weight[: blocks * h].view(blocks, h, n_in)  # (blocks, h, in), a view
     xt = x2.t().expand(blocks, n_in, x2.size(0))  # (blocks, in, M), a view
     if bias is None:
@@ -76,8 +78,10 @@ def input_rows(
     Shapes as `weight_rows`; the last ``out % blocks`` rows go through ``F.linear``.
     """
     n_out, n_in = weight.shape
-    x2 = x.reshape(-1, n_in)  # (M, in)
     h = n_out // blocks
+    if h == 0:
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(-1, n_in)  # (M, in)
     main = weight[: blocks * h].view(blocks, h, n_in).transpose(1, 2)  # (blocks, in, h)
     xb = x2.expand(blocks, *x2.shape)  # (blocks, M, in)
     if bias is None:
