@@ -7,11 +7,11 @@ CPU's BLAS does either depends on the machine far more than one would guess (mea
 2-core machines this project has run on, `bench/README.md`):
 
 - ``F.linear`` (MKL's kernels) streamed GPT-2 124M's weights at 12-14 GB/s at batch 1 on an AMD
-  EPYC (Zen 4), a third of what the machine reads (33 GB/s): MKL keeps a matrix-vector product
-  on one thread there. The same product cut into row blocks of the weight, one batched matmul
-  (`weight_rows`), ran at 31-41 GB/s: 33 -> 21 ms a token.
-- At 8 rows the same machine's best was oneDNN's linear (`onednn`), 74 -> 40 ms a step, while
-  on an Intel Xeon with AMX ``F.linear`` itself was the fastest at batch 1.
+  EPYC (Zen 4) that reads 33 GB/s (9 GB/s on one thread, so the second thread added little).
+  The same product cut into row blocks of the weight, one batched matmul (`weight_rows`), ran
+  at 31-41 GB/s (15 on one thread): 33 -> 21 ms a token.
+- At 8 rows the same machine's best was oneDNN's linear (`onednn`), 74 -> 40 ms a step. On an
+  Intel Xeon with AMX, by contrast, ``F.linear`` ran twice as fast as `input_rows` at batch 1.
 
 So nothing is fixed in advance: `tune_decoding` times every candidate over the model's own
 weights (all layers of a shape, as decoding reads them, so the weights come from memory and not
