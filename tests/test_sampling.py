@@ -119,6 +119,31 @@ def test_generate_restores_training_mode_and_clears_the_cache(model):
     model.eval()
 
 
+def test_generation_leaves_the_module_structure_as_it_was():
+    """What torch.compile guards on: a sample during compiled training must not recompile it."""
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=64, context_length=24))
+    before = {name: list(m._modules) for name, m in model.named_modules()}
+    generate(model, [[1, 2], [3, 4]], max_new_tokens=3, temperature=0)
+    assert {name: list(m._modules) for name, m in model.named_modules()} == before
+
+
+@pytest.mark.slow
+def test_a_sample_does_not_recompile_a_compiled_training_step():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=61, context_length=16))
+    compiled = torch.compile(model)
+    x = torch.randint(0, 61, (2, 16))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled(x, x)[1].backward()
+    graphs = counters["stats"]["unique_graphs"]
+    generate(model, [1, 2, 3], max_new_tokens=4, temperature=0)  # KV cache set up and cleared
+    compiled(x, x)[1].backward()
+    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs
+
+
 def test_empty_prompt_is_an_error(model):
     with pytest.raises(GptkilnError, match="at least one token"):
         generate(model, [[]], max_new_tokens=3)

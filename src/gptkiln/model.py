@@ -36,7 +36,8 @@ class Linear(nn.Linear):
         self.few_row_kernels: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_row_kernels and not torch.is_grad_enabled() and x.device.type == "cpu":
+        # grad mode first: a compiled training step then never reads (or guards on) the dict
+        if not torch.is_grad_enabled() and self.few_row_kernels and x.device.type == "cpu":
             kernel = self.few_row_kernels.get(x.numel() // self.in_features)
             if kernel is not None:
                 return kernel(x, self.weight, self.bias)
@@ -87,7 +88,10 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.qkv_bias)
         self.c_proj = Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.kv_cache: KVCache | None = None
+        # A submodule slot from the start, so that setting and clearing the cache leaves the
+        # module's structure as it was: a compiled training step is not recompiled after a sample.
+        self.kv_cache: KVCache | None
+        self.register_module("kv_cache", None)
 
     def forward(
         self, x: torch.Tensor, start_pos: int | None = None, mask: torch.Tensor | None = None
