@@ -169,3 +169,12 @@ def test_tuning_leaves_the_global_random_state_alone():
     state = torch.get_rng_state()
     kernels.tune_decoding(model, rows=2)
     assert kernels.chosen() and torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_tuned_model_can_still_be_sent_to_another_process():
+    import pickle  # what multiprocessing does with a module handed to a spawned worker
+
+    model = tiny_model()
+    generate(model, [[1, 2, 3]], max_new_tokens=3, temperature=0)
+    again = pickle.loads(pickle.dumps(model))
+    assert set(again.lm_head.few_row_kernels) == {1}

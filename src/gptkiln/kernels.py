@@ -23,6 +23,7 @@ products of more rows use ``F.linear``.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -102,12 +103,15 @@ def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def candidates() -> dict[str, Kernel]:
-    """The kernels this torch build offers: name -> kernel. Row blocks: two per thread."""
+    """The kernels this torch build offers: name -> kernel. Row blocks: two per thread.
+
+    Module-level functions and partials of them, so a tuned model still pickles.
+    """
     blocks = 2 * torch.get_num_threads()
     found: dict[str, Kernel] = {
         "linear": linear,
-        "weight_rows": lambda x, w, b: weight_rows(x, w, b, blocks),
-        "input_rows": lambda x, w, b: input_rows(x, w, b, blocks),
+        "weight_rows": functools.partial(weight_rows, blocks=blocks),
+        "input_rows": functools.partial(input_rows, blocks=blocks),
     }
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         found["onednn"] = onednn
