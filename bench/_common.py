@@ -224,15 +224,18 @@ def matmul_peak_gflops(threads: int = THREADS, n: int = 2048, repeats: int = 10)
 
 
 def _matmul_worker(job: dict) -> None:
+    from gptkiln.kernels import candidates
+
     torch = setup_torch(job["threads"])
     n = job["n"]
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
     result = {}
     kernels = {"mkl": lambda: torch.mm(a, b, out=out)}
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    onednn = candidates().get("onednn")  # where this torch build has it
+    if onednn is not None:
         bt = b.t().contiguous()  # linear takes the (out, in) weight: a @ bt.T == a @ b
-        kernels["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, bt, None, "none", [], "")
+        kernels["onednn"] = lambda: onednn(a, bt, None)
     for name, fn in kernels.items():
         times = time_calls(fn, warmup=3, repeats=job["repeats"])
         result[name] = 2 * n**3 / statistics.median(times) / 1e9

@@ -38,11 +38,6 @@ FEW_ROWS = 64
 """Products of at most this many rows are tuned; more rows are compute-bound: ``F.linear``."""
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``: the reference every other kernel must equal."""
-    return F.linear(x, weight, bias)
-
-
 def weight_rows(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int = 4
 ) -> torch.Tensor:
@@ -52,22 +47,7 @@ def weight_rows(
     x (..., in), weight (out, in) contiguous, bias (out,) or None -> (..., out). The last
     ``out % blocks`` rows (GPT-2's 50257 tokens are odd) go through ``F.linear``.
     """
-    n_out, n_in = weight.shape
-    h = n_out // blocks
-    if h == 0:
-        return F.linear(x, weight, bias)
-    x2 = x.reshape(-1, n_in)  # (M, in)
-    main = weight[: blocks * h].view(blocks, h, n_in)  # (blocks, h, in), a view
-    xt = x2.t().expand(blocks, n_in, x2.size(0))  # (blocks, in, M), a view
-    if bias is None:
-        y = torch.bmm(main, xt)  # (blocks, h, M)
-    else:
-        y = torch.baddbmm(bias[: blocks * h].view(blocks, h, 1), main, xt)
-    y = y.view(blocks * h, -1).t()  # (M, blocks * h)
-    if blocks * h < n_out:
-        rest = F.linear(x2, weight[blocks * h :], None if bias is None else bias[blocks * h :])
-        y = torch.cat([y, rest], dim=1)  # (M, out)
-    return y.reshape(*x.shape[:-1], n_out)
+    return _by_row_blocks(x, weight, bias, blocks, _weight_on_the_left)
 
 
 def input_rows(
@@ -78,22 +58,39 @@ def input_rows(
 
     Shapes as `weight_rows`; the last ``out % blocks`` rows go through ``F.linear``.
     """
+    return _by_row_blocks(x, weight, bias, blocks, _input_on_the_left)
+
+
+def _by_row_blocks(x, weight, bias, blocks: int, product) -> torch.Tensor:
+    """Cut weight (out, in) into ``blocks`` row blocks of h rows (views), multiply them by x's
+    M rows with ``product(x2, w, b)`` -> (M, blocks * h), and the last rows with ``F.linear``."""
     n_out, n_in = weight.shape
     h = n_out // blocks
     if h == 0:
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, n_in)  # (M, in)
-    main = weight[: blocks * h].view(blocks, h, n_in).transpose(1, 2)  # (blocks, in, h)
-    xb = x2.expand(blocks, *x2.shape)  # (blocks, M, in)
-    if bias is None:
-        y = torch.bmm(xb, main)  # (blocks, M, h)
-    else:
-        y = torch.baddbmm(bias[: blocks * h].view(blocks, 1, h), xb, main)
-    y = y.transpose(0, 1).reshape(x2.size(0), blocks * h)  # (M, blocks * h)
+    w = weight[: blocks * h].view(blocks, h, n_in)  # (blocks, h, in)
+    b = None if bias is None else bias[: blocks * h].view(blocks, h)  # (blocks, h)
+    y = product(x2, w, b)  # (M, blocks * h)
     if blocks * h < n_out:
         rest = F.linear(x2, weight[blocks * h :], None if bias is None else bias[blocks * h :])
         y = torch.cat([y, rest], dim=1)  # (M, out)
     return y.reshape(*x.shape[:-1], n_out)
+
+
+def _weight_on_the_left(x2, w, b) -> torch.Tensor:
+    blocks, _, n_in = w.shape
+    xt = x2.t().expand(blocks, n_in, x2.size(0))  # (blocks, in, M), a view
+    y = torch.bmm(w, xt) if b is None else torch.baddbmm(b[:, :, None], w, xt)  # (blocks, h, M)
+    return y.view(-1, x2.size(0)).t()  # (M, blocks * h)
+
+
+def _input_on_the_left(x2, w, b) -> torch.Tensor:
+    blocks = w.size(0)
+    xb = x2.expand(blocks, *x2.shape)  # (blocks, M, in), a view
+    wt = w.transpose(1, 2)  # (blocks, in, h), a view
+    y = torch.bmm(xb, wt) if b is None else torch.baddbmm(b[:, None, :], xb, wt)  # (blocks, M, h)
+    return y.transpose(0, 1).reshape(x2.size(0), -1)  # (M, blocks * h)
 
 
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -109,7 +106,7 @@ def candidates() -> dict[str, Kernel]:
     """
     blocks = 2 * torch.get_num_threads()
     found: dict[str, Kernel] = {
-        "linear": linear,
+        "linear": F.linear,  # the reference every other kernel must equal
         "weight_rows": functools.partial(weight_rows, blocks=blocks),
         "input_rows": functools.partial(input_rows, blocks=blocks),
     }
