@@ -155,9 +155,6 @@ def test_generation_tunes_and_gives_the_untuned_tokens(batch, monkeypatch):
         assert set(kernels._CHOSEN.values()) == {name}
         reference = reference or tokens
         assert tokens == reference, name
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.few_row_kernels.clear()
     monkeypatch.setattr(kernels, "_CHOSEN", {})
     monkeypatch.setattr(kernels, "_fastest", lambda *a: pytest.fail("timed"))
     one = list(generate_stream(model, prompts, SampleConfig(max_new_tokens=1, temperature=0)))
