@@ -1,6 +1,6 @@
 """Tokenizing a corpus to disk, MB/s and peak RSS: gptkiln's ``prepare`` against tiktoken alone.
 
-    python bench/prepare.py [--sizes-mb 25 50 100] [--rounds 1]
+    python bench/prepare.py [--sizes-mb 25 50 100] [--rounds 3]
 
 The corpus is tiny Shakespeare (../shared/data/tinyshakespeare.txt) repeated into a temporary
 file of each size (one document). Every measurement is a fresh process:
@@ -13,6 +13,11 @@ file of each size (one document). Every measurement is a fresh process:
 
 MB = 10^6 bytes of UTF-8 text. Peak RSS is VmHWM of the worker process, so it includes the
 interpreter and imports (numpy, tiktoken, torch is not imported by either).
+
+Rounds run both processes once each, interleaved, per size (3 by default): ``ratio`` divides
+the best rounds, ``ratio, paired rounds`` is the median of the ratios within each round. One
+round alone swung from 0.91 to 1.22 between sizes on a noisy machine, with the encoder itself
+moving between 12.6 and 21.7 MB/s.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ def worker(job: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes-mb", nargs="+", type=float, default=[25, 50, 100])
-    p.add_argument("--rounds", type=int, default=1, help="interleaved repeats of every process")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repeats of every process")
     args = p.parse_args()
     if not CORPUS.is_file():
         sys.exit(f"{CORPUS} is missing: it is the corpus this benchmark repeats")
@@ -100,6 +105,9 @@ def main() -> None:
                 row = dict(impl=job["impl"], **r)
                 if job["impl"] == "gptkiln":
                     row["ratio"] = common.ratio(r["mb_per_s"], results[1]["mb_per_s"])
+                    row["ratio_paired"] = common.paired_ratio(
+                        r["mb_per_s_rounds"], results[1]["mb_per_s_rounds"]
+                    )
                 rows.append(row)
             path.unlink()
             shutil.rmtree(tmp / f"out-{size_mb:g}", ignore_errors=True)
@@ -113,6 +121,7 @@ def main() -> None:
             ("impl", "implementation"),
             ("mb_per_s", "MB/s"),
             ("ratio", "ratio vs tiktoken"),
+            ("ratio_paired", "ratio, paired rounds"),
             ("seconds", "seconds"),
             ("tokens", "tokens"),
             ("peak_rss_mb", "peak RSS MB"),
@@ -121,7 +130,8 @@ def main() -> None:
     )
     print(
         f"\n# tiktoken = encode_ordinary_batch(num_threads={common.THREADS}) of the text in "
-        f"memory; gptkiln = prepare() end to end (read, encode, write); load average now "
+        f"memory; gptkiln = prepare() end to end (read, encode, write); MB/s and seconds from the "
+        f"best of {args.rounds} rounds; load average now "
         f"{common.machine()['loadavg_1m']:.2f} (at start {info['loadavg_1m']:.2f})"
     )
 
