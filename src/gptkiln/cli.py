@@ -53,14 +53,11 @@ _OPTIONAL_TYPES = {
     "gelu": str,
     "stride": int,
 }
-_NOT_FLAGS = {"extra"}
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     """One flag per `TrainConfig` field (``max_steps`` -> ``--max-steps``)."""
     for f in dataclasses.fields(TrainConfig):
-        if f.name in _NOT_FLAGS:
-            continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         if isinstance(default, bool) or _OPTIONAL_TYPES.get(f.name) is bool:
@@ -109,7 +106,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(load_recipe(args.config))
-    names = {f.name for f in dataclasses.fields(TrainConfig)} - _NOT_FLAGS
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
     values.update({k: v for k, v in vars(args).items() if k in names})
     return TrainConfig.from_dict(values)
 

@@ -6,7 +6,7 @@ No torch import here, so the CLI can parse and validate flags before torch loads
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from gptkiln.errors import GptkilnError
@@ -204,7 +204,6 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     parallel: Literal["ddp", "fsdp"] = "ddp"
     progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Names first: a wrong preset or tokenizer must fail before any data is prepared.
