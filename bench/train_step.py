@@ -70,8 +70,9 @@ SIZES = {
 }
 LAYOUTS = common.LAYOUTS
 PEER = {"gpt2": "transformers", "book": "book"}
-# What gptkiln.allocator.keep_freed_memory sets with mallopt, as glibc environment variables, for
-# the peers' "(malloc keep)" rows.
+# What gptkiln.allocator.keep_freed_memory sets with mallopt (no mmap, no trimming), as glibc
+# environment variables, for the peers' "(malloc keep)" rows; plus a 256 MB top pad, which
+# gptkiln does not set: fewer heap growths for the peers, if anything in their favour.
 MALLOC_KEEP = {
     "MALLOC_MMAP_MAX_": "0",
     "MALLOC_TRIM_THRESHOLD_": "100000000000",
@@ -191,7 +192,7 @@ def main() -> None:
         "--rounds",
         type=int,
         default=None,
-        help="interleaved repeats of every process (default: 3 baby, 1 124m)",
+        help="interleaved repeats of every process (default: 4 baby, 2 124m)",
     )
     p.add_argument(
         "--optimizers",
