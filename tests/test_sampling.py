@@ -6,13 +6,21 @@ import torch
 from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
-from gptkiln.sampling import generate, generate_stream, logits_to_probs, sample
+from gptkiln.sampling import generate, generate_stream, left_pad, logits_to_probs, sample
 
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
+    # Untied: a fresh tied model's greedy output is its last prompt token over and over (the
+    # head is the embedding itself), so a token-level comparison would hide any other change.
     torch.manual_seed(0)
-    return GPT(GPTConfig.from_name("tiny", vocab_size=64, context_length=24)).eval()
+    config = GPTConfig.from_name("tiny", vocab_size=64, context_length=24, tie_embeddings=False)
+    return GPT(config).eval()
+
+
+def test_the_fixture_model_does_not_just_repeat_a_token(model):
+    for prompt in ([1, 2, 3], [37, 43, 12, 8, 63, 9, 11]):
+        assert len(set(generate(model, prompt, max_new_tokens=10, temperature=0))) >= 4
 
 
 def test_top_k_keeps_exactly_k_tokens():
@@ -88,6 +96,38 @@ def test_batched_prompts_of_unequal_length_match_one_by_one(model):
     assert batch == [generate(model, p, max_new_tokens=12, temperature=0) for p in prompts]
 
 
+def test_padded_rows_through_the_cache_give_each_rows_own_logits(model):
+    # Logits, not tokens: every real position of a left-padded row, in the prefill and in a
+    # decode step, equals the row run alone without cache or padding (padding mask + causality).
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    idx, pad_lens = left_pad(prompts, 0, torch.device("cpu"))
+    nxt = torch.tensor([[12], [13], [14]])
+    with torch.no_grad():
+        model.setup_cache(3, 12, pad_lens)
+        try:
+            prefilled = model(idx, start_pos=0)  # (3, 7, V)
+            stepped = model(nxt, start_pos=idx.size(1))  # (3, 1, V)
+        finally:
+            model.clear_cache()
+        for row, prompt in enumerate(prompts):
+            alone = model(torch.tensor([prompt + [int(nxt[row])]]))[0]  # (len + 1, V)
+            pad = idx.size(1) - len(prompt)
+            torch.testing.assert_close(prefilled[row, pad:], alone[:-1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(stepped[row, 0], alone[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompt_fed_in_chunks_through_the_cache_is_causal(model):
+    seq = torch.tensor([[5, 9, 2, 33, 40, 17, 8, 21, 3]])
+    with torch.no_grad():
+        full = model(seq)
+        model.setup_cache(1, 12)
+        try:
+            chunks = [model(seq[:, :4], start_pos=0), model(seq[:, 4:], start_pos=4)]
+        finally:
+            model.clear_cache()
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
 def test_seeded_sampling_is_reproducible_and_seeds_differ(model):
     cfg = SampleConfig(max_new_tokens=15, temperature=1.0, top_k=20, seed=3)
     a, b = generate(model, [1, 2], cfg), generate(model, [1, 2], cfg)
@@ -104,6 +144,21 @@ def test_end_of_text_stops_generation(model):
         model, [1, 2, 3], max_new_tokens=10, temperature=0, eot_id=eot, stop_at_eos=False
     )
     assert kept == greedy
+
+
+def test_the_stream_stops_at_end_of_text_and_a_finished_row_keeps_yielding_it(model):
+    cfg = SampleConfig(max_new_tokens=10, temperature=0)
+    greedy = {p: generate(model, list(p), cfg) for p in [(1, 2, 3), (4, 5, 6)]}
+    eot = greedy[(1, 2, 3)][3]
+    ends = {p: g.index(eot) if eot in g else None for p, g in greedy.items()}
+    assert ends[(4, 5, 6)] is None or ends[(4, 5, 6)] > ends[(1, 2, 3)]  # rows end apart
+    alone = [int(t) for t in generate_stream(model, [[1, 2, 3]], cfg, eot_id=eot)]
+    assert alone == greedy[(1, 2, 3)][: ends[(1, 2, 3)] + 1]  # the end-of-text, then stop
+    steps = torch.stack(list(generate_stream(model, [[1, 2, 3], [4, 5, 6]], cfg, eot_id=eot)))
+    last = ends[(4, 5, 6)]
+    assert len(steps) == (10 if last is None else last + 1)
+    assert steps[:, 0].tolist() == alone + [eot] * (len(steps) - len(alone))
+    assert steps[:, 1].tolist() == greedy[(4, 5, 6)][: len(steps)]
 
 
 def test_stream_yields_one_token_per_step(model):
