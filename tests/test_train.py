@@ -100,6 +100,36 @@ def test_eval_batches_cover_the_whole_split():
     assert torch.equal(y[:, :-1], x[:, 1:])  # targets are the inputs shifted by one
 
 
+def test_a_step_uses_the_scheduled_lr_and_the_clipped_gradient(verdict_path, tmp_path):
+    cfg = tiny_config(verdict_path, tmp_path / "run", warmup_steps=4, grad_clip=1e-3)
+    trainer = Trainer(cfg)
+    seen = {}
+
+    def before_step(optimizer, args, kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        seen["norm"] = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+        seen["lrs"] = {group["lr"] for group in optimizer.param_groups}
+
+    trainer.optimizer.register_step_pre_hook(before_step)
+    try:
+        lr, _ = trainer.train_step(cfg.max_steps)
+    finally:
+        trainer.close()
+    assert lr == pytest.approx(cfg.lr / 4)  # the first of 4 warm-up steps
+    assert seen["lrs"] == {lr}  # what AdamW is given, not only what is logged
+    assert seen["norm"] == pytest.approx(1e-3, rel=1e-3)  # a fresh model's norm is far above
+
+
+def test_evaluation_batches_come_from_their_own_split(verdict_path, tmp_path):
+    trainer = Trainer(tiny_config(verdict_path, tmp_path / "run"))
+    trainer.close()
+    for batches, split in [(trainer.val_batches, "val"), (trainer.train_eval_batches, "train")]:
+        x, y = batches[0]
+        tokens = torch.from_numpy(getattr(trainer.data, split)[:33].astype("int64"))
+        assert torch.equal(x[0], tokens[:32]) and torch.equal(y[0], tokens[1:])
+    assert not torch.equal(trainer.val_batches[0][0], trainer.train_eval_batches[0][0])
+
+
 def test_windows_sampling_walks_epochs_of_the_books_windows():
     from gptkiln.distributed import World
 
