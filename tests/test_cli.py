@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from gptkiln.cli import build_parser, main, train_config_from_args
-from gptkiln.config import TrainConfig
+from gptkiln.config import GPTConfig, TrainConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
 from gptkiln.train import model_config_for
@@ -118,6 +118,8 @@ def test_bad_sources_through_prepare(tmp_path, capsys):
         (["--tokenizer", "morse"], "morse"),
         (["--config", "no-such-recipe"], "no-such-recipe"),
         (["--nproc", "0"], "nproc"),
+        (["--beta1", "-0.5"], "beta1"),
+        (["--beta2", "1"], "beta2"),
     ],
 )
 def test_bad_train_flags(flags, needle, tmp_path, capsys, verdict_path):
@@ -262,6 +264,30 @@ def test_shakespeare_char_recipe_unties_the_head_takes_exact_gelu_and_flags_over
         TrainConfig(tie_embeddings="no")
     with pytest.raises(GptkilnError, match="gelu must be 'tanh' or 'exact', got 'erf'"):
         TrainConfig(gelu="erf")
+
+
+def test_a_recipe_reads_yaml_numbers_and_names_itself_on_a_wrong_kind(
+    tmp_path, capsys, verdict_path
+):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model: tiny\nlr: 3e-4\nmin_lr: 0\nbatch_size: 2\n")  # YAML: "3e-4"
+    cfg = train_config_from_args(build_parser().parse_args(["train", "--config", str(recipe)]))
+    assert cfg.lr == 3e-4 and isinstance(cfg.lr, float) and cfg.min_lr == 0.0
+    for line, needle in [
+        ("lr: fast", "lr must be a number, got 'fast'"),
+        ("batch_size: 2.5", "batch_size must be a whole number"),
+        ("compile: 'no'", "compile must be true or false"),
+        ("sample_prompt: 7", "sample_prompt must be text"),
+        ("learning_rate: 1", "unknown key(s) learning_rate"),
+    ]:
+        recipe.write_text(f"model: tiny\n{line}\n")
+        code, _, err = cli(
+            "train", "--config", recipe, "--data", verdict_path, "--out", tmp_path / "r",
+            capsys=capsys,
+        )  # fmt: skip
+        assert_one_line_error(code, err, "mine.yaml", needle)
+    with pytest.raises(GptkilnError, match="qkv_bias must be true or false"):
+        GPTConfig(qkv_bias="yes")  # e.g. a hand-edited config.json
 
 
 def test_a_real_process_prints_one_line_and_exits_2(tmp_path):

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptkiln.config import PRESETS, SampleConfig, TrainConfig
+from gptkiln.config import PRESETS, SampleConfig, TrainConfig, check_values
 from gptkiln.errors import GptkilnError
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -98,7 +98,7 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
         raise GptkilnError(f"{path}: not valid YAML ({problem}); fix the file") from None
     if not isinstance(values, dict):
         raise GptkilnError(f"{path}: a recipe is a mapping of training settings (key: value)")
-    return values
+    return check_values(TrainConfig, values, str(path))
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:

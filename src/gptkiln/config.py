@@ -6,6 +6,8 @@ No torch import here, so the CLI can parse and validate flags before torch loads
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,6 +53,7 @@ class GPTConfig:
     init: Literal["gpt2", "pytorch"] = "gpt2"
 
     def __post_init__(self) -> None:
+        _check_types(self, "model config")
         for name in ("vocab_size", "context_length", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -138,6 +141,7 @@ class SampleConfig:
     stop_at_eos: bool = True
 
     def __post_init__(self) -> None:
+        _check_types(self, "sampling config")
         check_sampling(self.temperature, self.top_k, self.top_p)
         if self.max_new_tokens < 0:
             raise GptkilnError(
@@ -206,6 +210,7 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        _check_types(self, "training config")
         # Names first: a wrong preset or tokenizer must fail before any data is prepared.
         from gptkiln.tokenizers import parse_tokenizer_spec
 
@@ -243,6 +248,11 @@ class TrainConfig:
             raise GptkilnError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
         if self.weight_decay < 0:
             raise GptkilnError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise GptkilnError(
+                    f"{name} must be in [0, 1) (Adam's moment decay), got {getattr(self, name)!r}"
+                )
         if not 0.0 < self.val_fraction < 1.0:
             raise GptkilnError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
@@ -264,15 +274,65 @@ class TrainConfig:
         return _from_dict(cls, values, "training config")
 
 
-def _from_dict(cls, values: dict[str, Any], what: str):
-    """Build a config dataclass from a mapping, naming any key it does not have."""
+def check_values(cls, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """``values`` for the fields of config class ``cls``, each checked against its field's type;
+    `GptkilnError` naming ``where`` for an unknown key or a value of the wrong kind.
+
+    A float field takes any number, and a string that reads as one: YAML 1.1 (PyYAML) reads
+    ``lr: 1e-3`` as the string ``"1e-3"``. Int fields take whole numbers, bool fields true or
+    false, text fields text; ``None`` only where the field allows it. Ranges are the classes'
+    own checks.
+    """
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise GptkilnError(
-            f"{what}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         )
-    return cls(**values)
+    hints = typing.get_type_hints(cls)
+    return {name: _checked(hints[name], v, f"{where}: {name}") for name, v in values.items()}
+
+
+def _checked(hint: Any, value: Any, label: str) -> Any:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        hint = type(args[0])
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise GptkilnError(f"{label} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise GptkilnError(f"{label} must be a whole number, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise GptkilnError(f"{label} must be a number, got {value!r}")
+    if hint is str and not isinstance(value, str):
+        raise GptkilnError(f"{label} must be text, got {value!r}")
+    return value
+
+
+def _check_types(config, what: str) -> None:
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    for name, value in check_values(type(config), values, what).items():
+        object.__setattr__(config, name, value)
+
+
+def _from_dict(cls, values: dict[str, Any], what: str):
+    """Build a config dataclass from a mapping (JSON, YAML), naming a key it does not have."""
+    return cls(**check_values(cls, values, what))
 
 
 def _positive_int(name: str, value: Any) -> None:
