@@ -102,6 +102,9 @@ def test_bad_sources_through_prepare(tmp_path, capsys):
         "prepare", tmp_path / "docs.jsonl", "--out", out, "--tokenizer", "wordpiece", capsys=capsys
     )
     assert_one_line_error(code, err, "wordpiece")
+    (tmp_path / "half.jsonl").write_text('{"text": "fine"}\n{"text": "half \\ud800 a pair"}\n')
+    code, _, err = cli("prepare", tmp_path / "half.jsonl", "--out", out, capsys=capsys)
+    assert_one_line_error(code, err, "half.jsonl line 2", "surrogate")
     assert not out.exists() or not (out / "train.bin").exists()  # nothing half-written
 
 
@@ -288,6 +291,91 @@ def test_a_recipe_reads_yaml_numbers_and_names_itself_on_a_wrong_kind(
         assert_one_line_error(code, err, "mine.yaml", needle)
     with pytest.raises(GptkilnError, match="qkv_bias must be true or false"):
         GPTConfig(qkv_bias="yes")  # e.g. a hand-edited config.json
+
+
+def test_convert_and_prepare_never_write_over_a_run(run_dir, tmp_path, capsys, verdict_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    before = {p.name: sha(p) for p in run.iterdir() if p.is_file()}
+    code, _, err = cli("convert", "book", tmp_path / "model.pth", "--out", run, capsys=capsys)
+    assert_one_line_error(code, err, "already holds a model", "--overwrite")
+    code, _, err = cli("prepare", verdict_path, "--out", run, capsys=capsys)
+    assert_one_line_error(code, err, "holds a model", str(run / "data"))
+    code, _, err = cli(  # a failed conversion, even with --overwrite, leaves the run whole
+        "convert", "book", tmp_path / "model.pth", "--out", run, "--overwrite", capsys=capsys
+    )
+    assert_one_line_error(code, err, "model.pth")
+    assert {p.name: sha(p) for p in run.iterdir() if p.is_file()} == before
+    (tmp_path / "afile").write_text("x")
+    for argv, needle in [
+        (["prepare", verdict_path, "--out", tmp_path / "afile"], "is a file"),
+        (["convert", "book", tmp_path / "model.pth", "--out", tmp_path / "afile"], "is a file"),
+        (["prepare", verdict_path, "--out", tmp_path / "afile" / "sub"], "Not a directory"),
+    ]:
+        code, _, err = cli(*argv, capsys=capsys)
+        assert_one_line_error(code, err, needle)
+
+
+def test_convert_overwrite_replaces_the_run_and_drops_its_training_state(tmp_path, capsys):
+    from gptkiln.checkpoint import TRAINER_STATE_FILE, save_model
+    from gptkiln.tokenizers import load_tokenizer
+
+    run = tmp_path / "run"
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=50257, context_length=16))
+    save_model(model, run, tokenizer=load_tokenizer("gpt2"))
+    (run / TRAINER_STATE_FILE).write_bytes(b"the state of the run being replaced")
+    (run / "metrics.csv").write_text("step\n1\n")
+    export = tmp_path / "hf"
+    code, _, err = cli("convert", "to-hf", run, "--out", export, capsys=capsys)
+    assert code == 0, err
+    code, _, err = cli("convert", "hf", export, "--out", run, capsys=capsys)
+    assert_one_line_error(code, err, "already holds a model")
+    assert (run / TRAINER_STATE_FILE).exists()
+    code, _, err = cli("convert", "hf", export, "--out", run, "--overwrite", capsys=capsys)
+    assert code == 0, err
+    assert not (run / TRAINER_STATE_FILE).exists() and not (run / "metrics.csv").exists()
+    code, _, err = cli("convert", "to-hf", run, "--out", export, capsys=capsys)  # again: refused
+    assert_one_line_error(code, err, "already holds a model")
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--device", "bogus"], "bogus"),
+        (["--temperature", "nan"], "temperature"),
+        (["--temperature", "inf"], "temperature"),
+        (["--seed", str(2**70)], "seed"),
+    ],
+)
+def test_bad_generate_flags(flags, needle, run_dir, capsys):
+    code, out, err = cli("generate", run_dir, "--prompt", "I had", *flags, capsys=capsys)
+    assert_one_line_error(code, err, needle)
+    assert out == ""  # nothing printed before the checks
+
+
+def test_a_run_whose_tokenizer_was_replaced_is_one_line(run_dir, tmp_path, capsys):
+    import shutil
+
+    from gptkiln.checkpoint import save_tokenizer
+    from gptkiln.tokenizers import load_tokenizer
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    save_tokenizer(load_tokenizer("gpt2"), run)  # the char run now says gpt2
+    code, out, err = cli("generate", run, "--prompt", "I had", capsys=capsys)
+    assert_one_line_error(code, err, "do not belong to this model")
+    assert out == ""  # the prompt is echoed only once the run loaded and took it
+    (tmp_path / "text.txt").write_text("I had always thought Jack Gisburn rather a cheap genius")
+    code, _, err = cli("eval", run, "--data", tmp_path / "text.txt", "--quiet", capsys=capsys)
+    assert_one_line_error(code, err, "do not belong to this model")
+
+
+def test_a_prompt_of_undecodable_bytes_is_one_line(run_dir, capsys):
+    bad = b"I \xff".decode("utf-8", "surrogateescape")  # what Python makes of such argv bytes
+    code, _, err = cli("generate", run_dir, "--prompt", bad, capsys=capsys)
+    assert_one_line_error(code, err, "--prompt", "UTF-8")
 
 
 def test_a_real_process_prints_one_line_and_exits_2(tmp_path):

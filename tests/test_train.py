@@ -130,6 +130,50 @@ def test_evaluation_batches_come_from_their_own_split(verdict_path, tmp_path):
     assert not torch.equal(trainer.val_batches[0][0], trainer.train_eval_batches[0][0])
 
 
+def _digests(run: Path) -> dict:
+    import hashlib
+
+    names = ("model.safetensors", "trainer_state.pt", "config.json")
+    return {n: hashlib.sha256((run / n).read_bytes()).hexdigest() for n in names}
+
+
+def test_a_diverging_run_stops_with_one_line_and_keeps_the_good_checkpoint(verdict_path, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_config(verdict_path, run, max_steps=4, sample_interval=100))
+    before = _digests(run)
+    diverging = tiny_config(verdict_path, run, max_steps=40, lr=1e30, min_lr=0.0)
+    with pytest.raises(GptkilnError, match=r"diverged at step \d+: the loss is nan.*step 4.*--lr"):
+        train(diverging, resume=True)
+    assert _digests(run) == before
+
+
+def test_a_sample_prompt_outside_the_alphabet_fails_before_training(tmp_path):
+    corpus = tmp_path / "lower.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 60)
+    with pytest.raises(GptkilnError, match="--sample-prompt 'ROMEO:'.*'R'"):
+        Trainer(tiny_config(corpus, tmp_path / "run", sample_prompt="ROMEO:"))
+    with pytest.raises(GptkilnError, match="--sample-prompt is empty"):
+        Trainer(tiny_config(corpus, tmp_path / "run", sample_prompt=""))
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_resume_mends_damaged_prepared_data_and_names_a_damaged_metrics_row(
+    verdict_path, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    train(tiny_config(verdict_path, run, max_steps=4, sample_interval=100))
+    (run / "data" / "meta.json").write_text("{not json")  # prepared again from the source
+    train(tiny_config(verdict_path, run, max_steps=8, sample_interval=100), resume=True)
+    assert json.loads((run / "data" / "meta.json").read_text())["tokenizer"] == "char"
+    capsys.readouterr()
+    train(tiny_config(verdict_path, run, max_steps=6), resume=True)  # already at step 8
+    assert "nothing to train" in capsys.readouterr().err
+    with open(run / "metrics.csv", "a") as f:
+        f.write("x,y\n")
+    with pytest.raises(GptkilnError, match=r"metrics.csv line \d+: not a row of numbers"):
+        train(tiny_config(verdict_path, run, max_steps=12), resume=True)
+
+
 def test_windows_sampling_walks_epochs_of_the_books_windows():
     from gptkiln.distributed import World
 
@@ -294,7 +338,7 @@ def test_train_config_rejects_nonsense():
         TrainConfig(batch_size=0)
     with pytest.raises(GptkilnError, match="max_steps"):
         TrainConfig(max_steps=-5)
-    with pytest.raises(GptkilnError, match="lr must be > 0"):
+    with pytest.raises(GptkilnError, match="lr must be a finite number > 0"):
         TrainConfig(lr=0)
     with pytest.raises(GptkilnError, match="unknown key"):
         TrainConfig.from_dict({"learning_rate": 1})

@@ -31,7 +31,7 @@ def stream_text(
     A prompt longer than the model's context keeps its last ``context_length`` tokens; the
     ``on_notice`` callback (if given) is told so.
     """
-    from gptkiln.checkpoint import load_run
+    from gptkiln.checkpoint import check_ids_fit, load_run
     from gptkiln.sampling import generate_stream
 
     cfg = cfg or SampleConfig()
@@ -40,6 +40,7 @@ def stream_text(
     ids = tokenizer.encode(prompt)
     if not ids:
         raise GptkilnError("the prompt is empty; pass --prompt with some text")
+    check_ids_fit(max(ids), model, tokenizer, run_dir)
     ctx = model.config.context_length
     if len(ids) > ctx and on_notice:
         on_notice(
@@ -92,7 +93,7 @@ def evaluate_run(
     import numpy as np
     from tqdm.auto import tqdm
 
-    from gptkiln.checkpoint import load_run
+    from gptkiln.checkpoint import check_ids_fit, load_run
     from gptkiln.data.windows import SlidingWindowDataset
 
     if batch_size < 1:
@@ -100,6 +101,8 @@ def evaluate_run(
     model, tokenizer, _ = load_run(run_dir, device=device)
     model.eval()
     tokens = _eval_tokens(Path(data), tokenizer)
+    if len(tokens):
+        check_ids_fit(int(np.max(tokens)), model, tokenizer, run_dir)
     ctx = model.config.context_length
     dataset = SlidingWindowDataset(
         np.asarray(tokens), min(ctx, len(tokens) - 1), min(ctx, len(tokens) - 1)

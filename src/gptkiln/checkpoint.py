@@ -407,6 +407,17 @@ def load_run(
     return model, tokenizer, cfg
 
 
+def check_ids_fit(ids_max: int, model: GPT, tokenizer: Any, run_dir: str | os.PathLike) -> None:
+    """Refuse token ids the model has no embedding for (a run whose tokenizer files were
+    replaced, e.g. by a ``prepare`` into the run directory) with one line, not an IndexError."""
+    if ids_max >= model.config.vocab_size:
+        raise GptkilnError(
+            f"{run_dir}: its tokenizer ({tokenizer.kind}, {tokenizer.vocab_size:,} ids) gave id "
+            f"{ids_max:,}, beyond the model's {model.config.vocab_size:,}; the tokenizer files "
+            "do not belong to this model: restore them, or train the model again"
+        )
+
+
 def tokenizer_name(run_dir: str | os.PathLike) -> str | None:
     """The kind of tokenizer a run uses ("gpt2", "char", "bpe"), None when it records none."""
     run_dir = Path(run_dir)
@@ -431,6 +442,27 @@ def has_checkpoint(run_dir: str | os.PathLike) -> bool:
     run_dir = Path(run_dir)
     names = (CONFIG_FILE, WEIGHTS_FILE, TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)
     return any((run_dir / name).exists() for name in names)
+
+
+def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
+    """Check ``out_dir`` before a converted or downloaded model is written there: refuse a file,
+    and a directory that already holds a model unless ``overwrite``.
+
+    Returns the files of an old training run there (its trainer state, metrics and plot), for
+    the caller to delete once the new model is written, so the directory never mixes two.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise GptkilnError(f"--out {out_dir} is a file; give the path of a directory to write")
+    if not has_checkpoint(out_dir):
+        return []
+    if not overwrite:
+        raise GptkilnError(
+            f"--out {out_dir} already holds a model; pass --overwrite to replace it, "
+            "or choose another --out"
+        )
+    names = (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE, "metrics.csv", "loss.png")
+    return [out_dir / name for name in names if (out_dir / name).exists()]
 
 
 def check_run_dir_for_training(

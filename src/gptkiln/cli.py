@@ -159,7 +159,12 @@ def launch_torchrun(nproc: int) -> None:
 # -- generate / eval -------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> None:
     from gptkiln.api import stream_text
+    from gptkiln.train import resolve_device
 
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes on the command line
+        raise GptkilnError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8") from None
     cfg = SampleConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -168,8 +173,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         seed=args.seed,
     )
     notice = lambda msg: print(f"note: {msg}", file=sys.stderr)
-    sys.stdout.write(args.prompt)
-    for piece in stream_text(args.run_dir, args.prompt, cfg, device=args.device, on_notice=notice):
+    device = resolve_device(args.device)
+    pieces = stream_text(args.run_dir, args.prompt, cfg, device=device, on_notice=notice)
+    first = next(pieces, "")  # the run is loaded and the prompt checked before anything is shown
+    sys.stdout.write(args.prompt + first)
+    sys.stdout.flush()
+    for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -177,12 +186,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from gptkiln.api import evaluate_run
+    from gptkiln.train import resolve_device
 
     r = evaluate_run(
         args.run_dir,
         args.data,
         batch_size=args.batch_size,
-        device=args.device,
+        device=resolve_device(args.device),
         progress=not args.quiet,
     )
     print(f"loss {r.loss:.4f} | perplexity {r.perplexity:.2f} | {r.tokens:,} tokens")
@@ -191,20 +201,28 @@ def cmd_eval(args: argparse.Namespace) -> None:
 # -- convert / download ----------------------------------------------------------------------
 def cmd_convert(args: argparse.Namespace) -> None:
     from gptkiln import interop
+    from gptkiln.checkpoint import check_out_dir
 
+    stale = check_out_dir(args.out, overwrite=args.overwrite)
     if args.direction == "hf":
         interop.import_hf(args.path, args.out)
     elif args.direction == "book":
         interop.import_book(args.path, args.out, n_head=args.n_head)
     else:
         interop.export_hf(args.path, args.out)
+    for path in stale:  # the replaced run's training state: written over, so dropped
+        path.unlink(missing_ok=True)
     print(f"wrote {args.out}")
 
 
 def cmd_download(args: argparse.Namespace) -> None:
     from gptkiln import interop
+    from gptkiln.checkpoint import check_out_dir
 
+    stale = check_out_dir(args.out, overwrite=args.overwrite)
     interop.download(args.name, args.out)
+    for path in stale:
+        path.unlink(missing_ok=True)
     print(f"wrote {args.out}")
 
 
@@ -264,11 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="the directory or file to convert")
     p.add_argument("--out", required=True)
     p.add_argument("--n-head", type=int, default=12, help="heads of a book model (not in its file)")
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("download", help="download OpenAI's GPT-2 weights (needs internet)")
     p.add_argument("name", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl")
     p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     p.set_defaults(func=cmd_download)
     return parser
 
@@ -285,6 +305,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `gptkiln generate ... | head`
         return 0
+    except OSError as e:  # a path that cannot be read or written: permissions, a full disk
+        where = f": {e.filename}" if e.filename else ""
+        print(
+            f"gptkiln {args.command}: error: {e.strerror or e}{where}; check the path, its "
+            "permissions and the free space",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

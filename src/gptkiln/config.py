@@ -6,6 +6,7 @@ No torch import here, so the CLI can parse and validate flags before torch loads
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -143,16 +144,25 @@ class SampleConfig:
     def __post_init__(self) -> None:
         _check_types(self, "sampling config")
         check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.seed is not None:
+            _check_seed(self.seed)
         if self.max_new_tokens < 0:
             raise GptkilnError(
                 f"max_new_tokens must be >= 0, got {self.max_new_tokens}; pass e.g. 100"
             )
 
 
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed < 2**63:  # what torch's generators take
+        raise GptkilnError(f"seed must be a whole number in [0, 2**63), got {seed!r}")
+
+
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise `GptkilnError` for sampling settings that have no meaning."""
-    if temperature < 0:
-        raise GptkilnError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature < math.inf:
+        raise GptkilnError(
+            f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
+        )
     if top_k is not None and top_k < 1:
         raise GptkilnError(f"top_k must be >= 1 (or unset to keep all tokens), got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -238,8 +248,9 @@ class TrainConfig:
             raise GptkilnError(f"sampling must be 'windows' or 'random', got {self.sampling!r}")
         if self.parallel not in ("ddp", "fsdp"):
             raise GptkilnError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
-        if not self.lr > 0:
-            raise GptkilnError(f"lr must be > 0, got {self.lr!r}")
+        if not 0 < self.lr < math.inf:
+            raise GptkilnError(f"lr must be a finite number > 0, got {self.lr!r}")
+        _check_seed(self.seed)
         if self.grad_clip < 0:
             raise GptkilnError(
                 f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip!r}"

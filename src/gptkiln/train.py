@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -205,8 +206,16 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     """Rows of a metrics.csv as dicts of floats (empty cells become None)."""
     rows = []
     with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            rows.append({k: (float(v) if v not in ("", None) else None) for k, v in row.items()})
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                rows.append(
+                    {k: (float(v) if v not in ("", None) else None) for k, v in row.items()}
+                )
+            except (TypeError, ValueError):
+                raise GptkilnError(
+                    f"{path} line {line}: not a row of numbers ({','.join(map(str, row.values()))}"
+                    "); fix that line, or delete the file to drop the run's loss history"
+                ) from None
     return rows
 
 
@@ -242,6 +251,7 @@ class Trainer:
         resume, overwrite = self._start_mode(resume, overwrite)
         self.data = self._load_data()
         self.tokenizer = self.data.tokenizer
+        self._check_sample_prompt()
         self.model_config = model_config_for(cfg, self.tokenizer.vocab_size)
         if resume:
             checkpoint.check_same_model_config(self.run_dir, self.model_config)
@@ -266,6 +276,21 @@ class Trainer:
             self._restore()
         elif self.world.is_main:
             self._start_afresh(overwrite)
+
+    def _check_sample_prompt(self) -> None:
+        """The prompt of the samples while training: encodable, checked before step 1."""
+        try:
+            ids = self.tokenizer.encode(self.cfg.sample_prompt)
+        except GptkilnError as e:
+            raise GptkilnError(
+                f"--sample-prompt {self.cfg.sample_prompt!r}: {e}; pass a prompt in the "
+                "corpus's alphabet with --sample-prompt"
+            ) from None
+        if not ids:
+            raise GptkilnError(
+                "--sample-prompt is empty; samples while training need at least one token, "
+                "e.g. --sample-prompt 'The'"
+            )
 
     def close(self) -> None:
         """Leave the process group, if this trainer joined it."""
@@ -340,6 +365,12 @@ class Trainer:
         """
         from tqdm.auto import tqdm
 
+        if self.step >= self.batches.total_steps and self.world.is_main:
+            print(
+                f"nothing to train: {self.run_dir} is already at step {self.step} of "
+                f"{self.batches.total_steps}; raise --max-steps (or --epochs) to go on",
+                file=sys.stderr,
+            )
         bar = tqdm(
             total=self.batches.total_steps,
             initial=self.step,
@@ -392,11 +423,35 @@ class Trainer:
             last = self.step == total
             if self.step % cfg.eval_interval == 0 or last:
                 train_loss, val_loss = self.log_eval(loss, lr, tokens_per_s, bar)
-            if self.step % cfg.sample_interval == 0 and not last:
-                self.log_sample(bar)
+            if not self.world.distributed and not math.isfinite(loss):
+                raise GptkilnError(self._diverged_message(f"the loss is {loss}"))
             if self.step % cfg.checkpoint_interval == 0 or last:
+                if dist_utils.any_rank(not self._finite(loss), self.world):
+                    raise GptkilnError(
+                        self._diverged_message("the loss or the weights are not finite")
+                    )
                 self.save()
+            if self.step % cfg.sample_interval == 0 and not last:  # after the save: never lost
+                self.log_sample(bar)
         return train_loss, val_loss
+
+    def _finite(self, loss: float) -> bool:
+        """This rank's last loss and weights (its shards, with FSDP) are all finite numbers."""
+        return math.isfinite(loss) and all(
+            bool(torch.isfinite(p).all()) for p in self.model.parameters()
+        )
+
+    def _diverged_message(self, what: str) -> str:
+        """One line: training diverged, the checkpoint is kept, and what to change."""
+        if self.saved_step is None:
+            kept = "no checkpoint was written"
+        else:
+            kept = f"the checkpoint of step {self.saved_step} in {self.run_dir} is kept as it was"
+        return (
+            f"training diverged at step {self.step}: {what}; {kept}. Lower --lr (now "
+            f"{self.cfg.lr:g}) or lengthen --warmup-steps (now {self.cfg.warmup_steps}), then "
+            "continue with --resume or start again with --overwrite"
+        )
 
     def _stopped_message(self, error: BaseException) -> str:
         """One line for a person: who stopped, why, and where the last checkpoint is."""
@@ -599,9 +654,13 @@ def _prepared_matches(data_dir: Path, source, kind: str, val_fraction: float) ->
     meta_path = data_dir / "meta.json"
     if not meta_path.is_file():
         return False
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):  # damaged: prepare it again
+        return False
     return (
-        meta.get("source") == str(source)
+        isinstance(meta, dict)
+        and meta.get("source") == str(source)
         and meta.get("tokenizer") == kind
         and meta.get("val_fraction") == val_fraction
     )

@@ -184,6 +184,21 @@ def _append(encoded, eot_id, dtype, files, counts, bar) -> None:
         bar.update(_utf8_len(text))
 
 
+def _check_out_dir(out_dir: Path) -> None:
+    """Prepared data replaces earlier prepared data, never a model or a file."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise GptkilnError(f"--out {out_dir} is a file; give the path of a directory to write")
+    model_files = [n for n in _MODEL_FILES if (out_dir / n).exists()]
+    if model_files:
+        raise GptkilnError(
+            f"--out {out_dir} holds a model ({', '.join(model_files)}), and preparing there "
+            f"would replace its tokenizer; prepare into another directory, e.g. {out_dir / 'data'}"
+        )
+
+
+_MODEL_FILES = ("model.safetensors", "trainer_state.pt", "config.json")
+
+
 def prepare(
     source: str | os.PathLike | None,
     out_dir: str | os.PathLike,
@@ -215,6 +230,7 @@ def prepare(
     if batch_chars < 1:
         raise GptkilnError(f"batch_chars {batch_chars!r}: must be a positive number of characters")
     check_source(source)
+    _check_out_dir(Path(out_dir))
     _kind_to_build(tokenizer)  # an unknown tokenizer name fails before any reading
     survey = _survey(source, want_charset=_kind_to_build(tokenizer) == "char", progress=progress)
     tok = _make_tokenizer(tokenizer, source, survey)

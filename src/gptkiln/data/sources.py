@@ -245,6 +245,14 @@ def _jsonl_pieces(path: Path, piece_chars: int) -> Iterator[tuple[bool, str]]:
                     f'{where}: no string "text" field (keys: {", ".join(record) or "none"}); '
                     'write each line as {"text": "..."}'
                 )
+            if "\\u" in line:  # only a \u escape can make a lone surrogate, which no encoder takes
+                try:
+                    record["text"].encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise GptkilnError(
+                        f'{where}: "text" holds {e.object[e.start]!r}, half of a UTF-16 '
+                        "surrogate pair (a broken \\u escape); fix or remove that line"
+                    ) from None
             if record["text"]:
                 yield from _split_document(record["text"], piece_chars)
 
