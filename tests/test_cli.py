@@ -121,6 +121,7 @@ def test_bad_sources_through_prepare(tmp_path, capsys):
         (["--tokenizer", "morse"], "morse"),
         (["--config", "no-such-recipe"], "no-such-recipe"),
         (["--nproc", "0"], "nproc"),
+        (["--nproc", "2", "--data", "/no/such/corpus.txt"], "corpus.txt"),  # before torchrun
         (["--beta1", "-0.5"], "beta1"),
         (["--beta2", "1"], "beta2"),
     ],

@@ -114,6 +114,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 def cmd_train(args: argparse.Namespace) -> None:
     cfg = train_config_from_args(args)
     if args.nproc is not None:
+        _check_before_launch(cfg, args)
         return launch_torchrun(args.nproc)
     from gptkiln.allocator import keep_freed_memory
     from gptkiln.train import resolve_device, train
@@ -127,6 +128,17 @@ def cmd_train(args: argparse.Namespace) -> None:
             f"train loss {result.train_loss:.3f}, val loss {result.val_loss:.3f}; "
             f"run saved in {result.run_dir}"
         )
+
+
+def _check_before_launch(cfg: TrainConfig, args: argparse.Namespace) -> None:
+    """What every worker would refuse, refused once here: one line instead of N tracebacks in
+    torchrun's report."""
+    from gptkiln.checkpoint import check_run_dir_for_training
+    from gptkiln.data.sources import check_source
+
+    if cfg.data is None or not (Path(cfg.data) / "meta.json").is_file():
+        check_source(cfg.data)
+    check_run_dir_for_training(Path(cfg.out), resume=args.resume, overwrite=args.overwrite)
 
 
 def launch_torchrun(nproc: int) -> None:
