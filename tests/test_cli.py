@@ -398,6 +398,22 @@ def test_a_real_process_prints_one_line_and_exits_2(tmp_path):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+def test_help_and_flag_errors_come_before_torch_is_imported():
+    # `gptkiln --help` and a bad flag answer at once (torch takes seconds to import), and a
+    # Ctrl-C while torch loads is inside main(), which turns it into one line.
+    code = (
+        "import sys, gptkiln, gptkiln.cli\n"
+        "from gptkiln import GPTConfig, TrainConfig\n"
+        "try:\n"
+        "    gptkiln.cli.main(['train', '--lr', '-1'])\n"
+        "finally:\n"
+        "    print(sorted(m for m in ('torch', 'tiktoken') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+    assert "lr must be" in proc.stderr
+
+
 def test_run_directory_config_records_model_train_and_tokenizer(run_dir):
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["model"]["n_layer"] == 2 and cfg["train"]["max_steps"] == 6

@@ -5,10 +5,10 @@ The public API::
     from gptkiln import GPT, GPTConfig, load_tokenizer, generate
 """
 
+import importlib
+
 from gptkiln.config import GPTConfig, SampleConfig, TrainConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.model import GPT
-from gptkiln.sampling import generate, generate_stream
 
 __all__ = [
     "GPT",
@@ -24,10 +24,23 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name):
-    # Tokenizers pull in tiktoken/tokenizers; load them on first use.
-    if name == "load_tokenizer":
-        from gptkiln.tokenizers import load_tokenizer
+# Loaded on first use: torch (model, sampling) and tiktoken/tokenizers take seconds to import, and
+# the `gptkiln` command parses and checks its flags (config.py) before it needs any of them.
+_LAZY = {
+    "GPT": "gptkiln.model",
+    "generate": "gptkiln.sampling",
+    "generate_stream": "gptkiln.sampling",
+    "load_tokenizer": "gptkiln.tokenizers",
+}
 
-        return load_tokenizer
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'gptkiln' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
