@@ -373,6 +373,24 @@ def test_a_run_whose_tokenizer_was_replaced_is_one_line(run_dir, tmp_path, capsy
     assert_one_line_error(code, err, "do not belong to this model")
 
 
+def test_messages_name_what_is_really_wrong(run_dir, tmp_path, capsys, verdict_path):
+    import shutil
+
+    code, _, err = cli("generate", verdict_path, "--prompt", "I", capsys=capsys)
+    assert_one_line_error(code, err, "is a file, not a run directory")
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**cfg, "format": "1"}))
+    code, _, err = cli("generate", run, "--prompt", "I", capsys=capsys)
+    assert_one_line_error(code, err, "format '1', not a format number")
+    code, _, err = cli(  # the-verdict's val split: ~2,000 characters
+        "train", "--data", verdict_path, "--model", "tiny", "--tokenizer", "char",
+        "--context-length", "4000", "--out", tmp_path / "long", "--no-progress", capsys=capsys,
+    )  # fmt: skip
+    assert_one_line_error(code, err, "the val split has", "--val-fraction")
+
+
 def test_a_prompt_of_undecodable_bytes_is_one_line(run_dir, capsys):
     bad = b"I \xff".decode("utf-8", "surrogateescape")  # what Python makes of such argv bytes
     code, _, err = cli("generate", run_dir, "--prompt", bad, capsys=capsys)

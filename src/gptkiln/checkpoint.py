@@ -224,6 +224,11 @@ def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
             f"{run_dir} does not exist; give a run directory made by "
             f"`gptkiln train --out DIR` or `gptkiln convert`"
         )
+    if run_dir.is_file():
+        raise GptkilnError(
+            f"{run_dir} is a file, not a run directory; give the directory that holds "
+            f"{CONFIG_FILE} (made by `gptkiln train --out DIR` or `gptkiln convert`)"
+        )
     if not path.is_file():
         raise GptkilnError(
             f"{run_dir} is not a gptkiln run directory ({CONFIG_FILE} is missing); "
@@ -263,7 +268,11 @@ def run_model_config(cfg: dict[str, Any], path: Path) -> GPTConfig:
             f"{path} is not a gptkiln config (no 'format'/'model' keys); give a "
             f"run directory from `gptkiln train` or `gptkiln convert`"
         )
-    if not isinstance(fmt, int) or fmt > FORMAT:
+    if not isinstance(fmt, int) or isinstance(fmt, bool):
+        raise GptkilnError(
+            f"{path} has format {fmt!r}, not a format number gptkiln writes; restore the file"
+        )
+    if fmt > FORMAT:
         raise GptkilnError(
             f"{path} has format {fmt!r}, newer than this gptkiln reads ({FORMAT}); upgrade gptkiln"
         )

@@ -262,6 +262,15 @@ class Trainer:
         betas = (cfg.beta1, cfg.beta2)
         self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay, betas)
         ctx = self.model_config.context_length
+        for split in ("train", "val"):
+            tokens = len(getattr(self.data, split))
+            if tokens < ctx + 1:
+                raise GptkilnError(
+                    f"the {split} split has {tokens:,} tokens, fewer than one window of "
+                    f"context_length + 1 = {ctx + 1:,}; lower --context-length"
+                    + (", raise --val-fraction" if split == "val" else "")
+                    + " or give more text"
+                )
         self.batches = Batches(self.data.train, cfg, ctx, self.world)
         # eval_batches of the global batch, split across ranks: N x b evaluates what 1 x Nb does.
         n_eval = cfg.eval_batches * self.world.world_size
