@@ -313,7 +313,7 @@ def test_convert_and_prepare_never_write_over_a_run(run_dir, tmp_path, capsys, v
     for argv, needle in [
         (["prepare", verdict_path, "--out", tmp_path / "afile"], "is a file"),
         (["convert", "book", tmp_path / "model.pth", "--out", tmp_path / "afile"], "is a file"),
-        (["prepare", verdict_path, "--out", tmp_path / "afile" / "sub"], "Not a directory"),
+        (["prepare", verdict_path, "--out", tmp_path / "afile" / "sub"], "afile"),  # OSError
     ]:
         code, _, err = cli(*argv, capsys=capsys)
         assert_one_line_error(code, err, needle)
@@ -354,6 +354,44 @@ def test_bad_generate_flags(flags, needle, run_dir, capsys):
     code, out, err = cli("generate", run_dir, "--prompt", "I had", *flags, capsys=capsys)
     assert_one_line_error(code, err, needle)
     assert out == ""  # nothing printed before the checks
+
+
+def test_prepare_knows_the_names_of_a_models_files():
+    from gptkiln import checkpoint
+    from gptkiln.data.prepare import _MODEL_FILES
+
+    names = {checkpoint.WEIGHTS_FILE, checkpoint.TRAINER_STATE_FILE, checkpoint.PREVIOUS_STATE_FILE}
+    assert set(_MODEL_FILES) == names
+
+
+def test_an_os_error_without_a_path_is_not_passed_off_as_bad_input(monkeypatch, capsys):
+    import gptkiln.cli as cli_module
+
+    def broken(args):
+        raise OSError("a shared library failed to load")
+
+    monkeypatch.setattr(cli_module, "cmd_prepare", broken)
+    with pytest.raises(OSError, match="shared library"):  # a real failure keeps its traceback
+        main(["prepare", "x.txt", "--out", "y"])
+
+
+def test_typed_settings_take_paths_and_numpy_numbers_but_not_nan():
+    from pathlib import Path
+
+    import numpy as np
+
+    cfg = TrainConfig(out=Path("runs/x"), batch_size=np.int64(4), lr=np.float32(0.5))
+    assert (cfg.out, cfg.batch_size, cfg.lr) == ("runs/x", 4, 0.5)
+    assert type(cfg.batch_size) is int and type(cfg.lr) is float
+    for bad, needle in [
+        (dict(lr="nan"), "lr must be a number"),
+        (dict(lr=" 1_0e-3 "), "lr must be a number"),
+        (dict(grad_clip=float("nan")), "grad_clip must be a finite number"),
+        (dict(weight_decay=float("inf")), "weight_decay must be a finite number"),
+        (dict(batch_size=True), "batch_size must be a whole number"),
+    ]:
+        with pytest.raises(GptkilnError, match=needle):
+            TrainConfig(**bad)
 
 
 def test_a_run_whose_tokenizer_was_replaced_is_one_line(run_dir, tmp_path, capsys):

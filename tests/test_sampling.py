@@ -149,9 +149,11 @@ def test_end_of_text_stops_generation(model):
 def test_the_stream_stops_at_end_of_text_and_a_finished_row_keeps_yielding_it(model):
     cfg = SampleConfig(max_new_tokens=10, temperature=0)
     greedy = {p: generate(model, list(p), cfg) for p in [(1, 2, 3), (4, 5, 6)]}
-    eot = greedy[(1, 2, 3)][3]
+    # end-of-text: a token the first row makes early on and the second row never makes
+    eot = next((t for t in greedy[(1, 2, 3)][1:6] if t not in greedy[(4, 5, 6)]), None)
+    if eot is None:
+        pytest.skip("the fixture's two rows share their early greedy tokens")
     ends = {p: g.index(eot) if eot in g else None for p, g in greedy.items()}
-    assert ends[(4, 5, 6)] is None or ends[(4, 5, 6)] > ends[(1, 2, 3)]  # rows end apart
     alone = [int(t) for t in generate_stream(model, [[1, 2, 3]], cfg, eot_id=eot)]
     assert alone == greedy[(1, 2, 3)][: ends[(1, 2, 3)] + 1]  # the end-of-text, then stop
     steps = torch.stack(list(generate_stream(model, [[1, 2, 3], [4, 5, 6]], cfg, eot_id=eot)))

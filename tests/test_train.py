@@ -147,6 +147,32 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_good_checkpoint(verdi
     assert _digests(run) == before
 
 
+@pytest.mark.parametrize("due", ["sample", "save"])
+def test_weights_that_stop_being_finite_stop_the_run_before_a_sample_or_a_save(
+    due, verdict_path, tmp_path
+):
+    # The loss of a step is measured before its update, so the weights are checked too.
+    run = tmp_path / "run"
+    intervals = dict(sample_interval=3, checkpoint_interval=4)
+    if due == "save":
+        intervals = dict(sample_interval=100, checkpoint_interval=3)
+    trainer = Trainer(tiny_config(verdict_path, run, max_steps=6, eval_interval=100, **intervals))
+    weight = trainer.model.h[0].mlp.c_fc.weight
+
+    def break_it(optimizer, args, kwargs):
+        if trainer.step == 2:  # the update of the step that then counts as step 3
+            with torch.no_grad():
+                weight[0, 0] = math.inf
+
+    trainer.optimizer.register_step_post_hook(break_it)
+    try:
+        with pytest.raises(GptkilnError, match="step 3: the loss or the weights are not finite"):
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert not (run / "model.safetensors").exists()
+
+
 def test_a_sample_prompt_outside_the_alphabet_fails_before_training(tmp_path):
     corpus = tmp_path / "lower.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 60)

@@ -6,9 +6,15 @@ The public API::
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 from gptkiln.config import GPTConfig, SampleConfig, TrainConfig
 from gptkiln.errors import GptkilnError
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
+    from gptkiln.model import GPT
+    from gptkiln.sampling import generate, generate_stream
+    from gptkiln.tokenizers import load_tokenizer
 
 __all__ = [
     "GPT",

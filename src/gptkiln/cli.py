@@ -213,28 +213,20 @@ def cmd_eval(args: argparse.Namespace) -> None:
 # -- convert / download ----------------------------------------------------------------------
 def cmd_convert(args: argparse.Namespace) -> None:
     from gptkiln import interop
-    from gptkiln.checkpoint import check_out_dir
 
-    stale = check_out_dir(args.out, overwrite=args.overwrite)
     if args.direction == "hf":
-        interop.import_hf(args.path, args.out)
+        interop.import_hf(args.path, args.out, overwrite=args.overwrite)
     elif args.direction == "book":
-        interop.import_book(args.path, args.out, n_head=args.n_head)
+        interop.import_book(args.path, args.out, n_head=args.n_head, overwrite=args.overwrite)
     else:
-        interop.export_hf(args.path, args.out)
-    for path in stale:  # the replaced run's training state: written over, so dropped
-        path.unlink(missing_ok=True)
+        interop.export_hf(args.path, args.out, overwrite=args.overwrite)
     print(f"wrote {args.out}")
 
 
 def cmd_download(args: argparse.Namespace) -> None:
     from gptkiln import interop
-    from gptkiln.checkpoint import check_out_dir
 
-    stale = check_out_dir(args.out, overwrite=args.overwrite)
-    interop.download(args.name, args.out)
-    for path in stale:
-        path.unlink(missing_ok=True)
+    interop.download(args.name, args.out, overwrite=args.overwrite)
     print(f"wrote {args.out}")
 
 
@@ -317,11 +309,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `gptkiln generate ... | head`
         return 0
-    except OSError as e:  # a path that cannot be read or written: permissions, a full disk
-        where = f": {e.filename}" if e.filename else ""
-        print(
-            f"gptkiln {args.command}: error: {e.strerror or e}{where}; check the path, its "
-            "permissions and the free space",
+    except OSError as e:
+        if not e.filename:  # not about a path the user gave: a real failure, with its traceback
+            raise
+        print(  # a path that cannot be read or written: permissions, a full disk, a file
+            f"gptkiln {args.command}: error: {e.filename}: {e.strerror or e}; check the path, "
+            "its permissions and the free space",
             file=sys.stderr,
         )
         return 2

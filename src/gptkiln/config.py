@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -251,14 +254,17 @@ class TrainConfig:
         if not 0 < self.lr < math.inf:
             raise GptkilnError(f"lr must be a finite number > 0, got {self.lr!r}")
         _check_seed(self.seed)
-        if self.grad_clip < 0:
+        if not 0 <= self.grad_clip < math.inf:
             raise GptkilnError(
-                f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip!r}"
+                f"grad_clip must be a finite number >= 0 (0 turns clipping off), "
+                f"got {self.grad_clip!r}"
             )
         if not 0 <= self.min_lr <= self.lr:
             raise GptkilnError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
-        if self.weight_decay < 0:
-            raise GptkilnError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise GptkilnError(
+                f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}"
+            )
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise GptkilnError(
@@ -289,8 +295,8 @@ def check_values(cls, values: dict[str, Any], where: str) -> dict[str, Any]:
     """``values`` for the fields of config class ``cls``, each checked against its field's type;
     `GptkilnError` naming ``where`` for an unknown key or a value of the wrong kind.
 
-    A float field takes any number, and a string that reads as one: YAML 1.1 (PyYAML) reads
-    ``lr: 1e-3`` as the string ``"1e-3"``. Int fields take whole numbers, bool fields true or
+    A float field takes any number, and a string written as a plain number: YAML 1.1 (PyYAML)
+    reads ``lr: 1e-3`` as the string ``"1e-3"``. Int fields take whole numbers, bool fields true or
     false, text fields text; ``None`` only where the field allows it. Ranges are the classes'
     own checks.
     """
@@ -318,21 +324,24 @@ def _checked(hint: Any, value: Any, label: str) -> Any:
             return value
         raise GptkilnError(f"{label} must be true or false, got {value!r}")
     if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
         raise GptkilnError(f"{label} must be a whole number, got {value!r}")
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        if isinstance(value, str) and _YAML_FLOAT.fullmatch(value):
+            return float(value)
         raise GptkilnError(f"{label} must be a number, got {value!r}")
+    if hint is str and isinstance(value, os.PathLike):  # data=Path(...), out=Path(...)
+        return os.fspath(value)
     if hint is str and not isinstance(value, str):
         raise GptkilnError(f"{label} must be text, got {value!r}")
     return value
+
+
+_YAML_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+"""A number as YAML 1.2 writes it, e.g. ``1e-3``, which PyYAML (YAML 1.1) leaves a string."""
 
 
 def _check_types(config, what: str) -> None:

@@ -32,6 +32,7 @@ from gptkiln.checkpoint import (
     WEIGHTS_FILE,
     atomic_write,
     build_model,
+    check_out_dir,
     check_shapes,
     check_state_dict,
     expected_shapes,
@@ -275,7 +276,10 @@ def load_hf(
 
 
 def import_hf(
-    hf_dir: str | os.PathLike, out_run_dir: str | os.PathLike | None = None
+    hf_dir: str | os.PathLike,
+    out_run_dir: str | os.PathLike | None = None,
+    *,
+    overwrite: bool = False,
 ) -> GPT | None:
     """Read a Hugging Face GPT-2 checkpoint directory.
 
@@ -283,24 +287,35 @@ def import_hf(
         hf_dir: a directory with config.json and model.safetensors (or pytorch_model.bin).
         out_run_dir: where to write a gptkiln run directory (with the gpt2 tokenizer, since
             GPT-2 checkpoints use GPT-2's BPE); None returns the model instead.
+        overwrite: replace a model already in out_run_dir (see `checkpoint.check_out_dir`).
 
     Returns:
         The GPT (on CPU, in the checkpoint's dtype) when out_run_dir is None, else None.
     """
+    stale = [] if out_run_dir is None else check_out_dir(out_run_dir, overwrite=overwrite)
     model = load_hf(hf_dir)
     if out_run_dir is None:
         return model
-    _save_with_gpt2_tokenizer(model, out_run_dir)
+    _save_with_gpt2_tokenizer(model, out_run_dir, stale)
     return None
 
 
-def _save_with_gpt2_tokenizer(model: GPT, out_run_dir: str | os.PathLike) -> None:
+def _save_with_gpt2_tokenizer(model: GPT, out_run_dir, stale: list[Path]) -> None:
+    """Write the run, then drop the ``stale`` files of the run it replaced."""
     from gptkiln.tokenizers import load_tokenizer
 
     save_model(model, out_run_dir, tokenizer=load_tokenizer("gpt2"))
+    _drop(stale)
 
 
-def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def _drop(stale: list[Path]) -> None:
+    for path in stale:  # the replaced run's training state: written over, so dropped
+        path.unlink(missing_ok=True)
+
+
+def export_hf(
+    run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False
+) -> Path:
     """Write a directory that ``transformers`` loads as it is.
 
     ``GPT2LMHeadModel.from_pretrained(out_dir)`` reads config.json and model.safetensors (HF
@@ -312,6 +327,7 @@ def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         GptkilnError: for a run trained with another tokenizer than gpt2.
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    stale = check_out_dir(out_dir, overwrite=overwrite)
     kind = tokenizer_name(run_dir)
     if kind != "gpt2":
         what = f"the {kind!r} tokenizer" if kind else "no recorded tokenizer"
@@ -326,6 +342,7 @@ def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     write_safetensors(out_dir / WEIGHTS_FILE, hf_sd, {"format": "pt"})
     _write_gpt2_tokenizer_files(out_dir, config.context_length)
     write_json(out_dir / CONFIG_FILE, {**config_to_hf(config), "dtype": dtype})
+    _drop(stale)
     return out_dir
 
 
@@ -429,7 +446,11 @@ def book_state_dict_to_gptkiln(
 
 
 def import_book(
-    path: str | os.PathLike, out_run_dir: str | os.PathLike | None = None, n_head: int = 12
+    path: str | os.PathLike,
+    out_run_dir: str | os.PathLike | None = None,
+    n_head: int = 12,
+    *,
+    overwrite: bool = False,
 ) -> GPT | None:
     """Read a ``model.pth`` saved from the book's ``GPTModel`` (``torch.save(model.state_dict())``,
     or the book's ``{"model_state_dict": ..., "optimizer_state_dict": ...}``).
@@ -444,6 +465,7 @@ def import_book(
         The GPT when out_run_dir is None, else None.
     """
     path = Path(path)
+    stale = [] if out_run_dir is None else check_out_dir(out_run_dir, overwrite=overwrite)
     sd = load_torch_file(path)
     if isinstance(sd, dict) and isinstance(sd.get("model_state_dict"), dict):
         sd = sd["model_state_dict"]
@@ -456,7 +478,7 @@ def import_book(
     model = build_model(config, sd, str(path))
     if out_run_dir is None:
         return model
-    _save_with_gpt2_tokenizer(model, out_run_dir)
+    _save_with_gpt2_tokenizer(model, out_run_dir, stale)
     return None
 
 
@@ -468,19 +490,21 @@ def _hub_offline() -> bool:
     return env in ("1", "ON", "YES", "TRUE") or bool(constants.HF_HUB_OFFLINE)
 
 
-def download(name: str, out_dir: str | os.PathLike) -> Path:
+def download(name: str, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Download OpenAI's GPT-2 weights from the Hugging Face Hub and write a run directory.
 
     Args:
         name: ``gpt2`` (124M), ``gpt2-medium`` (355M), ``gpt2-large`` (774M) or ``gpt2-xl``
             (1.5B).
         out_dir: the run directory to write.
+        overwrite: replace a model already in out_dir (see `checkpoint.check_out_dir`).
 
     With ``HF_HUB_OFFLINE`` set only an already cached copy is used and the network is never
     tried. Without internet (or a cache) the error says how to convert a local copy instead.
     """
     if name not in HUB_MODELS:
         raise GptkilnError(f"unknown model {name!r}; choose one of: {', '.join(HUB_MODELS)}")
+    check_out_dir(out_dir, overwrite=overwrite)  # before a download of up to 6 GB
     from huggingface_hub import snapshot_download
 
     offline = _hub_offline()
@@ -495,5 +519,5 @@ def download(name: str, out_dir: str | os.PathLike) -> Path:
             f"with a local copy of {HUB_MODELS[name]} (config.json + model.safetensors) run "
             f"`gptkiln convert hf DIR --out {out_dir}`"
         ) from None
-    import_hf(path, out_dir)
+    import_hf(path, out_dir, overwrite=overwrite)
     return Path(out_dir)

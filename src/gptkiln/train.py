@@ -253,6 +253,7 @@ class Trainer:
         self.tokenizer = self.data.tokenizer
         self._check_sample_prompt()
         self.model_config = model_config_for(cfg, self.tokenizer.vocab_size)
+        self._check_splits_hold_a_window()
         if resume:
             checkpoint.check_same_model_config(self.run_dir, self.model_config)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -262,15 +263,6 @@ class Trainer:
         betas = (cfg.beta1, cfg.beta2)
         self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay, betas)
         ctx = self.model_config.context_length
-        for split in ("train", "val"):
-            tokens = len(getattr(self.data, split))
-            if tokens < ctx + 1:
-                raise GptkilnError(
-                    f"the {split} split has {tokens:,} tokens, fewer than one window of "
-                    f"context_length + 1 = {ctx + 1:,}; lower --context-length"
-                    + (", raise --val-fraction" if split == "val" else "")
-                    + " or give more text"
-                )
         self.batches = Batches(self.data.train, cfg, ctx, self.world)
         # eval_batches of the global batch, split across ranks: N x b evaluates what 1 x Nb does.
         n_eval = cfg.eval_batches * self.world.world_size
@@ -285,6 +277,22 @@ class Trainer:
             self._restore()
         elif self.world.is_main:
             self._start_afresh(overwrite)
+
+    def _check_splits_hold_a_window(self) -> None:
+        """Each split holds one window at least (checked before the model is built)."""
+        need = self.model_config.context_length + 1
+        prepared = self.cfg.data is not None and (Path(self.cfg.data) / "meta.json").is_file()
+        for split in ("train", "val"):
+            tokens = len(getattr(self.data, split))
+            if tokens < need:
+                if split == "val" and not prepared:
+                    more = ", raise --val-fraction or give more text"
+                else:
+                    more = " or prepare more text" if prepared else " or give more text"
+                raise GptkilnError(
+                    f"the {split} split has {tokens:,} tokens, fewer than one window of "
+                    f"context_length + 1 = {need:,}; lower --context-length{more}"
+                )
 
     def _check_sample_prompt(self) -> None:
         """The prompt of the samples while training: encodable, checked before step 1."""
@@ -434,13 +442,13 @@ class Trainer:
                 train_loss, val_loss = self.log_eval(loss, lr, tokens_per_s, bar)
             if not self.world.distributed and not math.isfinite(loss):
                 raise GptkilnError(self._diverged_message(f"the loss is {loss}"))
-            if self.step % cfg.checkpoint_interval == 0 or last:
-                if dist_utils.any_rank(not self._finite(loss), self.world):
-                    raise GptkilnError(
-                        self._diverged_message("the loss or the weights are not finite")
-                    )
+            save = self.step % cfg.checkpoint_interval == 0 or last
+            sample = self.step % cfg.sample_interval == 0 and not last
+            if (save or sample) and dist_utils.any_rank(not self._finite(loss), self.world):
+                raise GptkilnError(self._diverged_message("the loss or the weights are not finite"))
+            if save:
                 self.save()
-            if self.step % cfg.sample_interval == 0 and not last:  # after the save: never lost
+            if sample:  # after the save: a sample that fails never costs a checkpoint
                 self.log_sample(bar)
         return train_loss, val_loss
 

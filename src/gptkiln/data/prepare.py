@@ -184,6 +184,10 @@ def _append(encoded, eot_id, dtype, files, counts, bar) -> None:
         bar.update(_utf8_len(text))
 
 
+# A model's files (the names gptkiln.checkpoint writes; not imported here: it needs torch).
+_MODEL_FILES = ("model.safetensors", "trainer_state.pt", "trainer_state.prev.pt")
+
+
 def _check_out_dir(out_dir: Path) -> None:
     """Prepared data replaces earlier prepared data, never a model or a file."""
     if out_dir.exists() and not out_dir.is_dir():
@@ -194,9 +198,6 @@ def _check_out_dir(out_dir: Path) -> None:
             f"--out {out_dir} holds a model ({', '.join(model_files)}), and preparing there "
             f"would replace its tokenizer; prepare into another directory, e.g. {out_dir / 'data'}"
         )
-
-
-_MODEL_FILES = ("model.safetensors", "trainer_state.pt", "config.json")
 
 
 def prepare(
