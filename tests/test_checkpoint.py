@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -134,6 +135,27 @@ def test_atomic_write_keeps_the_old_file_when_write_fn_fails(tmp_path):
     assert os.listdir(tmp_path) == ["model.safetensors"]
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                     'message: "No space left on device" })'),
+    ],
+)  # fmt: skip
+def test_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, error):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"old contents")
+
+    def fill_the_disk(tmp: str) -> None:
+        Path(tmp).write_bytes(b"new con")
+        raise error
+
+    with pytest.raises(GptkilnError, match="no space left on the device writing .*--resume"):
+        atomic_write(path, fill_the_disk)
+    assert path.read_bytes() == b"old contents" and os.listdir(tmp_path) == ["model.safetensors"]
+
+
 def test_failed_save_leaves_the_previous_checkpoint_loadable(run_dir, monkeypatch):
     before = load_model(run_dir).state_dict()
 
@@ -141,7 +163,7 @@ def test_failed_save_leaves_the_previous_checkpoint_loadable(run_dir, monkeypatc
         raise OSError("No space left on device")
 
     monkeypatch.setattr("gptkiln.checkpoint.save_file", fail)
-    with pytest.raises(OSError):
+    with pytest.raises(GptkilnError, match="no space left"):
         save_model(tiny_model(seed=1), run_dir)
     after = load_model(run_dir).state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)

@@ -17,6 +17,7 @@ weights in memory, not two.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -59,10 +60,22 @@ def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> Non
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if _disk_full(e):  # safetensors and torch.save say so in their own words
+            raise GptkilnError(
+                f"no space left on the device writing {path}; the file there before is kept as "
+                "it was: free some space, then run the command again (training: --resume)"
+            ) from None
         raise
     _fsync_dir(path.parent)
+
+
+def _disk_full(error: BaseException) -> bool:
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    text = str(error)
+    return "No space left on device" in text or "os error 28" in text
 
 
 def _fsync_dir(directory: Path) -> None:
