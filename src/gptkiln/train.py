@@ -348,8 +348,10 @@ class Trainer:
             return load_prepared(cfg.data)
         data_dir = self.run_dir / "data"
         source = cfg.data
-        kind, _ = parse_tokenizer_spec(cfg.tokenizer)
-        if self.world.is_main and not _prepared_matches(data_dir, source, kind, cfg.val_fraction):
+        parse_tokenizer_spec(cfg.tokenizer)
+        if self.world.is_main and not _prepared_matches(
+            data_dir, source, cfg.tokenizer, cfg.val_fraction
+        ):
             prepare(
                 source,
                 data_dir,
@@ -664,8 +666,9 @@ def _gather_rng(world: dist_utils.World) -> list[torch.Tensor]:
     return states
 
 
-def _prepared_matches(data_dir: Path, source, kind: str, val_fraction: float) -> bool:
-    """Whether data_dir already holds this source prepared the same way (so it is reused)."""
+def _prepared_matches(data_dir: Path, source, tokenizer: str, val_fraction: float) -> bool:
+    """Whether data_dir already holds this source prepared the same way (so it is reused): the
+    same source (files with the same contents), tokenizer spec (``bpe:N`` with its N) and split."""
     import json
 
     meta_path = data_dir / "meta.json"
@@ -675,9 +678,12 @@ def _prepared_matches(data_dir: Path, source, kind: str, val_fraction: float) ->
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):  # damaged: prepare it again
         return False
+    from gptkiln.data.sources import DEFAULT_SOURCE, source_checksums
+
     return (
         isinstance(meta, dict)
-        and meta.get("source") == str(source)
-        and meta.get("tokenizer") == kind
+        and meta.get("source") == (DEFAULT_SOURCE if source is None else str(source))
+        and meta.get("tokenizer_spec") == tokenizer
         and meta.get("val_fraction") == val_fraction
+        and meta.get("checksums") == source_checksums(source)  # an edited file: prepare again
     )

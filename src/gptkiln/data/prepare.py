@@ -246,7 +246,10 @@ def prepare(
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
     try:
-        meta = _write_dataset(staging, source, tok, survey, val_fraction, batch_chars, progress)
+        spec = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None
+        meta = _write_dataset(
+            staging, source, tok, spec, survey, val_fraction, batch_chars, progress
+        )
         _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -257,8 +260,11 @@ def prepare(
     return meta
 
 
-def _write_dataset(staging, source, tok, survey, val_fraction, batch_chars, progress) -> dict:
-    """Write every file of a prepared dataset into ``staging``; return the meta dict."""
+def _write_dataset(
+    staging, source, tok, tokenizer_spec, survey, val_fraction, batch_chars, progress
+) -> dict:
+    """Write every file of a prepared dataset into ``staging``; return the meta dict
+    (``tokenizer_spec``: what was asked for, e.g. ``bpe:8000``, so a later run can reuse it)."""
     dtype = token_dtype(tok.vocab_size)
     split_at = int((1.0 - val_fraction) * survey.chars)  # the book's split_idx
     pieces = iter_pieces(source, piece_chars=min(PIECE_CHARS, batch_chars))
@@ -274,6 +280,7 @@ def _write_dataset(staging, source, tok, survey, val_fraction, batch_chars, prog
     meta = {
         "format": FORMAT,
         "tokenizer": tok.kind,
+        "tokenizer_spec": tokenizer_spec,
         "vocab_size": tok.vocab_size,
         "eot_id": tok.eot_id,
         "dtype": dtype.name,
