@@ -301,6 +301,47 @@ def test_a_crash_between_the_files_of_a_save_leaves_a_resumable_pair(tmp_path, m
     assert got["step"] == 12 and torch.equal(sd["h.0.mlp.c_fc.weight"], model.h[0].mlp.c_fc.weight)
 
 
+def test_loading_builds_on_the_meta_device_and_draws_no_weights(run_dir, monkeypatch):
+    drawn_on = []
+    normal_ = torch.nn.init.normal_
+
+    def watched(tensor, *args, **kwargs):
+        drawn_on.append(tensor.device.type)
+        return normal_(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, "normal_", watched)
+    model = load_model(run_dir)
+    assert drawn_on and set(drawn_on) == {"meta"}  # no memory filled, then thrown away
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_a_directory_with_any_file_of_a_checkpoint_counts_as_one(tmp_path, run_dir):
+    only_weights = tmp_path / "w"
+    only_weights.mkdir()
+    (only_weights / WEIGHTS_FILE).write_bytes((run_dir / WEIGHTS_FILE).read_bytes())
+    only_prev = tmp_path / "p"
+    only_prev.mkdir()
+    (only_prev / PREVIOUS_STATE_FILE).write_bytes(b"state")
+    for directory in (only_weights, only_prev):
+        with pytest.raises(GptkilnError, match="already holds a checkpoint"):
+            check_run_dir_for_training(directory, resume=False, overwrite=False)
+    check_run_dir_for_training(only_prev, resume=True, overwrite=False)  # a save cut short
+
+
+class _Note:  # any class of code: a trainer state holding one is refused, not executed
+    pass
+
+
+def test_trainer_state_is_read_as_plain_data_only(tmp_path):
+    model = tiny_model()
+    write_checkpoint(tmp_path, model.config, model.state_dict(), _trained_state(model))
+    state = torch.load(tmp_path / TRAINER_STATE_FILE, weights_only=True)
+    state["note"] = _Note()
+    torch.save(state, tmp_path / TRAINER_STATE_FILE)
+    with pytest.raises(GptkilnError, match="truncated or corrupt"):
+        read_checkpoint(tmp_path)
+
+
 def test_run_dir_checks_for_training(tmp_path, run_dir):
     check_run_dir_for_training(tmp_path / "new", resume=False, overwrite=False)
     with pytest.raises(GptkilnError, match="already holds a checkpoint.*--resume.*--overwrite"):

@@ -320,14 +320,15 @@ def test_convert_and_prepare_never_write_over_a_run(run_dir, tmp_path, capsys, v
 
 
 def test_convert_overwrite_replaces_the_run_and_drops_its_training_state(tmp_path, capsys):
-    from gptkiln.checkpoint import TRAINER_STATE_FILE, save_model
+    from gptkiln.checkpoint import PREVIOUS_STATE_FILE, TRAINER_STATE_FILE, save_model
     from gptkiln.tokenizers import load_tokenizer
 
     run = tmp_path / "run"
     model = GPT(GPTConfig.from_name("tiny", vocab_size=50257, context_length=16))
     save_model(model, run, tokenizer=load_tokenizer("gpt2"))
-    (run / TRAINER_STATE_FILE).write_bytes(b"the state of the run being replaced")
-    (run / "metrics.csv").write_text("step\n1\n")
+    old_run_files = [TRAINER_STATE_FILE, PREVIOUS_STATE_FILE, "metrics.csv", "loss.png"]
+    for name in old_run_files:
+        (run / name).write_bytes(b"a file of the run being replaced")
     export = tmp_path / "hf"
     code, _, err = cli("convert", "to-hf", run, "--out", export, capsys=capsys)
     assert code == 0, err
@@ -336,7 +337,7 @@ def test_convert_overwrite_replaces_the_run_and_drops_its_training_state(tmp_pat
     assert (run / TRAINER_STATE_FILE).exists()
     code, _, err = cli("convert", "hf", export, "--out", run, "--overwrite", capsys=capsys)
     assert code == 0, err
-    assert not (run / TRAINER_STATE_FILE).exists() and not (run / "metrics.csv").exists()
+    assert not any((run / name).exists() for name in old_run_files)
     code, _, err = cli("convert", "to-hf", run, "--out", export, capsys=capsys)  # again: refused
     assert_one_line_error(code, err, "already holds a model")
 

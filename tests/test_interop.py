@@ -162,6 +162,22 @@ def test_conv1d_shape_errors_are_reported_in_hf_layout(hf_dir):
     assert "missing ln_f.bias" in message
 
 
+def test_import_of_an_untied_hf_model_keeps_its_own_head(tmp_path):
+    torch.manual_seed(3)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32,
+        tie_word_embeddings=False, attn_implementation="eager",
+    )  # fmt: skip
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.normal_()  # a head unlike the embedding
+    hf.save_pretrained(tmp_path / "hf")
+    model = import_hf(tmp_path / "hf")
+    assert not model.config.tie_embeddings
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids()), hf_logits(hf, ids()), rtol=0, atol=1e-4)
+
+
 def test_config_from_hf_reads_defaults_and_refuses_other_models():
     config = config_from_hf({"model_type": "gpt2"})  # save_pretrained omits default values
     assert (config.n_layer, config.n_head, config.n_embd, config.context_length) == (
@@ -175,6 +191,8 @@ def test_config_from_hf_reads_defaults_and_refuses_other_models():
     assert config_from_hf({"model_type": "gpt2", "activation_function": "gelu"}).gelu == "exact"
     with pytest.raises(GptkilnError, match="activation_function='relu'"):
         config_from_hf({"model_type": "gpt2", "activation_function": "relu"})
+    with pytest.raises(GptkilnError, match="layer_norm_epsilon=1e-06"):  # gptkiln's LN: 1e-5
+        config_from_hf({"model_type": "gpt2", "layer_norm_epsilon": 1e-6})
     with pytest.raises(GptkilnError, match="model_type is 'llama'"):
         config_from_hf({"model_type": "llama"})
 
@@ -233,6 +251,7 @@ def test_exported_tokenizer_loads_in_transformers(hf_dir, tmp_path):
     export_hf(tmp_path / "run", tmp_path / "out")
     tokenizer = transformers.GPT2TokenizerFast.from_pretrained(tmp_path / "out")
     assert tokenizer("Hello, do you like tea?")["input_ids"] == TEA_IDS
+    assert tokenizer.model_max_length == 32  # the model's context, not GPT-2's 1024
     assert tokenizer.eos_token == tokenizer.bos_token == "<|endoftext|>"
     assert tokenizer.eos_token_id == 50256
 

@@ -20,6 +20,13 @@ def test_weight_decay_only_on_matrices():
     assert total == len(list(model.parameters()))
     opt = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95))
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.95)
+    # the optimizer takes those groups, and on CPU the fused kernel (bench/adamw.py: 4-9x)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert [len(g["params"]) for g in opt.param_groups] == [
+        len(decay["params"]),
+        total - len(decay["params"]),
+    ]
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
 
 
 def test_warmup_then_cosine_to_floor():

@@ -58,6 +58,7 @@ def test_training_learns_and_writes_a_run_directory(verdict_path, tmp_path):
     assert list(rows[0]) == ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s"]
     assert [int(r["step"]) for r in rows] == [10, 20, 30, 40]
     assert int(rows[-1]["tokens"]) == 40 * 4 * 32  # tokens seen
+    assert all(float(r["tokens_per_s"]) > 4 * 32 for r in rows)  # more than a step a second
     losses = [float(r["train_loss"]) for r in rows]
     vocab = json.loads((run / "config.json").read_text())["model"]["vocab_size"]
     assert losses[-1] < math.log(vocab) - 0.8  # far below a uniform guess: it learns
@@ -205,6 +206,18 @@ def test_resume_mends_damaged_prepared_data_and_names_a_damaged_metrics_row(
         train(tiny_config(verdict_path, run, max_steps=12), resume=True)
 
 
+def test_resume_drops_metrics_rows_logged_after_the_checkpoint(verdict_path, tmp_path):
+    run = tmp_path / "run"
+    cfg = dict(eval_interval=2, checkpoint_interval=4, sample_interval=100)
+    train(tiny_config(verdict_path, run, max_steps=4, **cfg))
+    with open(run / "metrics.csv", "a") as f:  # logged at step 6, then killed before its save
+        f.write("6,768,99.0,99.0,0.001,1000\n")
+    train(tiny_config(verdict_path, run, max_steps=8, **cfg), resume=True)
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]
+    assert all(float(r["train_loss"]) < 99 for r in rows)  # step 6 as the resumed run logged it
+
+
 def test_windows_sampling_walks_epochs_of_the_books_windows():
     from gptkiln.distributed import World
 
@@ -216,8 +229,10 @@ def test_windows_sampling_walks_epochs_of_the_books_windows():
         World(),
     )
     assert b.steps_per_epoch == 3 and b.total_steps == 6
-    starts = sorted(int(x[0]) for s in range(3) for x in b.get(s, 0)[0][:, :1])
-    assert starts == list(range(0, 90, 10))  # one epoch = every window once
+    epochs = [[int(x[0]) for s in range(e * 3, e * 3 + 3) for x in b.get(s, 0)[0]] for e in (0, 1)]
+    for order in epochs:
+        assert sorted(order) == list(range(0, 90, 10))  # one epoch = every window once
+    assert epochs[0] != sorted(epochs[0]) and epochs[1] != epochs[0]  # shuffled, anew each epoch
     x, y = b.get(0, 0)
     assert torch.equal(y[:, :-1], x[:, 1:])  # targets are inputs shifted by one
 
@@ -342,6 +357,32 @@ def test_gradient_accumulation_equals_the_bigger_batch(verdict_path, tmp_path):
     wb = load_file(b.run_dir / "model.safetensors")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=1e-4)
+    # Adam and clipping hide a constant factor on the gradient: compare the gradients and the
+    # reported loss themselves.
+    seen = {}
+    for name, batch, accum in [("a", 4, 2), ("b", 8, 1)]:
+        cfg = tiny_config(
+            verdict_path, tmp_path / f"g{name}", batch_size=batch, grad_accum=accum,
+            sampling="windows", stride=16, grad_clip=0.0,
+        )  # fmt: skip
+        trainer = Trainer(cfg)
+        grads = {}
+        trainer.optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs, grads=grads: grads.update(
+                {
+                    (g, i): p.grad.clone()
+                    for g, gr in enumerate(opt.param_groups)
+                    for i, p in enumerate(gr["params"])
+                }
+            )
+        )
+        _, loss = trainer.train_step(cfg.max_steps)
+        trainer.close()
+        seen[name] = grads, loss
+    (ga, la), (gb, lb) = seen["a"], seen["b"]
+    assert la == pytest.approx(lb, rel=1e-5)
+    for i in ga:
+        torch.testing.assert_close(ga[i], gb[i], atol=1e-6, rtol=1e-4)
 
 
 def test_bf16_precision_runs_the_cpu_step_in_bf16_and_keeps_fp32_weights(verdict_path, tmp_path):
