@@ -520,17 +520,20 @@ def test_two_nodes_on_loopback_train_like_one_process(prepared, reference, tmp_p
 
 
 # -- faults ----------------------------------------------------------------------------------
-def test_a_sigterm_during_a_checkpoint_write_waits_for_the_write_to_finish():
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_sigterm_during_a_checkpoint_write_waits_for_the_write_to_finish(signum):
     from gptkiln.distributed import TerminationGuard, WorkerStopped
 
     finished = []
-    with TerminationGuard() as guard, pytest.raises(WorkerStopped, match="SIGTERM"):
+    before = signal.getsignal(signum)
+    raised = (WorkerStopped, "SIGTERM") if signum == signal.SIGTERM else (KeyboardInterrupt, "")
+    with TerminationGuard() as guard, pytest.raises(raised[0], match=raised[1]):
         with guard.hold():
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
             time.sleep(0.05)  # the handler has run by now, and only noted the signal
             finished.append(True)
-    assert finished == [True]
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored
+    assert finished == [True]  # Ctrl-C too waits for the write, then stops as Ctrl-C does
+    assert signal.getsignal(signum) == before  # restored
 
 
 def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_by_itself(
