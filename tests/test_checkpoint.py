@@ -193,6 +193,10 @@ def test_foreign_safetensors_names_the_bad_keys(run_dir):
     assert "unexpected transformer.wte.weight" in message
     assert "h.0.mlp.c_fc.weight (3, 3) (expected (64, 16))" in message
     assert "\n" not in message
+    sd.update({f"extra.{i}": torch.zeros(1) for i in range(10)})  # a long list is cut short
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(run_dir / WEIGHTS_FILE))
+    with pytest.raises(GptkilnError, match=r"unexpected (extra\.\d+, ){5}extra\.\d+ and 5 more"):
+        load_model(run_dir)
 
 
 def test_not_a_run_directory(tmp_path):

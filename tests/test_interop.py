@@ -252,6 +252,8 @@ def test_exported_tokenizer_loads_in_transformers(hf_dir, tmp_path):
     tokenizer = transformers.GPT2TokenizerFast.from_pretrained(tmp_path / "out")
     assert tokenizer("Hello, do you like tea?")["input_ids"] == TEA_IDS
     assert tokenizer.model_max_length == 32  # the model's context, not GPT-2's 1024
+    special = json.loads((tmp_path / "out" / "special_tokens_map.json").read_text())
+    assert special["eos_token"] == special["bos_token"] == special["unk_token"] == "<|endoftext|>"
     assert tokenizer.eos_token == tokenizer.bos_token == "<|endoftext|>"
     assert tokenizer.eos_token_id == 50256
 
