@@ -120,10 +120,10 @@ def evaluate_run(
 
 
 def _eval_tokens(data: Path, tokenizer):
-    from gptkiln.data.prepare import load_prepared
+    from gptkiln.data.prepare import is_prepared, load_prepared
     from gptkiln.data.sources import iter_documents
 
-    if data.is_dir() and (data / "meta.json").is_file():
+    if is_prepared(data):
         prepared = load_prepared(data)
         if (
             prepared.meta.get("tokenizer") != tokenizer.kind

@@ -134,9 +134,10 @@ def _check_before_launch(cfg: TrainConfig, args: argparse.Namespace) -> None:
     """What every worker would refuse, refused once here: one line instead of N tracebacks in
     torchrun's report."""
     from gptkiln.checkpoint import check_run_dir_for_training
+    from gptkiln.data.prepare import is_prepared
     from gptkiln.data.sources import check_source
 
-    if cfg.data is None or not (Path(cfg.data) / "meta.json").is_file():
+    if not is_prepared(cfg.data):
         check_source(cfg.data)
     check_run_dir_for_training(Path(cfg.out), resume=args.resume, overwrite=args.overwrite)
 

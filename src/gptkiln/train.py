@@ -280,8 +280,10 @@ class Trainer:
 
     def _check_splits_hold_a_window(self) -> None:
         """Each split holds one window at least (checked before the model is built)."""
+        from gptkiln.data.prepare import is_prepared
+
         need = self.model_config.context_length + 1
-        prepared = self.cfg.data is not None and (Path(self.cfg.data) / "meta.json").is_file()
+        prepared = is_prepared(self.cfg.data)
         for split in ("train", "val"):
             tokens = len(getattr(self.data, split))
             if tokens < need:
@@ -340,15 +342,13 @@ class Trainer:
             (self.run_dir / TRAINER_STATE_FILE).unlink(missing_ok=True)
 
     def _load_data(self):
-        from gptkiln.data.prepare import load_prepared, prepare
-        from gptkiln.tokenizers import parse_tokenizer_spec
+        from gptkiln.data.prepare import is_prepared, load_prepared, prepare
 
         cfg = self.cfg
-        if cfg.data is not None and (Path(cfg.data) / "meta.json").is_file():
+        if is_prepared(cfg.data):
             return load_prepared(cfg.data)
         data_dir = self.run_dir / "data"
         source = cfg.data
-        parse_tokenizer_spec(cfg.tokenizer)
         if self.world.is_main and not _prepared_matches(
             data_dir, source, cfg.tokenizer, cfg.val_fraction
         ):

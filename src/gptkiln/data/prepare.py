@@ -326,6 +326,11 @@ class PreparedData:
     tokenizer: Tokenizer
 
 
+def is_prepared(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is a folder written by `prepare` (rather than text still to prepare)."""
+    return path is not None and (Path(path) / "meta.json").is_file()
+
+
 def load_prepared(data_dir: str | os.PathLike) -> PreparedData:
     """Open a folder written by :func:`prepare` (memory-mapped, so any size loads instantly)."""
     data_dir = Path(data_dir)
