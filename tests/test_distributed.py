@@ -474,6 +474,18 @@ def test_ddp_two_processes_match_one_process_with_twice_the_batch(
     )
 
 
+def test_nproc_says_a_workers_bad_input_once_and_exits_2(prepared, tmp_path, launches):
+    # The sample prompt is checked by the workers (against the prepared tokenizer), after
+    # torchrun started them: one line for the two ranks, none of torchrun's report.
+    values = settings(prepared, tmp_path / "bad", sample_prompt="Ω", sample_interval=4)
+    job = launches.start([sys.executable, "-m", "gptkiln", "train", "--nproc", "2", *flags(values)])
+    output = launches.finish(job)
+    assert job.returncode == 2, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1, output
+    assert lines[0].startswith("gptkiln train: error: --sample-prompt 'Ω'"), output
+
+
 def test_fsdp_matches_one_process_and_checkpoints_move_between_world_sizes(
     prepared, reference, tmp_path, launches
 ):

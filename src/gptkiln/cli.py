@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -148,25 +147,16 @@ def launch_torchrun(nproc: int) -> None:
         raise GptkilnError(f"--nproc must be >= 1, got {nproc}")
     argv = sys.argv[1:]
     rest, skip = [], False
-    for i, a in enumerate(argv):  # drop --nproc N / --nproc=N, keep everything else as given
+    for a in argv:  # drop --nproc N / --nproc=N, keep everything else as given
         if skip:
             skip = False
         elif a == "--nproc":
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-        del i
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "gptkiln",
-        *rest,
-    ]
-    raise SystemExit(subprocess.call(cmd))
+    from gptkiln.launch import launch
+
+    raise SystemExit(launch(nproc, rest))
 
 
 # -- generate / eval -------------------------------------------------------------------------
@@ -303,23 +293,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except GptkilnError as e:
-        print(f"gptkiln {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"gptkiln {args.command}: error: {e}")
     except KeyboardInterrupt:
-        print(f"gptkiln {args.command}: interrupted", file=sys.stderr)
+        from gptkiln.launch import quiet_on_interrupt
+
+        if not quiet_on_interrupt():
+            print(f"gptkiln {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `gptkiln generate ... | head`
         return 0
     except OSError as e:
         if not e.filename:  # not about a path the user gave: a real failure, with its traceback
             raise
-        print(  # a path that cannot be read or written: permissions, a full disk, a file
+        return _fail(  # a path that cannot be read or written: permissions, a full disk, a file
             f"gptkiln {args.command}: error: {e.filename}: {e.strerror or e}; check the path, "
-            "its permissions and the free space",
-            file=sys.stderr,
+            "its permissions and the free space"
         )
-        return 2
     return 0
+
+
+def _fail(line: str) -> int:
+    """Bad input: one line on stderr (under `--nproc`, once for all ranks), exit code 2."""
+    from gptkiln.launch import report_error
+
+    if not report_error(line):
+        print(line, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
