@@ -13,12 +13,12 @@ import torch
 from gptkiln.allocator import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else None
 faults = []
-for _ in range(10):
+for _ in range(16):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t = torch.ones(16 << 20)  # 64 MB, allocated, touched, freed: as a training step's tensors
     del t
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(applied, sum(faults[-3:]))
+print(applied, sum(faults[-4:]))
 """
 
 
@@ -35,9 +35,12 @@ def test_freed_blocks_are_reused_without_page_faults():
     _, default = _faults_in_last_rounds("default")
     assert applied == "True"
     # 64 MB is 16,384 pages of 4 KiB: glibc's default maps them afresh for every allocation.
-    # Kept, the heap settles after a few rounds (torch's aligned blocks leave some slack at first)
-    # and the last rounds reuse it.
-    assert default > 3 * 16_000
+    # Kept, the heap settles after a few rounds and the last rounds reuse it. Until then it can
+    # grow: torch asks for aligned blocks (posix_memalign), which glibc serves only from a free
+    # chunk larger than the request by the alignment, so a freed block of exactly this size,
+    # walled in by small allocations, does not serve the next one. In 47 runs of this script the
+    # last round with faults was at most the 9th of 16.
+    assert default > 4 * 16_000
     assert kept < 1_000
 
 

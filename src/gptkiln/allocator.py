@@ -9,7 +9,11 @@ per 4 KiB page. On the 2-core machine of bench/README.md that is about a fifth o
 
 `keep_freed_memory` tells glibc to serve every block from its heap (``M_MMAP_MAX = 0``) and not
 to trim the heap's top (``M_TRIM_THRESHOLD``), so a freed block is reused by the next step
-without faults. The process keeps its peak resident memory instead of shrinking between steps.
+without faults. The process keeps its peak resident memory instead of shrinking between steps,
+and the heap can grow by a few copies of a large block before it settles: torch allocates
+aligned blocks (``posix_memalign``), which glibc cuts only from a free chunk a little larger
+than the request, so a freed block walled in by small allocations waits until its neighbours
+are freed too (tests/test_allocator.py: settled within 9 rounds of a 64 MB block).
 This is the practice PyTorch's own CPU launcher follows with jemalloc or tcmalloc
 (``python -m torch.backends.xeon.run_cpu``); here it needs no extra library.
 
