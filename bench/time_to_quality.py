@@ -125,8 +125,9 @@ def main() -> None:
         val = "-" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
         print(f"| {int(row['step'])} | {val} | {row['tokens_per_s']:,.0f} |")
     print()
+    losses = {k: None if r[k] is None else f"{r[k]:.4f}" for k in ("reached_val", "final_val")}
     common.print_table(
-        [dict(target=args.target, **r)],
+        [dict(r, target=args.target, **losses)],
         [
             ("target", "target val"),
             ("reached_s", "seconds to target"),
