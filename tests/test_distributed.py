@@ -486,6 +486,15 @@ def test_nproc_says_a_workers_bad_input_once_and_exits_2(prepared, tmp_path, lau
     assert lines[0].startswith("gptkiln train: error: --sample-prompt 'Ω'"), output
 
 
+def test_tokens_per_second_counts_every_rank_once(prepared, tmp_path, launches):
+    # Under a clock that moves 1 s per reading every step takes 1 s, so tokens/s is the tokens
+    # of one step of the whole world, 2 x B x 32 (it had been counted world_size times over).
+    out = tmp_path / "speed"
+    values = settings(prepared, out, max_steps=8)
+    launches.run(torchrun(2, str(THIS_FILE), "--clock", *flags(values)))
+    assert [row["tokens_per_s"] for row in read_metrics(out / "metrics.csv")] == [2 * B * 32] * 2
+
+
 def test_fsdp_matches_one_process_and_checkpoints_move_between_world_sizes(
     prepared, reference, tmp_path, launches
 ):
@@ -641,5 +650,19 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _train_on_a_clock(argv: list[str]) -> int:
+    """`gptkiln train ARGV` with a clock that moves one second each time it is read."""
+    import itertools
+
+    import gptkiln.train
+    from gptkiln.cli import main
+
+    ticks = itertools.count()
+    gptkiln.train.now = lambda: float(next(ticks))
+    return main(["train", *argv])
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--clock":
+        sys.exit(_train_on_a_clock(sys.argv[2:]))
     _worker_main(Path(sys.argv[1]))

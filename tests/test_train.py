@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from gptkiln.checkpoint import read_checkpoint
 from gptkiln.config import TrainConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.train import Batches, Trainer, eval_batches, train
+from gptkiln.train import Batches, Trainer, eval_batches, read_metrics, train
 
 
 def tiny_config(data, out, **kw) -> TrainConfig:
@@ -66,6 +66,20 @@ def test_training_learns_and_writes_a_run_directory(verdict_path, tmp_path):
     assert result.val_loss == pytest.approx(float(rows[-1]["val_loss"]))
     assert result.sample.startswith("I ") and len(result.sample) > 2
     assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tokens_per_second_is_the_tokens_of_a_step_over_its_time(
+    verdict_path, tmp_path, monkeypatch
+):
+    import itertools
+
+    import gptkiln.train
+
+    ticks = itertools.count()  # a clock that moves 0.5 s each time it is read: 0.5 s a step
+    monkeypatch.setattr(gptkiln.train, "now", lambda: next(ticks) / 2)
+    train(tiny_config(verdict_path, tmp_path / "run", max_steps=8, eval_interval=4))
+    rows = read_metrics(tmp_path / "run" / "metrics.csv")
+    assert [r["tokens_per_s"] for r in rows] == [2 * 4 * 32] * 2  # batch 4 x context 32 / 0.5 s
 
 
 def test_batches_are_disjoint_across_ranks_and_equal_one_big_batch():

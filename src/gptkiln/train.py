@@ -538,7 +538,7 @@ class Trainer:
             "train_loss": train if train is not None else mean_batch,
             "val_loss": val,
             "lr": lr,
-            "tokens_per_s": tokens_per_s * self.world.world_size,
+            "tokens_per_s": tokens_per_s,  # tokens_per_step already counts every rank
         }
         self.history.append(row)
         if self.world.is_main:
