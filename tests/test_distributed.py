@@ -495,6 +495,17 @@ def test_tokens_per_second_counts_every_rank_once(prepared, tmp_path, launches):
     assert [row["tokens_per_s"] for row in read_metrics(out / "metrics.csv")] == [2 * B * 32] * 2
 
 
+def test_the_progress_bar_shows_the_whole_batchs_loss(prepared, tmp_path, launches):
+    # Each rank's loss is over its share of the batch; the bar (rank 0's) shows their mean, the
+    # train_loss metrics.csv logs at that step without --eval-train.
+    out = tmp_path / "bar"
+    values = {**settings(prepared, out, max_steps=3, eval_interval=3), "eval_train": False}
+    values["progress"] = True
+    output = launches.run(gptkiln_train(2, values))
+    shown = float(re.findall(r"loss=([0-9.]+)", output)[-1])
+    assert shown == pytest.approx(read_metrics(out / "metrics.csv")[-1]["train_loss"], abs=6e-4)
+
+
 def test_fsdp_matches_one_process_and_checkpoints_move_between_world_sizes(
     prepared, reference, tmp_path, launches
 ):

@@ -232,6 +232,57 @@ def test_resume_drops_metrics_rows_logged_after_the_checkpoint(verdict_path, tmp
     assert all(float(r["train_loss"]) < 99 for r in rows)  # step 6 as the resumed run logged it
 
 
+def test_a_resume_with_another_batch_counts_the_tokens_each_step_really_took(
+    verdict_path, tmp_path
+):
+    run = tmp_path / "run"
+    cfg = dict(eval_interval=4, checkpoint_interval=4, sample_interval=100)
+    train(tiny_config(verdict_path, run, max_steps=8, batch_size=4, **cfg))  # 128 tokens a step
+    result = train(tiny_config(verdict_path, run, max_steps=16, batch_size=2, **cfg), resume=True)
+    tokens = [int(r["tokens"]) for r in read_metrics(run / "metrics.csv")]
+    assert tokens == [512, 1024, 1024 + 4 * 64, 1024 + 8 * 64]  # then 64 a step
+    assert result.tokens_seen == 1536
+
+
+def test_windows_sampling_refuses_a_resume_with_another_step_size(verdict_path, tmp_path):
+    # An epoch of windows is walked in steps of batch_size x grad_accum x processes windows:
+    # resumed with another size, some windows would be read twice and others never.
+    run = tmp_path / "run"
+    cfg = dict(sampling="windows", eval_interval=4, checkpoint_interval=4, sample_interval=100)
+    train(tiny_config(verdict_path, run, max_steps=4, batch_size=4, **cfg))
+    with pytest.raises(GptkilnError, match="trained on 4 windows a step and this resume takes 2"):
+        train(tiny_config(verdict_path, run, max_steps=8, batch_size=2, **cfg), resume=True)
+    # the same 4 windows a step, split another way, is the same walk
+    train(
+        tiny_config(verdict_path, run, max_steps=8, batch_size=2, grad_accum=2, **cfg), resume=True
+    )
+    assert read_checkpoint(run)[1]["step"] == 8
+
+
+def test_several_processes_on_one_machine_need_a_gpu_each():
+    from gptkiln.train import check_one_gpu_each
+
+    check_one_gpu_each("cuda", {"LOCAL_WORLD_SIZE": "2"})  # cuda:LOCAL_RANK each
+    check_one_gpu_each("cuda:1", {"LOCAL_WORLD_SIZE": "1"})  # one process: any GPU
+    check_one_gpu_each("cuda:1", {})
+    with pytest.raises(GptkilnError, match="--device cuda:0 would put all 2 processes"):
+        check_one_gpu_each("cuda:0", {"LOCAL_WORLD_SIZE": "2"})
+
+
+def test_the_process_group_on_cuda_carries_the_trainers_cpu_tensors_too():
+    # The trainer all-reduces CPU tensors (the loss, "is anything not finite", RNG states):
+    # a CUDA run needs a CPU backend beside NCCL, or its first collective fails.
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    from gptkiln.distributed import backend_for
+
+    assert BackendConfig(backend_for("cuda:0")).get_device_backend_map() == {
+        "cpu": "gloo",
+        "cuda": "nccl",
+    }
+    assert BackendConfig(backend_for("cpu")).get_device_backend_map()["cpu"] == "gloo"
+
+
 def test_windows_sampling_walks_epochs_of_the_books_windows():
     from gptkiln.distributed import World
 

@@ -58,6 +58,13 @@ def collective_timeout() -> datetime.timedelta:
     )
 
 
+def backend_for(device: str) -> str:
+    """The process group's backends: gloo on CPU; on CUDA, NCCL for the model's tensors and gloo
+    for the CPU ones the trainer exchanges (the loss, flags, RNG states), which plain "nccl"
+    would refuse ("No backend type associated with device type cpu")."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+
+
 def setup(device: str) -> World:
     """Join the process group when launched by torchrun: gloo on CPU, nccl on CUDA.
 
@@ -70,8 +77,8 @@ def setup(device: str) -> World:
         int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     )
     if not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        if backend == "nccl":
+        backend = backend_for(device)
+        if device.startswith("cuda"):
             torch.cuda.set_device(world.local_rank)
         timeout = collective_timeout()
         store = _restart_store(world, timeout)

@@ -243,6 +243,7 @@ class Trainer:
 
         self.cfg, self.run_dir = cfg, Path(cfg.out)
         self.device = resolve_device(cfg.device)
+        check_one_gpu_each(self.device, os.environ)
         self.owns_process_group = dist_utils.launched_by_torchrun() and not dist_utils.initialized()
         self.world = dist_utils.setup(self.device)
         if self.device == "cuda":
@@ -271,7 +272,7 @@ class Trainer:
             eval_batches(self.data.train, ctx, cfg.batch_size, n_eval) if cfg.eval_train else []
         )
         self.tokens_per_step = self.batches.global_batch * ctx
-        self.step, self.history, self.saved_step = 0, [], None
+        self.step, self.tokens, self.history, self.saved_step = 0, 0, [], None
         torch.manual_seed(cfg.seed + self.world.rank)  # dropout differs across ranks
         if resume:
             self._restore()
@@ -414,7 +415,7 @@ class Trainer:
         return TrainResult(
             self.run_dir,
             self.step,
-            self.step * self.tokens_per_step,
+            self.tokens,
             train_loss,
             val_loss,
             sample,
@@ -431,6 +432,7 @@ class Trainer:
             t0 = now()
             lr, loss = self.train_step(total)
             self.step += 1
+            self.tokens += self.tokens_per_step
             dt = now() - t0
             tokens_per_s = (
                 self.tokens_per_step / dt
@@ -438,7 +440,11 @@ class Trainer:
                 else 0.9 * tokens_per_s + 0.1 * self.tokens_per_step / dt
             )
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            if self.cfg.progress and self.world.distributed:  # the whole batch's, not rank 0's
+                shown = dist_utils.all_reduce_mean(torch.tensor(loss), self.world).item()
+            else:
+                shown = loss
+            bar.set_postfix(loss=f"{shown:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             last = self.step == total
             if self.step % cfg.eval_interval == 0 or last:
                 train_loss, val_loss = self.log_eval(loss, lr, tokens_per_s, bar)
@@ -534,7 +540,7 @@ class Trainer:
         mean_batch = dist_utils.all_reduce_mean(torch.tensor(batch_loss), self.world).item()
         row = {
             "step": self.step,
-            "tokens": self.step * self.tokens_per_step,
+            "tokens": self.tokens,
             "train_loss": train if train is not None else mean_batch,
             "val_loss": val,
             "lr": lr,
@@ -588,14 +594,19 @@ class Trainer:
         from gptkiln import checkpoint
 
         model_sd, optim_sd = dist_utils.full_state(self.model, self.optimizer)
-        rng = _gather_rng(self.world)
+        rng = _gather_rng(self.world, torch.get_rng_state)
+        cuda_rng = []
+        if self.device.startswith("cuda"):
+            cuda_rng = _gather_rng(self.world, lambda: torch.cuda.get_rng_state(self.device))
         if self.world.is_main:
             state = {
                 "step": self.step,
+                "tokens": self.tokens,
+                "global_batch": self.batches.global_batch,
                 "world_size": self.world.world_size,
                 "optimizer": optim_sd,
                 "rng": rng,
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "cuda_rng": cuda_rng,  # each rank's own device's generator
                 "scheduler": {"step": self.step, "total_steps": self.batches.total_steps},
             }
             with self.guard.hold():  # a SIGTERM now would leave half a checkpoint
@@ -617,6 +628,17 @@ class Trainer:
         model_sd, state = checkpoint.read_checkpoint(self.run_dir)
         dist_utils.load_full_state(self.model, self.optimizer, model_sd, state["optimizer"])
         self.step = self.saved_step = int(state["step"])
+        # a resume may change the batch or the processes: the tokens seen so far are counted
+        self.tokens = int(state.get("tokens", self.step * self.tokens_per_step))
+        saved_batch = state.get("global_batch")
+        if self.cfg.sampling == "windows" and saved_batch not in (None, self.batches.global_batch):
+            raise GptkilnError(
+                f"{self.run_dir} was trained on {saved_batch} windows a step and this resume "
+                f"takes {self.batches.global_batch} (batch_size x grad_accum x processes): "
+                "windows sampling walks each epoch in steps of that size, so a new size would "
+                f"read some windows twice and skip others. Keep the product at {saved_batch}, "
+                "or start a new run"
+            )
         if self.world.is_main and self.restarted:
             print(
                 f"torchrun restarted the workers: resuming from step {self.step} in {self.run_dir}",
@@ -625,8 +647,9 @@ class Trainer:
         rng = state["rng"]
         if len(rng) == self.world.world_size:
             torch.set_rng_state(rng[self.world.rank])
-        if state.get("cuda_rng") and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        cuda_rng = state.get("cuda_rng") or []
+        if self.device.startswith("cuda") and len(cuda_rng) == self.world.world_size:
+            torch.cuda.set_rng_state(cuda_rng[self.world.rank], self.device)
         metrics = self.run_dir / "metrics.csv"
         if self.world.is_main and metrics.exists():
             # A killed run may have logged past its last checkpoint: keep rows up to the step.
@@ -655,8 +678,21 @@ def resume_after_restart(
     return resume, overwrite
 
 
-def _gather_rng(world: dist_utils.World) -> list[torch.Tensor]:
-    state = torch.get_rng_state()
+def check_one_gpu_each(device: str, env) -> None:
+    """Several processes on one machine each take their own GPU (cuda:LOCAL_RANK): a device
+    with an index would put them all on that one."""
+    local_procs = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    if device.startswith("cuda:") and local_procs > 1:
+        raise GptkilnError(
+            f"--device {device} would put all {local_procs} processes of this machine on one "
+            "GPU; pass --device cuda (process i takes cuda:i) and choose the GPUs with "
+            "CUDA_VISIBLE_DEVICES"
+        )
+
+
+def _gather_rng(world: dist_utils.World, get_state) -> list[torch.Tensor]:
+    """Every rank's generator state (``get_state()``, a CPU tensor), by rank."""
+    state = get_state()
     if not world.distributed:
         return [state]
     import torch.distributed as dist
