@@ -92,6 +92,32 @@ def test_a_killed_rank_is_named_and_the_ranks_the_agent_stopped_are_not(agent, c
     ]
 
 
+def test_a_rank_that_lost_its_peers_says_so_once_and_the_job_fails_with_1(agent, capsys):
+    lost = "gptkiln train: error: rank 1 of 2 stopped at step 9: lost contact with the other ranks"
+    agent["lines"] = {1: lost}
+    agent["raise"] = failed(rank_0=-signal.SIGKILL, rank_1=1)
+    assert launch.launch(2, ["train"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "gptkiln train: error: rank 0 (pid 100) was killed by SIGKILL " + (
+        "(out of memory, or killed by hand)"
+    )
+    assert err[1:] == [lost]  # rank 1 left its line for the launcher and printed nothing
+
+
+def test_a_run_stopped_from_outside_is_one_line_and_exit_code_1(monkeypatch, capsys, tmp_path):
+    import gptkiln.cli
+    from gptkiln.errors import RunStopped
+
+    def stopped(args):
+        raise RunStopped("rank 0 of 2 stopped at step 9: lost contact with the other ranks")
+
+    monkeypatch.setattr(gptkiln.cli, "cmd_train", stopped)
+    assert main(["train", "--out", str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().err == (
+        "gptkiln train: error: rank 0 of 2 stopped at step 9: lost contact with the other ranks\n"
+    )
+
+
 def test_a_crash_points_at_its_traceback(agent, capsys):
     agent["raise"] = failed(rank_0=1)
     assert launch.launch(2, ["train"]) == 1

@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except GptkilnError as e:
-        return _fail(f"gptkiln {args.command}: error: {e}")
+        return _fail(f"gptkiln {args.command}: error: {e}", e.exit_code)
     except KeyboardInterrupt:
         from gptkiln.launch import quiet_on_interrupt
 
@@ -312,13 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _fail(line: str) -> int:
-    """Bad input: one line on stderr (under `--nproc`, once for all ranks), exit code 2."""
+def _fail(line: str, code: int = 2) -> int:
+    """One line on stderr (under `--nproc`, once for all ranks); exit code 2 for bad input."""
     from gptkiln.launch import report_error
 
     if not report_error(line):
         print(line, file=sys.stderr)
-    return 2
+    return code
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ own errors and torchrun ends with its failure summary and a traceback of its own
   here only if they differ from rank 0's;
 - for a rank that crashed or was killed, one line that names it; its traceback, if any, is
   already above;
-- exit code 2 when every failed rank failed on bad input, 130 for Ctrl-C, 1 otherwise.
+- exit code 2 when every failed rank failed on bad input, 130 for Ctrl-C, 1 otherwise (a rank
+  that lost its peers says so in one line, with exit code 1).
 
 Each worker gets ``OMP_NUM_THREADS`` = cores / N unless it is set (torchrun's own default is 1
 thread per process, whatever the machine).
@@ -93,7 +94,7 @@ def _report(failures: dict, lines: dict[int, str], command: str) -> int:
     shown = {lines[0]} if 0 in lines else set()  # rank 0 printed its own line
     for rank, failure in sorted(failed.items()):
         code = failure.exitcode
-        if code == 2 and rank in lines:
+        if rank in lines:  # its one line (bad input: 2; a run stopped from outside: 1)
             if lines[rank] not in shown:
                 print(lines[rank], file=sys.stderr)
                 shown.add(lines[rank])

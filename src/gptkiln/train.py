@@ -23,7 +23,7 @@ import torch
 
 from gptkiln import distributed as dist_utils
 from gptkiln.config import GPTConfig, SampleConfig, TrainConfig
-from gptkiln.errors import GptkilnError
+from gptkiln.errors import GptkilnError, RunStopped
 from gptkiln.model import GPT
 from gptkiln.optim import lr_at, make_optimizer
 
@@ -408,7 +408,7 @@ class Trainer:
             if isinstance(e, dist_utils.WorkerStopped) or (
                 self.world.distributed and dist_utils.is_peer_failure(e)
             ):
-                raise GptkilnError(self._stopped_message(e)) from e
+                raise RunStopped(self._stopped_message(e)) from e
             raise
         finally:
             bar.close()
