@@ -6,7 +6,8 @@
 A GPT-2 124M-shaped model with random weights (fp32, 2 threads), an 8-token prompt per row,
 200 new greedy tokens, batch 1 and batch 8; tokens/s counts every row's new tokens. Each
 implementation runs in a fresh process; one short warm-up call is excluded and the figure is the
-median over ``--repeats`` full calls.
+median over ``--repeats`` full calls, except for the book's: one full call (it recomputes the
+whole sequence for every token, a call takes about a minute at 124M), so its row is that call.
 
 - gptkiln: ``gptkiln.sampling.generate(model, prompts, temperature=0, max_new_tokens=200)``
   (static KV cache, the default).

@@ -42,7 +42,14 @@ SHAPE = dict(vocab=50257, context=1024, n_layer=12, n_head=12, n_embd=768)
 SMOKE_SHAPE = dict(vocab=256, context=64, n_layer=2, n_head=2, n_embd=64)
 PROMPT_LEN = 8
 LR, WEIGHT_DECAY = 6e-4, 0.1
-PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bf16, SXM data sheets
+# dense bf16 TFLOP/s from the data sheets, the most specific name first
+PEAK_TFLOPS = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.4,  # SXM
+    "H200": 989.4,
+    "A100": 312.0,
+}
 
 
 def peak_tflops(device_name: str) -> float | None:

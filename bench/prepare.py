@@ -5,7 +5,8 @@
 The corpus is tiny Shakespeare (../shared/data/tinyshakespeare.txt) repeated into a temporary
 file of each size (one document). Every measurement is a fresh process:
 
-- gptkiln: ``gptkiln.data.prepare.prepare(path, out_dir, tokenizer="gpt2", progress=False)``,
+- gptkiln: ``gptkiln.data.prepare.prepare(path, out_dir, tokenizer="gpt2", progress=False,
+  threads=2)``,
   the whole job: read the file, tokenize (GPT-2 BPE via tiktoken), write train.bin / val.bin.
 - tiktoken: the same GPT-2 encoding's ``encode_ordinary_batch(pieces, num_threads=2)`` over the
   file's text, already in memory, cut into ~1 MB pieces at line ends; nothing is written. This
@@ -53,7 +54,7 @@ def worker(job: dict) -> None:
         from gptkiln.data.prepare import prepare
 
         t0 = time.perf_counter()
-        meta = prepare(path, job["out"], tokenizer="gpt2", progress=False)
+        meta = prepare(path, job["out"], tokenizer="gpt2", progress=False, threads=job["threads"])
         sec = time.perf_counter() - t0
         tokens = meta["train_tokens"] + meta["val_tokens"]
     else:

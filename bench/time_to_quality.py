@@ -65,6 +65,8 @@ def run(target: float, extra: list[str], run_dir: Path, poll_s: float = 0.05) ->
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(common.THREADS))
     metrics = run_dir / "metrics.csv"
+    metrics.unlink(missing_ok=True)  # a kept run's old rows are not this run's (--overwrite
+    # deletes them too, but only once the trainer has started, after the clock)
     reached = None
     seen = 0
     log_path = run_dir.parent / f"{run_dir.name}.log"
@@ -79,6 +81,7 @@ def run(target: float, extra: list[str], run_dir: Path, poll_s: float = 0.05) ->
         while proc.poll() is None:
             time.sleep(poll_s)
             rows = read_rows(metrics)
+            seen = min(seen, len(rows))  # the file was started again
             for row in rows[seen:]:
                 if reached is None and row["val_loss"] is not None and row["val_loss"] <= target:
                     reached = (time.perf_counter() - t0, row)

@@ -30,7 +30,8 @@ Sizes: ``baby`` (4 layers, 4 heads, 128 dims, context 64, batch 12, vocab 65) an
 (12 layers, 12 heads, 768 dims, context 256, batch 2, vocab 50257).
 
 gptkiln's achieved FLOP/s use ``GPT.flops_per_token``: 6 N + 12 L T C per token (N parameters
-without position embeddings, L layers, T context, C width), compared with an fp32 matmul peak
+of the matmuls: without position embeddings, and without the token embedding when the head is
+untied; L layers, T context, C width), compared with an fp32 matmul peak
 measured in the same run (2048^2, the faster of MKL and oneDNN).
 """
 
@@ -295,8 +296,8 @@ def main() -> None:
     )
     print(
         f"\n# GFLOP/s = tokens/s x GPT.flops_per_token(T) = tokens/s x (6N + 12 L T C), N the "
-        f"parameters without position embeddings; for the untied book layout N also counts the "
-        f"token embedding (V x C), which does no matmul, so its figure is high by 6VC/token. "
+        f"parameters of the matmuls (without position embeddings, and without the token "
+        f"embedding when the head is untied, as in the book layout: a lookup). "
         f"peak = {peak:.1f} GFLOP/s. 'ratio' divides the best rounds; 'ratio, paired rounds' is "
         f"the median over rounds of the ratio within a round. Load average now "
         f"{common.machine()['loadavg_1m']:.2f} (at start {info['loadavg_1m']:.2f})"

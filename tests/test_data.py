@@ -287,6 +287,41 @@ def test_prepare_streams_long_text_exactly(tmp_path, gpt2):
     assert data.val.tolist() == gpt2.encode(text[split_idx:])
 
 
+def test_prepare_encodes_on_as_many_threads_as_it_is_given(tmp_path, monkeypatch):
+    import concurrent.futures
+
+    import gptkiln.tokenizers
+    from gptkiln.tokenizers import GPT2Tokenizer
+
+    pools, asked = [], []
+
+    class Recorded(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self, max_workers=None, **kw):
+            pools.append(max_workers)
+            super().__init__(max_workers, **kw)
+
+    class Asked(GPT2Tokenizer):
+        def encode_ordinary_batch_arrays(self, texts, num_threads=None):
+            asked.append(num_threads)
+            return super().encode_ordinary_batch_arrays(texts, num_threads)
+
+    monkeypatch.setattr(gptkiln.tokenizers, "ThreadPoolExecutor", Recorded)
+    monkeypatch.setattr(gptkiln.tokenizers.os, "cpu_count", lambda: 8)
+    gpt2 = Asked()
+    texts = ["To be, or not to be"] * 20
+    assert gpt2.encode_ordinary_batch_arrays(texts)[0].tolist() == gpt2.encode(texts[0])
+    assert gpt2.encode_ordinary_batch_arrays(texts, num_threads=2)[0].tolist() == gpt2.encode(
+        texts[0]
+    )
+    assert pools == [8, 2]  # every core by default
+    (tmp_path / "shk.txt").write_text((DATA / "tinyshakespeare.txt").read_text()[:50_000])
+    asked.clear()
+    prepare(tmp_path / "shk.txt", tmp_path / "a", gpt2, progress=False, threads=3)
+    assert asked and set(asked) == {3}
+    with pytest.raises(GptkilnError, match="threads 0"):
+        prepare(tmp_path / "shk.txt", tmp_path / "c", gpt2, progress=False, threads=0)
+
+
 def test_prepare_joins_documents_with_eot_and_splits_the_straddler(tmp_path):
     docs = ["hello world", "foo bar baz", "the end"]  # 29 characters
     source = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])

@@ -168,8 +168,11 @@ def test_gelu_is_gpt2s_tanh_form_unless_the_config_asks_for_the_exact_one():
 
 def test_flops_per_token_formula():
     model = meta_model("gpt2")
-    n = 124_439_808 - 1024 * 768
+    n = 124_439_808 - 1024 * 768  # the tied embedding is the head's matmul: counted
     assert model.flops_per_token(1024) == 6 * n + 12 * 12 * 1024 * 768
+    book = meta_model("book-124m")  # untied: the token embedding is a lookup, not a matmul
+    n = 163_009_536 - 1024 * 768 - 50257 * 768
+    assert book.flops_per_token(1024) == 6 * n + 12 * 12 * 1024 * 768
 
 
 def test_book_preset_draws_the_books_pytorch_default_weights():

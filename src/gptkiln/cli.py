@@ -35,6 +35,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         tokenizer=args.tokenizer,
         val_fraction=args.val_fraction,
         progress=not args.quiet,
+        threads=args.threads,
     )
     print(
         f"wrote {args.out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
@@ -233,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--threads", type=int, help="encoding threads of the gpt2 tokenizer (default: all cores)"
+    )
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser(

@@ -233,9 +233,14 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token, forward + backward: 6N + 12 L T C (PaLM paper, appendix B),
-        N excluding position embeddings, the second term the attention score/value matmuls."""
+        N the parameters that take part in a matmul (all but the position embeddings and, when
+        the head is untied, the token embedding: a lookup), the second term the attention
+        score/value matmuls."""
         c = self.config
-        return 6 * self.num_parameters(True) + 12 * c.n_layer * seq_len * c.n_embd
+        n = self.num_parameters(True)
+        if not c.tie_embeddings:
+            n -= self.wte.weight.numel()
+        return 6 * n + 12 * c.n_layer * seq_len * c.n_embd
 
     # -- the KV cache ------------------------------------------------------------------------
     def setup_cache(

@@ -72,11 +72,15 @@ class Tokenizer(ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """Turn ids back into text."""
 
-    def encode_ordinary_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+    def encode_ordinary_batch_arrays(
+        self, texts: list[str], num_threads: int | None = None
+    ) -> list[np.ndarray]:
         """:meth:`encode_ordinary_batch` as integer arrays, for writing ids to disk.
 
         Kinds whose library can return arrays directly override this to skip building Python
-        ints: that is most of the cost of a pipeline that streams gigabytes.
+        ints: that is most of the cost of a pipeline that streams gigabytes. ``num_threads``
+        (default: every core) bounds the threads of kinds that encode on a thread pool of their
+        own (``gpt2``); the others ignore it.
         """
         return [np.asarray(ids, dtype=np.int64) for ids in self.encode_ordinary_batch(texts)]
 
@@ -191,13 +195,16 @@ class GPT2Tokenizer(Tokenizer):
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         return self._encoding.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
 
-    def encode_ordinary_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+    def encode_ordinary_batch_arrays(
+        self, texts: list[str], num_threads: int | None = None
+    ) -> list[np.ndarray]:
         # encode_to_numpy releases the GIL and returns a uint32 buffer, so threads scale; an empty
         # allowed_special with no disallowed ones is exactly encode_ordinary.
         encode = functools.partial(
             self._encoding.encode_to_numpy, allowed_special=set(), disallowed_special=()
         )
-        with ThreadPoolExecutor(max_workers=min(len(texts), os.cpu_count() or 1) or 1) as pool:
+        threads = num_threads or os.cpu_count() or 1
+        with ThreadPoolExecutor(max_workers=min(len(texts), threads) or 1) as pool:
             return list(pool.map(encode, texts))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -257,7 +264,9 @@ class CharTokenizer(Tokenizer):
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         return [self._encode_plain(text).tolist() for text in texts]
 
-    def encode_ordinary_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+    def encode_ordinary_batch_arrays(
+        self, texts: list[str], num_threads: int | None = None
+    ) -> list[np.ndarray]:
         return [self._encode_plain(text) for text in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
