@@ -6,9 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gptkiln.cli import build_parser, main, train_config_from_args
-from gptkiln.config import GPTConfig, TrainConfig
+from gptkiln.config import GPTConfig, SampleConfig, TrainConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
 from gptkiln.train import model_config_for
@@ -317,6 +318,27 @@ def test_convert_and_prepare_never_write_over_a_run(run_dir, tmp_path, capsys, v
     ]:
         code, _, err = cli(*argv, capsys=capsys)
         assert_one_line_error(code, err, needle)
+
+
+def test_streamed_text_ends_with_what_a_last_partial_character_leaves(tmp_path, monkeypatch):
+    # GPT-2 token 12520 is " \xf0\x9f": a space and half an emoji. When generation stops there,
+    # the stream held it back waiting for the rest; it must still come out at the end.
+    import gptkiln.sampling
+    from gptkiln.api import generate_text
+    from gptkiln.checkpoint import save_model
+    from gptkiln.tokenizers import load_tokenizer
+
+    run, gpt2 = tmp_path / "run", load_tokenizer("gpt2")
+    save_model(GPT(GPTConfig.from_name("tiny", vocab_size=50257, context_length=16)), run,
+               tokenizer=gpt2)  # fmt: skip
+    for chosen in ([71, 12520, 236], [10545, 245], [71, 12520]):
+        monkeypatch.setattr(
+            gptkiln.sampling,
+            "generate_stream",
+            lambda *a, chosen=chosen, **k: iter(torch.tensor([t]) for t in chosen),
+        )
+        text = generate_text(run, "Hi", SampleConfig(max_new_tokens=len(chosen)))
+        assert text == "Hi" + gpt2.decode(chosen), chosen
 
 
 def test_convert_overwrite_replaces_the_run_and_drops_its_training_state(tmp_path, capsys):

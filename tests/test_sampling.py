@@ -116,6 +116,46 @@ def test_padded_rows_through_the_cache_give_each_rows_own_logits(model):
             torch.testing.assert_close(stepped[row, 0], alone[-1], atol=1e-5, rtol=1e-5)
 
 
+def test_padded_rows_with_the_explicit_attention_give_each_rows_own_tokens(model):
+    # The explicit ("math") attention: a padded slot's query sees no key at all, and its NaN
+    # must not reach the row's real tokens (through V, in the next layer).
+    import dataclasses
+
+    math_model = GPT(dataclasses.replace(model.config, attention="math")).eval()
+    math_model.load_state_dict(model.state_dict())
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    batch = generate(math_model, prompts, max_new_tokens=12, temperature=0)
+    assert batch == [generate(model, p, max_new_tokens=12, temperature=0) for p in prompts]
+    sampled = generate(math_model, prompts, max_new_tokens=6, temperature=1.0, seed=3)
+    assert all(0 <= t < 64 for row in sampled for t in row)
+
+
+def test_kernels_tuned_for_fp32_step_aside_when_the_model_changes_dtype(model):
+    import copy
+
+    from gptkiln.kernels import candidates
+    from gptkiln.model import Linear
+
+    if "onednn" not in candidates():
+        pytest.skip("this torch build has no oneDNN linear")
+    tuned = copy.deepcopy(model)
+    prompts = [[1, 2, 3]] * 8
+    expected = generate(tuned, prompts, max_new_tokens=4, temperature=0)  # tunes for 8 rows
+    for layer in tuned.modules():  # oneDNN's linear, which takes no float64, for every layer
+        if isinstance(layer, Linear):
+            layer.few_row_kernels[8] = candidates()["onednn"]
+    tuned.double()
+    assert generate(tuned, prompts, max_new_tokens=4, temperature=0) == expected
+
+
+def test_a_tiny_temperature_is_greedy_not_a_crash(model):
+    # 1 / 1e-39 overflows float32: unshifted, the top logits became inf and softmax NaN
+    probs = logits_to_probs(torch.tensor([[1.0, 2.0, -1.0], [1.0, 2.0, 2.0]]), 1e-39)
+    assert probs.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.5, 0.5]]
+    greedy = generate(model, [5, 6, 7], max_new_tokens=5, temperature=0)
+    assert generate(model, [5, 6, 7], max_new_tokens=5, temperature=1e-39, seed=0) == greedy
+
+
 def test_a_prompt_fed_in_chunks_through_the_cache_is_causal(model):
     seq = torch.tensor([[5, 9, 2, 33, 40, 17, 8, 21, 3]])
     with torch.no_grad():

@@ -59,6 +59,9 @@ def stream_text(
             continue
         yield text[len(shown) :]
         shown = text
+    tail = tokenizer.decode(new)[len(shown) :]  # it ended inside a character: what is left
+    if tail:
+        yield tail
     model.clear_cache()
 
 

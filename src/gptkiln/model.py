@@ -37,7 +37,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # grad mode first: a compiled training step then never reads (or guards on) the dict
-        if not torch.is_grad_enabled() and self.few_row_kernels and x.device.type == "cpu":
+        if (
+            not torch.is_grad_enabled()
+            and self.few_row_kernels
+            and x.device.type == "cpu"
+            and x.dtype == self.weight.dtype == torch.float32  # what the kernels were tuned for
+        ):
             kernel = self.few_row_kernels.get(x.numel() // self.in_features)
             if kernel is not None:
                 return kernel(x, self.weight, self.bias)
@@ -136,6 +141,11 @@ def explicit_attention(
     if mask is not None:
         attn_scores = attn_scores.masked_fill(~mask, float("-inf"))
     attn_weights = torch.softmax(attn_scores, dim=-1)
+    if mask is not None and T > 1:
+        # A left-padded slot's query may see no key at all: its row is all -inf and softmax
+        # gives NaN, which the next layer would spread to the row's real tokens through V
+        # (0 x NaN). Such a row attends to nothing instead, as SDPA does.
+        attn_weights = attn_weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)
     attn_weights = F.dropout(attn_weights, p=dropout_p, training=dropout_p > 0)
     return attn_weights @ v  # (B, nh, T, hs)
 

@@ -28,7 +28,10 @@ def logits_to_probs(
 
     temperature must be > 0 here (0 means greedy and never reaches this function).
     """
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # Shifted so the largest is 0: a tiny temperature then gives -inf, never inf (inf - inf would
+    # be NaN after softmax); softmax does not change under the shift.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
