@@ -148,6 +148,16 @@ def test_kernels_tuned_for_fp32_step_aside_when_the_model_changes_dtype(model):
     assert generate(tuned, prompts, max_new_tokens=4, temperature=0) == expected
 
 
+def test_a_prompt_may_be_a_tensor_or_an_array(model):
+    import numpy as np
+
+    alone = generate(model, [5, 6, 7], max_new_tokens=4, temperature=0)
+    assert generate(model, torch.tensor([5, 6, 7]), max_new_tokens=4, temperature=0) == alone
+    assert generate(model, np.array([5, 6, 7]), max_new_tokens=4, temperature=0) == alone
+    batch = generate(model, torch.tensor([[5, 6, 7], [5, 6, 7]]), max_new_tokens=4, temperature=0)
+    assert batch == [alone, alone]
+
+
 def test_a_tiny_temperature_is_greedy_not_a_crash(model):
     # 1 / 1e-39 overflows float32: unshifted, the top logits became inf and softmax NaN
     probs = logits_to_probs(torch.tensor([[1.0, 2.0, -1.0], [1.0, 2.0, 2.0]]), 1e-39)

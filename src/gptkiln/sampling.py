@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from gptkiln.config import SampleConfig, check_sampling
@@ -155,6 +156,8 @@ def generate(
     cfg = cfg or SampleConfig()
     if overrides:
         cfg = SampleConfig(**{**cfg.__dict__, **overrides})
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):  # (T,) one prompt, (B, T) a batch
+        prompts = prompts.tolist()
     single = len(prompts) > 0 and isinstance(prompts[0], int)
     batch = [list(prompts)] if single else [list(p) for p in prompts]
     rows: list[list[int]] = [[] for _ in batch]
