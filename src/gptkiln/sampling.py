@@ -142,13 +142,14 @@ def generate_stream(
 
 def generate(
     model: GPT,
-    prompts: Sequence[Sequence[int]] | Sequence[int],
+    prompts: Sequence[Sequence[int]] | Sequence[int] | torch.Tensor | np.ndarray,
     cfg: SampleConfig | None = None,
     eot_id: int | None = None,
     use_cache: bool = True,
     **overrides,
 ) -> list[list[int]] | list[int]:
-    """New token ids for one prompt (a list of ids) or a batch (a list of lists).
+    """New token ids for one prompt (a list of ids, or a 1-D tensor or array) or a batch (a list
+    of lists, or a 2-D tensor or array).
 
     ``overrides`` set `SampleConfig` fields directly: ``generate(model, ids, max_new_tokens=20,
     temperature=0)``. The end-of-text token, when it stops a row, is not included.
