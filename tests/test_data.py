@@ -165,15 +165,23 @@ def test_jsonl_with_a_byte_order_mark_reads_its_first_line(tmp_path):
     assert list(iter_documents(path)) == ["hi", "there"]
 
 
-def test_a_document_in_pieces_starts_once_and_a_piece_never_grows_unbounded(tmp_path):
+def test_a_document_in_pieces_starts_once_and_a_piece_never_grows_unbounded(tmp_path, monkeypatch):
+    import gptkiln.data.sources
+
     words = tmp_path / "words.jsonl"
     write_jsonl(words, [{"text": "word " * 100}, {"text": "next"}])
     pieces = list(iter_pieces(words, piece_chars=64))
     assert [starts for starts, _ in pieces].count(True) == 2  # one per document, not per piece
     assert "".join(t for _, t in pieces) == "word " * 100 + "next"
-    solid = tmp_path / "solid.txt"  # no whitespace to cut at: cut anyway
-    solid.write_text("天气很好" * 1000, encoding="utf-8")
-    assert max(len(t) for _, t in iter_pieces(solid, piece_chars=64)) <= 4 * 64
+    assert max(len(t) for _, t in pieces) <= 64
+    # no whitespace to cut at: a piece waits for one up to MAX_PIECE_CHARS, then is cut anyway
+    monkeypatch.setattr(gptkiln.data.sources, "MAX_PIECE_CHARS", 256)
+    (tmp_path / "solid.txt").write_text("天气很好" * 1000, encoding="utf-8")
+    write_jsonl(tmp_path / "solid.jsonl", [{"text": "天气很好" * 1000}])
+    for name in ("solid.txt", "solid.jsonl"):
+        pieces = [t for _, t in iter_pieces(tmp_path / name, piece_chars=64)]
+        assert "".join(pieces) == "天气很好" * 1000
+        assert 256 <= max(len(t) for t in pieces) < 256 + 64, name
 
 
 def test_folder_reads_text_files_recursively_in_sorted_order(tmp_path):
@@ -320,6 +328,26 @@ def test_prepare_encodes_on_as_many_threads_as_it_is_given(tmp_path, monkeypatch
     assert asked and set(asked) == {3}
     with pytest.raises(GptkilnError, match="threads 0"):
         prepare(tmp_path / "shk.txt", tmp_path / "c", gpt2, progress=False, threads=0)
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl"])
+def test_small_pieces_never_cut_a_word_whatever_the_format(tmp_path, gpt2, kind):
+    # A long stretch without whitespace (a DNA string, URLs) is one pre-token of GPT-2's: small
+    # pieces (batch_chars) must wait for a safe cut instead of cutting inside it.
+    text = (
+        "Sequence: " + "ACGTTGCAAGCTTAGC" * 300 + " end. "
+        + "See https://example.com/a/very/long/path/without/spaces/index.html for details. " * 20
+    )  # fmt: skip
+    path = tmp_path / f"doc.{kind}"
+    if kind == "txt":
+        path.write_text(text, encoding="utf-8")
+    else:
+        path.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+    prepare(path, tmp_path / "out", "gpt2", 0.01, progress=False, batch_chars=16)
+    split_idx = int(0.99 * len(text))
+    data = load_prepared(tmp_path / "out")
+    assert data.train.tolist() == gpt2.encode(text[:split_idx])
+    assert data.val.tolist() == gpt2.encode(text[split_idx:])
 
 
 def test_prepare_joins_documents_with_eot_and_splits_the_straddler(tmp_path):

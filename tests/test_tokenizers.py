@@ -224,3 +224,27 @@ def test_parse_tokenizer_spec(spec, expected):
 def test_parse_tokenizer_spec_lists_choices(spec):
     with pytest.raises(GptkilnError, match="choose gpt2, char, bpe or bpe:N"):
         parse_tokenizer_spec(spec)
+
+
+def test_a_fingerprint_tells_apart_what_kind_and_size_do_not(tmp_path):
+    abc, xyz = CharTokenizer(list("abc"), with_eot=True), CharTokenizer(list("xyz"), with_eot=True)
+    assert abc.vocab_size == xyz.vocab_size and abc.fingerprint() != xyz.fingerprint()
+    texts = ["the cat sat on the mat", "a dog ran in the fog", "to be or not to be"] * 20
+    one = train_bpe_tokenizer(texts, vocab_size=300)
+    two = train_bpe_tokenizer([t[::-1] for t in texts], vocab_size=300)
+    assert one.fingerprint() != two.fingerprint()
+    for tok in (abc, one, load_tokenizer("gpt2")):  # saved and loaded: the same tokenizer
+        tok.save(tmp_path / tok.kind)
+        assert load_tokenizer(tmp_path / tok.kind).fingerprint() == tok.fingerprint()
+
+
+def test_a_bpe_size_is_ascii_digits_within_what_the_trainer_can_hold():
+    # '²' passes str.isdigit() and int() refuses it; 2**31 ids made the Rust trainer abort
+    # trying to allocate 141 GB.
+    with pytest.raises(GptkilnError, match="choose gpt2, char, bpe or bpe:N"):
+        parse_tokenizer_spec("bpe:²")
+    for size in ("256", "2147483648", "99999999999999999999"):
+        with pytest.raises(GptkilnError, match="257 to 1,048,576 ids"):
+            parse_tokenizer_spec(f"bpe:{size}")
+    assert parse_tokenizer_spec("bpe:257") == ("bpe", 257)
+    assert parse_tokenizer_spec("bpe:1048576") == ("bpe", 1 << 20)

@@ -259,6 +259,24 @@ def test_windows_sampling_refuses_a_resume_with_another_step_size(verdict_path, 
     assert read_checkpoint(run)[1]["step"] == 8
 
 
+def test_another_alphabet_of_the_same_size_is_refused_by_resume_and_eval(tmp_path):
+    # Two char tokenizers of 9 ids each: their ids mean different letters.
+    from gptkiln.api import evaluate_run
+    from gptkiln.data.prepare import prepare
+
+    (tmp_path / "a.txt").write_text("abcdefgh " * 300)
+    (tmp_path / "b.txt").write_text("ijklmnop " * 300)
+    prepare(tmp_path / "b.txt", tmp_path / "b", tokenizer="char", progress=False)
+    run = tmp_path / "run"
+    cfg = dict(max_steps=2, eval_interval=2, sample_prompt="ab", sample_interval=100)
+    train(tiny_config(tmp_path / "a.txt", run, **cfg))
+    with pytest.raises(GptkilnError, match="another 'char' tokenizer than the one of --data"):
+        train(tiny_config(tmp_path / "b", run, **{**cfg, "max_steps": 4}), resume=True)
+    with pytest.raises(GptkilnError, match="another 'char' tokenizer.*another vocabulary"):
+        evaluate_run(run, tmp_path / "b", progress=False)
+    assert evaluate_run(run, tmp_path / "a.txt", progress=False).tokens > 0  # text: encoded here
+
+
 def test_several_processes_on_one_machine_need_a_gpu_each():
     from gptkiln.train import check_one_gpu_each
 

@@ -128,14 +128,14 @@ def _eval_tokens(data: Path, tokenizer):
 
     if is_prepared(data):
         prepared = load_prepared(data)
-        if (
-            prepared.meta.get("tokenizer") != tokenizer.kind
-            or prepared.meta.get("vocab_size") != tokenizer.vocab_size
-        ):
+        if prepared.tokenizer.fingerprint() != tokenizer.fingerprint():
+            same_kind = prepared.tokenizer.kind == tokenizer.kind
             raise GptkilnError(
-                f"{data} was prepared with the {prepared.meta.get('tokenizer')!r} tokenizer, the "
-                f"model uses {tokenizer.kind!r}; pass a text file, or prepare the data with "
-                "the run's tokenizer"
+                f"{data} was prepared with {'another' if same_kind else 'the'} "
+                f"{prepared.tokenizer.kind!r} tokenizer than the run's {tokenizer.kind!r}"
+                f"{' (another vocabulary)' if same_kind else ''}: its ids mean other text. Pass a "
+                "text file, or prepare the data with the run's tokenizer (gptkiln prepare TEXT "
+                "--tokenizer RUN_DIR --out DIR)"
             )
         return prepared.val
     ids: list[int] = []

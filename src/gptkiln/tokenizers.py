@@ -33,6 +33,9 @@ DEFAULT_BPE_VOCAB_SIZE = 8192
 """Vocabulary size of ``bpe`` without ``:N``: small enough to train in seconds on a few MB, and a
 multiple of 64 so the embedding and output matmuls stay on fast GPU tile sizes."""
 
+MAX_BPE_VOCAB_SIZE = 1 << 20
+"""The largest ``bpe:N`` (1 Mi ids, five times GPT-4o's 200k); the trainer allocates per id."""
+
 META_FILE = "tokenizer_meta.json"
 CHAR_VOCAB_FILE = "char_vocab.json"
 BPE_FILE = "tokenizer.json"
@@ -83,6 +86,17 @@ class Tokenizer(ABC):
         own (``gpt2``); the others ignore it.
         """
         return [np.asarray(ids, dtype=np.int64) for ids in self.encode_ordinary_batch(texts)]
+
+    def fingerprint(self) -> str:
+        """A digest of what maps text to ids: equal exactly when two tokenizers give the same
+        ids (a kind and size alone do not tell two BPEs or two char alphabets apart)."""
+        import hashlib
+
+        return hashlib.sha256(f"{self.kind}\n{self._identity()}".encode()).hexdigest()
+
+    def _identity(self) -> str:
+        """The text a fingerprint is made of; every kind with state of its own extends it."""
+        return f"{self.vocab_size} {self.eot_id}"
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write ``tokenizer_meta.json`` and this kind's files into ``directory`` (created)."""
@@ -284,6 +298,9 @@ class CharTokenizer(Tokenizer):
                 )
         return "".join(out)
 
+    def _identity(self) -> str:
+        return json.dumps({"chars": list(self.chars), "eot": self.eot_id}, ensure_ascii=True)
+
     def _save_files(self, directory: Path) -> None:
         payload = {"chars": self.chars, "with_eot": self.eot_id is not None}
         (directory / CHAR_VOCAB_FILE).write_text(
@@ -357,6 +374,9 @@ class BPETokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def _identity(self) -> str:
+        return self._hf.to_str()
+
     def _save_files(self, directory: Path) -> None:
         self._hf.save(str(directory / BPE_FILE))
 
@@ -414,7 +434,12 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, int | None]:
         return kind, None
     if kind == "bpe" and not colon:
         return kind, DEFAULT_BPE_VOCAB_SIZE
-    if kind == "bpe" and size.isdigit():
+    if kind == "bpe" and size.isascii() and size.isdigit():  # not '²', which isdigit() too
+        if not 257 <= int(size) <= MAX_BPE_VOCAB_SIZE:
+            raise GptkilnError(
+                f"tokenizer {spec!r}: a trained BPE takes 257 to {MAX_BPE_VOCAB_SIZE:,} ids "
+                f"(256 bytes + <|endoftext|> at least); try bpe:{DEFAULT_BPE_VOCAB_SIZE}"
+            )
         return kind, int(size)
     raise GptkilnError(
         f"tokenizer {spec!r}: unknown; choose gpt2, char, bpe or bpe:N (e.g. bpe:8000)"

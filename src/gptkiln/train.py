@@ -252,6 +252,8 @@ class Trainer:
         resume, overwrite = self._start_mode(resume, overwrite)
         self.data = self._load_data()
         self.tokenizer = self.data.tokenizer
+        if resume:
+            self._check_same_tokenizer()
         self._check_sample_prompt()
         self.model_config = model_config_for(cfg, self.tokenizer.vocab_size)
         self._check_splits_hold_a_window()
@@ -278,6 +280,24 @@ class Trainer:
             self._restore()
         elif self.world.is_main:
             self._start_afresh(overwrite)
+
+    def _check_same_tokenizer(self) -> None:
+        """A resumed run reads its data with the tokenizer it was trained with (the same kind
+        and size are not enough: two char alphabets or two trained BPEs differ in their ids)."""
+        from gptkiln.tokenizers import META_FILE, load_tokenizer
+
+        if not (self.run_dir / META_FILE).is_file():
+            return
+        saved = load_tokenizer(self.run_dir)
+        if saved.fingerprint() != self.tokenizer.fingerprint():
+            raise GptkilnError(
+                f"{self.run_dir} was trained with another {saved.kind!r} tokenizer than the one "
+                f"of --data {self.cfg.data or 'shakespeare'} ({self.tokenizer.kind!r}, "
+                f"{self.tokenizer.vocab_size:,} ids): its ids would mean other text. Resume with "
+                "the data the run was trained on, prepare new text with the run's tokenizer "
+                "(gptkiln prepare TEXT --tokenizer RUN_DIR --out DIR), or start a new run with "
+                "--overwrite"
+            )
 
     def _check_splits_hold_a_window(self) -> None:
         """Each split holds one window at least (checked before the model is built)."""

@@ -14,7 +14,9 @@ A *source* is one of:
 Large files are never read whole: :func:`iter_pieces` streams each document in pieces of about
 :data:`PIECE_CHARS` characters, cut just before a whitespace that follows a non-whitespace
 character. GPT-2's pre-tokenizer always splits there, so tokenizing the pieces one by one gives
-exactly the ids of tokenizing the whole document (for gpt2, bpe and char alike).
+exactly the ids of tokenizing the whole document (for gpt2, bpe and char alike), whatever the
+piece size and file format. Only a stretch of more than :data:`MAX_PIECE_CHARS` characters with
+no such spot (1 Mi: text without spaces, such as Chinese) is cut where it must be.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ JSONL_SUFFIX = ".jsonl"
 PIECE_CHARS = 1 << 18
 """Characters per streamed piece (256 Ki): small enough that a batch of pieces spreads over all
 cores, large enough that per-piece overhead vanishes."""
+
+MAX_PIECE_CHARS = 4 * PIECE_CHARS
+"""How far a piece may grow while no safe cut comes: memory stays bounded, ids stay exact below."""
 
 _SNIFF_BYTES = 8192  # like git: a NUL in the first 8 KiB means binary
 _LAST_SAFE_CUT = re.compile(r".*\S(?=[ \n])", re.DOTALL)  # greedy: finds the last such spot
@@ -180,13 +185,20 @@ def _cut(text: str) -> int:
     return match.end() if match else 0
 
 
+def _last_cut(text: str) -> int:
+    """The last safe cut anywhere in ``text``, else all of it (a forced cut)."""
+    match = _LAST_SAFE_CUT.match(text)
+    return match.end() if match else len(text)
+
+
 def _split_document(text: str, piece_chars: int) -> Iterator[tuple[bool, str]]:
     """Pieces of one in-memory document (used for JSON lines and plays)."""
     start = 0
     while len(text) - start > piece_chars:
-        window = text[start : start + piece_chars]
-        cut = _cut(window) or piece_chars  # no whitespace: cut anyway
-        yield start == 0, window[:cut]
+        cut = _cut(text[start : start + piece_chars])
+        if not cut:  # none in the window's second half: the last one up to the limit
+            cut = _last_cut(text[start : start + MAX_PIECE_CHARS])
+        yield start == 0, text[start : start + cut]
         start += cut
     if start < len(text):
         yield start == 0, text[start:]
@@ -197,7 +209,7 @@ def _text_file_pieces(path: Path, piece_chars: int) -> Iterator[tuple[bool, str]
     with open(path, encoding="utf-8-sig", errors="strict") as f:  # universal newlines
         while True:
             try:
-                chunk = f.read(piece_chars)
+                chunk = f.read(max(piece_chars, len(carry)))  # a long wait: read ever more
             except UnicodeDecodeError:
                 raise _bad_bytes_error(path) from None
             if "\x00" in chunk:
@@ -205,9 +217,9 @@ def _text_file_pieces(path: Path, piece_chars: int) -> Iterator[tuple[bool, str]
             if not chunk:
                 break
             text = carry + chunk
-            # Keep the tail after the last safe cut for the next piece; give up waiting for a cut
-            # (CJK text without spaces) once the carry would grow past 4 pieces.
-            cut = _cut(text) or (len(text) if len(text) >= 4 * piece_chars else 0)
+            # Keep the tail after the last safe cut for the next piece; once the carry reaches
+            # MAX_PIECE_CHARS (text without spaces) take the last cut anywhere, or cut there.
+            cut = _cut(text) or (_last_cut(text) if len(text) >= MAX_PIECE_CHARS else 0)
             if cut:
                 yield first, text[:cut]
                 first, carry = False, text[cut:]
