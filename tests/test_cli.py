@@ -121,6 +121,7 @@ def test_bad_sources_through_prepare(tmp_path, capsys):
         (["--max-steps", "ten"], "--max-steps"),
         (["--tokenizer", "morse"], "morse"),
         (["--tokenizer", "bpe:2147483648"], "bpe:2147483648"),
+        (["--data", ""], "empty name"),
         (["--config", "no-such-recipe"], "no-such-recipe"),
         (["--nproc", "0"], "nproc"),
         (["--nproc", "2", "--data", "/no/such/corpus.txt"], "corpus.txt"),  # before torchrun

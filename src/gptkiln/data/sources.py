@@ -54,6 +54,8 @@ def _resolve(source: str | os.PathLike | None) -> Path | None:
     """The path of a source, or ``None`` for the bundled corpus; errors for a missing path."""
     if source is None or (isinstance(source, str) and source == DEFAULT_SOURCE):
         return None
+    if isinstance(source, str) and not source.strip():  # Path("") is the current folder
+        raise GptkilnError(f"the source is an empty name; {_SOURCE_HELP}")
     path = Path(source)
     if not path.exists():
         raise GptkilnError(f"{path}: no such file or folder; {_SOURCE_HELP}")
