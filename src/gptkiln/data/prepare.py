@@ -158,9 +158,11 @@ def _write_tokens(
     """
     counts = [0, 0]
     files = [open(staging / f"{name}.bin", "wb") for name in _SPLITS]
+    # num_threads only when asked for: a Tokenizer subclass of its own may not take it
+    options = {} if threads is None else {"num_threads": threads}
     encode = lambda batch: (
         batch,
-        tokenizer.encode_ordinary_batch_arrays([t for _, _, t in batch], num_threads=threads),
+        tokenizer.encode_ordinary_batch_arrays([t for _, _, t in batch], **options),
     )
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
