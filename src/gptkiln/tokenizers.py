@@ -393,6 +393,17 @@ class BPETokenizer(Tokenizer):
             ) from None
 
 
+def check_bpe_vocab_size(vocab_size: int) -> int:
+    """``vocab_size`` if a BPE can be trained with that many ids, else one line saying why."""
+    if not 257 <= vocab_size <= MAX_BPE_VOCAB_SIZE:
+        raise GptkilnError(
+            f"tokenizer bpe:{vocab_size}: a trained BPE takes 257 to {MAX_BPE_VOCAB_SIZE:,} ids: "
+            "at least 257 for the 256 bytes and <|endoftext|>, at most what the trainer can "
+            f"hold; try bpe:{DEFAULT_BPE_VOCAB_SIZE}"
+        )
+    return vocab_size
+
+
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     """Train a byte-level BPE with ``vocab_size`` ids (including ``<|endoftext|>``, id 0).
 
@@ -402,11 +413,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 257:
-        raise GptkilnError(
-            f"tokenizer bpe:{vocab_size}: vocab_size must be at least 257 (256 bytes + "
-            f"<|endoftext|>); try bpe:{DEFAULT_BPE_VOCAB_SIZE}"
-        )
+    check_bpe_vocab_size(vocab_size)
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
@@ -435,12 +442,7 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, int | None]:
     if kind == "bpe" and not colon:
         return kind, DEFAULT_BPE_VOCAB_SIZE
     if kind == "bpe" and size.isascii() and size.isdigit():  # not '²', which isdigit() too
-        if not 257 <= int(size) <= MAX_BPE_VOCAB_SIZE:
-            raise GptkilnError(
-                f"tokenizer {spec!r}: a trained BPE takes 257 to {MAX_BPE_VOCAB_SIZE:,} ids "
-                f"(256 bytes + <|endoftext|> at least); try bpe:{DEFAULT_BPE_VOCAB_SIZE}"
-            )
-        return kind, int(size)
+        return kind, check_bpe_vocab_size(int(size))
     raise GptkilnError(
         f"tokenizer {spec!r}: unknown; choose gpt2, char, bpe or bpe:N (e.g. bpe:8000)"
     )
