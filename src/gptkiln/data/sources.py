@@ -181,16 +181,11 @@ def iter_documents(source: str | os.PathLike | None) -> Iterator[str]:
         yield "".join(parts)
 
 
-def _cut(text: str) -> int:
-    """Where to end a piece of ``text``: the last safe cut in its second half, else 0 (none)."""
-    match = _LAST_SAFE_CUT.match(text, len(text) - len(text) // 2)
+def _cut(text: str, anywhere: bool = False) -> int:
+    """Where to end a piece of ``text``: the last safe cut in its second half (``anywhere``: in
+    all of it), else 0 (none)."""
+    match = _LAST_SAFE_CUT.match(text, 0 if anywhere else len(text) - len(text) // 2)
     return match.end() if match else 0
-
-
-def _last_cut(text: str) -> int:
-    """The last safe cut anywhere in ``text``, else all of it (a forced cut)."""
-    match = _LAST_SAFE_CUT.match(text)
-    return match.end() if match else len(text)
 
 
 def _split_document(text: str, piece_chars: int) -> Iterator[tuple[bool, str]]:
@@ -199,7 +194,8 @@ def _split_document(text: str, piece_chars: int) -> Iterator[tuple[bool, str]]:
     while len(text) - start > piece_chars:
         cut = _cut(text[start : start + piece_chars])
         if not cut:  # none in the window's second half: the last one up to the limit
-            cut = _last_cut(text[start : start + MAX_PIECE_CHARS])
+            window = text[start : start + MAX_PIECE_CHARS]
+            cut = _cut(window, anywhere=True) or len(window)  # none at all: cut anyway
         yield start == 0, text[start : start + cut]
         start += cut
     if start < len(text):
@@ -221,7 +217,10 @@ def _text_file_pieces(path: Path, piece_chars: int) -> Iterator[tuple[bool, str]
             text = carry + chunk
             # Keep the tail after the last safe cut for the next piece; once the carry reaches
             # MAX_PIECE_CHARS (text without spaces) take the last cut anywhere, or cut there.
-            cut = _cut(text) or (_last_cut(text) if len(text) >= MAX_PIECE_CHARS else 0)
+            if len(text) >= MAX_PIECE_CHARS:
+                cut = _cut(text, anywhere=True) or len(text)
+            else:
+                cut = _cut(text)
             if cut:
                 yield first, text[:cut]
                 first, carry = False, text[cut:]
