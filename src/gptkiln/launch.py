@@ -89,8 +89,7 @@ def _lines(folder: Path) -> dict[int, str]:
 def _report(failures: dict, lines: dict[int, str], command: str) -> int:
     """Print what the user has not seen yet; the exit code for the whole job."""
     # When one rank fails, the agent ends the others with SIGTERM: that is not news.
-    terms = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM}
-    failed = {r: f for r, f in failures.items() if r not in terms} or failures
+    failed = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
     shown = {lines[0]} if 0 in lines else set()  # rank 0 printed its own line
     for rank, failure in sorted(failed.items()):
         code = failure.exitcode
