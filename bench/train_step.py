@@ -2,6 +2,11 @@
 
     python bench/train_step.py [--sizes baby 124m] [--rounds 3] [--compile] [--malloc-keep] [--bf16]
 
+With ``--compile``, gptkiln and its peers also run under ``torch.compile`` (default mode;
+compilation falls in the untimed warm-up steps), gptkiln's compiled row compared with the
+eager peer (``ratio``, as ``gptkiln train --compile`` against the peer as its project runs it by
+default) and with the compiled peer (``ratio vs compiled``).
+
 One step = forward + loss + backward + AdamW step + zero_grad, fp32, dropout 0, 2 threads, on a
 fixed random batch. Every implementation runs in a fresh process; warm-up steps are excluded and
 the figure is the median step time over the timed steps (then the best round). Rounds run
@@ -124,8 +129,10 @@ def build_transformers(job: dict):
     )
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
+    forward = torch.compile(model) if job.get("compile") else model
+
     def loss_fn(x, y):
-        return model(input_ids=x, labels=x).loss  # labels are shifted inside
+        return forward(input_ids=x, labels=x).loss  # labels are shifted inside
 
     return model, opt, loss_fn
 
@@ -149,8 +156,10 @@ def build_book(job: dict):
     )
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
+    forward = torch.compile(model) if job.get("compile") else model
+
     def loss_fn(x, y):
-        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # the book's calc_loss_batch
+        return F.cross_entropy(forward(x).flatten(0, 1), y.flatten())  # the book's calc_loss_batch
 
     return model, opt, loss_fn
 
@@ -202,7 +211,12 @@ def main() -> None:
         choices=["gptkiln", "fused", "foreach", "loop"],
         help="extra gptkiln rows with an explicit AdamW kernel",
     )
-    p.add_argument("--compile", action="store_true", help="add a torch.compile'd gptkiln row")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="add torch.compile'd rows: gptkiln (compared with the eager peer, and with the "
+        "compiled peer in 'ratio vs compiled') and the peer",
+    )
     p.add_argument(
         "--bf16", action="store_true", help="also run every implementation under bf16 autocast"
     )
@@ -232,6 +246,8 @@ def main() -> None:
             if args.compile:
                 jobs.append(dict(impl="gptkiln", layout=layout, compile=True))
             jobs.append(dict(impl=PEER[layout], layout=layout))
+            if args.compile:
+                jobs.append(dict(impl=PEER[layout], layout=layout, compile=True))
             if args.malloc_keep:
                 jobs.append(dict(impl="gptkiln", layout=layout, no_keep=True))
                 jobs.append(dict(impl=PEER[layout], layout=layout, env=MALLOC_KEEP))
@@ -242,7 +258,7 @@ def main() -> None:
             job["shape"] = shape
         results = common.run_rounds(__file__, jobs, args.rounds or shape["rounds"], "tokens_per_s")
         peers = {
-            (j["layout"], bool(j.get("env")), bool(j.get("bf16"))): r
+            (j["layout"], bool(j.get("env")), bool(j.get("bf16")), bool(j.get("compile"))): r
             for j, r in zip(jobs, results)
             if j["impl"] != "gptkiln"
         }
@@ -261,14 +277,19 @@ def main() -> None:
                 name += " (bf16 autocast)"
             row = dict(size=size, layout=job["layout"], impl=name, **r)
             if job["impl"] == "gptkiln":
-                peer = peers[(job["layout"], False, bf16)]
+                peer = peers[(job["layout"], False, bf16, False)]
                 row["ratio"] = common.ratio(r["tokens_per_s"], peer["tokens_per_s"])
                 row["ratio_paired"] = common.paired_ratio(
                     r["tokens_per_s_rounds"], peer["tokens_per_s_rounds"]
                 )
-                if (job["layout"], True, False) in peers and not bf16:
-                    kept_peer = peers[(job["layout"], True, False)]["tokens_per_s"]
+                if (job["layout"], True, False, False) in peers and not bf16:
+                    kept_peer = peers[(job["layout"], True, False, False)]["tokens_per_s"]
                     row["ratio_keep"] = common.ratio(r["tokens_per_s"], kept_peer)
+                if job.get("compile"):
+                    compiled_peer = peers[(job["layout"], False, False, True)]
+                    row["ratio_compiled"] = common.ratio(
+                        r["tokens_per_s"], compiled_peer["tokens_per_s"]
+                    )
                 row["vs"] = PEER[job["layout"]] + (" (bf16)" if bf16 else "")
                 achieved = r["tokens_per_s"] * r["flops_per_token"] / 1e9
                 row["gflops"] = achieved
@@ -286,6 +307,7 @@ def main() -> None:
             ("ratio", "ratio"),
             ("ratio_paired", "ratio, paired rounds"),
             ("ratio_keep", "ratio vs kept"),
+            ("ratio_compiled", "ratio vs compiled"),
             ("vs", "vs"),
             ("gflops", "GFLOP/s"),
             ("of_peak", "% of peak"),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gptkiln.model
 from gptkiln.config import PRESETS, GPTConfig
@@ -185,3 +186,74 @@ def test_book_preset_draws_the_books_pytorch_default_weights():
     assert model.h[0].mlp.c_fc.bias.abs().sum() > 0  # PyTorch's biases are not zero
     with pytest.raises(GptkilnError, match="init"):
         GPTConfig(init="xavier")
+
+
+def test_gelu_by_sigmoid_is_the_tanh_gelu():
+    x = torch.cat([torch.linspace(-30, 30, 10_001), torch.randn(10_000) * 3])
+    torch.testing.assert_close(
+        gptkiln.model.gelu_tanh_by_sigmoid(x), F.gelu(x, approximate="tanh"), rtol=1e-5, atol=1e-6
+    )
+    x64 = x.double().requires_grad_()  # and the same gradient
+    (g_sig,) = torch.autograd.grad(gptkiln.model.gelu_tanh_by_sigmoid(x64).sum(), x64)
+    (g_tanh,) = torch.autograd.grad(F.gelu(x64, approximate="tanh").sum(), x64)
+    torch.testing.assert_close(g_sig, g_tanh)
+
+
+class _Calls:
+    """Counts the calls of a torch function that a test wraps."""
+
+    def __init__(self, fn):
+        self.fn, self.n = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.n += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("T, fused", [(16, True), (gptkiln.model.FUSED_ATTENTION_MAX_T + 1, False)])
+def test_a_graph_compiled_for_the_cpu_spells_out_gelu_and_short_attention(monkeypatch, T, fused):
+    """Under torch.compile on the CPU the model writes the tanh GELU and (for short contexts)
+    attention as plain ops that inductor fuses; the results are eager's within float error."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, context_length=T, n_layer=2, n_head=2, n_embd=16))
+    idx = torch.randint(0, 50, (3, T))
+    logits, loss = model(idx, idx)
+    loss.backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    gelu, sdpa = _Calls(F.gelu), _Calls(F.scaled_dot_product_attention)
+    monkeypatch.setattr(F, "gelu", gelu)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced_logits, traced_loss = model(idx, idx)
+    traced_loss.backward()
+    assert gelu.n == 0  # the sigmoid form, in every layer
+    assert sdpa.n == (0 if fused else 2)
+    torch.testing.assert_close(traced_logits, logits)
+    for p, g in zip(model.parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, g)
+    with torch.no_grad():  # decoding with the KV cache keeps SDPA
+        model.setup_cache(1, T)
+        model(idx[:1, :4], start_pos=0)
+        model.clear_cache()
+    assert sdpa.n == (0 if fused else 2) + 2
+
+
+def test_torch_compile_traces_the_spelled_out_forms_on_the_cpu():
+    """What the graph torch.compile hands its backend holds (dynamo only, no code generation):
+    no GELU or SDPA call at T = 16, both at a longer context."""
+    torch._dynamo.reset()
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    for T in (16, gptkiln.model.FUSED_ATTENTION_MAX_T + 1):
+        config = GPTConfig(vocab_size=50, context_length=T, n_layer=1, n_head=2, n_embd=16)
+        idx = torch.randint(0, 50, (2, T))
+        targets.clear()
+        torch.compile(GPT(config), backend=backend)(idx, idx)
+        ops = " ".join(targets)
+        assert ("gelu" in ops, "scaled_dot_product_attention" in ops) == (False, T > 16), ops
+        assert "sigmoid" in ops

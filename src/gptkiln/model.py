@@ -116,7 +116,9 @@ class CausalSelfAttention(nn.Module):
         if self.kv_cache is not None and start_pos is not None:
             k, v = self.kv_cache.update(start_pos, k, v)  # (B, nh, S, hs)
         dropout_p = self.dropout if self.training else 0.0
-        if self.use_sdpa:
+        # A short full-sequence forward compiled for the CPU spells attention out (see
+        # _fuse_on_cpu): inductor fuses its scale, mask and softmax; SDPA stays one opaque call.
+        if self.use_sdpa and not (mask is None and start_pos is None and _fuse_on_cpu(x, T)):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and T > 1
             )
@@ -166,7 +168,40 @@ class MLP(nn.Module):
         self.approximate = "tanh" if config.gelu == "tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
+        h = self.c_fc(x)
+        if self.approximate == "tanh" and _fuse_on_cpu(h):
+            h = gelu_tanh_by_sigmoid(h)
+        else:
+            h = F.gelu(h, approximate=self.approximate)
+        return self.dropout(self.c_proj(h))
+
+
+# The longest context for which a compiled CPU graph spells attention out. Measured on a 2-core
+# Zen 4 EPYC, compiled training steps, explicit attention against SDPA: +11% at T = 64 (the
+# baby preset), +1% at T = 128 (mini), -10% at T = 256 (4 x 128 wide), -3% at 124M, T = 256.
+FUSED_ATTENTION_MAX_T = 128
+
+
+def _fuse_on_cpu(x: torch.Tensor, T: int = 0) -> bool:
+    """Whether this forward is being traced by ``torch.compile`` for the CPU (and, for
+    attention, T is short enough): then the model writes GELU and attention in elementwise ops
+    that inductor fuses into a few loops, instead of calling ATen kernels it cannot fuse.
+    Eager runs, and GPU graphs, keep the ATen kernels."""
+    return torch.compiler.is_compiling() and x.device.type == "cpu" and T <= FUSED_ATTENTION_MAX_T
+
+
+def gelu_tanh_by_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh GELU, 0.5 x (1 + tanh(u)), written as x sigmoid(2u), the same function
+    (1 + tanh(u) = 2 sigmoid(2u)), u = sqrt(2/pi) (x + 0.044715 x^3).
+
+    For compiled CPU graphs: this build's vectorised tanh is ~6x slower than its sigmoid, so a
+    fused loop with the sigmoid is faster; in eager, seven ATen passes are slower than
+    ``F.gelu``'s one, so eager keeps ``F.gelu``.
+    """
+    return x * torch.sigmoid(_TWO_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
+
+
+_TWO_SQRT_2_OVER_PI = 2 * math.sqrt(2 / math.pi)
 
 
 class Block(nn.Module):
