@@ -138,12 +138,13 @@ def explicit_attention(
     """
     T, S = q.size(-2), k.size(-2)
     attn_scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, S)
-    if mask is None and T > 1:
+    given_mask = mask is not None
+    if mask is None and T > 1:  # causal: every query sees at least its own key
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
     if mask is not None:
         attn_scores = attn_scores.masked_fill(~mask, float("-inf"))
     attn_weights = torch.softmax(attn_scores, dim=-1)
-    if mask is not None and T > 1:
+    if given_mask and T > 1:
         # A left-padded slot's query may see no key at all: its row is all -inf and softmax
         # gives NaN, which the next layer would spread to the row's real tokens through V
         # (0 x NaN). Such a row attends to nothing instead, as SDPA does.
