@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every gptkiln benchmark, one after the other, each printing its figures and ratios; the output
-# is what bench/README.md's tables are copied from. About 20 minutes on a quiet 2-core machine.
+# is what bench/README.md's tables are copied from. About 45 minutes on a quiet 2-core machine.
 #
 #   bash bench/run_all.sh [OUTPUT_FILE]       (default: bench/results-$(date +%F).txt)
 #
