@@ -210,7 +210,10 @@ class _Calls:
         return self.fn(*args, **kwargs)
 
 
-@pytest.mark.parametrize("T, fused", [(16, True), (gptkiln.model.FUSED_ATTENTION_MAX_T + 1, False)])
+@pytest.mark.parametrize(
+    "T, fused",
+    [(gptkiln.model.FUSED_ATTENTION_MAX_T, True), (gptkiln.model.FUSED_ATTENTION_MAX_T + 1, False)],
+)
 def test_a_graph_compiled_for_the_cpu_spells_out_gelu_and_short_attention(monkeypatch, T, fused):
     """Under torch.compile on the CPU the model writes the tanh GELU and (for short contexts)
     attention as plain ops that inductor fuses; the results are eager's within float error."""
@@ -237,6 +240,40 @@ def test_a_graph_compiled_for_the_cpu_spells_out_gelu_and_short_attention(monkey
         model(idx[:1, :4], start_pos=0)
         model.clear_cache()
     assert sdpa.n == (0 if fused else 2) + 2
+
+
+def test_other_devices_keep_the_aten_kernels_when_compiled(monkeypatch):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=50, context_length=16, n_layer=1, n_head=2, n_embd=16))
+        idx = torch.zeros(2, 16, dtype=torch.long)
+    gelu, sdpa = _Calls(F.gelu), _Calls(F.scaled_dot_product_attention)
+    monkeypatch.setattr(F, "gelu", gelu)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    model(idx, idx)
+    assert (gelu.n, sdpa.n) == (1, 1)
+
+
+def test_dynamic_shapes_compile_the_whole_forward_in_one_graph():
+    """With dropout in training mode and T symbolic, nothing in the forward may need a plain
+    bool from a symbolic one (F.dropout's training flag, SDPA's is_causal): dynamo would split
+    the graph there, and nothing around the split would be fused."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    limit = gptkiln.model.FUSED_ATTENTION_MAX_T
+    config = GPTConfig(
+        vocab_size=50, context_length=2 * limit, n_layer=1, n_head=2, n_embd=16, dropout=0.1
+    )
+    model = torch.compile(GPT(config).train(), backend=backend, dynamic=True)
+    for T in (16, 32, limit + 8, limit + 16):  # one graph each side of the bound
+        idx = torch.randint(0, 50, (2, T))
+        model(idx, idx)[1].backward()
+    assert len(graphs) == 2
 
 
 def test_torch_compile_traces_the_spelled_out_forms_on_the_cpu():

@@ -3,7 +3,9 @@
 Parameter names follow OpenAI's / Hugging Face's GPT-2 (``wte``, ``wpe``, ``h.N.ln_1``,
 ``attn.c_attn``, ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``, ``lm_head``)
 so checkpoints map one to one. This file imports only torch and the config: devices, dtypes,
-compilation, parallelism and decoding kernels are applied to a built model from outside.
+compilation, parallelism and decoding kernels are applied to a built model from outside (a graph
+that ``torch.compile`` traces for the CPU only spells GELU and short attention out: see
+`_fuse_on_cpu`).
 
 Shape legend: B batch, T time (new tokens), S keys attended (cache length), C channels
 (``n_embd``), nh heads, hs head size (C // nh), V vocabulary.
@@ -119,8 +121,10 @@ class CausalSelfAttention(nn.Module):
         # A short full-sequence forward compiled for the CPU spells attention out (see
         # _fuse_on_cpu): inductor fuses its scale, mask and softmax; SDPA stays one opaque call.
         if self.use_sdpa and not (mask is None and start_pos is None and _fuse_on_cpu(x, T)):
+            # a plain bool: under dynamic shapes `T > 1` is symbolic, which SDPA refuses
+            is_causal = True if mask is None and T > 1 else False
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and T > 1
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
             )
         else:
             y = explicit_attention(q, k, v, mask, dropout_p)
@@ -149,7 +153,9 @@ def explicit_attention(
         # gives NaN, which the next layer would spread to the row's real tokens through V
         # (0 x NaN). Such a row attends to nothing instead, as SDPA does.
         attn_weights = attn_weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-    attn_weights = F.dropout(attn_weights, p=dropout_p, training=dropout_p > 0)
+    # a branch, not F.dropout(training=dropout_p > 0): under dynamic shapes that is symbolic
+    if dropout_p > 0:
+        attn_weights = F.dropout(attn_weights, p=dropout_p)
     return attn_weights @ v  # (B, nh, T, hs)
 
 
@@ -178,17 +184,24 @@ class MLP(nn.Module):
 
 
 # The longest context for which a compiled CPU graph spells attention out. Measured on a 2-core
-# Zen 4 EPYC, compiled training steps, explicit attention against SDPA: +11% at T = 64 (the
-# baby preset), +1% at T = 128 (mini), -10% at T = 256 (4 x 128 wide), -3% at 124M, T = 256.
+# Zen 4 EPYC, compiled training steps with only the attention switched (explicit against SDPA):
+# +11% at T = 64 (the baby preset), +1% at T = 128 (mini), -10% at T = 256 (4 x 128 wide),
+# -3% at 124M, T = 256.
 FUSED_ATTENTION_MAX_T = 128
 
 
 def _fuse_on_cpu(x: torch.Tensor, T: int = 0) -> bool:
-    """Whether this forward is being traced by ``torch.compile`` for the CPU (and, for
-    attention, T is short enough): then the model writes GELU and attention in elementwise ops
-    that inductor fuses into a few loops, instead of calling ATen kernels it cannot fuse.
-    Eager runs, and GPU graphs, keep the ATen kernels."""
-    return torch.compiler.is_compiling() and x.device.type == "cpu" and T <= FUSED_ATTENTION_MAX_T
+    """Whether this forward is being traced by ``torch.compile`` (dynamo; any backend, not
+    ``torch.export``) for the CPU, and, for attention, T is short enough: then the model writes
+    the tanh GELU and attention in elementwise ops that inductor fuses into a few loops, instead
+    of calling ATen kernels it cannot fuse. Eager runs, exports and GPU graphs keep the ATen
+    kernels. Under dynamic shapes the T bound is a guard: crossing it recompiles once."""
+    return (
+        torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()
+        and x.device.type == "cpu"
+        and T <= FUSED_ATTENTION_MAX_T
+    )
 
 
 def gelu_tanh_by_sigmoid(x: torch.Tensor) -> torch.Tensor:
