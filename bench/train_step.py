@@ -5,7 +5,8 @@
 With ``--compile``, gptkiln and its peers also run under ``torch.compile`` (default mode;
 compilation falls in the untimed warm-up steps), gptkiln's compiled row compared with the
 eager peer (``ratio``, as ``gptkiln train --compile`` against the peer as its project runs it by
-default) and with the compiled peer (``ratio vs compiled``).
+default) and with the compiled peer (``ratio vs compiled``); with ``--bf16`` too, compiled rows
+under bf16 autocast as well, compared the same way with the peer's bf16 rows.
 
 One step = forward + loss + backward + AdamW step + zero_grad, fp32, dropout 0, 2 threads, on a
 fixed random batch. Every implementation runs in a fresh process; warm-up steps are excluded and
@@ -254,6 +255,9 @@ def main() -> None:
             if args.bf16:
                 jobs.append(dict(impl="gptkiln", layout=layout, bf16=True))
                 jobs.append(dict(impl=PEER[layout], layout=layout, bf16=True))
+            if args.bf16 and args.compile:
+                jobs.append(dict(impl="gptkiln", layout=layout, bf16=True, compile=True))
+                jobs.append(dict(impl=PEER[layout], layout=layout, bf16=True, compile=True))
         for job in jobs:
             job["shape"] = shape
         results = common.run_rounds(__file__, jobs, args.rounds or shape["rounds"], "tokens_per_s")
@@ -286,7 +290,7 @@ def main() -> None:
                     kept_peer = peers[(job["layout"], True, False, False)]["tokens_per_s"]
                     row["ratio_keep"] = common.ratio(r["tokens_per_s"], kept_peer)
                 if job.get("compile"):
-                    compiled_peer = peers[(job["layout"], False, False, True)]
+                    compiled_peer = peers[(job["layout"], False, bf16, True)]
                     row["ratio_compiled"] = common.ratio(
                         r["tokens_per_s"], compiled_peer["tokens_per_s"]
                     )
