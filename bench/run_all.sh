@@ -15,7 +15,7 @@ OUT=${1:-bench/results-$(date +%F).txt}
 export OMP_NUM_THREADS=2
 {
   echo "## train_step";       "$PY" bench/train_step.py --malloc-keep --bf16
-  echo; echo "## train_step, compiled"; "$PY" bench/train_step.py --sizes baby --compile
+  echo; echo "## train_step, compiled"; "$PY" bench/train_step.py --sizes baby --compile --bf16
   echo; echo "## adamw";      "$PY" bench/adamw.py
   echo; echo "## generate";   "$PY" bench/generate.py --rounds 2
   echo; echo "## prepare";    "$PY" bench/prepare.py
