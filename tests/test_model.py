@@ -278,7 +278,7 @@ def test_dynamic_shapes_compile_the_whole_forward_in_one_graph():
 
 def test_torch_compile_traces_the_spelled_out_forms_on_the_cpu():
     """What the graph torch.compile hands its backend holds (dynamo only, no code generation):
-    no GELU or SDPA call at T = 16, both at a longer context."""
+    the sigmoid form of the GELU at any T; no SDPA call at T = 16, SDPA beyond the bound."""
     torch._dynamo.reset()
     targets = []
 
