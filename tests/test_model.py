@@ -294,3 +294,12 @@ def test_torch_compile_traces_the_spelled_out_forms_on_the_cpu():
         ops = " ".join(targets)
         assert ("gelu" in ops, "scaled_dot_product_attention" in ops) == (False, T > 16), ops
         assert "sigmoid" in ops
+
+
+def test_an_export_keeps_the_aten_kernels():
+    """torch.export traces with dynamo too, but an exported graph is for other runtimes: no
+    CPU-inductor rewriting there (and no T bound to constrain an exported dynamic T)."""
+    model = GPT(GPTConfig(vocab_size=50, context_length=16, n_layer=1, n_head=2, n_embd=16))
+    exported = torch.export.export(model.eval(), (torch.randint(0, 50, (2, 16)),))
+    ops = " ".join(str(node.target) for node in exported.graph.nodes)
+    assert "gelu" in ops and "scaled_dot_product_attention" in ops and "sigmoid" not in ops
