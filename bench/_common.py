@@ -140,6 +140,19 @@ def _children_cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def others_cores_meter(own_cpu_seconds: Callable[[], float]) -> Callable[[], float]:
+    """Start measuring; the function returned gives the mean number of cores that *other*
+    processes kept busy since (machine busy time minus ``own_cpu_seconds``' growth, over the wall
+    time), never below 0."""
+    t0, b0, c0 = time.perf_counter(), _busy_seconds(), own_cpu_seconds()
+
+    def others_cores() -> float:
+        wall = time.perf_counter() - t0
+        return max(0.0, ((_busy_seconds() - b0) - (own_cpu_seconds() - c0)) / wall)
+
+    return others_cores
+
+
 def wait_for_quiet(max_wait: float | None = None, busy_cores: float = 0.25) -> float:
     """Wait (up to ``max_wait`` s, env BENCH_MAX_WAIT, default 120) until other processes use
     less than ``busy_cores`` cores over a 1 s window; returns the last window's busy cores."""
@@ -169,7 +182,7 @@ def run_worker(script: str | Path, job: dict, timeout: float = 900) -> dict:
         PYTHONWARNINGS="ignore",
         **job.get("env", {}),
     )
-    t0, b0, c0 = time.perf_counter(), _busy_seconds(), _children_cpu_seconds()
+    others_cores = others_cores_meter(_children_cpu_seconds)
     proc = subprocess.run(
         [sys.executable, str(script), "--worker", json.dumps(job)],
         capture_output=True,
@@ -178,12 +191,11 @@ def run_worker(script: str | Path, job: dict, timeout: float = 900) -> dict:
         env=env,
         cwd=REPO,
     )
-    wall = time.perf_counter() - t0
-    others = (_busy_seconds() - b0) - (_children_cpu_seconds() - c0)
+    others = others_cores()
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
             result = json.loads(line[len(RESULT_PREFIX) :])
-            result["others_cores"] = max(0.0, others / wall)
+            result["others_cores"] = others
             return result
     raise RuntimeError(f"worker {job} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 

@@ -60,17 +60,14 @@ def main() -> None:
 
     times = {name: [] for name in names}
     common.wait_for_quiet()
-    busy0 = common._busy_seconds()
-    wall0 = time.perf_counter()
-    own0 = time.process_time()
+    others_cores = common.others_cores_meter(time.process_time)
     for r in range(args.rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:  # a different implementation goes first each round
             t0 = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - t0)
-    wall = time.perf_counter() - wall0
-    others = (common._busy_seconds() - busy0 - (time.process_time() - own0)) / wall
+    others = others_cores()
 
     tokens = shape["batch"] * shape["context"]
     rows = []
@@ -78,12 +75,9 @@ def main() -> None:
         ms = statistics.median(times[name]) * 1e3
         row = dict(impl=name, ms=ms, tokens_per_s=tokens / ms * 1e3)
         if name.startswith("gptkiln"):
-            for vs in (peer, f"{peer} (compiled)"):
+            for key, vs in (("vs_eager", peer), ("vs_compiled", f"{peer} (compiled)")):
                 if vs in times:
-                    per_round = [a / b for a, b in zip(times[vs], times[name])]
-                    row["vs_" + ("compiled" if "compiled" in vs else "eager")] = statistics.median(
-                        per_round
-                    )
+                    row[key] = statistics.median(a / b for a, b in zip(times[vs], times[name]))
         rows.append(row)
     print()
     common.print_table(
@@ -99,7 +93,7 @@ def main() -> None:
     print(
         f"\n# {args.size}, {args.layout} layout, {args.rounds} rounds of one step each, in one "
         f"process; paired ratio = median over rounds of (the peer's step time / gptkiln's). "
-        f"Others' cores while timing: {max(others, 0.0):.2f}; load average at start "
+        f"Others' cores while timing: {others:.2f}; load average at start "
         f"{info['loadavg_1m']:.2f}, now {common.machine()['loadavg_1m']:.2f}"
     )
 
