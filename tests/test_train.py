@@ -82,6 +82,40 @@ def test_tokens_per_second_is_the_tokens_of_a_step_over_its_time(
     assert [r["tokens_per_s"] for r in rows] == [2 * 4 * 32] * 2  # batch 4 x context 32 / 0.5 s
 
 
+def test_compile_says_so_and_keeps_its_first_step_out_of_tokens_per_second(
+    verdict_path, tmp_path, monkeypatch, capsys
+):
+    """--compile: the trainer runs the model under torch.compile (dynamo's eager backend here,
+    no code generation), says the first step compiles and what it took, and the reported speed
+    is that of the steps after it (a clock moving 10 s during the first step, 0.5 s after)."""
+    import gptkiln.train
+
+    clock = [0.0]
+    compiled_calls = []
+    real_compile = torch.compile
+
+    def fake_compile(model):
+        graph = real_compile(model, backend="eager")
+
+        def forward(*args, **kwargs):
+            compiled_calls.append(1)
+            clock[0] += 10.0 if len(compiled_calls) == 1 else 0.5
+            return graph(*args, **kwargs)
+
+        return forward
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(gptkiln.train, "now", lambda: clock[0])
+    train(tiny_config(verdict_path, tmp_path / "run", max_steps=4, eval_interval=2, compile=True))
+    assert len(compiled_calls) == 4  # every training step went through the compiled model
+    out = capsys.readouterr().out
+    assert "compiling the model with torch.compile" in out
+    assert "compiled: the first step took 10.0 s" in out
+    rows = read_metrics(tmp_path / "run" / "metrics.csv")
+    # step 2: the second step's speed alone; an average seeded with the first would be ~1/11 of it
+    assert [r["tokens_per_s"] for r in rows] == [2 * 4 * 32] * 2
+
+
 def test_batches_are_disjoint_across_ranks_and_equal_one_big_batch():
     from gptkiln.distributed import World
 

@@ -447,6 +447,12 @@ class Trainer:
         cfg, total = self.cfg, self.batches.total_steps
         train_loss = val_loss = None
         tokens_per_s = 0.0
+        compiling = cfg.compile and self.step < total  # torch.compile works in the first step
+        if compiling and self.world.is_main:
+            bar.write(
+                "compiling the model with torch.compile: the first step takes longer (tens of "
+                "seconds; torch caches the compiled code, so later runs start sooner)"
+            )
         while self.step < total:
             dist_utils.fail_for_test(self.step, self.world)
             t0 = now()
@@ -454,11 +460,14 @@ class Trainer:
             self.step += 1
             self.tokens += self.tokens_per_step
             dt = now() - t0
-            tokens_per_s = (
-                self.tokens_per_step / dt
-                if tokens_per_s == 0
-                else 0.9 * tokens_per_s + 0.1 * self.tokens_per_step / dt
-            )
+            if compiling:  # the compile time is no step's speed: keep it out of tokens/s
+                compiling = False
+                if self.world.is_main:
+                    bar.write(f"compiled: the first step took {dt:.1f} s")
+            elif tokens_per_s == 0:
+                tokens_per_s = self.tokens_per_step / dt
+            else:
+                tokens_per_s = 0.9 * tokens_per_s + 0.1 * self.tokens_per_step / dt
             bar.update(1)
             if self.cfg.progress and self.world.distributed:  # the whole batch's, not rank 0's
                 shown = dist_utils.all_reduce_mean(torch.tensor(loss), self.world).item()
