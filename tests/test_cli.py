@@ -499,3 +499,54 @@ def test_run_directory_config_records_model_train_and_tokenizer(run_dir):
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["model"]["n_layer"] == 2 and cfg["train"]["max_steps"] == 6
     assert cfg["tokenizer"] == "char"
+
+
+def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
+    verdict_path, tmp_path, capsys
+):
+    """Prepared data fixed its tokenizer and split: a --tokenizer or --val-fraction (flag or
+    recipe) that disagrees would be silently ignored, so it is one line and exit 2, and no run
+    directory is made; settings that agree (or none) train."""
+    from gptkiln.data.prepare import prepare
+
+    char = tmp_path / "char"
+    bpe = tmp_path / "bpe"
+    prepare(verdict_path, char, "char", progress=False)
+    prepare(verdict_path, bpe, "bpe:300", val_fraction=0.2, progress=False)
+    run = tmp_path / "run"
+    short = ["--model", "tiny", "--max-steps", "2", "--no-progress", "--out", run]
+    refused = [
+        (["--data", char, "--tokenizer", "gpt2"], ["--tokenizer gpt2:", "char tokenizer", "drop"]),
+        (
+            ["--data", char, "--config", "mini-shakespeare"],
+            ["--config mini-shakespeare sets tokenizer: gpt2", "pass --tokenizer char"],
+        ),
+        (["--data", char, "--val-fraction", "0.2"], ["val_fraction 0.1", "--val-fraction 0.2"]),
+        (["--data", bpe, "--tokenizer", "bpe:400"], ["bpe:300 tokenizer", "--tokenizer bpe:400"]),
+        (
+            ["--data", bpe, "--config", "book-verdict", "--tokenizer", "bpe"],
+            ["sets val_fraction: 0.1", "val_fraction 0.2", "pass --val-fraction 0.2"],
+        ),
+    ]
+    for flags, needles in refused:
+        code, _, err = cli("train", *flags, *short, capsys=capsys)
+        assert_one_line_error(code, err, *needles)
+        assert not run.exists()
+    for flags in (
+        ["--data", char],
+        ["--data", char, "--tokenizer", "char", "--val-fraction", "0.1"],
+        ["--data", bpe, "--tokenizer", "bpe:300"],
+        [
+            "--data",
+            bpe,
+            "--config",
+            "shakespeare-char",
+            "--tokenizer",
+            "bpe",
+            "--val-fraction",
+            "0.2",
+        ],
+    ):
+        code, out, err = cli("train", *flags, *short, "--overwrite", capsys=capsys)
+        assert code in (0, None), err
+        assert "done: 2 steps" in out

@@ -111,8 +111,61 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_dict(values)
 
 
+def where_given(args: argparse.Namespace) -> dict[str, str]:
+    """The `TrainConfig` settings a person chose, each with where: ``"flag"`` or ``"recipe"``."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = dict.fromkeys(load_recipe(args.config), "recipe") if args.config else {}
+    given.update({k: "flag" for k in vars(args) if k in names})
+    return given
+
+
+def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: str | None):
+    """Prepared data has its tokenizer and its split already, so a ``--tokenizer`` or
+    ``--val-fraction`` (flag or recipe) that disagrees with them would be ignored: refuse it."""
+    import json
+
+    from gptkiln.data.prepare import is_prepared
+    from gptkiln.tokenizers import parse_tokenizer_spec
+
+    if not is_prepared(cfg.data):
+        return
+    try:
+        meta = json.loads((Path(cfg.data) / "meta.json").read_text(encoding="utf-8"))
+        made, fraction = str(meta["tokenizer"]), float(meta["val_fraction"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # loading the data names what is wrong with it
+    if "tokenizer" in given:
+        kind, size = parse_tokenizer_spec(cfg.tokenizer)
+        if made == "bpe":  # as "bpe:N"
+            made = f"bpe:{meta.get('vocab_size')}"
+        if kind != made.partition(":")[0] or (":" in cfg.tokenizer and f"bpe:{size}" != made):
+            what = f"{cfg.data} was prepared with the {made} tokenizer"
+            where = given["tokenizer"]
+            raise GptkilnError(_disagreement(where, recipe, "tokenizer", cfg.tokenizer, made, what))
+    if "val_fraction" in given and cfg.val_fraction != fraction:
+        asked, has = f"{cfg.val_fraction:g}", f"{fraction:g}"
+        what = f"{cfg.data} was split with val_fraction {has}"
+        where = given["val_fraction"]
+        raise GptkilnError(_disagreement(where, recipe, "val_fraction", asked, has, what))
+
+
+def _disagreement(where, recipe, name: str, asked: str, has: str, data_was: str) -> str:
+    """One line: who asked for what, what the data is, and the two ways on."""
+    flag = "--" + name.replace("_", "-")
+    again = f"or prepare the text again with {flag} {asked} (gptkiln prepare)"
+    if where == "recipe":
+        return (
+            f"--config {recipe} sets {name}: {asked}, but --data {data_was}; pass "
+            f"{flag} {has} to use the recipe with this data, {again}"
+        )
+    return (
+        f"{flag} {asked}: --data {data_was} already; drop {flag} to train on it as it is, {again}"
+    )
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     cfg = train_config_from_args(args)
+    check_prepared_data_agrees(cfg, where_given(args), args.config)
     if args.nproc is not None:
         _check_before_launch(cfg, args)
         return launch_torchrun(args.nproc)
