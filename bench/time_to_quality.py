@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -95,7 +96,9 @@ def run(target: float, extra: list[str], run_dir: Path, poll_s: float = 0.05) ->
         if reached is None and row["val_loss"] is not None and row["val_loss"] <= target:
             reached = (wall, row)
     final = rows[-1]
+    compiled = re.search(r"^compiled: the first step took ([0-9.]+) s", output, re.MULTILINE)
     return {
+        "compile_s": float(compiled.group(1)) if compiled else None,
         "wall_s": wall,
         "reached_s": reached[0] if reached else None,
         "reached_step": int(reached[1]["step"]) if reached else None,
@@ -139,6 +142,7 @@ def main() -> None:
             ("final_val", "final val"),
             ("final_step", "steps"),
             ("wall_s", "total wall s"),
+            *([("compile_s", "first step (compiling), s")] if r["compile_s"] is not None else []),
         ],
     )
     verdict = "MET" if r["reached_s"] is not None and r["reached_s"] <= 60 else "MISSED"
