@@ -96,7 +96,7 @@ def run(target: float, extra: list[str], run_dir: Path, poll_s: float = 0.05) ->
         if reached is None and row["val_loss"] is not None and row["val_loss"] <= target:
             reached = (wall, row)
     final = rows[-1]
-    compiled = re.search(r"^compiled: the first step took ([0-9.]+) s", output, re.MULTILINE)
+    compiled = re.search(r"compiled: step \d+ took ([0-9.]+) s", output)
     return {
         "compile_s": float(compiled.group(1)) if compiled else None,
         "wall_s": wall,
@@ -129,7 +129,8 @@ def main() -> None:
     print("|------|----------|-------------------------|")
     for row in r["rows"]:
         val = "-" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
-        print(f"| {int(row['step'])} | {val} | {row['tokens_per_s']:,.0f} |")
+        speed = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}"
+        print(f"| {int(row['step'])} | {val} | {speed} |")
     print()
     losses = {k: None if r[k] is None else f"{r[k]:.4f}" for k in ("reached_val", "final_val")}
     common.print_table(

@@ -1,6 +1,7 @@
 """Training end to end: learning, metrics, plots, checkpoints, exact resume after a real kill."""
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -86,8 +87,9 @@ def test_compile_says_so_and_keeps_its_first_step_out_of_tokens_per_second(
     verdict_path, tmp_path, monkeypatch, capsys
 ):
     """--compile: the trainer runs the model under torch.compile (dynamo's eager backend here,
-    no code generation), says the first step compiles and what it took, and the reported speed
-    is that of the steps after it (a clock moving 10 s during the first step, 0.5 s after)."""
+    no code generation), says which step compiles and what it took, and the reported speed is
+    that of the steps after it (a clock moving 10 s during the compiling step, 0.5 s after):
+    at the compiling step itself nothing was timed, so its row leaves tokens/s empty."""
     import gptkiln.train
 
     clock = [0.0]
@@ -98,22 +100,31 @@ def test_compile_says_so_and_keeps_its_first_step_out_of_tokens_per_second(
         graph = real_compile(model, backend="eager")
 
         def forward(*args, **kwargs):
-            compiled_calls.append(1)
-            clock[0] += 10.0 if len(compiled_calls) == 1 else 0.5
+            compiled_calls.append(1)  # each process compiles afresh: its first call is slow
+            clock[0] += 10.0 if len(compiled_calls) in (1, 5) else 0.5
             return graph(*args, **kwargs)
 
         return forward
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     monkeypatch.setattr(gptkiln.train, "now", lambda: clock[0])
-    train(tiny_config(verdict_path, tmp_path / "run", max_steps=4, eval_interval=2, compile=True))
+    cfg = tiny_config(verdict_path, tmp_path / "run", max_steps=4, eval_interval=1, compile=True)
+    train(cfg)
     assert len(compiled_calls) == 4  # every training step went through the compiled model
     out = capsys.readouterr().out
-    assert "compiling the model with torch.compile" in out
-    assert "compiled: the first step took 10.0 s" in out
+    assert "compiling the model with torch.compile: step 1 takes longer" in out
+    assert "compiled: step 1 took 10.0 s" in out
+    step_lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert "tok/s" not in step_lines[0] and step_lines[1].endswith("| 256 tok/s")
     rows = read_metrics(tmp_path / "run" / "metrics.csv")
     # step 2: the second step's speed alone; an average seeded with the first would be ~1/11 of it
-    assert [r["tokens_per_s"] for r in rows] == [2 * 4 * 32] * 2
+    assert [r["tokens_per_s"] for r in rows] == [None] + [2 * 4 * 32] * 3
+    # a resumed run compiles again in its new process: its first step is the one it names
+    train(dataclasses.replace(cfg, max_steps=6), resume=True)
+    out = capsys.readouterr().out
+    assert "step 5 takes longer" in out and "compiled: step 5 took 10.0 s" in out
+    rows = read_metrics(tmp_path / "run" / "metrics.csv")
+    assert [r["tokens_per_s"] for r in rows] == [None] + [256.0] * 3 + [None, 256.0]
 
 
 def test_batches_are_disjoint_across_ranks_and_equal_one_big_batch():

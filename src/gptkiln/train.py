@@ -446,12 +446,12 @@ class Trainer:
         """Optimizer steps until the last; evaluates, samples and saves at their intervals."""
         cfg, total = self.cfg, self.batches.total_steps
         train_loss = val_loss = None
-        tokens_per_s = 0.0
-        compiling = cfg.compile and self.step < total  # torch.compile works in the first step
+        tokens_per_s = None  # no step timed yet
+        compiling = cfg.compile and self.step < total  # torch.compile works in the next step
         if compiling and self.world.is_main:
             bar.write(
-                "compiling the model with torch.compile: the first step takes longer (tens of "
-                "seconds; torch caches the compiled code, so later runs start sooner)"
+                f"compiling the model with torch.compile: step {self.step + 1} takes longer (tens "
+                "of seconds; torch caches the compiled code, so later runs start sooner)"
             )
         while self.step < total:
             dist_utils.fail_for_test(self.step, self.world)
@@ -463,8 +463,8 @@ class Trainer:
             if compiling:  # the compile time is no step's speed: keep it out of tokens/s
                 compiling = False
                 if self.world.is_main:
-                    bar.write(f"compiled: the first step took {dt:.1f} s")
-            elif tokens_per_s == 0:
+                    bar.write(f"compiled: step {self.step} took {dt:.1f} s")
+            elif tokens_per_s is None:
                 tokens_per_s = self.tokens_per_step / dt
             else:
                 tokens_per_s = 0.9 * tokens_per_s + 0.1 * self.tokens_per_step / dt
@@ -473,7 +473,8 @@ class Trainer:
                 shown = dist_utils.all_reduce_mean(torch.tensor(loss), self.world).item()
             else:
                 shown = loss
-            bar.set_postfix(loss=f"{shown:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            speed = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
+            bar.set_postfix(loss=f"{shown:.3f}", tok_s=speed, refresh=False)
             last = self.step == total
             if self.step % cfg.eval_interval == 0 or last:
                 train_loss, val_loss = self.log_eval(loss, lr, tokens_per_s, bar)
@@ -554,7 +555,7 @@ class Trainer:
         return lr, loss_sum.item() / cfg.grad_accum
 
     # -- watching it learn -------------------------------------------------------------------
-    def log_eval(self, batch_loss: float, lr: float, tokens_per_s: float, bar):
+    def log_eval(self, batch_loss: float, lr: float, tokens_per_s: float | None, bar):
         """Loss (and perplexity) on the fixed validation and training batches; one CSV row."""
         val = (
             evaluate(self.model, self.val_batches, self.device, self.world, self.autocast)
@@ -573,7 +574,9 @@ class Trainer:
             "train_loss": train if train is not None else mean_batch,
             "val_loss": val,
             "lr": lr,
-            "tokens_per_s": tokens_per_s,  # tokens_per_step already counts every rank
+            # tokens_per_step already counts every rank; None (an empty cell) until a step is
+            # timed: under --compile the first step is compiling, no measure of speed
+            "tokens_per_s": tokens_per_s,
         }
         self.history.append(row)
         if self.world.is_main:
@@ -581,7 +584,7 @@ class Trainer:
             val_text = f" | val {val:.3f} (ppl {math.exp(min(val, 50)):.1f})" if val else ""
             bar.write(
                 f"step {self.step:>6} | train {row['train_loss']:.3f}{val_text} "
-                f"| lr {lr:.2e} | {row['tokens_per_s']:,.0f} tok/s"
+                f"| lr {lr:.2e}" + ("" if tokens_per_s is None else f" | {tokens_per_s:,.0f} tok/s")
             )
         return row["train_loss"], val
 
