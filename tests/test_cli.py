@@ -504,49 +504,53 @@ def test_run_directory_config_records_model_train_and_tokenizer(run_dir):
 def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
     verdict_path, tmp_path, capsys
 ):
-    """Prepared data fixed its tokenizer and split: a --tokenizer or --val-fraction (flag or
-    recipe) that disagrees would be silently ignored, so it is one line and exit 2, and no run
-    directory is made; settings that agree (or none) train."""
+    """Prepared data fixed its tokenizer and split: a --tokenizer or --val-fraction flag that
+    disagrees would be silently ignored, so it is one line and exit 2 (naming both when both
+    disagree), and no run directory is made; a recipe's disagreeing setting is a note; settings
+    that agree (or none) train."""
     from gptkiln.data.prepare import prepare
 
-    char = tmp_path / "char"
-    bpe = tmp_path / "bpe"
+    char, bpe, big = tmp_path / "char", tmp_path / "bpe", tmp_path / "bpe-8000"
     prepare(verdict_path, char, "char", progress=False)
     prepare(verdict_path, bpe, "bpe:300", val_fraction=0.2, progress=False)
+    meta = prepare(verdict_path, big, "bpe:8000", progress=False)
+    assert meta["vocab_size"] < 8000  # a small corpus: fewer ids than asked for
     run = tmp_path / "run"
     short = ["--model", "tiny", "--max-steps", "2", "--no-progress", "--out", run]
     refused = [
-        (["--data", char, "--tokenizer", "gpt2"], ["--tokenizer gpt2:", "char tokenizer", "drop"]),
+        (["--data", char, "--tokenizer", "gpt2"], ["--tokenizer gpt2:", "the char tokenizer"]),
+        (["--data", char, "--val-fraction", "0.2"], ["val_fraction 0.1", "drop --val-fraction"]),
+        (["--data", bpe, "--tokenizer", "bpe:400"], ["a BPE tokenizer of 300 ids"]),
         (
-            ["--data", char, "--config", "mini-shakespeare"],
-            ["--config mini-shakespeare sets tokenizer: gpt2", "pass --tokenizer char"],
-        ),
-        (["--data", char, "--val-fraction", "0.2"], ["val_fraction 0.1", "--val-fraction 0.2"]),
-        (["--data", bpe, "--tokenizer", "bpe:400"], ["bpe:300 tokenizer", "--tokenizer bpe:400"]),
-        (
-            ["--data", bpe, "--config", "book-verdict", "--tokenizer", "bpe"],
-            ["sets val_fraction: 0.1", "val_fraction 0.2", "pass --val-fraction 0.2"],
+            ["--data", char, "--tokenizer", "bpe", "--val-fraction", "0.3"],
+            [
+                "the char tokenizer and split with val_fraction 0.1",
+                "--tokenizer bpe --val-fraction 0.3",
+            ],
         ),
     ]
     for flags, needles in refused:
         code, _, err = cli("train", *flags, *short, capsys=capsys)
-        assert_one_line_error(code, err, *needles)
+        assert_one_line_error(code, err, *needles, "gptkiln prepare", str(verdict_path))
         assert not run.exists()
-    for flags in (
+    agreeing = [
         ["--data", char],
         ["--data", char, "--tokenizer", "char", "--val-fraction", "0.1"],
-        ["--data", bpe, "--tokenizer", "bpe:300"],
-        [
-            "--data",
-            bpe,
-            "--config",
-            "shakespeare-char",
-            "--tokenizer",
-            "bpe",
-            "--val-fraction",
-            "0.2",
-        ],
-    ):
+        ["--data", bpe, "--tokenizer", "bpe:300", "--val-fraction", "0.2"],
+        ["--data", bpe, "--tokenizer", "bpe"],
+        ["--data", big, "--tokenizer", "bpe:8000"],  # as prepared, though it holds fewer ids
+        ["--data", big, "--tokenizer", f"bpe:{meta['vocab_size']}"],
+    ]
+    notes = [
+        (["--data", char, "--config", "mini-shakespeare"], "sets tokenizer: gpt2"),
+        (["--data", bpe, "--config", "book-verdict"], "sets val_fraction: 0.1"),
+    ]
+    for flags, note in [(f, None) for f in agreeing] + notes:
         code, out, err = cli("train", *flags, *short, "--overwrite", capsys=capsys)
         assert code in (0, None), err
         assert "done: 2 steps" in out
+        if note:
+            assert f"note: --config {flags[3]} {note}" in err, err
+            assert "which training keeps" in err
+        else:
+            assert "note:" not in err, err

@@ -120,9 +120,13 @@ def where_given(args: argparse.Namespace) -> dict[str, str]:
 
 
 def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: str | None):
-    """Prepared data has its tokenizer and its split already, so a ``--tokenizer`` or
-    ``--val-fraction`` (flag or recipe) that disagrees with them would be ignored: refuse it."""
+    """Prepared data has its tokenizer and its split already, and training keeps them. A
+    ``--tokenizer`` or ``--val-fraction`` flag that contradicts them would be ignored, so it is
+    refused; a recipe's (made for preparing raw text) gets a note on stderr. ``bpe`` alone
+    agrees with a BPE of any size; ``bpe:N`` with one prepared as ``bpe:N`` (a small corpus can
+    give fewer ids than N) or of N ids."""
     import json
+    import math
 
     from gptkiln.data.prepare import is_prepared
     from gptkiln.tokenizers import parse_tokenizer_spec
@@ -131,36 +135,51 @@ def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: 
         return
     try:
         meta = json.loads((Path(cfg.data) / "meta.json").read_text(encoding="utf-8"))
-        made, fraction = str(meta["tokenizer"]), float(meta["val_fraction"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return  # loading the data names what is wrong with it
-    if "tokenizer" in given:
+    if not isinstance(meta, dict):
+        return
+    clashes = []  # (setting, what was asked, what the data has)
+    made, spec = meta.get("tokenizer"), meta.get("tokenizer_spec")
+    if "tokenizer" in given and isinstance(made, str):
         kind, size = parse_tokenizer_spec(cfg.tokenizer)
-        if made == "bpe":  # as "bpe:N"
-            made = f"bpe:{meta.get('vocab_size')}"
-        if kind != made.partition(":")[0] or (":" in cfg.tokenizer and f"bpe:{size}" != made):
-            what = f"{cfg.data} was prepared with the {made} tokenizer"
-            where = given["tokenizer"]
-            raise GptkilnError(_disagreement(where, recipe, "tokenizer", cfg.tokenizer, made, what))
-    if "val_fraction" in given and cfg.val_fraction != fraction:
-        asked, has = f"{cfg.val_fraction:g}", f"{fraction:g}"
-        what = f"{cfg.data} was split with val_fraction {has}"
-        where = given["val_fraction"]
-        raise GptkilnError(_disagreement(where, recipe, "val_fraction", asked, has, what))
+        if made == "bpe":
+            sizes = {meta.get("vocab_size")}
+            try:
+                sizes.add(parse_tokenizer_spec(spec)[1])  # the N asked for when prepared
+            except GptkilnError:  # prepared with a run's tokenizer: the spec is its folder
+                pass
+            agrees = kind == "bpe" and (":" not in cfg.tokenizer or size in sizes)
+            made = f"a BPE tokenizer of {meta.get('vocab_size')} ids"
+        else:
+            agrees = kind == made
+            made = f"the {made} tokenizer"
+        if not agrees:
+            clashes.append(("tokenizer", cfg.tokenizer, f"prepared with {made}"))
+    fraction = meta.get("val_fraction")
+    if "val_fraction" in given and isinstance(fraction, (int, float)):
+        if not math.isclose(cfg.val_fraction, fraction, rel_tol=1e-9):
+            has = f"split with val_fraction {fraction}"
+            clashes.append(("val_fraction", str(cfg.val_fraction), has))
+    flags = [c for c in clashes if given[c[0]] == "flag"]
+    for name, asked, has in clashes:
+        if given[name] == "recipe" and not flags and os.environ.get("RANK", "0") == "0":
+            print(
+                f"note: --config {recipe} sets {name}: {asked}, but --data {cfg.data} was {has}, "
+                "which training keeps",
+                file=sys.stderr,
+            )
+    if flags:
+        names = " and ".join("--" + name.replace("_", "-") for name, _, _ in flags)
+        asked = " ".join(f"--{name.replace('_', '-')} {value}" for name, value, _ in flags)
+        import shlex
 
-
-def _disagreement(where, recipe, name: str, asked: str, has: str, data_was: str) -> str:
-    """One line: who asked for what, what the data is, and the two ways on."""
-    flag = "--" + name.replace("_", "-")
-    again = f"or prepare the text again with {flag} {asked} (gptkiln prepare)"
-    if where == "recipe":
-        return (
-            f"--config {recipe} sets {name}: {asked}, but --data {data_was}; pass "
-            f"{flag} {has} to use the recipe with this data, {again}"
+        source = shlex.quote(str(meta["source"])) if meta.get("source") else "TEXT"
+        raise GptkilnError(
+            f"{asked}: --data {cfg.data} was {' and '.join(has for _, _, has in flags)}, which "
+            f"training keeps; drop {names} to train on it as it is, or prepare the text again: "
+            f"gptkiln prepare {source} {asked} --out NEW_DIR"
         )
-    return (
-        f"{flag} {asked}: --data {data_was} already; drop {flag} to train on it as it is, {again}"
-    )
 
 
 def cmd_train(args: argparse.Namespace) -> None:
