@@ -103,20 +103,22 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the recipe (--config), then the flags given on the command line."""
+    return _chosen_config(args)[0]
+
+
+def _chosen_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]:
+    """The `TrainConfig` of `train_config_from_args`, and where each setting a person chose came
+    from: ``"recipe"`` or ``"flag"`` (a flag overrides the recipe)."""
     values: dict[str, Any] = {}
+    given: dict[str, str] = {}
     if getattr(args, "config", None):
         values.update(load_recipe(args.config))
+        given.update(dict.fromkeys(values, "recipe"))
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    values.update({k: v for k, v in vars(args).items() if k in names})
-    return TrainConfig.from_dict(values)
-
-
-def where_given(args: argparse.Namespace) -> dict[str, str]:
-    """The `TrainConfig` settings a person chose, each with where: ``"flag"`` or ``"recipe"``."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    given = dict.fromkeys(load_recipe(args.config), "recipe") if args.config else {}
-    given.update({k: "flag" for k in vars(args) if k in names})
-    return given
+    flags = {k: v for k, v in vars(args).items() if k in names}
+    values.update(flags)
+    given.update(dict.fromkeys(flags, "flag"))
+    return TrainConfig.from_dict(values), given
 
 
 def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: str | None):
@@ -125,19 +127,14 @@ def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: 
     refused; a recipe's (made for preparing raw text) gets a note on stderr. ``bpe`` alone
     agrees with a BPE of any size; ``bpe:N`` with one prepared as ``bpe:N`` (a small corpus can
     give fewer ids than N) or of N ids."""
-    import json
     import math
+    import shlex
 
-    from gptkiln.data.prepare import is_prepared
+    from gptkiln.data.prepare import is_prepared, read_meta
     from gptkiln.tokenizers import parse_tokenizer_spec
 
-    if not is_prepared(cfg.data):
-        return
-    try:
-        meta = json.loads((Path(cfg.data) / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # loading the data names what is wrong with it
-    if not isinstance(meta, dict):
+    meta = read_meta(cfg.data) if is_prepared(cfg.data) else None
+    if meta is None:  # text to prepare, or damaged data: loading it names what is wrong
         return
     clashes = []  # (setting, what was asked, what the data has)
     made, spec = meta.get("tokenizer"), meta.get("tokenizer_spec")
@@ -172,8 +169,6 @@ def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: 
     if flags:
         names = " and ".join("--" + name.replace("_", "-") for name, _, _ in flags)
         asked = " ".join(f"--{name.replace('_', '-')} {value}" for name, value, _ in flags)
-        import shlex
-
         source = shlex.quote(str(meta["source"])) if meta.get("source") else "TEXT"
         raise GptkilnError(
             f"{asked}: --data {cfg.data} was {' and '.join(has for _, _, has in flags)}, which "
@@ -183,8 +178,8 @@ def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: 
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    cfg = train_config_from_args(args)
-    check_prepared_data_agrees(cfg, where_given(args), args.config)
+    cfg, given = _chosen_config(args)
+    check_prepared_data_agrees(cfg, given, args.config)
     if args.nproc is not None:
         _check_before_launch(cfg, args)
         return launch_torchrun(args.nproc)

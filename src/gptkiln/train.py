@@ -737,19 +737,12 @@ def _gather_rng(world: dist_utils.World, get_state) -> list[torch.Tensor]:
 def _prepared_matches(data_dir: Path, source, tokenizer: str, val_fraction: float) -> bool:
     """Whether data_dir already holds this source prepared the same way (so it is reused): the
     same source (files with the same contents), tokenizer spec (``bpe:N`` with its N) and split."""
-    import json
-
-    meta_path = data_dir / "meta.json"
-    if not meta_path.is_file():
-        return False
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):  # damaged: prepare it again
-        return False
+    from gptkiln.data.prepare import read_meta
     from gptkiln.data.sources import DEFAULT_SOURCE, source_checksums
 
+    meta = read_meta(data_dir)  # None when missing or damaged: prepare it again
     return (
-        isinstance(meta, dict)
+        meta is not None
         and meta.get("source") == (DEFAULT_SOURCE if source is None else str(source))
         and meta.get("tokenizer_spec") == tokenizer
         and meta.get("val_fraction") == val_fraction

@@ -344,6 +344,16 @@ def is_prepared(path: str | os.PathLike | None) -> bool:
     return path is not None and (Path(path) / "meta.json").is_file()
 
 
+def read_meta(data_dir: str | os.PathLike) -> dict | None:
+    """The ``meta.json`` of a prepared folder as a dict, or None when it is missing or unreadable
+    (for callers that only compare; `load_prepared` says what is wrong with it)."""
+    try:
+        meta = json.loads((Path(data_dir) / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def load_prepared(data_dir: str | os.PathLike) -> PreparedData:
     """Open a folder written by :func:`prepare` (memory-mapped, so any size loads instantly)."""
     data_dir = Path(data_dir)
