@@ -134,7 +134,8 @@ def check_same_tokens(job: dict) -> None:
     import torch
 
     from gptkiln.config import GPTConfig
-    from gptkiln.interop import book_state_dict_to_gptkiln, config_to_hf, gptkiln_state_dict_to_hf
+    from gptkiln.interop import config_to_hf, gptkiln_state_dict_to_hf
+    from gptkiln.loading import book_state_dict_to_gptkiln
     from gptkiln.model import GPT
 
     book = book_model()

@@ -55,8 +55,8 @@ def measure(method: str, run_dir: str) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from gptkiln.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_model, read_config
     from gptkiln.config import GPTConfig
+    from gptkiln.loading import CONFIG_FILE, WEIGHTS_FILE, load_model, read_config
     from gptkiln.model import GPT
 
     torch.set_num_threads(4)

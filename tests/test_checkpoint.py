@@ -12,21 +12,18 @@ import torch
 from safetensors.torch import save_file
 
 from gptkiln.checkpoint import (
-    CONFIG_FILE,
     PREVIOUS_STATE_FILE,
     TRAINER_STATE_FILE,
-    WEIGHTS_FILE,
     atomic_write,
     check_run_dir_for_training,
     check_same_model_config,
-    load_model,
-    load_run,
     read_checkpoint,
     save_model,
     write_checkpoint,
 )
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
+from gptkiln.loading import CONFIG_FILE, WEIGHTS_FILE, load_model, load_run
 from gptkiln.model import GPT
 
 

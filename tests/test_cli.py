@@ -382,10 +382,10 @@ def test_bad_generate_flags(flags, needle, run_dir, capsys):
 
 
 def test_prepare_knows_the_names_of_a_models_files():
-    from gptkiln import checkpoint
+    from gptkiln import checkpoint, loading
     from gptkiln.data.prepare import _MODEL_FILES
 
-    names = {checkpoint.WEIGHTS_FILE, checkpoint.TRAINER_STATE_FILE, checkpoint.PREVIOUS_STATE_FILE}
+    names = {loading.WEIGHTS_FILE, checkpoint.TRAINER_STATE_FILE, checkpoint.PREVIOUS_STATE_FILE}
     assert set(_MODEL_FILES) == names
 
 

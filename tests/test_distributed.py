@@ -27,8 +27,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gptkiln.checkpoint import load_model, read_checkpoint
+from gptkiln.checkpoint import read_checkpoint
 from gptkiln.config import TrainConfig
+from gptkiln.loading import load_model
 from gptkiln.train import read_metrics, train
 
 THIS_FILE = Path(__file__).resolve()

@@ -50,7 +50,8 @@ def test_kv_cache_generation_on_cuda_equals_no_cache():
 
 
 def test_trainer_picks_cuda_and_trains(tmp_path):
-    from gptkiln.train import resolve_device, train
+    from gptkiln.devices import resolve_device
+    from gptkiln.train import train
 
     assert resolve_device("auto") == "cuda"
     text = tmp_path / "t.txt"

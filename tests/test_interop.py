@@ -14,19 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptkiln.checkpoint import load_model, save_model
+from gptkiln.checkpoint import save_model
 from gptkiln.config import GPTConfig
+from gptkiln.convert import download, export_hf, import_book, import_hf
 from gptkiln.errors import GptkilnError
-from gptkiln.interop import (
+from gptkiln.interop import config_to_hf, gptkiln_state_dict_to_hf
+from gptkiln.loading import (
     book_state_dict_to_gptkiln,
     config_from_hf,
-    config_to_hf,
-    download,
-    export_hf,
-    gptkiln_state_dict_to_hf,
     hf_state_dict_to_gptkiln,
-    import_book,
-    import_hf,
+    load_model,
 )
 from gptkiln.model import GPT
 from gptkiln.sampling import generate
@@ -400,7 +397,7 @@ def test_download_offline_fails_fast_without_touching_the_network(tmp_path, monk
 def test_download_imports_what_the_hub_client_returns(hf_dir, tmp_path, monkeypatch):
     import huggingface_hub
 
-    from gptkiln.checkpoint import load_run
+    from gptkiln.loading import load_run
 
     hf, path = hf_dir
     calls = []

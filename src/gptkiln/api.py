@@ -1,7 +1,7 @@
 """Library functions behind the CLI subcommands that work on a trained model: generate and eval.
 
 `prepare` is `gptkiln.data.prepare.prepare`, `train` is `gptkiln.train.train`, `convert` and
-`download` live in `gptkiln.interop`.
+`download` live in `gptkiln.convert`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def stream_text(
     A prompt longer than the model's context keeps its last ``context_length`` tokens; the
     ``on_notice`` callback (if given) is told so.
     """
-    from gptkiln.checkpoint import check_ids_fit, load_run
+    from gptkiln.loading import check_ids_fit, load_run
     from gptkiln.sampling import generate_stream
 
     cfg = cfg or SampleConfig()
@@ -96,8 +96,8 @@ def evaluate_run(
     import numpy as np
     from tqdm.auto import tqdm
 
-    from gptkiln.checkpoint import check_ids_fit, load_run
     from gptkiln.data.windows import SlidingWindowDataset
+    from gptkiln.loading import check_ids_fit, load_run
 
     if batch_size < 1:
         raise GptkilnError(f"batch_size must be >= 1, got {batch_size}")

@@ -10,9 +10,9 @@ A run directory holds::
                          read with ``torch.load(weights_only=True)``
 
 Every file is written atomically (temp file, fsync, rename, fsync of the directory), so a run
-killed mid-save keeps its previous checkpoint. Loading builds the model on the meta device and
-assigns the memory-mapped tensors of the safetensors file, so it needs about one copy of the
-weights in memory, not two.
+killed mid-save keeps its previous checkpoint. Reading a run for inference is
+`gptkiln.loading`'s job (``load_run``, ``load_model``); this module reads only what resuming
+needs (`read_checkpoint`).
 """
 
 from __future__ import annotations
@@ -27,19 +27,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
+from gptkiln.loading import (
+    CONFIG_FILE,
+    FORMAT,
+    WEIGHTS_FILE,
+    check_state_dict,
+    read_config,
+    read_safetensors,
+    run_model_config,
+    safetensors_metadata,
+)
 from gptkiln.model import GPT
 
-FORMAT = 1
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.pt"
 PREVIOUS_STATE_FILE = "trainer_state.prev.pt"  # kept only while a save is under way
-_MAX_NAMES = 6  # parameter names listed in one error line before "and N more"
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -175,7 +180,7 @@ def write_checkpoint(
         # short, that is `previous`, not `current` (rare: only then is a state file read here).
         stale = previous.is_file() and str(
             _load_trainer_state(current).get("step")
-        ) != _safetensors_metadata(weights).get("step")
+        ) != safetensors_metadata(weights).get("step")
         if not stale:
             os.replace(current, previous)
     atomic_write(current, lambda tmp: torch.save(state, tmp))
@@ -225,237 +230,6 @@ def save_tokenizer(tokenizer: Any, run_dir: Path) -> None:
         for src in sorted(Path(scratch).iterdir()):
             if src.is_file():
                 atomic_write(run_dir / src.name, lambda tmp, src=src: shutil.copyfile(src, tmp))
-
-
-# -- reading ---------------------------------------------------------------------------------
-def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """The parsed config.json of a run (or Hugging Face) directory, with readable errors."""
-    run_dir = Path(run_dir)
-    path = run_dir / CONFIG_FILE
-    if not run_dir.exists():
-        raise GptkilnError(
-            f"{run_dir} does not exist; give a run directory made by "
-            f"`gptkiln train --out DIR` or `gptkiln convert`"
-        )
-    if run_dir.is_file():
-        raise GptkilnError(
-            f"{run_dir} is a file, not a run directory; give the directory that holds "
-            f"{CONFIG_FILE} (made by `gptkiln train --out DIR` or `gptkiln convert`)"
-        )
-    if not path.is_file():
-        raise GptkilnError(
-            f"{run_dir} is not a gptkiln run directory ({CONFIG_FILE} is missing); "
-            f"make one with `gptkiln train --out {run_dir}` or `gptkiln convert`"
-        )
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GptkilnError(
-            f"{path} is not valid JSON ({e}); restore it from a copy or re-run training"
-        ) from None
-    if not isinstance(cfg, dict):
-        raise GptkilnError(f"{path} should hold a JSON object, got {type(cfg).__name__}")
-    return cfg
-
-
-def _resolve(run_dir_or_file: str | os.PathLike) -> tuple[Path, Path | None]:
-    """(run directory, weights file given explicitly or None) from a directory or a file."""
-    path = Path(run_dir_or_file)
-    if path.is_file():
-        if path.suffix == ".safetensors":
-            return path.parent, path
-        if path.name == CONFIG_FILE:
-            return path.parent, None
-        raise GptkilnError(
-            f"{path} is neither a run directory nor a .safetensors file; "
-            f"give the run directory (the one holding {CONFIG_FILE})"
-        )
-    return path, None
-
-
-def run_model_config(cfg: dict[str, Any], path: Path) -> GPTConfig:
-    """The GPTConfig recorded in a gptkiln config.json."""
-    fmt = cfg.get("format")
-    if not isinstance(cfg.get("model"), dict) or fmt is None:
-        raise GptkilnError(
-            f"{path} is not a gptkiln config (no 'format'/'model' keys); give a "
-            f"run directory from `gptkiln train` or `gptkiln convert`"
-        )
-    if not isinstance(fmt, int) or isinstance(fmt, bool):
-        raise GptkilnError(
-            f"{path} has format {fmt!r}, not a format number gptkiln writes; restore the file"
-        )
-    if fmt > FORMAT:
-        raise GptkilnError(
-            f"{path} has format {fmt!r}, newer than this gptkiln reads ({FORMAT}); upgrade gptkiln"
-        )
-    return GPTConfig.from_dict(cfg["model"])
-
-
-def load_model(
-    run_dir_or_file: str | os.PathLike,
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-) -> GPT:
-    """Rebuild the model of a run directory, or of a Hugging Face GPT-2 directory.
-
-    The model is built on the meta device (no memory, no initialisation) and the tensors of the
-    memory-mapped safetensors file are assigned to it, so loading needs about one copy of the
-    weights. A tied head is re-tied. Then it is moved to ``device`` / ``dtype``.
-
-    Args:
-        run_dir_or_file: a run directory, its config.json or a .safetensors file inside one;
-            or a Hugging Face GPT-2 directory (config.json with ``"model_type": "gpt2"``).
-        device: where the weights end up.
-        dtype: floating-point dtype for the weights; None keeps the stored one.
-
-    Returns:
-        The GPT in eval mode.
-    """
-    run_dir, weights = _resolve(run_dir_or_file)
-    cfg = read_config(run_dir)
-    if "model_type" in cfg:
-        from gptkiln.interop import load_hf
-
-        return load_hf(run_dir, device=device, dtype=dtype)
-    config = run_model_config(cfg, run_dir / CONFIG_FILE)
-    weights = weights or run_dir / WEIGHTS_FILE
-    if not weights.is_file():
-        raise GptkilnError(
-            f"{run_dir} is not a complete run directory ({weights.name} is "
-            f"missing); re-run `gptkiln train --out {run_dir}` or restore the file"
-        )
-    sd = read_safetensors(weights)
-    return build_model(config, sd, str(weights), device=device, dtype=dtype)
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Memory-map a safetensors file (tensors are read lazily, page by page)."""
-    try:
-        return load_file(path, device="cpu")
-    except (SafetensorError, OSError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise GptkilnError(
-            f"{path} is truncated or corrupt ({reason}); restore it or re-run training"
-        ) from None
-
-
-def build_model(
-    config: GPTConfig,
-    sd: dict[str, torch.Tensor],
-    source: str,
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-) -> GPT:
-    """A GPT with the weights of ``sd`` (gptkiln names), built on meta and assigned, not copied.
-
-    ``source`` names where the weights came from, for error messages.
-    """
-    check_state_dict(sd, config, source)
-    with torch.device("meta"):
-        model = GPT(config)
-    sd = dict(sd)
-    if config.tie_embeddings:
-        sd["lm_head.weight"] = sd["wte.weight"]
-    model.load_state_dict(sd, strict=True, assign=True)
-    model.tie_weights()
-    model.to(device=device, dtype=dtype)
-    return model.eval()
-
-
-def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor a checkpoint of this config stores (tied head excluded)."""
-    with torch.device("meta"):
-        model = GPT(config)
-    sd = model.state_dict()
-    if config.tie_embeddings:
-        sd.pop("lm_head.weight")
-    return {k: tuple(v.shape) for k, v in sd.items()}
-
-
-def check_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig, source: str) -> None:
-    """Raise one readable GptkilnError when ``sd``'s names or shapes do not fit ``config``."""
-    check_shapes(sd, expected_shapes(config), source)
-
-
-def check_shapes(
-    sd: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], source: str
-) -> None:
-    """Raise a GptkilnError naming missing, unexpected and wrongly shaped tensors of ``sd``."""
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
-    wrong = [
-        f"{k} {tuple(sd[k].shape)} (expected {tuple(expected[k])})"
-        for k in expected
-        if k in sd and tuple(sd[k].shape) != tuple(expected[k])
-    ]
-    problems = [
-        f"{what} {_names(items)}"
-        for what, items in (
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("wrong shape", wrong),
-        )
-        if items
-    ]
-    if problems:
-        raise GptkilnError(
-            f"{source} does not fit this model config: {'; '.join(problems)}; "
-            f"is it a checkpoint of a different model or format?"
-        )
-
-
-def _names(items: list[str]) -> str:
-    shown = ", ".join(items[:_MAX_NAMES])
-    more = len(items) - _MAX_NAMES
-    return f"{shown} and {more} more" if more > 0 else shown
-
-
-def load_run(
-    run_dir: str | os.PathLike,
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-) -> tuple[GPT, Any, dict[str, Any]]:
-    """(model, tokenizer, parsed config.json) of a run directory or a Hugging Face GPT-2 one."""
-    from gptkiln.tokenizers import load_tokenizer
-
-    run_dir = Path(run_dir)
-    cfg = read_config(run_dir)
-    model = load_model(run_dir, device=device, dtype=dtype)
-    tokenizer = load_tokenizer("gpt2" if "model_type" in cfg else str(run_dir))
-    return model, tokenizer, cfg
-
-
-def check_ids_fit(ids_max: int, model: GPT, tokenizer: Any, run_dir: str | os.PathLike) -> None:
-    """Refuse token ids the model has no embedding for (a run whose tokenizer files were
-    replaced, e.g. by a ``prepare`` into the run directory) with one line, not an IndexError."""
-    if ids_max >= model.config.vocab_size:
-        raise GptkilnError(
-            f"{run_dir}: its tokenizer ({tokenizer.kind}, {tokenizer.vocab_size:,} ids) gave id "
-            f"{ids_max:,}, beyond the model's {model.config.vocab_size:,}; the tokenizer files "
-            "do not belong to this model: restore them, or train the model again"
-        )
-
-
-def tokenizer_name(run_dir: str | os.PathLike) -> str | None:
-    """The kind of tokenizer a run uses ("gpt2", "char", "bpe"), None when it records none."""
-    run_dir = Path(run_dir)
-    cfg = read_config(run_dir)
-    if "model_type" in cfg:
-        return "gpt2"
-    name = cfg.get("tokenizer")
-    meta = run_dir / "tokenizer_meta.json"
-    if not name and meta.is_file():
-        try:
-            name = json.loads(meta.read_text(encoding="utf-8")).get("kind")
-        except (ValueError, AttributeError):
-            name = None
-    if not name:
-        name = (cfg.get("train") or {}).get("tokenizer")
-    return name if isinstance(name, str) else None
 
 
 # -- training checkpoints --------------------------------------------------------------------
@@ -545,7 +319,7 @@ def read_checkpoint(run_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
     check_state_dict(sd, config, str(weights))
     if config.tie_embeddings:
         sd["lm_head.weight"] = sd["wte.weight"]
-    return sd, _matching_trainer_state(run_dir, _safetensors_metadata(weights).get("step"))
+    return sd, _matching_trainer_state(run_dir, safetensors_metadata(weights).get("step"))
 
 
 def _matching_trainer_state(run_dir: Path, weights_step: str | None) -> dict[str, Any]:
@@ -579,14 +353,3 @@ def _load_trainer_state(path: Path) -> dict[str, Any]:
             f"{path} is truncated or corrupt ({reason}); restore it, or drop --resume to start "
             f"a new run"
         ) from None
-
-
-def _safetensors_metadata(path: Path) -> dict[str, str]:
-    """The metadata of a safetensors file; {} when it cannot be read (errors come on loading)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            return f.metadata() or {}
-    except (SafetensorError, OSError):
-        return {}

@@ -184,7 +184,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         _check_before_launch(cfg, args)
         return launch_torchrun(args.nproc)
     from gptkiln.allocator import keep_freed_memory
-    from gptkiln.train import resolve_device, train
+    from gptkiln.devices import resolve_device
+    from gptkiln.train import train
 
     if resolve_device(cfg.device).startswith("cpu"):  # our own process: no page faults per step
         keep_freed_memory()
@@ -230,7 +231,7 @@ def launch_torchrun(nproc: int) -> None:
 # -- generate / eval -------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> None:
     from gptkiln.api import stream_text
-    from gptkiln.train import resolve_device
+    from gptkiln.devices import resolve_device
 
     try:
         args.prompt.encode("utf-8")
@@ -257,7 +258,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from gptkiln.api import evaluate_run
-    from gptkiln.train import resolve_device
+    from gptkiln.devices import resolve_device
 
     r = evaluate_run(
         args.run_dir,
@@ -271,21 +272,21 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 # -- convert / download ----------------------------------------------------------------------
 def cmd_convert(args: argparse.Namespace) -> None:
-    from gptkiln import interop
+    from gptkiln import convert
 
     if args.direction == "hf":
-        interop.import_hf(args.path, args.out, overwrite=args.overwrite)
+        convert.import_hf(args.path, args.out, overwrite=args.overwrite)
     elif args.direction == "book":
-        interop.import_book(args.path, args.out, n_head=args.n_head, overwrite=args.overwrite)
+        convert.import_book(args.path, args.out, n_head=args.n_head, overwrite=args.overwrite)
     else:
-        interop.export_hf(args.path, args.out, overwrite=args.overwrite)
+        convert.export_hf(args.path, args.out, overwrite=args.overwrite)
     print(f"wrote {args.out}")
 
 
 def cmd_download(args: argparse.Namespace) -> None:
-    from gptkiln import interop
+    from gptkiln import convert
 
-    interop.download(args.name, args.out, overwrite=args.overwrite)
+    convert.download(args.name, args.out, overwrite=args.overwrite)
     print(f"wrote {args.out}")
 
 

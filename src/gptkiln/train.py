@@ -23,30 +23,12 @@ import torch
 
 from gptkiln import distributed as dist_utils
 from gptkiln.config import GPTConfig, SampleConfig, TrainConfig
+from gptkiln.devices import resolve_device
 from gptkiln.errors import GptkilnError, RunStopped
 from gptkiln.model import GPT
 from gptkiln.optim import lr_at, make_optimizer
 
 METRICS_FIELDS = ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s"]
-
-
-def resolve_device(spec: str = "auto") -> str:
-    """``auto`` picks cuda, then mps, then cpu; any torch device string is used as given."""
-    if spec != "auto":
-        try:
-            torch.device(spec)
-        except RuntimeError as e:
-            raise GptkilnError(
-                f"--device {spec!r} is not a torch device ({e}); try cpu or cuda"
-            ) from None
-        if spec.startswith("cuda") and not torch.cuda.is_available():
-            raise GptkilnError(f"--device {spec}: CUDA is not available here; use --device cpu")
-        return spec
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
 
 
 class Batches:
