@@ -333,11 +333,17 @@ def test_streamed_text_ends_with_what_a_last_partial_character_leaves(tmp_path, 
     run, gpt2 = tmp_path / "run", load_tokenizer("gpt2")
     save_model(GPT(GPTConfig.from_name("tiny", vocab_size=50257, context_length=16)), run,
                tokenizer=gpt2)  # fmt: skip
+
+    def fake_stream(*args, streams, chosen, **kwargs):  # these tokens, pushed as the real one does
+        for t in chosen:
+            streams[0].push(t)
+            yield torch.tensor([t])
+
     for chosen in ([71, 12520, 236], [10545, 245], [71, 12520]):
         monkeypatch.setattr(
             gptkiln.sampling,
             "generate_stream",
-            lambda *a, chosen=chosen, **k: iter(torch.tensor([t]) for t in chosen),
+            lambda *a, chosen=chosen, **k: fake_stream(*a, chosen=chosen, **k),
         )
         text = generate_text(run, "Hi", SampleConfig(max_new_tokens=len(chosen)))
         assert text == "Hi" + gpt2.decode(chosen), chosen
@@ -554,3 +560,23 @@ def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
             assert "which training keeps" in err
         else:
             assert "note:" not in err, err
+
+
+def test_an_empty_prompt_generates_from_end_of_text_or_is_one_line_without_it(tmp_path, capsys):
+    from gptkiln.checkpoint import save_model
+    from gptkiln.sampling import generate
+    from gptkiln.tokenizers import CharTokenizer, load_tokenizer
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=50257, context_length=16)).eval()
+    save_model(model, tmp_path / "gpt2", tokenizer=load_tokenizer("gpt2"))
+    args = ["generate", tmp_path / "gpt2", "--prompt", "", "--max-new-tokens", "6"]
+    code, out, err = cli(*args, "--temperature", "0", capsys=capsys)
+    gpt2 = load_tokenizer("gpt2")
+    new = generate(model, [gpt2.eot_id], max_new_tokens=6, temperature=0, eot_id=gpt2.eot_id)
+    assert code == 0, err
+    assert out == gpt2.decode(new) + "\n" and new  # the end-of-text's continuation
+    chars = CharTokenizer(["a", "b"], with_eot=False)
+    save_model(GPT(GPTConfig.from_name("tiny", vocab_size=2)), tmp_path / "char", tokenizer=chars)
+    code, _, err = cli("generate", tmp_path / "char", "--prompt", "", capsys=capsys)
+    assert_one_line_error(code, err, "prompt is empty", "no end-of-text")

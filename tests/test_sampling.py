@@ -254,3 +254,154 @@ def test_a_sample_does_not_recompile_a_compiled_training_step():
 def test_empty_prompt_is_an_error(model):
     with pytest.raises(GptkilnError, match="at least one token"):
         generate(model, [[]], max_new_tokens=3)
+
+
+# -- stop strings, penalties, a generator a row, empty prompts -------------------------------
+def letters():
+    """A char tokenizer over a few letters, with end-of-text as the last id."""
+    from gptkiln.tokenizers import CharTokenizer
+
+    return CharTokenizer(sorted(" ENDabcdehlorw\n"), with_eot=True)
+
+
+def pushed(stream, text: str) -> list[str]:
+    tok = letters()
+    return [stream.push(t) for t in tok.encode(text)]
+
+
+def test_a_text_stream_ends_right_before_a_stop_string_and_holds_back_its_start():
+    from gptkiln.sampling import TextStream
+
+    tok = letters()
+    stream = TextStream(tok.decode, stop=["END"], eot_id=tok.eot_id)
+    pieces = pushed(stream, "hello END world")
+    assert pieces[:6] == list("hello") + [" "]
+    assert pieces[6:8] == ["", ""]  # "E", "EN": maybe the start of END, so held back
+    assert stream.done and stream.finish_reason == "stop"
+    assert stream.text == "".join(pieces) == "hello "
+    assert stream.push(tok.encode("w")[0]) == "" and stream.flush() == ""  # nothing after it
+
+
+def test_a_text_stream_gives_out_a_held_back_start_that_did_not_become_a_stop_string():
+    from gptkiln.sampling import TextStream
+
+    tok = letters()
+    stream = TextStream(tok.decode, stop=["END", "\n\n"])
+    pieces = pushed(stream, "a EN\nb")
+    # "E", "EN" may begin END; then "\n" may begin "\n\n" (held) but "EN\n" begins no stop
+    assert pieces == ["a", " ", "", "", "EN", "\nb"] and not stream.done
+    assert pushed(stream, "\n") == [""] and stream.flush() == "\n"  # the end of text: given out
+    assert stream.text == "a EN\nb\n" and stream.finish_reason == "length"
+
+
+def test_the_earliest_stop_string_wins_and_a_stop_string_may_span_tokens():
+    from gptkiln.sampling import TextStream
+    from gptkiln.tokenizers import load_tokenizer
+
+    gpt2 = load_tokenizer("gpt2")
+    ids = gpt2.encode("Hello world, and goodbye world")
+    stream = TextStream(gpt2.decode, stop=["goodbye", "o w", "and"])
+    text = "".join(stream.push(t) for t in ids)
+    assert text == "Hell" and stream.done  # "o w" spans the tokens "Hello" and " world"
+
+
+def test_a_text_stream_holds_half_a_character_until_its_other_bytes_come():
+    from gptkiln.sampling import TextStream
+    from gptkiln.tokenizers import load_tokenizer
+
+    gpt2 = load_tokenizer("gpt2")
+    stream = TextStream(gpt2.decode, eot_id=gpt2.eot_id)  # 12520 is " \xf0\x9f": half an emoji
+    assert [stream.push(t) for t in (71, 12520)] == ["h", " "]  # the space, not half an emoji
+    assert stream.push(236) + stream.push(231) == gpt2.decode([12520, 236, 231])[1:]
+    assert stream.push(gpt2.eot_id) == "" and stream.done and stream.finish_reason == "stop"
+
+
+def test_penalties_are_openais_formula():
+    from gptkiln.sampling import apply_penalties
+
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    counts = torch.tensor([[0.0, 1.0, 3.0, 0.0]])
+    out = apply_penalties(logits, counts, presence=0.5, frequency=0.25)
+    assert out.tolist() == [[1.0, 2.0 - 0.25 - 0.5, 3.0 - 0.75 - 0.5, 4.0]]
+    assert apply_penalties(logits, counts, 0.0, 0.0) is logits
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.5, 0.0), (0.0, 0.5), (-1.0, 0.5)])
+def test_generation_with_penalties_equals_the_formula_applied_step_by_step(
+    model, presence, frequency
+):
+    prompt, n = [5, 9, 2, 33], 20  # greedy repeats tokens from its 13th on
+    idx, counts = torch.tensor([prompt]), torch.zeros(1, 64)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(idx[:, -24:])[:, -1, :]
+            logits = logits - frequency * counts - presence * (counts > 0).float()
+            nxt = logits.argmax(-1)
+            counts[0, nxt] += 1
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
+    got = generate(
+        model, prompt, max_new_tokens=n, temperature=0,
+        presence_penalty=presence, frequency_penalty=frequency,
+    )  # fmt: skip
+    assert got == idx[0, len(prompt) :].tolist()
+    assert got != generate(model, prompt, max_new_tokens=n, temperature=0)  # they did something
+
+
+def test_generate_ends_each_row_at_its_stop_string_and_the_batch_when_all_have_ended(model):
+    from gptkiln.sampling import TextStream
+
+    tok = _ids_as_letters()
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    free = generate(model, prompts, max_new_tokens=12, temperature=0)
+    stop = tok.decode(free[0][2:4])  # the text of row 0's 3rd and 4th tokens
+    assert stop not in tok.decode(free[1])
+    rows = generate(model, prompts, max_new_tokens=12, temperature=0, stop=[stop], tokenizer=tok)
+    assert rows[0] == free[0][:4]  # up to the token that completes the stop string
+    assert rows[1] == free[1]  # the other row runs on
+    cfg = SampleConfig(max_new_tokens=12, temperature=0, stop=(stop,))
+    streams = [TextStream(tok.decode, cfg.stop) for _ in range(2)]
+    steps = list(generate_stream(model, [[1, 2, 3]], cfg, streams=streams[:1]))
+    assert len(steps) == 4 and streams[0].done and streams[0].text == tok.decode(free[0][:2])
+    with pytest.raises(GptkilnError, match="stop strings need"):
+        generate(model, prompts, max_new_tokens=3, stop=["x"])
+
+
+def _ids_as_letters():
+    """A tokenizer for the fixture model's 64 ids: each id a distinct character."""
+    from gptkiln.tokenizers import CharTokenizer
+
+    return CharTokenizer([chr(0x41 + i) for i in range(64)], with_eot=False)
+
+
+def test_each_row_of_a_seeded_batch_samples_what_it_samples_alone(model):
+    cfg = SampleConfig(max_new_tokens=10, temperature=1.0, seed=11)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    alone = [generate(model, p, cfg) for p in prompts]
+    assert generate(model, prompts, cfg) == alone
+    assert len({tuple(a) for a in alone}) == 3
+    tokens = generate_stream(model, [[1, 2, 3]] * 2, cfg, row_seeds=[11, 12])
+    rows = torch.stack(list(tokens)).T.tolist()
+    assert rows[0] == alone[0] and rows[1] == generate(model, [1, 2, 3], cfg, seed=12)
+
+
+def test_an_empty_prompt_starts_from_end_of_text_or_is_refused_without_one():
+    from gptkiln.tokenizers import CharTokenizer, encode_prompt, load_tokenizer
+
+    assert encode_prompt(load_tokenizer("gpt2"), "") == [50256]
+    assert encode_prompt(load_tokenizer("gpt2"), "Hi") == [17250]
+    with pytest.raises(GptkilnError, match="prompt is empty.*no end-of-text"):
+        encode_prompt(CharTokenizer(["a", "b"], with_eot=False), "")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(stop=[""]), "stop must be"),
+        (dict(stop=["a", 3]), "stop must be"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    ],
+)
+def test_bad_stop_strings_and_penalties_are_refused(kwargs, message):
+    with pytest.raises(GptkilnError, match=message):
+        SampleConfig(**kwargs)

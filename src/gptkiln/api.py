@@ -28,18 +28,19 @@ def stream_text(
 ) -> Iterator[str]:
     """Yield the generated text piece by piece as tokens are chosen.
 
-    A prompt longer than the model's context keeps its last ``context_length`` tokens; the
-    ``on_notice`` callback (if given) is told so.
+    The text ends at end-of-text or right before a stop string of ``cfg.stop``. An empty prompt
+    starts from the end-of-text token (unconditional generation). A prompt longer than the
+    model's context keeps its last ``context_length`` tokens; the ``on_notice`` callback (if
+    given) is told so.
     """
     from gptkiln.loading import check_ids_fit, load_run
-    from gptkiln.sampling import generate_stream
+    from gptkiln.sampling import TextStream, generate_stream
+    from gptkiln.tokenizers import encode_prompt
 
     cfg = cfg or SampleConfig()
     model, tokenizer, _ = load_run(run_dir, device=device)
     model.eval()
-    ids = tokenizer.encode(prompt)
-    if not ids:
-        raise GptkilnError("the prompt is empty; pass --prompt with some text")
+    ids = encode_prompt(tokenizer, prompt)
     check_ids_fit(max(ids), model, tokenizer, run_dir)
     ctx = model.config.context_length
     if len(ids) > ctx and on_notice:
@@ -47,20 +48,11 @@ def stream_text(
             f"prompt has {len(ids)} tokens, more than the model's context of {ctx}; "
             f"keeping the last {ctx}"
         )
-    new: list[int] = []
-    shown = ""
-    for token in generate_stream(model, [ids], cfg, tokenizer.eot_id):
-        t = int(token[0])
-        if cfg.stop_at_eos and t == tokenizer.eot_id:
-            break
-        new.append(t)
-        text = tokenizer.decode(new)
-        if text.endswith("\ufffd"):  # a multi-byte character is still incomplete
-            continue
-        yield text[len(shown) :]
-        shown = text
-    tail = tokenizer.decode(new)[len(shown) :]  # it ended inside a character: what is left
-    if tail:
+    stream = TextStream(tokenizer.decode, cfg.stop, tokenizer.eot_id if cfg.stop_at_eos else None)
+    for _ in generate_stream(model, [ids], cfg, tokenizer.eot_id, streams=[stream]):
+        if piece := stream.take():
+            yield piece
+    if tail := stream.flush():  # it ended inside a character, or by length: what is held back
         yield tail
     model.clear_cache()
 

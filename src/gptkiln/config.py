@@ -131,11 +131,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class SampleConfig:
-    """How to pick each next token.
+    """How to pick each next token, and when a sequence ends.
 
     temperature 0 means greedy (argmax); top_k keeps the k most likely tokens; top_p keeps the
     smallest set whose probability reaches p (nucleus sampling). ``stop_at_eos`` ends a sequence
-    at the tokenizer's end-of-text id.
+    at the tokenizer's end-of-text id; ``stop`` ends it where one of these strings appears in the
+    generated text (the text returned stops right before it). ``presence_penalty`` and
+    ``frequency_penalty`` are OpenAI's: each logit is lowered by ``frequency_penalty`` times the
+    number of times its token was generated so far, and by ``presence_penalty`` once if it was
+    generated at all (in [-2, 2]; negative values favour repeats).
     """
 
     max_new_tokens: int = 100
@@ -144,6 +148,9 @@ class SampleConfig:
     top_p: float | None = None
     seed: int | None = None
     stop_at_eos: bool = True
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         _check_types(self, "sampling config")
@@ -154,6 +161,21 @@ class SampleConfig:
             raise GptkilnError(
                 f"max_new_tokens must be >= 0, got {self.max_new_tokens}; pass e.g. 100"
             )
+        self.stop = check_stop(self.stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise GptkilnError(
+                    f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}"
+                )
+
+
+def check_stop(stop: Any) -> tuple[str, ...]:
+    """Stop strings as a tuple: one string or a list of them, each non-empty."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise GptkilnError(f"stop must be a list of non-empty strings, got {stop!r}")
+    return tuple(stop)
 
 
 def _check_seed(seed: int) -> None:

@@ -3,12 +3,13 @@
 ``generate_stream`` yields each new token as it is chosen; ``generate`` collects them. With the
 KV cache (the default) the prompt is run once (prefill) and every later step feeds one token;
 without it every step re-runs the whole window, as the book's ``generate_text_simple`` does.
-Both give the same tokens.
+Both give the same tokens. `TextStream` turns one sequence's tokens into text as they come and
+ends it at a stop string; `generate`, the CLI, the server and chat all read text through it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -61,6 +62,34 @@ def sample(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
+def apply_penalties(
+    logits: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float
+) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties on logits (B, V): each logit minus ``frequency``
+    times its token's count so far, minus ``presence`` once if that count is not 0. ``counts``
+    (B, V) holds how often each token was generated in each row (the prompt does not count)."""
+    if not presence and not frequency:
+        return logits
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generators: Sequence[torch.Generator | None] | None,
+) -> torch.Tensor:
+    """`sample` for a batch (B, V) -> (B,) where each row may draw from its own generator, so a
+    row's tokens never depend on the rows beside it (None: one draw for the batch)."""
+    if generators is None or temperature == 0:
+        return sample(logits, temperature, top_k, top_p)
+    rows = [
+        sample(logits[i : i + 1], temperature, top_k, top_p, g) for i, g in enumerate(generators)
+    ]
+    return torch.cat(rows)
+
+
 def prefill(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     """Run the prompt (B, T) through the model, filling the KV cache; last logits (B, V)."""
     return model(idx, start_pos=0, last_only=True)[:, -1, :]
@@ -88,6 +117,81 @@ def left_pad(
     return idx, pad_lens
 
 
+class TextStream:
+    """The text of one generated sequence, given out piece by piece as it becomes final.
+
+    Token ids go in one at a time (`push`); out comes the new text that can no longer change:
+    an incomplete character (a byte-level BPE token can end inside one, which decodes as U+FFFD)
+    and a tail that may be the start of a stop string are held back until later tokens settle
+    them. The end-of-text id, or a stop string appearing in the text, ends the sequence: the text
+    stops right before the stop string, which is never given out, and `done` is set. `flush`
+    gives out what is held back once no more tokens come.
+
+    Args:
+        decode: ids -> text (the tokenizer's ``decode``).
+        stop: stop strings.
+        eot_id: the end-of-text id, which ends the sequence (None: it does not).
+    """
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stop: Sequence[str] = (),
+        eot_id: int | None = None,
+    ) -> None:
+        self.decode, self.stop, self.eot_id = decode, tuple(stop), eot_id
+        self.ids: list[int] = []  # the sequence's ids, end-of-text excluded
+        self.text = ""  # the text given out so far
+        self.done = False
+        self._taken = 0
+
+    @property
+    def finish_reason(self) -> str:
+        """``"stop"`` after end-of-text or a stop string, else ``"length"`` (OpenAI's names)."""
+        return "stop" if self.done else "length"
+
+    def push(self, token: int) -> str:
+        """Add one token; return the text it makes final ("" once the sequence is done)."""
+        if self.done:
+            return ""
+        if token == self.eot_id:
+            piece = self.flush()
+            self.done = True
+            return piece
+        self.ids.append(token)
+        full = self.decode(self.ids)
+        shown = len(self.text)
+        ends = [i for s in self.stop if (i := full.find(s, max(0, shown - len(s) + 1))) >= 0]
+        if ends:
+            self.done = True
+            return self._give(full[: max(min(ends), shown)])
+        final = len(full.rstrip("\ufffd"))  # an incomplete character waits for its other bytes
+        final -= self._stop_prefix_at_end(full[:final])
+        return self._give(full[: max(final, shown)])
+
+    def flush(self) -> str:
+        """What is held back, once no more tokens come (nothing after the sequence is done)."""
+        return "" if self.done else self._give(self.decode(self.ids))
+
+    def take(self) -> str:
+        """The text given out since the last `take`: for a reader of a stream that another
+        function (`generate_stream`) pushes tokens into."""
+        piece = self.text[self._taken :]
+        self._taken = len(self.text)
+        return piece
+
+    def _stop_prefix_at_end(self, text: str) -> int:
+        """The length of the longest end of ``text`` that begins a stop string (0: none)."""
+        return max(
+            (k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0
+        )
+
+    def _give(self, text: str) -> str:
+        piece = text[len(self.text) :]
+        self.text = text
+        return piece
+
+
 @torch.inference_mode()
 def generate_stream(
     model: GPT,
@@ -95,39 +199,64 @@ def generate_stream(
     cfg: SampleConfig,
     eot_id: int | None = None,
     use_cache: bool = True,
+    *,
+    streams: Sequence[TextStream] | None = None,
+    row_seeds: Sequence[int | None] | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,) per step, until max_new_tokens or every row ended.
 
-    A row that produced ``eot_id`` (with ``cfg.stop_at_eos``) is finished: it keeps yielding
-    ``eot_id`` until the others finish. Prompts longer than the context keep their last
+    A row ends at ``eot_id`` (with ``cfg.stop_at_eos``) or, when ``streams`` are given (one
+    `TextStream` a row, which this fills as tokens come), when its stream is done (a stop
+    string); stop strings in ``cfg.stop`` need the streams. An ended row keeps yielding ``eot_id``
+    (or 0) until the others end. Prompts longer than the context keep their last
     ``context_length`` tokens (the model never sees more), as does the running sequence.
+
+    With ``cfg.seed`` (or ``row_seeds``, one seed or None a row) every row draws from its own
+    generator, so a row's tokens are those it gets alone with the same seed.
     """
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    if cfg.stop and streams is None:
+        raise GptkilnError(
+            "stop strings need the generated text: pass streams=[TextStream(tokenizer.decode, "
+            "stop, eot_id) ...], one a row (or call generate(..., tokenizer=...))"
+        )
     device = model.wte.weight.device
-    generator = None
-    if cfg.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(cfg.seed)
     ctx = model.config.context_length
     idx, pad_lens = left_pad([list(p)[-ctx:] for p in prompts], eot_id or 0, device)
     if pad_lens.any() and not use_cache:
         raise GptkilnError("prompts of unequal length need use_cache=True (the padding mask)")
+    B = idx.size(0)
+    generators = _row_generators(cfg.seed, row_seeds, B, device)
     stop = eot_id if cfg.stop_at_eos else None
-    finished = torch.zeros(idx.size(0), dtype=torch.bool, device=device)
+    filler = eot_id or 0
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    penalised = bool(cfg.presence_penalty or cfg.frequency_penalty)
+    counts = torch.zeros(B, model.config.vocab_size, device=device) if penalised else None
     pos = idx.size(1)
     if use_cache:  # room for the prompt and the new tokens only: 1024 slots are 600 MB at batch 8
-        model.setup_cache(idx.size(0), min(ctx, pos + cfg.max_new_tokens), pad_lens)
+        model.setup_cache(B, min(ctx, pos + cfg.max_new_tokens), pad_lens)
         if cfg.max_new_tokens > 1:  # each decode step multiplies B rows: the fastest kernel
-            tune_decoding(model, rows=idx.size(0))
+            tune_decoding(model, rows=B)
         logits = prefill(model, idx)
     else:
         logits = window_logits(model, idx)
     for step in range(cfg.max_new_tokens):
-        token = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)  # (B,)
+        if counts is not None:
+            logits = apply_penalties(logits, counts, cfg.presence_penalty, cfg.frequency_penalty)
+        token = sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, generators)  # (B,)
+        token = token.masked_fill(finished, filler)
+        if counts is not None:
+            counts[torch.arange(B, device=device), token] += (~finished).to(counts.dtype)
+        if streams is not None:  # rows still going read their token; a stop string ends one
+            going = (~finished).tolist()
+            for row, t in enumerate(token.tolist()):
+                if going[row]:
+                    streams[row].push(t)
+                    finished[row] = streams[row].done
         if stop is not None:
-            token = token.masked_fill(finished, stop)
             finished |= token == stop
         yield token
-        if step + 1 == cfg.max_new_tokens or (stop is not None and bool(finished.all())):
+        if step + 1 == cfg.max_new_tokens or bool(finished.all()):
             return
         idx = torch.cat([idx, token[:, None]], dim=1)
         if not use_cache:
@@ -136,8 +265,23 @@ def generate_stream(
             logits = decode_one_token(model, token, pos)
             pos += 1
         else:  # the window slides: positions shift, so the cache is rebuilt from the last ctx
-            model.setup_cache(idx.size(0), ctx, (pad_lens - (idx.size(1) - ctx)).clamp(min=0))
+            model.setup_cache(B, ctx, (pad_lens - (idx.size(1) - ctx)).clamp(min=0))
             logits = prefill(model, idx[:, -ctx:])
+
+
+def _row_generators(
+    seed: int | None, row_seeds: Sequence[int | None] | None, rows: int, device: torch.device
+) -> list[torch.Generator | None] | None:
+    """One generator a row (seeded; None for a row without a seed), or None when no row has a
+    seed (one draw for the whole batch from torch's global generator)."""
+    seeds = list(row_seeds) if row_seeds is not None else [seed] * rows
+    if len(seeds) != rows:
+        raise GptkilnError(
+            f"row_seeds has {len(seeds)} seeds for {rows} prompts; give one a prompt"
+        )
+    if all(s is None for s in seeds):
+        return None
+    return [None if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds]
 
 
 def generate(
@@ -146,34 +290,47 @@ def generate(
     cfg: SampleConfig | None = None,
     eot_id: int | None = None,
     use_cache: bool = True,
+    *,
+    tokenizer=None,
     **overrides,
 ) -> list[list[int]] | list[int]:
     """New token ids for one prompt (a list of ids, or a 1-D tensor or array) or a batch (a list
     of lists, or a 2-D tensor or array).
 
     ``overrides`` set `SampleConfig` fields directly: ``generate(model, ids, max_new_tokens=20,
-    temperature=0)``. The end-of-text token, when it stops a row, is not included.
+    temperature=0)``. The end-of-text token, when it stops a row, is not included. Stop strings
+    (``stop=[...]``) need ``tokenizer`` (its ``decode``; it also gives ``eot_id`` when that is not
+    passed); a row ends with the token that completes a stop string, which is included, as
+    Hugging Face's ``generate`` does (the text-level functions, `gptkiln.api.stream_text` and the
+    server, cut the text before the stop string).
     """
     cfg = cfg or SampleConfig()
     if overrides:
         cfg = SampleConfig(**{**cfg.__dict__, **overrides})
+    if tokenizer is not None and eot_id is None:
+        eot_id = tokenizer.eot_id
     if isinstance(prompts, (torch.Tensor, np.ndarray)):  # (T,) one prompt, (B, T) a batch
         prompts = prompts.tolist()
     single = len(prompts) > 0 and isinstance(prompts[0], int)
     batch = [list(prompts)] if single else [list(p) for p in prompts]
+    if cfg.stop and tokenizer is None:
+        raise GptkilnError("stop strings need the tokenizer: generate(..., tokenizer=tokenizer)")
+    ends = eot_id if cfg.stop_at_eos else None
+    streams = [TextStream(tokenizer.decode, cfg.stop, ends) for _ in batch] if cfg.stop else None
     rows: list[list[int]] = [[] for _ in batch]
     done = [False] * len(batch)
     was_training = model.training
     model.eval()
     try:
-        for token in generate_stream(model, batch, cfg, eot_id, use_cache):
+        for token in generate_stream(model, batch, cfg, eot_id, use_cache, streams=streams):
             for row, t in enumerate(token.tolist()):
                 if done[row]:
                     continue
-                if cfg.stop_at_eos and t == eot_id:
+                if ends is not None and t == ends:
                     done[row] = True
                 else:
                     rows[row].append(t)
+                    done[row] = streams is not None and streams[row].done
     finally:
         model.clear_cache()
         model.train(was_training)

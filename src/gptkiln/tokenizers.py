@@ -448,6 +448,20 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, int | None]:
     )
 
 
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A prompt's ids. An empty prompt starts from the end-of-text token, which is how GPT-2's
+    own unconditional samples are drawn; a tokenizer without one refuses it."""
+    ids = tokenizer.encode(text)
+    if ids:
+        return ids
+    if tokenizer.eot_id is None:
+        raise GptkilnError(
+            f"the prompt is empty, and this {tokenizer.kind} tokenizer has no end-of-text token "
+            "to start from (its corpus was one document); give a prompt with some text"
+        )
+    return [tokenizer.eot_id]
+
+
 def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     """Load ``"gpt2"``, or the tokenizer saved in a directory by :meth:`Tokenizer.save`.
 
