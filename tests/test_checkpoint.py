@@ -355,3 +355,68 @@ def test_run_dir_checks_for_training(tmp_path, run_dir):
     check_same_model_config(run_dir, tiny_config())
     with pytest.raises(GptkilnError, match="n_layer 2 in the checkpoint, 3 now"):
         check_same_model_config(run_dir, tiny_config(n_layer=3))
+
+
+# -- a config.json that does not fit its weights ---------------------------------------------
+@pytest.mark.parametrize(
+    "field, value, holds",
+    [
+        ("n_layer", 1_000_000_000, "n_layer 2"),
+        ("n_embd", 64, "n_embd 16"),
+        ("vocab_size", 50257, "vocab_size 50"),
+        ("context_length", 1_000_000, "context_length 16"),
+    ],
+)
+def test_a_config_edited_away_from_its_weights_is_refused_naming_the_field(
+    run_dir, field, value, holds
+):
+    cfg = json.loads((run_dir / CONFIG_FILE).read_text())
+    cfg["model"][field] = value
+    if field == "n_embd":
+        cfg["model"]["n_head"] = 4
+    (run_dir / CONFIG_FILE).write_text(json.dumps(cfg))
+    with pytest.raises(GptkilnError, match=f"says {field} {value}, but the weights hold {holds}"):
+        load_model(run_dir)
+    with pytest.raises(GptkilnError, match=f"says {field} {value}"):
+        read_checkpoint(run_dir)  # resuming reads the same check
+
+
+def test_expected_shapes_are_those_of_the_model_built(tmp_path):
+    from gptkiln.loading import expected_shapes
+
+    for overrides in ({}, {"qkv_bias": False, "tie_embeddings": False}, {"n_layer": 3}):
+        config = tiny_config(**overrides)
+        with torch.device("meta"):
+            sd = GPT(config).state_dict()
+        if config.tie_embeddings:
+            sd.pop("lm_head.weight")
+        assert list(expected_shapes(config).items()) == [(k, tuple(v.shape)) for k, v in sd.items()]
+
+
+def test_integer_tensors_in_place_of_weights_are_refused(run_dir):
+    from gptkiln.loading import read_safetensors
+
+    sd = dict(read_safetensors(run_dir / WEIGHTS_FILE))
+    sd["h.0.ln_1.weight"] = torch.ones(16, dtype=torch.int32)
+    save_file(sd, run_dir / WEIGHTS_FILE)
+    with pytest.raises(
+        GptkilnError, match=r"not floating-point weights: h\.0\.ln_1\.weight \(int32\)"
+    ):
+        load_model(run_dir)
+
+
+def test_a_huge_edited_config_is_one_line_from_the_cli_not_a_hang(run_dir):
+    import subprocess
+    import sys
+
+    cfg = json.loads((run_dir / CONFIG_FILE).read_text())
+    cfg["model"]["n_layer"] = 1_000_000_000
+    (run_dir / CONFIG_FILE).write_text(json.dumps(cfg))
+    (run_dir / "tokenizer_meta.json").write_text(
+        '{"kind": "gpt2", "vocab_size": 50257, "eot_id": 50256}'
+    )
+    argv = [sys.executable, "-m", "gptkiln", "generate", str(run_dir), "--prompt", "hi"]
+    # Before the check this ran past 60 s with gigabytes growing; the timeout is a hang guard.
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "says n_layer 1000000000, but the weights hold n_layer 2" in proc.stderr

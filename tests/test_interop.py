@@ -137,13 +137,13 @@ def test_greedy_generation_with_kv_cache_equals_transformers(hf_dir):
     assert ours == theirs[0, len(prompt) :].tolist()
 
 
-def test_mismatched_checkpoint_names_parameter_and_both_shapes(hf_dir):
+def test_mismatched_checkpoint_names_the_setting_and_both_values(hf_dir):
     _, path = hf_dir
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "n_positions": 64}))
     with pytest.raises(GptkilnError) as info:
         import_hf(path)
-    assert "wpe.weight (32, 32) (expected (64, 32))" in str(info.value)
+    assert "says context_length 64, but the weights hold context_length 32" in str(info.value)
     assert str(path) in str(info.value)
 
 
@@ -450,3 +450,13 @@ def test_generate_and_eval_cli_take_an_hf_directory_directly(tmp_path, capsys):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
     assert main(["eval", str(tmp_path / "hf"), "--data", str(text), "--quiet"]) == 0
     assert "perplexity" in capsys.readouterr().out
+
+
+def test_an_hf_config_edited_to_a_billion_layers_is_refused_at_once(hf_dir):
+    _, path = hf_dir
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "n_layer": 1_000_000_000}))
+    with pytest.raises(
+        GptkilnError, match="says n_layer 1000000000, but the weights hold n_layer 2"
+    ):
+        load_model(path)

@@ -377,6 +377,7 @@ def hf_state_dict_to_gptkiln(
         if _HF_BUFFER.match(name) or (name == "lm_head.weight" and config.tie_embeddings):
             continue
         out[name] = value
+    check_config_fits(config, out, source)  # before listing the shapes of n_layer blocks
     hf_shapes = {k: s[::-1] if CONV1D.match(k) else s for k, s in expected_shapes(config).items()}
     check_shapes(out, hf_shapes, source)
     return {k: v.t().contiguous() if CONV1D.match(k) else v for k, v in out.items()}
@@ -486,18 +487,83 @@ def build_model(
 
 
 def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor a checkpoint of this config stores (tied head excluded)."""
-    with torch.device("meta"):
-        model = GPT(config)
-    sd = model.state_dict()
-    if config.tie_embeddings:
-        sd.pop("lm_head.weight")
-    return {k: tuple(v.shape) for k, v in sd.items()}
+    """Name -> shape of every tensor a checkpoint of this config stores (tied head excluded), in
+    the order of ``GPT(config).state_dict()``; worked out from the config, no model built."""
+    C, V = config.n_embd, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "wte.weight": (V, C),
+        "wpe.weight": (config.context_length, C),
+    }
+    for i in range(config.n_layer):
+        block = {
+            "ln_1.weight": (C,),
+            "ln_1.bias": (C,),
+            "attn.c_attn.weight": (3 * C, C),
+            "attn.c_attn.bias": (3 * C,),
+            "attn.c_proj.weight": (C, C),
+            "attn.c_proj.bias": (C,),
+            "ln_2.weight": (C,),
+            "ln_2.bias": (C,),
+            "mlp.c_fc.weight": (4 * C, C),
+            "mlp.c_fc.bias": (4 * C,),
+            "mlp.c_proj.weight": (C, 4 * C),
+            "mlp.c_proj.bias": (C,),
+        }
+        if not config.qkv_bias:
+            del block["attn.c_attn.bias"]
+        shapes.update({f"h.{i}.{name}": shape for name, shape in block.items()})
+    shapes.update({"ln_f.weight": (C,), "ln_f.bias": (C,)})
+    if not config.tie_embeddings:
+        shapes["lm_head.weight"] = (V, C)
+    return shapes
 
 
 def check_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig, source: str) -> None:
-    """Raise one readable GptkilnError when ``sd``'s names or shapes do not fit ``config``."""
+    """Raise one readable GptkilnError when ``sd``'s names, shapes or dtypes do not fit ``config``.
+
+    The sizes the weights themselves hold are compared first (`check_config_fits`), so that a
+    config that was edited to something huge is refused at once, before anything is built.
+    """
+    check_config_fits(config, sd, source)
     check_shapes(sd, expected_shapes(config), source)
+    not_float = [f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in sd.items()
+                 if not v.is_floating_point()]  # fmt: skip
+    if not_float:
+        raise GptkilnError(
+            f"{source} holds tensors that are not floating-point weights: {_names(not_float)}; "
+            "it is not a gptkiln or GPT-2 checkpoint: restore the file or convert it again"
+        )
+
+
+_BLOCK_KEY = re.compile(r"^h\.(\d+)\.")
+
+
+def weights_dims(sd: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """The model sizes a state dict (gptkiln names) holds: ``n_layer`` from its ``h.N`` blocks,
+    ``vocab_size`` and ``n_embd`` from ``wte.weight``, ``context_length`` from ``wpe.weight``.
+    Read from names and shapes only (a memory-mapped file is not read)."""
+    blocks = {int(m.group(1)) for k in sd if (m := _BLOCK_KEY.match(k))}
+    dims = {"n_layer": max(blocks) + 1 if blocks else 0}
+    if "wte.weight" in sd and sd["wte.weight"].dim() == 2:
+        dims["vocab_size"], dims["n_embd"] = sd["wte.weight"].shape
+    if "wpe.weight" in sd and sd["wpe.weight"].dim() == 2:
+        dims["context_length"] = sd["wpe.weight"].shape[0]
+    return dims
+
+
+def check_config_fits(config: GPTConfig, sd: Mapping[str, torch.Tensor], source: str) -> None:
+    """Refuse a config whose sizes are not those the weights hold, naming each field and what
+    the weights say: a config.json edited by hand (``"n_layer": 1000000000``) or taken from
+    another run fails here in one line, instead of building a model that does not fit in memory."""
+    held = weights_dims(sd)
+    wrong = [name for name, value in held.items() if getattr(config, name) != value]
+    if wrong:
+        says = ", ".join(f"{name} {getattr(config, name)}" for name in wrong)
+        holds = ", ".join(f"{name} {held[name]}" for name in wrong)
+        raise GptkilnError(
+            f"{source}: the config says {says}, but the weights hold {holds}; the config "
+            "does not belong to these weights: restore it (or set it to what the weights hold)"
+        )
 
 
 def check_shapes(
