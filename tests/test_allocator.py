@@ -49,13 +49,13 @@ def test_it_is_idempotent():
     assert keep_freed_memory() == first
 
 
-def test_the_train_command_applies_it_on_cpu(monkeypatch, tmp_path, verdict_path):
+def test_the_train_command_applies_it_on_cpu(monkeypatch, tmp_path, play_path):
     import gptkiln.allocator
     from gptkiln.cli import main
 
     calls = []
     monkeypatch.setattr(gptkiln.allocator, "keep_freed_memory", lambda: calls.append(1) or True)
-    argv = ["train", "--data", verdict_path, "--model", "tiny", "--tokenizer", "char",
+    argv = ["train", "--data", play_path, "--model", "tiny", "--tokenizer", "char",
             "--context-length", "16", "--batch-size", "2", "--max-steps", "1",
             "--eval-batches", "1", "--sample-tokens", "2", "--no-progress", "--device", "cpu",
             "--out", tmp_path / "run"]  # fmt: skip

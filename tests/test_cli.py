@@ -35,13 +35,13 @@ def assert_one_line_error(code, err, *needles):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, verdict_path_module):
+def run_dir(tmp_path_factory, play_path):
     out = tmp_path_factory.mktemp("cli") / "run"
     code = main(
         [
             "train",
             "--data",
-            str(verdict_path_module),
+            str(play_path),
             "--model",
             "tiny",
             "--tokenizer",
@@ -67,16 +67,6 @@ def run_dir(tmp_path_factory, verdict_path_module):
     )
     assert code == 0
     return out
-
-
-@pytest.fixture(scope="module")
-def verdict_path_module():
-    from conftest import SHARED_DATA
-
-    path = SHARED_DATA / "the-verdict.txt"
-    if not path.exists():
-        pytest.skip("the-verdict.txt not present")
-    return path
 
 
 def sha(path):
@@ -129,10 +119,8 @@ def test_bad_sources_through_prepare(tmp_path, capsys):
         (["--beta2", "1"], "beta2"),
     ],
 )
-def test_bad_train_flags(flags, needle, tmp_path, capsys, verdict_path):
-    code, _, err = cli(
-        "train", "--data", verdict_path, "--out", tmp_path / "r", *flags, capsys=capsys
-    )
+def test_bad_train_flags(flags, needle, tmp_path, capsys, play_path):
+    code, _, err = cli("train", "--data", play_path, "--out", tmp_path / "r", *flags, capsys=capsys)
     assert_one_line_error(code, err, needle)
     assert not (tmp_path / "r" / "model.safetensors").exists()
 
@@ -163,8 +151,8 @@ def test_prompt_longer_than_context_is_cropped_with_a_notice(run_dir, capsys):
     assert out.startswith(long_prompt)
 
 
-def test_eval_prints_loss_and_perplexity(run_dir, verdict_path, capsys):
-    code, out, _ = cli("eval", run_dir, "--data", verdict_path, "--quiet", capsys=capsys)
+def test_eval_prints_loss_and_perplexity(run_dir, play_path, capsys):
+    code, out, _ = cli("eval", run_dir, "--data", play_path, "--quiet", capsys=capsys)
     assert code == 0
     loss = float(out.split("loss ")[1].split()[0])
     ppl = float(out.split("perplexity ")[1].split()[0])
@@ -193,12 +181,12 @@ def test_bad_run_directories(run_dir, tmp_path, capsys):
     assert_one_line_error(code, err, "model.safetensors")
 
 
-def test_resume_with_a_changed_model_loses_nothing(run_dir, verdict_path, capsys):
+def test_resume_with_a_changed_model_loses_nothing(run_dir, play_path, capsys):
     before = sha(run_dir / "model.safetensors"), sha(run_dir / "trainer_state.pt")
     code, _, err = cli(
         "train",
         "--data",
-        verdict_path,
+        play_path,
         "--model",
         "baby",
         "--tokenizer",
@@ -217,7 +205,7 @@ def test_resume_with_a_changed_model_loses_nothing(run_dir, verdict_path, capsys
     code, _, err = cli(
         "train",
         "--data",
-        verdict_path,
+        play_path,
         "--model",
         "tiny",
         "--out",
@@ -273,9 +261,7 @@ def test_shakespeare_char_recipe_unties_the_head_takes_exact_gelu_and_flags_over
         TrainConfig(gelu="erf")
 
 
-def test_a_recipe_reads_yaml_numbers_and_names_itself_on_a_wrong_kind(
-    tmp_path, capsys, verdict_path
-):
+def test_a_recipe_reads_yaml_numbers_and_names_itself_on_a_wrong_kind(tmp_path, capsys, play_path):
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("model: tiny\nlr: 3e-4\nmin_lr: 0\nbatch_size: 2\n")  # YAML: "3e-4"
     cfg = train_config_from_args(build_parser().parse_args(["train", "--config", str(recipe)]))
@@ -289,7 +275,7 @@ def test_a_recipe_reads_yaml_numbers_and_names_itself_on_a_wrong_kind(
     ]:
         recipe.write_text(f"model: tiny\n{line}\n")
         code, _, err = cli(
-            "train", "--config", recipe, "--data", verdict_path, "--out", tmp_path / "r",
+            "train", "--config", recipe, "--data", play_path, "--out", tmp_path / "r",
             capsys=capsys,
         )  # fmt: skip
         assert_one_line_error(code, err, "mine.yaml", needle)
@@ -297,7 +283,7 @@ def test_a_recipe_reads_yaml_numbers_and_names_itself_on_a_wrong_kind(
         GPTConfig(qkv_bias="yes")  # e.g. a hand-edited config.json
 
 
-def test_convert_and_prepare_never_write_over_a_run(run_dir, tmp_path, capsys, verdict_path):
+def test_convert_and_prepare_never_write_over_a_run(run_dir, tmp_path, capsys, play_path):
     import shutil
 
     run = tmp_path / "run"
@@ -305,7 +291,7 @@ def test_convert_and_prepare_never_write_over_a_run(run_dir, tmp_path, capsys, v
     before = {p.name: sha(p) for p in run.iterdir() if p.is_file()}
     code, _, err = cli("convert", "book", tmp_path / "model.pth", "--out", run, capsys=capsys)
     assert_one_line_error(code, err, "already holds a model", "--overwrite")
-    code, _, err = cli("prepare", verdict_path, "--out", run, capsys=capsys)
+    code, _, err = cli("prepare", play_path, "--out", run, capsys=capsys)
     assert_one_line_error(code, err, "holds a model", str(run / "data"))
     code, _, err = cli(  # a failed conversion, even with --overwrite, leaves the run whole
         "convert", "book", tmp_path / "model.pth", "--out", run, "--overwrite", capsys=capsys
@@ -314,9 +300,9 @@ def test_convert_and_prepare_never_write_over_a_run(run_dir, tmp_path, capsys, v
     assert {p.name: sha(p) for p in run.iterdir() if p.is_file()} == before
     (tmp_path / "afile").write_text("x")
     for argv, needle in [
-        (["prepare", verdict_path, "--out", tmp_path / "afile"], "is a file"),
+        (["prepare", play_path, "--out", tmp_path / "afile"], "is a file"),
         (["convert", "book", tmp_path / "model.pth", "--out", tmp_path / "afile"], "is a file"),
-        (["prepare", verdict_path, "--out", tmp_path / "afile" / "sub"], "afile"),  # OSError
+        (["prepare", play_path, "--out", tmp_path / "afile" / "sub"], "afile"),  # OSError
     ]:
         code, _, err = cli(*argv, capsys=capsys)
         assert_one_line_error(code, err, needle)
@@ -442,10 +428,10 @@ def test_a_run_whose_tokenizer_was_replaced_is_one_line(run_dir, tmp_path, capsy
     assert_one_line_error(code, err, "do not belong to this model")
 
 
-def test_messages_name_what_is_really_wrong(run_dir, tmp_path, capsys, verdict_path):
+def test_messages_name_what_is_really_wrong(run_dir, tmp_path, capsys, play_path):
     import shutil
 
-    code, _, err = cli("generate", verdict_path, "--prompt", "I", capsys=capsys)
+    code, _, err = cli("generate", play_path, "--prompt", "I", capsys=capsys)
     assert_one_line_error(code, err, "is a file, not a run directory")
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
@@ -453,8 +439,8 @@ def test_messages_name_what_is_really_wrong(run_dir, tmp_path, capsys, verdict_p
     (run / "config.json").write_text(json.dumps({**cfg, "format": "1"}))
     code, _, err = cli("generate", run, "--prompt", "I", capsys=capsys)
     assert_one_line_error(code, err, "format '1', not a format number")
-    code, _, err = cli(  # the-verdict's val split: ~2,000 characters
-        "train", "--data", verdict_path, "--model", "tiny", "--tokenizer", "char",
+    code, _, err = cli(  # the play's val split: 2,000 characters
+        "train", "--data", play_path, "--model", "tiny", "--tokenizer", "char",
         "--context-length", "4000", "--out", tmp_path / "long", "--no-progress", capsys=capsys,
     )  # fmt: skip
     assert_one_line_error(code, err, "the val split has", "--val-fraction")
@@ -508,7 +494,7 @@ def test_run_directory_config_records_model_train_and_tokenizer(run_dir):
 
 
 def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
-    verdict_path, tmp_path, capsys
+    play_path, tmp_path, capsys
 ):
     """Prepared data fixed its tokenizer and split: a --tokenizer or --val-fraction flag that
     disagrees would be silently ignored, so it is one line and exit 2 (naming both when both
@@ -517,9 +503,9 @@ def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
     from gptkiln.data.prepare import prepare
 
     char, bpe, big = tmp_path / "char", tmp_path / "bpe", tmp_path / "bpe-8000"
-    prepare(verdict_path, char, "char", progress=False)
-    prepare(verdict_path, bpe, "bpe:300", val_fraction=0.2, progress=False)
-    meta = prepare(verdict_path, big, "bpe:8000", progress=False)
+    prepare(play_path, char, "char", progress=False)
+    prepare(play_path, bpe, "bpe:300", val_fraction=0.2, progress=False)
+    meta = prepare(play_path, big, "bpe:8000", progress=False)
     assert meta["vocab_size"] < 8000  # a small corpus: fewer ids than asked for
     run = tmp_path / "run"
     short = ["--model", "tiny", "--max-steps", "2", "--no-progress", "--out", run]
@@ -537,7 +523,7 @@ def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
     ]
     for flags, needles in refused:
         code, _, err = cli("train", *flags, *short, capsys=capsys)
-        assert_one_line_error(code, err, *needles, "gptkiln prepare", str(verdict_path))
+        assert_one_line_error(code, err, *needles, "gptkiln prepare", str(play_path))
         assert not run.exists()
     agreeing = [
         ["--data", char],

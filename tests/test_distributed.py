@@ -1,11 +1,11 @@
 """Training on several processes, for real: torchrun launches, gloo on CPU, DDP and FSDP2.
 
-Every run trains the tiny model on the-verdict.txt. The reference is one process with batch 2b;
-two processes with batch b each must give the same loss curve and the same final weights (float
-tolerance: the sums are the same, their order is not), whichever way they are launched, and
-checkpoints must move between 1 and 2 processes. Faults are real: a rank killed by SIGKILL, a
-rank frozen by SIGSTOP. Every process started here runs under a timeout and is killed by pid
-if it outlives it.
+Every run trains the tiny model on the opening of a bundled play (conftest's ``play_path``). The
+reference is one process with batch 2b; two processes with batch b each must give the same loss
+curve and the same final weights (float tolerance: the sums are the same, their order is not),
+whichever way they are launched, and checkpoints must move between 1 and 2 processes. Faults are
+real: a rank killed by SIGKILL, a rank frozen by SIGSTOP. Every process started here runs under a
+timeout and is killed by pid if it outlives it.
 
 Run as a script under torchrun, this file is also the worker of the gradient-sync checks
 (``python -m torch.distributed.run --nproc-per-node 2 tests/test_distributed.py OUT_DIR``).
@@ -33,7 +33,6 @@ from gptkiln.loading import load_model
 from gptkiln.train import read_metrics, train
 
 THIS_FILE = Path(__file__).resolve()
-VERDICT = THIS_FILE.parents[1].parent / "shared" / "data" / "the-verdict.txt"
 B = 4  # the batch of one of two processes; the one-process reference uses 2 * B
 STEPS = 16  # short enough that fp32 rounding stays far below the tolerance
 LAUNCH_TIMEOUT_S = 120
@@ -211,19 +210,13 @@ def launches():
 
 # -- the reference: one process, batch 2b ----------------------------------------------------
 @pytest.fixture(scope="module")
-def verdict() -> Path:
-    if not VERDICT.exists():
-        pytest.skip(f"{VERDICT} not present")
-    return VERDICT
-
-
-@pytest.fixture(scope="module")
-def prepared(verdict, tmp_path_factory) -> Path:
-    """the-verdict.txt tokenized once (char tokenizer), so most runs skip preparing it."""
+def prepared(play_path, tmp_path_factory) -> Path:
+    """The play (conftest's ``play_path``) tokenized once (char tokenizer), so most runs skip
+    preparing it."""
     from gptkiln.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("prepared")
-    prepare(str(verdict), out, tokenizer="char", progress=False)
+    prepare(str(play_path), out, tokenizer="char", progress=False)
     return out
 
 
@@ -456,12 +449,20 @@ def _check_full_state(world, strategy: str) -> dict:
 
 # -- equivalence: 2 x b == 1 x 2b ------------------------------------------------------------
 def test_ddp_two_processes_match_one_process_with_twice_the_batch(
-    verdict, reference, tmp_path, launches
+    play_path, reference, tmp_path, launches
 ):
     # `gptkiln train --nproc 2` re-launches itself under torchrun; the raw text is prepared by
     # rank 0 alone while rank 1 waits.
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "gptkiln", "train", "--nproc", "2", *flags(settings(verdict, out))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gptkiln",
+        "train",
+        "--nproc",
+        "2",
+        *flags(settings(play_path, out)),
+    ]
     output = launches.run(cmd)
     assert_same_training(out, reference)
     # rank 0 alone logs, plots and writes; the checkpoint loads in one process

@@ -1,9 +1,9 @@
 """Tokenizers: GPT-2 golden ids, char vocabularies, trained byte BPE, save/load, specs."""
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import plays_text, the_verdict
 
 from gptkiln.errors import GptkilnError
 from gptkiln.tokenizers import (
@@ -18,7 +18,6 @@ from gptkiln.tokenizers import (
     train_bpe_tokenizer,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 GOLDEN_TEXT = "Hello, do you like tea? <|endoftext|> In the sunlit terracesof someunknownPlace."
 GOLDEN_IDS = [15496, 11, 466, 345, 588, 8887, 30, 220, 50256, 554, 262, 4252, 18250, 8812, 2114]
 GOLDEN_IDS += [1659, 617, 34680, 27271, 13]
@@ -56,11 +55,20 @@ def test_gpt2_golden_ids_and_round_trip(gpt2):
 
 
 def test_gpt2_whole_verdict_round_trips(gpt2):
-    text = (DATA / "the-verdict.txt").read_text(encoding="utf-8")
+    # the book's chapter 2: its text is 5,145 tokens, and these are the first five
+    text = the_verdict().read_text(encoding="utf-8")
     ids = gpt2.encode(text)
     assert len(ids) == 5145
     assert ids[:5] == [40, 367, 2885, 1464, 1807]
     assert gpt2.decode(ids) == text
+
+
+def test_gpt2_round_trips_a_whole_play(gpt2):
+    text = plays_text(90_000)  # A Midsummer Night's Dream, all but its last lines
+    ids = gpt2.encode(text)
+    assert gpt2.decode(ids) == text
+    assert len(ids) < len(text) / 3  # merged: English verse is about 3.3 characters a token
+    assert gpt2.encode_ordinary_batch([text]) == [ids]  # no special token in it
 
 
 def test_gpt2_ordinary_batch_treats_endoftext_as_text(gpt2):
@@ -90,12 +98,12 @@ def test_gpt2_ranks_are_single_bytes_then_merges():
     assert ranks[b"!"] == 0 and ranks[b" the"] == 262 and ranks[bytes([0])] == 188
 
 
-def test_char_vocab_of_tinyshakespeare_is_65():
-    text = (DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")
-    tok = build_char_tokenizer([text], with_eot=False)
-    assert tok.vocab_size == 65 and tok.eot_id is None
-    assert tok.chars[:2] == ["\n", " "]
-    sample = text[:500]
+def test_char_vocab_of_a_play_is_its_characters_in_code_point_order(play_text):
+    tok = build_char_tokenizer([play_text], with_eot=False)
+    assert tok.vocab_size == len(set(play_text)) and tok.eot_id is None
+    assert tok.chars == sorted(set(play_text)) and tok.chars[:2] == ["\n", " "]
+    assert tok.encode("\n T") == [0, 1, tok.chars.index("T")]
+    sample = play_text[:500]
     assert tok.decode(tok.encode(sample)) == sample
 
 
@@ -120,12 +128,11 @@ def test_char_unknown_character_names_it():
     assert tok.encode("") == []
 
 
-def test_bpe_trains_saves_and_reloads_identically(tmp_path):
-    text = (DATA / "the-verdict.txt").read_text(encoding="utf-8")
-    tok = train_bpe_tokenizer([text], 400)
+def test_bpe_trains_saves_and_reloads_identically(tmp_path, play_text):
+    tok = train_bpe_tokenizer([play_text], 400)
     assert isinstance(tok, BPETokenizer)
     assert tok.vocab_size == 400 and tok.eot_id == 0
-    sample = "I HAD always thought Jack Gisburn rather a cheap genius<|endoftext|>Bonjour, ça va?"
+    sample = "THESEUS: Now, fair Hippolyta, our nuptial hour<|endoftext|>Bonjour, ça va?"
     ids = tok.encode(sample)
     assert 0 in ids and tok.decode(ids) == sample
     tok.save(tmp_path)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -43,8 +44,8 @@ def tiny_config(data, out, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
-def test_training_learns_and_writes_a_run_directory(verdict_path, tmp_path):
-    result = train(tiny_config(verdict_path, tmp_path / "run", max_steps=40, eval_interval=10))
+def test_training_learns_and_writes_a_run_directory(play_path, play_text, tmp_path):
+    result = train(tiny_config(play_path, tmp_path / "run", max_steps=40, eval_interval=10))
     run = tmp_path / "run"
     for name in [
         "config.json",
@@ -62,29 +63,32 @@ def test_training_learns_and_writes_a_run_directory(verdict_path, tmp_path):
     assert all(float(r["tokens_per_s"]) > 4 * 32 for r in rows)  # more than a step a second
     losses = [float(r["train_loss"]) for r in rows]
     vocab = json.loads((run / "config.json").read_text())["model"]["vocab_size"]
-    assert losses[-1] < math.log(vocab) - 0.8  # far below a uniform guess: it learns
+    # It learns: most of the way from a uniform guess (ln 59 = 4.08) to the loss of knowing only
+    # how often each character comes (3.27), which a tiny model reaches first.
+    counts = Counter(play_text)
+    frequencies = -sum(n / len(play_text) * math.log(n / len(play_text)) for n in counts.values())
+    assert vocab == len(counts)
+    assert losses[-1] < math.log(vocab) - 0.75 * (math.log(vocab) - frequencies)
     assert losses[-1] < losses[0]
     assert result.val_loss == pytest.approx(float(rows[-1]["val_loss"]))
     assert result.sample.startswith("I ") and len(result.sample) > 2
     assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_tokens_per_second_is_the_tokens_of_a_step_over_its_time(
-    verdict_path, tmp_path, monkeypatch
-):
+def test_tokens_per_second_is_the_tokens_of_a_step_over_its_time(play_path, tmp_path, monkeypatch):
     import itertools
 
     import gptkiln.train
 
     ticks = itertools.count()  # a clock that moves 0.5 s each time it is read: 0.5 s a step
     monkeypatch.setattr(gptkiln.train, "now", lambda: next(ticks) / 2)
-    train(tiny_config(verdict_path, tmp_path / "run", max_steps=8, eval_interval=4))
+    train(tiny_config(play_path, tmp_path / "run", max_steps=8, eval_interval=4))
     rows = read_metrics(tmp_path / "run" / "metrics.csv")
     assert [r["tokens_per_s"] for r in rows] == [2 * 4 * 32] * 2  # batch 4 x context 32 / 0.5 s
 
 
 def test_compile_says_so_and_keeps_its_first_step_out_of_tokens_per_second(
-    verdict_path, tmp_path, monkeypatch, capsys
+    play_path, tmp_path, monkeypatch, capsys
 ):
     """--compile: the trainer runs the model under torch.compile (dynamo's eager backend here,
     no code generation), says which step compiles and what it took, and the reported speed is
@@ -108,7 +112,7 @@ def test_compile_says_so_and_keeps_its_first_step_out_of_tokens_per_second(
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     monkeypatch.setattr(gptkiln.train, "now", lambda: clock[0])
-    cfg = tiny_config(verdict_path, tmp_path / "run", max_steps=4, eval_interval=1, compile=True)
+    cfg = tiny_config(play_path, tmp_path / "run", max_steps=4, eval_interval=1, compile=True)
     train(cfg)
     assert len(compiled_calls) == 4  # every training step went through the compiled model
     out = capsys.readouterr().out
@@ -160,8 +164,8 @@ def test_eval_batches_cover_the_whole_split():
     assert torch.equal(y[:, :-1], x[:, 1:])  # targets are the inputs shifted by one
 
 
-def test_a_step_uses_the_scheduled_lr_and_the_clipped_gradient(verdict_path, tmp_path):
-    cfg = tiny_config(verdict_path, tmp_path / "run", warmup_steps=4, grad_clip=1e-3)
+def test_a_step_uses_the_scheduled_lr_and_the_clipped_gradient(play_path, tmp_path):
+    cfg = tiny_config(play_path, tmp_path / "run", warmup_steps=4, grad_clip=1e-3)
     trainer = Trainer(cfg)
     seen = {}
 
@@ -180,8 +184,8 @@ def test_a_step_uses_the_scheduled_lr_and_the_clipped_gradient(verdict_path, tmp
     assert seen["norm"] == pytest.approx(1e-3, rel=1e-3)  # a fresh model's norm is far above
 
 
-def test_evaluation_batches_come_from_their_own_split(verdict_path, tmp_path):
-    trainer = Trainer(tiny_config(verdict_path, tmp_path / "run"))
+def test_evaluation_batches_come_from_their_own_split(play_path, tmp_path):
+    trainer = Trainer(tiny_config(play_path, tmp_path / "run"))
     trainer.close()
     for batches, split in [(trainer.val_batches, "val"), (trainer.train_eval_batches, "train")]:
         x, y = batches[0]
@@ -197,11 +201,11 @@ def _digests(run: Path) -> dict:
     return {n: hashlib.sha256((run / n).read_bytes()).hexdigest() for n in names}
 
 
-def test_a_diverging_run_stops_with_one_line_and_keeps_the_good_checkpoint(verdict_path, tmp_path):
+def test_a_diverging_run_stops_with_one_line_and_keeps_the_good_checkpoint(play_path, tmp_path):
     run = tmp_path / "run"
-    train(tiny_config(verdict_path, run, max_steps=4, sample_interval=100))
+    train(tiny_config(play_path, run, max_steps=4, sample_interval=100))
     before = _digests(run)
-    diverging = tiny_config(verdict_path, run, max_steps=40, lr=1e30, min_lr=0.0)
+    diverging = tiny_config(play_path, run, max_steps=40, lr=1e30, min_lr=0.0)
     with pytest.raises(GptkilnError, match=r"diverged at step \d+: the loss is nan.*step 4.*--lr"):
         train(diverging, resume=True)
     assert _digests(run) == before
@@ -209,14 +213,14 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_good_checkpoint(verdi
 
 @pytest.mark.parametrize("due", ["sample", "save"])
 def test_weights_that_stop_being_finite_stop_the_run_before_a_sample_or_a_save(
-    due, verdict_path, tmp_path
+    due, play_path, tmp_path
 ):
     # The loss of a step is measured before its update, so the weights are checked too.
     run = tmp_path / "run"
     intervals = dict(sample_interval=3, checkpoint_interval=4)
     if due == "save":
         intervals = dict(sample_interval=100, checkpoint_interval=3)
-    trainer = Trainer(tiny_config(verdict_path, run, max_steps=6, eval_interval=100, **intervals))
+    trainer = Trainer(tiny_config(play_path, run, max_steps=6, eval_interval=100, **intervals))
     weight = trainer.model.h[0].mlp.c_fc.weight
 
     def break_it(optimizer, args, kwargs):
@@ -244,63 +248,59 @@ def test_a_sample_prompt_outside_the_alphabet_fails_before_training(tmp_path):
 
 
 def test_resume_mends_damaged_prepared_data_and_names_a_damaged_metrics_row(
-    verdict_path, tmp_path, capsys
+    play_path, tmp_path, capsys
 ):
     run = tmp_path / "run"
-    train(tiny_config(verdict_path, run, max_steps=4, sample_interval=100))
+    train(tiny_config(play_path, run, max_steps=4, sample_interval=100))
     inode = lambda: (run / "data" / "train.bin").stat().st_ino
     first = inode()
-    train(tiny_config(verdict_path, run, max_steps=6, sample_interval=100), resume=True)
+    train(tiny_config(play_path, run, max_steps=6, sample_interval=100), resume=True)
     assert inode() == first  # the same source, tokenizer and split: reused, not prepared again
     (run / "data" / "meta.json").write_text("{not json")  # prepared again from the source
-    train(tiny_config(verdict_path, run, max_steps=8, sample_interval=100), resume=True)
+    train(tiny_config(play_path, run, max_steps=8, sample_interval=100), resume=True)
     assert json.loads((run / "data" / "meta.json").read_text())["tokenizer"] == "char"
     assert inode() != first
     capsys.readouterr()
-    train(tiny_config(verdict_path, run, max_steps=6), resume=True)  # already at step 8
+    train(tiny_config(play_path, run, max_steps=6), resume=True)  # already at step 8
     assert "nothing to train" in capsys.readouterr().err
     with open(run / "metrics.csv", "a") as f:
         f.write("x,y\n")
     with pytest.raises(GptkilnError, match=r"metrics.csv line \d+: not a row of numbers"):
-        train(tiny_config(verdict_path, run, max_steps=12), resume=True)
+        train(tiny_config(play_path, run, max_steps=12), resume=True)
 
 
-def test_resume_drops_metrics_rows_logged_after_the_checkpoint(verdict_path, tmp_path):
+def test_resume_drops_metrics_rows_logged_after_the_checkpoint(play_path, tmp_path):
     run = tmp_path / "run"
     cfg = dict(eval_interval=2, checkpoint_interval=4, sample_interval=100)
-    train(tiny_config(verdict_path, run, max_steps=4, **cfg))
+    train(tiny_config(play_path, run, max_steps=4, **cfg))
     with open(run / "metrics.csv", "a") as f:  # logged at step 6, then killed before its save
         f.write("6,768,99.0,99.0,0.001,1000\n")
-    train(tiny_config(verdict_path, run, max_steps=8, **cfg), resume=True)
+    train(tiny_config(play_path, run, max_steps=8, **cfg), resume=True)
     rows = list(csv.DictReader(open(run / "metrics.csv")))
     assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]
     assert all(float(r["train_loss"]) < 99 for r in rows)  # step 6 as the resumed run logged it
 
 
-def test_a_resume_with_another_batch_counts_the_tokens_each_step_really_took(
-    verdict_path, tmp_path
-):
+def test_a_resume_with_another_batch_counts_the_tokens_each_step_really_took(play_path, tmp_path):
     run = tmp_path / "run"
     cfg = dict(eval_interval=4, checkpoint_interval=4, sample_interval=100)
-    train(tiny_config(verdict_path, run, max_steps=8, batch_size=4, **cfg))  # 128 tokens a step
-    result = train(tiny_config(verdict_path, run, max_steps=16, batch_size=2, **cfg), resume=True)
+    train(tiny_config(play_path, run, max_steps=8, batch_size=4, **cfg))  # 128 tokens a step
+    result = train(tiny_config(play_path, run, max_steps=16, batch_size=2, **cfg), resume=True)
     tokens = [int(r["tokens"]) for r in read_metrics(run / "metrics.csv")]
     assert tokens == [512, 1024, 1024 + 4 * 64, 1024 + 8 * 64]  # then 64 a step
     assert result.tokens_seen == 1536
 
 
-def test_windows_sampling_refuses_a_resume_with_another_step_size(verdict_path, tmp_path):
+def test_windows_sampling_refuses_a_resume_with_another_step_size(play_path, tmp_path):
     # An epoch of windows is walked in steps of batch_size x grad_accum x processes windows:
     # resumed with another size, some windows would be read twice and others never.
     run = tmp_path / "run"
     cfg = dict(sampling="windows", eval_interval=4, checkpoint_interval=4, sample_interval=100)
-    train(tiny_config(verdict_path, run, max_steps=4, batch_size=4, **cfg))
+    train(tiny_config(play_path, run, max_steps=4, batch_size=4, **cfg))
     with pytest.raises(GptkilnError, match="trained on 4 windows a step and this resume takes 2"):
-        train(tiny_config(verdict_path, run, max_steps=8, batch_size=2, **cfg), resume=True)
+        train(tiny_config(play_path, run, max_steps=8, batch_size=2, **cfg), resume=True)
     # the same 4 windows a step, split another way, is the same walk
-    train(
-        tiny_config(verdict_path, run, max_steps=8, batch_size=2, grad_accum=2, **cfg), resume=True
-    )
+    train(tiny_config(play_path, run, max_steps=8, batch_size=2, grad_accum=2, **cfg), resume=True)
     assert read_checkpoint(run)[1]["step"] == 8
 
 
@@ -390,11 +390,11 @@ def checkpoint_step(run: Path) -> int:
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_run_ends_with_the_same_weights(verdict_path, tmp_path):
+def test_killed_and_resumed_run_ends_with_the_same_weights(play_path, tmp_path):
     args = [
         "train",
         "--data",
-        str(verdict_path),
+        str(play_path),
         "--model",
         "tiny",
         "--tokenizer",
@@ -444,24 +444,24 @@ def test_killed_and_resumed_run_ends_with_the_same_weights(verdict_path, tmp_pat
     assert steps == [20, 40, 60]  # no duplicated rows from the killed run
 
 
-def test_resume_refuses_a_changed_model_and_fresh_runs_refuse_to_overwrite(verdict_path, tmp_path):
-    cfg = tiny_config(verdict_path, tmp_path / "run", max_steps=4)
+def test_resume_refuses_a_changed_model_and_fresh_runs_refuse_to_overwrite(play_path, tmp_path):
+    cfg = tiny_config(play_path, tmp_path / "run", max_steps=4)
     train(cfg)
     with pytest.raises(GptkilnError, match="already holds a checkpoint"):
         train(cfg)
-    changed = tiny_config(verdict_path, tmp_path / "run", max_steps=8, model="baby")
+    changed = tiny_config(play_path, tmp_path / "run", max_steps=8, model="baby")
     with pytest.raises(GptkilnError, match="n_layer 2 in the checkpoint, 4 now"):
         train(changed, resume=True)
     with pytest.raises(GptkilnError, match="cannot resume"):
-        train(tiny_config(verdict_path, tmp_path / "none"), resume=True)
-    longer = train(tiny_config(verdict_path, tmp_path / "run", max_steps=8), resume=True)
+        train(tiny_config(play_path, tmp_path / "none"), resume=True)
+    longer = train(tiny_config(play_path, tmp_path / "run", max_steps=8), resume=True)
     assert longer.steps == 8  # resuming may extend a run
 
 
-def test_gradient_accumulation_equals_the_bigger_batch(verdict_path, tmp_path):
+def test_gradient_accumulation_equals_the_bigger_batch(play_path, tmp_path):
     a = train(
         tiny_config(
-            verdict_path,
+            play_path,
             tmp_path / "a",
             batch_size=4,
             grad_accum=2,
@@ -472,7 +472,7 @@ def test_gradient_accumulation_equals_the_bigger_batch(verdict_path, tmp_path):
     )
     b = train(
         tiny_config(
-            verdict_path,
+            play_path,
             tmp_path / "b",
             batch_size=8,
             grad_accum=1,
@@ -490,7 +490,7 @@ def test_gradient_accumulation_equals_the_bigger_batch(verdict_path, tmp_path):
     seen = {}
     for name, batch, accum in [("a", 4, 2), ("b", 8, 1)]:
         cfg = tiny_config(
-            verdict_path, tmp_path / f"g{name}", batch_size=batch, grad_accum=accum,
+            play_path, tmp_path / f"g{name}", batch_size=batch, grad_accum=accum,
             sampling="windows", stride=16, grad_clip=0.0,
         )  # fmt: skip
         trainer = Trainer(cfg)
@@ -513,10 +513,10 @@ def test_gradient_accumulation_equals_the_bigger_batch(verdict_path, tmp_path):
         torch.testing.assert_close(ga[i], gb[i], atol=1e-6, rtol=1e-4)
 
 
-def test_bf16_precision_runs_the_cpu_step_in_bf16_and_keeps_fp32_weights(verdict_path, tmp_path):
+def test_bf16_precision_runs_the_cpu_step_in_bf16_and_keeps_fp32_weights(play_path, tmp_path):
     runs = {}
     for precision in ("auto", "bf16"):
-        cfg = tiny_config(verdict_path, tmp_path / precision, max_steps=8, precision=precision)
+        cfg = tiny_config(play_path, tmp_path / precision, max_steps=8, precision=precision)
         trainer = Trainer(cfg)
         x, y = trainer.batches.get(0, 0)
         with trainer.autocast:
