@@ -1,6 +1,6 @@
 """Training throughput on 1 and on 2 processes of this machine: the 1 -> 2 process scaling.
 
-    python bench/ddp_scaling.py [--model baby] [--batch 32] [--steps 20] [--threads 2]
+    python bench/ddp_scaling.py [--data SOURCE] [--model baby] [--batch 32] [--steps 20]
 
 Every configuration trains the same global batch (one process with batch 2b, or two with b
 each) with the same number of threads in all (``--threads``, the cores to use: one process with
@@ -8,9 +8,10 @@ all of them, or two with half each), so that "vs 1 process" says what splitting 
 across processes buys, not what more cores buy; "vs 1 thread" compares with one process on one
 core. Each runs under torchrun (gloo on CPU) in fresh processes: the worker builds a real
 `Trainer`, takes warm-up steps, then times ``train_step`` (forward, backward with the gradient
-all-reduce or reduce-scatter, AdamW). The data is the-verdict.txt (char tokenizer), prepared
-once. Rounds are interleaved and the best of each row counts, as a busy spell on a shared
-machine hits one round, not one row.
+all-reduce or reduce-scatter, AdamW). The data is ``--data`` (a gptkiln source, by default
+``shakespeare``, the bundled plays; the figures in bench/README.md took the book's
+the-verdict.txt), char tokenizer, prepared once. Rounds are interleaved and the best of each
+row counts, as a busy spell on a shared machine hits one round, not one row.
 
 On 2 cores this is a figure, not a target: two processes compete for the same cores and
 memory bandwidth as one process's two threads do, and pay for the all-reduce besides.
@@ -26,8 +27,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-VERDICT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "the-verdict.txt"
 
 
 def worker(spec: dict) -> None:
@@ -103,6 +102,12 @@ def measure(nproc: int, threads: int, parallel: str, args, tmp: Path, data: Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--data",
+        default="shakespeare",
+        help="the corpus: a .txt/.md/.jsonl file, a folder of them, or 'shakespeare' (the "
+        "bundled plays; the default)",
+    )
     parser.add_argument("--model", default="baby", help="a gptkiln model preset")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32, help="global batch (rows per step)")
@@ -120,10 +125,14 @@ def main() -> None:
     if args.worker:
         return worker(json.loads(args.worker))
     from gptkiln.data.prepare import prepare
+    from gptkiln.errors import GptkilnError
 
     with tempfile.TemporaryDirectory(prefix="gptkiln-ddp-bench-") as tmp:
         tmp = Path(tmp)
-        prepare(str(VERDICT), tmp / "data", tokenizer="char", progress=False)
+        try:
+            prepare(args.data, tmp / "data", tokenizer="char", progress=False)
+        except GptkilnError as e:
+            sys.exit(f"--data: {e}")
         half = max(1, args.threads // 2)
         rows = [
             ("1 process", 1, args.threads, "ddp"),
@@ -136,7 +145,8 @@ def main() -> None:
             for row in rows:
                 best[row] = max(best[row], measure(*row[1:], args, tmp, tmp / "data"))
         print(
-            f"model {args.model}, context {args.context}, global batch {args.batch}, "
+            f"data {args.data} (char), model {args.model}, context {args.context}, "
+            f"global batch {args.batch}, "
             f"{args.steps} timed steps, {args.threads} threads in all, gloo on CPU, "
             f"best of {args.repeats}"
         )

@@ -1,9 +1,12 @@
 """Tokenizing a corpus to disk, MB/s and peak RSS: gptkiln's ``prepare`` against tiktoken alone.
 
-    python bench/prepare.py [--sizes-mb 25 50 100] [--rounds 3]
+    python bench/prepare.py [--corpus SOURCE] [--sizes-mb 25 50 100] [--rounds 3]
 
-The corpus is tiny Shakespeare (../shared/data/tinyshakespeare.txt) repeated into a temporary
-file of each size (one document). Every measurement is a fresh process:
+The corpus (``--corpus``: a text file, a folder, or ``shakespeare``, the bundled plays, by
+default) is read as gptkiln reads a source, its documents joined and repeated into a temporary
+file of each size (one document). The figures in bench/README.md repeat tiny Shakespeare
+(``--corpus ../shared/data/tinyshakespeare.txt``, nanoGPT's ``input.txt``). Every measurement
+is a fresh process:
 
 - gptkiln: ``gptkiln.data.prepare.prepare(path, out_dir, tokenizer="gpt2", progress=False,
   threads=2)``,
@@ -33,13 +36,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 
-CORPUS = common.SHARED_DATA / "tinyshakespeare.txt"
 PIECE_BYTES = 1 << 20
 
 
-def make_corpus(path: Path, size_mb: float) -> int:
-    """Write tiny Shakespeare repeated until ``size_mb`` MB are reached; returns the bytes."""
-    text = CORPUS.read_bytes()
+def make_corpus(path: Path, size_mb: float, source: str) -> int:
+    """Write the text of ``source`` repeated until ``size_mb`` MB are reached; returns the bytes."""
+    from gptkiln.data.sources import iter_documents
+
+    text = "".join(iter_documents(source)).encode("utf-8")
     copies = max(1, round(size_mb * 1e6 / len(text)))
     with open(path, "wb") as f:
         for _ in range(copies):
@@ -79,11 +83,22 @@ def worker(job: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--corpus",
+        default="shakespeare",
+        help="the text to repeat: a .txt/.md/.jsonl file, a folder of them, or 'shakespeare' "
+        "(the bundled plays; the default)",
+    )
     p.add_argument("--sizes-mb", nargs="+", type=float, default=[25, 50, 100])
     p.add_argument("--rounds", type=int, default=3, help="interleaved repeats of every process")
     args = p.parse_args()
-    if not CORPUS.is_file():
-        sys.exit(f"{CORPUS} is missing: it is the corpus this benchmark repeats")
+    from gptkiln.data.sources import check_source
+    from gptkiln.errors import GptkilnError
+
+    try:
+        check_source(args.corpus)
+    except GptkilnError as e:
+        sys.exit(f"--corpus: {e}")
 
     info = common.print_machine()
     tmp = Path(tempfile.mkdtemp(prefix="gptkiln-bench-prepare-"))
@@ -91,7 +106,7 @@ def main() -> None:
     try:
         for size_mb in args.sizes_mb:
             path = tmp / f"corpus-{size_mb:g}mb.txt"
-            make_corpus(path, size_mb)
+            make_corpus(path, size_mb, args.corpus)
             jobs = [
                 dict(
                     impl=impl,
@@ -130,8 +145,9 @@ def main() -> None:
         ],
     )
     print(
-        f"\n# tiktoken = encode_ordinary_batch(num_threads={common.THREADS}) of the text in "
-        f"memory; gptkiln = prepare() end to end (read, encode, write); MB/s and seconds from the "
+        f"\n# corpus: {args.corpus}, repeated; tiktoken = encode_ordinary_batch(num_threads="
+        f"{common.THREADS}) of the text in memory; gptkiln = prepare() end to end (read, encode, "
+        f"write); MB/s and seconds from the "
         f"best of {args.rounds} rounds; load average now "
         f"{common.machine()['loadavg_1m']:.2f} (at start {info['loadavg_1m']:.2f})"
     )
