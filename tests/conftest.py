@@ -58,7 +58,8 @@ def play_path(play_text, tmp_path_factory) -> Path:
     return path
 
 
-def the_verdict() -> Path:
+@pytest.fixture(scope="session")
+def verdict_path() -> Path:
     """The book's ``the-verdict.txt``; skips the test (saying why) where it is absent."""
     path = SHARED_DATA / "the-verdict.txt"
     if not path.is_file():
@@ -67,3 +68,10 @@ def the_verdict() -> Path:
             "which the project does not ship"
         )
     return path
+
+
+@pytest.fixture(scope="session")
+def verdict_text(verdict_path) -> str:
+    """The book's text, read exactly as the book reads it."""
+    with open(verdict_path, encoding="utf-8") as f:
+        return f.read()

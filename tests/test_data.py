@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import plays_text, the_verdict
+from conftest import plays_text
 
 from gptkiln.data import (
     RandomWindowDataset,
@@ -32,13 +32,6 @@ from gptkiln.tokenizers import Tokenizer, load_tokenizer
 @pytest.fixture(scope="module")
 def gpt2():
     return load_tokenizer("gpt2")
-
-
-@pytest.fixture(scope="module")
-def verdict_text():
-    """The book's text, for the tests of its exact numbers (skipped where it is absent)."""
-    with open(the_verdict(), encoding="utf-8") as f:  # exactly how the book reads it
-        return f.read()
 
 
 def write_jsonl(path, records):
@@ -282,9 +275,9 @@ def test_prepare_gpt2_writes_both_splits_and_their_meta(tmp_path, gpt2, play_pat
     ]
 
 
-def test_prepare_verdict_gpt2_matches_the_books_split(tmp_path, gpt2, verdict_text):
+def test_prepare_verdict_gpt2_matches_the_books_split(tmp_path, gpt2, verdict_path, verdict_text):
     # The book's chapter 5: 20,479 characters, the first 90% to train on, the rest to validate.
-    meta = prepare(the_verdict(), tmp_path / "verdict", "gpt2", progress=False)
+    meta = prepare(verdict_path, tmp_path / "verdict", "gpt2", progress=False)
     assert meta["characters"] == len(verdict_text) == 20479
     split_idx = int(0.90 * len(verdict_text))  # the book's train_ratio = 0.90
     data = load_prepared(tmp_path / "verdict")

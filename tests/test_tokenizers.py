@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import plays_text, the_verdict
+from conftest import plays_text
 
 from gptkiln.errors import GptkilnError
 from gptkiln.tokenizers import (
@@ -54,13 +54,12 @@ def test_gpt2_golden_ids_and_round_trip(gpt2):
     assert gpt2.decode(ids) == GOLDEN_TEXT
 
 
-def test_gpt2_whole_verdict_round_trips(gpt2):
+def test_gpt2_whole_verdict_round_trips(gpt2, verdict_text):
     # the book's chapter 2: its text is 5,145 tokens, and these are the first five
-    text = the_verdict().read_text(encoding="utf-8")
-    ids = gpt2.encode(text)
+    ids = gpt2.encode(verdict_text)
     assert len(ids) == 5145
     assert ids[:5] == [40, 367, 2885, 1464, 1807]
-    assert gpt2.decode(ids) == text
+    assert gpt2.decode(ids) == verdict_text
 
 
 def test_gpt2_round_trips_a_whole_play(gpt2):
