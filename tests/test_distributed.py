@@ -242,12 +242,25 @@ def assert_same_training(run: Path, ref: Path) -> None:
     assert weights.keys() == ref_weights.keys()
     for name in weights:
         torch.testing.assert_close(
-            weights[name],
-            ref_weights[name],
+            trained_by_the_loss(name, weights[name]),
+            trained_by_the_loss(name, ref_weights[name]),
             rtol=1e-4,
             atol=1e-5,
             msg=lambda m, name=name: f"{name}: {m}",
         )
+
+
+def trained_by_the_loss(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a weight that the loss moves: all of it but the key third of an attention's
+    ``c_attn.bias``. A key bias adds q . b_k to every score of a query's row, which the softmax
+    cancels, so its exact gradient is zero: what it gets is rounding noise (~1e-12 against the
+    value bias's ~1e-3), which AdamW scales into steps of up to lr, a different noise for every
+    summation order. In two runs of the DDP test the key biases ended 5.2e-5 and 2.8e-5 apart
+    after 16 steps, while every other weight agreed within 1.2e-6."""
+    if name.endswith("attn.c_attn.bias"):
+        n_embd = tensor.shape[0] // 3  # (3C,): query, key, value
+        return torch.cat([tensor[:n_embd], tensor[2 * n_embd :]])
+    return tensor
 
 
 # -- gradient sync and full state: this file as a torchrun worker ----------------------------
