@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
 THREADS = 2
 RESULT_PREFIX = "RESULT "
 
