@@ -101,7 +101,11 @@ class CausalSelfAttention(nn.Module):
         self.register_module("kv_cache", None)
 
     def forward(
-        self, x: torch.Tensor, start_pos: int | None = None, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        start_pos: int | None = None,
+        mask: torch.Tensor | None = None,
+        attentions: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C).
 
@@ -109,6 +113,8 @@ class CausalSelfAttention(nn.Module):
             start_pos: position of x's first token when the KV cache is in use, else None.
             mask: boolean (B or 1, 1, T, S), True where a query may attend a key; None means
                 plain causal attention over the T keys (or, for T = 1, attend to every key).
+            attentions: a list to append this layer's attention weights (B, nh, T, S) to; given,
+                the explicit path runs (SDPA never forms the weights).
         """
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
@@ -120,25 +126,35 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         # A short full-sequence forward compiled for the CPU spells attention out (see
         # _fuse_on_cpu): inductor fuses its scale, mask and softmax; SDPA stays one opaque call.
-        if self.use_sdpa and not (mask is None and start_pos is None and _fuse_on_cpu(x, T)):
+        if (
+            self.use_sdpa
+            and attentions is None
+            and not (mask is None and start_pos is None and _fuse_on_cpu(x, T))
+        ):
             # a plain bool: under dynamic shapes `T > 1` is symbolic, which SDPA refuses
             is_causal = True if mask is None and T > 1 else False
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
             )
         else:
-            y = explicit_attention(q, k, v, mask, dropout_p)
+            y = explicit_attention(q, k, v, mask, dropout_p, attentions)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, nh, hs) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
 def explicit_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float,
+    weights_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(hs)) v, spelled out: the math that SDPA fuses.
 
     q (B, nh, T, hs), k and v (B, nh, S, hs) -> (B, nh, T, hs). Scale *before* softmax
     (scaling the probabilities afterwards is a classic bug: rows would no longer sum to 1).
+    ``weights_out``, if a list, gets the attention weights (B, nh, T, S), before dropout.
     """
     T, S = q.size(-2), k.size(-2)
     attn_scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, S)
@@ -153,6 +169,8 @@ def explicit_attention(
         # gives NaN, which the next layer would spread to the row's real tokens through V
         # (0 x NaN). Such a row attends to nothing instead, as SDPA does.
         attn_weights = attn_weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    if weights_out is not None:
+        weights_out.append(attn_weights)
     # a branch, not F.dropout(training=dropout_p > 0): under dynamic shapes that is symbolic
     if dropout_p > 0:
         attn_weights = F.dropout(attn_weights, p=dropout_p)
@@ -229,9 +247,13 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, start_pos: int | None = None, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        start_pos: int | None = None,
+        mask: torch.Tensor | None = None,
+        attentions: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), start_pos, mask)
+        x = x + self.attn(self.ln_1(x), start_pos, mask, attentions)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -367,6 +389,7 @@ class GPT(nn.Module):
         *,
         start_pos: int | None = None,
         last_only: bool = False,
+        attentions: list[torch.Tensor] | None = None,
     ):
         """Logits for token ids, and the cross-entropy loss when targets are given.
 
@@ -376,6 +399,9 @@ class GPT(nn.Module):
             start_pos: position of idx's first token when decoding with the KV cache
                 (``setup_cache`` first); None for an ordinary full-sequence forward.
             last_only: compute logits for the last position only (generation), (B, 1, V).
+            attentions: a list to fill with every layer's attention weights, (B, nh, T, S) each,
+                in layer order (for inspection: computed on the explicit path; None, the
+                default, changes nothing).
 
         Returns:
             logits (B, T, V), or (logits, loss) when targets are given.
@@ -388,7 +414,7 @@ class GPT(nn.Module):
         pos, mask = self._positions_and_mask(T, start_pos, idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.h:
-            x = block(x, start_pos, mask)
+            x = block(x, start_pos, mask, attentions)
         x = self.ln_f(x)
         if last_only:
             x = x[:, -1:, :]  # (B, 1, C)
