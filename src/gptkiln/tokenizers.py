@@ -75,6 +75,11 @@ class Tokenizer(ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """Turn ids back into text."""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one id stands for. A byte-level BPE id may hold part of a character
+        (which ``decode([token_id])`` shows as U+FFFD); the ids of a text give back its bytes."""
+        return self.decode([token_id]).encode("utf-8")
+
     def encode_ordinary_batch_arrays(
         self, texts: list[str], num_threads: int | None = None
     ) -> list[np.ndarray]:
@@ -134,6 +139,11 @@ def _bytes_to_unicode() -> dict[int, str]:
             mapping[b] = chr(256 + n)
             n += 1
     return mapping
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {ch: b for b, ch in _bytes_to_unicode().items()}
 
 
 def _package_dir(package: str, pip_name: str) -> Path:
@@ -223,6 +233,9 @@ class GPT2Tokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._encoding.decode(list(ids))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._encoding.decode_single_token_bytes(int(token_id))
 
 
 # ----------------------------------------------------------------------------------------- char
@@ -373,6 +386,18 @@ class BPETokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._hf.id_to_token(int(token_id))
+        if piece is None:
+            raise GptkilnError(
+                f"bpe tokenizer: id {token_id} is outside its vocabulary of {self.vocab_size}; "
+                "were these ids made by another tokenizer?"
+            )
+        if int(token_id) == self.eot_id:
+            return piece.encode("utf-8")
+        byte_of = _unicode_to_bytes()
+        return bytes(byte_of[ch] for ch in piece)  # the byte-level pre-tokenizer's alphabet
 
     def _identity(self) -> str:
         return self._hf.to_str()
