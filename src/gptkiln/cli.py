@@ -270,6 +270,46 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(f"loss {r.loss:.4f} | perplexity {r.perplexity:.2f} | {r.tokens:,} tokens")
 
 
+# -- inspect ---------------------------------------------------------------------------------
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from gptkiln.devices import resolve_device
+    from gptkiln.inspect import check_view, inspect_run, pick
+    from gptkiln.plots import plot_attention
+
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes on the command line
+        raise GptkilnError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8") from None
+    notice = lambda msg: print(f"note: {msg}", file=sys.stderr)
+    result = inspect_run(
+        args.run_dir,
+        args.prompt,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        device=resolve_device(args.device),
+    )
+    check_view(result, layer=args.layer, head=args.head, position=args.position)
+    if result.crop_note():
+        notice(result.crop_note())
+    print(result.report(position=args.position))
+    n_layer, n_head = result.attention.shape[:2]
+    layers = None if args.layer is None else [pick("--layer", args.layer, n_layer, "layers")]
+    heads = None if args.head is None else [pick("--head", args.head, n_head, "heads")]
+    title = f"{Path(args.run_dir).name}: {args.prompt!r}"
+    files = plot_attention(
+        result.attention,
+        result.labels,
+        args.out,
+        layers=layers,
+        heads=heads,
+        title=title if len(title) <= 90 else title[:89] + "…",
+        on_notice=notice,
+    )
+    print(f"wrote {', '.join(str(f) for f in files)}")
+    if args.json:
+        print(f"wrote {result.write_json(args.json)}")
+
+
 # -- convert / download ----------------------------------------------------------------------
 def cmd_convert(args: argparse.Namespace) -> None:
     from gptkiln import convert
@@ -338,6 +378,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
+        "inspect",
+        help="attention maps, next-token probabilities and per-token loss of a prompt",
+        description="Run a model once on a prompt and show what it does with it: every layer's "
+        "and head's attention weights as heat-maps (query tokens down, key tokens across, the "
+        "masked future grey), the top-k next tokens after each prompt token, and the loss of "
+        "each prompt token given the ones before it, with the perplexity. Layers, heads and "
+        "positions count from 0 (layer 0 is h.0); -1 is the last.",
+        epilog="example: gptkiln inspect runs/char --prompt 'ROMEO: What' --layer 0 --top-k 3 "
+        "--out attention.png --json attention.json",
+    )
+    p.add_argument("run_dir", help="a run directory, or an imported Hugging Face GPT-2 directory")
+    p.add_argument("--prompt", required=True, help="the text to inspect (at least one token)")
+    p.add_argument(
+        "--layer", type=int, help="draw only this layer, 0 to n_layer-1 (default: every layer)"
+    )
+    p.add_argument(
+        "--head", type=int, help="draw only this head, 0 to n_head-1 (default: every head)"
+    )
+    p.add_argument(
+        "--position",
+        type=int,
+        help="print the next-token table for this prompt position only, 0 to tokens-1 "
+        "(default: every position)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=5,
+        help="next tokens listed per position, 1 to the vocabulary size (default: 5)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        help="inspect the prompt's first N tokens, N >= 1, at most the model's context; "
+        "a longer prompt is cropped with a note (default: 64)",
+    )
+    p.add_argument(
+        "--out",
+        default="attention.png",
+        help="the heat-map PNG; a grid too large for one figure becomes one file per layer, "
+        "OUT with -layerN before .png (default: attention.png)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write tokens, attention weights, top-k and losses as JSON (default: none)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu | cuda | mps | auto (default: cpu)")
+    p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("convert", help="Hugging Face / book checkpoints in, Hugging Face out")
     p.add_argument(
