@@ -13,11 +13,14 @@ import torch.nn as nn
 
 from gptkiln.errors import GptkilnError
 from gptkiln.teaching import (
+    JOURNEY_EMBEDDINGS,
     CausalAttention,
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
     SelfAttentionLinear,
     SelfAttentionParams,
+    journey_matrices,
+    plot_journey_attention,
     simple_attention,
     simple_attention_weights,
 )
@@ -558,3 +561,52 @@ def test_same_parameters_and_outputs_as_the_books_package(book_name, make, book_
     ):
         torch.testing.assert_close(ours_tensor, theirs_tensor, msg=name)
     torch.testing.assert_close(ours(x), theirs(x))
+
+
+# --- The chapter's matrices as a picture (the README's image) ----------------------------------
+
+
+def test_journey_matrices_are_the_books_and_leave_the_random_state_alone():
+    assert torch.equal(JOURNEY_EMBEDDINGS, INPUTS)
+    state = torch.random.get_rng_state()
+    scores, weights, trainable, causal = journey_matrices().values()
+    assert torch.equal(torch.random.get_rng_state(), state)  # seeded inside a fork
+    assert_matches_book(scores[1], [0.9544, 1.4950, 1.4754, 0.8434, 0.7070, 1.0865])
+    assert_matches_book(weights[1], [0.1385, 0.2379, 0.2333, 0.1240, 0.1082, 0.1581])
+    assert_matches_book(trainable[0], [0.1921, 0.1646, 0.1652, 0.1550, 0.1721, 0.1510])
+    assert_matches_book(causal, CAUSAL_WEIGHTS)
+
+
+def test_journey_plot_has_four_annotated_panels_with_the_future_grey(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    saved = []
+    savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(
+        matplotlib.figure.Figure,
+        "savefig",
+        lambda f, *a, **k: (saved.append(f), savefig(f, *a, **k)),
+    )
+    path = plot_journey_attention(tmp_path / "docs" / "journey.png")  # the folder is made
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    (fig,) = saved
+    axes = [ax for ax in fig.axes if ax.get_title()]
+    assert len(axes) == 4 and axes[3].get_title().startswith("causal")
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == [
+        "Your",
+        "journey",
+        "starts",
+        "with",
+        "one",
+        "step",
+    ]
+    assert [t.get_text() for t in axes[1].texts][6:12] == [
+        "0.14",
+        "0.24",
+        "0.23",
+        "0.12",
+        "0.11",
+        "0.16",
+    ]  # row "journey"
+    assert len(axes[3].texts) == 21 and axes[3].texts[0].get_text() == "1.00"  # lower triangle
+    assert axes[3].images[0].get_array().mask[0, 5] and not axes[2].images[0].get_array().mask.any()

@@ -15,16 +15,36 @@ names (``W_query``, ``W_key``, ``W_value``, ``out_proj``) and the order in which
 are the book's, so ``torch.manual_seed`` gives the book's weights and its state dicts load as is.
 The production attention is ``gptkiln.model.CausalSelfAttention``; this module is for reading.
 
+``journey_matrices`` computes the 6 x 6 matrices the chapter prints for its sentence "Your journey
+starts with one step" and ``plot_journey_attention`` draws them (``python -m gptkiln.teaching
+OUT.png``); ``gptkiln inspect`` draws the same kind of map for a trained model.
+
 Shape legend: B batch, T tokens, d_in input embedding size, d_out output size, nh heads,
 hs head size (d_out // nh).
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 
 from gptkiln.errors import GptkilnError
+
+# "Your journey starts with one step", one 3-d embedding per word (the book's section 3.3).
+JOURNEY_WORDS = ("Your", "journey", "starts", "with", "one", "step")
+JOURNEY_EMBEDDINGS = torch.tensor(
+    [
+        [0.43, 0.15, 0.89],  # Your     (x^1)
+        [0.55, 0.87, 0.66],  # journey  (x^2)
+        [0.57, 0.85, 0.64],  # starts   (x^3)
+        [0.22, 0.58, 0.33],  # with     (x^4)
+        [0.77, 0.25, 0.10],  # one      (x^5)
+        [0.05, 0.80, 0.55],  # step     (x^6)
+    ]
+)
 
 
 def simple_attention_weights(inputs: torch.Tensor) -> torch.Tensor:
@@ -368,3 +388,56 @@ class MultiHeadAttention(nn.Module):
         # transpose leaves the memory strided; view needs it contiguous.
         context_vec = context_vec.contiguous().view(b, num_tokens, self.d_out)  # (B, T, d_out)
         return self.out_proj(context_vec)  # (B, T, d_out)
+
+
+# -- the chapter's matrices as pictures ------------------------------------------------------
+def journey_matrices() -> dict[str, torch.Tensor]:
+    """The 6 x 6 matrices chapter 3 prints for "Your journey starts with one step", in order.
+
+    1. ``attn_scores``: every pair's dot product ``inputs @ inputs.T`` (section 3.3);
+    2. ``attn_weights``: their row-wise softmax (3.3);
+    3. the weights of ``SelfAttentionLinear`` (``SelfAttention_v2``) under the book's seed 789,
+       softmax(Q K^T / sqrt(d_k)) (3.4);
+    4. the causal weights of ``CausalAttention`` under the same seed: the future masked before
+       the softmax, each row summing to 1 over the past (3.5.1).
+
+    The global random state is left as it was (the seeds are set inside ``fork_rng``).
+
+    Returns:
+        Titles (with the book's variable names) to (6, 6) tensors.
+    """
+    x = JOURNEY_EMBEDDINGS  # (6, 3)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(789)
+        trainable = SelfAttentionLinear(3, 2).attention_weights(x)  # (6, 6)
+        torch.manual_seed(789)
+        causal = CausalAttention(3, 2, 6, 0.0).attention_weights(x[None])[0]  # (6, 6)
+    return {
+        "attn_scores = inputs @ inputs.T": x @ x.T,
+        "attn_weights = softmax(attn_scores)": simple_attention_weights(x),
+        "trainable: softmax(Q K^T / sqrt(d_k))": trainable,
+        "causal: future masked, then softmax": causal,
+    }
+
+
+def plot_journey_attention(path: str | os.PathLike) -> Path:
+    """Draw `journey_matrices` into a PNG at ``path`` (its folder created), each value written in
+    its cell, the masked future grey; returns the path."""
+    from gptkiln.plots import plot_matrices
+
+    panels = [
+        (title, matrix, title.startswith("causal")) for title, matrix in journey_matrices().items()
+    ]
+    return plot_matrices(
+        panels,
+        JOURNEY_WORDS,
+        path,
+        title='Chapter 3: attention over "Your journey starts with one step"\n'
+        "each row a query, each column a key; grey: the masked future",
+    )
+
+
+if __name__ == "__main__":  # python -m gptkiln.teaching [OUT.png]
+    import sys
+
+    print(f"wrote {plot_journey_attention(sys.argv[1] if len(sys.argv) > 1 else 'journey.png')}")
