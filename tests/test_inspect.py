@@ -341,11 +341,11 @@ def test_inspect_command_prints_the_table_and_writes_the_png_and_json(run_dir, t
     ],
 )
 def test_bad_inspect_flags_get_one_line(flags, needle, run_dir, tmp_path, capsys):
-    code, _, err = cli(
+    code, out, err = cli(
         "inspect", run_dir, "--prompt", "To", *flags, "--out", tmp_path / "x.png", capsys=capsys
     )
     assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
-    assert not (tmp_path / "x.png").exists()  # refused before anything is written
+    assert out == "" and not (tmp_path / "x.png").exists()  # refused before any output
 
 
 def test_an_empty_prompt_or_a_missing_run_gets_one_line(run_dir, tmp_path, capsys):
