@@ -4,4 +4,9 @@ import sys
 
 from gptkiln.cli import main
 
-sys.exit(main())
+code = main()
+if "gptkiln.distributed" in sys.modules:  # a torchrun worker may still be in its process group
+    from gptkiln.distributed import exit_process
+
+    exit_process(code)
+sys.exit(code)

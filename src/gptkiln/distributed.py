@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -109,6 +110,22 @@ def _restart_store(world: World, timeout: datetime.timedelta):
 
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def exit_process(code: int) -> None:
+    """End this process with ``code``.
+
+    A process still in a gloo process group can abort while the interpreter shuts down
+    ("terminate called without an active exception", pytorch#190489): its exit code would
+    read as a crash, and a bad input's 2 as a failure. So when a group is still joined
+    (a rank that failed during training: leaving it could deadlock if another rank is inside a
+    collective), the streams are flushed and the process ends at once, skipping that shutdown.
+    """
+    if initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def teardown() -> None:

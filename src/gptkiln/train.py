@@ -179,6 +179,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     (``--max-restarts``), the run resumes from its last checkpoint by itself.
     """
     trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
+    # Not left on a failure: another rank may be inside a collective, and leaving the group
+    # could then deadlock (torchtitan#1342); the CLI ends such a process with os._exit.
     result = trainer.fit()
     trainer.close()
     return result
@@ -221,13 +223,22 @@ class Trainer:
     """One training run: builds data, model and optimizer from a `TrainConfig`, then `fit()`s."""
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False):
-        from gptkiln import checkpoint
-
         self.cfg, self.run_dir = cfg, Path(cfg.out)
         self.device = resolve_device(cfg.device)
         check_one_gpu_each(self.device, os.environ)
         self.owns_process_group = dist_utils.launched_by_torchrun() and not dist_utils.initialized()
         self.world = dist_utils.setup(self.device)
+        try:
+            self._set_up(cfg, resume, overwrite)
+        except BaseException:
+            # A bad input found while setting up: leave the group (this rank has no collective
+            # in flight) so that the process exits with its code, not a gloo abort at exit.
+            self.close()
+            raise
+
+    def _set_up(self, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
+        from gptkiln import checkpoint
+
         if self.device == "cuda":
             self.device = f"cuda:{self.world.local_rank}"
         self.guard = dist_utils.TerminationGuard()
