@@ -187,11 +187,12 @@ def test_a_step_uses_the_scheduled_lr_and_the_clipped_gradient(play_path, tmp_pa
 def test_evaluation_batches_come_from_their_own_split(play_path, tmp_path):
     trainer = Trainer(tiny_config(play_path, tmp_path / "run"))
     trainer.close()
-    for batches, split in [(trainer.val_batches, "val"), (trainer.train_eval_batches, "train")]:
+    task = trainer.task
+    for batches, split in [(task.val_batches, "val"), (task.train_eval_batches, "train")]:
         x, y = batches[0]
-        tokens = torch.from_numpy(getattr(trainer.data, split)[:33].astype("int64"))
+        tokens = torch.from_numpy(getattr(task.data, split)[:33].astype("int64"))
         assert torch.equal(x[0], tokens[:32]) and torch.equal(y[0], tokens[1:])
-    assert not torch.equal(trainer.val_batches[0][0], trainer.train_eval_batches[0][0])
+    assert not torch.equal(task.val_batches[0][0], task.train_eval_batches[0][0])
 
 
 def _digests(run: Path) -> dict:

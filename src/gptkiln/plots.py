@@ -1,7 +1,7 @@
 """The pictures gptkiln draws, with matplotlib (imported when a picture is drawn):
 
-- ``plot_losses``: the book's loss plot, train and validation loss against steps, with a second
-  x-axis of tokens seen;
+- ``plot_metric`` (the book's ``plot_values``) and ``plot_losses``: a metric on the training and
+  validation sets against steps, with a second x-axis of tokens seen;
 - ``plot_attention``: attention weights as heat-maps, a panel per layer and head, with token
   labels in a font that has their glyphs (``label_fonts``);
 - ``plot_matrices``: small annotated matrices, the book's chapter-3 printouts as pictures.
@@ -20,24 +20,32 @@ from typing import Any
 
 def plot_losses(rows: Sequence[dict], path: str | os.PathLike) -> None:
     """Draw rows of metrics (step, tokens, train_loss, val_loss) to a PNG at ``path``."""
+    plot_metric(rows, path, "loss")
+
+
+def plot_metric(rows: Sequence[dict], path: str | os.PathLike, metric: str = "loss") -> None:
+    """Draw ``train_METRIC`` and ``val_METRIC`` of rows of metrics (with ``step`` and
+    ``tokens``) to a PNG at ``path``; called ``plot_values`` in the book's chapter 6."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a window
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    name = metric.capitalize()
     steps = [r["step"] for r in rows]
+    train = [r.get(f"train_{metric}") for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["train_loss"] for r in rows], label="Training loss")
-    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    ax.plot(steps, train, label=f"Training {metric}")
+    val = [(r["step"], r[f"val_{metric}"]) for r in rows if r.get(f"val_{metric}") is not None]
     if val:
-        ax.plot(*zip(*val), linestyle="-.", label="Validation loss")
+        ax.plot(*zip(*val), linestyle="-.", label=f"Validation {metric}")
     ax.set_xlabel("Steps")
-    ax.set_ylabel("Loss")
-    ax.legend(loc="upper right")
+    ax.set_ylabel(name)
+    ax.legend(loc="upper right" if metric == "loss" else "lower right")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     tokens = ax.twiny()  # same curve against tokens seen, on the top axis
-    tokens.plot([r["tokens"] for r in rows], [r["train_loss"] for r in rows], alpha=0)
+    tokens.plot([r["tokens"] for r in rows], train, alpha=0)
     tokens.set_xlabel("Tokens seen")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

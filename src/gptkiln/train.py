@@ -1,9 +1,17 @@
 """Training: `train(config)` runs the loop, evaluates, samples, logs, checkpoints and resumes.
 
-Data order is a pure function of (seed, step): optimizer step s reads the global windows
+Two parts, one seam: `Trainer` is the loop (optimizer steps with gradient accumulation and
+clipping, the schedule, evaluation, samples, metrics.csv, loss.png, atomic checkpoints, exact
+resume, torchrun), over any model and batch source that a `Task` gives it; `LanguageModeling`
+is pretraining's task (prepared text, sliding or random windows, a fresh GPT). Fine-tuning's
+tasks (`gptkiln.finetune`) give the same loop an instruction-following or a classification
+model, so `gptkiln train` and `gptkiln finetune` share one loop, one checkpoint format, one
+resume and one metrics file.
+
+Data order is a pure function of (seed, step): optimizer step s reads the global items
 [s*G, (s+1)*G) of an epoch's seeded permutation (or of a seeded random stream), G = batch_size x
 grad_accum x world_size, and rank r takes its own slice of them. So a resumed run needs only the
-step to continue the exact data order, and N processes read disjoint windows that together are
+step to continue the exact data order, and N processes read disjoint items that together are
 exactly what one process with N times the batch would read.
 """
 
@@ -14,9 +22,10 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,10 +38,71 @@ from gptkiln.model import GPT
 from gptkiln.optim import lr_at, make_optimizer
 
 METRICS_FIELDS = ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s"]
+"""metrics.csv's columns for pretraining; a task's own columns go between tokens and lr."""
+
+
+class EpochOrder:
+    """Which of ``n_items`` items each (optimizer step, micro-step, rank) reads, in epochs.
+
+    Epoch e is a permutation of the items seeded with ``seed + e``, walked ``global_batch`` =
+    batch_size x grad_accum x world_size items a step (the items left over at an epoch's end are
+    dropped, as a DataLoader with ``drop_last``); rank r takes its own ``batch_size`` slice of
+    each micro-step. Computed from indices alone, so resuming needs only the step.
+    """
+
+    def __init__(
+        self,
+        n_items: int,
+        cfg: TrainConfig,
+        world: dist_utils.World,
+        what: str = "windows",
+    ):
+        self.n_items, self.batch_size, self.world = n_items, cfg.batch_size, world
+        self.grad_accum = cfg.grad_accum
+        self.seed, self.max_steps, self.epochs = cfg.seed, cfg.max_steps, cfg.epochs
+        self.global_batch = cfg.batch_size * cfg.grad_accum * world.world_size
+        self.steps_per_epoch = n_items // self.global_batch
+        if self.steps_per_epoch == 0:
+            fix = "or context_length, or use more text" if what == "windows" else "or use more data"
+            raise GptkilnError(
+                f"the training split has {n_items} {what}, fewer than one step's "
+                f"{self.global_batch} (batch_size x grad_accum x processes); lower batch_size "
+                + fix
+            )
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def total_steps(self) -> int:
+        return self.max_steps or self.epochs * self.steps_per_epoch
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm = (epoch, torch.randperm(self.n_items, generator=gen))
+        return self._perm[1]
+
+    def ids(self, step: int, micro: int, rank: int | None = None) -> list[int]:
+        """The items of this rank's (or ``rank``'s) micro-step ``micro`` of step ``step``."""
+        rank = self.world.rank if rank is None else rank
+        first = (micro * self.world.world_size + rank) * self.batch_size
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = self._order(epoch)
+        return order[within * self.global_batch + first :][: self.batch_size].tolist()
+
+    def step_ids(self, step: int) -> list[list[int]]:
+        """The items of every micro-step of every rank of optimizer step ``step``."""
+        ranks = range(self.world.world_size)
+        return [self.ids(step, m, r) for m in range(self.grad_accum) for r in ranks]
 
 
 class Batches:
-    """Training windows by (step, micro-step, rank), computed from indices alone."""
+    """Training windows by (step, micro-step, rank), computed from indices alone.
+
+    ``"windows"`` sampling walks the sliding windows in epochs (`EpochOrder`); ``"random"``
+    reads the windows of a seeded random stream in order.
+    """
+
+    walks_epochs: bool  # the order depends on the global batch: resuming must keep it
 
     def __init__(
         self, tokens: np.ndarray, cfg: TrainConfig, context_length: int, world: dist_utils.World
@@ -40,42 +110,35 @@ class Batches:
         from gptkiln.data.windows import RandomWindowDataset, SlidingWindowDataset
 
         self.cfg, self.world = cfg, world
+        self.context_length = context_length
         self.global_batch = cfg.batch_size * cfg.grad_accum * world.world_size
-        if cfg.sampling == "windows":
+        self.walks_epochs = cfg.sampling == "windows"
+        self.order: EpochOrder | None = None
+        if self.walks_epochs:
             stride = cfg.stride or context_length
             self.dataset = SlidingWindowDataset(tokens, context_length, stride)
-            self.steps_per_epoch = len(self.dataset) // self.global_batch
-            if self.steps_per_epoch == 0:
-                raise GptkilnError(
-                    f"the training split has {len(self.dataset)} windows, fewer than one step's "
-                    f"{self.global_batch} (batch_size x grad_accum x processes); lower batch_size "
-                    "or context_length, or use more text"
-                )
+            self.order = EpochOrder(len(self.dataset), cfg, world)
+            self.steps_per_epoch = self.order.steps_per_epoch
         else:
             num = max(1, cfg.max_steps) * self.global_batch
             self.dataset = RandomWindowDataset(tokens, context_length, num, cfg.seed)
             self.steps_per_epoch = cfg.max_steps
-        self._perm: tuple[int, torch.Tensor] | None = None
 
     @property
     def total_steps(self) -> int:
         return self.cfg.max_steps or self.cfg.epochs * self.steps_per_epoch
 
-    def _order(self, epoch: int) -> torch.Tensor:
-        if self._perm is None or self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(self.cfg.seed + epoch)
-            self._perm = (epoch, torch.randperm(len(self.dataset), generator=gen))
-        return self._perm[1]
+    def tokens(self, step: int) -> int:
+        """Input tokens that optimizer step ``step`` reads, over all ranks and micro-steps."""
+        return self.global_batch * self.context_length
 
     def get(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of shape (batch_size, T) for this rank's micro-step of optimizer step ``step``."""
         b = self.cfg.batch_size
-        first = (micro * self.world.world_size + self.world.rank) * b
-        if self.cfg.sampling == "windows":
-            epoch, within = divmod(step, self.steps_per_epoch)
-            order = self._order(epoch)
-            ids = order[within * self.global_batch + first :][:b].tolist()
+        if self.order is not None:
+            ids = self.order.ids(step, micro)
         else:
+            first = (micro * self.world.world_size + self.world.rank) * b
             ids = range(step * self.global_batch + first, step * self.global_batch + first + b)
         xs, ys = zip(*(self.dataset[i] for i in ids), strict=True)
         return torch.stack(xs), torch.stack(ys)
@@ -95,12 +158,7 @@ def eval_batches(
     from gptkiln.data.windows import SlidingWindowDataset
 
     dataset = SlidingWindowDataset(tokens, context_length, context_length)
-    wanted = n_batches * batch_size
-    if len(dataset) <= wanted:
-        order = list(range(len(dataset)))
-    else:
-        spread = torch.linspace(0, len(dataset) - 1, wanted, dtype=torch.float64)
-        order = spread.round().long().tolist()  # float64: exact for any real corpus
+    order = spread_evenly(len(dataset), n_batches * batch_size)
     batches = []
     for start in range(0, len(order), batch_size):
         xs, ys = zip(*(dataset[i] for i in order[start : start + batch_size]), strict=True)
@@ -108,7 +166,57 @@ def eval_batches(
     return batches
 
 
+def spread_evenly(n: int, wanted: int) -> list[int]:
+    """All of ``range(n)`` when ``n <= wanted``, else ``wanted`` indices spread evenly from the
+    first to the last."""
+    if n <= wanted:
+        return list(range(n))
+    spread = torch.linspace(0, n - 1, wanted, dtype=torch.float64)
+    return spread.round().long().tolist()  # float64: exact for any real corpus
+
+
 @torch.no_grad()
+def sum_over_batches(
+    model: torch.nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    device: str,
+    world: dist_utils.World | None,
+    autocast,
+    measure: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> list[float]:
+    """Sums over ``batches`` of ``measure(logits, loss, y)``, a float64 tensor of sums per batch
+    (e.g. loss x targets, targets), added up over all ranks, which split the batches.
+
+    Every rank runs the same number of forwards (FSDP needs all ranks in every forward); the
+    padding ones are not counted.
+    """
+    world = world or dist_utils.World()
+    was_training = model.training
+    model.eval()
+    rounds = math.ceil(len(batches) / world.world_size)
+    totals = None
+    for i in range(rounds):
+        j = i * world.world_size + world.rank
+        x, y = batches[j % len(batches)]
+        x, y = x.to(device), y.to(device)
+        with autocast or torch.autocast(device_type="cpu", enabled=False):
+            logits, loss = model(x, y)
+        sums = measure(logits, loss, y)
+        totals = torch.zeros_like(sums) if totals is None else totals
+        if j < len(batches):
+            totals += sums
+    totals = dist_utils.all_reduce_sum(totals, world)
+    model.train(was_training)
+    return totals.tolist()
+
+
+def loss_sums(logits: torch.Tensor, loss: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(summed loss, targets) of one batch: the loss is a mean over the targets that count,
+    those not -100 (padding masked by a fine-tuning batch)."""
+    count = (y != -100).sum().double()
+    return torch.stack([loss.double() * count, count])
+
+
 def evaluate(
     model: torch.nn.Module,
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -116,27 +224,9 @@ def evaluate(
     world: dist_utils.World | None = None,
     autocast=None,
 ) -> float:
-    """Mean cross-entropy over ``batches`` (weighted by targets), the work split across ranks.
-
-    Every rank runs the same number of forwards (FSDP needs all ranks in every forward); the
-    padding ones carry weight 0.
-    """
-    world = world or dist_utils.World()
-    was_training = model.training
-    model.eval()
-    rounds = math.ceil(len(batches) / world.world_size)
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for i in range(rounds):
-        j = i * world.world_size + world.rank
-        x, y = batches[j % len(batches)]
-        with autocast or torch.autocast(device_type="cpu", enabled=False):
-            _, loss = model(x.to(device), y.to(device))
-        if j < len(batches):
-            count = torch.tensor(y.numel(), device=device)
-            totals += torch.stack([loss.double() * count, count])
-    totals = dist_utils.all_reduce_sum(totals, world)
-    model.train(was_training)
-    return (totals[0] / totals[1]).item()
+    """Mean cross-entropy over ``batches`` (weighted by targets), the work split across ranks."""
+    loss_sum, count = sum_over_batches(model, batches, device, world, autocast, loss_sums)
+    return loss_sum / count
 
 
 @dataclass
@@ -219,60 +309,131 @@ def now() -> float:
     return time.perf_counter()
 
 
-class Trainer:
-    """One training run: builds data, model and optimizer from a `TrainConfig`, then `fit()`s."""
+# -- what a kind of training gives the loop ---------------------------------------------------
+@dataclass(frozen=True)
+class RunContext:
+    """Where a run trains, handed to a task as it builds its data and model.
 
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False):
-        self.cfg, self.run_dir = cfg, Path(cfg.out)
-        self.device = resolve_device(cfg.device)
-        check_one_gpu_each(self.device, os.environ)
-        self.owns_process_group = dist_utils.launched_by_torchrun() and not dist_utils.initialized()
-        self.world = dist_utils.setup(self.device)
-        try:
-            self._set_up(cfg, resume, overwrite)
-        except BaseException:
-            # A bad input found while setting up: leave the group (this rank has no collective
-            # in flight) so that the process exits with its code, not a gloo abort at exit.
-            self.close()
-            raise
+    Attributes:
+        cfg: the loop's settings.
+        run_dir: the run directory (``cfg.out``).
+        device: the torch device of this process (``cuda:LOCAL_RANK`` under torchrun).
+        world: this process's rank among the training processes.
+        resume: whether the run continues from the checkpoint in ``run_dir``.
+    """
 
-    def _set_up(self, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
+    cfg: TrainConfig
+    run_dir: Path
+    device: str
+    world: dist_utils.World
+    resume: bool
+
+
+class BatchSource(Protocol):
+    """Training batches by (optimizer step, micro-step), the same on every resume."""
+
+    global_batch: int  # items an optimizer step reads over all ranks and micro-steps
+    walks_epochs: bool  # the order depends on global_batch, so a resume must keep it
+
+    @property
+    def total_steps(self) -> int: ...
+
+    def tokens(self, step: int) -> int:
+        """Input tokens that optimizer step ``step`` reads, over all ranks and micro-steps."""
+        ...
+
+    def get(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of this rank's micro-step ``micro`` of step ``step``."""
+        ...
+
+
+class Task(Protocol):
+    """What a kind of training gives `Trainer`: a model, its batches, how to evaluate and
+    sample it, and how its checkpoint is written and read back.
+
+    The loss is the model's own: ``model(x, y)`` returns ``(logits, loss)``.
+    """
+
+    model: GPT  # built on the device; the parameters that train have requires_grad
+    tokenizer: Any
+    batches: BatchSource
+    columns: tuple[str, ...]  # what `evaluate` returns: metrics.csv columns between tokens and lr
+    plots: tuple[str, ...]  # metrics drawn at the end, each as METRIC.png (train_ / val_ columns)
+
+    def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
+        """One value per column, on the task's fixed evaluation batches."""
+        ...
+
+    def summary(self, row: dict) -> str:
+        """The evaluation's part of the line printed at each evaluation."""
+        ...
+
+    def sample(self, model: GPT, use_cache: bool) -> str | None:
+        """A text to watch the run learn by (None: the task has none)."""
+        ...
+
+    def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
+        """Write the checkpoint (rank 0 only): the model state dict, the trainer's state."""
+        ...
+
+    def load(self) -> tuple[dict, dict]:
+        """(full model state dict, trainer state) of the checkpoint to resume from."""
+        ...
+
+
+class LanguageModeling:
+    """Pretraining's task: text prepared into tokens, windows of it, a fresh GPT predicting the
+    next token, samples from ``cfg.sample_prompt``."""
+
+    columns = ("train_loss", "val_loss")
+    plots = ("loss",)
+
+    def __init__(self, ctx: RunContext):
         from gptkiln import checkpoint
 
-        if self.device == "cuda":
-            self.device = f"cuda:{self.world.local_rank}"
-        self.guard = dist_utils.TerminationGuard()
-        resume, overwrite = self._start_mode(resume, overwrite)
+        self.ctx, self.cfg, self.run_dir = ctx, ctx.cfg, ctx.run_dir
+        cfg = ctx.cfg
         self.data = self._load_data()
         self.tokenizer = self.data.tokenizer
-        if resume:
+        if ctx.resume:
             self._check_same_tokenizer()
         self._check_sample_prompt()
         self.model_config = model_config_for(cfg, self.tokenizer.vocab_size)
         self._check_splits_hold_a_window()
-        if resume:
+        if ctx.resume:
             checkpoint.check_same_model_config(self.run_dir, self.model_config)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model = GPT(self.model_config).to(self.device)
-        self.model = dist_utils.parallelize(model, self.world, cfg.parallel)
-        self.forward = torch.compile(self.model) if cfg.compile else self.model
-        betas = (cfg.beta1, cfg.beta2)
-        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay, betas)
-        ctx = self.model_config.context_length
-        self.batches = Batches(self.data.train, cfg, ctx, self.world)
+        self.model = GPT(self.model_config).to(ctx.device)
+        ctx_len = self.model_config.context_length
+        self.batches = Batches(self.data.train, cfg, ctx_len, ctx.world)
         # eval_batches of the global batch, split across ranks: N x b evaluates what 1 x Nb does.
-        n_eval = cfg.eval_batches * self.world.world_size
-        self.val_batches = eval_batches(self.data.val, ctx, cfg.batch_size, n_eval)
+        n_eval = cfg.eval_batches * ctx.world.world_size
+        self.val_batches = eval_batches(self.data.val, ctx_len, cfg.batch_size, n_eval)
         self.train_eval_batches = (
-            eval_batches(self.data.train, ctx, cfg.batch_size, n_eval) if cfg.eval_train else []
+            eval_batches(self.data.train, ctx_len, cfg.batch_size, n_eval) if cfg.eval_train else []
         )
-        self.tokens_per_step = self.batches.global_batch * ctx
-        self.step, self.tokens, self.history, self.saved_step = 0, 0, [], None
-        torch.manual_seed(cfg.seed + self.world.rank)  # dropout differs across ranks
-        if resume:
-            self._restore()
-        elif self.world.is_main:
-            self._start_afresh(overwrite)
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _load_data(self):
+        from gptkiln.data.prepare import is_prepared, load_prepared, prepare
+
+        cfg, world = self.cfg, self.ctx.world
+        if is_prepared(cfg.data):
+            return load_prepared(cfg.data)
+        data_dir = self.run_dir / "data"
+        source = cfg.data
+        if world.is_main and not _prepared_matches(
+            data_dir, source, cfg.tokenizer, cfg.val_fraction
+        ):
+            prepare(
+                source,
+                data_dir,
+                tokenizer=cfg.tokenizer,
+                val_fraction=cfg.val_fraction,
+                progress=cfg.progress,
+            )
+        dist_utils.barrier(world)
+        return load_prepared(data_dir)
 
     def _check_same_tokenizer(self) -> None:
         """A resumed run reads its data with the tokenizer it was trained with (the same kind
@@ -325,6 +486,108 @@ class Trainer:
                 "e.g. --sample-prompt 'The'"
             )
 
+    # -- what the loop asks --------------------------------------------------------------------
+    def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
+        """Loss on the fixed validation and training batches (None for a set left out)."""
+        device, world = self.ctx.device, self.ctx.world
+        return {
+            f"{split}_loss": evaluate(model, batches, device, world, autocast) if batches else None
+            for split, batches in (("train", self.train_eval_batches), ("val", self.val_batches))
+        }
+
+    def summary(self, row: dict) -> str:
+        val = row["val_loss"]
+        val_text = f" | val {val:.3f} (ppl {math.exp(min(val, 50)):.1f})" if val else ""
+        return f"train {row['train_loss']:.3f}{val_text}"
+
+    def sample(self, model: GPT, use_cache: bool) -> str:
+        cfg = self.cfg
+        return sample_text(
+            model, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens, cfg.seed, use_cache
+        )
+
+    def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
+        from gptkiln import checkpoint
+
+        checkpoint.write_checkpoint(
+            self.run_dir,
+            self.model_config,
+            model_sd,
+            state,
+            train_config=train_config,
+            tokenizer=self.tokenizer,
+        )
+
+    def load(self) -> tuple[dict, dict]:
+        from gptkiln import checkpoint
+
+        return checkpoint.read_checkpoint(self.run_dir)
+
+
+# -- the loop ---------------------------------------------------------------------------------
+class Trainer:
+    """One training run: the loop over what a `Task` gives it, then `fit()`.
+
+    Args:
+        cfg: the loop's settings (``out`` is the run directory).
+        resume: continue from the checkpoint in ``cfg.out``.
+        overwrite: start afresh over a checkpoint in ``cfg.out``.
+        task: builds the task from the `RunContext`; `LanguageModeling` (pretraining) when None.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        task: Callable[[RunContext], Task] | None = None,
+    ):
+        self.cfg, self.run_dir = cfg, Path(cfg.out)
+        self.device = resolve_device(cfg.device)
+        check_one_gpu_each(self.device, os.environ)
+        self.owns_process_group = dist_utils.launched_by_torchrun() and not dist_utils.initialized()
+        self.world = dist_utils.setup(self.device)
+        try:
+            self._set_up(cfg, resume, overwrite, task)
+        except BaseException:
+            # A bad input found while setting up: leave the group (this rank has no collective
+            # in flight) so that the process exits with its code, not a gloo abort at exit.
+            self.close()
+            raise
+
+    def _set_up(
+        self,
+        cfg: TrainConfig,
+        resume: bool,
+        overwrite: bool,
+        task: Callable[[RunContext], Task] | None,
+    ) -> None:
+        if self.device == "cuda":
+            self.device = f"cuda:{self.world.local_rank}"
+        self.guard = dist_utils.TerminationGuard()
+        resume, overwrite = self._start_mode(resume, overwrite)
+        context = RunContext(cfg, self.run_dir, self.device, self.world, resume)
+        self.task = (task or LanguageModeling)(context)
+        self.tokenizer = self.task.tokenizer
+        self.model = dist_utils.parallelize(self.task.model, self.world, cfg.parallel)
+        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        betas = (cfg.beta1, cfg.beta2)
+        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay, betas)
+        self.batches = self.task.batches
+        self.metrics_fields = ["step", "tokens", *self.task.columns, "lr", "tokens_per_s"]
+        self.step, self.tokens, self.history, self.saved_step = 0, 0, [], None
+        torch.manual_seed(cfg.seed + self.world.rank)  # dropout differs across ranks
+        if resume:
+            self._restore()
+        elif self.world.is_main:
+            self._start_afresh(overwrite)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Input tokens of the next optimizer step, over all ranks and micro-steps."""
+        return self.batches.tokens(self.step)
+
     def close(self) -> None:
         """Leave the process group, if this trainer joined it."""
         if self.owns_process_group:
@@ -354,27 +617,6 @@ class Trainer:
         (self.run_dir / "metrics.csv").unlink(missing_ok=True)
         if overwrite:  # so that a restart after a failure never resumes the replaced run
             (self.run_dir / TRAINER_STATE_FILE).unlink(missing_ok=True)
-
-    def _load_data(self):
-        from gptkiln.data.prepare import is_prepared, load_prepared, prepare
-
-        cfg = self.cfg
-        if is_prepared(cfg.data):
-            return load_prepared(cfg.data)
-        data_dir = self.run_dir / "data"
-        source = cfg.data
-        if self.world.is_main and not _prepared_matches(
-            data_dir, source, cfg.tokenizer, cfg.val_fraction
-        ):
-            prepare(
-                source,
-                data_dir,
-                tokenizer=cfg.tokenizer,
-                val_fraction=cfg.val_fraction,
-                progress=cfg.progress,
-            )
-        dist_utils.barrier(self.world)
-        return load_prepared(data_dir)
 
     @property
     def autocast(self):
@@ -449,18 +691,19 @@ class Trainer:
         while self.step < total:
             dist_utils.fail_for_test(self.step, self.world)
             t0 = now()
+            step_tokens = self.batches.tokens(self.step)
             lr, loss = self.train_step(total)
             self.step += 1
-            self.tokens += self.tokens_per_step
+            self.tokens += step_tokens
             dt = now() - t0
             if compiling:  # the compile time is no step's speed: keep it out of tokens/s
                 compiling = False
                 if self.world.is_main:
                     bar.write(f"compiled: step {self.step} took {dt:.1f} s")
             elif tokens_per_s is None:
-                tokens_per_s = self.tokens_per_step / dt
+                tokens_per_s = step_tokens / dt
             else:
-                tokens_per_s = 0.9 * tokens_per_s + 0.1 * self.tokens_per_step / dt
+                tokens_per_s = 0.9 * tokens_per_s + 0.1 * step_tokens / dt
             bar.update(1)
             if self.cfg.progress and self.world.distributed:  # the whole batch's, not rank 0's
                 shown = dist_utils.all_reduce_mean(torch.tensor(loss), self.world).item()
@@ -549,51 +792,36 @@ class Trainer:
 
     # -- watching it learn -------------------------------------------------------------------
     def log_eval(self, batch_loss: float, lr: float, tokens_per_s: float | None, bar):
-        """Loss (and perplexity) on the fixed validation and training batches; one CSV row."""
-        val = (
-            evaluate(self.model, self.val_batches, self.device, self.world, self.autocast)
-            if self.val_batches
-            else None
-        )
-        train = (
-            evaluate(self.model, self.train_eval_batches, self.device, self.world, self.autocast)
-            if self.train_eval_batches
-            else None
-        )
+        """The task's evaluation (e.g. loss and perplexity on fixed validation and training
+        batches) as one CSV row and one line."""
+        values = self.task.evaluate(self.model, self.autocast)
         mean_batch = dist_utils.all_reduce_mean(torch.tensor(batch_loss), self.world).item()
+        if values.get("train_loss") is None:  # no training set evaluated: the batches' loss
+            values["train_loss"] = mean_batch
         row = {
             "step": self.step,
             "tokens": self.tokens,
-            "train_loss": train if train is not None else mean_batch,
-            "val_loss": val,
+            **values,
             "lr": lr,
-            # tokens_per_step already counts every rank; None (an empty cell) until a step is
-            # timed: under --compile the first step is compiling, no measure of speed
+            # tokens counts every rank; None (an empty cell) until a step is timed: under
+            # --compile the first step is compiling, no measure of speed
             "tokens_per_s": tokens_per_s,
         }
         self.history.append(row)
         if self.world.is_main:
             self._append_metrics(row)
-            val_text = f" | val {val:.3f} (ppl {math.exp(min(val, 50)):.1f})" if val else ""
             bar.write(
-                f"step {self.step:>6} | train {row['train_loss']:.3f}{val_text} "
+                f"step {self.step:>6} | {self.task.summary(row)} "
                 f"| lr {lr:.2e}" + ("" if tokens_per_s is None else f" | {tokens_per_s:,.0f} tok/s")
             )
-        return row["train_loss"], val
+        return row["train_loss"], row.get("val_loss")
 
-    def log_sample(self, bar) -> str:
+    def log_sample(self, bar) -> str | None:
         """Every rank generates (FSDP needs all of them); rank 0 prints."""
         model = self.raw_model
-        text = sample_text(
-            model,
-            self.tokenizer,
-            self.cfg.sample_prompt,
-            self.cfg.sample_tokens,
-            self.cfg.seed,
-            use_cache=self.cfg.parallel != "fsdp",
-        )
+        text = self.task.sample(model, use_cache=self.cfg.parallel != "fsdp")
         model.train()
-        if self.world.is_main:
+        if text is not None and self.world.is_main:
             bar.write(f"--- sample at step {self.step} ---\n{text}\n---")
         return text
 
@@ -601,23 +829,26 @@ class Trainer:
         path = self.run_dir / "metrics.csv"
         new = not path.exists()
         with self.guard.hold(), open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=METRICS_FIELDS)
+            writer = csv.DictWriter(f, fieldnames=self.metrics_fields)
             if new:
                 writer.writeheader()
-            writer.writerow({k: ("" if row[k] is None else row[k]) for k in METRICS_FIELDS})
+            writer.writerow(
+                {k: ("" if row.get(k) is None else row[k]) for k in self.metrics_fields}
+            )
 
     def plot(self) -> None:
-        from gptkiln.plots import plot_losses
+        """loss.png, and a plot of each other metric the task draws (e.g. accuracy.png)."""
+        from gptkiln.plots import plot_metric
 
         path = self.run_dir / "metrics.csv"
         if path.exists():
-            plot_losses(read_metrics(path), self.run_dir / "loss.png")
+            rows = read_metrics(path)
+            for metric in self.task.plots:
+                plot_metric(rows, self.run_dir / f"{metric}.png", metric)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> None:
         """Write the checkpoint (all ranks gather, rank 0 writes)."""
-        from gptkiln import checkpoint
-
         model_sd, optim_sd = dist_utils.full_state(self.model, self.optimizer)
         rng = _gather_rng(self.world, torch.get_rng_state)
         cuda_rng = []
@@ -635,33 +866,25 @@ class Trainer:
                 "scheduler": {"step": self.step, "total_steps": self.batches.total_steps},
             }
             with self.guard.hold():  # a SIGTERM now would leave half a checkpoint
-                checkpoint.write_checkpoint(
-                    self.run_dir,
-                    self.model_config,
-                    model_sd,
-                    state,
-                    train_config=self.cfg.to_dict(),
-                    tokenizer=self.tokenizer,
-                )
+                self.task.save(model_sd, state, self.cfg.to_dict())
                 self.saved_step = self.step
         dist_utils.barrier(self.world)
         self.saved_step = self.step
 
     def _restore(self) -> None:
-        from gptkiln import checkpoint
-
-        model_sd, state = checkpoint.read_checkpoint(self.run_dir)
+        model_sd, state = self.task.load()
         dist_utils.load_full_state(self.model, self.optimizer, model_sd, state["optimizer"])
         self.step = self.saved_step = int(state["step"])
         # a resume may change the batch or the processes: the tokens seen so far are counted
-        self.tokens = int(state.get("tokens", self.step * self.tokens_per_step))
+        self.tokens = int(state.get("tokens", self.step * self.batches.tokens(0)))
         saved_batch = state.get("global_batch")
-        if self.cfg.sampling == "windows" and saved_batch not in (None, self.batches.global_batch):
+        if self.batches.walks_epochs and saved_batch not in (None, self.batches.global_batch):
+            what = "windows" if isinstance(self.task, LanguageModeling) else "examples"
             raise GptkilnError(
-                f"{self.run_dir} was trained on {saved_batch} windows a step and this resume "
+                f"{self.run_dir} was trained on {saved_batch} {what} a step and this resume "
                 f"takes {self.batches.global_batch} (batch_size x grad_accum x processes): "
-                "windows sampling walks each epoch in steps of that size, so a new size would "
-                f"read some windows twice and skip others. Keep the product at {saved_batch}, "
+                "each epoch is walked in steps of that size, so a new size would "
+                f"read some {what} twice and skip others. Keep the product at {saved_batch}, "
                 "or start a new run"
             )
         if self.world.is_main and self.restarted:
