@@ -43,6 +43,9 @@ class GPTConfig:
             projections scaled by 1/sqrt(2 n_layer)) or ``"pytorch"`` (each layer's PyTorch
             default, e.g. N(0, 1) embeddings: what the book's ``GPTModel`` gets, and why its
             chapter-5 run memorises its small corpus as fast as it does).
+        num_classes: None for a language model (the head predicts the next of ``vocab_size``
+            tokens); N for a classifier: the head is ``score``, a linear layer (with a bias) from
+            the last position's hidden state to N classes (the book's chapter 6; untied).
     """
 
     vocab_size: int = GPT2_VOCAB_SIZE
@@ -56,6 +59,7 @@ class GPTConfig:
     attention: Literal["sdpa", "math"] = "sdpa"
     gelu: Literal["tanh", "exact"] = "tanh"
     init: Literal["gpt2", "pytorch"] = "gpt2"
+    num_classes: int | None = None
 
     def __post_init__(self) -> None:
         _check_types(self, "model config")  # kinds first; the ranges below
@@ -78,6 +82,16 @@ class GPTConfig:
         if self.attention not in ("sdpa", "math"):
             raise GptkilnError(
                 f"model config: attention must be 'sdpa' or 'math', got {self.attention!r}"
+            )
+        if self.num_classes is not None and self.num_classes < 2:
+            raise GptkilnError(
+                f"model config: num_classes must be >= 2 (or null for a language model), "
+                f"got {self.num_classes!r}"
+            )
+        if self.num_classes is not None and self.tie_embeddings:
+            raise GptkilnError(
+                "model config: a classifier (num_classes set) has its own head; set "
+                "tie_embeddings to false"
             )
 
     @property
@@ -310,6 +324,103 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         return _from_dict(cls, values, "training config")
+
+
+FINETUNE_TASKS = ("instruct", "classify")
+# Per task: (val_fraction, test_fraction, train_layers): the book's chapters 7 and 6.
+FINETUNE_DEFAULTS = {"instruct": (0.05, 0.1, "all"), "classify": (0.1, 0.2, "last-1")}
+
+
+@dataclass
+class FinetuneConfig:
+    """What a fine-tuning run starts from, learns and trains; the loop's own settings (steps,
+    learning rate, evaluation, ...) are a `TrainConfig`.
+
+    Tasks: ``"instruct"`` (the book's chapter 7: instruction entries in a prompt template,
+    next-token loss on the whole example or, with ``mask_prompt``, on the response alone) and
+    ``"classify"`` (chapter 6: texts with labels, a new head on the last position).
+
+    ``train_layers``: ``"all"``; ``"last-N"``, the last N blocks, the final norm and the head
+    (the rest frozen); or ``"lora"``, LoRA adapters of ``lora_rank`` on the linear layers (base
+    frozen; see `gptkiln.finetune.lora`). ``"default"`` is the task's: all (instruct), last-1
+    (classify); a ``lora_rank`` > 0 means ``"lora"``. Fractions left as None are the task's:
+    0.05 / 0.1 of the entries for validation / test (instruct, in the book's order: train, test,
+    val), 0.1 / 0.2 after a seeded shuffle (classify: train, val, test).
+    """
+
+    base: str  # a run directory, or a Hugging Face GPT-2 directory
+    data: str  # instruct: .json / .jsonl; classify: .csv / .tsv / .jsonl
+    task: Literal["instruct", "classify"] = "instruct"
+    template: str = "alpaca"  # a bundled name or a JSON file (instruct)
+    mask_prompt: bool = False  # instruct: no loss on the prompt's tokens
+    text_column: str = "text"  # classify
+    label_column: str = "label"  # classify
+    max_length: int | None = None  # classify: tokens a text is cut / padded to; None = longest
+    val_fraction: float | None = None
+    test_fraction: float | None = None
+    train_layers: str = "default"
+    lora_rank: int = 0
+    lora_alpha: float | None = None  # None = 2 x lora_rank
+    lora_qkv: Literal["split", "fused"] = "split"
+    lora_head: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(self, "fine-tuning config")
+        if self.task not in FINETUNE_TASKS:
+            raise GptkilnError(
+                f"task must be one of {', '.join(FINETUNE_TASKS)}, got {self.task!r}"
+            )
+        val, test, layers = FINETUNE_DEFAULTS[self.task]
+        self.val_fraction = val if self.val_fraction is None else self.val_fraction
+        self.test_fraction = test if self.test_fraction is None else self.test_fraction
+        if not 0 < self.val_fraction < 1 or not 0 <= self.test_fraction < 1:
+            raise GptkilnError(
+                f"val_fraction must be in (0, 1) and test_fraction in [0, 1), got "
+                f"{self.val_fraction!r} and {self.test_fraction!r}"
+            )
+        if self.val_fraction + self.test_fraction >= 1:
+            raise GptkilnError(
+                f"val_fraction + test_fraction must leave entries to train on, got "
+                f"{self.val_fraction} + {self.test_fraction}"
+            )
+        if self.lora_rank < 0:
+            raise GptkilnError(f"lora_rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
+        if self.lora_rank and self.train_layers not in ("default", "lora"):
+            raise GptkilnError(
+                f"--lora-rank {self.lora_rank} trains LoRA adapters, but --train-layers "
+                f"{self.train_layers} asks for other layers; drop one of them"
+            )
+        if self.train_layers == "default":
+            self.train_layers = "lora" if self.lora_rank else layers
+        if self.train_layers == "lora" and not self.lora_rank:
+            self.lora_rank = 16
+        if self.lora_alpha is None and self.train_layers == "lora":
+            self.lora_alpha = 2.0 * self.lora_rank
+        if self.train_layers not in ("all", "lora") and not re.fullmatch(
+            r"last-[1-9]\d*", self.train_layers
+        ):
+            raise GptkilnError(
+                f"train_layers must be all, last-N (N >= 1) or lora, got {self.train_layers!r}"
+            )
+        if self.lora_alpha is not None and not 0 < self.lora_alpha < math.inf:
+            raise GptkilnError(f"lora_alpha must be a number > 0, got {self.lora_alpha!r}")
+        if self.lora_qkv not in ("split", "fused"):
+            raise GptkilnError(f"lora_qkv must be 'split' or 'fused', got {self.lora_qkv!r}")
+        if self.max_length is not None:
+            _positive_int("max_length", self.max_length)
+        if self.lora_head and self.train_layers != "lora":
+            raise GptkilnError("--lora-head puts an adapter on the head: it needs --lora-rank")
+
+    @property
+    def lora(self) -> bool:
+        return self.train_layers == "lora"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> FinetuneConfig:
+        return _from_dict(cls, values, "fine-tuning config")
 
 
 def check_values(cls, values: dict[str, Any], where: str) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The GPT-2 model: MLP, CausalSelfAttention (with an optional static KV cache), Block, GPT.
 
 Parameter names follow OpenAI's / Hugging Face's GPT-2 (``wte``, ``wpe``, ``h.N.ln_1``,
-``attn.c_attn``, ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``, ``lm_head``)
-so checkpoints map one to one. This file imports only torch and the config: devices, dtypes,
+``attn.c_attn``, ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``, ``lm_head``;
+a classifier's head is ``score``, as in ``GPT2ForSequenceClassification``) so checkpoints map
+one to one. This file imports only torch and the config: devices, dtypes,
 compilation, parallelism and decoding kernels are applied to a built model from outside (a graph
 that ``torch.compile`` traces for the CPU only spells GELU and short attention out: see
 `_fuse_on_cpu`).
@@ -258,7 +259,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2: token + position embeddings, ``n_layer`` blocks, final LayerNorm, output head."""
+    """GPT-2: token + position embeddings, ``n_layer`` blocks, final LayerNorm, output head.
+
+    The head is ``lm_head`` (next-token logits over the vocabulary) or, when
+    ``config.num_classes`` is set, ``score`` (class logits; the book's chapter 6 replaces the
+    output layer with ``Linear(n_embd, num_classes)`` and reads the last position).
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -268,7 +274,10 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.num_classes:
+            self.score = nn.Linear(config.n_embd, config.num_classes)
+        else:
+            self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.tie_weights()
         self.pad_lens: torch.Tensor | None = None  # (B,) left-padding per row, set with the cache
         if not any(p.is_meta for p in self.parameters()):
@@ -278,6 +287,11 @@ class GPT(nn.Module):
         """Share the token embedding with the output head when the config says so (GPT-2)."""
         if self.config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
+
+    @property
+    def head(self) -> nn.Linear:
+        """The output layer: ``lm_head``, or a classifier's ``score``."""
+        return self.score if self.config.num_classes else self.lm_head
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -395,7 +409,8 @@ class GPT(nn.Module):
 
         Args:
             idx: (B, T) token ids.
-            targets: (B, T) next-token ids; positions with -100 are ignored.
+            targets: (B, T) next-token ids, positions with -100 ignored; for a classifier,
+                (B,) class ids, scored on the last position's logits (the book's chapter 6).
             start_pos: position of idx's first token when decoding with the KV cache
                 (``setup_cache`` first); None for an ordinary full-sequence forward.
             last_only: compute logits for the last position only (generation), (B, 1, V).
@@ -404,7 +419,8 @@ class GPT(nn.Module):
                 default, changes nothing).
 
         Returns:
-            logits (B, T, V), or (logits, loss) when targets are given.
+            logits (B, T, V) (V: num_classes for a classifier), or (logits, loss) when targets
+            are given.
         """
         B, T = idx.shape
         end = (start_pos or 0) + T
@@ -418,8 +434,13 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if last_only:
             x = x[:, -1:, :]  # (B, 1, C)
-        logits = self.lm_head(x)  # (B, T, V)
+        logits = self.head(x)  # (B, T, V)
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        if self.config.num_classes:
+            loss = F.cross_entropy(logits[:, -1, :].float(), targets)  # (B, V) against (B,)
+        else:
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
+            )
         return logits, loss

@@ -273,6 +273,19 @@ def _jsonl_pieces(path: Path, piece_chars: int) -> Iterator[tuple[bool, str]]:
 # --------------------------------------------------------------------------------- bad bytes
 
 
+def read_utf8(path: Path) -> str:
+    """All of a small text file (a fine-tuning data set, a template), as `open(path).read()`
+    reads it; a binary or non-UTF-8 file is refused in one line, as a corpus is."""
+    data = path.read_bytes()
+    if b"\x00" in data:
+        raise _bad_bytes_error(path)
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise _bad_bytes_error(path) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines
+
+
 def _check_not_binary(path: Path) -> None:
     with open(path, "rb") as f:
         if b"\x00" in f.read(_SNIFF_BYTES):
