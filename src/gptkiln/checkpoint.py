@@ -3,8 +3,11 @@
 A run directory holds::
 
     config.json          {"format": 1, "model": GPTConfig.to_dict(), "train": {...} or null,
-                          "tokenizer": "gpt2" | "char" | ... or null}
+                          "tokenizer": "gpt2" | "char" | ... or null,
+                          "finetune": {...} (a fine-tuned run only: task, template, classes...)}
     model.safetensors    the weights; a tied head is stored once, as ``wte.weight``
+    adapter.safetensors  a LoRA run only: the parameters that train (adapters, a head trained
+                         in full); model.safetensors then holds the frozen base, written once
     <tokenizer files>    written by the tokenizer's own ``save(dir)``
     trainer_state.pt     optimizer / scheduler / RNG / step (the trainer's; no model weights),
                          read with ``torch.load(weights_only=True)``
@@ -32,6 +35,7 @@ from safetensors.torch import save_file
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.loading import (
+    ADAPTER_FILE,
     CONFIG_FILE,
     FORMAT,
     WEIGHTS_FILE,
@@ -129,6 +133,7 @@ def save_model(
     *,
     train_config: dict | None = None,
     tokenizer: Any = None,
+    extra: dict | None = None,
 ) -> Path:
     """Write config.json, model.safetensors and the tokenizer files into ``run_dir``.
 
@@ -140,12 +145,14 @@ def save_model(
         run_dir: the run directory (created if needed).
         train_config: the training settings to record (``TrainConfig.to_dict()``), or None.
         tokenizer: a gptkiln tokenizer; its ``save(dir)`` writes its files. None writes none.
+        extra: more entries for config.json (a fine-tuned run's ``"finetune"``).
 
     Returns:
         The run directory as a Path.
     """
     model = unwrap(model)
-    return _write_run(Path(run_dir), model.config, model.state_dict(), train_config, tokenizer)
+    sd = model.state_dict()
+    return _write_run(Path(run_dir), model.config, sd, train_config, tokenizer, extra=extra)
 
 
 def write_checkpoint(
@@ -156,14 +163,20 @@ def write_checkpoint(
     *,
     train_config: dict | None = None,
     tokenizer: Any = None,
+    extra: dict | None = None,
+    adapter_sd: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """A training checkpoint: what `save_model` writes, plus ``trainer_state.pt``.
 
     Args:
         model_sd: the full model state dict (gptkiln names; a tied ``lm_head.weight`` may be
-            included, it is stored once).
+            included, it is stored once). With ``adapter_sd``, the frozen base, or None when
+            it is in ``run_dir`` already.
         state: the trainer's state (optimizer, RNG, step, ...): tensors, numbers, strings,
             lists and dicts only, so it loads with ``torch.load(weights_only=True)``.
+        extra: more entries for config.json (a fine-tuned run's ``"finetune"``).
+        adapter_sd: a LoRA run's trained parameters, written to ``adapter.safetensors``,
+            which is then the checkpoint's weights file.
 
     A save is several files, and no rename covers them all, so a crash midway must leave a
     resumable pair. The step (``state["step"]``) is recorded in both the trainer state and the
@@ -174,7 +187,7 @@ def write_checkpoint(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     current, previous = run_dir / TRAINER_STATE_FILE, run_dir / PREVIOUS_STATE_FILE
-    weights = run_dir / WEIGHTS_FILE
+    weights = run_dir / (WEIGHTS_FILE if adapter_sd is None else ADAPTER_FILE)
     if current.is_file() and weights.is_file():
         # Keep the state that belongs with the weights still on disk. After a save that was cut
         # short, that is `previous`, not `current` (rare: only then is a state file read here).
@@ -184,7 +197,14 @@ def write_checkpoint(
         if not stale:
             os.replace(current, previous)
     atomic_write(current, lambda tmp: torch.save(state, tmp))
-    _write_run(run_dir, model_config, model_sd, train_config, tokenizer, step=state.get("step"))
+    if adapter_sd is None:
+        step = state.get("step")
+        _write_run(run_dir, model_config, model_sd, train_config, tokenizer, step, extra)
+    else:
+        if model_sd is not None:  # the frozen base: once
+            _write_run(run_dir, model_config, model_sd, train_config, tokenizer, extra=extra)
+        metadata = {"format": "pt", "step": str(state.get("step"))}
+        write_safetensors(weights, adapter_sd, metadata)
     previous.unlink(missing_ok=True)
     _fsync_dir(run_dir)
     return run_dir
@@ -197,6 +217,7 @@ def _write_run(
     train_config: dict | None,
     tokenizer: Any,
     step: int | None = None,
+    extra: dict | None = None,
 ) -> Path:
     from gptkiln import __version__
 
@@ -218,6 +239,7 @@ def _write_run(
             "model": config.to_dict(),
             "train": train_config,
             "tokenizer": getattr(tokenizer, "kind", None),
+            **(extra or {}),
         },
     )
     return run_dir
@@ -236,7 +258,7 @@ def save_tokenizer(tokenizer: Any, run_dir: Path) -> None:
 def has_checkpoint(run_dir: str | os.PathLike) -> bool:
     """Whether run_dir holds any file of a checkpoint."""
     run_dir = Path(run_dir)
-    names = (CONFIG_FILE, WEIGHTS_FILE, TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)
+    names = (CONFIG_FILE, WEIGHTS_FILE, ADAPTER_FILE, TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)
     return any((run_dir / name).exists() for name in names)
 
 
@@ -257,7 +279,7 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
             f"--out {out_dir} already holds a model; pass --overwrite to replace it, "
             "or choose another --out"
         )
-    names = (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE, "metrics.csv", "loss.png")
+    names = (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE, ADAPTER_FILE, "metrics.csv", "loss.png")
     return [out_dir / name for name in names if (out_dir / name).exists()]
 
 
@@ -322,7 +344,23 @@ def read_checkpoint(run_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
     return sd, _matching_trainer_state(run_dir, safetensors_metadata(weights).get("step"))
 
 
-def _matching_trainer_state(run_dir: Path, weights_step: str | None) -> dict[str, Any]:
+def read_adapter_checkpoint(
+    run_dir: str | os.PathLike,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(adapter state dict, trainer state) of a LoRA run's checkpoint, to resume from."""
+    run_dir = Path(run_dir)
+    path = run_dir / ADAPTER_FILE
+    if not path.is_file():
+        raise GptkilnError(
+            f"cannot resume {run_dir}: {ADAPTER_FILE} is missing; drop --resume to start a new run"
+        )
+    sd = read_safetensors(path)
+    return sd, _matching_trainer_state(run_dir, safetensors_metadata(path).get("step"), path)
+
+
+def _matching_trainer_state(
+    run_dir: Path, weights_step: str | None, weights: Path | None = None
+) -> dict[str, Any]:
     """The trainer state saved with the weights of step ``weights_step`` (None: the current)."""
     paths = [
         p for p in (run_dir / TRAINER_STATE_FILE, run_dir / PREVIOUS_STATE_FILE) if p.is_file()
@@ -339,8 +377,8 @@ def _matching_trainer_state(run_dir: Path, weights_step: str | None) -> dict[str
             return state
         steps.append(f"{path.name} from step {state.get('step')}")
     raise GptkilnError(
-        f"{run_dir}: {WEIGHTS_FILE} is from step {weights_step} but {', '.join(steps)}; "
-        f"restore the files of one save, or start afresh with --overwrite"
+        f"{run_dir}: {(weights or run_dir / WEIGHTS_FILE).name} is from step {weights_step} but "
+        f"{', '.join(steps)}; restore the files of one save, or start afresh with --overwrite"
     )
 
 

@@ -56,6 +56,7 @@ from gptkiln.model import GPT
 FORMAT = 1  # the config.json format gptkiln writes and reads
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter.safetensors"  # a LoRA run's adapters (`gptkiln.finetune.lora`)
 HF_BIN_FILE = "pytorch_model.bin"
 HF_INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 6  # parameter names listed in one error line before "and N more"
@@ -93,13 +94,18 @@ def load_run(
     dtype: torch.dtype | None = None,
 ) -> tuple[GPT, Any, dict[str, Any]]:
     """(model, tokenizer, parsed config.json) of a run directory or a Hugging Face GPT-2 one."""
-    from gptkiln.tokenizers import load_tokenizer
-
     run_dir = Path(run_dir)
     cfg = read_config(run_dir)
     model = load_model(run_dir, device=device, dtype=dtype)
-    tokenizer = load_tokenizer("gpt2" if "model_type" in cfg else str(run_dir))
-    return model, tokenizer, cfg
+    return model, load_run_tokenizer(run_dir, cfg), cfg
+
+
+def load_run_tokenizer(run_dir: str | os.PathLike, cfg: dict[str, Any] | None = None):
+    """The tokenizer of a run directory (its files), or gpt2 for a Hugging Face GPT-2 one."""
+    from gptkiln.tokenizers import load_tokenizer
+
+    cfg = read_config(run_dir) if cfg is None else cfg
+    return load_tokenizer("gpt2" if "model_type" in cfg else str(run_dir))
 
 
 def load_model(
@@ -107,6 +113,7 @@ def load_model(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    adapters: bool = True,
 ) -> GPT:
     """Rebuild the model of a run directory, or of a Hugging Face GPT-2 directory.
 
@@ -119,6 +126,8 @@ def load_model(
             or a Hugging Face GPT-2 directory (config.json with ``"model_type": "gpt2"``).
         device: where the weights end up.
         dtype: floating-point dtype for the weights; None keeps the stored one.
+        adapters: for a LoRA run (`gptkiln finetune --lora-rank`), merge its adapters into the
+            weights (peft); False gives its frozen base alone.
 
     Returns:
         The GPT in eval mode.
@@ -135,7 +144,33 @@ def load_model(
             f"missing); re-run `gptkiln train --out {run_dir}` or restore the file"
         )
     sd = read_safetensors(weights)
-    return build_model(config, sd, str(weights), device=device, dtype=dtype)
+    lora = (cfg.get("finetune") or {}).get("lora")
+    if not lora or not adapters:
+        return build_model(config, sd, str(weights), device=device, dtype=dtype)
+    model = build_model(config, sd, str(weights))  # the frozen base, then its adapters merged
+    return _with_adapters(model, lora, run_dir).to(device=device, dtype=dtype).eval()
+
+
+def _with_adapters(model: GPT, lora: Any, run_dir: Path) -> GPT:
+    """The base of a LoRA run with the run's adapters merged into its weights."""
+    from gptkiln.finetune.lora import LoraSpec, load_adapters
+
+    path = run_dir / ADAPTER_FILE
+    if not path.is_file():
+        raise GptkilnError(
+            f"{run_dir} is a LoRA run without its {ADAPTER_FILE}; restore the file, or train "
+            "the run again"
+        )
+    if not isinstance(lora, dict):
+        raise GptkilnError(f"{run_dir / CONFIG_FILE}: 'finetune.lora' is {lora!r}; restore it")
+    try:
+        spec = LoraSpec.from_dict(lora)
+    except TypeError:
+        raise GptkilnError(
+            f"{run_dir / CONFIG_FILE}: 'finetune.lora' is not a LoRA setting ({lora!r}); "
+            "restore the file"
+        ) from None
+    return load_adapters(model, spec, read_safetensors(path), str(path))
 
 
 def load_hf(
@@ -513,7 +548,11 @@ def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
             del block["attn.c_attn.bias"]
         shapes.update({f"h.{i}.{name}": shape for name, shape in block.items()})
     shapes.update({"ln_f.weight": (C,), "ln_f.bias": (C,)})
-    if not config.tie_embeddings:
+    if config.num_classes:
+        shapes.update(
+            {"score.weight": (config.num_classes, C), "score.bias": (config.num_classes,)}
+        )
+    elif not config.tie_embeddings:
         shapes["lm_head.weight"] = (V, C)
     return shapes
 
