@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -25,6 +26,8 @@ def stream_text(
     *,
     device: str = "cpu",
     on_notice: Callable[[str], None] | None = None,
+    input: str = "",
+    raw: bool = False,
 ) -> Iterator[str]:
     """Yield the generated text piece by piece as tokens are chosen.
 
@@ -32,16 +35,55 @@ def stream_text(
     starts from the end-of-text token (unconditional generation). A prompt longer than the
     model's context keeps its last ``context_length`` tokens; the ``on_notice`` callback (if
     given) is told so.
+
+    An instruction-tuned run (`gptkiln finetune`) takes ``prompt`` as the instruction and
+    ``input`` as its input, formatted with the run's stored template (`finetune.templates`);
+    the text is the response alone, which also ends where the model starts a part of the
+    template (``### Instruction:`` ...). ``raw`` sends ``prompt`` as it is.
     """
-    from gptkiln.loading import check_ids_fit, load_run
+    from gptkiln.finetune.runs import run_template
+    from gptkiln.finetune.templates import format_prompt
+    from gptkiln.loading import load_run
+
+    cfg = cfg or SampleConfig()
+    model, tokenizer, run_cfg = load_run(run_dir, device=device)
+    if model.config.num_classes:
+        raise GptkilnError(
+            f"{run_dir} is a classifier of {model.config.num_classes} classes, which writes no "
+            f"text; ask it with `gptkiln classify {run_dir} --text TEXT`"
+        )
+    template = None if raw else run_template(run_cfg, run_dir)
+    if template is not None:
+        prompt = format_prompt(template, prompt, input)
+        cfg = dataclasses.replace(cfg, stop=tuple(cfg.stop) + template.stop_strings())
+    elif input:
+        why = "--raw leaves it out" if raw else f"{run_dir} has none (it is not instruction-tuned)"
+        raise GptkilnError(
+            f"--input goes into an instruction-tuned run's prompt template, and {why}; put the "
+            "whole prompt in --prompt"
+        )
+    yield from stream_from_model(model, tokenizer, prompt, cfg, run_dir, on_notice)
+
+
+def stream_from_model(
+    model,
+    tokenizer,
+    prompt: str,
+    cfg: SampleConfig,
+    source: str | os.PathLike = "the model",
+    on_notice: Callable[[str], None] | None = None,
+) -> Iterator[str]:
+    """`stream_text` for a model already loaded (``source`` names it in messages): the text
+    of one sequence through `sampling.TextStream`, which `generate`, `chat` and the
+    fine-tuning samples all read."""
+    from gptkiln.loading import check_ids_fit
     from gptkiln.sampling import TextStream, generate_stream
     from gptkiln.tokenizers import encode_prompt
 
-    cfg = cfg or SampleConfig()
-    model, tokenizer, _ = load_run(run_dir, device=device)
+    was_training = model.training
     model.eval()
     ids = encode_prompt(tokenizer, prompt)
-    check_ids_fit(max(ids), model, tokenizer, run_dir)
+    check_ids_fit(max(ids), model, tokenizer, source)
     ctx = model.config.context_length
     if len(ids) > ctx and on_notice:
         on_notice(
@@ -49,12 +91,15 @@ def stream_text(
             f"keeping the last {ctx}"
         )
     stream = TextStream(tokenizer.decode, cfg.stop, tokenizer.eot_id if cfg.stop_at_eos else None)
-    for _ in generate_stream(model, [ids], cfg, tokenizer.eot_id, streams=[stream]):
-        if piece := stream.take():
-            yield piece
-    if tail := stream.flush():  # it ended inside a character, or by length: what is held back
-        yield tail
-    model.clear_cache()
+    try:
+        for _ in generate_stream(model, [ids], cfg, tokenizer.eot_id, streams=[stream]):
+            if piece := stream.take():
+                yield piece
+        if tail := stream.flush():  # it ended inside a character, or by length: what is held back
+            yield tail
+    finally:
+        model.clear_cache()
+        model.train(was_training)
 
 
 def generate_text(

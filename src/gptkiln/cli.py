@@ -246,14 +246,30 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
     notice = lambda msg: print(f"note: {msg}", file=sys.stderr)
     device = resolve_device(args.device)
-    pieces = stream_text(args.run_dir, args.prompt, cfg, device=device, on_notice=notice)
+    pieces = stream_text(
+        args.run_dir,
+        args.prompt,
+        cfg,
+        device=device,
+        on_notice=notice,
+        input=args.input,
+        raw=args.raw,
+    )
     first = next(pieces, "")  # the run is loaded and the prompt checked before anything is shown
-    sys.stdout.write(args.prompt + first)
+    echo = args.raw or not _instruction_tuned(args.run_dir)  # else: the response alone
+    sys.stdout.write((args.prompt if echo else "") + first)
     sys.stdout.flush()
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+
+
+def _instruction_tuned(run_dir: str) -> bool:
+    from gptkiln.finetune.runs import run_template
+    from gptkiln.loading import read_config
+
+    return run_template(read_config(run_dir), run_dir) is not None
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -310,6 +326,214 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         print(f"wrote {result.write_json(args.json)}")
 
 
+# -- finetune / classify / chat --------------------------------------------------------------
+# The loop's settings `gptkiln finetune` takes, with their help; the defaults are
+# `gptkiln.finetune.train_config`'s (the book's chapters 6-7).
+FINETUNE_LOOP_FLAGS = {
+    "batch_size": "examples a micro-batch, >= 1",
+    "grad_accum": "micro-batches an optimizer step, >= 1",
+    "epochs": "passes over the training examples, >= 0 (used when --max-steps is 0)",
+    "max_steps": "optimizer steps, >= 0 (0: --epochs decides)",
+    "lr": "AdamW learning rate, > 0 (default: 5e-05; 5e-04 with LoRA)",
+    "min_lr": "learning rate the cosine decay ends at, in [0, lr]",
+    "warmup_steps": "steps of linear warm-up, >= 0",
+    "decay_lr": "cosine decay of the learning rate after warm-up (the book: constant)",
+    "weight_decay": "AdamW weight decay on matrices, >= 0",
+    "grad_clip": "clip the gradient norm to this, >= 0 (0: no clipping)",
+    "eval_interval": "evaluate every N steps, >= 1",
+    "eval_batches": "batches per split evaluated, >= 1",
+    "eval_train": "also evaluate on training examples",
+    "sample_interval": "instruct: a response to a held-out entry every N steps, >= 1",
+    "sample_tokens": "instruct: tokens of that response, >= 0",
+    "checkpoint_interval": "save every N steps, >= 1",
+    "seed": "seed of the data order, the new head and the adapters, in [0, 2**63)",
+    "device": "auto | cpu | cuda | cuda:N | mps",
+    "precision": "auto (bf16 on CUDA) | fp32 | bf16",
+    "compile": "run the model under torch.compile",
+    "progress": "show a progress bar",
+}
+
+
+def add_finetune_flags(p: argparse.ArgumentParser) -> None:
+    """`FinetuneConfig`'s flags, then the loop's (`FINETUNE_LOOP_FLAGS`)."""
+    from gptkiln.finetune import FINETUNE_TRAIN_DEFAULTS
+
+    p.add_argument(
+        "base", help="the model to start from: a run directory or a Hugging Face GPT-2 directory"
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="FILE",
+        help="instruct: a .json list or .jsonl of {instruction, input, output}; "
+        "classify: a .csv, .tsv (with a header row) or .jsonl of texts and labels",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="the run directory to write")
+    p.add_argument(
+        "--task",
+        choices=["instruct", "classify"],
+        default="instruct",
+        help="instruct: follow instructions (the book's ch. 7); classify: a label "
+        "per text (ch. 6) (default: instruct)",
+    )
+    p.add_argument(
+        "--template",
+        default="alpaca",
+        metavar="NAME|FILE",
+        help="instruct: the prompt template, 'alpaca' (the book's) or a JSON file "
+        "with system, instruction, input, response (default: alpaca)",
+    )
+    p.add_argument(
+        "--mask-prompt",
+        action="store_true",
+        help="instruct: learn the responses only (no loss on the prompt's tokens)",
+    )
+    p.add_argument(
+        "--text-column",
+        default="text",
+        metavar="NAME",
+        help="classify: the column (or JSON key) of the texts (default: text)",
+    )
+    p.add_argument(
+        "--label-column",
+        default="label",
+        metavar="NAME",
+        help="classify: the column (or JSON key) of the labels (default: label)",
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        metavar="N",
+        help="classify: tokens each text is cut or padded to, 1 to the context "
+        "(default: the longest training text's, at most the context)",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        metavar="F",
+        help="share of the examples for validation, in (0, 1) (default: 0.05 "
+        "instruct, 0.1 classify)",
+    )
+    p.add_argument(
+        "--test-fraction",
+        type=float,
+        metavar="F",
+        help="share of the examples for testing, in [0, 1) (default: 0.1 instruct, 0.2 classify)",
+    )
+    p.add_argument(
+        "--train-layers",
+        default="default",
+        metavar="all|last-N|lora",
+        help="what trains: all; the last N blocks, final norm and head; or LoRA "
+        "adapters (default: all for instruct, last-1 for classify)",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="LoRA adapters of rank R >= 1 on the attention and MLP projections, "
+        "base frozen (default: 0, no LoRA; 16 with --train-layers lora)",
+    )
+    p.add_argument(
+        "--lora-alpha",
+        type=float,
+        metavar="A",
+        help="adapters scaled by A / R, > 0 (peft's convention; the book's alpha "
+        "16 at rank 16 is 256) (default: 2 x R)",
+    )
+    p.add_argument(
+        "--lora-qkv",
+        choices=["split", "fused"],
+        default="split",
+        help="split: an adapter per query, key and value (the book's placement); "
+        "fused: one on the fused c_attn (Hugging Face's) (default: split)",
+    )
+    p.add_argument(
+        "--lora-head",
+        action="store_true",
+        help="also put an adapter on the head (the book's appendix E; a classify "
+        "head is otherwise trained in full)",
+    )
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name, text in FINETUNE_LOOP_FLAGS.items():
+        default = FINETUNE_TRAIN_DEFAULTS.get(name, fields[name].default)
+        flag = "--" + name.replace("_", "-")
+        shown = "" if name == "lr" else f" (default: {default})"
+        if isinstance(default, bool):
+            p.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=text + shown,
+            )
+        else:
+            p.add_argument(
+                flag,
+                type=type(default),
+                default=argparse.SUPPRESS,
+                metavar=name.upper(),
+                help=text + shown,
+            )
+
+
+def finetune_configs_from_args(args: argparse.Namespace):
+    """(`FinetuneConfig`, the loop's `TrainConfig`) of a ``gptkiln finetune`` command line."""
+    from gptkiln.config import FinetuneConfig
+    from gptkiln.finetune import train_config
+
+    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    ft = FinetuneConfig.from_dict({k: v for k, v in vars(args).items() if k in names})
+    loop = {k: v for k, v in vars(args).items() if k in FINETUNE_LOOP_FLAGS}
+    return ft, train_config(ft, out=args.out, **loop)
+
+
+def cmd_finetune(args: argparse.Namespace) -> None:
+    from gptkiln.allocator import keep_freed_memory
+    from gptkiln.devices import resolve_device
+    from gptkiln.finetune import finetune
+
+    ft, cfg = finetune_configs_from_args(args)
+    if resolve_device(cfg.device).startswith("cpu"):
+        keep_freed_memory()
+    result = finetune(ft, cfg, resume=args.resume, overwrite=args.overwrite)
+    last = result.history[-1] if result.history else {}
+    scores = ", ".join(
+        f"{k.replace('_', ' ')} {100 * v:.1f}%"
+        if k.endswith("accuracy")
+        else f"{k.replace('_', ' ')} {v:.3f}"
+        for k, v in last.items()
+        if k.endswith(("loss", "accuracy")) and v is not None
+    )
+    print(f"done: {result.steps} steps; {scores}; run saved in {result.run_dir}")
+
+
+def cmd_classify(args: argparse.Namespace) -> None:
+    from gptkiln.devices import resolve_device
+    from gptkiln.finetune.classify import classify
+
+    for p in classify(args.run_dir, args.text, device=resolve_device(args.device)):
+        probs = " ".join(f"{c}={v:.3f}" for c, v in p.probabilities.items())
+        print(f"{p.label}\t{probs}")
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from gptkiln.chat import Chat, run_chat
+    from gptkiln.devices import resolve_device
+
+    cfg = SampleConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    chat = Chat(args.run_dir, cfg, device=resolve_device(args.device))
+    run_chat(chat, interactive=not args.plain and sys.stdin.isatty())
+
+
 # -- convert / download ----------------------------------------------------------------------
 def cmd_convert(args: argparse.Namespace) -> None:
     from gptkiln import convert
@@ -318,6 +542,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
         convert.import_hf(args.path, args.out, overwrite=args.overwrite)
     elif args.direction == "book":
         convert.import_book(args.path, args.out, n_head=args.n_head, overwrite=args.overwrite)
+    elif args.direction == "merge-lora":
+        convert.merge_lora(args.path, args.out, overwrite=args.overwrite)
     else:
         convert.export_hf(args.path, args.out, overwrite=args.overwrite)
     print(f"wrote {args.out}")
@@ -362,7 +588,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text from a run (streams to the terminal)")
     p.add_argument("run_dir", help="a run directory, or an imported Hugging Face GPT-2 directory")
-    p.add_argument("--prompt", required=True)
+    p.add_argument(
+        "--prompt",
+        required=True,
+        help="the text to continue; for an instruction-tuned run, the instruction",
+    )
+    p.add_argument(
+        "--input",
+        default="",
+        help="instruction-tuned runs: the instruction's input (default: none)",
+    )
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="send --prompt as it is, without an instruction-tuned run's template",
+    )
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -434,15 +674,84 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="Hugging Face / book checkpoints in, Hugging Face out")
     p.add_argument(
         "direction",
-        choices=["hf", "book", "to-hf"],
+        choices=["hf", "book", "to-hf", "merge-lora"],
         help="hf: HF GPT-2 dir -> run; book: the book's model.pth -> run; "
-        "to-hf: run -> HF GPT-2 dir",
+        "to-hf: run -> HF GPT-2 dir; merge-lora: a LoRA run -> a run with the adapters in "
+        "its weights",
     )
     p.add_argument("path", help="the directory or file to convert")
     p.add_argument("--out", required=True)
     p.add_argument("--n-head", type=int, default=12, help="heads of a book model (not in its file)")
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     p.set_defaults(func=cmd_convert)
+
+    example = "example:\n  gptkiln finetune runs/gpt2 --data instructions.json --out runs/instruct"
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a model to follow instructions or to classify texts (full or LoRA)",
+        description="Fine-tune a run or a Hugging Face GPT-2 model with the loop of `gptkiln "
+        "train`: instruction following (the book's chapter 7) or classification (chapter 6), "
+        "all layers, the last N, or LoRA adapters (appendix E).",
+        epilog=example + "\n  gptkiln finetune runs/gpt2 --task classify --data sms.csv "
+        "--lora-rank 16 --out runs/spam",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_finetune_flags(p)
+    p.set_defaults(func=cmd_finetune)
+
+    p = sub.add_parser(
+        "classify",
+        help="the label of texts, by a classifier from `gptkiln finetune --task classify`",
+        epilog='example:\n  gptkiln classify runs/spam --text "You won a prize! Call now"',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", help="a run fine-tuned with --task classify")
+    p.add_argument(
+        "--text",
+        action="append",
+        required=True,
+        help="a text to classify; repeat for more (one line of output each: the "
+        "label, a tab, each class's probability)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps (default: cpu)")
+    p.set_defaults(func=cmd_classify)
+
+    p = sub.add_parser(
+        "chat",
+        help="chat with an instruction-tuned run (streams; /reset, /exit, Ctrl-C stops a reply)",
+        description="Chat with a run from `gptkiln finetune` (instruct): each message and the "
+        "conversation so far go through the run's prompt template. At a terminal: line "
+        "editing, /reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops a "
+        "response. From a pipe (or --plain): a message a line in, each response out.",
+        epilog="example:\n  gptkiln chat runs/instruct\n"
+        "  printf 'Name a color.\\n/reset\\nName an animal.\\n' | gptkiln chat runs/instruct",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", help="a run fine-tuned with --task instruct")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="no prompts or banner, responses only (the default when stdin is not a terminal)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=200,
+        help="longest response in tokens, >= 0 (default: 200)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy (the book's), > 0 samples (default: 0)",
+    )
+    p.add_argument(
+        "--top-k", type=int, help="sample from the k likeliest tokens, >= 1 (default: all)"
+    )
+    p.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1] (default: off)")
+    p.add_argument("--seed", type=int, help="seed of the sampling, in [0, 2**63) (default: none)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps (default: cpu)")
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("download", help="download OpenAI's GPT-2 weights (needs internet)")
     p.add_argument("name", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl")

@@ -1,4 +1,5 @@
-"""The ``convert`` and ``download`` commands: models into run directories and out to Hugging Face.
+"""The ``convert`` and ``download`` commands: models into run directories and out to Hugging Face,
+and LoRA runs merged into plain ones.
 
 Each reads with `gptkiln.loading` (the one way in), converts names with `gptkiln.interop` where
 the format asks for it, and writes with `gptkiln.checkpoint`'s atomic writes. None writes over a
@@ -26,6 +27,7 @@ from gptkiln.loading import (
     load_book,
     load_hf,
     load_model,
+    read_config,
     tokenizer_name,
 )
 from gptkiln.model import GPT
@@ -100,6 +102,12 @@ def export_hf(
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     stale = check_out_dir(out_dir, overwrite=overwrite)
+    classes = (read_config(run_dir).get("model") or {}).get("num_classes")
+    if classes:
+        raise GptkilnError(
+            f"run {run_dir} is a classifier ({classes} classes); Hugging Face export writes a "
+            "GPT-2 language model (GPT2LMHeadModel): export a pretrained or instruction-tuned run"
+        )
     kind = tokenizer_name(run_dir)
     if kind != "gpt2":
         what = f"the {kind!r} tokenizer" if kind else "no recorded tokenizer"
@@ -136,6 +144,41 @@ def _write_gpt2_tokenizer_files(out_dir: Path, max_length: int) -> None:
             "errors": "replace",
         },
     )
+
+
+# -- LoRA runs -------------------------------------------------------------------------------
+def merge_lora(
+    run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False
+) -> Path:
+    """Write a LoRA run (`gptkiln finetune --lora-rank`) as a plain run: its adapters added into
+    the weights (peft's merge), so it loads, generates and exports (`export_hf`) as any other.
+
+    The fine-tuning record (template, classes, ...) is kept, marked ``"lora": null`` with
+    ``"merged_from"``; the training state is not (a merged run is not resumed as LoRA).
+    """
+    from gptkiln.loading import load_run
+
+    run_dir = Path(run_dir)
+    stale = check_out_dir(out_dir, overwrite=overwrite)
+    if Path(out_dir).resolve() == run_dir.resolve():
+        raise GptkilnError(f"--out {out_dir} is the LoRA run itself; write the merge elsewhere")
+    info = read_config(run_dir).get("finetune") or {}
+    if not info.get("lora"):
+        raise GptkilnError(
+            f"{run_dir} has no LoRA adapters (it was not fine-tuned with --lora-rank): its "
+            "weights are whole already; use it as it is"
+        )
+    model, tokenizer, cfg = load_run(run_dir)  # the adapters merged
+    merged = {**info, "lora": None, "merged_from": str(run_dir.resolve())}
+    save_model(
+        model,
+        out_dir,
+        train_config=cfg.get("train"),
+        tokenizer=tokenizer,
+        extra={"finetune": merged},
+    )
+    _drop(stale)
+    return Path(out_dir)
 
 
 # -- the book's GPTModel ---------------------------------------------------------------------

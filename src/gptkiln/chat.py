@@ -1,0 +1,129 @@
+"""``gptkiln chat``: a conversation with an instruction-tuned run, in a terminal or over stdin.
+
+`Chat` keeps the turns and formats each prompt with the run's stored template
+(`finetune.templates.format_conversation`); responses stream through the same
+`api.stream_from_model` as ``gptkiln generate``. `run_chat` is the terminal around it: a line
+is a message; ``/reset`` forgets the conversation, ``/exit`` (or end of input) leaves; Ctrl-C
+stops a response and keeps the chat going.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import TextIO
+
+from gptkiln.config import SampleConfig
+
+COMMANDS = "/reset forgets the conversation, /exit (or Ctrl-D) leaves, Ctrl-C stops a response"
+
+
+class Chat:
+    """A conversation with an instruction-tuned run.
+
+    Each `reply` sends the conversation so far (oldest turns dropped first when it would not
+    leave room in the context for ``cfg.max_new_tokens``) and records the turn, also when the
+    response was stopped early.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, cfg: SampleConfig, *, device: str = "cpu"):
+        from gptkiln.finetune.runs import require_template
+        from gptkiln.loading import load_run
+
+        self.run_dir, self.device = run_dir, device
+        self.model, self.tokenizer, run_cfg = load_run(run_dir, device=device)
+        self.template = require_template(run_cfg, run_dir)
+        stop = tuple(cfg.stop) + self.template.stop_strings()
+        self.cfg = SampleConfig(**{**cfg.__dict__, "stop": stop})
+        self.turns: list[tuple[str, str]] = []
+
+    def reset(self) -> None:
+        self.turns.clear()
+
+    def prompt(self, message: str) -> str:
+        """The text the model continues for ``message``, with as many earlier turns as fit."""
+        from gptkiln.finetune.templates import format_conversation
+
+        room = self.model.config.context_length - self.cfg.max_new_tokens
+        turns = list(self.turns)
+        while True:
+            text = format_conversation(self.template, turns, message)
+            if not turns or len(self.tokenizer.encode(text)) <= room:
+                return text
+            turns.pop(0)
+
+    def reply(self, message: str) -> Iterator[str]:
+        """The response to ``message``, piece by piece."""
+        from gptkiln.api import stream_from_model
+
+        pieces: list[str] = []
+        stream = stream_from_model(
+            self.model, self.tokenizer, self.prompt(message), self.cfg, self.run_dir
+        )
+        try:
+            with contextlib.closing(stream):  # a stopped response frees the KV cache at once
+                for piece in stream:
+                    pieces.append(piece)
+                    yield piece
+        finally:  # a response stopped by Ctrl-C is part of the conversation as far as it went
+            self.turns.append((message, "".join(pieces).strip()))
+
+
+def run_chat(
+    chat: Chat,
+    *,
+    interactive: bool,
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+) -> None:
+    """Read messages, one a line, and write the responses as they come.
+
+    ``interactive``: a person at a terminal: a banner, a ``you>`` prompt with line editing, a
+    note after ``/reset``. Otherwise (stdin from a script or a pipe) only the responses are
+    written, each on its own line(s), ended by a newline.
+    """
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    if interactive:
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:  # Windows
+            pass
+        stdout.write(f"chatting with {chat.run_dir}: {COMMANDS}\n")
+    while True:
+        try:
+            line = input("you> ") if interactive else stdin.readline()
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            stdout.write(f"\n({COMMANDS})\n")
+            continue
+        if not interactive and not line:  # end of input
+            break
+        message = line.strip()
+        if not message:
+            continue
+        if message == "/exit":
+            break
+        if message == "/reset":
+            chat.reset()
+            if interactive:
+                stdout.write("(the conversation is forgotten)\n")
+            continue
+        _respond(chat, message, stdout, interactive)
+
+
+def _respond(chat: Chat, message: str, stdout: TextIO, interactive: bool) -> None:
+    pieces = chat.reply(message)
+    if interactive:
+        stdout.write("bot> ")
+    try:
+        for piece in pieces:
+            stdout.write(piece)
+            stdout.flush()
+    except KeyboardInterrupt:
+        pieces.close()  # records the turn as far as it went
+        stdout.write(" [stopped]")
+    stdout.write("\n")
+    stdout.flush()

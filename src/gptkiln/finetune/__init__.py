@@ -1,0 +1,73 @@
+"""Fine-tuning a trained model: instruction following and classification, in full or with LoRA.
+
+``finetune(FinetuneConfig(base=..., data=...), train_config)`` trains with the loop of
+pretraining, `gptkiln.train.Trainer`, over a task from this package:
+
+- `instruct.InstructionTuning`: the book's chapter 7 (data `data.read_instructions`, prompts
+  `templates`, batches `instruct.collate_instructions`);
+- `classify.Classification`: the book's chapter 6 (data `data.read_labelled`, a ``score`` head,
+  `classify.classify` to ask the result);
+- either with LoRA adapters (`lora`, on the `peft` library; the book's appendix E).
+
+A fine-tuned run is a run directory like any other, with a ``"finetune"`` entry in its
+config.json (`runs`) that `generate`, `chat`, `classify` and the server read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gptkiln.config import FinetuneConfig, TrainConfig
+
+# The loop's settings for fine-tuning where they differ from pretraining's: the book's
+# chapters 6-7 (AdamW at 5e-5, weight decay 0.1, constant rate, no warm-up; epochs over the
+# examples; evaluation on 5 batches). LoRA's adapters start from zero and want a larger rate.
+FINETUNE_TRAIN_DEFAULTS: dict[str, Any] = dict(
+    max_steps=0,
+    epochs=2,
+    sampling="windows",
+    lr=5e-5,
+    min_lr=0.0,
+    warmup_steps=0,
+    decay_lr=False,
+    weight_decay=0.1,
+    eval_interval=10,
+    eval_batches=5,
+    sample_interval=10,
+    checkpoint_interval=50,
+)
+LORA_LR = 5e-4
+
+
+def train_config(ft: FinetuneConfig, **settings: Any) -> TrainConfig:
+    """The loop's `TrainConfig` for ``ft``: the fine-tuning defaults (``lr`` 5e-4 with LoRA),
+    then ``settings`` (``out=``, ``batch_size=``, ...)."""
+    defaults = {**FINETUNE_TRAIN_DEFAULTS, "lr": LORA_LR if ft.lora else 5e-5, "data": ft.data}
+    return TrainConfig.from_dict({**defaults, **settings})
+
+
+def finetune(
+    ft: FinetuneConfig, train: TrainConfig, *, resume: bool = False, overwrite: bool = False
+):
+    """Fine-tune ``ft.base`` on ``ft.data`` into the run directory ``train.out``.
+
+    Args:
+        ft: what to start from, learn and train (see `FinetuneConfig`).
+        train: the loop's settings (`train_config` gives the fine-tuning defaults).
+        resume: continue the run in ``train.out``; as in pretraining, the result is the one of
+            a run never interrupted.
+        overwrite: start afresh over a run in ``train.out``.
+
+    Returns:
+        The loop's `gptkiln.train.TrainResult` (its ``history`` holds each evaluation's row).
+    """
+    from gptkiln.finetune.classify import Classification
+    from gptkiln.finetune.instruct import InstructionTuning
+    from gptkiln.train import Trainer
+
+    task = InstructionTuning if ft.task == "instruct" else Classification
+    trainer = Trainer(train, resume=resume, overwrite=overwrite, task=lambda ctx: task(ctx, ft))
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

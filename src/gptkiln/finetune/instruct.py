@@ -1,0 +1,163 @@
+"""Instruction fine-tuning (the book's chapter 7): entries in a prompt template, batches padded
+with end-of-text, next-token loss on the example (or, with ``mask_prompt``, on its response).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from gptkiln.config import FinetuneConfig, SampleConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.finetune.task import ExampleBatches, FineTuning, fixed_batches, loss_summary
+from gptkiln.finetune.templates import format_example, format_prompt, load_template
+from gptkiln.train import RunContext, evaluate
+
+IGNORE_INDEX = -100  # targets cross_entropy skips (its ignore_index)
+
+
+def collate_instructions(
+    batch: Sequence[Sequence[int]],
+    pad_id: int,
+    max_length: int | None = None,
+    prompt_lengths: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (B, T), for examples of token ids, as the book's chapter 7
+    builds them (its ``custom_collate_fn``).
+
+    Every example is followed by one end-of-text token (``pad_id``), which is its last target,
+    so the model learns to stop; the batch is padded to the longest with ``pad_id``, whose
+    further targets are ``-100`` (ignored by the loss). T is the longest example's length, cut
+    to ``max_length`` (the model's context). With ``prompt_lengths`` (one per example) the
+    targets of the prompt's tokens are ``-100`` too, so only the response is learnt.
+    """
+    longest = max(len(ids) for ids in batch)  # + its end-of-text, - the shift of the targets
+    inputs = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+    targets = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)
+    for row, ids in enumerate(batch):
+        n = len(ids)
+        inputs[row, :n] = torch.as_tensor(ids, dtype=torch.long)
+        targets[row, : n - 1] = inputs[row, 1:n]
+        targets[row, n - 1] = pad_id  # end of text: the first padding token is a target
+        if prompt_lengths is not None:
+            targets[row, : prompt_lengths[row] - 1] = IGNORE_INDEX
+    return inputs[:, :max_length], targets[:, :max_length]
+
+
+def prompt_length(prompt_ids: Sequence[int], example_ids: Sequence[int]) -> int:
+    """How many of an example's ids are its prompt's: the ids the two encodings share, and one
+    more when a token of the example straddles the end of the prompt."""
+    n = 0
+    for x, y in zip(prompt_ids, example_ids, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n + (n < len(prompt_ids))
+
+
+class InstructionTuning(FineTuning):
+    """`Task` of instruction fine-tuning; the split is the book's: the first 1 - val - test of
+    the entries train, the next ``test_fraction`` are the test set, the last the validation set.
+    """
+
+    columns = ("train_loss", "val_loss")
+    plots = ("loss",)
+
+    def __init__(self, ctx: RunContext, ft: FinetuneConfig):
+        from gptkiln.finetune.data import check_splits, read_instructions, split_sizes
+
+        super().__init__(ctx, ft)
+        self.template = load_template(ft.template)
+        entries = read_instructions(ft.data)
+        sizes = split_sizes(len(entries), ft.val_fraction, ft.test_fraction)
+        check_splits(ft.data, len(entries), sizes, ft.val_fraction)
+        n_train, n_val, n_test = sizes
+        self.split = {"train": n_train, "val": n_val, "test": n_test}
+        self.pad_id = self.tokenizer.eot_id
+        if self.pad_id is None:
+            raise GptkilnError(
+                f"{ft.base}'s {self.tokenizer.kind} tokenizer has no end-of-text token, which "
+                "ends each example (so the model learns to stop); fine-tune a model whose "
+                "tokenizer has one (gpt2, bpe, or char prepared from several documents)"
+            )
+        self.ids, self.prompt_lengths = self._encode(entries)
+        self.build_model()
+        cfg, ctx_len = ctx.cfg, self.model_config.context_length
+        self.train_ids = list(range(n_train))
+        self.val_ids = list(range(n_train + n_test, len(entries)))
+        self.test_ids = list(range(n_train, n_train + n_test))
+        collate = functools.partial(self.collate, max_length=ctx_len)
+        self.batches = ExampleBatches(
+            n_train,
+            lambda ids: collate([self.train_ids[i] for i in ids]),
+            lambda ids: min(max(len(self.ids[self.train_ids[i]]) for i in ids), ctx_len),
+            cfg,
+            ctx.world,
+        )
+        wanted = cfg.eval_batches * cfg.batch_size * ctx.world.world_size
+        self.val_batches = fixed_batches(self.val_ids, cfg.batch_size, wanted, collate)
+        self.train_eval_batches = (
+            fixed_batches(self.train_ids, cfg.batch_size, wanted, collate) if cfg.eval_train else []
+        )
+        self.held_out = entries[self.val_ids[0]]
+        self.say_what_trains()
+        self._note_long_examples(ctx_len)
+
+    def _encode(self, entries: list[dict]) -> tuple[list[list[int]], list[int] | None]:
+        """Each example's ids (prompt and output encoded together, as the book does) and, with
+        ``mask_prompt``, how many of them are the prompt's."""
+        texts = [format_example(self.template, e) for e in entries]
+        try:
+            ids = self.tokenizer.encode_ordinary_batch(texts)
+        except GptkilnError as e:
+            raise GptkilnError(f"--data {self.ft.data}: {e}") from None
+        if not self.ft.mask_prompt:
+            return ids, None
+        prompts = [format_prompt(self.template, e["instruction"], e["input"]) for e in entries]
+        prompt_ids = self.tokenizer.encode_ordinary_batch(prompts)
+        return ids, [prompt_length(p, i) for p, i in zip(prompt_ids, ids, strict=True)]
+
+    def collate(self, ids: Sequence[int], max_length: int | None = None):
+        lengths = None if self.prompt_lengths is None else [self.prompt_lengths[i] for i in ids]
+        return collate_instructions([self.ids[i] for i in ids], self.pad_id, max_length, lengths)
+
+    def _note_long_examples(self, ctx_len: int) -> None:
+        long = sum(len(i) + 1 > ctx_len for i in self.ids)
+        if long and self.ctx.world.is_main:
+            print(
+                f"note: {long:,} of {len(self.ids):,} examples are longer than the model's "
+                f"context of {ctx_len} tokens (with their end-of-text); they are cut there, so "
+                "their ends are not learnt",
+                file=sys.stderr,
+            )
+
+    def task_info(self) -> dict:
+        return {"template": self.template.to_dict(), "pad_id": self.pad_id}
+
+    # -- what the loop asks --------------------------------------------------------------------
+    def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
+        """Loss per response token on the fixed training and validation batches."""
+        device, world = self.ctx.device, self.ctx.world
+        sets = (("train", self.train_eval_batches), ("val", self.val_batches))
+        return {
+            f"{split}_loss": evaluate(model, batches, device, world, autocast) if batches else None
+            for split, batches in sets
+        }
+
+    def summary(self, row: dict) -> str:
+        return loss_summary(row)
+
+    def sample(self, model, use_cache: bool) -> str:
+        """The greedy response to the first validation entry (held out from training)."""
+        from gptkiln.api import stream_from_model
+
+        e = self.held_out
+        prompt = format_prompt(self.template, e["instruction"], e["input"])
+        cfg = SampleConfig(
+            max_new_tokens=self.cfg.sample_tokens, temperature=0, stop=self.template.stop_strings()
+        )
+        response = "".join(stream_from_model(model, self.tokenizer, prompt, cfg))
+        return prompt.removeprefix(self.template.system).lstrip("\n") + response

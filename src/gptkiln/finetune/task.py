@@ -1,0 +1,268 @@
+"""What instruction tuning and classification share: the base model, which of its layers train
+(all, the last N with the head, or LoRA adapters), batches of examples, the run's record, and
+checkpoints. Each is a `gptkiln.train.Task`, trained by the one loop, `gptkiln.train.Trainer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gptkiln import distributed as dist_utils
+from gptkiln.config import FinetuneConfig, TrainConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.finetune.lora import LoraSpec, add_lora
+from gptkiln.model import GPT
+from gptkiln.train import EpochOrder, RunContext, spread_evenly
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class ExampleBatches:
+    """Training batches of examples: epochs of a seeded order (`EpochOrder`, so resuming needs
+    only the step), each micro-batch made by ``collate(ids)``.
+
+    Args:
+        n: training examples.
+        collate: example ids -> (inputs, targets).
+        width: example ids -> the length of their collated inputs (for the tokens seen).
+    """
+
+    walks_epochs = True
+
+    def __init__(
+        self,
+        n: int,
+        collate: Callable[[list[int]], Batch],
+        width: Callable[[list[int]], int],
+        cfg: TrainConfig,
+        world: dist_utils.World,
+    ):
+        self.order = EpochOrder(n, cfg, world, what="training examples")
+        self.global_batch = self.order.global_batch
+        self.steps_per_epoch = self.order.steps_per_epoch
+        self.collate, self.width = collate, width
+
+    @property
+    def total_steps(self) -> int:
+        return self.order.total_steps
+
+    def tokens(self, step: int) -> int:
+        return sum(len(ids) * self.width(ids) for ids in self.order.step_ids(step))
+
+    def get(self, step: int, micro: int) -> Batch:
+        return self.collate(self.order.ids(step, micro))
+
+
+def fixed_batches(
+    ids: Sequence[int], batch_size: int, wanted: int, collate: Callable[[list[int]], Batch]
+) -> list[Batch]:
+    """Evaluation batches: all of ``ids``, or ``wanted`` of them spread evenly, in order."""
+    chosen = [ids[i] for i in spread_evenly(len(ids), wanted)]
+    return [collate(chosen[i : i + batch_size]) for i in range(0, len(chosen), batch_size)]
+
+
+def classifier_from(model: GPT, num_classes: int, seed: int) -> GPT:
+    """``model`` with its head replaced by ``score``, a new ``Linear(n_embd, num_classes)``
+    initialised as PyTorch does after ``torch.manual_seed(seed)`` (the book's chapter 6)."""
+    from gptkiln.loading import build_model
+
+    config = dataclasses.replace(model.config, num_classes=num_classes, tie_embeddings=False)
+    sd = {k: v for k, v in model.state_dict().items() if not k.startswith(("lm_head.", "score."))}
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(config.n_embd, num_classes)
+    sd["score.weight"], sd["score.bias"] = head.weight.detach(), head.bias.detach()
+    return build_model(config, sd, "the classifier").train()
+
+
+def train_only(model: GPT, train_layers: str) -> None:
+    """Freeze all but what ``train_layers`` names: ``"all"`` freezes nothing; ``"last-N"``
+    leaves the last N blocks, the final norm and the head (the book's chapter 6: the last block,
+    ``final_norm`` and the new ``out_head``) training."""
+    if train_layers == "all":
+        return
+    n = int(train_layers.removeprefix("last-"))
+    if n > model.config.n_layer:
+        raise GptkilnError(
+            f"--train-layers {train_layers}: the model has {model.config.n_layer} blocks; pass "
+            f"last-N with N <= {model.config.n_layer}, or all"
+        )
+    model.requires_grad_(False)
+    for module in (*model.h[-n:], model.ln_f, model.head):
+        module.requires_grad_(True)
+
+
+class FineTuning:
+    """A fine-tuning `Task`'s common half; `InstructionTuning` and `Classification` read their
+    data, then call `build_model`, then set ``batches`` and their evaluation batches."""
+
+    columns: tuple[str, ...]
+    plots: tuple[str, ...]
+    batches: ExampleBatches
+
+    def __init__(self, ctx: RunContext, ft: FinetuneConfig):
+        from gptkiln.loading import load_run_tokenizer, read_config
+
+        self.ctx, self.ft, self.cfg, self.run_dir = ctx, ft, ctx.cfg, ctx.run_dir
+        base = Path(ft.base)
+        if base.resolve() == ctx.run_dir.resolve():
+            raise GptkilnError(
+                f"--out {ctx.run_dir} is the base model's directory; fine-tune into another one"
+            )
+        self.base_cfg = read_config(base)
+        self.tokenizer = load_run_tokenizer(base, self.base_cfg)
+        self.lora = (
+            LoraSpec(ft.lora_rank, float(ft.lora_alpha), ft.lora_qkv, ft.lora_head)
+            if ft.lora
+            else None
+        )
+        self.base_sd: dict[str, torch.Tensor] | None = None  # a LoRA run's frozen base
+        self.split: dict[str, int] = {}
+
+    # -- the model ---------------------------------------------------------------------------
+    def build_model(self, num_classes: int | None = None) -> None:
+        """Load the base, give it a classifier head when asked, choose what trains."""
+        from gptkiln.finetune.data import file_sha256
+        from gptkiln.loading import load_model
+
+        ctx, ft = self.ctx, self.ft
+        self.data_sha256 = file_sha256(ft.data)  # the data is read and checked by now
+        if ctx.resume and self.lora is not None:  # the frozen base stored with the run
+            model = load_model(ctx.run_dir, adapters=False)
+        else:
+            model = load_model(ft.base)
+            if num_classes is not None:
+                model = classifier_from(model, num_classes, self.cfg.seed)
+        if num_classes is None and model.config.num_classes:
+            raise GptkilnError(
+                f"{ft.base} is a classifier; instruction tuning needs a language model (a "
+                "pretrained run or a Hugging Face GPT-2 directory)"
+            )
+        model.train()
+        if self.lora is None:
+            train_only(model, ft.train_layers)
+        else:
+            self.base_sd = dict(model.state_dict())
+            torch.manual_seed(self.cfg.seed)  # the adapters' A matrices
+            add_lora(model, self.lora)
+            if num_classes is not None and not self.lora.head:
+                model.score.requires_grad_(True)  # a new head trains in full
+        self.model = model.to(ctx.device)
+        self.model_config = model.config
+        self.trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        if ctx.resume:
+            self._check_same_run()
+
+    def say_what_trains(self) -> None:
+        """One line on stderr (rank 0), once the task is built: what fine-tunes on what."""
+        if not self.ctx.world.is_main:
+            return
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.model.parameters())
+        how = (
+            f"LoRA rank {self.lora.rank}, alpha {self.lora.alpha:g}, q/k/v {self.lora.qkv}"
+            if self.lora
+            else f"layers: {self.ft.train_layers}"
+        )
+        print(
+            f"fine-tuning {self.ft.base} ({self.ft.task}; {how}): {trained:,} of {total:,} "
+            f"parameters train ({100 * trained / total:.2f}%); "
+            f"{self.split['train']:,} train, {self.split['val']:,} val, "
+            f"{self.split['test']:,} test examples",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    # -- the run's record --------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """The ``"finetune"`` entry of config.json (see `gptkiln.finetune.runs`)."""
+        return {
+            "task": self.ft.task,
+            "base": str(Path(self.ft.base).resolve()),
+            "config": self.ft.to_dict(),
+            "data_sha256": self.data_sha256,
+            "split": self.split,
+            "lora": None if self.lora is None else self.lora.to_dict(),
+            **self.task_info(),
+        }
+
+    def task_info(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _check_same_run(self) -> None:
+        """A resume continues the same fine-tuning: the same settings and data file."""
+        from gptkiln import checkpoint
+        from gptkiln.loading import read_config
+
+        checkpoint.check_same_model_config(self.run_dir, self.model_config)
+        saved = read_config(self.run_dir).get("finetune") or {}
+        now = self.info()
+        then = {**saved.get("config", {}), "base": saved.get("base")}
+        settings = {**now["config"], "base": now["base"]}
+        settings.pop("data")  # compared by its contents, below
+        diffs = [
+            f"{k} {then.get(k)!r} then, {v!r} now" for k, v in settings.items() if then.get(k) != v
+        ]
+        if saved.get("data_sha256") != now["data_sha256"]:
+            diffs.append(f"the contents of --data {self.ft.data}")
+        if diffs:
+            raise GptkilnError(
+                f"cannot resume {self.run_dir}: it was fine-tuned otherwise ({'; '.join(diffs)}); "
+                "resume with the same settings and data, or pass --overwrite"
+            )
+
+    # -- what the loop asks --------------------------------------------------------------------
+    def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
+        from gptkiln import checkpoint
+
+        extra = {"finetune": self.info()}
+        if self.lora is None:
+            checkpoint.write_checkpoint(
+                self.run_dir,
+                self.model_config,
+                model_sd,
+                state,
+                train_config=train_config,
+                tokenizer=self.tokenizer,
+                extra=extra,
+            )
+            return
+        adapters = {name: model_sd[name] for name in self.trainable}
+        checkpoint.write_checkpoint(
+            self.run_dir,
+            self.model_config,
+            self.base_sd,  # written once, at the first save: it does not change
+            state,
+            train_config=train_config,
+            tokenizer=self.tokenizer,
+            extra=extra,
+            adapter_sd=adapters,
+        )
+        self.base_sd = None
+
+    def load(self) -> tuple[dict, dict]:
+        from gptkiln import checkpoint
+
+        if self.lora is None:
+            return checkpoint.read_checkpoint(self.run_dir)
+        adapters, state = checkpoint.read_adapter_checkpoint(self.run_dir)
+        unknown = sorted(set(adapters) - set(self.trainable))
+        if unknown:
+            raise GptkilnError(
+                f"{self.run_dir}: its adapters ({', '.join(unknown[:3])} ...) are not those of "
+                "these LoRA settings; resume with the run's settings, or pass --overwrite"
+            )
+        return {**self.model.state_dict(), **adapters}, state
+
+
+def loss_summary(row: dict) -> str:
+    """``train X | val Y (ppl Z)``: the evaluation's part of a line, as pretraining prints it."""
+    val = row.get("val_loss")
+    val_text = f" | val {val:.3f} (ppl {math.exp(min(val, 50)):.1f})" if val is not None else ""
+    return f"train {row['train_loss']:.3f}{val_text}"

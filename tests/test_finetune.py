@@ -1,0 +1,683 @@
+"""Fine-tuning: the book's chapters 6-7 and appendix E, reproduced and checked against its code.
+
+Every model here is built by the tests themselves: a tiny GPT with a character tokenizer (so a
+step takes milliseconds) saved as a run, fine-tuned on data the tests write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import random
+import string
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gptkiln.checkpoint import save_model
+from gptkiln.cli import main
+from gptkiln.config import FinetuneConfig, GPTConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.finetune import finetune, train_config
+from gptkiln.finetune.instruct import collate_instructions
+from gptkiln.finetune.lora import LoraSpec, add_lora, lora_parameter_count
+from gptkiln.finetune.templates import (
+    ALPACA,
+    PromptTemplate,
+    format_conversation,
+    format_example,
+    format_prompt,
+)
+from gptkiln.loading import load_model, load_run
+from gptkiln.model import GPT
+from gptkiln.tokenizers import build_char_tokenizer
+from gptkiln.train import read_metrics
+
+book_ch06 = pytest.importorskip("llms_from_scratch.ch06", reason="the book's package")
+book_ch07 = pytest.importorskip("llms_from_scratch.ch07", reason="the book's package")
+
+CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
+WORDS = "red green blue cat dog sun moon tree rain fish".split()
+
+
+def cli(*argv, capsys):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def instructions(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        word = rng.choice(WORDS)
+        if i % 3:
+            out.append({"instruction": f"Repeat {word}.", "input": "", "output": f"{word} {word}"})
+        else:
+            out.append({"instruction": "Repeat the input.", "input": word, "output": word})
+    return out
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A tiny base run (random weights, a character tokenizer with end-of-text), and data."""
+    root = tmp_path_factory.mktemp("finetune")
+    tokenizer = build_char_tokenizer([CHARS], with_eot=True)
+    torch.manual_seed(0)
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=256)
+    save_model(GPT(config), root / "base", tokenizer=tokenizer)
+    (root / "instructions.json").write_text(json.dumps(instructions(60)))
+    rng = random.Random(1)
+    lines = ["text,label"]
+    for _ in range(400):
+        label = rng.choice(["good", "bad"])
+        words = [rng.choice(WORDS) for _ in range(rng.randint(2, 4))]
+        words.insert(rng.randint(0, len(words)), label)
+        lines.append(f"{' '.join(words)},{label}")
+    (root / "labelled.csv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def quick(ft: FinetuneConfig, out: Path, **settings):
+    base = dict(out=str(out), batch_size=4, lr=3e-3, progress=False, sample_tokens=12)
+    return train_config(ft, **{**base, **settings})
+
+
+# -- the prompt template ----------------------------------------------------------------------
+def test_the_alpaca_template_is_the_books_format_input_and_response():
+    for entry in instructions(6):
+        book_prompt = book_ch07.format_input(entry) + "\n\n### Response:\n"
+        assert format_prompt(ALPACA, entry["instruction"], entry["input"]) == book_prompt
+        assert format_example(ALPACA, entry) == book_prompt + entry["output"]
+    assert "### Input" not in format_prompt(ALPACA, "Say hi.", "")  # only when there is input
+
+
+def test_a_conversation_repeats_the_instruction_parts_and_braces_stay_text():
+    t = PromptTemplate(
+        system="S", instruction="|I:{instruction}", input="|X:{input}", response="|R:"
+    )
+    assert format_conversation(t, [], "a {input} b") == "S|I:a {input} b|R:"
+    assert format_conversation(t, [("q1", "a1")], "q2") == "S|I:q1|R:a1|I:q2|R:"
+    assert ALPACA.stop_strings() == ("### Instruction:", "### Input:", "### Response:")
+    with pytest.raises(GptkilnError, match="{instruction} once"):
+        PromptTemplate(system="", instruction="no placeholder", input="{input}", response="")
+
+
+# -- instruction batches: the book's custom_collate_fn ------------------------------------------
+def _book_and_ours(batch, allowed):
+    book = book_ch07.custom_collate_fn(batch, pad_token_id=50256, allowed_max_length=allowed)
+    ours = collate_instructions(batch, pad_id=50256, max_length=allowed)
+    return book, ours
+
+
+def test_the_collate_equals_the_books_custom_collate_fn():
+    from gptkiln.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer("gpt2")
+    data = instructions(24, seed=3) + [
+        {"instruction": "Say a long thing. " * 20, "input": "x y z " * 30, "output": "ok"}
+    ]
+    dataset = book_ch07.InstructionDataset(data, tokenizer)  # the book's encoding ...
+    texts = [format_example(ALPACA, e) for e in data]
+    assert tokenizer.encode_ordinary_batch(texts) == dataset.encoded_texts  # ... is ours
+    items = [dataset[i] for i in range(len(data))]
+    for start in range(0, len(items), 5):
+        for allowed in (None, 1024, 40):
+            (bx, by), (ox, oy) = _book_and_ours(items[start : start + 5], allowed)
+            assert torch.equal(bx, ox) and torch.equal(by, oy)
+    # the shape of it: the first padding token is a target, the rest are -100
+    x, y = collate_instructions([[5, 6, 7], [8]], pad_id=0)
+    assert x.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert y.tolist() == [[6, 7, 0], [0, -100, -100]]
+
+
+def test_the_collate_equals_the_books_on_its_own_1100_entries(tmp_path):
+    from conftest import SHARED_DATA
+
+    path = SHARED_DATA / "instruction-data.json"
+    if not path.exists():
+        pytest.skip(f"{path} (the book's data) is not here: only the book's own entries need it")
+    from gptkiln.finetune.data import read_instructions
+    from gptkiln.tokenizers import load_tokenizer
+
+    data = read_instructions(path)
+    assert len(data) == 1100
+    dataset = book_ch07.InstructionDataset(data, load_tokenizer("gpt2"))
+    items = [dataset[i] for i in range(len(data))]
+    for start in range(0, len(items), 8):
+        (bx, by), (ox, oy) = _book_and_ours(items[start : start + 8], 1024)
+        assert torch.equal(bx, ox) and torch.equal(by, oy)
+
+
+def test_mask_prompt_leaves_only_the_response_as_targets():
+    x, y = collate_instructions([[1, 2, 3, 4, 5], [6, 7, 8]], pad_id=0, prompt_lengths=[3, 1])
+    assert y.tolist() == [[-100, -100, 4, 5, 0], [7, 8, 0, -100, -100]]
+    assert x.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]]
+
+
+# -- LoRA: the book's count, peft's placement -------------------------------------------------
+def _book_lora_count() -> int:
+    """The book's appendix E, counted on its own model: GPT_CONFIG_124M, a 2-class head,
+    everything frozen, then replace_linear_with_lora(model, rank=16, alpha=16)."""
+    from llms_from_scratch.appendix_e import replace_linear_with_lora
+    from llms_from_scratch.ch04 import GPTModel
+
+    cfg = {
+        "vocab_size": 50257,
+        "context_length": 1024,
+        "emb_dim": 768,
+        "n_heads": 12,
+        "n_layers": 12,
+        "drop_rate": 0.0,
+        "qkv_bias": True,
+    }
+    with torch.device("meta"):
+        model = GPTModel(cfg)
+        model.out_head = torch.nn.Linear(768, 2)
+        model.requires_grad_(False)
+        replace_linear_with_lora(model, rank=16, alpha=16)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_lora_parameter_counts_are_the_books_and_the_formulas():
+    config = GPTConfig.from_name("gpt2", tie_embeddings=False, num_classes=2)
+    book = _book_lora_count()
+    assert book == 2_666_528  # the figure printed in the book
+    counts = {}
+    for qkv in ("split", "fused"):
+        with torch.device("meta"):
+            model = GPT(config)
+        spec = LoraSpec(rank=16, alpha=16.0, qkv=qkv, head=True)
+        add_lora(model, spec)
+        counts[qkv] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert counts[qkv] == lora_parameter_count(config, spec)
+    assert counts["split"] == book  # an adapter per query, key and value block: the book's
+    C, L, r = 768, 12, 16
+    assert counts["split"] == 18 * r * C * L + r * (C + 2)
+    assert counts["fused"] == 16 * r * C * L + r * (C + 2) == 2_371_616  # HF's placement
+
+
+def test_split_adapters_compute_what_the_books_three_adapters_compute():
+    from llms_from_scratch.appendix_e import LinearWithLoRA
+
+    torch.manual_seed(0)
+    config = GPTConfig.from_name("tiny", vocab_size=40)
+    model = GPT(config)
+    r, alpha, C = 4, 6.0, config.n_embd
+    add_lora(model, LoraSpec(rank=r, alpha=alpha, qkv="split"))
+    layer = model.h[0].attn.c_attn
+    torch.nn.init.normal_(layer.lora_B["default"].weight)  # B starts at 0: give it values
+    A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight  # (3r, C), (3C, r)
+    base = layer.get_base_layer()
+    book = []
+    for i in range(3):  # the book's W_query, W_key, W_value, each with its own LoRALayer
+        linear = torch.nn.Linear(C, C)
+        linear.weight.data = base.weight[i * C : (i + 1) * C].detach().clone()
+        linear.bias.data = base.bias[i * C : (i + 1) * C].detach().clone()
+        adapted = LinearWithLoRA(linear, r, alpha / r)  # the book's alpha multiplies directly
+        adapted.lora.A.data = A[i * r : (i + 1) * r].detach().T.clone()  # (C, r)
+        adapted.lora.B.data = B[i * C : (i + 1) * C].detach().T.clone()  # (r, C)
+        book.append(adapted)
+    x = torch.randn(2, 5, C)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), torch.cat([m(x) for m in book], dim=-1))
+
+
+# -- instruction fine-tuning, full and LoRA -----------------------------------------------------
+@pytest.fixture(scope="module")
+def instruct_run(work):
+    ft = FinetuneConfig(base=str(work / "base"), data=str(work / "instructions.json"))
+    result = finetune(ft, quick(ft, work / "instruct", epochs=3, eval_interval=5))
+    return work / "instruct", result
+
+
+def test_instruction_tuning_learns_and_writes_a_run(instruct_run):
+    run, result = instruct_run
+    rows = read_metrics(run / "metrics.csv")
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.5  # it learns the format
+    assert (run / "loss.png").is_file() and (run / "model.safetensors").is_file()
+    info = json.loads((run / "config.json").read_text())["finetune"]
+    assert info["template"] == ALPACA.to_dict() and info["split"] == {
+        "train": 51,
+        "val": 3,
+        "test": 6,
+    }
+    assert result.sample.startswith("### Instruction:\n")  # the held-out entry's response
+
+
+def test_generate_formats_with_the_stored_template_as_chat_does(instruct_run, capsys):
+    from gptkiln.api import stream_from_model, stream_text
+    from gptkiln.chat import Chat
+    from gptkiln.config import SampleConfig
+
+    run, _ = instruct_run
+    cfg = SampleConfig(max_new_tokens=20, temperature=0)
+    got = "".join(stream_text(run, "Repeat the input.", cfg, input="cat"))
+    model, tokenizer, _ = load_run(run)
+    prompt = format_prompt(ALPACA, "Repeat the input.", "cat")
+    stops = dataclasses.replace(cfg, stop=ALPACA.stop_strings())
+    assert got == "".join(stream_from_model(model, tokenizer, prompt, stops))
+    chat = Chat(run, SampleConfig(max_new_tokens=20, temperature=0))
+    assert chat.prompt("Repeat sun.") == format_prompt(ALPACA, "Repeat sun.")
+    first = "".join(chat.reply("Repeat sun."))
+    assert first == "".join(stream_text(run, "Repeat sun.", cfg))  # generate and chat agree
+    code, out, _ = cli(
+        "generate",
+        run,
+        "--prompt",
+        "Repeat sun.",
+        "--max-new-tokens",
+        20,
+        "--temperature",
+        0,
+        capsys=capsys,
+    )
+    assert code == 0 and out == first + "\n"  # the response alone, not the template
+
+
+def test_chat_plain_mode_resets_exits_and_survives_ctrl_c(instruct_run, monkeypatch, capsys):
+    from gptkiln.chat import Chat, run_chat
+    from gptkiln.config import SampleConfig
+
+    run, _ = instruct_run
+    chat = Chat(run, SampleConfig(max_new_tokens=12, temperature=0))
+    alone = "".join(chat.reply("Repeat dog."))
+    chat.reset()
+    out = io.StringIO()
+    run_chat(chat, interactive=False, stdin=io.StringIO("Repeat cat.\n\nRepeat dog.\n"), stdout=out)
+    assert len(chat.turns) == 2 and chat.turns[0][0] == "Repeat cat."
+    assert "### Instruction:\nRepeat dog." in chat.prompt("x")  # the history goes in the prompt
+    stdin = io.StringIO("Repeat cat.\n/reset\nRepeat dog.\n/exit\nRepeat sun.\n")
+    out = io.StringIO()
+    run_chat(chat, interactive=False, stdin=stdin, stdout=out)
+    assert len(chat.turns) == 1 and out.getvalue().endswith(alone + "\n")  # asked afresh
+    # Ctrl-C during a response stops it; the chat goes on with the next message
+    import gptkiln.api
+
+    real = gptkiln.api.stream_from_model
+
+    def interrupted(*args, **kwargs):
+        yield from list(real(*args, **kwargs))[:1]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gptkiln.api, "stream_from_model", interrupted)
+    chat.reset()
+    out = io.StringIO()
+    run_chat(chat, interactive=False, stdin=io.StringIO("Repeat cat.\nRepeat dog.\n"), stdout=out)
+    assert out.getvalue().count("[stopped]") == 2 and len(chat.turns) == 2
+    # the command: stdin not a terminal, so plain
+    monkeypatch.setattr(gptkiln.api, "stream_from_model", real)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Repeat dog.\n"))
+    code, out, _ = cli("chat", run, "--max-new-tokens", 12, capsys=capsys)
+    assert code == 0 and out == alone + "\n"
+
+
+def test_chat_keeps_the_latest_turns_that_fit_the_context(instruct_run):
+    from gptkiln.chat import Chat
+    from gptkiln.config import SampleConfig
+
+    run, _ = instruct_run
+    turns = [("Hi.", "hi"), ("Yo.", "yo")]
+    # the character tokenizer: one token a character, in a context of 256
+    lengths = [len(format_conversation(ALPACA, turns[2 - k :], "Go.")) for k in (0, 1, 2)]
+    for kept in (2, 1, 0):
+        for max_new, fits in [(256 - lengths[kept], kept), (256 - lengths[kept] + 1, kept - 1)]:
+            chat = Chat(run, SampleConfig(max_new_tokens=max_new, temperature=0))
+            chat.turns = list(turns)
+            expected = format_conversation(ALPACA, turns[2 - max(fits, 0) :], "Go.")
+            assert chat.prompt("Go.") == expected, (max_new, fits)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(work):
+    """A LoRA run trained 8 steps at once, and one trained 4 steps then resumed to 8."""
+    ft = FinetuneConfig(base=str(work / "base"), data=str(work / "instructions.json"), lora_rank=4)
+    settings = dict(max_steps=8, eval_interval=4, checkpoint_interval=4, sample_interval=100)
+    whole = finetune(ft, quick(ft, work / "lora", **settings))
+    finetune(ft, quick(ft, work / "lora-resumed", **{**settings, "max_steps": 4}))
+    finetune(ft, quick(ft, work / "lora-resumed", **settings), resume=True)
+    return work / "lora", work / "lora-resumed", whole
+
+
+def test_lora_keeps_the_base_bit_for_bit_and_saves_small_adapters(work, lora_runs):
+    run, _, result = lora_runs
+    base = load_file(work / "base" / "model.safetensors")
+    assert load_file(run / "model.safetensors").keys() == base.keys()
+    for name, tensor in load_file(run / "model.safetensors").items():
+        assert torch.equal(tensor, base[name]), name  # the frozen base, unchanged
+    adapters = load_file(run / "adapter.safetensors")
+    assert adapters and all("lora_" in name for name in adapters)
+    assert any(t.abs().sum() > 0 for n, t in adapters.items() if "lora_B" in n)  # it trained
+    config = load_model(run).config
+    assert sum(t.numel() for t in adapters.values()) == lora_parameter_count(
+        config, LoraSpec(rank=4, alpha=8.0)
+    )  # the adapters alone: 4,608 numbers beside the base's 41,376
+    rows = read_metrics(run / "metrics.csv")
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+
+
+def test_the_base_in_memory_is_unchanged_after_lora_training(work):
+    from gptkiln.finetune.instruct import InstructionTuning
+    from gptkiln.train import Trainer
+
+    ft = FinetuneConfig(base=str(work / "base"), data=str(work / "instructions.json"), lora_rank=2)
+    cfg = quick(ft, work / "lora-memory", max_steps=3, sample_interval=100)
+    trainer = Trainer(cfg, task=lambda ctx: InstructionTuning(ctx, ft))
+    trainer.fit()
+    trainer.close()
+    base = load_file(work / "base" / "model.safetensors")
+    model = trainer.task.model
+    frozen = {
+        n.replace(".base_layer", ""): p for n, p in model.named_parameters() if "lora_" not in n
+    }
+    for name, tensor in base.items():
+        assert torch.equal(frozen[name], tensor), name
+        assert not frozen[name].requires_grad
+
+
+def test_merged_equals_unmerged_and_exports_to_hugging_face(work, lora_runs, capsys):
+    from gptkiln.finetune.instruct import InstructionTuning
+    from gptkiln.train import Trainer
+
+    run, _, _ = lora_runs
+    ft = FinetuneConfig(base=str(work / "base"), data=str(work / "instructions.json"), lora_rank=4)
+    trainer = Trainer(
+        quick(ft, run, max_steps=8), resume=True, task=lambda ctx: InstructionTuning(ctx, ft)
+    )
+    trainer.close()
+    unmerged = trainer.task.model.eval()  # the adapters beside the frozen base (peft layers)
+    assert any("lora_A" in n for n, _ in unmerged.named_parameters())
+    merged = load_model(run)  # the adapters merged into the weights, plain layers
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    x = torch.randint(0, merged.config.vocab_size, (2, 30))
+    with torch.no_grad():
+        assert (unmerged(x) - merged(x)).abs().max() < 1e-5
+        assert (load_model(run, adapters=False)(x) - merged(x)).abs().max() > 1e-3
+    code, out, err = cli("convert", "merge-lora", run, "--out", work / "merged", capsys=capsys)
+    assert code == 0, err
+    with torch.no_grad():
+        assert torch.equal(load_model(work / "merged")(x), merged(x))
+    info = json.loads((work / "merged" / "config.json").read_text())["finetune"]
+    assert info["lora"] is None and info["template"] == ALPACA.to_dict()
+    code, _, err = cli(
+        "convert", "merge-lora", work / "merged", "--out", work / "m2", capsys=capsys
+    )
+    assert_one_line_error(code, err, "no LoRA adapters")
+
+
+def test_merged_gpt2_run_exports_to_hugging_face(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from gptkiln.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer("gpt2")
+    torch.manual_seed(0)
+    save_model(GPT(GPTConfig.from_name("tiny")), tmp_path / "base", tokenizer=tokenizer)
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(e) for e in instructions(24)))
+    ft = FinetuneConfig(base=str(tmp_path / "base"), data=str(tmp_path / "d.jsonl"), lora_rank=2)
+    finetune(ft, quick(ft, tmp_path / "lora", max_steps=2, sample_interval=100))
+    assert (
+        cli(
+            "convert", "merge-lora", tmp_path / "lora", "--out", tmp_path / "merged", capsys=capsys
+        )[0]
+        == 0
+    )
+    assert (
+        cli("convert", "to-hf", tmp_path / "merged", "--out", tmp_path / "hf", capsys=capsys)[0]
+        == 0
+    )
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    merged = load_model(tmp_path / "merged")
+    x = torch.randint(0, 50257, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, merged(x), atol=1e-4, rtol=1e-4)
+
+
+def test_a_resumed_lora_run_ends_where_an_uninterrupted_one_does(lora_runs):
+    whole, resumed, _ = lora_runs
+    a, b = load_file(whole / "adapter.safetensors"), load_file(resumed / "adapter.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+    def rows(run):  # the speed is the only column that may differ
+        return [{**r, "tokens_per_s": None} for r in read_metrics(run / "metrics.csv")]
+
+    assert rows(whole) == rows(resumed) and [r["step"] for r in rows(whole)] == [4, 8]
+
+
+def test_resume_refuses_other_settings_or_data(work, lora_runs, tmp_path):
+    _, resumed, _ = lora_runs
+    ft = FinetuneConfig(base=str(work / "base"), data=str(work / "instructions.json"), lora_rank=8)
+    with pytest.raises(GptkilnError, match="lora_rank 4 then, 8 now"):
+        finetune(ft, quick(ft, resumed, max_steps=10), resume=True)
+    changed = tmp_path / "instructions.json"
+    changed.write_text(json.dumps(instructions(60, seed=9)))
+    ft = FinetuneConfig(base=str(work / "base"), data=str(changed), lora_rank=4)
+    with pytest.raises(GptkilnError, match="the contents of --data"):
+        finetune(ft, quick(ft, resumed, max_steps=10), resume=True)
+
+
+# -- classification ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def classifier(work):
+    ft = FinetuneConfig(
+        base=str(work / "base"),
+        data=str(work / "labelled.csv"),
+        task="classify",
+        train_layers="all",
+    )
+    settings = dict(batch_size=8, epochs=4, lr=1e-3, eval_interval=20)
+    result = finetune(ft, quick(ft, work / "classify", **settings))
+    return work / "classify", result
+
+
+def test_a_tiny_model_learns_a_synthetic_classification(classifier):
+    run, result = classifier
+    last = result.history[-1]
+    assert last["val_accuracy"] >= 0.95 and last["test_accuracy"] >= 0.95
+    rows = read_metrics(run / "metrics.csv")
+    assert set(rows[0]) >= {"train_accuracy", "val_accuracy", "test_accuracy", "test_loss"}
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"]
+    assert (run / "accuracy.png").is_file()
+    info = json.loads((run / "config.json").read_text())["finetune"]
+    assert info["classes"] == ["bad", "good"] and info["split"] == {
+        "train": 280,
+        "val": 40,
+        "test": 80,
+    }
+
+
+def test_accuracy_and_loss_equal_the_books_functions(work, classifier):
+    from gptkiln.finetune.classify import classification_metrics, pad_texts
+
+    run, _ = classifier
+    model, tokenizer, cfg = load_run(run)
+    info = cfg["finetune"]
+    lines = (work / "labelled.csv").read_text().splitlines()[1:81]
+    texts, labels = zip(*(line.rsplit(",", 1) for line in lines), strict=True)
+    x = pad_texts(tokenizer.encode_ordinary_batch(list(texts)), info["max_length"], info["pad_id"])
+    y = torch.tensor([info["classes"].index(label) for label in labels])
+    even = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 80, 8)]  # batches of one size
+    loss, accuracy = classification_metrics(model, even)
+    assert accuracy == book_ch06.calc_accuracy_loader(even, model, "cpu")
+    assert loss == pytest.approx(book_ch06.calc_loss_loader(even, model, "cpu"), rel=1e-6)
+    ragged = [(x[i : i + 12], y[i : i + 12]) for i in range(0, 80, 12)]  # the last has 8
+    assert classification_metrics(model, ragged)[1] == book_ch06.calc_accuracy_loader(
+        ragged, model, "cpu"
+    )
+    # the book averages the batches' means; ours counts each example once
+    means = [classification_metrics(model, [b])[0] for b in ragged]
+    assert book_ch06.calc_loss_loader(ragged, model, "cpu") == pytest.approx(
+        sum(means) / len(means), rel=1e-6
+    )
+
+
+def test_classify_prints_the_label_and_probabilities(classifier, capsys):
+    from gptkiln.finetune.classify import classify
+
+    run, _ = classifier
+    predictions = classify(run, ["sun good cat", "bad moon rain"])
+    assert [p.label for p in predictions] == ["good", "bad"]
+    assert sum(predictions[0].probabilities.values()) == pytest.approx(1.0)
+    code, out, _ = cli("classify", run, "--text", "sun good cat", capsys=capsys)
+    label, probs = out.strip().split("\t")
+    probs = dict(kv.split("=") for kv in probs.split())
+    assert code == 0 and label == "good" and list(probs) == ["bad", "good"]
+    assert float(probs["good"]) > 0.9 and float(probs["good"]) + float(
+        probs["bad"]
+    ) == pytest.approx(1, abs=2e-3)
+    code, _, err = cli("generate", run, "--prompt", "x", capsys=capsys)
+    assert_one_line_error(code, err, "classifier", "gptkiln classify")
+    code, _, err = cli("convert", "to-hf", run, "--out", run.parent / "hf-cls", capsys=capsys)
+    assert_one_line_error(code, err, "classifier")
+
+
+def test_train_layers_last_n_freezes_all_but_the_last_blocks_norm_and_head(work):
+    from gptkiln.finetune.classify import Classification
+    from gptkiln.train import Trainer
+
+    ft = FinetuneConfig(base=str(work / "base"), data=str(work / "labelled.csv"), task="classify")
+    assert ft.train_layers == "last-1"  # the book's default
+    trainer = Trainer(
+        quick(ft, work / "last-1", max_steps=2), task=lambda ctx: Classification(ctx, ft)
+    )
+    trainer.close()
+    trained = {n for n, p in trainer.task.model.named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith(("h.1.", "ln_f.", "score.")) for n in trained)
+    assert {"score.weight", "ln_f.weight", "h.1.mlp.c_fc.weight"} <= trained
+
+
+def test_classification_with_lora_on_the_head_trains_only_adapters(work):
+    ft = FinetuneConfig(
+        base=str(work / "base"),
+        data=str(work / "labelled.csv"),
+        task="classify",
+        lora_rank=4,
+        lora_head=True,
+    )
+    finetune(ft, quick(ft, work / "cls-lora", max_steps=3, eval_interval=3))
+    adapters = load_file(work / "cls-lora" / "adapter.safetensors")
+    assert "score.lora_A.default.weight" in adapters and "score.weight" not in adapters
+    ft = dataclasses.replace(ft, lora_head=False)
+    finetune(ft, quick(ft, work / "cls-lora-head", max_steps=3, eval_interval=3))
+    adapters = load_file(work / "cls-lora-head" / "adapter.safetensors")
+    assert "score.weight" in adapters  # a new head trains in full
+    from gptkiln.finetune.classify import classify
+
+    assert classify(work / "cls-lora-head", ["good"])[0].label in ("good", "bad")
+
+
+# -- bad data: one line, exit 2 -----------------------------------------------------------------
+BAD_INSTRUCTIONS = [
+    ("a.json", "[{]", "not valid JSON"),
+    ("a.json", '{"instruction": "x"}', "not a list"),
+    ("a.json", "[]", "holds no entries"),
+    ("a.json", '[{"instruction": "x", "input": "", "output": "y"}, 7]', "entry 2 of 2"),
+    ("a.json", '[{"instruction": "x", "input": ""}]', 'no "output"'),
+    ("a.json", '[{"instruction": "x", "input": 3, "output": "y"}]', '"input" is a JSON int'),
+    ("a.json", '[{"instruction": " ", "input": "", "output": "y"}]', '"instruction" is empty'),
+    ("a.jsonl", '{"instruction": "x", "output": "y"}\n{oops\n', "line 2"),
+    ("a.txt", "hello", "unsupported file type"),
+    ("a.json", b"[\x00\x01]", "binary"),
+    ("a.json", '[{"instruction": "caf\xe9"}]'.encode("latin-1"), "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize("name, content, needle", BAD_INSTRUCTIONS)
+def test_a_bad_instruction_file_is_one_line(name, content, needle, work, tmp_path, capsys):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, _, err = cli(
+        "finetune", work / "base", "--data", path, "--out", tmp_path / "r", capsys=capsys
+    )
+    assert_one_line_error(code, err, str(path), needle)
+    assert not (tmp_path / "r" / "model.safetensors").exists()
+
+
+BAD_LABELLED = [
+    ("a.csv", "words,label\nhi,x\n", "no column 'text'"),
+    ("a.csv", "text,label\nhi,x\nho,x\n", "every label is 'x'"),
+    ("a.csv", "text,label\nhi,x,extra\n", "line 2: 3 fields"),
+    ("a.csv", "text,label\nhi,x\n ,y\n", "line 3: the text"),
+    ("a.tsv", "text\tlabel\nhi\tx\nho\t\n", "line 3: the label"),
+    ("a.jsonl", '{"text": "hi", "label": "x"}\n{"text": "ho"}\n', "line 2: no 'label'"),
+    ("a.jsonl", '{"text": "hi", "label": "x"}\n{"text": "ho", "label": [1]}\n', "line 2"),
+]
+
+
+@pytest.mark.parametrize("name, content, needle", BAD_LABELLED)
+def test_a_bad_labelled_file_is_one_line(name, content, needle, work, tmp_path, capsys):
+    path = tmp_path / name
+    path.write_text(content)
+    code, _, err = cli(
+        "finetune",
+        work / "base",
+        "--task",
+        "classify",
+        "--data",
+        path,
+        "--out",
+        tmp_path / "r",
+        capsys=capsys,
+    )
+    assert_one_line_error(code, err, str(path), needle)
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--lora-rank", "-1"], "lora_rank"),
+        (["--train-layers", "some"], "train_layers"),
+        (["--lora-rank", "4", "--train-layers", "all"], "drop one of them"),
+        (["--lora-head"], "needs --lora-rank"),
+        (["--lora-rank", "4", "--lora-head"], "shares its weights"),
+        (["--val-fraction", "0.6", "--test-fraction", "0.5"], "leave entries"),
+        (["--val-fraction", "0.001"], "no validation entry"),
+        (["--train-layers", "last-9"], "has 2 blocks"),
+        (["--template", "nope"], "bundled"),
+        (["--batch-size", "100"], "fewer than one step"),
+    ],
+)
+def test_bad_finetune_settings_are_one_line(flags, needle, work, tmp_path, capsys):
+    code, _, err = cli(
+        "finetune",
+        work / "base",
+        "--data",
+        work / "instructions.json",
+        "--out",
+        tmp_path / "r",
+        *flags,
+        capsys=capsys,
+    )
+    assert_one_line_error(code, err, needle)
+
+
+def test_chat_and_classify_refuse_runs_of_the_other_kind(work, instruct_run, classifier, capsys):
+    code, _, err = cli("chat", work / "base", capsys=capsys)
+    assert_one_line_error(code, err, "not instruction-tuned", "gptkiln finetune")
+    code, _, err = cli("classify", instruct_run[0], "--text", "x", capsys=capsys)
+    assert_one_line_error(code, err, "not a classifier")
+    code, _, err = cli(
+        "finetune",
+        work / "base",
+        "--data",
+        work / "instructions.json",
+        "--out",
+        work / "base",
+        capsys=capsys,
+    )
+    assert_one_line_error(code, err, "already holds a checkpoint")
