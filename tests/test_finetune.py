@@ -29,6 +29,7 @@ from gptkiln.finetune.templates import (
     PromptTemplate,
     format_conversation,
     format_example,
+    format_messages,
     format_prompt,
 )
 from gptkiln.loading import load_model, load_run
@@ -115,6 +116,21 @@ def test_a_conversation_repeats_the_instruction_parts_and_braces_stay_text():
     assert ALPACA.stop_strings() == ("### Instruction:", "### Input:", "### Response:")
     with pytest.raises(GptkilnError, match="{instruction} once"):
         PromptTemplate(system="", instruction="no placeholder", input="{input}", response="")
+
+
+def test_chat_messages_are_the_conversation_a_server_will_send():
+    t = PromptTemplate(
+        system="S", instruction="|I:{instruction}", input="|X:{input}", response="|R:"
+    )
+    user = lambda text: {"role": "user", "content": text}
+    said = [user("q1"), {"role": "assistant", "content": "a1"}, user("q2")]
+    assert format_messages(t, said) == format_conversation(t, [("q1", "a1")], "q2")
+    assert format_messages(ALPACA, [user("Say hi.")]) == format_prompt(ALPACA, "Say hi.")
+    system = [{"role": "system", "content": "Be brief."}, user("q")]
+    assert format_messages(t, system) == "Be brief.|I:q|R:"
+    for bad in ([], [said[1]], said[:2], [user("q"), user("q")], [{"role": "tool"}], ["hi"]):
+        with pytest.raises(GptkilnError, match="messages"):
+            format_messages(t, bad)
 
 
 # -- instruction batches: the book's custom_collate_fn ------------------------------------------

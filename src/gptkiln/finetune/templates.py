@@ -15,15 +15,17 @@ The default is the book's (chapter 7), the Alpaca format::
     {output}
 
 A fine-tuned run stores its template in its config.json, and every way of prompting it
-(`gptkiln generate`, `gptkiln chat`, the server) formats prompts with `format_prompt` or
-`format_conversation` from here, so they cannot disagree with what training saw.
+(`gptkiln generate`, `gptkiln chat`, the server) formats prompts with `format_prompt`,
+`format_conversation` or `format_messages` from here, so they cannot disagree with what training
+saw. `format_messages` takes OpenAI's chat ``messages`` (``[{"role": ..., "content": ...}]``):
+what ``POST /v1/chat/completions`` will hand it once ``gptkiln serve`` exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,3 +151,44 @@ def format_conversation(
         parts += [_instruction_part(template, said), template.response, answered]
     parts += [_instruction_part(template, message), template.response]
     return "".join(parts)
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def format_messages(template: PromptTemplate, messages: Sequence[Mapping[str, Any]]) -> str:
+    """The prompt for the next response to OpenAI-style chat ``messages``, each
+    ``{"role": "system" | "user" | "assistant", "content": text}``.
+
+    A leading ``system`` message takes the place of the template's system text; then user and
+    assistant messages alternate, starting and ending with a user message (the one to answer).
+    It is `format_conversation` over the (user, assistant) pairs, so a server and ``gptkiln
+    chat`` send the model the same text for the same conversation.
+    """
+    turns = [_checked_message(i, m) for i, m in enumerate(messages)]
+    if turns and turns[0][0] == "system":
+        template = dataclasses.replace(template, system=turns.pop(0)[1])
+    roles = [role for role, _ in turns]
+    expected = ["user" if i % 2 == 0 else "assistant" for i in range(len(roles))]
+    if not roles or roles != expected or roles[-1] != "user":
+        raise GptkilnError(
+            f"messages: roles {', '.join(roles) or '(none)'} (after an optional first system "
+            "message); send user and assistant messages in turn, starting and ending with user"
+        )
+    said = [text for role, text in turns if role == "user"]
+    answered = [text for role, text in turns if role == "assistant"]
+    return format_conversation(template, list(zip(said, answered, strict=False)), said[-1])
+
+
+def _checked_message(index: int, message: Any) -> tuple[str, str]:
+    if not isinstance(message, Mapping):
+        raise GptkilnError(
+            f"messages[{index}] is a {type(message).__name__}; send an object with role and content"
+        )
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES or not isinstance(content, str):
+        raise GptkilnError(
+            f"messages[{index}]: role {role!r} and content of type {type(content).__name__}; "
+            f"role is one of {', '.join(ROLES)} and content is text"
+        )
+    return role, content
