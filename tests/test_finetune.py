@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from gptkiln.api import evaluate_run
 from gptkiln.checkpoint import save_model
 from gptkiln.cli import main
 from gptkiln.config import FinetuneConfig, GPTConfig
@@ -556,8 +557,12 @@ def test_classify_prints_the_label_and_probabilities(classifier, capsys):
     assert float(probs["good"]) > 0.9 and float(probs["good"]) + float(
         probs["bad"]
     ) == pytest.approx(1, abs=2e-3)
-    code, _, err = cli("generate", run, "--prompt", "x", capsys=capsys)
-    assert_one_line_error(code, err, "classifier", "gptkiln classify")
+    inspect = ["inspect", run, "--prompt", "x", "--out", run.parent / "x.png"]
+    for argv in (["generate", run, "--prompt", "x"], inspect):
+        code, _, err = cli(*argv, capsys=capsys)
+        assert_one_line_error(code, err, "classifier", "gptkiln classify")
+    with pytest.raises(GptkilnError, match="classifier"):
+        evaluate_run(run, run.parent / "labelled.csv")
     code, _, err = cli("convert", "to-hf", run, "--out", run.parent / "hf-cls", capsys=capsys)
     assert_one_line_error(code, err, "classifier")
 

@@ -43,15 +43,11 @@ def stream_text(
     """
     from gptkiln.finetune.runs import run_template
     from gptkiln.finetune.templates import format_prompt
-    from gptkiln.loading import load_run
+    from gptkiln.loading import check_language_model, load_run
 
     cfg = cfg or SampleConfig()
     model, tokenizer, run_cfg = load_run(run_dir, device=device)
-    if model.config.num_classes:
-        raise GptkilnError(
-            f"{run_dir} is a classifier of {model.config.num_classes} classes, which writes no "
-            f"text; ask it with `gptkiln classify {run_dir} --text TEXT`"
-        )
+    check_language_model(model, run_dir)
     template = None if raw else run_template(run_cfg, run_dir)
     if template is not None:
         prompt = format_prompt(template, prompt, input)
@@ -134,11 +130,12 @@ def evaluate_run(
     from tqdm.auto import tqdm
 
     from gptkiln.data.windows import SlidingWindowDataset
-    from gptkiln.loading import check_ids_fit, load_run
+    from gptkiln.loading import check_ids_fit, check_language_model, load_run
 
     if batch_size < 1:
         raise GptkilnError(f"batch_size must be >= 1, got {batch_size}")
     model, tokenizer, _ = load_run(run_dir, device=device)
+    check_language_model(model, run_dir)
     model.eval()
     tokens = _eval_tokens(Path(data), tokenizer)
     if len(tokens):

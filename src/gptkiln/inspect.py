@@ -270,9 +270,10 @@ def inspect_run(
     device: str = "cpu",
 ) -> Inspection:
     """`inspect_prompt` with the model and tokenizer of a run (or Hugging Face GPT-2) directory."""
-    from gptkiln.loading import load_run
+    from gptkiln.loading import check_language_model, load_run
 
     model, tokenizer, _ = load_run(run_dir, device=device)
+    check_language_model(model, run_dir)
     return inspect_prompt(model, tokenizer, prompt, top_k=top_k, max_tokens=max_tokens)
 
 

@@ -638,6 +638,16 @@ def _names(items: list[str]) -> str:
     return f"{shown} and {more} more" if more > 0 else shown
 
 
+def check_language_model(model: GPT, run_dir: str | os.PathLike) -> None:
+    """Refuse a classifier (`gptkiln finetune --task classify`) where text is read or written
+    token by token (generate, eval, inspect): its head scores classes, not next tokens."""
+    if model.config.num_classes:
+        raise GptkilnError(
+            f"{run_dir} is a classifier of {model.config.num_classes} classes, which reads no "
+            f"next tokens and writes no text; ask it with `gptkiln classify {run_dir} --text TEXT`"
+        )
+
+
 def check_ids_fit(ids_max: int, model: GPT, tokenizer: Any, run_dir: str | os.PathLike) -> None:
     """Refuse token ids the model has no embedding for (a run whose tokenizer files were
     replaced, e.g. by a ``prepare`` into the run directory) with one line, not an IndexError."""
