@@ -67,7 +67,7 @@ def finetune(
 
     task = InstructionTuning if ft.task == "instruct" else Classification
     trainer = Trainer(train, resume=resume, overwrite=overwrite, task=lambda ctx: task(ctx, ft))
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+    # As `gptkiln.train.train`: not closed on a failure (another rank may be in a collective).
+    result = trainer.fit()
+    trainer.close()
+    return result
