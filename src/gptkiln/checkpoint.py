@@ -362,29 +362,46 @@ def _matching_trainer_state(
     run_dir: Path, weights_step: str | None, weights: Path | None = None
 ) -> dict[str, Any]:
     """The trainer state saved with the weights of step ``weights_step`` (None: the current)."""
+    state, why = matching_trainer_state(run_dir, weights_step, weights=weights)
+    if state is not None:
+        return state
+    if why.endswith("is missing"):
+        raise GptkilnError(f"cannot resume {run_dir}: {why}; drop --resume to start a new run")
+    raise GptkilnError(
+        f"{run_dir}: {why}; restore the files of one save, or start afresh with --overwrite"
+    )
+
+
+def matching_trainer_state(
+    run_dir: str | os.PathLike,
+    weights_step: str | None,
+    *,
+    mmap: bool = False,
+    weights: str | os.PathLike | None = None,
+) -> tuple[dict[str, Any] | None, str]:
+    """(the trainer state saved with the weights of step ``weights_step``, None: the current
+    one; or None and why there is none). This is what resuming takes; `gptkiln info` asks it
+    whether a run can be resumed (``mmap``: its tensors are not read until used; ``weights``:
+    the weights file the step is of, for the message: model.safetensors unless given)."""
+    run_dir = Path(run_dir)
     paths = [
         p for p in (run_dir / TRAINER_STATE_FILE, run_dir / PREVIOUS_STATE_FILE) if p.is_file()
     ]
     if not paths:
-        raise GptkilnError(
-            f"cannot resume {run_dir}: {TRAINER_STATE_FILE} is missing; drop --resume to start "
-            f"a new run"
-        )
+        return None, f"{TRAINER_STATE_FILE} is missing"
     steps = []
     for path in paths:
-        state = _load_trainer_state(path)
+        state = _load_trainer_state(path, mmap=mmap)
         if weights_step is None or str(state.get("step")) == weights_step:
-            return state
+            return state, f"{path.name} matches the weights (step {state.get('step')})"
         steps.append(f"{path.name} from step {state.get('step')}")
-    raise GptkilnError(
-        f"{run_dir}: {(weights or run_dir / WEIGHTS_FILE).name} is from step {weights_step} but "
-        f"{', '.join(steps)}; restore the files of one save, or start afresh with --overwrite"
-    )
+    weights_name = (Path(weights) if weights else run_dir / WEIGHTS_FILE).name
+    return None, f"{weights_name} is from step {weights_step} but {', '.join(steps)}"
 
 
-def _load_trainer_state(path: Path) -> dict[str, Any]:
+def _load_trainer_state(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # a truncated zip, or a pickle that is not plain data
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise GptkilnError(

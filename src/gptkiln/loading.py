@@ -137,12 +137,7 @@ def load_model(
     if "model_type" in cfg:
         return load_hf(run_dir, device=device, dtype=dtype)
     config = run_model_config(cfg, run_dir / CONFIG_FILE)
-    weights = weights or run_dir / WEIGHTS_FILE
-    if not weights.is_file():
-        raise GptkilnError(
-            f"{run_dir} is not a complete run directory ({weights.name} is "
-            f"missing); re-run `gptkiln train --out {run_dir}` or restore the file"
-        )
+    weights = _run_weights(run_dir, weights)
     sd = read_safetensors(weights)
     lora = (cfg.get("finetune") or {}).get("lora")
     if not lora or not adapters:
@@ -235,6 +230,17 @@ def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise GptkilnError(f"{path} should hold a JSON object, got {type(cfg).__name__}")
     return cfg
+
+
+def _run_weights(run_dir: Path, weights: Path | None = None) -> Path:
+    """The weights file of a run (``weights`` when one was given), which must exist."""
+    weights = weights or run_dir / WEIGHTS_FILE
+    if not weights.is_file():
+        raise GptkilnError(
+            f"{run_dir} is not a complete run directory ({weights.name} is "
+            f"missing); re-run `gptkiln train --out {run_dir}` or restore the file"
+        )
+    return weights
 
 
 def _resolve(run_dir_or_file: str | os.PathLike) -> tuple[Path, Path | None]:
@@ -358,20 +364,89 @@ def safetensors_metadata(path: Path) -> dict[str, str]:
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     """The tensors of an HF checkpoint: model.safetensors (memory-mapped), its sharded form, or
     pytorch_model.bin (``torch.load(weights_only=True, mmap=True)``)."""
+    sd: dict[str, torch.Tensor] = {}
+    for path in hf_weights_files(hf_dir):
+        sd.update(load_torch_file(path) if path.name == HF_BIN_FILE else read_safetensors(path))
+    return sd
+
+
+def hf_weights_files(hf_dir: Path) -> list[Path]:
+    """The weights files of an HF checkpoint: model.safetensors, the shards its index names, or
+    pytorch_model.bin, in that order of preference."""
     if (hf_dir / WEIGHTS_FILE).is_file():
-        return read_safetensors(hf_dir / WEIGHTS_FILE)
+        return [hf_dir / WEIGHTS_FILE]
     if (hf_dir / HF_INDEX_FILE).is_file():
         index = json.loads((hf_dir / HF_INDEX_FILE).read_text(encoding="utf-8"))
-        sd: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            sd.update(read_safetensors(hf_dir / shard))
-        return sd
+        return [hf_dir / shard for shard in sorted(set(index["weight_map"].values()))]
     if (hf_dir / HF_BIN_FILE).is_file():
-        return load_torch_file(hf_dir / HF_BIN_FILE)
+        return [hf_dir / HF_BIN_FILE]
     raise GptkilnError(
         f"{hf_dir} has a config.json but no {WEIGHTS_FILE} or {HF_BIN_FILE}; "
         f"copy the weights file into it"
     )
+
+
+# safetensors' dtype names -> torch's (any other reads as uint8: not a floating-point weight)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "BOOL": torch.bool,
+}
+
+
+def read_safetensors_header(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as meta tensors: names, shapes and dtypes from its
+    header, no data read (any file size answers at once)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {
+                name: torch.empty(
+                    s.get_shape(),
+                    dtype=_SAFETENSORS_DTYPES.get(s.get_dtype(), torch.uint8),
+                    device="meta",
+                )
+                for name, s in slices.items()
+            }
+    except (SafetensorError, OSError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GptkilnError(
+            f"{path} is truncated or corrupt ({reason}); restore it or re-run training"
+        ) from None
+
+
+def describe_weights(
+    run_dir: str | os.PathLike,
+) -> tuple[GPTConfig, dict[str, torch.Tensor], list[Path]]:
+    """What a run or Hugging Face GPT-2 directory holds, without reading its weights: the model
+    config, the weights as meta tensors (gptkiln names; a tied head once) checked against the
+    config as a load checks them, and the weights files. Only the files' headers are read (a
+    pytorch_model.bin is memory-mapped)."""
+    run_dir = Path(run_dir)
+    cfg = read_config(run_dir)
+    if "model_type" in cfg:
+        config = config_from_hf(cfg, str(run_dir / CONFIG_FILE))
+        files = hf_weights_files(run_dir)
+        sd: dict[str, torch.Tensor] = {}
+        for path in files:
+            if path.name == HF_BIN_FILE:
+                sd.update({k: v.to("meta") for k, v in load_torch_file(path).items()})
+            else:
+                sd.update(read_safetensors_header(path))
+        return config, hf_state_dict_to_gptkiln(sd, config, str(run_dir)), files
+    config = run_model_config(cfg, run_dir / CONFIG_FILE)
+    weights = _run_weights(run_dir)
+    sd = read_safetensors_header(weights)
+    check_state_dict(sd, config, str(weights))
+    return config, sd, [weights]
 
 
 def load_torch_file(path: Path) -> dict[str, Any]:
