@@ -209,6 +209,31 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise GptkilnError(f"top_p must be in (0, 1] (1 keeps all tokens), got {top_p}")
 
 
+# The groups of `TrainConfig`'s settings, in the order `gptkiln train --help` shows them.
+TRAIN_GROUPS = (
+    "data",
+    "model",
+    "optimisation",
+    "evaluation and samples",
+    "checkpoints",
+    "hardware",
+)
+
+
+def setting(default: Any, group: str, help: str, *, unset: str | None = None) -> Any:
+    """A `TrainConfig` field that carries what ``gptkiln train --help`` says of it.
+
+    Args:
+        default: the field's default.
+        group: one of `TRAIN_GROUPS`.
+        help: one line: what it is, and its range or choices (the default is added).
+        unset: what a default of None means (e.g. "the preset's"); required for one.
+    """
+    return dataclasses.field(
+        default=default, metadata={"group": group, "help": help, "unset": unset}
+    )
+
+
 @dataclass
 class TrainConfig:
     """Everything about a training run except the model's shape.
@@ -217,47 +242,135 @@ class TrainConfig:
     seeded-shuffled epochs; ``"random"`` draws windows at seeded random offsets (nanoGPT style,
     for corpora far larger than one pass). The run length is ``max_steps`` optimizer steps, or
     ``epochs`` passes over the windows when ``max_steps`` is 0 (windows sampling only).
+
+    Each field carries its group and one line of help (`setting`), which ``gptkiln train
+    --help`` shows; every field is also a key of a YAML recipe.
     """
 
-    data: str | None = None  # a prepared data dir or a text/jsonl source; None = bundled corpus
-    out: str = "runs/default"
-    model: str = "mini"
-    tokenizer: str = "gpt2"
-    val_fraction: float = 0.1
-    context_length: int | None = None  # None = the preset's
-    dropout: float | None = None  # None = the preset's
-    tie_embeddings: bool | None = None  # share wte with the head; None = the preset's
-    gelu: str | None = None  # "tanh" or "exact"; None = the preset's
-    sampling: Literal["windows", "random"] = "random"
-    stride: int | None = None  # windows sampling; None = context_length
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_steps: int = 300
-    epochs: int = 0
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 30
-    decay_lr: bool = True
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    eval_interval: int = 50
-    eval_batches: int = 10
-    eval_train: bool = True
-    sample_interval: int = 100
-    sample_prompt: str = "ROMEO:"
-    sample_tokens: int = 60
-    checkpoint_interval: int = 100
-    seed: int = 1337
-    device: str = "auto"
-    compile: bool = False
-    # "auto": bf16 autocast on CUDA, fp32 elsewhere; "bf16": autocast on any device (the weights
-    # and optimizer stay fp32); "fp32": no autocast. On CPUs with AMX (e.g. Xeon Sapphire Rapids)
-    # "bf16" roughly halves a 124M step; on small models the casts cost more than they save.
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    parallel: Literal["ddp", "fsdp"] = "ddp"
-    progress: bool = True
+    data: str | None = setting(
+        None,
+        "data",
+        "text to train on: a .txt/.jsonl file or a folder of them (prepared into OUT/data/), "
+        "or a folder made by `gptkiln prepare`",
+        unset="the bundled Shakespeare plays",
+    )
+    out: str = setting(
+        "runs/default",
+        "checkpoints",
+        "the run directory: weights, tokenizer, trainer state, metrics.csv, loss.png",
+    )
+    model: str = setting("mini", "model", f"model preset: {' | '.join(PRESETS)}")
+    tokenizer: str = setting(
+        "gpt2",
+        "data",
+        "gpt2 (OpenAI's BPE) | char | bpe:N (a byte-level BPE of N ids trained on the text; "
+        "bpe alone: 8192); prepared data keeps its own",
+    )
+    val_fraction: float = setting(
+        0.1, "data", "share of the text, taken from its end, held out for validation, in (0, 1)"
+    )
+    context_length: int | None = setting(
+        None, "model", "tokens the model sees at once (>= 1)", unset="the preset's"
+    )
+    dropout: float | None = setting(None, "model", "dropout rate, in [0, 1)", unset="the preset's")
+    tie_embeddings: bool | None = setting(
+        None, "model", "share the token embedding with the output head", unset="the preset's"
+    )
+    gelu: str | None = setting(
+        None,
+        "model",
+        "the MLP's activation: tanh (GPT-2's approximation) | exact (the erf form)",
+        unset="the preset's",
+    )
+    sampling: Literal["windows", "random"] = setting(
+        "random",
+        "data",
+        "how training windows are drawn: random = at seeded random offsets (nanoGPT); "
+        "windows = the book's sliding windows, each epoch in a seeded shuffle",
+    )
+    stride: int | None = setting(
+        None,
+        "data",
+        "tokens between window starts with --sampling windows (>= 1)",
+        unset="the context length",
+    )
+    batch_size: int = setting(8, "optimisation", "windows per micro-batch, per process (>= 1)")
+    grad_accum: int = setting(1, "optimisation", "micro-batches per optimizer step (>= 1)")
+    max_steps: int = setting(
+        300, "optimisation", "optimizer steps to train (>= 0; 0: --epochs decides)"
+    )
+    epochs: int = setting(
+        0,
+        "optimisation",
+        "passes over the windows when --max-steps is 0 (>= 0; needs --sampling windows)",
+    )
+    lr: float = setting(1e-3, "optimisation", "peak learning rate, reached after warm-up (> 0)")
+    min_lr: float = setting(
+        1e-4, "optimisation", "learning rate at the end of the cosine decay, in [0, lr]"
+    )
+    warmup_steps: int = setting(30, "optimisation", "steps of linear warm-up from 0 to --lr (>= 0)")
+    decay_lr: bool = setting(
+        True, "optimisation", "decay the learning rate to --min-lr on a cosine after warm-up"
+    )
+    weight_decay: float = setting(
+        0.1, "optimisation", "AdamW's weight decay, on matrices only (>= 0)"
+    )
+    beta1: float = setting(0.9, "optimisation", "AdamW's first-moment decay, in [0, 1)")
+    beta2: float = setting(0.95, "optimisation", "AdamW's second-moment decay, in [0, 1)")
+    grad_clip: float = setting(
+        1.0, "optimisation", "clip the gradients' norm to this (>= 0; 0: no clipping)"
+    )
+    eval_interval: int = setting(
+        50,
+        "evaluation and samples",
+        "evaluate every N steps and at the end, one row of OUT/metrics.csv each (>= 1)",
+    )
+    eval_batches: int = setting(
+        10, "evaluation and samples", "batches of each split per evaluation (>= 1)"
+    )
+    eval_train: bool = setting(
+        True,
+        "evaluation and samples",
+        "evaluate on fixed training batches too (off: the train loss is the last step's)",
+    )
+    sample_interval: int = setting(
+        100, "evaluation and samples", "print a sample every N steps, and one at the end (>= 1)"
+    )
+    sample_prompt: str = setting("ROMEO:", "evaluation and samples", "the samples' prompt")
+    sample_tokens: int = setting(60, "evaluation and samples", "tokens per sample (>= 0)")
+    tensorboard: bool = setting(
+        False,
+        "evaluation and samples",
+        "also log every metric and the samples for TensorBoard, into OUT/tensorboard/ "
+        "(view: tensorboard --logdir OUT)",
+    )
+    checkpoint_interval: int = setting(
+        100, "checkpoints", "save a checkpoint every N steps, and at the end (>= 1)"
+    )
+    seed: int = setting(
+        1337, "data", "seed of the initial weights, the data order and the samples, in [0, 2**63)"
+    )
+    device: str = setting(
+        "auto", "hardware", "auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N | mps"
+    )
+    compile: bool = setting(
+        False, "hardware", "run the model under torch.compile (the first step compiles it)"
+    )
+    # On CPUs with AMX (e.g. Xeon Sapphire Rapids) "bf16" roughly halves a 124M step; on small
+    # models the casts cost more than they save.
+    precision: Literal["auto", "fp32", "bf16"] = setting(
+        "auto",
+        "hardware",
+        "auto = bf16 autocast on CUDA, fp32 elsewhere; bf16 = autocast on any device (weights "
+        "and optimizer stay fp32); fp32 = no autocast",
+    )
+    parallel: Literal["ddp", "fsdp"] = setting(
+        "ddp",
+        "hardware",
+        "with several processes (--nproc, torchrun): ddp = a whole model each; fsdp = each "
+        "holds a shard (FSDP2)",
+    )
+    progress: bool = setting(True, "evaluation and samples", "show a progress bar")
 
     def __post_init__(self) -> None:
         _check_types(self, "training config")

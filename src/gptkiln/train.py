@@ -293,6 +293,48 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+TENSORBOARD_DIR = "tensorboard"
+
+
+def tensorboard_writer_class():
+    """torch's `SummaryWriter`, or one line naming the fix when the tensorboard package (which
+    it writes with) is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise GptkilnError(
+            "--tensorboard needs the tensorboard package, which is not installed: "
+            "pip install tensorboard (or drop --tensorboard)"
+        ) from None
+    return SummaryWriter
+
+
+class TensorBoardLog:
+    """Every metric of the rows a run writes to metrics.csv (each column but ``step``, a scalar
+    of that name), and the samples as text, in TensorBoard's event files under ``log_dir``.
+
+    ``purge_step``: on resuming, events of this step and later, logged by an attempt that went
+    past its last checkpoint, are hidden (as metrics.csv drops those rows).
+    """
+
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
+        self.writer = tensorboard_writer_class()(str(log_dir), purge_step=purge_step)
+
+    def log_row(self, row: dict) -> None:
+        for name, value in row.items():
+            if name != "step" and value is not None:
+                self.writer.add_scalar(name, value, int(row["step"]))
+        self.writer.flush()  # readable while the run goes on
+
+    def log_sample(self, step: int, text: str) -> None:
+        # TensorBoard shows text as Markdown: indented, it keeps the sample's lines as written
+        self.writer.add_text("sample", "    " + text.replace("\n", "\n    "), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 def sample_text(
     model: GPT, tokenizer, prompt: str, max_new_tokens: int, seed: int, use_cache: bool = True
 ) -> str:
@@ -548,6 +590,7 @@ class Trainer:
         check_one_gpu_each(self.device, os.environ)
         self.owns_process_group = dist_utils.launched_by_torchrun() and not dist_utils.initialized()
         self.world = dist_utils.setup(self.device)
+        self.tensorboard: TensorBoardLog | None = None
         try:
             self._set_up(cfg, resume, overwrite, task)
         except BaseException:
@@ -566,6 +609,8 @@ class Trainer:
         if self.device == "cuda":
             self.device = f"cuda:{self.world.local_rank}"
         self.guard = dist_utils.TerminationGuard()
+        if cfg.tensorboard:  # a missing package fails before any data is prepared
+            tensorboard_writer_class()
         resume, overwrite = self._start_mode(resume, overwrite)
         context = RunContext(cfg, self.run_dir, self.device, self.world, resume)
         self.task = (task or LanguageModeling)(context)
@@ -582,6 +627,9 @@ class Trainer:
             self._restore()
         elif self.world.is_main:
             self._start_afresh(overwrite)
+        if cfg.tensorboard and self.world.is_main:
+            purge = self.step + 1 if resume else None
+            self.tensorboard = TensorBoardLog(self.run_dir / TENSORBOARD_DIR, purge)
 
     @property
     def tokens_per_step(self) -> int:
@@ -589,7 +637,9 @@ class Trainer:
         return self.batches.tokens(self.step)
 
     def close(self) -> None:
-        """Leave the process group, if this trainer joined it."""
+        """Close the TensorBoard log; leave the process group, if this trainer joined it."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.owns_process_group:
             dist_utils.teardown()
 
@@ -615,6 +665,8 @@ class Trainer:
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "metrics.csv").unlink(missing_ok=True)
+        for events in (self.run_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*"):
+            events.unlink()  # a replaced run's: its curves must not mix with this one's
         if overwrite:  # so that a restart after a failure never resumes the replaced run
             (self.run_dir / TRAINER_STATE_FILE).unlink(missing_ok=True)
 
@@ -810,6 +862,8 @@ class Trainer:
         self.history.append(row)
         if self.world.is_main:
             self._append_metrics(row)
+            if self.tensorboard is not None:
+                self.tensorboard.log_row(row)
             bar.write(
                 f"step {self.step:>6} | {self.task.summary(row)} "
                 f"| lr {lr:.2e}" + ("" if tokens_per_s is None else f" | {tokens_per_s:,.0f} tok/s")
@@ -823,6 +877,8 @@ class Trainer:
         model.train()
         if text is not None and self.world.is_main:
             bar.write(f"--- sample at step {self.step} ---\n{text}\n---")
+            if self.tensorboard is not None:
+                self.tensorboard.log_sample(self.step, text)
         return text
 
     def _append_metrics(self, row: dict) -> None:

@@ -1,0 +1,108 @@
+"""`train --tensorboard`: every metric of metrics.csv, and the samples, as TensorBoard events."""
+
+import sys
+
+import pytest
+from test_cli import assert_one_line_error, cli
+
+from gptkiln.train import METRICS_FIELDS, read_metrics
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from gptkiln.data.sources import iter_documents
+
+    text = next(iter(iter_documents("shakespeare")))[:20_000]
+    path = tmp_path_factory.mktemp("corpus") / "play.txt"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def train_args(corpus, out, steps):
+    return [
+        "train", "--data", corpus, "--model", "tiny", "--tokenizer", "char",
+        "--context-length", "32", "--batch-size", "2", "--max-steps", steps,
+        "--eval-interval", "2", "--eval-batches", "1", "--sample-interval", "3",
+        "--sample-tokens", "4", "--sample-prompt", "The", "--checkpoint-interval", "2",
+        "--no-progress", "--out", out,
+    ]  # fmt: skip
+
+
+def events(log_dir):
+    """(scalars by tag as [(step, value)], samples as [(step, text)]) read back by TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    samples = [
+        (e.step, make_ndarray(e.tensor_proto).item().decode())
+        for e in acc.Tensors("sample/text_summary")
+    ]
+    return scalars, samples
+
+
+def assert_events_equal_metrics(run):
+    rows = read_metrics(run / "metrics.csv")
+    scalars, samples = events(run / "tensorboard")
+    columns = [c for c in rows[0] if c != "step"]
+    assert sorted(scalars) == sorted(columns)  # every metric the trainer logs, no other
+    for column in columns:
+        logged = [(int(r["step"]), r[column]) for r in rows if r[column] is not None]
+        assert [s for s, _ in scalars[column]] == [s for s, _ in logged], column
+        assert [v for _, v in scalars[column]] == pytest.approx(
+            [v for _, v in logged], rel=1e-6
+        ), column  # TensorBoard keeps float32
+    return rows, samples
+
+
+def test_tensorboard_events_equal_metrics_csv_through_a_resume_and_an_overwrite(
+    corpus, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    code, out, err = cli(*train_args(corpus, run, 6), "--tensorboard", capsys=capsys)
+    assert code == 0, err
+    rows, samples = assert_events_equal_metrics(run)
+    assert [int(r["step"]) for r in rows] == [2, 4, 6]
+    assert (run / "metrics.csv").read_text().splitlines()[0] == ",".join(METRICS_FIELDS)
+    assert [step for step, _ in samples] == [3, 6]  # every 3 steps, and the one at the end
+    for step, text in samples:  # as printed, indented so that Markdown keeps its lines
+        printed = out.split(f"--- sample at step {step} ---\n")[1].split("\n---")[0]
+        assert text == "    " + printed.replace("\n", "\n    ") and "The" in text
+    code, _, err = cli(*train_args(corpus, run, 10), "--tensorboard", "--resume", capsys=capsys)
+    assert code == 0, err
+    rows, samples = assert_events_equal_metrics(run)
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 8, 10]
+    code, _, err = cli(*train_args(corpus, run, 4), "--tensorboard", "--overwrite", capsys=capsys)
+    assert code == 0, err
+    rows, _ = assert_events_equal_metrics(run)  # the replaced run's events are gone
+    assert [int(r["step"]) for r in rows] == [2, 4]
+
+
+def test_a_resume_hides_what_a_killed_attempt_logged_past_its_checkpoint(corpus, tmp_path, capsys):
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "run"
+    code, _, err = cli(*train_args(corpus, run, 4), "--tensorboard", capsys=capsys)
+    assert code == 0, err
+    stale = SummaryWriter(str(run / "tensorboard"))  # an attempt that got to step 6, unsaved
+    stale.add_scalar("val_loss", 99.0, 6)
+    stale.close()
+    code, _, err = cli(*train_args(corpus, run, 8), "--tensorboard", "--resume", capsys=capsys)
+    assert code == 0, err
+    rows, _ = assert_events_equal_metrics(run)
+    assert 99.0 not in [r["val_loss"] for r in rows]
+
+
+def test_no_flag_no_tensorboard_and_a_missing_package_is_one_line(
+    corpus, tmp_path, capsys, monkeypatch
+):
+    code, _, err = cli(*train_args(corpus, tmp_path / "plain", 2), capsys=capsys)
+    assert code == 0, err
+    assert not (tmp_path / "plain" / "tensorboard").exists()
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
+    run = tmp_path / "run"
+    code, _, err = cli(*train_args(corpus, run, 2), "--tensorboard", capsys=capsys)
+    assert_one_line_error(code, err, "--tensorboard", "pip install tensorboard")
+    assert not (run / "data").exists()  # refused before the data was prepared
