@@ -51,9 +51,9 @@ def assert_events_equal_metrics(run):
     for column in columns:
         logged = [(int(r["step"]), r[column]) for r in rows if r[column] is not None]
         assert [s for s, _ in scalars[column]] == [s for s, _ in logged], column
-        assert [v for _, v in scalars[column]] == pytest.approx(
-            [v for _, v in logged], rel=1e-6
-        ), column  # TensorBoard keeps float32
+        assert [v for _, v in scalars[column]] == pytest.approx([v for _, v in logged], rel=1e-6), (
+            column
+        )  # TensorBoard keeps float32
     return rows, samples
 
 
@@ -106,3 +106,24 @@ def test_no_flag_no_tensorboard_and_a_missing_package_is_one_line(
     code, _, err = cli(*train_args(corpus, run, 2), "--tensorboard", capsys=capsys)
     assert_one_line_error(code, err, "--tensorboard", "pip install tensorboard")
     assert not (run / "data").exists()  # refused before the data was prepared
+
+
+def test_convert_overwrite_drops_the_replaced_runs_events(tmp_path, capsys):
+    from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.tokenizers import load_tokenizer
+
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=50257, context_length=16))
+    save_model(model, tmp_path / "run", tokenizer=load_tokenizer("gpt2"))
+    code, _, err = cli(
+        "convert", "to-hf", tmp_path / "run", "--out", tmp_path / "hf", capsys=capsys
+    )
+    assert code == 0, err
+    events = tmp_path / "run" / "tensorboard" / "events.out.tfevents.1.host.1.0"
+    events.parent.mkdir()
+    events.write_bytes(b"the curves of the run being replaced")
+    code, _, err = cli("convert", "hf", tmp_path / "hf", "--out", tmp_path / "run", "--overwrite",
+                       capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    assert not events.exists()

@@ -49,6 +49,7 @@ from gptkiln.model import GPT
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 PREVIOUS_STATE_FILE = "trainer_state.prev.pt"  # kept only while a save is under way
+TENSORBOARD_DIR = "tensorboard"  # train --tensorboard's event files
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -266,7 +267,8 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
     """Check ``out_dir`` before a converted or downloaded model is written there: refuse a file,
     and a directory that already holds a model unless ``overwrite``.
 
-    Returns the files of an old training run there (its trainer state, metrics and plot), for
+    Returns the files of an old training run there (its trainer state, metrics, plot and
+    TensorBoard events), for
     the caller to delete once the new model is written, so the directory never mixes two.
     """
     out_dir = Path(out_dir)
@@ -280,7 +282,13 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
             "or choose another --out"
         )
     names = (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE, ADAPTER_FILE, "metrics.csv", "loss.png")
-    return [out_dir / name for name in names if (out_dir / name).exists()]
+    files = [out_dir / name for name in names if (out_dir / name).exists()]
+    return files + tensorboard_events(out_dir)
+
+
+def tensorboard_events(run_dir: str | os.PathLike) -> list[Path]:
+    """The TensorBoard event files of a run (``train --tensorboard``), in ``RUN/tensorboard/``."""
+    return sorted((Path(run_dir) / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
 
 
 def check_run_dir_for_training(

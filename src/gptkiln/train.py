@@ -293,9 +293,6 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
-TENSORBOARD_DIR = "tensorboard"
-
-
 def tensorboard_writer_class():
     """torch's `SummaryWriter`, or one line naming the fix when the tensorboard package (which
     it writes with) is missing."""
@@ -628,6 +625,8 @@ class Trainer:
         elif self.world.is_main:
             self._start_afresh(overwrite)
         if cfg.tensorboard and self.world.is_main:
+            from gptkiln.checkpoint import TENSORBOARD_DIR
+
             purge = self.step + 1 if resume else None
             self.tensorboard = TensorBoardLog(self.run_dir / TENSORBOARD_DIR, purge)
 
@@ -661,11 +660,11 @@ class Trainer:
         return resume, overwrite
 
     def _start_afresh(self, overwrite: bool) -> None:
-        from gptkiln.checkpoint import TRAINER_STATE_FILE
+        from gptkiln.checkpoint import TRAINER_STATE_FILE, tensorboard_events
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "metrics.csv").unlink(missing_ok=True)
-        for events in (self.run_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*"):
+        for events in tensorboard_events(self.run_dir):
             events.unlink()  # a replaced run's: its curves must not mix with this one's
         if overwrite:  # so that a restart after a failure never resumes the replaced run
             (self.run_dir / TRAINER_STATE_FILE).unlink(missing_ok=True)
