@@ -1,4 +1,5 @@
-"""Library functions behind the CLI subcommands that work on a trained model: generate and eval.
+"""Library functions behind the CLI subcommands that work on a trained model: generate, eval
+and info.
 
 `prepare` is `gptkiln.data.prepare.prepare`, `train` is `gptkiln.train.train`, `convert` and
 `download` live in `gptkiln.convert`.
@@ -9,14 +10,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from gptkiln.config import SampleConfig
 from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT
 
 
 def stream_text(
@@ -72,20 +75,11 @@ def stream_from_model(
     """`stream_text` for a model already loaded (``source`` names it in messages): the text
     of one sequence through `sampling.TextStream`, which `generate`, `chat` and the
     fine-tuning samples all read."""
-    from gptkiln.loading import check_ids_fit
     from gptkiln.sampling import TextStream, generate_stream
-    from gptkiln.tokenizers import encode_prompt
 
     was_training = model.training
     model.eval()
-    ids = encode_prompt(tokenizer, prompt)
-    check_ids_fit(max(ids), model, tokenizer, source)
-    ctx = model.config.context_length
-    if len(ids) > ctx and on_notice:
-        on_notice(
-            f"prompt has {len(ids)} tokens, more than the model's context of {ctx}; "
-            f"keeping the last {ctx}"
-        )
+    ids = _prompt_ids(model, tokenizer, prompt, source, on_notice)
     stream = TextStream(tokenizer.decode, cfg.stop, tokenizer.eot_id if cfg.stop_at_eos else None)
     try:
         for _ in generate_stream(model, [ids], cfg, tokenizer.eot_id, streams=[stream]):
@@ -96,6 +90,158 @@ def stream_from_model(
     finally:
         model.clear_cache()
         model.train(was_training)
+
+
+def _prompt_ids(
+    model: GPT,
+    tokenizer: Any,
+    prompt: str,
+    run: Any,
+    on_notice: Callable[[str], None] | None,
+    which: str = "prompt",
+) -> list[int]:
+    """A prompt's ids (an empty one: end-of-text), checked against the model's vocabulary; the
+    notice says when it is longer than the context (``which`` names it there)."""
+    from gptkiln.loading import check_ids_fit
+    from gptkiln.tokenizers import encode_prompt
+
+    ids = encode_prompt(tokenizer, prompt)
+    check_ids_fit(max(ids), model, tokenizer, run)
+    ctx = model.config.context_length
+    if len(ids) > ctx and on_notice:
+        on_notice(
+            f"{which} has {len(ids)} tokens, more than the model's context of {ctx}; "
+            f"keeping the last {ctx}"
+        )
+    return ids
+
+
+@dataclass
+class Completion:
+    """One generated sample of `complete`.
+
+    Attributes:
+        prompt_index: which prompt it continues (from 0, in the order given).
+        prompt: that prompt.
+        index: the sample's number among that prompt's samples (from 0).
+        seed: the seed it was drawn with (``cfg.seed + index``); None when unseeded.
+        text: the generated text, without the prompt; it ends right before a stop string.
+        token_ids: the generated ids: end-of-text is not among them; when a stop string ended
+            the sample, they run to the token that completed it (whose text is cut).
+        finish_reason: ``"stop"`` (end-of-text or a stop string) or ``"length"``
+            (``max_new_tokens`` reached), OpenAI's names.
+    """
+
+    prompt_index: int
+    prompt: str
+    index: int
+    seed: int | None
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def complete(
+    run_or_model: str | os.PathLike | GPT,
+    prompts: Sequence[str],
+    cfg: SampleConfig | None = None,
+    *,
+    num_samples: int = 1,
+    tokenizer: Any = None,
+    batch_size: int = 32,
+    device: str = "cpu",
+    on_notice: Callable[[str], None] | None = None,
+) -> list[Completion]:
+    """``num_samples`` samples for each prompt, generated together in batches.
+
+    Sample ``j`` of a prompt is drawn from its own generator seeded with ``cfg.seed + j``, so
+    sample 0 is what the prompt gives alone with ``cfg.seed``, and no sample depends on the
+    others in its batch (unseeded, the batch takes one draw from torch's global generator).
+    Greedy samples (temperature 0) are those of each prompt alone.
+
+    Args:
+        run_or_model: a run directory (or an imported Hugging Face one), or a `GPT` (then
+            ``tokenizer`` is needed, and ``device`` is the model's own).
+        prompts: the texts to continue (an empty one starts from end-of-text).
+        cfg: how to sample, and when a sample ends (``stop`` strings, ``max_new_tokens``).
+        num_samples: samples per prompt (>= 1).
+        tokenizer: the tokenizer of a `GPT` given as ``run_or_model``.
+        batch_size: samples generated at once (>= 1); the KV cache grows with it.
+        device: where a run is loaded.
+        on_notice: told when a prompt is longer than the model's context (its start is cut).
+
+    Returns:
+        The samples, prompt by prompt, each prompt's in order of ``index``.
+    """
+    from gptkiln.sampling import TextStream, generate_stream
+
+    cfg = cfg or SampleConfig()
+    prompts = list(prompts)
+    for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GptkilnError(f"{name} must be a whole number >= 1, got {value!r}")
+    if not prompts:
+        raise GptkilnError("no prompts to complete; give at least one (an empty one is allowed)")
+    if cfg.seed is not None and cfg.seed + num_samples - 1 >= 2**63:
+        raise GptkilnError(
+            f"seed {cfg.seed} + num_samples - 1 is past 2**63 - 1, the largest seed; "
+            "give a smaller seed"
+        )
+    model, tokenizer = _model_and_tokenizer(run_or_model, tokenizer, device)
+    source = "the model" if isinstance(run_or_model, GPT) else run_or_model
+    ids = [
+        _prompt_ids(model, tokenizer, p, source, on_notice, f"prompt {i + 1}")
+        for i, p in enumerate(prompts)
+    ]
+    rows = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
+    eot = tokenizer.eot_id if cfg.stop_at_eos else None
+    streams = [TextStream(tokenizer.decode, cfg.stop, eot) for _ in rows]
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(rows), batch_size):
+            batch = range(start, min(start + batch_size, len(rows)))
+            seeds = None if cfg.seed is None else [cfg.seed + rows[r][1] for r in batch]
+            for _ in generate_stream(
+                model,
+                [ids[rows[r][0]] for r in batch],
+                cfg,
+                tokenizer.eot_id,
+                streams=[streams[r] for r in batch],
+                row_seeds=seeds,
+            ):
+                pass
+    finally:
+        model.clear_cache()
+        model.train(was_training)
+    for stream in streams:
+        stream.flush()  # what a sample that ran out of tokens held back
+    return [
+        Completion(
+            prompt_index=i,
+            prompt=prompts[i],
+            index=j,
+            seed=None if cfg.seed is None else cfg.seed + j,
+            text=stream.text,
+            token_ids=list(stream.ids),
+            finish_reason=stream.finish_reason,
+        )
+        for (i, j), stream in zip(rows, streams)
+    ]
+
+
+def _model_and_tokenizer(run_or_model: Any, tokenizer: Any, device: str) -> tuple[GPT, Any]:
+    if isinstance(run_or_model, GPT):
+        if tokenizer is None:
+            raise GptkilnError("complete(model, ...) needs the model's tokenizer: tokenizer=...")
+        return run_or_model, tokenizer
+    from gptkiln.loading import load_run
+
+    model, tokenizer, _ = load_run(run_or_model, device=device)
+    return model, tokenizer
 
 
 def generate_text(
@@ -180,3 +326,229 @@ def _eval_tokens(data: Path, tokenizer):
     if len(ids) < 2:
         raise GptkilnError(f"{data} has {len(ids)} token(s); evaluation needs at least 2")
     return ids
+
+
+# -- info ------------------------------------------------------------------------------------
+@dataclass
+class RunInfo:
+    """What a run directory (or an imported Hugging Face GPT-2 one) holds; see `run_info`.
+
+    Attributes:
+        path: the directory.
+        kind: ``"run"`` (gptkiln's) or ``"huggingface"``.
+        preset: the model preset it was trained from, or (without training settings) the one
+            whose shape it has; None when neither.
+        preset_changes: the model settings that differ from that preset's (the vocabulary
+            follows the tokenizer and is not one), e.g. ``{"context_length": 32}``.
+        model: the model config (`GPTConfig` fields).
+        parameters: parameters stored (a tied head counts once).
+        tokenizer: the tokenizer's kind (gpt2, char, bpe); None when the run records none.
+        vocab_size: the model's vocabulary.
+        data: the training data: ``source``, and where its prepared tokens are known
+            ``train_tokens``, ``val_tokens``, ``prepared`` (the folder); None when not trained.
+        steps_done, steps_total: optimizer steps of the checkpoint, and of the whole run.
+        tokens_seen: training tokens read up to the checkpoint.
+        best_val, last_val: ``{"step", "loss", "perplexity"}`` of the lowest and the last
+            validation loss in metrics.csv; None without one.
+        files: bytes on disk of the weights files and the trainer state, by file name.
+        resumable: whether ``gptkiln train --resume`` can continue it.
+        resume_note: why it can or cannot.
+        history: what is known of its training, in words, when nothing is.
+    """
+
+    path: str
+    kind: str
+    preset: str | None
+    preset_changes: dict[str, Any]
+    model: dict[str, Any]
+    parameters: int
+    tokenizer: str | None
+    vocab_size: int
+    data: dict[str, Any] | None
+    steps_done: int | None
+    steps_total: int | None
+    tokens_seen: int | None
+    best_val: dict[str, float] | None
+    last_val: dict[str, float] | None
+    files: dict[str, int]
+    resumable: bool
+    resume_note: str
+    history: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """The information as a few aligned lines, for a person."""
+        m = self.model
+        shape = (
+            f"{m['n_layer']} layers, {m['n_head']} heads, {m['n_embd']} wide, context "
+            f"{m['context_length']}, vocabulary {m['vocab_size']:,}"
+        )
+        changes = ", ".join(f"{k} {v}" for k, v in self.preset_changes.items())
+        preset = (
+            f"{self.preset} preset{f' ({changes})' if changes else ''}: " if self.preset else ""
+        )
+        what = "a gptkiln run" if self.kind == "run" else "a Hugging Face GPT-2 directory"
+        lines = [
+            f"{self.path}: {what}",
+            ("model", f"{preset}{shape}; {self.parameters:,} parameters"),
+            ("tokenizer", f"{self.tokenizer or 'not recorded'}, {self.vocab_size:,} ids"),
+        ]
+        if self.history:
+            lines.append(("training", self.history))
+        if self.data:
+            tokens = ""
+            if self.data.get("train_tokens") is not None:
+                tokens = (
+                    f": {self.data['train_tokens']:,} train and {self.data['val_tokens']:,} val "
+                    f"tokens (prepared in {self.data['prepared']})"
+                )
+            lines.append(("data", f"{self.data['source']}{tokens}"))
+        if self.steps_done is not None:
+            total = f" of {self.steps_total:,}" if self.steps_total is not None else ""
+            lines.append(("steps", f"{self.steps_done:,}{total}"))
+        if self.tokens_seen is not None:
+            lines.append(("tokens seen", f"{self.tokens_seen:,}"))
+        for name, val in (("best val loss", self.best_val), ("last val loss", self.last_val)):
+            if val:
+                lines.append(
+                    (
+                        name,
+                        f"{val['loss']:.4f} (perplexity {val['perplexity']:.2f}) at step "
+                        f"{val['step']:,}",
+                    )  # fmt: skip
+                )
+        sizes = ", ".join(f"{name} {_size(n)}" for name, n in self.files.items())
+        lines.append(("checkpoint", sizes))
+        lines.append(("resumable", f"{'yes' if self.resumable else 'no'}: {self.resume_note}"))
+        width = max(len(line[0]) for line in lines[1:])
+        return "\n".join(
+            line if isinstance(line, str) else f"  {line[0]:<{width}}  {line[1]}" for line in lines
+        )
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:,} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError  # the loop returns
+
+
+def run_info(path: str | os.PathLike) -> RunInfo:
+    """What a run directory, or an imported Hugging Face GPT-2 one, holds, read without loading
+    its weights: the model (preset, shape, parameters) from config.json and the weights files'
+    headers (checked against each other as a load checks them), the tokenizer, the training
+    data (the run's config and its prepared data's meta.json), steps and tokens seen (the trainer
+    state, memory-mapped), the best and last validation loss (metrics.csv), file sizes, and
+    whether it can be resumed (a trainer state that matches the weights' step).
+    """
+    from gptkiln.checkpoint import PREVIOUS_STATE_FILE, TRAINER_STATE_FILE, matching_trainer_state
+    from gptkiln.loading import describe_weights, read_config, safetensors_metadata, tokenizer_name
+
+    run_dir = Path(path)
+    cfg = read_config(run_dir)
+    config, sd, weights_files = describe_weights(run_dir)
+    hf = "model_type" in cfg
+    train = cfg.get("train") if isinstance(cfg.get("train"), dict) else None
+    files = {f.name: f.stat().st_size for f in weights_files}
+    states = [run_dir / n for n in (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)]
+    files.update({f.name: f.stat().st_size for f in states if f.is_file()})
+    preset, changes = _preset_of(config, train)
+    info = dict(
+        path=str(run_dir),
+        kind="huggingface" if hf else "run",
+        preset=preset,
+        preset_changes=changes,
+        model=config.to_dict(),
+        parameters=sum(t.numel() for t in sd.values()),
+        tokenizer=tokenizer_name(run_dir),
+        vocab_size=config.vocab_size,
+        data=None if hf or train is None else _data_of(run_dir, train),
+        steps_done=None,
+        steps_total=None,
+        tokens_seen=None,
+        best_val=None,
+        last_val=None,
+        files=files,
+        resumable=False,
+        history=None,
+    )
+    if hf:
+        info["history"] = "none: an imported Hugging Face model has no training history"
+        info["resume_note"] = "it has no trainer state; train it further as a new run"
+        return RunInfo(**info)
+    weights_step = safetensors_metadata(weights_files[0]).get("step")
+    try:
+        state, why = matching_trainer_state(run_dir, weights_step, mmap=True)
+    except GptkilnError as e:  # a truncated or corrupt trainer state
+        state, why = None, str(e).split(";")[0]
+    info["resumable"], info["resume_note"] = state is not None, why
+    if state is not None:
+        info["steps_done"] = int(state["step"])
+        info["steps_total"] = (state.get("scheduler") or {}).get("total_steps")
+        info["tokens_seen"] = state.get("tokens")
+    elif weights_step is not None and weights_step.isdigit():
+        info["steps_done"] = int(weights_step)
+    if info["steps_total"] is None and train and train.get("max_steps"):
+        info["steps_total"] = train["max_steps"]
+    info["best_val"], info["last_val"] = _val_losses(run_dir / "metrics.csv")
+    if train is None and info["steps_done"] is None:
+        info["history"] = (
+            "none recorded: a model saved for inference (e.g. by gptkiln convert), without "
+            "its training settings, trainer state or metrics"
+        )
+    return RunInfo(**info)
+
+
+def _preset_of(config: Any, train: dict | None) -> tuple[str | None, dict[str, Any]]:
+    """(the preset a run was trained from, the model settings it changed); for a model without
+    training settings, (the preset whose shape it has, {}); (None, {}) when neither."""
+    from gptkiln.config import PRESETS, GPTConfig
+
+    values = config.to_dict()
+    name = (train or {}).get("model")
+    if name in PRESETS:  # the vocabulary always follows the tokenizer
+        base = GPTConfig.from_name(name, vocab_size=config.vocab_size).to_dict()
+        return name, {k: v for k, v in values.items() if base[k] != v}
+    for name, preset in PRESETS.items():  # dropout and init shape nothing a model holds
+        if all(values[k] == v for k, v in preset.items() if k not in ("dropout", "init")):
+            return name, {}
+    return None, {}
+
+
+def _data_of(run_dir: Path, train: dict) -> dict[str, Any]:
+    """The training data of a run: its source, and its prepared tokens where meta.json is."""
+    from gptkiln.data.prepare import is_prepared, read_meta
+    from gptkiln.data.sources import DEFAULT_SOURCE
+
+    source = train.get("data")
+    prepared = Path(source) if source and is_prepared(source) else run_dir / "data"
+    meta = read_meta(prepared)
+    if meta is None:
+        return {"source": source or DEFAULT_SOURCE, "train_tokens": None, "val_tokens": None,
+                "prepared": None}  # fmt: skip
+    return {
+        "source": meta.get("source") or source or DEFAULT_SOURCE,
+        "train_tokens": meta.get("train_tokens"),
+        "val_tokens": meta.get("val_tokens"),
+        "prepared": str(prepared),
+    }
+
+
+def _val_losses(metrics: Path) -> tuple[dict | None, dict | None]:
+    """The lowest and the last validation loss of a metrics.csv (None, None without any)."""
+    from gptkiln.train import read_metrics
+
+    if not metrics.is_file():
+        return None, None
+    rows = [r for r in read_metrics(metrics) if r.get("val_loss") is not None]
+    if not rows:
+        return None, None
+
+    def point(row: dict) -> dict:
+        loss = row["val_loss"]
+        return {"step": int(row["step"]), "loss": loss, "perplexity": math.exp(min(loss, 50))}
+
+    return point(min(rows, key=lambda r: r["val_loss"])), point(rows[-1])

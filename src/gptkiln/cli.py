@@ -7,19 +7,44 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from gptkiln.config import PRESETS, SampleConfig, TrainConfig, check_values
+from gptkiln.config import TRAIN_GROUPS, SampleConfig, TrainConfig, check_values
 from gptkiln.errors import GptkilnError
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help beside it where it fits; a description's lines wrapped to the terminal,
+    and indented lines (the examples) kept as written."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        lines = [
+            indent + line
+            if line[:1].isspace() or not line
+            else textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+            for line in text.splitlines()
+        ]
+        return "\n".join(lines) + "\n"
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (what, and where to look), exit code 2."""
+    """argparse, but a usage error is one line (what, and where to look), exit code 2; help
+    keeps its examples' layout (`HelpFormatter`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
@@ -44,38 +69,59 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 # -- train -----------------------------------------------------------------------------------
-# TrainConfig fields whose default is None need their type spelled out for argparse.
-_OPTIONAL_TYPES = {
-    "data": str,
-    "context_length": int,
-    "dropout": float,
-    "tie_embeddings": bool,
-    "gelu": str,
-    "stride": int,
-}
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+_STR_METAVARS = {"data": "PATH", "out": "DIR", "model": "PRESET", "tokenizer": "SPEC"}
+_STR_METAVARS |= {"device": "DEVICE", "gelu": "KIND"}
 
 
-def add_train_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per `TrainConfig` field (``max_steps`` -> ``--max-steps``)."""
+def add_train_flags(p: argparse.ArgumentParser) -> dict[str, Any]:
+    """One flag per `TrainConfig` field (``max_steps`` -> ``--max-steps``), in the argument group
+    the field names, with the help the field carries and its default. Returns the groups by
+    name, for the flags of the command itself."""
+    import typing
+
+    groups = {name: p.add_argument_group(name) for name in TRAIN_GROUPS}
+    hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if isinstance(default, bool) or _OPTIONAL_TYPES.get(f.name) is bool:
-            p.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=f"(default: {default})",
-            )
+        help = f"{f.metadata.get('help', '')} (default: {_shown_default(f)})".lstrip()
+        kind, choices = _flag_type(hints[f.name])
+        group = groups.get(f.metadata.get("group"), p)  # tests hold every field to a group
+        if kind is bool:
+            action = argparse.BooleanOptionalAction
+            group.add_argument(flag, action=action, default=argparse.SUPPRESS, help=help)
         else:
-            kind = _OPTIONAL_TYPES.get(f.name, type(default))
-            p.add_argument(
+            metavar = None if choices else _STR_METAVARS.get(f.name, _METAVARS[kind])
+            group.add_argument(
                 flag,
                 type=kind,
+                choices=choices,
                 default=argparse.SUPPRESS,
-                metavar=f.name.upper(),
-                help=f"(default: {default})",
+                metavar=metavar,
+                help=help,
             )
+    return groups
+
+
+def _flag_type(hint: Any) -> tuple[type, list | None]:
+    """(the type argparse converts to, the choices or None) of a field's type hint."""
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return type(args[0]), list(args)
+    if args:  # X | None
+        return _flag_type(args[0])
+    return hint, None
+
+
+def _shown_default(f: dataclasses.Field) -> str:
+    """A field's default as help shows it: what "not set" means for None, on/off for a bool."""
+    if f.default is None:
+        return f.metadata.get("unset") or "not set"
+    if isinstance(f.default, bool):
+        return "on" if f.default else "off"
+    return str(f.default)
 
 
 def load_recipe(name_or_path: str) -> dict[str, Any]:
@@ -228,48 +274,130 @@ def launch_torchrun(nproc: int) -> None:
     raise SystemExit(launch(nproc, rest))
 
 
-# -- generate / eval -------------------------------------------------------------------------
+# -- generate / eval / info ------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> None:
-    from gptkiln.api import stream_text
+    from gptkiln.api import complete, stream_text
     from gptkiln.devices import resolve_device
+    from gptkiln.finetune.templates import format_prompt
 
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:  # undecodable bytes on the command line
-        raise GptkilnError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8") from None
+    prompts = _prompts(args)
+    if args.batch_size < 1:  # checked by `complete`, which one streamed prompt does not call
+        raise GptkilnError(f"batch_size must be a whole number >= 1, got {args.batch_size}")
     cfg = SampleConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        stop=args.stop,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
     notice = lambda msg: print(f"note: {msg}", file=sys.stderr)
     device = resolve_device(args.device)
-    pieces = stream_text(
+    template = None if args.raw else _run_template(args.run_dir)
+    if len(prompts) == 1 and args.num_samples == 1 and not args.json:  # streams as it comes
+        pieces = stream_text(
+            args.run_dir,
+            prompts[0],
+            cfg,
+            device=device,
+            on_notice=notice,
+            input=args.input,
+            raw=args.raw,
+        )
+        first = next(pieces, "")  # the run is loaded and the prompt checked before anything shows
+        echo = template is None  # an instruction-tuned run: the response alone
+        sys.stdout.write((prompts[0] if echo else "") + first)
+        sys.stdout.flush()
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return
+    sent = prompts
+    if template is not None:  # each prompt an instruction, formatted as stream_text does
+        sent = [format_prompt(template, prompt, args.input) for prompt in prompts]
+        cfg = dataclasses.replace(cfg, stop=tuple(cfg.stop) + template.stop_strings())
+    elif args.input:
+        why = "--raw leaves it out" if args.raw else f"{args.run_dir} is not instruction-tuned"
+        raise GptkilnError(
+            f"--input goes into an instruction-tuned run's prompt template, and {why}; put the "
+            "whole prompt in --prompt"
+        )
+    samples = complete(
         args.run_dir,
-        args.prompt,
+        sent,
         cfg,
+        num_samples=args.num_samples,
+        batch_size=args.batch_size,
         device=device,
         on_notice=notice,
-        input=args.input,
-        raw=args.raw,
     )
-    first = next(pieces, "")  # the run is loaded and the prompt checked before anything is shown
-    echo = args.raw or not _instruction_tuned(args.run_dir)  # else: the response alone
-    sys.stdout.write((args.prompt if echo else "") + first)
-    sys.stdout.flush()
-    for piece in pieces:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    for s in samples:
+        s = dataclasses.replace(s, prompt=prompts[s.prompt_index])  # as given, not formatted
+        if args.json:
+            print(json.dumps(s.to_dict()))
+            continue
+        where = [f"prompt {s.prompt_index + 1} of {len(prompts)}"] if len(prompts) > 1 else []
+        if args.num_samples > 1:
+            where.append(f"sample {s.index + 1} of {args.num_samples}")
+        seed = f" (seed {s.seed})" if s.seed is not None else ""
+        print(f"--- {', '.join(where)}{seed} ---\n{'' if template else s.prompt}{s.text}")
 
 
-def _instruction_tuned(run_dir: str) -> bool:
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of ``--prompt`` (repeated) or ``--prompt-file``, checked to be UTF-8 text."""
+    prompts = args.prompt if args.prompt_file is None else read_prompt_file(args.prompt_file)
+    for prompt in prompts:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes on the command line
+            raise GptkilnError(
+                "--prompt is not valid UTF-8 text; pass the prompt in UTF-8"
+            ) from None
+    return prompts
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """The prompts of a ``--prompt-file``: one a line (``-``: standard input), UTF-8; blank lines
+    are skipped, a line's other spaces kept."""
+    name = "standard input" if path == "-" else path
+    try:
+        if path == "-":
+            stdin = sys.stdin
+            data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode()
+        else:
+            data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise GptkilnError(
+            f"--prompt-file {path}: no such file; give a text file with one prompt a line, "
+            "or - to read them from standard input"
+        ) from None
+    except IsADirectoryError:
+        raise GptkilnError(
+            f"--prompt-file {path} is a directory; give a text file with one prompt a line"
+        ) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GptkilnError(
+            f"--prompt-file {name}: byte {e.start} is not UTF-8 text; save the file as UTF-8"
+        ) from None
+    prompts = [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
+    if not prompts:
+        raise GptkilnError(
+            f"--prompt-file {name} holds no prompt (it is empty or blank); write one prompt a line"
+        )
+    return prompts
+
+
+def _run_template(run_dir: str):
+    """An instruction-tuned run's prompt template (None: the run has none)."""
     from gptkiln.finetune.runs import run_template
     from gptkiln.loading import read_config
 
-    return run_template(read_config(run_dir), run_dir) is not None
+    return run_template(read_config(run_dir), run_dir)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -284,6 +412,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
         progress=not args.quiet,
     )
     print(f"loss {r.loss:.4f} | perplexity {r.perplexity:.2f} | {r.tokens:,} tokens")
+
+
+# -- info ------------------------------------------------------------------------------------
+def cmd_info(args: argparse.Namespace) -> None:
+    from gptkiln.api import run_info
+
+    info = run_info(args.path)
+    print(json.dumps(info.to_dict(), indent=2) if args.json else info.summary())
 
 
 # -- inspect ---------------------------------------------------------------------------------
@@ -557,66 +693,262 @@ def cmd_download(args: argparse.Namespace) -> None:
 
 
 # -- the parser ------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="gptkiln", description="Train, run and share GPT-2 style models.")
-    parser.add_argument("--version", action="version", version="gptkiln 0.1.0")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+EXAMPLES = """\
+examples:
+  gptkiln train                                       a small GPT on the bundled plays
+  gptkiln generate runs/default --prompt "ROMEO:"     more of the play, as it is written
+  gptkiln info runs/default                           what a run holds: model, data, losses
+"""
 
-    p = sub.add_parser("prepare", help="tokenize a corpus into train.bin / val.bin")
-    p.add_argument("source", help="a .txt/.jsonl file, a folder of them, or 'shakespeare'")
-    p.add_argument("--tokenizer", default="gpt2", help="gpt2 | char | bpe[:VOCAB_SIZE]")
-    p.add_argument("--out", required=True, help="directory to write")
-    p.add_argument("--val-fraction", type=float, default=0.1)
+
+def example(*commands: str) -> str:
+    """A subcommand's epilog: its example command(s)."""
+    return "example:\n" + "".join(f"  {c}\n" for c in commands)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="gptkiln",
+        description="Train, run and share GPT-2 style models. "
+        "'gptkiln COMMAND --help' explains a command and its flags.",
+        epilog=EXAMPLES,
+    )
+    parser.add_argument("--version", action="version", version="gptkiln 0.1.0")
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=Parser, title="commands", metavar="COMMAND"
+    )
+
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize a corpus into train.bin / val.bin",
+        description="Tokenize a corpus into train.bin, val.bin and meta.json (streaming), for "
+        "`gptkiln train --data DIR`.",
+        epilog=example("gptkiln prepare shakespeare --tokenizer char --out data/plays-char"),
+    )
+    p.add_argument(
+        "source",
+        help='a .txt/.md file, a .jsonl file (a "text" field a line), a folder of them, or '
+        "shakespeare (the bundled plays)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="gpt2",
+        metavar="SPEC",
+        help="gpt2 (OpenAI's BPE) | char | bpe:N (a byte-level BPE of N ids trained on the "
+        "text; bpe alone: 8192) | a directory with a saved tokenizer (a run, prepared data) "
+        "(default: %(default)s)",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (required)")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        metavar="X",
+        help="share of the text, taken from its end, held out for validation, in (0, 1) "
+        "(default: %(default)s)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
-        "--threads", type=int, help="encoding threads of the gpt2 tokenizer (default: all cores)"
+        "--threads",
+        type=int,
+        metavar="N",
+        help="threads encoding with the gpt2 tokenizer (>= 1; default: every core)",
     )
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser(
         "train",
         help="train a model (no flags: a small model on Shakespeare)",
-        description="Train a GPT. Settings come from the defaults, then --config, "
-        f"then flags. Model presets: {', '.join(PRESETS)}.",
+        description="Train a GPT. Settings come from the defaults, then --config, then flags; "
+        "every flag is also a key of a YAML recipe (max_steps: 600).",
+        epilog=example(
+            "gptkiln train --data data/plays-char --model baby --max-steps 600 --out runs/char"
+        ),
     )
-    p.add_argument("--config", help="a YAML recipe file, or a bundled recipe name")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
-    p.add_argument("--nproc", type=int, help="launch N processes on this machine via torchrun")
-    add_train_flags(p)
+    p.add_argument(
+        "--config",
+        metavar="RECIPE",
+        help="a YAML recipe file, or a bundled recipe: "
+        f"{' | '.join(sorted(r.stem for r in RECIPES_DIR.glob('*.yaml')))} "
+        "(default: none, the defaults below)",
+    )
+    groups = add_train_flags(p)
+    groups["checkpoints"].add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its checkpoint"
+    )
+    groups["checkpoints"].add_argument(
+        "--overwrite", action="store_true", help="start afresh over a run already in --out"
+    )
+    groups["hardware"].add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="train with N processes on this machine, launched through torchrun (>= 1; "
+        "default: this process alone)",
+    )
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("generate", help="generate text from a run (streams to the terminal)")
-    p.add_argument("run_dir", help="a run directory, or an imported Hugging Face GPT-2 directory")
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a run (streams to the terminal)",
+        description="Generate text from a run. One prompt streams to the terminal as it is "
+        "generated; several prompts (and --num-samples) are generated as one batch and printed "
+        "one after another, each sample after a line '--- prompt P of M, sample S of N (seed "
+        "X) ---'. --json prints one JSON object a line instead (JSON Lines): prompt_index, "
+        "prompt, index (the sample's, from 0), seed, text (without the prompt), token_ids and "
+        "finish_reason (stop: end-of-text or a stop string; length: --max-new-tokens).",
+        epilog=example(
+            "gptkiln generate runs/char --prompt ROMEO: --prompt JULIET: --num-samples 2 --seed 1"
+        ),
+    )
     p.add_argument(
+        "run_dir",
+        metavar="RUN",
+        help="a run directory, or an imported Hugging Face GPT-2 directory",
+    )
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument(
         "--prompt",
-        required=True,
-        help="the text to continue; for an instruction-tuned run, the instruction",
+        action="append",
+        metavar="TEXT",
+        help='text to continue (an instruction-tuned run: the instruction); repeat for '
+        'several, generated as one batch ("": start from end-of-text) (default: none; this or '
+        "--prompt-file)",
+    )
+    prompt.add_argument(
+        "--prompt-file",
+        metavar="FILE",
+        help="a UTF-8 file of prompts, one a line (blank lines skipped); - reads standard input "
+        "(default: none; this or --prompt)",
     )
     p.add_argument(
         "--input",
         default="",
-        help="instruction-tuned runs: the instruction's input (default: none)",
+        metavar="TEXT",
+        help="instruction-tuned runs: the instruction's input, the same for every prompt "
+        "(default: none)",
     )
     p.add_argument(
         "--raw",
         action="store_true",
-        help="send --prompt as it is, without an instruction-tuned run's template",
+        help="send each prompt as it is, without an instruction-tuned run's template",
     )
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=1,
+        metavar="N",
+        help="samples per prompt (>= 1); sample j is drawn with seed --seed + j, so sample 0 "
+        "is the prompt's own with --seed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=100,
+        metavar="N",
+        help="tokens to generate at most (>= 0) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        metavar="X",
+        help="softmax temperature (>= 0; 0 = greedy) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        metavar="K",
+        help="sample from the K most likely tokens only (>= 1) (default: all tokens)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        metavar="P",
+        help="sample from the fewest tokens whose probability reaches P, in (0, 1] "
+        "(default: all tokens)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end a sample where this text appears, leaving it out; repeatable; a newline in "
+        "bash: $'\\n' (default: none)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="lower a token's logit by X once it appeared in the sample, in [-2, 2] "
+        "(OpenAI's) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="lower a token's logit by X for each time it appeared in the sample, in [-2, 2] "
+        "(OpenAI's) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        metavar="N",
+        help="seed of the sampling, in [0, 2**63) (default: none, a new draw each run)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        metavar="N",
+        help="samples generated at once (>= 1); lower it for less memory (default: %(default)s)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object a sample, one a line (fields above)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu | cuda | cuda:N | mps | auto (default: %(default)s)",
+    )
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("eval", help="loss and perplexity of a run on text")
-    p.add_argument("run_dir")
-    p.add_argument("--data", required=True, help="a prepared data dir (val split) or a text file")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quiet", action="store_true")
+    p = sub.add_parser(
+        "eval",
+        help="loss and perplexity of a run on text",
+        description="Cross-entropy loss and perplexity of a run on text, over the text's "
+        "non-overlapping context windows.",
+        epilog=example("gptkiln eval runs/char --data data/plays-char"),
+    )
+    p.add_argument(
+        "run_dir",
+        metavar="RUN",
+        help="a run directory, or an imported Hugging Face GPT-2 directory",
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="PATH",
+        help="a prepared data folder (its validation split) or a text/.jsonl file, tokenized "
+        "with the run's tokenizer (required)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        metavar="N",
+        help="windows per forward pass (>= 1) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu | cuda | cuda:N | mps | auto (default: %(default)s)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
@@ -627,20 +959,38 @@ def build_parser() -> argparse.ArgumentParser:
         "masked future grey), the top-k next tokens after each prompt token, and the loss of "
         "each prompt token given the ones before it, with the perplexity. Layers, heads and "
         "positions count from 0 (layer 0 is h.0); -1 is the last.",
-        epilog="example: gptkiln inspect runs/char --prompt 'ROMEO: What' --layer 0 --top-k 3 "
-        "--out attention.png --json attention.json",
-    )
-    p.add_argument("run_dir", help="a run directory, or an imported Hugging Face GPT-2 directory")
-    p.add_argument("--prompt", required=True, help="the text to inspect (at least one token)")
-    p.add_argument(
-        "--layer", type=int, help="draw only this layer, 0 to n_layer-1 (default: every layer)"
+        epilog=example(
+            "gptkiln inspect runs/char --prompt 'ROMEO: What' --layer 0 --top-k 3 "
+            "--out attention.png --json attention.json"
+        ),
     )
     p.add_argument(
-        "--head", type=int, help="draw only this head, 0 to n_head-1 (default: every head)"
+        "run_dir",
+        metavar="RUN",
+        help="a run directory, or an imported Hugging Face GPT-2 directory",
+    )
+    p.add_argument(
+        "--prompt",
+        required=True,
+        metavar="TEXT",
+        help="the text to inspect, at least one token (required)",
+    )
+    p.add_argument(
+        "--layer",
+        type=int,
+        metavar="L",
+        help="draw only this layer, 0 to n_layer-1 or -1 for the last (default: every layer)",
+    )
+    p.add_argument(
+        "--head",
+        type=int,
+        metavar="H",
+        help="draw only this head, 0 to n_head-1 or -1 for the last (default: every head)",
     )
     p.add_argument(
         "--position",
         type=int,
+        metavar="P",
         help="print the next-token table for this prompt position only, 0 to tokens-1 "
         "(default: every position)",
     )
@@ -648,30 +998,60 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-k",
         type=int,
         default=5,
-        help="next tokens listed per position, 1 to the vocabulary size (default: 5)",
+        metavar="K",
+        help="next tokens listed per position, 1 to the vocabulary size (default: %(default)s)",
     )
     p.add_argument(
         "--max-tokens",
         type=int,
         default=64,
+        metavar="N",
         help="inspect the prompt's first N tokens, N >= 1, at most the model's context; "
-        "a longer prompt is cropped with a note (default: 64)",
+        "a longer prompt is cropped with a note (default: %(default)s)",
     )
     p.add_argument(
         "--out",
         default="attention.png",
+        metavar="PNG",
         help="the heat-map PNG; a grid too large for one figure becomes one file per layer, "
-        "OUT with -layerN before .png (default: attention.png)",
+        "OUT with -layerN before .png (default: %(default)s)",
     )
     p.add_argument(
         "--json",
         metavar="FILE",
         help="also write tokens, attention weights, top-k and losses as JSON (default: none)",
     )
-    p.add_argument("--device", default="cpu", help="cpu | cuda | mps | auto (default: cpu)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu | cuda | cuda:N | mps | auto (default: %(default)s)",
+    )
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("convert", help="Hugging Face / book checkpoints in, Hugging Face out")
+    p = sub.add_parser(
+        "info",
+        help="what a run holds: model, tokenizer, data, steps, losses, size",
+        description="What a run directory (or an imported Hugging Face GPT-2 one) holds: the "
+        "model (its preset, shape and parameters), the tokenizer, the data it was trained on, "
+        "steps done of total, tokens seen, the best and last validation loss, the checkpoint's "
+        "size and whether it can be resumed. Reads only the files' headers, never the weights.",
+        epilog=example("gptkiln info runs/char"),
+    )
+    p.add_argument(
+        "path",
+        metavar="RUN",
+        help="a run directory, or a Hugging Face GPT-2 directory",
+    )
+    p.add_argument("--json", action="store_true", help="print it as one JSON object")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser(
+        "convert",
+        help="Hugging Face / book checkpoints in, Hugging Face out",
+        description="Convert models: a Hugging Face GPT-2 directory or the book's model.pth "
+        "into a run directory, or a run into a directory Hugging Face transformers loads.",
+        epilog=example("gptkiln convert to-hf runs/tiny-gpt2 --out exported/tiny-gpt2"),
+    )
     p.add_argument(
         "direction",
         choices=["hf", "book", "to-hf", "merge-lora"],
@@ -680,21 +1060,29 @@ def build_parser() -> argparse.ArgumentParser:
         "its weights",
     )
     p.add_argument("path", help="the directory or file to convert")
-    p.add_argument("--out", required=True)
-    p.add_argument("--n-head", type=int, default=12, help="heads of a book model (not in its file)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (required)")
+    p.add_argument(
+        "--n-head",
+        type=int,
+        default=12,
+        metavar="N",
+        help="attention heads of a book model, which its file does not record (>= 1) "
+        "(default: %(default)s, the book's 124M)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     p.set_defaults(func=cmd_convert)
 
-    example = "example:\n  gptkiln finetune runs/gpt2 --data instructions.json --out runs/instruct"
     p = sub.add_parser(
         "finetune",
         help="fine-tune a model to follow instructions or to classify texts (full or LoRA)",
         description="Fine-tune a run or a Hugging Face GPT-2 model with the loop of `gptkiln "
         "train`: instruction following (the book's chapter 7) or classification (chapter 6), "
         "all layers, the last N, or LoRA adapters (appendix E).",
-        epilog=example + "\n  gptkiln finetune runs/gpt2 --task classify --data sms.csv "
-        "--lora-rank 16 --out runs/spam",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=example(
+            "gptkiln finetune runs/gpt2 --data instructions.json --out runs/instruct",
+            "gptkiln finetune runs/gpt2 --task classify --data sms.csv --lora-rank 16 "
+            "--out runs/spam",
+        ),
     )
     add_finetune_flags(p)
     p.set_defaults(func=cmd_finetune)
@@ -753,9 +1141,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps (default: cpu)")
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("download", help="download OpenAI's GPT-2 weights (needs internet)")
-    p.add_argument("name", help="gpt2 | gpt2-medium | gpt2-large | gpt2-xl")
-    p.add_argument("--out", required=True)
+    p = sub.add_parser(
+        "download",
+        help="download OpenAI's GPT-2 weights (needs internet)",
+        description="Download OpenAI's GPT-2 weights from the Hugging Face Hub into a run "
+        "directory.",
+        epilog=example("gptkiln download gpt2 --out runs/gpt2"),
+    )
+    p.add_argument("name", help="gpt2 (124M) | gpt2-medium | gpt2-large | gpt2-xl (1.5B)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (required)")
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     p.set_defaults(func=cmd_download)
     return parser
