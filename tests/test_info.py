@@ -13,20 +13,10 @@ from gptkiln.cli import main
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    from gptkiln.data.sources import iter_documents
-
-    text = next(iter(iter_documents("shakespeare")))[:20_000]
-    path = tmp_path_factory.mktemp("corpus") / "play.txt"
-    path.write_text(text, encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, corpus):
+def run(tmp_path_factory, play_path):
     out = tmp_path_factory.mktemp("info") / "run"
     code = main(
-        ["train", "--data", str(corpus), "--model", "tiny", "--tokenizer", "char",
+        ["train", "--data", str(play_path), "--model", "tiny", "--tokenizer", "char",
          "--context-length", "32", "--batch-size", "4", "--max-steps", "6",
          "--eval-interval", "2", "--eval-batches", "1", "--sample-interval", "100",
          "--sample-tokens", "5", "--no-progress", "--out", str(out)]
@@ -53,7 +43,7 @@ def hf_and_converted(tmp_path_factory):
     return tmp / "hf", tmp / "converted", model.num_parameters()
 
 
-def test_a_trained_run(run, corpus, capsys):
+def test_a_trained_run(run, play_path, capsys):
     from gptkiln.loading import load_run
     from gptkiln.train import read_metrics
 
@@ -67,7 +57,7 @@ def test_a_trained_run(run, corpus, capsys):
     assert info.model == model.config.to_dict() and info.parameters == model.num_parameters()
     assert (info.tokenizer, info.vocab_size) == ("char", tokenizer.vocab_size)
     assert info.data == {
-        "source": str(corpus),
+        "source": str(play_path),
         "train_tokens": meta["train_tokens"],
         "val_tokens": meta["val_tokens"],
         "prepared": str(run / "data"),
@@ -89,7 +79,7 @@ def test_a_trained_run(run, corpus, capsys):
         "model          tiny preset (context_length 32): 2 layers, 2 heads, 32 wide, context 32",
         f"{info.parameters:,} parameters",
         f"tokenizer      char, {tokenizer.vocab_size} ids",
-        f"data           {corpus}: {meta['train_tokens']:,} train and",
+        f"data           {play_path}: {meta['train_tokens']:,} train and",
         "steps          6 of 6",
         "tokens seen    768",
         f"best val loss  {best['val_loss']:.4f} (perplexity {math.exp(best['val_loss']):.2f})",
@@ -119,7 +109,7 @@ def test_info_reads_headers_not_weights(run, monkeypatch):
     assert loads == [dict(map_location="cpu", weights_only=True, mmap=True)]  # trainer state
 
 
-def test_a_trainer_state_of_another_step_cannot_be_resumed(run, tmp_path, corpus, capsys):
+def test_a_trainer_state_of_another_step_cannot_be_resumed(run, tmp_path, play_path, capsys):
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     state = torch.load(copy / "trainer_state.pt", weights_only=True)
@@ -129,7 +119,7 @@ def test_a_trainer_state_of_another_step_cannot_be_resumed(run, tmp_path, corpus
     why = "model.safetensors is from step 6 but trainer_state.pt from step 3"
     assert info.resume_note == why
     assert info.steps_done == 6  # from the weights themselves
-    code, _, err = cli("train", "--data", corpus, "--model", "tiny", "--tokenizer", "char",
+    code, _, err = cli("train", "--data", play_path, "--model", "tiny", "--tokenizer", "char",
                        "--context-length", "32", "--batch-size", "4", "--max-steps", "8",
                        "--out", copy, "--resume", "--no-progress", capsys=capsys)  # fmt: skip
     assert_one_line_error(code, err, why)  # what info says is what resuming finds

@@ -92,15 +92,22 @@ def test_tour_runs_as_written(tmp_path):
             assert proc.returncode == 0, f"{line}\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
             print(f"{time.perf_counter() - start:6.1f}s  {line}")
             if line.startswith("gptkiln generate"):
-                prompt = shlex.split(line)[shlex.split(line).index("--prompt") + 1]
+                argv = shlex.split(line)
+                prompts = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--prompt"]
             if line.startswith("gptkiln generate") and "--input" in line:
                 # an instruction-tuned run's prompt goes into its template; the response alone shows
-                assert not proc.stdout.startswith(prompt) and proc.stdout.endswith("\n")
+                assert not proc.stdout.startswith(prompts[0]) and proc.stdout.endswith("\n")
             elif line.startswith("gptkiln generate"):
-                assert proc.stdout.startswith(prompt) and len(proc.stdout) > len(prompt) + 5
+                first = proc.stdout.splitlines()[0]  # one prompt streams; several: a header
+                assert first.startswith(prompts[0] if len(prompts) == 1 else "--- prompt 1 of")
+                assert all(p in proc.stdout for p in prompts)
+                assert len(proc.stdout) > sum(len(p) + 5 for p in prompts)
+            if line.startswith("gptkiln info"):
+                assert "resumable" in proc.stdout
             if line.startswith("gptkiln eval"):
                 assert "perplexity" in proc.stdout
     assert (work / "runs" / "char" / "loss.png").exists()
+    assert any((work / "runs" / "char" / "tensorboard").glob("events.out.tfevents.*"))
     assert (work / "exported" / "tiny-gpt2" / "config.json").exists()
     assert (work / "runs" / "instruct-lora" / "adapter.safetensors").exists()
     assert (work / "exported" / "instruct" / "model.safetensors").exists()

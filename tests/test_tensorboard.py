@@ -8,19 +8,9 @@ from test_cli import assert_one_line_error, cli
 from gptkiln.train import METRICS_FIELDS, read_metrics
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    from gptkiln.data.sources import iter_documents
-
-    text = next(iter(iter_documents("shakespeare")))[:20_000]
-    path = tmp_path_factory.mktemp("corpus") / "play.txt"
-    path.write_text(text, encoding="utf-8")
-    return path
-
-
-def train_args(corpus, out, steps):
+def train_args(play_path, out, steps):
     return [
-        "train", "--data", corpus, "--model", "tiny", "--tokenizer", "char",
+        "train", "--data", play_path, "--model", "tiny", "--tokenizer", "char",
         "--context-length", "32", "--batch-size", "2", "--max-steps", steps,
         "--eval-interval", "2", "--eval-batches", "1", "--sample-interval", "3",
         "--sample-tokens", "4", "--sample-prompt", "The", "--checkpoint-interval", "2",
@@ -58,10 +48,10 @@ def assert_events_equal_metrics(run):
 
 
 def test_tensorboard_events_equal_metrics_csv_through_a_resume_and_an_overwrite(
-    corpus, tmp_path, capsys
+    play_path, tmp_path, capsys
 ):
     run = tmp_path / "run"
-    code, out, err = cli(*train_args(corpus, run, 6), "--tensorboard", capsys=capsys)
+    code, out, err = cli(*train_args(play_path, run, 6), "--tensorboard", capsys=capsys)
     assert code == 0, err
     rows, samples = assert_events_equal_metrics(run)
     assert [int(r["step"]) for r in rows] == [2, 4, 6]
@@ -70,40 +60,44 @@ def test_tensorboard_events_equal_metrics_csv_through_a_resume_and_an_overwrite(
     for step, text in samples:  # as printed, indented so that Markdown keeps its lines
         printed = out.split(f"--- sample at step {step} ---\n")[1].split("\n---")[0]
         assert text == "    " + printed.replace("\n", "\n    ") and "The" in text
-    code, _, err = cli(*train_args(corpus, run, 10), "--tensorboard", "--resume", capsys=capsys)
+    code, _, err = cli(*train_args(play_path, run, 10), "--tensorboard", "--resume", capsys=capsys)
     assert code == 0, err
     rows, samples = assert_events_equal_metrics(run)
     assert [int(r["step"]) for r in rows] == [2, 4, 6, 8, 10]
-    code, _, err = cli(*train_args(corpus, run, 4), "--tensorboard", "--overwrite", capsys=capsys)
+    code, _, err = cli(
+        *train_args(play_path, run, 4), "--tensorboard", "--overwrite", capsys=capsys
+    )
     assert code == 0, err
     rows, _ = assert_events_equal_metrics(run)  # the replaced run's events are gone
     assert [int(r["step"]) for r in rows] == [2, 4]
 
 
-def test_a_resume_hides_what_a_killed_attempt_logged_past_its_checkpoint(corpus, tmp_path, capsys):
+def test_a_resume_hides_what_a_killed_attempt_logged_past_its_checkpoint(
+    play_path, tmp_path, capsys
+):
     from torch.utils.tensorboard import SummaryWriter
 
     run = tmp_path / "run"
-    code, _, err = cli(*train_args(corpus, run, 4), "--tensorboard", capsys=capsys)
+    code, _, err = cli(*train_args(play_path, run, 4), "--tensorboard", capsys=capsys)
     assert code == 0, err
     stale = SummaryWriter(str(run / "tensorboard"))  # an attempt that got to step 6, unsaved
     stale.add_scalar("val_loss", 99.0, 6)
     stale.close()
-    code, _, err = cli(*train_args(corpus, run, 8), "--tensorboard", "--resume", capsys=capsys)
+    code, _, err = cli(*train_args(play_path, run, 8), "--tensorboard", "--resume", capsys=capsys)
     assert code == 0, err
     rows, _ = assert_events_equal_metrics(run)
     assert 99.0 not in [r["val_loss"] for r in rows]
 
 
 def test_no_flag_no_tensorboard_and_a_missing_package_is_one_line(
-    corpus, tmp_path, capsys, monkeypatch
+    play_path, tmp_path, capsys, monkeypatch
 ):
-    code, _, err = cli(*train_args(corpus, tmp_path / "plain", 2), capsys=capsys)
+    code, _, err = cli(*train_args(play_path, tmp_path / "plain", 2), capsys=capsys)
     assert code == 0, err
     assert not (tmp_path / "plain" / "tensorboard").exists()
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
     run = tmp_path / "run"
-    code, _, err = cli(*train_args(corpus, run, 2), "--tensorboard", capsys=capsys)
+    code, _, err = cli(*train_args(play_path, run, 2), "--tensorboard", capsys=capsys)
     assert_one_line_error(code, err, "--tensorboard", "pip install tensorboard")
     assert not (run / "data").exists()  # refused before the data was prepared
 

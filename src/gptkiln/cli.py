@@ -792,11 +792,12 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="generate text from a run (streams to the terminal)",
         description="Generate text from a run. One prompt streams to the terminal as it is "
-        "generated; several prompts (and --num-samples) are generated as one batch and printed "
-        "one after another, each sample after a line '--- prompt P of M, sample S of N (seed "
-        "X) ---'. --json prints one JSON object a line instead (JSON Lines): prompt_index, "
-        "prompt, index (the sample's, from 0), seed, text (without the prompt), token_ids and "
-        "finish_reason (stop: end-of-text or a stop string; length: --max-new-tokens).",
+        "generated; several prompts (and --num-samples) are generated together, --batch-size "
+        "samples at a time, and printed one after another, each sample after a line "
+        "'--- prompt P of M, sample S of N (seed X) ---'. --json prints one JSON object a "
+        "line instead (JSON Lines): prompt_index, prompt, index (the sample's, from 0), "
+        "seed, text (without the prompt), token_ids and finish_reason (stop: end-of-text or "
+        "a stop string; length: --max-new-tokens).",
         epilog=example(
             "gptkiln generate runs/char --prompt ROMEO: --prompt JULIET: --num-samples 2 --seed 1"
         ),
