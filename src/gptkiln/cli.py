@@ -992,8 +992,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--position",
         type=int,
         metavar="P",
-        help="print the next-token table for this prompt position only, 0 to tokens-1 "
-        "(default: every position)",
+        help="print the next-token table for this prompt position only, 0 to tokens-1 or -1 "
+        "for the last (default: every position)",
     )
     p.add_argument(
         "--top-k",
@@ -1015,7 +1015,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="attention.png",
         metavar="PNG",
         help="the heat-map PNG; a grid too large for one figure becomes one file per layer, "
-        "OUT with -layerN before .png (default: %(default)s)",
+        "PNG with -layerN before .png (default: %(default)s)",
     )
     p.add_argument(
         "--json",
