@@ -587,7 +587,7 @@ class Trainer:
         check_one_gpu_each(self.device, os.environ)
         self.owns_process_group = dist_utils.launched_by_torchrun() and not dist_utils.initialized()
         self.world = dist_utils.setup(self.device)
-        self.tensorboard: TensorBoardLog | None = None
+        self.tensorboard: TensorBoardLog | None = None  # what close() closes, set in _set_up
         try:
             self._set_up(cfg, resume, overwrite, task)
         except BaseException:
