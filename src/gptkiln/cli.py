@@ -812,7 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt",
         action="append",
         metavar="TEXT",
-        help='text to continue (an instruction-tuned run: the instruction); repeat for '
+        help="text to continue (an instruction-tuned run: the instruction); repeat for "
         'several, generated as one batch ("": start from end-of-text) (default: none; this or '
         "--prompt-file)",
     )
@@ -1091,8 +1091,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "classify",
         help="the label of texts, by a classifier from `gptkiln finetune --task classify`",
-        epilog='example:\n  gptkiln classify runs/spam --text "You won a prize! Call now"',
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=example('gptkiln classify runs/spam --text "You won a prize! Call now"'),
     )
     p.add_argument("run_dir", help="a run fine-tuned with --task classify")
     p.add_argument(
@@ -1112,9 +1111,7 @@ def build_parser() -> argparse.ArgumentParser:
         "conversation so far go through the run's prompt template. At a terminal: line "
         "editing, /reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops a "
         "response. From a pipe (or --plain): a message a line in, each response out.",
-        epilog="example:\n  gptkiln chat runs/instruct\n"
-        "  printf 'Name a color.\\n/reset\\nName an animal.\\n' | gptkiln chat runs/instruct",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=example("gptkiln chat runs/instruct --temperature 0.7 --seed 1"),
     )
     p.add_argument("run_dir", help="a run fine-tuned with --task instruct")
     p.add_argument(
