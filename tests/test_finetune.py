@@ -306,6 +306,43 @@ def test_generate_formats_with_the_stored_template_as_chat_does(instruct_run, ca
     assert code == 0 and out == first + "\n"  # the response alone, not the template
 
 
+def test_generate_batches_format_an_instruction_tuned_runs_prompts_too(instruct_run, capsys):
+    # several prompts (and --json) take api.complete's batch path: the same template, stop
+    # strings and response alone as one streamed prompt; the JSON keeps the prompt as given
+    import json
+
+    from gptkiln.api import stream_text
+    from gptkiln.config import SampleConfig
+
+    run, _ = instruct_run
+    cfg = SampleConfig(max_new_tokens=20, temperature=0)
+    prompts = ["Repeat the input.", "Repeat sun."]
+    alone = ["".join(stream_text(run, p, cfg, input="cat")) for p in prompts]
+    flags = ["--input", "cat", "--max-new-tokens", 20, "--temperature", 0]
+    code, out, _ = cli(
+        "generate",
+        run,
+        "--prompt",
+        prompts[0],
+        "--prompt",
+        prompts[1],
+        *flags,
+        "--json",
+        capsys=capsys,
+    )
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [r["prompt"] for r in rows] == prompts
+    assert [r["text"] for r in rows] == alone
+    code, out, _ = cli(
+        "generate", run, "--prompt", prompts[0], "--prompt", prompts[1], *flags, capsys=capsys
+    )
+    assert code == 0 and "### Instruction" not in out and all(a in out for a in alone)
+    code, out, err = cli(
+        "generate", run, "--prompt", "a", "--prompt", "b", "--raw", "--input", "cat", capsys=capsys
+    )
+    assert_one_line_error(code, err, "--input", "--raw")
+
+
 def test_chat_plain_mode_resets_exits_and_survives_ctrl_c(instruct_run, monkeypatch, capsys):
     from gptkiln.chat import Chat, run_chat
     from gptkiln.config import SampleConfig
