@@ -72,12 +72,33 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v (B, nh, T, hs) at positions start..start+T; return all keys/values so far."""
-        end = start + k.size(2)
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]  # (B, nh, S, hs) with S = end
+    def update(
+        self,
+        start: int | torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: slice | torch.Tensor | None = None,
+    ):
+        """Store k, v (B, nh, T, hs) at positions start..start+T; return all keys/values so far.
+
+        ``start`` is one position for every row, or a (B,) tensor of each row's own (continuous
+        batching: rows hold sequences of different lengths); then S is the furthest row's end.
+        ``rows`` (a slice or index tensor) picks the cache rows that k and v belong to; None: the
+        first B.
+        """
+        rows = slice(0, k.size(0)) if rows is None else rows
+        if not isinstance(start, torch.Tensor):
+            end = start + k.size(2)
+            self.k[rows, :, start:end] = k
+            self.v[rows, :, start:end] = v
+            return self.k[rows, :, :end], self.v[rows, :, :end]  # (B, nh, S, hs) with S = end
+        start = start.to(k.device)
+        at = start[:, None] + torch.arange(k.size(2), device=k.device)  # (B, T) positions
+        row = torch.arange(self.k.size(0), device=k.device)[rows][:, None]  # (B, 1)
+        self.k[row, :, at] = k.transpose(1, 2)  # (B, T, nh, hs) written at (row, :, position)
+        self.v[row, :, at] = v.transpose(1, 2)
+        end = int(at.max()) + 1
+        return self.k[rows, :, :end], self.v[rows, :, :end]  # (B, nh, S, hs)
 
 
 class CausalSelfAttention(nn.Module):
@@ -104,16 +125,19 @@ class CausalSelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        start_pos: int | None = None,
+        start_pos: int | torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        rows: slice | torch.Tensor | None = None,
         attentions: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C).
 
         Args:
-            start_pos: position of x's first token when the KV cache is in use, else None.
+            start_pos: position of x's first token when the KV cache is in use (an int, or a
+                (B,) tensor of each row's own), else None.
             mask: boolean (B or 1, 1, T, S), True where a query may attend a key; None means
                 plain causal attention over the T keys (or, for T = 1, attend to every key).
+            rows: the cache rows x's rows are (`KVCache.update`); None: the first B.
             attentions: a list to append this layer's attention weights (B, nh, T, S) to; given,
                 the explicit path runs (SDPA never forms the weights).
         """
@@ -123,7 +147,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if self.kv_cache is not None and start_pos is not None:
-            k, v = self.kv_cache.update(start_pos, k, v)  # (B, nh, S, hs)
+            k, v = self.kv_cache.update(start_pos, k, v, rows)  # (B, nh, S, hs)
         dropout_p = self.dropout if self.training else 0.0
         # A short full-sequence forward compiled for the CPU spells attention out (see
         # _fuse_on_cpu): inductor fuses its scale, mask and softmax; SDPA stays one opaque call.
@@ -250,11 +274,12 @@ class Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        start_pos: int | None = None,
+        start_pos: int | torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        rows: slice | torch.Tensor | None = None,
         attentions: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), start_pos, mask, attentions)
+        x = x + self.attn(self.ln_1(x), start_pos, mask, rows, attentions)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -381,8 +406,18 @@ class GPT(nn.Module):
         cache = self.h[0].attn.kv_cache
         return 0 if cache is None else cache.k.size(2)
 
-    def _positions_and_mask(self, T: int, start_pos: int | None, device: torch.device):
+    def _positions_and_mask(
+        self,
+        T: int,
+        start_pos: int | torch.Tensor | None,
+        device: torch.device,
+        rows: slice | torch.Tensor | None = None,
+    ):
         """Position ids (T,) or (B, T) and the attention mask for this forward (None = causal)."""
+        if isinstance(start_pos, torch.Tensor):  # each row at its own position
+            pos = start_pos.to(device)[:, None] + torch.arange(T, device=device)  # (B, T)
+            key = torch.arange(int(pos.max()) + 1, device=device)  # (S,)
+            return pos, (key[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, T, S)
         start = start_pos or 0
         pos = torch.arange(start, start + T, device=device)  # (T,)
         if start_pos is None or (self.pad_lens is None and (start == 0 or T == 1)):
@@ -392,7 +427,7 @@ class GPT(nn.Module):
         mask = key[None, :] <= pos[:, None]  # (T, S) causal
         if self.pad_lens is None:
             return pos, mask[None, None]  # (1, 1, T, S)
-        pad = self.pad_lens[:, None]  # (B, 1)
+        pad = self.pad_lens[rows if rows is not None else slice(None), None]  # (B, 1)
         mask = mask[None] & (key[None, None, :] >= pad[:, :, None])  # (B, T, S)
         return (pos[None, :] - pad).clamp(min=0), mask[:, None]  # (B, T), (B, 1, T, S)
 
@@ -401,8 +436,9 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         *,
-        start_pos: int | None = None,
+        start_pos: int | torch.Tensor | None = None,
         last_only: bool = False,
+        rows: slice | torch.Tensor | None = None,
         attentions: list[torch.Tensor] | None = None,
     ):
         """Logits for token ids, and the cross-entropy loss when targets are given.
@@ -412,8 +448,13 @@ class GPT(nn.Module):
             targets: (B, T) next-token ids, positions with -100 ignored; for a classifier,
                 (B,) class ids, scored on the last position's logits (the book's chapter 6).
             start_pos: position of idx's first token when decoding with the KV cache
-                (``setup_cache`` first); None for an ordinary full-sequence forward.
+                (``setup_cache`` first); None for an ordinary full-sequence forward. A (B,)
+                tensor gives each row its own position (continuous batching: a server's rows
+                hold sequences of different lengths; such a cache has no left padding).
             last_only: compute logits for the last position only (generation), (B, 1, V).
+            rows: the cache rows that idx's rows use (a slice or an index tensor), so a new
+                sequence can be prefilled into one row while the others keep theirs; None: the
+                first B rows.
             attentions: a list to fill with every layer's attention weights, (B, nh, T, S) each,
                 in layer order (for inspection: computed on the explicit path; None, the
                 default, changes nothing).
@@ -423,14 +464,17 @@ class GPT(nn.Module):
             are given.
         """
         B, T = idx.shape
-        end = (start_pos or 0) + T
+        per_row = isinstance(start_pos, torch.Tensor)
+        if per_row and self.pad_lens is not None:
+            raise ValueError("per-row positions need a cache without left padding")
+        end = (int(start_pos.max()) if per_row else start_pos or 0) + T
         limit = self.cache_len if start_pos is not None else self.config.context_length
         if end > limit:
             raise ValueError(f"sequence reaches position {end}, beyond the {limit} available")
-        pos, mask = self._positions_and_mask(T, start_pos, idx.device)
+        pos, mask = self._positions_and_mask(T, start_pos, idx.device, rows)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.h:
-            x = block(x, start_pos, mask, attentions)
+            x = block(x, start_pos, mask, rows, attentions)
         x = self.ln_f(x)
         if last_only:
             x = x[:, -1:, :]  # (B, 1, C)
