@@ -1,0 +1,115 @@
+"""``gptkiln serve``: an OpenAI-compatible HTTP server with continuous batching, and a playground.
+
+- `app.create_app`: the routes (FastAPI) for one loaded model;
+- `batcher.Batcher`: the one decode loop that owns the model, slots over a static KV cache;
+- `schemas`: OpenAI's request and response shapes, and its error shape;
+- `metrics`: Prometheus metrics;
+- ``static/index.html``: the playground page, shipped in the package (no CDN, no build step).
+
+`serve` loads a model once and runs the app under uvicorn.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+from pathlib import Path
+
+from gptkiln.errors import GptkilnError
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is only reachable from this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def check_serve_options(
+    *,
+    host: str,
+    port: int,
+    max_batch: int,
+    max_queue: int,
+    api_key: str | None,
+    max_body_bytes: int,
+) -> None:
+    """Refuse, in one line each, what would make a server that cannot start or is unsafe."""
+    if not is_loopback(host) and not api_key:
+        raise GptkilnError(
+            f"--host {host} is reachable from other machines, so the server needs a key: pass "
+            "--api-key KEY (or set GPTKILN_API_KEY), or keep the default --host 127.0.0.1"
+        )
+    if not 1 <= port <= 65535:
+        raise GptkilnError(f"--port must be in [1, 65535], got {port}; try 8000")
+    if not 1 <= max_batch <= 256:
+        raise GptkilnError(f"--max-batch must be in [1, 256], got {max_batch}; try 8")
+    if max_queue < 0:
+        raise GptkilnError(f"--max-queue must be >= 0, got {max_queue}; try 64")
+    if max_body_bytes < 1024:
+        raise GptkilnError(f"--max-body-bytes must be >= 1024, got {max_body_bytes}")
+
+
+def serve(
+    run_dir: str | os.PathLike,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    api_key: str | None = None,
+    max_body_bytes: int = 1 << 20,
+    model_name: str | None = None,
+    device: str = "cpu",
+    log_level: str = "info",
+) -> None:
+    """Load the model of ``run_dir`` once and serve it until interrupted.
+
+    Args:
+        run_dir: a run directory or a Hugging Face GPT-2 directory.
+        host, port: where to listen; a host other than a loopback address needs ``api_key``.
+        max_batch: sequences decoded together (rows of the KV cache).
+        max_queue: sequences that may wait for a row; more are answered 429.
+        api_key: required as ``Authorization: Bearer KEY`` on every ``/v1/`` request.
+        max_body_bytes: larger request bodies are answered 413.
+        model_name: the id clients pass as ``model``; default: the directory's name.
+        device: where the model runs (``cpu``, ``cuda``, ``mps``).
+        log_level: uvicorn's; requests are not logged one by one (see ``/metrics``).
+    """
+    check_serve_options(
+        host=host,
+        port=port,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+    )
+    import uvicorn
+
+    from gptkiln.loading import load_run
+    from gptkiln.serve.app import create_app
+
+    model, tokenizer, _ = load_run(run_dir, device=device)
+    model.eval()
+    name = model_name or Path(run_dir).resolve().name
+    app = create_app(
+        model,
+        tokenizer,
+        model_name=name,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+    )
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    print(
+        f"gptkiln serve: {run_dir} as {name!r} (context {model.config.context_length}, "
+        f"{max_batch} sequences at once); playground {url}/, API {url}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)

@@ -1,0 +1,529 @@
+"""The HTTP routes: validate a request, hand its sequences to the batcher, shape the answer.
+
+``POST /v1/completions`` (OpenAI's legacy completions, streamed as server-sent events or whole),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus) and ``GET /`` (the
+playground page). Every error is OpenAI-shaped JSON (`schemas.OpenAIError`). The ASGI guard in
+front checks the API key and the body size before a route sees the request. No route reads or
+writes a file: the page is read from the package once, when the app is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib.resources
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from gptkiln.config import SampleConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT
+from gptkiln.serve.batcher import (
+    Batcher,
+    Done,
+    Failed,
+    PromptLogprobs,
+    QueueFull,
+    Sequence,
+    Token,
+    TokenLogprobs,
+)
+from gptkiln.serve.metrics import CONTENT_TYPE, ServeMetrics
+from gptkiln.serve.schemas import (
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    Choice,
+    Completion,
+    CompletionRequest,
+    Logprobs,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    Usage,
+    parse_request,
+)
+from gptkiln.tokenizers import encode_prompt
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+def create_app(
+    model: GPT,
+    tokenizer: Any,
+    *,
+    model_name: str,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    prefill_tokens: int = 512,
+) -> FastAPI:
+    """The server for one loaded model; uvicorn (or any ASGI server) runs it.
+
+    Args:
+        model: the GPT, in eval mode; the app's batcher owns it while the app runs.
+        tokenizer: the model's tokenizer.
+        model_name: the id clients give as ``model`` and `/v1/models` lists.
+        max_batch: sequences decoded together (KV-cache rows).
+        max_queue: sequences that may wait for a row; more get 429.
+        api_key: when set, every ``/v1/`` request needs ``Authorization: Bearer KEY`` (401).
+        max_body_bytes: larger request bodies get 413.
+        prefill_tokens: prompt tokens prefilled per decode step (see `Batcher`).
+    """
+    metrics: ServeMetrics
+    batcher = Batcher(
+        model,
+        tokenizer,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        prefill_tokens=prefill_tokens,
+        on_token=lambda first, seconds: metrics.token(first, seconds),
+    )
+    metrics = ServeMetrics(lambda: batcher.waiting, lambda: batcher.active)
+    page = (importlib.resources.files("gptkiln.serve") / "static" / "index.html").read_bytes()
+    created = int(time.time())
+    context = model.config.context_length
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(
+        title="gptkiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.batcher, app.state.metrics = batcher, metrics
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(OpenAIError(e.status_code, message).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception) -> JSONResponse:
+        error = OpenAIError(500, f"the server failed: {type(e).__name__}: {e}")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": model_name,
+            "api_key_required": api_key is not None,
+            "max_batch": max_batch,
+            "active": batcher.active,
+            "waiting": batcher.waiting,
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    card = ModelCard(id=model_name, created=created, context_length=context)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str) -> dict[str, Any]:
+        if name != model_name:
+            raise _unknown_model(name, model_name)
+        return card.model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = parse_request(CompletionRequest, await request.body())
+        if req.model is not None and req.model != model_name:
+            raise _unknown_model(req.model, model_name)
+        prompts = prompt_ids(req.prompt, tokenizer, model.config.vocab_size)
+        cfg = sample_config(req, [ids for _, ids in prompts], context)
+        queue: asyncio.Queue = asyncio.Queue()
+        seqs = [
+            Sequence(
+                ids,
+                _nth_sample(cfg, j),
+                queue,
+                index=i * req.n + j,
+                logprobs=req.logprobs,
+                prompt_logprobs=req.echo and req.logprobs is not None,
+            )
+            for i, (_, ids) in enumerate(prompts)
+            for j in range(req.n)
+        ]
+        if len(seqs) > max_batch + max_queue:
+            raise OpenAIError(
+                400,
+                f"this request asks for {len(seqs)} sequences (prompts x n); the server holds at "
+                f"most {max_batch + max_queue} (--max-batch + --max-queue): send fewer at once",
+                param="n",
+            )
+        try:
+            batcher.submit(seqs)
+        except QueueFull as e:
+            raise OpenAIError(
+                429, f"the server is busy: {e}; retry in a moment", code="queue_full"
+            ) from None
+        metrics.prompt_tokens.inc(sum(len(ids) for _, ids in prompts))
+        answer = Answer(req, prompts, tokenizer, model_name)
+        if req.stream:
+            return StreamingResponse(answer.stream(queue, seqs), media_type="text/event-stream")
+        whole = await answer.whole(queue, seqs, request)
+        if whole is None:  # the client went away: nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(whole)
+
+    return app
+
+
+def _unknown_model(name: str, served: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models)",
+        param="model",
+        code="model_not_found",
+    )
+
+
+# -- a request's values, checked ---------------------------------------------------------------
+def prompt_ids(prompt: Any, tokenizer: Any, vocab_size: int) -> list[tuple[str, list[int]]]:
+    """Each prompt as (its text, its ids): a string or a list of strings is encoded (an empty
+    string is the end-of-text token), a list of ids (or of lists) is taken as ids."""
+    if isinstance(prompt, list) and not prompt:
+        raise OpenAIError(400, "prompt is an empty list; give a string or token ids", "prompt")
+    many = isinstance(prompt, list) and not isinstance(prompt[0], int)
+    out = []
+    for i, item in enumerate(prompt if many else [prompt]):
+        where = f"prompt[{i}]" if many else "prompt"
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+                ids = encode_prompt(tokenizer, item)
+            except UnicodeEncodeError:
+                raise OpenAIError(
+                    400, f"{where} is not valid Unicode text (a lone surrogate)", "prompt"
+                ) from None
+            except GptkilnError as e:
+                raise OpenAIError(400, f"{where}: {e}", "prompt") from None
+            out.append((item, ids))
+            continue
+        if not item:
+            raise OpenAIError(400, f"{where} has no token ids; give at least one", "prompt")
+        bad = [t for t in item if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(
+                400,
+                f"{where} has token id {bad[0]}, outside the vocabulary 0..{vocab_size - 1}",
+                "prompt",
+            )
+        out.append((tokenizer.decode(item), list(item)))
+    return out
+
+
+def sample_config(req: CompletionRequest, prompts: list[list[int]], context: int) -> SampleConfig:
+    """The request's `SampleConfig`, once every prompt and its new tokens fit the context."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS or not all(stop):
+        raise OpenAIError(
+            400,
+            f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {len(stop)}: "
+            f"{json.dumps(stop)[:200]}",
+            "stop",
+        )
+    for name, value, allowed in (
+        ("suffix", req.suffix, None),
+        ("logit_bias", req.logit_bias, None),
+        ("best_of", req.best_of, req.n),
+    ):
+        if value and value != allowed:
+            raise OpenAIError(
+                400,
+                f"{name} is not supported by this server (got {json.dumps(value)[:80]}); "
+                "leave it out",
+                name,
+            )
+    longest = max(len(ids) for ids in prompts)
+    if longest > context:
+        raise OpenAIError(
+            400,
+            f"the prompt has {longest} tokens, more than the model's context of {context}; it "
+            "would have to be cropped, which this server does not do: shorten the prompt",
+            "prompt",
+            code="context_length_exceeded",
+        )
+    new = context - longest if req.max_tokens is None else req.max_tokens
+    if longest + new > context:
+        raise OpenAIError(
+            400,
+            f"the prompt's {longest} tokens plus max_tokens {new} exceed the model's context of "
+            f"{context}; lower max_tokens to at most {context - longest} or shorten the prompt",
+            "max_tokens",
+            code="context_length_exceeded",
+        )
+    try:
+        return SampleConfig(
+            max_new_tokens=new,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=tuple(stop),
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+        )
+    except GptkilnError as e:
+        raise OpenAIError(400, str(e)) from None
+
+
+def _nth_sample(cfg: SampleConfig, j: int) -> SampleConfig:
+    """The j-th sample of a prompt draws with seed + j: sample 0 is the prompt run alone."""
+    if cfg.seed is None or j == 0:
+        return cfg
+    return SampleConfig(**{**cfg.__dict__, "seed": (cfg.seed + j) % (MAX_SEED + 1)})
+
+
+# -- the answer --------------------------------------------------------------------------------
+class Answer:
+    """Turns a request's events into OpenAI's completion objects, whole or as chunks."""
+
+    def __init__(self, req: CompletionRequest, prompts, tokenizer: Any, model_name: str) -> None:
+        self.req, self.prompts, self.tokenizer = req, prompts, tokenizer
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model_name = model_name
+
+    def _completion(self, choices: list[Choice], usage: Usage | None = None) -> dict[str, Any]:
+        return Completion(
+            id=self.id,
+            created=self.created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+        ).model_dump(exclude_none=False)
+
+    def _prompt_of(self, index: int) -> tuple[str, list[int]]:
+        return self.prompts[index // self.req.n]
+
+    def _usage(self, completion_tokens: int) -> Usage:
+        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+    def _logprobs(
+        self, ids: list[int], scored: list[TokenLogprobs | None], offset: int = 0
+    ) -> Logprobs:
+        """OpenAI's logprobs object for tokens ``ids`` whose text starts at ``offset``."""
+        out = Logprobs()
+        for token, entry in zip(ids, scored):
+            text = self.tokenizer.decode([token])
+            out.tokens.append(text)
+            out.token_ids.append(token)
+            out.text_offset.append(offset)
+            offset += len(text)
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                out.top_token_ids.append(None)
+                continue
+            out.token_logprobs.append(entry.logprob)
+            top: dict[str, float] = {}
+            for alt, lp in entry.top:
+                top.setdefault(self.tokenizer.decode([alt]), lp)
+            out.top_logprobs.append(top)
+            out.top_token_ids.append([alt for alt, _ in entry.top])
+        return out
+
+    async def whole(self, queue: asyncio.Queue, seqs: list[Sequence], request: Request):
+        """Wait for every choice; a client that leaves cancels them (checked 4 times a second)."""
+        texts = {s.index: "" for s in seqs}
+        tokens: dict[int, list[tuple[int, TokenLogprobs | None]]] = {s.index: [] for s in seqs}
+        prompt_scores: dict[int, list[TokenLogprobs | None]] = {}
+        reasons: dict[int, str] = {}
+        used = 0
+        try:
+            while len(reasons) < len(seqs):
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return None
+                    continue
+                if isinstance(event, Failed):
+                    raise OpenAIError(500, event.message)
+                if isinstance(event, PromptLogprobs):
+                    prompt_scores[event.index] = event.entries
+                elif isinstance(event, Token):
+                    texts[event.index] += event.text
+                    tokens[event.index].append((event.id, event.logprobs))
+                elif isinstance(event, Done):
+                    texts[event.index] += event.text
+                    reasons[event.index] = event.reason
+                    used += event.tokens
+        finally:
+            for seq in seqs:
+                seq.cancelled = True  # a no-op for those done
+        choices = []
+        for seq in sorted(seqs, key=lambda s: s.index):
+            i = seq.index
+            prompt_text, prompt = self._prompt_of(i)
+            head = prompt_text if self.req.echo else ""
+            logprobs = None
+            if self.req.logprobs is not None:
+                ids = [t for t, _ in tokens[i]]
+                scored = [lp for _, lp in tokens[i]]
+                if self.req.echo:
+                    ids, scored = prompt + ids, prompt_scores.get(i, [None] * len(prompt)) + scored
+                logprobs = self._logprobs(ids, scored)
+            choices.append(
+                Choice(text=head + texts[i], index=i, logprobs=logprobs, finish_reason=reasons[i])
+            )
+        return self._completion(choices, self._usage(used))
+
+    async def stream(self, queue: asyncio.Queue, seqs: list[Sequence]) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per token (its text may be "" while held back), a last
+        chunk per choice with its finish_reason, the usage if asked, then ``[DONE]``. A client
+        that leaves closes this generator, which cancels the choices still running."""
+        left = len(seqs)
+        used = 0
+        offsets = {s.index: 0 for s in seqs}
+        try:
+            if self.req.echo:
+                for seq in seqs:
+                    text, _ = self._prompt_of(seq.index)
+                    offsets[seq.index] = len(text)
+                    if self.req.logprobs is None:
+                        yield self._chunk(Choice(text=text, index=seq.index))
+            while left:
+                event = await queue.get()
+                if isinstance(event, Failed):
+                    yield _sse(OpenAIError(500, event.message).body())
+                    return
+                if isinstance(event, PromptLogprobs):
+                    text, prompt = self._prompt_of(event.index)
+                    lp = self._logprobs(prompt, event.entries)
+                    yield self._chunk(Choice(text=text, index=event.index, logprobs=lp))
+                elif isinstance(event, Token):
+                    lp = None
+                    if event.logprobs is not None:
+                        lp = self._logprobs([event.id], [event.logprobs], offsets[event.index])
+                    offsets[event.index] += len(event.text)
+                    yield self._chunk(Choice(text=event.text, index=event.index, logprobs=lp))
+                elif isinstance(event, Done):
+                    left -= 1
+                    used += event.tokens
+                    choice = Choice(text=event.text, index=event.index, finish_reason=event.reason)
+                    yield self._chunk(choice)
+            options = self.req.stream_options
+            if options is not None and options.include_usage:
+                yield _sse(self._completion([], self._usage(used)))
+            yield "data: [DONE]\n\n"
+        finally:
+            for seq in seqs:
+                seq.cancelled = True
+
+    def _chunk(self, choice: Choice) -> str:
+        return _sse(self._completion([choice]))
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# -- the guard in front: key, body size, request counts ---------------------------------------
+class Guard:
+    """ASGI middleware: counts every answer by route and status; asks ``/v1/`` requests for the
+    API key (401); reads the body up to ``max_body_bytes`` (413 beyond) and hands it on."""
+
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, metrics: ServeMetrics):
+        self.app, self.api_key, self.limit, self.metrics = app, api_key, max_body_bytes, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+
+        async def counted_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.answered(path, message["status"])
+            await send(message)
+
+        if self.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
+            error = OpenAIError(
+                401,
+                "a valid API key is required: send the header 'Authorization: Bearer KEY' "
+                "with the key the server was started with (--api-key)",
+                code="invalid_api_key",
+            )
+            return await _reply(error, scope, receive, counted_send)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"").decode("latin-1")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await _reply(self._too_large(), scope, receive, counted_send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                return await _reply(self._too_large(), scope, receive, counted_send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        started = False
+
+        async def tracked_send(message) -> None:
+            nonlocal started
+            started = True
+            await counted_send(message)
+
+        try:
+            await self.app(scope, replay, tracked_send)
+        except Exception:  # Starlette's outermost layer answers 500 and logs it
+            if not started:
+                self.metrics.answered(path, 500)
+            raise
+
+    def _authorized(self, scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        expected = b"Bearer " + self.api_key.encode("utf-8")
+        return hmac.compare_digest(given, expected)
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(
+            413,
+            f"the request body is over {self.limit:,} bytes (--max-body-bytes); send a smaller one",
+            code="request_too_large",
+        )
+
+
+async def _reply(error: OpenAIError, scope, receive, send) -> None:
+    await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)

@@ -1,0 +1,389 @@
+"""Continuous batching: concurrent requests share one model, each in a row (a slot) of one
+static KV cache.
+
+One decode loop, an asyncio task, owns the model. Request handlers only `submit` sequences and
+read their events from an `asyncio.Queue`; the loop runs every forward pass in one worker thread
+(so the event loop keeps answering), and no other code touches the model or its cache.
+
+Each iteration of the loop:
+
+1. drops the sequences whose client went away (their slots are free again);
+2. admits waiting sequences into free slots, oldest first, while the prompts to prefill stay
+   within ``prefill_tokens`` (at least one a step, so a long prompt is never starved);
+3. in the worker: prefills each admitted prompt into its own cache row (the other rows keep
+   what they hold) and samples its first token; then one decode step feeds every active row its
+   last token at its own position (`GPT.forward` with a (B,) ``start_pos``) and samples each
+   row's next token;
+4. hands each sequence its events: a token (the text it made final, its log-probabilities),
+   and at the end the reason (``stop`` or ``length``).
+
+A row's next token comes from `gptkiln.sampling`'s functions (`apply_penalties`,
+`sample_rows`) on that row's logits with that row's own generator, and its text from a
+`TextStream`, exactly as `generate_stream` does for a batch of one: what a request gets does not
+depend on what else is in the batch, and equals what ``gptkiln generate`` prints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gptkiln.config import SampleConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.kernels import tune_decoding
+from gptkiln.model import GPT
+from gptkiln.sampling import TextStream, apply_penalties, sample_rows
+
+
+class QueueFull(Exception):
+    """The waiting queue has no room for a request's sequences (the server answers 429)."""
+
+
+# -- what a sequence hears back ----------------------------------------------------------------
+@dataclass
+class TokenLogprobs:
+    """The log-probability of a chosen token and its ``k`` most likely alternatives."""
+
+    logprob: float
+    top: list[tuple[int, float]]  # (id, log-probability), most likely first
+
+
+@dataclass
+class Token:
+    """A new token of choice ``index``; ``text`` is the text it made final ("" while a
+    character or a possible stop string is incomplete)."""
+
+    index: int
+    id: int
+    text: str
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's tokens scored (echo with logprobs): None for the first, which has no
+    context."""
+
+    index: int
+    entries: list[TokenLogprobs | None]
+
+
+@dataclass
+class Done:
+    """Choice ``index`` ended: ``text`` is what was still held back, ``tokens`` how many it
+    generated, ``reason`` ``"stop"`` (end-of-text or a stop string) or ``"length"``."""
+
+    index: int
+    reason: str
+    text: str
+    tokens: int
+
+
+@dataclass
+class Failed:
+    """Choice ``index`` could not be finished (the model failed, or the server is closing)."""
+
+    index: int
+    message: str
+
+
+Event = Token | PromptLogprobs | Done | Failed
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice to generate.
+
+    Attributes:
+        prompt: its token ids (prompt plus ``cfg.max_new_tokens`` must fit the context).
+        cfg: how its tokens are chosen and when it ends (seed, stop strings, penalties).
+        events: where its `Token`, `PromptLogprobs`, `Done` or `Failed` events go (a request's
+            choices may share one queue).
+        index: the choice's index in its request.
+        logprobs: how many alternatives to report with each token (None: no log-probabilities).
+        prompt_logprobs: also score the prompt's tokens.
+        cancelled: set by the handler when its client went away; the slot is freed at the next
+            step.
+    """
+
+    prompt: list[int]
+    cfg: SampleConfig
+    events: asyncio.Queue
+    index: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
+class _Slot:
+    """A sequence in a cache row: its position, its generator, its counts and its text."""
+
+    row: int
+    seq: Sequence
+    stream: TextStream
+    generator: torch.Generator | None
+    counts: torch.Tensor | None  # (1, V) tokens generated so far, for the penalties
+    pos: int = 0  # tokens in the cache
+    token: int = 0  # the last token chosen, fed at the next decode step
+    generated: int = 0
+    done: bool = False
+
+
+class Batcher:
+    """Slots of ``max_batch`` rows over one static KV cache, filled from a bounded queue.
+
+    Args:
+        model: the GPT (eval mode); the batcher owns it from `start` on.
+        tokenizer: gives ``decode`` and ``eot_id`` (end-of-text ends a sequence).
+        max_batch: cache rows: how many sequences decode together.
+        max_queue: sequences that may wait for a slot; `submit` refuses more (`QueueFull`).
+        prefill_tokens: prompt tokens prefilled per step (at least one prompt a step).
+        on_token: called on the event loop for each token handed out, with (whether it is its
+            sequence's first, seconds since the previous one or since the sequence was
+            submitted), for metrics.
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        tokenizer: Any,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        prefill_tokens: int = 512,
+        on_token=None,
+    ) -> None:
+        if max_batch < 1 or max_queue < 0 or prefill_tokens < 1:
+            raise GptkilnError(
+                f"max_batch must be >= 1, max_queue >= 0 and prefill_tokens >= 1; got "
+                f"{max_batch}, {max_queue} and {prefill_tokens}"
+            )
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_queue, self.prefill_tokens = max_batch, max_queue, prefill_tokens
+        self.context_length = model.config.context_length
+        self.device = model.wte.weight.device
+        self.on_token = on_token
+        self.steps = 0  # decode steps run, for tests and metrics
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._slots: dict[int, _Slot] = {}  # row -> slot
+        self._last_token_at: dict[Sequence, float] = {}
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="gptkiln-decode")
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self._buckets = sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
+
+    # -- the handlers' side (event loop) -------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._slots)
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue a request's sequences together, or refuse them all when the queue is full."""
+        if self._closing:
+            raise QueueFull("the server is shutting down")
+        for seq in seqs:
+            if len(seq.prompt) + seq.cfg.max_new_tokens > self.context_length or not seq.prompt:
+                raise GptkilnError(
+                    f"a sequence needs 1 to {self.context_length} positions, prompt and new "
+                    f"tokens; got {len(seq.prompt)} + {seq.cfg.max_new_tokens}"
+                )
+        if len(self._waiting) + len(seqs) > self.max_queue + self._free_rows():
+            raise QueueFull(
+                f"{len(self._waiting)} sequences are waiting (at most {self.max_queue})"
+            )
+        self._waiting.extend(seqs)
+        self._wake.set()
+
+    async def start(self) -> None:
+        """Allocate the cache, time the decoding kernels for every batch size it will use, and
+        start the decode loop."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._prepare)
+        self._task = asyncio.create_task(self._run(), name="gptkiln-decode-loop")
+
+    async def stop(self) -> None:
+        """End the loop; sequences still queued or decoding get `Failed`."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        for slot in list(self._slots.values()):
+            self._fail(slot.seq, "the server is shutting down")
+        while self._waiting:
+            self._fail(self._waiting.popleft(), "the server is shutting down")
+        self._slots.clear()
+        self._executor.shutdown(wait=True)
+        self.model.clear_cache()
+
+    # -- the decode loop (event loop) ------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            self._drop_cancelled()
+            if not self._slots and not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            admitted = self._admit()
+            try:
+                events = await loop.run_in_executor(self._executor, self._step, admitted)
+            except Exception as e:  # a failed forward ends the sequences in it, not the server
+                for slot in [*self._slots.values(), *admitted]:
+                    self._fail(slot.seq, f"generation failed: {type(e).__name__}: {e}")
+                self._slots.clear()
+                continue
+            self._deliver(events)
+
+    def _free_rows(self) -> int:
+        return self.max_batch - len(self._slots)
+
+    def _drop_cancelled(self) -> None:
+        for row, slot in list(self._slots.items()):
+            if slot.seq.cancelled:
+                del self._slots[row]
+                self._last_token_at.pop(slot.seq, None)
+        if any(seq.cancelled for seq in self._waiting):
+            self._waiting = collections.deque(s for s in self._waiting if not s.cancelled)
+
+    def _admit(self) -> list[_Slot]:
+        """Move waiting sequences into free rows (lowest first) within the prefill budget."""
+        admitted: list[_Slot] = []
+        budget = self.prefill_tokens
+        free = sorted(set(range(self.max_batch)) - set(self._slots))
+        while self._waiting and free and (not admitted or len(self._waiting[0].prompt) <= budget):
+            seq = self._waiting.popleft()
+            budget -= len(seq.prompt)
+            slot = self._new_slot(free.pop(0), seq)
+            self._slots[slot.row] = slot
+            admitted.append(slot)
+        return admitted
+
+    def _new_slot(self, row: int, seq: Sequence) -> _Slot:
+        cfg = seq.cfg
+        end = self.tokenizer.eot_id if cfg.stop_at_eos else None
+        generator = None
+        if cfg.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        counts = None
+        if cfg.presence_penalty or cfg.frequency_penalty:
+            counts = torch.zeros(1, self.model.config.vocab_size, device=self.device)
+        return _Slot(row, seq, TextStream(self.tokenizer.decode, cfg.stop, end), generator, counts)
+
+    def _deliver(self, events: list[tuple[Sequence, Event]]) -> None:
+        now = time.perf_counter()
+        for seq, event in events:
+            if isinstance(event, Token) and self.on_token is not None:
+                last = self._last_token_at.get(seq)
+                self.on_token(last is None, now - (seq.submitted if last is None else last))
+                self._last_token_at[seq] = now
+            if isinstance(event, (Done, Failed)):
+                self._last_token_at.pop(seq, None)
+            seq.events.put_nowait(event)
+        for row, slot in list(self._slots.items()):
+            if slot.done:
+                del self._slots[row]
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        self._last_token_at.pop(seq, None)
+        seq.events.put_nowait(Failed(seq.index, message))
+
+    # -- the worker thread: the only code that runs the model ----------------------------------
+    def _prepare(self) -> None:
+        self.model.setup_cache(self.max_batch, self.context_length)
+        for rows in self._buckets:
+            tune_decoding(self.model, rows=rows)
+
+    @torch.inference_mode()
+    def _step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
+        events: list[tuple[Sequence, Event]] = []
+        for slot in admitted:
+            events += self._prefill(slot)
+        going = [s for s in self._slots.values() if not s.done]
+        if going:
+            events += self._decode(going)
+        self.steps += 1
+        return events
+
+    def _prefill(self, slot: _Slot) -> list[tuple[Sequence, Event]]:
+        seq = slot.seq
+        idx = torch.tensor([seq.prompt], device=self.device)  # (1, T)
+        rows = slice(slot.row, slot.row + 1)
+        logits = self.model(idx, start_pos=0, last_only=not seq.prompt_logprobs, rows=rows)
+        slot.pos = len(seq.prompt)
+        events: list[tuple[Sequence, Event]] = []
+        if seq.prompt_logprobs:
+            events.append((seq, PromptLogprobs(seq.index, self._score_prompt(seq, logits))))
+        if seq.cfg.max_new_tokens == 0:
+            slot.done = True
+            return events + [(seq, Done(seq.index, "length", "", 0))]
+        return events + self._choose(slot, logits[:, -1, :])
+
+    def _decode(self, slots: list[_Slot]) -> list[tuple[Sequence, Event]]:
+        """One token for every active row, each at its own position; empty rows below the
+        highest active one (and up to the tuned batch size) compute a throwaway token."""
+        n = next(b for b in self._buckets if b > max(s.row for s in slots))
+        tokens = torch.zeros(n, 1, dtype=torch.long)
+        positions = torch.zeros(n, dtype=torch.long)
+        for slot in slots:
+            tokens[slot.row, 0] = slot.token
+            positions[slot.row] = slot.pos
+        logits = self.model(tokens.to(self.device), start_pos=positions, last_only=True)
+        events: list[tuple[Sequence, Event]] = []
+        for slot in slots:
+            slot.pos += 1
+            events += self._choose(slot, logits[slot.row : slot.row + 1, -1, :])
+        return events
+
+    def _choose(self, slot: _Slot, logits: torch.Tensor) -> list[tuple[Sequence, Event]]:
+        """The next token of one row from its logits (1, V), as `generate_stream` picks it."""
+        cfg, seq = slot.seq.cfg, slot.seq
+        raw = logits
+        if slot.counts is not None:
+            presence, frequency = cfg.presence_penalty, cfg.frequency_penalty
+            logits = apply_penalties(logits, slot.counts, presence, frequency)
+        generators = None if slot.generator is None else [slot.generator]
+        token = int(sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, generators)[0])
+        if slot.counts is not None:
+            slot.counts[0, token] += 1
+        slot.token = token
+        slot.generated += 1
+        scored = _logprobs(raw[0], token, seq.logprobs) if seq.logprobs is not None else None
+        events: list[tuple[Sequence, Event]] = [
+            (seq, Token(seq.index, token, slot.stream.push(token), scored))
+        ]
+        if slot.stream.done or slot.generated == cfg.max_new_tokens:
+            slot.done = True
+            tail = slot.stream.flush()
+            reason = slot.stream.finish_reason
+            events.append((seq, Done(seq.index, reason, tail, slot.generated)))
+        return events
+
+    def _score_prompt(self, seq: Sequence, logits: torch.Tensor) -> list[TokenLogprobs | None]:
+        """Each prompt token's log-probability given the tokens before it; logits (1, T, V)."""
+        k = seq.logprobs or 0
+        entries: list[TokenLogprobs | None] = [None]
+        for t, token in enumerate(seq.prompt[1:]):
+            entries.append(_logprobs(logits[0, t], token, k))
+        return entries
+
+
+def _logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The model's own log-probabilities (before temperature, penalties and filters) of
+    ``token`` and of the ``k`` most likely tokens, from one row of logits (V,)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logp, k) if k else None
+    pairs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+    return TokenLogprobs(float(logp[token]), pairs)

@@ -1,0 +1,141 @@
+"""The playground page in a real headless Chromium (Debian's chromium and chromium-driver):
+type a prompt, Generate, and the page shows exactly the greedy text; Stop ends a stream."""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from serving import ServerThread
+
+from gptkiln.api import generate_text
+from gptkiln.checkpoint import save_model
+from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.loading import load_run
+from gptkiln.model import GPT
+from gptkiln.serve.app import create_app
+from gptkiln.tokenizers import build_char_tokenizer
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny char-level model (random weights, no end-of-text: it writes all it is asked for)
+    with a long context, so a stream lasts long enough to be stopped."""
+    torch.manual_seed(0)
+    tokenizer = build_char_tokenizer([TEXT], with_eot=False)
+    config = GPTConfig.from_name(
+        "tiny", vocab_size=tokenizer.vocab_size, context_length=1024, tie_embeddings=False
+    )
+    return save_model(GPT(config), tmp_path_factory.mktemp("run") / "bard", tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def url(run_dir):
+    model, tokenizer, _ = load_run(run_dir)
+    with ServerThread(create_app(model, tokenizer, model_name="bard")) as url:
+        yield url
+
+
+@pytest.fixture
+def browser(tmp_path):
+    if not (Path(CHROMIUM).is_file() and Path(CHROMEDRIVER).is_file()):
+        pytest.skip(
+            f"no headless browser here ({CHROMIUM}, {CHROMEDRIVER}): "
+            "apt-get install chromium chromium-driver (.ci/run does)"
+        )
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in [*FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,900"]:
+        options.add_argument(flag)
+    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager: never look online
+    driver = webdriver.Chrome(
+        options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER)
+    )
+    yield driver
+    driver.quit()
+
+
+def wait_for(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def fill(driver, element_id: str, value: str) -> None:
+    field = driver.find_element("id", element_id)
+    field.clear()
+    field.send_keys(value)
+
+
+def state(driver) -> str:
+    return driver.find_element("id", "status").get_attribute("data-state")
+
+
+def test_the_page_streams_exactly_the_greedy_text(browser, url, run_dir, tmp_path):
+    prompt = "whether 'tis nobler"
+    greedy = generate_text(run_dir, prompt, SampleConfig(max_new_tokens=60, temperature=0))
+    browser.get(url)
+    wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
+    fill(browser, "prompt", prompt)
+    fill(browser, "max-tokens", "60")
+    fill(browser, "temperature", "0")
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) == "done")
+    shown = browser.find_element("id", "completion").get_property("textContent")
+    assert shown == greedy[len(prompt) :]
+    assert browser.find_element("id", "output-prompt").get_property("textContent") == prompt
+    assert browser.find_element("id", "tokens").text == "60"
+    assert float(browser.find_element("id", "rate").text) > 0
+    assert browser.find_element("id", "error").text == ""
+    browser.save_screenshot(str(tmp_path / "playground.png"))
+
+    browser.set_window_size(390, 844)  # a phone
+    width = browser.execute_script("return document.documentElement.scrollWidth")
+    assert width <= browser.execute_script("return window.innerWidth")  # no sideways scroll
+    assert browser.find_element("id", "generate").is_displayed()
+    browser.save_screenshot(str(tmp_path / "playground-phone.png"))
+    print(f"screenshots: {tmp_path / 'playground.png'}, {tmp_path / 'playground-phone.png'}")
+
+
+def test_stop_ends_a_stream_and_frees_its_row(browser, url):
+    import httpx
+
+    browser.get(url)
+    fill(browser, "prompt", "To be")
+    fill(browser, "max-tokens", "1000")
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: int(browser.find_element("id", "tokens").text or 0) > 5)
+    browser.find_element("id", "stop").click()
+    wait_for(lambda: state(browser) == "stopped")
+    assert int(browser.find_element("id", "tokens").text) < 1000
+    wait_for(lambda: httpx.get(f"{url}/health").json()["active"] == 0, timeout=10)
+
+
+def test_an_error_is_shown_on_the_page(browser, url):
+    browser.get(url)
+    fill(browser, "prompt", "To be")
+    fill(browser, "temperature", "5")
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) == "error")
+    assert "temperature" in browser.find_element("id", "error").text

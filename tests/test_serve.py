@@ -1,0 +1,379 @@
+"""gptkiln serve over real HTTP: the official openai client, raw bad requests, batching equal to
+generate, metrics, the key, the body limit, the queue and a client that leaves."""
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from serving import ServerThread
+
+from gptkiln.api import generate_text
+from gptkiln.checkpoint import save_model
+from gptkiln.cli import main as cli_main
+from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.loading import load_run
+from gptkiln.model import GPT
+from gptkiln.serve import check_serve_options, is_loopback
+from gptkiln.serve.app import create_app
+from gptkiln.tokenizers import load_tokenizer
+
+NAME = "tiny-run"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny untied GPT-2-tokenizer model saved as a run (random weights)."""
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer("gpt2")
+    config = GPTConfig.from_name(
+        "tiny", vocab_size=tokenizer.vocab_size, context_length=64, tie_embeddings=False
+    )
+    return save_model(GPT(config), tmp_path_factory.mktemp("run") / NAME, tokenizer=tokenizer)
+
+
+def make_app(run_dir, **options):
+    model, tokenizer, _ = load_run(run_dir)
+    return create_app(model.eval(), tokenizer, model_name=NAME, **options)
+
+
+@pytest.fixture(scope="module")
+def url(run_dir):
+    with ServerThread(make_app(run_dir, max_batch=4, max_queue=8)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def expected(run_dir, prompt, **cfg) -> str:
+    """What `gptkiln generate` (its library function) writes after the prompt."""
+    return generate_text(run_dir, prompt, SampleConfig(**cfg))[len(prompt) :]
+
+
+# -- the official client -----------------------------------------------------------------------
+def test_openai_client_completion_is_the_greedy_text(client, run_dir):
+    r = client.completions.create(model=NAME, prompt="Hello, I am", max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.model == NAME
+    assert r.choices[0].text == expected(run_dir, "Hello, I am", max_new_tokens=12, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == 16
+
+
+def test_openai_client_streams_the_same_text(client, run_dir):
+    chunks = list(
+        client.completions.create(
+            model=NAME,
+            prompt="The sky",
+            max_tokens=10,
+            temperature=0.9,
+            seed=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected(run_dir, "The sky", max_new_tokens=10, temperature=0.9, seed=5)
+    token_chunks = [c for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    assert len(token_chunks) == 10  # one chunk a token
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_openai_client_sees_errors_as_its_exceptions(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in e.value.message
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-4", prompt="x")
+    assert client.models.list().data[0].id == NAME
+    assert client.models.list().data[0].model_extra["context_length"] == 64
+
+
+def test_stop_strings_n_seeds_echo_and_logprobs(client, run_dir):
+    free = expected(run_dir, "Once", max_new_tokens=12, temperature=0)
+    stop = free[4:7]
+    r = client.completions.create(
+        model=NAME, prompt="Once", max_tokens=12, temperature=0, stop=[stop, "never-seen"]
+    )
+    assert r.choices[0].text == free[: free.index(stop)] and r.choices[0].finish_reason == "stop"
+
+    r = client.completions.create(
+        model=NAME, prompt=["Once", "Twice"], max_tokens=6, temperature=1.0, seed=11, n=2
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:  # the j-th sample of a prompt is drawn with seed + j
+        prompt = ["Once", "Twice"][c.index // 2]
+        seed = 11 + c.index % 2
+        assert c.text == expected(run_dir, prompt, max_new_tokens=6, temperature=1.0, seed=seed)
+    tokenizer = load_tokenizer("gpt2")
+    prompt_tokens = len(tokenizer.encode("Once")) + len(tokenizer.encode("Twice"))  # once each
+    assert r.usage.prompt_tokens == prompt_tokens and r.usage.completion_tokens == 24
+
+    r = client.completions.create(
+        model=NAME, prompt="Once upon", max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("Once upon")
+    assert len(lp.tokens) == 2 + 3 and lp.token_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[:2] == [0, 4]
+    # the chosen greedy token is the most likely one
+    assert all(
+        ids[0] == t
+        for ids, t in zip(lp.model_extra["top_token_ids"][2:], lp.model_extra["token_ids"][2:])
+    )
+
+
+def test_a_prompt_of_token_ids_and_an_empty_prompt(client, url, run_dir):
+    tokenizer = load_tokenizer("gpt2")
+    ids = tokenizer.encode("Hello, I am")
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=5, temperature=0)
+    assert r.choices[0].text == expected(run_dir, "Hello, I am", max_new_tokens=5, temperature=0)
+    r = client.completions.create(model=NAME, prompt="", max_tokens=5, temperature=0)
+    assert r.choices[0].text == expected(run_dir, "", max_new_tokens=5, temperature=0)
+
+
+# -- batching over HTTP equals generate --------------------------------------------------------
+def test_concurrent_staggered_requests_equal_generate_alone(url, run_dir):
+    cases = [
+        ("Hello, I am", dict(max_tokens=20, temperature=0)),
+        ("A", dict(max_tokens=7, temperature=0)),
+        (
+            "In the beginning there was a long prompt, longer than the others",
+            dict(max_tokens=12, temperature=0.8, seed=3),
+        ),
+        ("Why", dict(max_tokens=16, temperature=1.0, top_k=50, seed=9, frequency_penalty=1.0)),
+        ("Zebra", dict(max_tokens=9, temperature=1.0, top_p=0.9, seed=0)),
+    ]
+
+    def ask(i):
+        time.sleep(0.01 * i)  # arrive while the others decode
+        prompt, options = cases[i]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, **options}, timeout=60)
+        return r.json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        texts = list(pool.map(ask, range(len(cases))))
+    for (prompt, o), text in zip(cases, texts):
+        cfg = dict(
+            max_new_tokens=o["max_tokens"],
+            temperature=o["temperature"],
+            top_k=o.get("top_k"),
+            top_p=o.get("top_p"),
+            seed=o.get("seed"),
+            frequency_penalty=o.get("frequency_penalty", 0.0),
+        )
+        assert text == expected(run_dir, prompt, **cfg), prompt
+
+
+def test_the_server_prints_what_gptkiln_generate_prints(client, run_dir, capfd):
+    r = client.completions.create(
+        model=NAME, prompt="Hello, I am", max_tokens=8, temperature=0.7, seed=4
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptkiln",
+            "generate",
+            str(run_dir),
+            "--prompt",
+            "Hello, I am",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0.7",
+            "--seed",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "Hello, I am" + r.choices[0].text + "\n"
+
+
+# -- the other routes --------------------------------------------------------------------------
+def test_health_models_metrics_and_the_page(url, client):
+    client.completions.create(model=NAME, prompt="Hi", max_tokens=3, temperature=0)
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["data"][0] == {**models["data"][0], "id": NAME, "context_length": 64}
+    metrics = httpx.get(f"{url}/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    for name in (
+        "gptkiln_requests_total",
+        "gptkiln_generated_tokens_total",
+        "gptkiln_queue_length",
+        "gptkiln_time_to_first_token_seconds_bucket",
+        "gptkiln_inter_token_latency_seconds_count",
+    ):
+        assert name in text
+    ok = [
+        line
+        for line in text.splitlines()
+        if line.startswith('gptkiln_requests_total{route="/v1/completions",status="200"}')
+    ]
+    assert ok and float(ok[0].split()[-1]) >= 1
+    page = httpx.get(url)
+    assert page.status_code == 200 and "<title>gptkiln playground</title>" in page.text
+    assert "http://" not in page.text and "https://" not in page.text  # nothing from a CDN
+
+
+# -- bad input: a clean 4xx each, and the server still answers ---------------------------------
+BAD = [
+    ("not json", b"{prompt: 1", 400, None),
+    ("invalid UTF-8 bytes", b'{"prompt": "\xff\xfe"}', 400, None),
+    ("a JSON array", b"[1, 2]", 400, None),
+    ("missing prompt", {"max_tokens": 5}, 400, "prompt"),
+    ("prompt a number", {"prompt": 5}, 400, "prompt"),
+    ("prompt a mixed list", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("prompt an empty list", {"prompt": []}, 400, "prompt"),
+    ("token id out of range", {"prompt": [1, 99999999]}, 400, "prompt"),
+    ("negative token id", {"prompt": [-1]}, 400, "prompt"),
+    ("lone surrogate", b'{"prompt": "\\ud800"}', 400, None),  # not JSON text: no field
+    ("100k characters", {"prompt": "word " * 20000}, 400, "prompt"),
+    ("max_tokens a string", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("max_tokens negative", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens huge", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("max_tokens a float", {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
+    ("max_tokens a bool", {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ("temperature < 0", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("temperature a string", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("top_p 0", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top_p > 1", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("top_k 0", {"prompt": "x", "top_k": 0}, 400, "top_k"),
+    ("5 stop strings", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("an empty stop string", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("stop a number", {"prompt": "x", "stop": 3}, 400, "stop"),
+    ("seed negative", {"prompt": "x", "seed": -3}, 400, "seed"),
+    ("seed over 2**63", {"prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("penalty out of range", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("n 0", {"prompt": "x", "n": 0}, 400, "n"),
+    ("n too many", {"prompt": "x", "n": 1000}, 400, "n"),
+    ("logprobs too many", {"prompt": "x", "logprobs": 1000}, 400, "logprobs"),
+    ("echo a string", {"prompt": "x", "echo": "yes"}, 400, "echo"),
+    ("an unknown field", {"prompt": "x", "temprature": 0.5}, 400, "temprature"),
+    ("suffix", {"prompt": "x", "suffix": "!"}, 400, "suffix"),
+    ("logit_bias", {"prompt": "x", "logit_bias": {"50256": -100}}, 400, "logit_bias"),
+    ("best_of other than n", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("unknown stream option", {"prompt": "x", "stream_options": {"x": 1}}, 400, "stream_options.x"),
+    ("an unknown model", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_is_a_clean_4xx_naming_the_field(url, body, status, param):
+    if isinstance(body, bytes):
+        r = httpx.post(
+            f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
+    else:
+        r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    if param:
+        assert param.split(".")[-1] in error["message"]
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_other_methods_and_paths_are_openai_shaped_4xx(url):
+    for r in (
+        httpx.get(f"{url}/v1/completions"),
+        httpx.post(f"{url}/v1/nothing", json={}),
+        httpx.get(f"{url}/v1/models/other"),
+    ):
+        assert r.status_code in (404, 405) and "message" in r.json()["error"]
+
+
+def test_a_body_over_the_limit_is_413(url):
+    big = json.dumps({"prompt": "x" * (2 << 20)})
+    r = httpx.post(
+        f"{url}/v1/completions", content=big, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no content-length: counted as it arrives
+        for _ in range(40):
+            yield b"x" * 65536
+
+    r = httpx.post(f"{url}/v1/completions", content=chunks())
+    assert r.status_code == 413
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_the_api_key_is_required_when_set(run_dir):
+    with ServerThread(make_app(run_dir, api_key="s3cret")) as url:
+        body = {"prompt": "Hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.get(f"{url}/v1/models")
+        assert r.status_code == 401
+        keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert keyed.completions.create(model=NAME, prompt="Hi", max_tokens=2).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+        assert httpx.get(f"{url}/health").json()["api_key_required"] is True
+        assert httpx.get(url).status_code == 200  # the page itself is public; it asks for the key
+
+
+def test_a_full_queue_is_429_and_a_client_that_leaves_frees_its_slot(tmp_path):
+    # A model with a long context, so one request decodes for a while.
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer("gpt2")
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=1024)
+    run = save_model(GPT(config), tmp_path / "long", tokenizer=tokenizer)
+    with ServerThread(make_app(run, max_batch=1, max_queue=0)) as url:
+        long = {"prompt": "a", "max_tokens": 1000, "temperature": 1.0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # its first token: it holds the one row
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "b", "max_tokens": 2})
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        # the stream was closed after one token: its row is free again at the next step
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").json()["active"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "b", "max_tokens": 2})
+        assert r.status_code == 200
+        metrics = httpx.get(f"{url}/metrics").text
+        generated = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("gptkiln_generated_tokens_total")
+        ]
+        assert float(generated[0].split()[-1]) < 500  # the left stream stopped early
+        assert 'status="429"' in metrics
+
+
+# -- options -----------------------------------------------------------------------------------
+def test_a_non_loopback_host_needs_a_key(capsys):
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
+    options = dict(port=8000, max_batch=8, max_queue=64, max_body_bytes=1 << 20)
+    check_serve_options(host="0.0.0.0", api_key="k", **options)
+    assert cli_main(["serve", "runs/none", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--api-key" in err
+    assert cli_main(["serve", "runs/none", "--max-batch", "0"]) == 2
+    assert "--max-batch" in capsys.readouterr().err
+    assert cli_main(["serve", "runs/none"]) == 2  # no such run: one line, before any server
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,247 @@
+"""Continuous batching: cache rows at their own positions, and a request's tokens not depending
+on what else is in the batch (greedy, seeded, penalties, stop strings, staggered arrivals)."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.model import GPT
+from gptkiln.sampling import TextStream, generate
+from gptkiln.serve.batcher import Batcher, Done, PromptLogprobs, QueueFull, Sequence, Token
+from gptkiln.tokenizers import build_char_tokenizer
+
+TEXT = "the quick brown fox jumps over the lazy dog. " * 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer([TEXT], with_eot=False)  # no end-of-text: rows run their length
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer) -> GPT:
+    # Untied, as in test_sampling: a fresh tied model's greedy output repeats the last token.
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(
+        "tiny", vocab_size=tokenizer.vocab_size, context_length=48, tie_embeddings=False
+    )
+    return GPT(config).eval()
+
+
+# -- the model: rows of one cache, each at its own position ------------------------------------
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+def test_a_rows_logits_equal_its_sequence_run_alone(model, attention):
+    import dataclasses
+
+    m = GPT(dataclasses.replace(model.config, attention=attention)).eval()
+    m.load_state_dict(model.state_dict())
+    seqs = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7], [10, 11, 12, 13, 14]]
+    rows = [2, 0, 3]  # not in order, and row 1 left empty
+    with torch.no_grad():
+        m.setup_cache(4, 24)
+        prefilled = []
+        for seq, row in zip(seqs, rows):  # one prompt at a time into its own row
+            prefilled.append(m(torch.tensor([seq[:-2]]), start_pos=0, rows=slice(row, row + 1)))
+        # two decode steps feed every row one token at its own position; row 1 holds nothing
+        steps = []
+        for k in (2, 1):
+            idx = torch.zeros(4, 1, dtype=torch.long)
+            pos = torch.zeros(4, dtype=torch.long)
+            for seq, row in zip(seqs, rows):
+                idx[row, 0], pos[row] = seq[-k], len(seq) - k
+            steps.append(m(idx, start_pos=pos))  # (4, 1, V)
+        # and rows picked by an index tensor: the same logits
+        again = m(
+            torch.tensor([[seqs[0][-1]]]),
+            start_pos=torch.tensor([len(seqs[0]) - 1]),
+            rows=torch.tensor([rows[0]]),
+        )
+        m.clear_cache()
+        for i, (seq, row) in enumerate(zip(seqs, rows)):
+            alone = m(torch.tensor([seq]))[0]  # (T, V), no cache
+            torch.testing.assert_close(prefilled[i][0], alone[:-2], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(steps[0][row, 0], alone[-2], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(steps[1][row, 0], alone[-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(again[0, 0], steps[1][rows[0], 0])
+
+
+def test_per_row_positions_refuse_a_left_padded_cache(model):
+    with torch.no_grad():
+        model.setup_cache(2, 8, torch.tensor([1, 0]))
+        try:
+            with pytest.raises(ValueError, match="left padding"):
+                model(torch.tensor([[1], [2]]), start_pos=torch.tensor([3, 4]))
+        finally:
+            model.clear_cache()
+
+
+# -- the batcher -------------------------------------------------------------------------------
+def run_batcher(model, tokenizer, arrivals, **options):
+    """Start a batcher over a copy of the model; submit each (step, Sequence) once the loop
+    has run that many steps; return each sequence's events, and the batcher."""
+    batcher = Batcher(copy.deepcopy(model), tokenizer, **options)
+
+    async def main():
+        await batcher.start()
+        try:
+            for step, seqs in sorted(arrivals, key=lambda a: a[0]):
+                while batcher.steps < step:
+                    await asyncio.sleep(0.001)
+                batcher.submit(seqs)
+            out = {}
+            for _, seqs in arrivals:
+                for seq in seqs:
+                    out[id(seq)] = await collect(seq)
+            return out
+        finally:
+            await batcher.stop()
+
+    return asyncio.run(main()), batcher
+
+
+async def collect(seq: Sequence) -> dict:
+    ids, text, prompt = [], "", None
+    while True:
+        event = await seq.events.get()
+        if isinstance(event, PromptLogprobs):
+            prompt = event.entries
+        elif isinstance(event, Token):
+            ids.append(event.id)
+            text += event.text
+        elif isinstance(event, Done):
+            return dict(
+                ids=ids, text=text + event.text, reason=event.reason, n=event.tokens, prompt=prompt
+            )
+        else:
+            raise AssertionError(event)
+
+
+def alone(model, tokenizer, prompt, cfg):
+    """What `generate` gives the prompt by itself: ids (end-of-text excluded) and the text."""
+    ids = generate(copy.deepcopy(model), prompt, cfg, tokenizer.eot_id, tokenizer=tokenizer)
+    stream = TextStream(tokenizer.decode, cfg.stop, tokenizer.eot_id)
+    text = "".join(stream.push(t) for t in ids) + stream.flush()
+    return ids, text
+
+
+PROMPTS = ["the quick", "a", "over the lazy dog. the quick brown", "jumps"]
+
+
+def staggered(tokenizer, cfgs):
+    """Requests of different lengths arriving at different steps, while others decode."""
+    return [
+        (step, [Sequence(tokenizer.encode(p), cfg, asyncio.Queue(), index=0)])
+        for step, p, cfg in zip([0, 0, 3, 7], PROMPTS, cfgs)
+    ]
+
+
+def check_each_equals_alone(model, tokenizer, arrivals, out):
+    for _, seqs in arrivals:
+        seq = seqs[0]
+        ids, text = alone(model, tokenizer, seq.prompt, seq.cfg)
+        got = out[id(seq)]
+        assert got["ids"][: len(ids)] == ids, tokenizer.decode(seq.prompt)
+        assert got["text"] == text
+
+
+def test_greedy_requests_arriving_at_staggered_steps_get_what_each_gets_alone(model, tokenizer):
+    cfgs = [SampleConfig(max_new_tokens=n, temperature=0) for n in (12, 20, 5, 9)]
+    arrivals = staggered(tokenizer, cfgs)
+    out, batcher = run_batcher(model, tokenizer, arrivals, max_batch=3)
+    check_each_equals_alone(model, tokenizer, arrivals, out)
+    assert len({tuple(o["ids"]) for o in out.values()}) == 4  # not one text for all
+    assert batcher.steps < sum(c.max_new_tokens for c in cfgs)  # they did share steps
+
+
+def test_seeded_sampling_penalties_and_top_k_p_equal_alone(model, tokenizer):
+    cfgs = [
+        SampleConfig(max_new_tokens=15, temperature=1.0, seed=1),
+        SampleConfig(max_new_tokens=10, temperature=0.7, top_k=5, seed=2),
+        SampleConfig(max_new_tokens=12, temperature=1.2, top_p=0.8, seed=3, frequency_penalty=1.5),
+        SampleConfig(max_new_tokens=8, temperature=0, presence_penalty=2.0),
+    ]
+    arrivals = staggered(tokenizer, cfgs)
+    out, _ = run_batcher(model, tokenizer, arrivals, max_batch=4)
+    check_each_equals_alone(model, tokenizer, arrivals, out)
+
+
+def test_a_stop_string_ends_a_row_and_is_not_returned(model, tokenizer):
+    prompt = tokenizer.encode("the quick")
+    free = alone(model, tokenizer, prompt, SampleConfig(max_new_tokens=20, temperature=0))[1]
+    stop = free[5:7]  # a string the greedy text is known to produce
+    cfg = SampleConfig(max_new_tokens=20, temperature=0, stop=(stop,))
+    arrivals = [(0, [Sequence(prompt, cfg, asyncio.Queue())])]
+    out, _ = run_batcher(model, tokenizer, arrivals)
+    got = out[id(arrivals[0][1][0])]
+    assert got["reason"] == "stop" and got["text"] == free[: free.index(stop)]
+    assert got["text"] == alone(model, tokenizer, prompt, cfg)[1]
+    assert got["n"] < 20
+
+
+def test_prompt_logprobs_are_the_models_own(model, tokenizer):
+    prompt = tokenizer.encode("the lazy dog")
+    cfg = SampleConfig(max_new_tokens=0)
+    seq = Sequence(prompt, cfg, asyncio.Queue(), logprobs=2, prompt_logprobs=True)
+    out, _ = run_batcher(model, tokenizer, [(0, [seq])])
+    got = out[id(seq)]
+    assert got["reason"] == "length" and got["ids"] == []
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt]))[0], -1)  # (T, V)
+    assert got["prompt"][0] is None
+    for t, entry in enumerate(got["prompt"][1:]):
+        assert entry.logprob == pytest.approx(float(logp[t, prompt[t + 1]]), abs=1e-5)
+        assert [i for i, _ in entry.top] == logp[t].topk(2).indices.tolist()
+
+
+def test_a_cancelled_sequence_frees_its_slot_at_the_next_step(model, tokenizer):
+    batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=1, max_queue=1)
+    cfg = SampleConfig(max_new_tokens=40, temperature=0)
+    first = Sequence(tokenizer.encode("the"), cfg, asyncio.Queue())
+    second = Sequence(
+        tokenizer.encode("a"), SampleConfig(max_new_tokens=3, temperature=0), asyncio.Queue()
+    )
+
+    async def main():
+        await batcher.start()
+        try:
+            batcher.submit([first])
+            await first.events.get()  # it is decoding
+            batcher.submit([second])
+            with pytest.raises(QueueFull):  # one row busy, one waiting: full
+                batcher.submit([Sequence([1], cfg, asyncio.Queue())])
+            first.cancelled = True
+            got = await asyncio.wait_for(collect(second), timeout=10)
+            return got, first.events.qsize()
+        finally:
+            await batcher.stop()
+
+    got, first_events = asyncio.run(main())
+    assert got["n"] == 3
+    assert first_events < 38  # first stopped long before its 40 tokens
+
+
+def test_a_full_cache_row_count_is_never_exceeded(model, tokenizer):
+    cfg = SampleConfig(max_new_tokens=6, temperature=0)
+    seqs = [Sequence(tokenizer.encode(p), cfg, asyncio.Queue()) for p in PROMPTS * 2]
+    seen = []
+    batcher = Batcher(
+        copy.deepcopy(model),
+        tokenizer,
+        max_batch=3,
+        max_queue=8,
+        on_token=lambda first, s: seen.append(batcher.active),
+    )
+
+    async def main():
+        await batcher.start()
+        try:
+            batcher.submit(seqs)
+            return [await collect(s) for s in seqs]
+        finally:
+            await batcher.stop()
+
+    results = asyncio.run(main())
+    assert max(seen) == 3 and all(r["n"] == 6 for r in results)
