@@ -47,8 +47,36 @@ def test_the_tour_needs_nothing_a_clone_lacks():
     ]  # the only command that needs a file the reader brings
 
 
+@pytest.fixture
+def background():
+    """Commands the tour starts in the background (a line ending in ` &`), stopped at the end."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def start_server(line: str, cwd: Path, env: dict, procs: list) -> None:
+    """Start `gptkiln serve ... --port N` and wait until it answers on that port."""
+    import httpx
+
+    args = shlex.split(line)
+    port = args[args.index("--port") + 1] if "--port" in args else "8000"
+    procs.append(subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.DEVNULL))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert procs[-1].poll() is None, f"{line} exited with {procs[-1].returncode}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise AssertionError(f"{line} did not answer on port {port}")
+
+
 @pytest.mark.slow
-def test_tour_runs_as_written(tmp_path):
+def test_tour_runs_as_written(tmp_path, background):
     work = tmp_path / "work"
     work.mkdir()
     book_text = SHARED_DATA / BOOK_TEXT
@@ -84,6 +112,9 @@ def test_tour_runs_as_written(tmp_path):
             if BOOK_TEXT in shlex.split(line) and not (work / BOOK_TEXT).exists():
                 skipped.append(line)
                 print(f"skipped  {line}  ({book_text} not present)")
+                continue
+            if line.endswith(" &"):  # a server, for the blocks after it
+                start_server(line[:-2], work, env, background)
                 continue
             start = time.perf_counter()
             proc = subprocess.run(

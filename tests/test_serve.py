@@ -178,7 +178,8 @@ def test_concurrent_staggered_requests_equal_generate_alone(url, run_dir):
         assert text == expected(run_dir, prompt, **cfg), prompt
 
 
-def test_the_server_prints_what_gptkiln_generate_prints(client, run_dir, capfd):
+@pytest.mark.slow
+def test_the_server_prints_what_gptkiln_generate_prints(client, run_dir):
     r = client.completions.create(
         model=NAME, prompt="Hello, I am", max_tokens=8, temperature=0.7, seed=4
     )

@@ -1076,37 +1076,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a run directory, or an imported Hugging Face GPT-2 directory")
     p.add_argument(
         "--host",
+        metavar="ADDRESS",
         default="127.0.0.1",
         help="address to listen on (default: 127.0.0.1, this machine only; any other address "
         "needs --api-key)",
     )
-    p.add_argument("--port", type=int, default=8000, help="TCP port, 1-65535 (default: 8000)")
+    p.add_argument(
+        "--port", type=int, default=8000, metavar="PORT", help="TCP port, 1-65535 (default: 8000)"
+    )
     p.add_argument(
         "--max-batch",
+        metavar="N",
         type=int,
         default=8,
         help="sequences decoded together, 1-256 (default: 8); each holds a KV-cache row",
     )
     p.add_argument(
         "--max-queue",
+        metavar="N",
         type=int,
         default=64,
         help="sequences that may wait for a free row, >= 0 (default: 64); more get HTTP 429",
     )
     p.add_argument(
         "--api-key",
+        metavar="KEY",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/ requests (default: $GPTKILN_API_KEY, "
         "else none; required with a non-loopback --host)",
     )
     p.add_argument(
         "--max-body-bytes",
+        metavar="BYTES",
         type=int,
         default=1 << 20,
         help="largest request body, >= 1024 bytes (default: 1048576); larger get HTTP 413",
     )
     p.add_argument(
         "--model-name",
+        metavar="NAME",
         default=None,
         help="the model id clients send and /v1/models lists (default: the directory's name)",
     )
