@@ -336,11 +336,25 @@ def test_the_api_key_is_required_when_set(run_dir):
         assert httpx.get(url).status_code == 200  # the page itself is public; it asks for the key
 
 
+def generated_tokens(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics").text.splitlines()
+    return float(
+        next(m for m in metrics if m.startswith("gptkiln_generated_tokens_total")).split()[-1]
+    )
+
+
+def wait_until_idle(url: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/health").json()["active"]:
+        assert time.monotonic() < deadline, "a row stayed busy"
+        time.sleep(0.01)
+
+
 def test_a_full_queue_is_429_and_a_client_that_leaves_frees_its_slot(tmp_path):
-    # A model with a long context, so one request decodes for a while.
+    # A wider model with a long context, so one request decodes for a few seconds.
     torch.manual_seed(0)
     tokenizer = load_tokenizer("gpt2")
-    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=1024)
+    config = GPTConfig.from_name("baby", vocab_size=tokenizer.vocab_size, context_length=1024)
     run = save_model(GPT(config), tmp_path / "long", tokenizer=tokenizer)
     with ServerThread(make_app(run, max_batch=1, max_queue=0)) as url:
         long = {"prompt": "a", "max_tokens": 1000, "temperature": 1.0, "stream": True}
@@ -350,19 +364,17 @@ def test_a_full_queue_is_429_and_a_client_that_leaves_frees_its_slot(tmp_path):
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "b", "max_tokens": 2})
             assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
         # the stream was closed after one token: its row is free again at the next step
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{url}/health").json()["active"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until_idle(url)
+        assert generated_tokens(url) < 900
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "b", "max_tokens": 2})
         assert r.status_code == 200
-        metrics = httpx.get(f"{url}/metrics").text
-        generated = [
-            line
-            for line in metrics.splitlines()
-            if line.startswith("gptkiln_generated_tokens_total")
-        ]
-        assert float(generated[0].split()[-1]) < 500  # the left stream stopped early
-        assert 'status="429"' in metrics
+        # a client that gives up waiting for a whole (not streamed) answer frees its row too
+        before = generated_tokens(url)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json={**long, "stream": False}, timeout=0.3)
+        wait_until_idle(url)
+        assert generated_tokens(url) - before < 900
+        assert 'status="429"' in httpx.get(f"{url}/metrics").text
 
 
 # -- options -----------------------------------------------------------------------------------

@@ -10,7 +10,15 @@ import torch
 from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.model import GPT
 from gptkiln.sampling import TextStream, generate
-from gptkiln.serve.batcher import Batcher, Done, PromptLogprobs, QueueFull, Sequence, Token
+from gptkiln.serve.batcher import (
+    Batcher,
+    Done,
+    Failed,
+    PromptLogprobs,
+    QueueFull,
+    Sequence,
+    Token,
+)
 from gptkiln.tokenizers import build_char_tokenizer
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 4
@@ -245,3 +253,36 @@ def test_a_full_cache_row_count_is_never_exceeded(model, tokenizer):
 
     results = asyncio.run(main())
     assert max(seen) == 3 and all(r["n"] == 6 for r in results)
+
+
+def test_a_row_that_fails_ends_alone(model, tokenizer):
+    cfg = SampleConfig(max_new_tokens=12, temperature=0)
+    doomed, fine = tokenizer.encode("a"), tokenizer.encode("dog")
+    bad = alone(model, tokenizer, doomed, cfg)[0][3]  # the 4th token "a" gets, its first one
+    assert bad not in alone(model, tokenizer, fine, cfg)[0]
+
+    class Fussy:  # a tokenizer that cannot decode one id
+        eot_id = tokenizer.eot_id
+
+        def decode(self, ids):
+            if bad in ids:
+                raise KeyError(bad)
+            return tokenizer.decode(ids)
+
+    seqs = [Sequence(doomed, cfg, asyncio.Queue()), Sequence(fine, cfg, asyncio.Queue())]
+    batcher = Batcher(copy.deepcopy(model), Fussy(), max_batch=2)
+
+    async def main():
+        await batcher.start()
+        try:
+            batcher.submit(seqs)
+            events = []
+            while not events or not isinstance(events[-1], Failed):
+                events.append(await seqs[0].events.get())
+            return events, await collect(seqs[1])
+        finally:
+            await batcher.stop()
+
+    events, other = asyncio.run(main())
+    assert "KeyError" in events[-1].message and len(events) == 4  # 3 tokens, then the failure
+    assert other["text"] == alone(model, tokenizer, fine, cfg)[1]

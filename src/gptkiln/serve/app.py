@@ -91,6 +91,7 @@ def create_app(
     page = (importlib.resources.files("gptkiln.serve") / "static" / "index.html").read_bytes()
     created = int(time.time())
     context = model.config.context_length
+    vocab = min(model.config.vocab_size, tokenizer.vocab_size)  # ids both know
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -154,7 +155,7 @@ def create_app(
         req: CompletionRequest = parse_request(CompletionRequest, await request.body())
         if req.model is not None and req.model != model_name:
             raise _unknown_model(req.model, model_name)
-        prompts = prompt_ids(req.prompt, tokenizer, model.config.vocab_size)
+        prompts = prompt_ids(req.prompt, tokenizer, vocab)
         cfg = sample_config(req, [ids for _, ids in prompts], context)
         queue: asyncio.Queue = asyncio.Queue()
         seqs = [

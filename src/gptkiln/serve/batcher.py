@@ -310,7 +310,7 @@ class Batcher:
     def _step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
         events: list[tuple[Sequence, Event]] = []
         for slot in admitted:
-            events += self._prefill(slot)
+            events += self._isolated(slot, self._prefill, slot)
         going = [s for s in self._slots.values() if not s.done]
         if going:
             events += self._decode(going)
@@ -344,8 +344,19 @@ class Batcher:
         events: list[tuple[Sequence, Event]] = []
         for slot in slots:
             slot.pos += 1
-            events += self._choose(slot, logits[slot.row : slot.row + 1, -1, :])
+            events += self._isolated(slot, self._choose, slot, logits[slot.row : slot.row + 1, -1])
         return events
+
+    def _isolated(self, slot: _Slot, work, *args) -> list[tuple[Sequence, Event]]:
+        """A row's own work (its prefill; its sampling and text): if it fails, that row ends
+        with `Failed` and the others go on."""
+        try:
+            return work(*args)
+        except Exception as e:
+            slot.done = True
+            return [
+                (slot.seq, Failed(slot.seq.index, f"generation failed: {type(e).__name__}: {e}"))
+            ]
 
     def _choose(self, slot: _Slot, logits: torch.Tensor) -> list[tuple[Sequence, Event]]:
         """The next token of one row from its logits (1, V), as `generate_stream` picks it."""
