@@ -155,7 +155,8 @@ def create_app(
         req: CompletionRequest = parse_request(CompletionRequest, await request.body())
         if req.model is not None and req.model != model_name:
             raise _unknown_model(req.model, model_name)
-        prompts = prompt_ids(req.prompt, tokenizer, vocab)
+        # a long prompt takes a while to encode: off the event loop, which keeps streaming
+        prompts = await asyncio.to_thread(prompt_ids, req.prompt, tokenizer, vocab)
         cfg = sample_config(req, [ids for _, ids in prompts], context)
         queue: asyncio.Queue = asyncio.Queue()
         seqs = [
