@@ -33,6 +33,7 @@ export OMP_NUM_THREADS=2
   fi
   echo; echo "## load_memory"; "$PY" bench/load_memory.py
   echo; echo "## ddp_scaling"; "$PY" bench/ddp_scaling.py
+  echo; echo "## serve";      "$PY" bench/serve.py
   if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     echo; echo "## gpu";      "$PY" bench/gpu.py
   fi

@@ -131,9 +131,24 @@ async def one_request(client, url: str, i: int, new_tokens: int) -> dict:
     return {"sent": sent, "arrivals": arrivals, "error": error}
 
 
-async def run_level(url: str, clients: int, requests: int, new_tokens: int, limit: float):
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_level(
+    url: str, clients: int, requests: int, new_tokens: int, limit: float, server_pid: int
+):
+    import resource
+
     import httpx
 
+    def ours() -> float:  # this process (the clients) and the server
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        return me.ru_utime + me.ru_stime + cpu_seconds(server_pid)
+
+    others = common.others_cores_meter(ours)
     start = time.perf_counter()
     todo = iter(range(requests))
     results: list[dict] = []
@@ -149,7 +164,7 @@ async def run_level(url: str, clients: int, requests: int, new_tokens: int, limi
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(clients)))
     wall = time.perf_counter() - start
-    return summarize(clients, requests, results, wall)
+    return {**summarize(clients, requests, results, wall), "others_cores": others()}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -207,11 +222,12 @@ def main() -> None:
         server = start_server(run, port, args.max_batch, max_queue=max(args.clients))
         try:
             print(f"server up in {wait_until_up(url, server):.1f} s (load, cache, kernel tuning)")
-            asyncio.run(run_level(url, 1, 2, 8, 60))  # warm-up, not counted
+            asyncio.run(run_level(url, 1, 2, 8, 60, server.pid))  # warm-up, not counted
+            print(f"others' cores before: {common.wait_for_quiet():.2f}")
             rows = []
             for clients, requests in zip(args.clients, args.requests):
                 row = asyncio.run(
-                    run_level(url, clients, requests, args.new_tokens, args.time_limit)
+                    run_level(url, clients, requests, args.new_tokens, args.time_limit, server.pid)
                 )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -235,6 +251,7 @@ def main() -> None:
             ("itl_p50_ms", "ITL p50 ms"),
             ("itl_p95_ms", "ITL p95 ms"),
             ("wall_s", "wall s"),
+            ("others_cores", "others' cores"),
         ],
     )
     total = sum(r["requests"] for r in rows)
