@@ -237,15 +237,14 @@ class Batcher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            admitted = self._admit()
             try:
+                admitted = self._admit()
                 events = await loop.run_in_executor(self._executor, self._step, admitted)
-            except Exception as e:  # a failed forward ends the sequences in it, not the server
-                for slot in [*self._slots.values(), *admitted]:
+                self._deliver(events)
+            except Exception as e:  # a failed step ends the sequences in it, not the server
+                for slot in self._slots.values():
                     self._fail(slot.seq, f"generation failed: {type(e).__name__}: {e}")
                 self._slots.clear()
-                continue
-            self._deliver(events)
 
     def _free_rows(self) -> int:
         return self.max_batch - len(self._slots)
