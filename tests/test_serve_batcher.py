@@ -286,3 +286,40 @@ def test_a_row_that_fails_ends_alone(model, tokenizer):
     events, other = asyncio.run(main())
     assert "KeyError" in events[-1].message and len(events) == 4  # 3 tokens, then the failure
     assert other["text"] == alone(model, tokenizer, fine, cfg)[1]
+
+
+def test_a_failed_step_ends_its_sequences_and_the_loop_goes_on(model, tokenizer):
+    batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=2)
+    real = batcher.model.forward
+    calls = {"decode": 0}
+
+    def flaky(idx, *args, start_pos=None, **kwargs):
+        if isinstance(start_pos, torch.Tensor):
+            calls["decode"] += 1
+            if calls["decode"] == 2:  # the second decode step fails
+                raise RuntimeError("out of memory (pretend)")
+        return real(idx, *args, start_pos=start_pos, **kwargs)
+
+    batcher.model.forward = flaky
+    cfg = SampleConfig(max_new_tokens=8, temperature=0)
+    first = [Sequence(tokenizer.encode(p), cfg, asyncio.Queue()) for p in ("the", "fox")]
+    later = Sequence(tokenizer.encode("dog"), cfg, asyncio.Queue())
+
+    async def main():
+        await batcher.start()
+        try:
+            batcher.submit(first)
+            failed = []
+            for seq in first:
+                event = await seq.events.get()
+                while not isinstance(event, Failed):
+                    event = await seq.events.get()
+                failed.append(event.message)
+            batcher.submit([later])
+            return failed, await collect(later)
+        finally:
+            await batcher.stop()
+
+    failed, got = asyncio.run(main())
+    assert all("out of memory (pretend)" in m for m in failed)
+    assert got["text"] == alone(model, tokenizer, later.prompt, cfg)[1]
