@@ -357,20 +357,18 @@ class Answer:
         return out
 
     async def whole(self, queue: asyncio.Queue, seqs: list[Sequence], request: Request):
-        """Wait for every choice; a client that leaves cancels them (checked 4 times a second)."""
+        """Wait for every choice; None if the client left first (that cancels them)."""
         texts = {s.index: "" for s in seqs}
         tokens: dict[int, list[tuple[int, TokenLogprobs | None]]] = {s.index: [] for s in seqs}
         prompt_scores: dict[int, list[TokenLogprobs | None]] = {}
         reasons: dict[int, str] = {}
         used = 0
+        watcher = asyncio.create_task(_watch_disconnect(request, queue))
         try:
             while len(reasons) < len(seqs):
-                try:
-                    event = await asyncio.wait_for(queue.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return None
-                    continue
+                event = await queue.get()
+                if event is None:  # the client went away
+                    return None
                 if isinstance(event, Failed):
                     raise OpenAIError(500, event.message)
                 if isinstance(event, PromptLogprobs):
@@ -383,6 +381,7 @@ class Answer:
                     reasons[event.index] = event.reason
                     used += event.tokens
         finally:
+            watcher.cancel()
             for seq in seqs:
                 seq.cancelled = True  # a no-op for those done
         choices = []
@@ -446,6 +445,14 @@ class Answer:
 
     def _chunk(self, choice: Choice) -> str:
         return _sse(self._completion([choice]))
+
+
+async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
+    """Look 4 times a second whether the client of a whole (not streamed) answer went away;
+    then wake its handler with None. (A stream notices by itself: Starlette closes it.)"""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+    queue.put_nowait(None)
 
 
 def _sse(obj: dict[str, Any]) -> str:
