@@ -13,6 +13,7 @@ from serving import ServerThread
 from gptkiln.api import generate_text
 from gptkiln.checkpoint import save_model
 from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.inspect import inspect_prompt
 from gptkiln.loading import load_run
 from gptkiln.model import GPT
 from gptkiln.serve.app import create_app
@@ -139,3 +140,104 @@ def test_an_error_is_shown_on_the_page(browser, url):
     browser.find_element("id", "generate").click()
     wait_for(lambda: state(browser) == "error")
     assert "temperature" in browser.find_element("id", "error").text
+
+
+# -- the Inspect view ------------------------------------------------------------------------------
+PIXEL = """
+const [q, k] = arguments, canvas = document.getElementById("heatmap");
+const c = +canvas.dataset.cell, m = +canvas.dataset.margin, r = window.devicePixelRatio || 1;
+const x = Math.floor((m + (k + 0.5) * c) * r), y = Math.floor((m + (q + 0.5) * c) * r);
+return Array.from(canvas.getContext("2d").getImageData(x, y, 1, 1).data.slice(0, 3));
+"""
+
+
+def rgb(driver, weight: float) -> list[int]:
+    """The colour the page gives a weight (its viridis ramp), as [r, g, b]."""
+    css = driver.execute_script("return colour(arguments[0])", weight)
+    return [int(v) for v in css[4:-1].split(",")]
+
+
+def shown_view(driver) -> str:
+    return driver.find_element("id", "heatmap").get_attribute("data-view") or ""
+
+
+def test_the_inspect_view_draws_the_map_and_a_hover_changes_it(browser, url, run_dir, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.support.ui import Select
+
+    prompt = "To be, or not to be"
+    model, tokenizer, _ = load_run(run_dir)
+    want = inspect_prompt(model, tokenizer, prompt, top_k=5, max_tokens=32)
+    T, layer, head = len(want.ids), 1, 1
+    weights = want.attention[layer, head]  # (T, T)
+    browser.get(url)
+    wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
+    browser.find_element("id", "tab-inspect").click()
+    assert not browser.find_element("id", "view-generate").is_displayed()
+    fill(browser, "inspect-prompt", prompt)
+    browser.find_element("id", "inspect-run").click()
+    wait_for(
+        lambda: browser.find_element("id", "inspect-status").get_attribute("data-state") == "done"
+    )
+    Select(browser.find_element("id", "layer")).select_by_value(str(layer))
+    Select(browser.find_element("id", "head")).select_by_value(str(head))
+    assert shown_view(browser) == f"{layer}/{head}/{T - 1}"  # the last token's row at first
+
+    # The map is drawn: each cell has its weight's colour, the future is grey.
+    for q, k in [(T - 1, 0), (T - 1, T - 1), (3, 1), (7, 7)]:
+        got = browser.execute_script(PIXEL, q, k)
+        assert got == pytest.approx(rgb(browser, float(weights[q, k])), abs=2), (q, k)
+    assert browser.execute_script(PIXEL, 0, T - 1) == [228, 228, 228]
+    chips = browser.find_elements("css selector", "#token-strip .tok")
+    assert [c.get_property("textContent") for c in chips] == want.labels
+
+    # Hovering a token shows what it attends to: its row outlined, its keys lit, its top-k.
+    before = browser.execute_script("return document.getElementById('heatmap').toDataURL()")
+    ActionChains(browser).move_to_element(chips[3]).perform()
+    wait_for(lambda: shown_view(browser) == f"{layer}/{head}/3")
+    after = browser.execute_script("return document.getElementById('heatmap').toDataURL()")
+    assert after != before
+    lit = [float(c.get_attribute("data-weight")) for c in chips]
+    assert lit[:4] == pytest.approx(weights[3, :4].tolist(), abs=1e-4)
+    assert lit[4:] == [0.0] * (T - 4) and sum(lit) == pytest.approx(1, abs=1e-3)
+    bars = browser.find_elements("css selector", "#topk li:not(.hint) .label")
+    assert [b.get_property("textContent") for b in bars] == [
+        c.label for c in want.positions[3].top_k
+    ]
+    assert want.labels[3] in browser.find_element("id", "topk-title").text
+
+    # Hovering a row of the map selects that query too. (An offset counts from the centre of
+    # the element's part in view: the whole map is scrolled into view first.)
+    canvas = browser.find_element("id", "heatmap")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'end'})", canvas)
+    cell, margin = (float(canvas.get_attribute(a)) for a in ("data-cell", "data-margin"))
+    size = canvas.size
+    ActionChains(browser).move_to_element_with_offset(
+        canvas,
+        int(margin + 0.5 * cell - size["width"] / 2),
+        int(margin + 5.5 * cell - size["height"] / 2),
+    ).perform()
+    wait_for(lambda: shown_view(browser) == f"{layer}/{head}/5")
+    assert "→" in browser.find_element("id", "cell-info").text
+    browser.set_window_size(1280, 1300)  # the whole view, bars included
+    browser.execute_script("window.scrollTo(0, 0)")
+    browser.save_screenshot(str(tmp_path / "inspect.png"))
+
+    browser.set_window_size(390, 844)  # a phone
+    width = browser.execute_script("return document.documentElement.scrollWidth")
+    assert width <= browser.execute_script("return window.innerWidth")
+    browser.execute_script("window.scrollTo(0, 0)")
+    browser.save_screenshot(str(tmp_path / "inspect-phone.png"))
+    print(f"screenshots: {tmp_path / 'inspect.png'}, {tmp_path / 'inspect-phone.png'}")
+
+
+def test_an_inspect_error_is_shown_on_the_page(browser, url):
+    browser.get(url)
+    browser.find_element("id", "tab-inspect").click()
+    fill(browser, "inspect-prompt", "To be")
+    fill(browser, "inspect-max-tokens", "500")
+    browser.find_element("id", "inspect-run").click()
+    wait_for(
+        lambda: browser.find_element("id", "inspect-status").get_attribute("data-state") == "error"
+    )
+    assert "max_tokens" in browser.find_element("id", "inspect-error").text

@@ -18,6 +18,7 @@ from gptkiln.api import generate_text
 from gptkiln.checkpoint import save_model
 from gptkiln.cli import main as cli_main
 from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.inspect import inspect_prompt
 from gptkiln.loading import load_run
 from gptkiln.model import GPT
 from gptkiln.serve import check_serve_options, is_loopback
@@ -328,12 +329,76 @@ def test_the_api_key_is_required_when_set(run_dir):
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         r = httpx.get(f"{url}/v1/models")
         assert r.status_code == 401
+        assert httpx.post(f"{url}/v1/inspect", json={"prompt": "Hi"}).status_code == 401
         keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         assert keyed.completions.create(model=NAME, prompt="Hi", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
         assert httpx.get(f"{url}/health").json()["api_key_required"] is True
         assert httpx.get(url).status_code == 200  # the page itself is public; it asks for the key
+
+
+# -- /v1/inspect: the page's Inspect view ---------------------------------------------------------
+def test_inspect_answers_what_inspect_prompt_finds(url, run_dir):
+    model, tokenizer, _ = load_run(run_dir)
+    want = inspect_prompt(model, tokenizer, "Hello, I am a", top_k=3, max_tokens=4)
+    r = httpx.post(
+        f"{url}/v1/inspect", json={"prompt": "Hello, I am a", "top_k": 3, "max_tokens": 4}
+    )
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["model"] == NAME and got["cropped"] and got["prompt_tokens"] == 5
+    assert [t["id"] for t in got["tokens"]] == want.ids and len(want.ids) == 4
+    weights = torch.tensor(got["attention"], dtype=torch.float64)  # (L, nh, T, T)
+    assert weights.shape == (2, 2, 4, 4)
+    torch.testing.assert_close(weights, want.attention.double(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        weights.sum(-1), torch.ones(2, 2, 4, dtype=torch.float64), atol=1e-3, rtol=0
+    )
+    for sent, p in zip(got["positions"], want.positions):
+        assert [c["id"] for c in sent["top_k"]] == [c.id for c in p.top_k]
+        assert [c["prob"] for c in sent["top_k"]] == pytest.approx(
+            [c.prob for c in p.top_k], abs=1e-4
+        )
+    assert got["loss"] == pytest.approx(want.loss, abs=1e-4)
+
+
+def test_an_inspection_between_decode_steps_changes_no_completion(client, url, run_dir):
+    stream = client.completions.create(
+        model=NAME, prompt="The sky", max_tokens=30, temperature=0.9, seed=5, stream=True
+    )
+    text = ""
+    for i, chunk in enumerate(stream):
+        if i == 2:  # mid-stream: the inspection runs on the model between two steps
+            assert httpx.post(f"{url}/v1/inspect", json={"prompt": "Why not"}).status_code == 200
+        text += chunk.choices[0].text
+    assert text == expected(run_dir, "The sky", max_new_tokens=30, temperature=0.9, seed=5)
+
+
+BAD_INSPECT = [
+    ("missing prompt", {"top_k": 3}, 400, "prompt"),
+    ("prompt a list", {"prompt": ["a"]}, 400, "prompt"),
+    ("an empty prompt", {"prompt": ""}, 400, "prompt"),
+    ("a prompt over 10,000 characters", {"prompt": "x" * 10_001}, 400, "prompt"),
+    ("top_k 0", {"prompt": "x", "top_k": 0}, 400, "top_k"),
+    ("top_k 21", {"prompt": "x", "top_k": 21}, 400, "top_k"),
+    ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens 65", {"prompt": "x", "max_tokens": 65}, 400, "max_tokens"),
+    ("max_tokens a string", {"prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
+    ("an unknown field", {"prompt": "x", "layer": 0}, 400, "layer"),
+    ("an unknown model", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(
+    "body,status,param", [b[1:] for b in BAD_INSPECT], ids=[b[0] for b in BAD_INSPECT]
+)
+def test_bad_inspect_input_is_a_clean_4xx_naming_the_field(url, body, status, param):
+    r = httpx.post(f"{url}/v1/inspect", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"]
+    assert httpx.get(f"{url}/health").status_code == 200
 
 
 def generated_tokens(url: str) -> float:

@@ -1,15 +1,18 @@
 """The HTTP routes: validate a request, hand its sequences to the batcher, shape the answer.
 
 ``POST /v1/completions`` (OpenAI's legacy completions, streamed as server-sent events or whole),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus) and ``GET /`` (the
-playground page). Every error is OpenAI-shaped JSON (`schemas.OpenAIError`). The ASGI guard in
-front checks the API key and the body size before a route sees the request. No route reads or
-writes a file: the page is read from the package once, when the app is made.
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /`` (the
+playground page) and gptkiln's own ``POST /v1/inspect`` (a prompt's attention weights and
+next-token probabilities, `gptkiln.inspect`, for the page's Inspect view). Every error is
+OpenAI-shaped JSON (`schemas.OpenAIError`). The ASGI guard in front checks the API key and the
+body size before a route sees the request. No route reads or writes a file: the page is read
+from the package once, when the app is made.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import importlib.resources
 import json
@@ -25,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from gptkiln.config import SampleConfig
 from gptkiln.errors import GptkilnError
+from gptkiln.inspect import inspect_prompt
 from gptkiln.model import GPT
 from gptkiln.serve.batcher import (
     Batcher,
@@ -43,6 +47,7 @@ from gptkiln.serve.schemas import (
     Choice,
     Completion,
     CompletionRequest,
+    InspectRequest,
     Logprobs,
     ModelCard,
     ModelList,
@@ -192,6 +197,26 @@ def create_app(
         if whole is None:  # the client went away: nobody reads this
             return Response(status_code=499)
         return JSONResponse(whole)
+
+    @app.post("/v1/inspect")
+    async def inspect(request: Request) -> JSONResponse:
+        req: InspectRequest = parse_request(InspectRequest, await request.body())
+        if req.model is not None and req.model != model_name:
+            raise _unknown_model(req.model, model_name)
+        if not req.prompt:
+            raise OpenAIError(400, "prompt is empty; give some text to inspect", "prompt")
+        if req.top_k > vocab:
+            raise OpenAIError(
+                400, f"top_k {req.top_k} is more than the vocabulary's {vocab} tokens", "top_k"
+            )
+        run = functools.partial(
+            inspect_prompt, model, tokenizer, req.prompt, top_k=req.top_k, max_tokens=req.max_tokens
+        )
+        try:
+            found = await batcher.call(run)
+        except GptkilnError as e:
+            raise OpenAIError(400, f"prompt: {e}", "prompt") from None
+        return JSONResponse({"model": model_name, **found.to_dict(decimals=4)})
 
     return app
 

@@ -3,7 +3,9 @@ static KV cache.
 
 One decode loop, an asyncio task, owns the model. Request handlers only `submit` sequences and
 read their events from an `asyncio.Queue`; the loop runs every forward pass in one worker thread
-(so the event loop keeps answering), and no other code touches the model or its cache.
+(so the event loop keeps answering), and no other code touches the model or its cache, except
+through `Batcher.call`, which runs a function (an inspection) on that same thread, between two
+decode steps.
 
 Each iteration of the loop:
 
@@ -206,6 +208,11 @@ class Batcher:
             )
         self._waiting.extend(seqs)
         self._wake.set()
+
+    async def call(self, fn, *args):
+        """``fn(*args)`` on the model's thread, between two decode steps (never during one), for
+        work that reads the model without its cache (`gptkiln.inspect.inspect_prompt`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def start(self) -> None:
         """Allocate the cache, time the decoding kernels for every batch size it will use, and

@@ -5,7 +5,15 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 (re-exported)
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = (
+    "/",
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/inspect",
+    "/v1/chat/completions",
+)
 
 # Seconds: from a few milliseconds (a tiny model's step) to a minute (a long queue on a CPU).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

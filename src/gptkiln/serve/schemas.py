@@ -17,6 +17,8 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_SEED = 2**63 - 1  # what torch's generators take
+MAX_INSPECT_TOKENS = 64  # a heat-map's rows and columns: every layer and head is sent at once
+MAX_INSPECT_CHARS = 10_000  # the prompt /v1/inspect encodes (only its first tokens are kept)
 
 TokenIds = list[int]
 
@@ -88,6 +90,17 @@ class CompletionRequest(BaseModel):
     user: str | None = None
 
 
+class InspectRequest(BaseModel):
+    """``POST /v1/inspect`` (gptkiln's own): a prompt seen through the model (`gptkiln.inspect`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str = Field(max_length=MAX_INSPECT_CHARS)
+    model: str | None = None
+    top_k: int = Field(5, ge=1, le=MAX_LOGPROBS)
+    max_tokens: int = Field(32, ge=1, le=MAX_INSPECT_TOKENS)
+
+
 # What each field holds, for a type error's message (pydantic's own lists every union member).
 FIELD_KINDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
@@ -110,6 +123,12 @@ FIELD_KINDS = {
     "logit_bias": "null (not supported)",
     "user": "a string",
 }
+INSPECT_FIELD_KINDS = {
+    "prompt": f"a string of at most {MAX_INSPECT_CHARS:,} characters",
+    "model": "a string",
+    "top_k": f"a whole number in [1, {MAX_LOGPROBS}]",
+    "max_tokens": f"a whole number in [1, {MAX_INSPECT_TOKENS}] (the tokens inspected)",
+}
 
 
 def parse_request(model: type[BaseModel], body: bytes) -> Any:
@@ -117,11 +136,13 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        raise validation_error(e) from None
+        kinds = INSPECT_FIELD_KINDS if model is InspectRequest else FIELD_KINDS
+        raise validation_error(e, kinds) from None
 
 
-def validation_error(error: ValidationError) -> OpenAIError:
-    """One 400 for pydantic's first error: which field, what it must be, what it got."""
+def validation_error(error: ValidationError, kinds: dict[str, str] = FIELD_KINDS) -> OpenAIError:
+    """One 400 for pydantic's first error: which field, what it must be (``kinds``), what it
+    got."""
     first = error.errors(include_url=False)[0]
     loc = [str(part) for part in first["loc"]]
     kind = first["type"]
@@ -139,7 +160,7 @@ def validation_error(error: ValidationError) -> OpenAIError:
         path = ".".join(loc)
         return OpenAIError(
             400,
-            f"unknown field {path!r}; the fields are: {', '.join(FIELD_KINDS)}",
+            f"unknown field {path!r}; the fields are: {', '.join(kinds)}",
             param=path,
             code="unknown_field",
         )
@@ -147,7 +168,7 @@ def validation_error(error: ValidationError) -> OpenAIError:
         return OpenAIError(400, f"{field} is required", param=field, code="missing_field")
     got = first.get("input")
     shown = json.dumps(got)[:80] if _jsonable(got) else type(got).__name__
-    what = FIELD_KINDS.get(field, "a valid value")
+    what = kinds.get(field, "a valid value")
     return OpenAIError(
         400, f"{field} must be {what}, got {shown}", param=field, code="invalid_value"
     )
