@@ -133,6 +133,30 @@ def test_generate_streams_and_is_seeded(run_dir, capsys):
     assert out1 == out2
 
 
+def test_generate_takes_stop_strings_and_penalties(run_dir, capsys):
+    from gptkiln.api import generate_text
+
+    base = ["generate", run_dir, "--prompt", "I had", "--max-new-tokens", "30", "--seed", "2"]
+    code, free, _ = cli(*base, capsys=capsys)
+    assert code == 0
+    stop = free[len("I had") + 3 : len("I had") + 5]  # two characters it writes anyway
+    code, cut, _ = cli(*base, "--stop", stop, "--stop", "zzzz", capsys=capsys)
+    assert code == 0 and cut == free[: free.index(stop, len("I had"))] + "\n"
+    flags = ["--presence-penalty", "1.5", "--frequency-penalty", "-0.5"]
+    code, penalised, _ = cli(*base, *flags, capsys=capsys)
+    cfg = SampleConfig(
+        max_new_tokens=30,
+        temperature=0.8,  # the command's default
+        seed=2,
+        presence_penalty=1.5,
+        frequency_penalty=-0.5,
+    )
+    assert code == 0 and penalised == generate_text(run_dir, "I had", cfg) + "\n"
+    assert penalised != free
+    code, _, err = cli(*base, "--frequency-penalty", "3", capsys=capsys)
+    assert_one_line_error(code, err, "frequency_penalty")
+
+
 def test_prompt_longer_than_context_is_cropped_with_a_notice(run_dir, capsys):
     long_prompt = "the " * 40  # 160 characters, context 32
     code, out, err = cli(
