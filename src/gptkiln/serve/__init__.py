@@ -90,10 +90,11 @@ def serve(
     )
     import uvicorn
 
-    from gptkiln.loading import load_run
+    from gptkiln.loading import check_language_model, load_run
     from gptkiln.serve.app import create_app
 
     model, tokenizer, _ = load_run(run_dir, device=device)
+    check_language_model(model, run_dir)  # a classifier's scores are not next tokens
     model.eval()
     name = model_name or Path(run_dir).resolve().name
     app = create_app(
