@@ -741,7 +741,11 @@ def test_chat_and_classify_refuse_runs_of_the_other_kind(work, instruct_run, cla
     assert_one_line_error(code, err, "already holds a checkpoint")
 
 
-def test_serve_refuses_a_classifier_in_one_line(classifier, capsys):
-    # checked once the model is loaded, before the server listens
+def test_serve_refuses_a_classifier_in_one_line(classifier, capsys, monkeypatch):
+    # checked once the model is loaded, before the server listens (were it not, the test ends
+    # at the server's start instead of serving forever)
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("it served a classifier"))
     code, _, err = cli("serve", classifier[0], capsys=capsys)
     assert_one_line_error(code, err, "is a classifier", "gptkiln classify")
