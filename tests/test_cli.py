@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import math
 import subprocess
 import sys
 
@@ -109,6 +110,10 @@ def test_bad_sources_through_prepare(tmp_path, capsys):
         (["--eval-interval", "0"], "eval_interval"),
         (["--context-length", "0"], "context_length"),
         (["--max-steps", "ten"], "--max-steps"),
+        (["--max-time", "0"], "max_time"),
+        (["--max-time", "-3"], "max_time"),
+        (["--max-time", "inf"], "max_time"),
+        (["--max-time", "3min"], "--max-time"),
         (["--tokenizer", "morse"], "morse"),
         (["--tokenizer", "bpe:2147483648"], "bpe:2147483648"),
         (["--data", ""], "empty name"),
@@ -181,6 +186,8 @@ def test_eval_prints_loss_and_perplexity(run_dir, play_path, capsys):
     loss = float(out.split("loss ")[1].split()[0])
     ppl = float(out.split("perplexity ")[1].split()[0])
     assert 0 < loss < 5 and ppl == pytest.approx(2.718281828**loss, rel=1e-3)
+    bits = float(out.split(" | ")[2].removesuffix(" bits/char"))  # a char run: the loss in bits
+    assert bits == pytest.approx(loss / math.log(2), abs=1e-4)
 
 
 def test_bad_run_directories(run_dir, tmp_path, capsys):

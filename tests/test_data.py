@@ -363,6 +363,26 @@ def test_prepare_joins_documents_with_eot_and_splits_the_straddler(tmp_path):
     assert data.train.tolist() == tok.encode(docs[0]) + eot + tok.encode(docs[1][: split - 11])
     assert data.val.tolist() == tok.encode(docs[1][split - 11 :]) + eot + tok.encode(docs[2])
     assert meta["documents"] == 3
+    # the characters of each split's text, the separator counted as one (as char_counts does)
+    assert (meta["train_characters"], meta["val_characters"]) == (21 + 1, 8 + 1)
+    for split in ("train", "val"):
+        ids = getattr(data, split)
+        assert tok.char_counts()[ids].sum() == meta[f"{split}_characters"]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bpe:300"])
+def test_prepared_characters_are_what_the_ids_count(tmp_path, kind):
+    """The same text for every tokenizer: the characters of each split do not depend on it."""
+    docs = ["Naïve café, 日本語 — " * 40, "an end 🐧 " * 30, "the last one. " * 20]
+    source = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])
+    meta = prepare(source, tmp_path / "out", kind, val_fraction=0.3, progress=False)
+    data = load_prepared(tmp_path / "out")
+    total = sum(map(len, docs)) + 2  # two separators
+    assert meta["train_characters"] + meta["val_characters"] == total
+    assert meta["val_characters"] == total - int(0.7 * sum(map(len, docs))) - 1
+    for split in ("train", "val"):
+        ids = getattr(data, split)
+        assert data.tokenizer.char_counts()[ids].sum() == meta[f"{split}_characters"]
 
 
 def test_prepare_split_on_a_document_boundary_has_no_stray_eot(tmp_path):

@@ -510,6 +510,18 @@ def test_tokens_per_second_counts_every_rank_once(prepared, tmp_path, launches):
     assert [row["tokens_per_s"] for row in read_metrics(out / "metrics.csv")] == [2 * B * 32] * 2
 
 
+def test_a_time_budget_ends_every_rank_at_the_same_step(prepared, tmp_path, launches):
+    # Rank r's clock moves r + 1 seconds a reading (two readings a step): after step k rank 0
+    # has trained 2k - 1 s and rank 1 4k - 2 s. Every rank takes the slowest clock, so a 10 s
+    # budget ends both at step 3 (rank 0 alone would go on to step 6, its peer gone).
+    out = tmp_path / "budget"
+    values = settings(prepared, out, max_steps=100, max_time=10 / 60, eval_interval=100)
+    launches.run(torchrun(2, str(THIS_FILE), "--uneven-clock", *flags(values)))
+    _, state = read_checkpoint(out)
+    assert state["step"] == 3 and state["train_seconds"] == 10.0
+    assert [row["step"] for row in read_metrics(out / "metrics.csv")] == [3]
+
+
 def test_the_progress_bar_shows_the_whole_batchs_loss(prepared, tmp_path, launches):
     # Each rank's loss is over its share of the batch; the bar (rank 0's) shows their mean, the
     # train_loss metrics.csv logs at that step without --eval-train.
@@ -676,19 +688,21 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _train_on_a_clock(argv: list[str]) -> int:
-    """`gptkiln train ARGV` with a clock that moves one second each time it is read."""
+def _train_on_a_clock(argv: list[str], seconds_per_read: float = 1.0) -> int:
+    """`gptkiln train ARGV` with a clock that moves ``seconds_per_read`` each time it is read."""
     import itertools
 
     import gptkiln.train
     from gptkiln.cli import main
 
     ticks = itertools.count()
-    gptkiln.train.now = lambda: float(next(ticks))
+    gptkiln.train.now = lambda: float(next(ticks)) * seconds_per_read
     return main(["train", *argv])
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--clock":
         sys.exit(_train_on_a_clock(sys.argv[2:]))
+    if sys.argv[1] == "--uneven-clock":  # rank r's clock: r + 1 seconds a reading
+        sys.exit(_train_on_a_clock(sys.argv[2:], int(os.environ["RANK"]) + 1))
     _worker_main(Path(sys.argv[1]))

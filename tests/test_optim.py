@@ -40,3 +40,12 @@ def test_warmup_then_cosine_to_floor():
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # monotone decay
     assert lr_at(80, **{**kw, "decay": False}) == 1.0
     assert lr_at(35, **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.25)))
+
+
+def test_a_time_budget_further_along_than_the_steps_leads_the_cosine():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110)
+    assert lr_at(60, **kw, time_used=0.2) == lr_at(60, **kw)  # the steps are further: theirs
+    assert lr_at(20, **kw, time_used=0.5) == pytest.approx(0.1 + 0.5 * 0.9)  # half the time
+    assert lr_at(20, **kw, time_used=1.0) == 0.1 and lr_at(20, **kw, time_used=1.3) == 0.1
+    assert lr_at(5, **kw, time_used=0.9) == lr_at(5, **kw)  # warm-up is counted in steps
+    assert lr_at(20, **{**kw, "decay": False}, time_used=0.7) == 1.0

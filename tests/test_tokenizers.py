@@ -158,6 +158,50 @@ def test_bpe_round_trips_chinese(chinese_bpe):
     assert chinese_bpe.decode(chinese_bpe.encode(unseen)) == unseen
 
 
+MIXED_TEXT = "Naïve café — 日本語 is 🐧 and 🙂,\nsaid Ægir. <|endoftext|> Ünïcödé ok"
+
+
+def _counted(tok, ids) -> int:
+    return int(tok.char_counts()[ids].sum())
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "char", "bpe"])
+def test_char_counts_add_up_to_the_decoded_characters(kind, gpt2, chinese_bpe):
+    """Each id counts the characters whose first byte it holds, so any run of ids that starts
+    and ends between characters counts its decoded text exactly, also where byte-level ids cut
+    a character in pieces (the penguin and the smiley are several GPT-2 ids each);
+    <|endoftext|> counts one."""
+    if kind == "gpt2":
+        tok = gpt2
+    elif kind == "char":
+        tok = build_char_tokenizer([MIXED_TEXT], with_eot=True)
+    else:
+        tok = chinese_bpe
+    counts = tok.char_counts()
+    assert counts.shape == (tok.vocab_size,) and counts.dtype.kind == "i"
+    assert counts[tok.eot_id] == 1
+    ids = tok.encode(MIXED_TEXT)
+    eot = "<|endoftext|>"
+    assert _counted(tok, ids) == len(MIXED_TEXT) - len(eot) + 1
+    for part in MIXED_TEXT.split(eot):
+        assert _counted(tok, tok.encode(part)) == len(part)
+    cut = [i for i in range(1, len(ids)) if "\ufffd" in tok.decode(ids[:i])]
+    if kind == "gpt2":
+        assert cut  # some ids end inside a character
+    for i in cut:  # the two sides of the cut still add up to every character once
+        assert _counted(tok, ids[:i]) + _counted(tok, ids[i:]) == _counted(tok, ids)
+    if kind == "char":
+        assert set(counts.tolist()) == {1}
+
+
+def test_char_counts_of_a_bpe_count_its_merged_tokens():
+    tok = train_bpe_tokenizer(["the cat sat on the mat, the end " * 20], 300)
+    ids = tok.encode("the cat")
+    assert len(ids) < len("the cat")  # merged: some ids hold several characters
+    assert [int(tok.char_counts()[i]) for i in ids] == [len(tok.decode([i])) for i in ids]
+    assert _counted(tok, ids) == len("the cat")
+
+
 def test_bpe_rejects_too_small_vocab():
     with pytest.raises(GptkilnError, match="at least 257"):
         train_bpe_tokenizer(["abc"], 100)

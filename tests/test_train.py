@@ -57,7 +57,8 @@ def test_training_learns_and_writes_a_run_directory(play_path, play_text, tmp_pa
     ]:
         assert (run / name).is_file(), name
     rows = list(csv.DictReader(open(run / "metrics.csv")))
-    assert list(rows[0]) == ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s"]
+    header = ["step", "tokens", "train_loss", "val_loss", "val_bpc", "lr", "tokens_per_s"]
+    assert list(rows[0]) == header
     assert [int(r["step"]) for r in rows] == [10, 20, 30, 40]
     assert int(rows[-1]["tokens"]) == 40 * 4 * 32  # tokens seen
     assert all(float(r["tokens_per_s"]) > 4 * 32 for r in rows)  # more than a step a second
@@ -129,6 +130,167 @@ def test_compile_says_so_and_keeps_its_first_step_out_of_tokens_per_second(
     assert "step 5 takes longer" in out and "compiled: step 5 took 10.0 s" in out
     rows = read_metrics(tmp_path / "run" / "metrics.csv")
     assert [r["tokens_per_s"] for r in rows] == [None] + [256.0] * 3 + [None, 256.0]
+
+
+PLAY = (
+    "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+    "It is the east, and Juliet is the sun.\n\n"
+    "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?\n"
+    "Deny thy father and refuse thy name.\n\n"
+)
+
+
+@pytest.fixture
+def play_path(tmp_path) -> Path:
+    path = tmp_path / "play.txt"
+    path.write_text(PLAY * 40, encoding="utf-8")
+    return path
+
+
+def test_a_char_models_bits_per_character_are_its_loss_over_ln2(play_path, tmp_path, capsys):
+    """One character a token: bits per character are exactly the loss in bits, in metrics.csv,
+    the training log, the run's result and `gptkiln eval`."""
+    from gptkiln.api import evaluate_run
+
+    cfg = tiny_config(play_path, tmp_path / "run", max_steps=8, sample_prompt="RO", progress=True)
+    result = train(cfg)
+    rows = read_metrics(tmp_path / "run" / "metrics.csv")
+    assert [r["step"] for r in rows] == [4, 8]
+    for row in rows:
+        assert row["val_bpc"] == row["val_loss"] / math.log(2)  # exact: same float operations
+    assert result.val_bpc == rows[-1]["val_bpc"]
+    log = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert log[-1].split(" | ")[2] == (
+        f"val {rows[-1]['val_loss']:.3f} (ppl {math.exp(rows[-1]['val_loss']):.1f}, "
+        f"{rows[-1]['val_bpc']:.3f} bits/char)"
+    )
+    r = evaluate_run(tmp_path / "run", tmp_path / "run" / "data", progress=False)
+    assert r.characters == r.tokens and r.bits_per_char == r.loss / math.log(2)
+
+
+def test_a_bpe_models_bits_per_character_are_its_summed_loss_over_the_decoded_text(tmp_path):
+    """By hand: the summed cross-entropy of every target over the characters of the targets'
+    text. Two batches whose boundary cuts 'é' (two byte ids: this BPE merged nothing with
+    them) in two still count it once."""
+    import torch.nn.functional as F
+
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.tokenizers import train_bpe_tokenizer
+    from gptkiln.train import evaluate_text
+
+    tok = train_bpe_tokenizer(["to be or not to be, " * 30], 270)
+    text = "to be, or not? café to be or"
+    ids = torch.tensor(tok.encode(text))
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i].tolist()).endswith("\ufffd"))
+    assert tok.decode(ids[cut - 1 : cut].tolist()) == "\ufffd"  # the first byte of 'é' alone
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=32, n_layer=1, n_head=1,
+                          n_embd=8))  # fmt: skip
+    x, y = ids[:-1], ids[1:]
+    batches = [(x[None, :cut], y[None, :cut]), (x[None, cut:], y[None, cut:])]
+    result = evaluate_text(model, batches, "cpu", torch.tensor(tok.char_counts()))
+    with torch.no_grad():
+        summed = sum(
+            F.cross_entropy(model(xb)[0], yb[0], reduction="sum").item() for xb, yb in batches
+        )
+    decoded = tok.decode(y.tolist())
+    assert text.endswith(decoded) and "café" in decoded  # the targets: all but the first id
+    assert result.characters == len(decoded)
+    assert result.tokens == len(y) < len(decoded)
+    assert result.bits_per_char == pytest.approx(summed / len(decoded) / math.log(2), rel=1e-6)
+    assert result.loss == pytest.approx(summed / len(y), rel=1e-6)
+
+
+def test_a_resumed_run_reads_an_older_metrics_file_and_writes_every_column(play_path, tmp_path):
+    """metrics.csv from before the val_bpc column: read as it is; a resume rewrites it under
+    today's header, the old rows with the new column empty, and appends full rows."""
+    run = tmp_path / "run"
+    cfg = tiny_config(play_path, run, max_steps=4, eval_interval=2, sample_prompt="RO")
+    train(cfg)
+    old = ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s"]
+    with open(run / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    with open(run / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=old, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    assert [r["step"] for r in read_metrics(run / "metrics.csv")] == [2, 4]
+    assert "val_bpc" not in read_metrics(run / "metrics.csv")[0]
+    train(dataclasses.replace(cfg, max_steps=6), resume=True)
+    with open(run / "metrics.csv") as f:
+        lines = f.read().splitlines()
+    assert lines[0] == "step,tokens,train_loss,val_loss,val_bpc,lr,tokens_per_s"
+    rows = read_metrics(run / "metrics.csv")
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    assert [r["val_bpc"] is None for r in rows] == [True, True, False]
+    assert (run / "loss.png").is_file()
+
+
+def _clock(monkeypatch, seconds_per_read: float = 0.5):
+    """train.now as a clock that moves ``seconds_per_read`` each time it is read: the trainer
+    reads it before and after each step, so a step takes 0.5 s and so does the gap after it."""
+    import itertools
+
+    import gptkiln.train
+
+    ticks = itertools.count()
+    monkeypatch.setattr(gptkiln.train, "now", lambda: next(ticks) * seconds_per_read)
+
+
+def test_max_time_ends_the_run_at_the_first_step_past_the_budget(play_path, tmp_path, monkeypatch):
+    """Training time after step k is k - 0.5 s on this clock: a 5 s budget ends at step 6, which
+    is evaluated and saved like the last step of any run; the cosine, fitted to the budget,
+    has come down to its floor by then, though 6 steps are far from max_steps."""
+    from gptkiln.optim import lr_at
+
+    _clock(monkeypatch)
+    run = tmp_path / "run"
+    cfg = tiny_config(
+        play_path, run, max_steps=1000, max_time=5 / 60, eval_interval=2, sample_prompt="RO",
+        warmup_steps=1, lr=1e-3, min_lr=1e-4,
+    )  # fmt: skip
+    result = train(cfg)
+    assert result.steps == 6 and result.val_loss is not None and result.val_bpc is not None
+    _, state = read_checkpoint(run)
+    assert state["step"] == 6 and state["train_seconds"] == 5.5
+    assert (run / "loss.png").is_file()
+    rows = read_metrics(run / "metrics.csv")
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    # step s (1-based) is given the lr of the time spent before it: s - 1.5 s of 5
+    schedule = dict(lr=1e-3, min_lr=1e-4, warmup_steps=1, total_steps=1000)
+    for row in rows:
+        used = (row["step"] - 1.5) / (cfg.max_time * 60)
+        assert row["lr"] == lr_at(int(row["step"]) - 1, **schedule, time_used=used)
+    assert rows[-1]["lr"] < 1.3e-4 < 9e-4 < lr_at(5, **schedule)  # by steps alone: near the top
+
+
+def test_a_time_budgeted_run_resumes_with_the_time_it_has_left(play_path, tmp_path, monkeypatch):
+    _clock(monkeypatch)
+    run = tmp_path / "run"
+    cfg = tiny_config(play_path, run, max_steps=1000, max_time=5 / 60, sample_prompt="RO")
+    train(cfg)
+    assert read_checkpoint(run)[1]["train_seconds"] == 5.5
+    # the budget is spent: nothing to train, nothing changed
+    result = train(cfg, resume=True)
+    assert result.steps == 6 and read_checkpoint(run)[1]["step"] == 6
+    # 8 s in all: the new process counts from its first step on (its start-up is no training):
+    # 6.0, 7.0 and 8.0 s after steps 7, 8 and 9
+    result = train(dataclasses.replace(cfg, max_time=8 / 60), resume=True)
+    assert result.steps == 9
+    assert read_checkpoint(run)[1]["train_seconds"] == 8.0
+
+
+def test_max_steps_still_ends_a_run_whose_budget_is_not_spent(play_path, tmp_path, monkeypatch):
+    _clock(monkeypatch)
+    cfg = tiny_config(play_path, tmp_path / "run", max_steps=4, max_time=1.0, sample_prompt="RO")
+    from gptkiln.optim import lr_at
+
+    result = train(cfg)
+    assert result.steps == 4 and read_checkpoint(tmp_path / "run")[1]["train_seconds"] == 3.5
+    schedule = dict(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=2, total_steps=4)
+    # the steps are further along their cosine (step 4: 1/2) than the time (3 s of 60)
+    assert [r["lr"] for r in result.history] == [lr_at(3, **schedule)]
 
 
 def test_batches_are_disjoint_across_ranks_and_equal_one_big_batch():

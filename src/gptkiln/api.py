@@ -253,9 +253,23 @@ def generate_text(
 
 @dataclass
 class EvalResult:
+    """A model's loss on text.
+
+    Attributes:
+        loss: mean cross-entropy per token, in nats.
+        perplexity: ``exp(loss)``.
+        tokens: the target tokens scored.
+        characters: the characters of the text those tokens are (a document separator counts
+            one; see `Tokenizer.char_counts`).
+        bits_per_char: the summed loss over ``characters``, in bits: comparable across
+            tokenizers, unlike ``loss``.
+    """
+
     loss: float
     perplexity: float
     tokens: int
+    characters: int
+    bits_per_char: float
 
 
 def evaluate_run(
@@ -266,17 +280,20 @@ def evaluate_run(
     device: str = "cpu",
     progress: bool = True,
 ) -> EvalResult:
-    """Cross-entropy and perplexity of a model on text.
+    """Cross-entropy, perplexity and bits per character of a model on text.
 
     Args:
         data: a prepared data directory (its validation split is used) or a text/jsonl file,
-            tokenized with the run's tokenizer and cut into non-overlapping context windows.
+            tokenized with the run's tokenizer and cut into non-overlapping context windows
+            (a last part shorter than a window is left out: the characters counted are those
+            of the targets scored).
     """
     import numpy as np
     from tqdm.auto import tqdm
 
     from gptkiln.data.windows import SlidingWindowDataset
     from gptkiln.loading import check_ids_fit, check_language_model, load_run
+    from gptkiln.train import bits_per_char
 
     if batch_size < 1:
         raise GptkilnError(f"batch_size must be >= 1, got {batch_size}")
@@ -290,16 +307,24 @@ def evaluate_run(
     dataset = SlidingWindowDataset(
         np.asarray(tokens), min(ctx, len(tokens) - 1), min(ctx, len(tokens) - 1)
     )
-    total, count = 0.0, 0
+    char_counts = torch.tensor(tokenizer.char_counts())
+    total, count, chars = 0.0, 0, 0
     with torch.no_grad():
         for start in tqdm(range(0, len(dataset), batch_size), disable=not progress, unit="batch"):
             xs, ys = zip(*(dataset[i] for i in range(start, min(start + batch_size, len(dataset)))))
-            x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
-            _, loss = model(x, y)
+            x, y = torch.stack(xs), torch.stack(ys)
+            _, loss = model(x.to(device), y.to(device))
             total += loss.item() * y.numel()
             count += y.numel()
+            chars += int(char_counts[y].sum())
     loss = total / count
-    return EvalResult(loss=loss, perplexity=math.exp(min(loss, 50)), tokens=count)
+    return EvalResult(
+        loss=loss,
+        perplexity=math.exp(min(loss, 50)),
+        tokens=count,
+        characters=chars,
+        bits_per_char=bits_per_char(loss, count, chars),
+    )
 
 
 def _eval_tokens(data: Path, tokenizer):

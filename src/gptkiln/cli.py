@@ -71,7 +71,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 # -- train -----------------------------------------------------------------------------------
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
 _STR_METAVARS = {"data": "PATH", "out": "DIR", "model": "PRESET", "tokenizer": "SPEC"}
-_STR_METAVARS |= {"device": "DEVICE", "gelu": "KIND"}
+_STR_METAVARS |= {"device": "DEVICE", "gelu": "KIND", "max_time": "MINUTES"}
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> dict[str, Any]:
@@ -239,7 +239,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if result.val_loss is not None and int(os.environ.get("RANK", 0)) == 0:
         print(
             f"done: {result.steps} steps, {result.tokens_seen:,} tokens; "
-            f"train loss {result.train_loss:.3f}, val loss {result.val_loss:.3f}; "
+            f"train loss {result.train_loss:.3f}, val loss {result.val_loss:.3f} "
+            f"({result.val_bpc:.3f} bits/char); "
             f"run saved in {result.run_dir}"
         )
 
@@ -411,7 +412,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
         device=resolve_device(args.device),
         progress=not args.quiet,
     )
-    print(f"loss {r.loss:.4f} | perplexity {r.perplexity:.2f} | {r.tokens:,} tokens")
+    print(
+        f"loss {r.loss:.4f} | perplexity {r.perplexity:.2f} | {r.bits_per_char:.4f} bits/char "
+        f"| {r.tokens:,} tokens, {r.characters:,} characters"
+    )
 
 
 # -- info ------------------------------------------------------------------------------------

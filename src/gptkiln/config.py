@@ -241,7 +241,10 @@ class TrainConfig:
     Sampling of training data: ``"windows"`` walks the book's sliding windows (``stride``) in
     seeded-shuffled epochs; ``"random"`` draws windows at seeded random offsets (nanoGPT style,
     for corpora far larger than one pass). The run length is ``max_steps`` optimizer steps, or
-    ``epochs`` passes over the windows when ``max_steps`` is 0 (windows sampling only).
+    ``epochs`` passes over the windows when ``max_steps`` is 0 (windows sampling only); with
+    ``max_time`` (minutes), the run also ends at the first step after that much training wall
+    time (steps, evaluations, samples and checkpoints; not data preparation), and the cosine
+    schedule decays over whichever of the two ends first.
 
     Each field carries its group and one line of help (`setting`), which ``gptkiln train
     --help`` shows; every field is also a key of a YAML recipe.
@@ -303,6 +306,13 @@ class TrainConfig:
         0,
         "optimisation",
         "passes over the windows when --max-steps is 0 (>= 0; needs --sampling windows)",
+    )
+    max_time: float | None = setting(
+        None,
+        "optimisation",
+        "also end at the first step past this many minutes of training (> 0); the cosine "
+        "follows whichever of steps and time is further along",
+        unset="no time limit",
     )
     lr: float = setting(1e-3, "optimisation", "peak learning rate, reached after warm-up (> 0)")
     min_lr: float = setting(
@@ -401,6 +411,11 @@ class TrainConfig:
             raise GptkilnError(f"sampling must be 'windows' or 'random', got {self.sampling!r}")
         if self.parallel not in ("ddp", "fsdp"):
             raise GptkilnError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        if self.max_time is not None and not 0 < self.max_time < math.inf:
+            raise GptkilnError(
+                f"max_time must be a number of minutes > 0 (or unset for no time limit), "
+                f"got {self.max_time!r}"
+            )
         if not 0 < self.lr < math.inf:
             raise GptkilnError(f"lr must be a finite number > 0, got {self.lr!r}")
         _check_seed(self.seed)

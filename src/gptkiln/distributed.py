@@ -196,6 +196,15 @@ def all_reduce_sum(values: torch.Tensor, world: World) -> torch.Tensor:
     return values
 
 
+def all_reduce_max(value: float, world: World) -> float:
+    """The largest of every rank's ``value`` (``value`` itself in one process)."""
+    if not world.distributed:
+        return value
+    values = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.item()
+
+
 def any_rank(flag: bool, world: World) -> bool:
     """Whether any rank passed True."""
     if not world.distributed:

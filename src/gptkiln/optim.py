@@ -38,16 +38,28 @@ def _is_plain_tensor(model: nn.Module) -> bool:
 
 
 def lr_at(
-    step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int, decay: bool = True
+    step: int,
+    *,
+    lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    decay: bool = True,
+    time_used: float = 0.0,
 ) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warm-up from lr/warmup to lr over
     ``warmup_steps``, then cosine decay to ``min_lr`` at ``total_steps`` (constant lr when
-    ``decay`` is False, as in the book's chapter 5)."""
+    ``decay`` is False, as in the book's chapter 5).
+
+    ``time_used`` is the share of a time budget spent before this step (0 without one): the
+    cosine follows whichever of the steps and the time is further along, so a run cut by its
+    time budget still ends at ``min_lr``.
+    """
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if not decay:
         return lr
-    if step >= total_steps:
+    progress = max((step - warmup_steps) / max(1, total_steps - warmup_steps), time_used)
+    if step >= total_steps or progress >= 1.0:
         return min_lr
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)

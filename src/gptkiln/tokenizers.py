@@ -92,6 +92,28 @@ class Tokenizer(ABC):
         """
         return [np.asarray(ids, dtype=np.int64) for ids in self.encode_ordinary_batch(texts)]
 
+    def char_counts(self) -> np.ndarray:
+        """Characters each id adds to decoded text, ``(vocab_size,)`` int64; computed once.
+
+        An id counts the characters whose first UTF-8 byte it holds, so over any run of ids that
+        starts and ends between characters the counts add up to the characters of the decoded
+        text, even where byte-level ids split a character. ``<|endoftext|>`` counts as one
+        character: the separator between two documents, as a newline is between two lines.
+        This is what bits per character divide by (`gptkiln.train.evaluate`).
+        """
+        if getattr(self, "_char_counts", None) is None:
+            counts = self._count_chars()
+            if self.eot_id is not None:
+                counts[self.eot_id] = 1
+            counts.setflags(write=False)
+            self._char_counts = counts
+        return self._char_counts
+
+    def _count_chars(self) -> np.ndarray:
+        """Characters of each id, ``(vocab_size,)`` int64 (the eot id is set afterwards); here
+        each id decoded alone, right for kinds whose ids are whole characters."""
+        return np.array([len(self.decode([i])) for i in range(self.vocab_size)], dtype=np.int64)
+
     def fingerprint(self) -> str:
         """A digest of what maps text to ids: equal exactly when two tokenizers give the same
         ids (a kind and size alone do not tell two BPEs or two char alphabets apart)."""
@@ -116,6 +138,16 @@ class Tokenizer(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+def _lead_bytes_per_piece(pieces: Sequence[bytes]) -> np.ndarray:
+    """For each byte string, how many of its bytes start a UTF-8 character (not ``0b10xxxxxx``):
+    ``(len(pieces),)`` int64."""
+    lengths = np.array([len(p) for p in pieces], dtype=np.int64)
+    flat = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+    leads = np.concatenate([[0], np.cumsum((flat & 0xC0) != 0x80)])  # [k]: in the first k bytes
+    ends = np.cumsum(lengths)
+    return leads[ends] - leads[ends - lengths]
 
 
 # ----------------------------------------------------------------------------------------- gpt2
@@ -237,6 +269,10 @@ class GPT2Tokenizer(Tokenizer):
     def token_bytes(self, token_id: int) -> bytes:
         return self._encoding.decode_single_token_bytes(int(token_id))
 
+    def _count_chars(self) -> np.ndarray:
+        pieces = [self.token_bytes(i) for i in range(GPT2_EOT_ID)]
+        return _lead_bytes_per_piece([*pieces, b""])
+
 
 # ----------------------------------------------------------------------------------------- char
 
@@ -310,6 +346,9 @@ class CharTokenizer(Tokenizer):
                     "were these ids made by another tokenizer?"
                 )
         return "".join(out)
+
+    def _count_chars(self) -> np.ndarray:
+        return np.ones(self.vocab_size, dtype=np.int64)
 
     def _identity(self) -> str:
         return json.dumps({"chars": list(self.chars), "eot": self.eot_id}, ensure_ascii=True)
@@ -398,6 +437,17 @@ class BPETokenizer(Tokenizer):
             return piece.encode("utf-8")
         byte_of = _unicode_to_bytes()
         return bytes(byte_of[ch] for ch in piece)  # the byte-level pre-tokenizer's alphabet
+
+    def _count_chars(self) -> np.ndarray:
+        byte_of = _unicode_to_bytes()
+        added = self._hf.get_added_tokens_decoder()  # id -> special token, e.g. <|endoftext|>
+        pieces = [b""] * self.vocab_size
+        for token, i in self._hf.get_vocab(with_added_tokens=False).items():
+            if i not in added:  # a byte-level token: printable stand-ins for its bytes
+                pieces[i] = bytes(byte_of[ch] for ch in token)
+        counts = _lead_bytes_per_piece(pieces)
+        counts[list(added)] = 1
+        return counts
 
     def _identity(self) -> str:
         return self._hf.to_str()

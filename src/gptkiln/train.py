@@ -37,8 +37,10 @@ from gptkiln.errors import GptkilnError, RunStopped
 from gptkiln.model import GPT
 from gptkiln.optim import lr_at, make_optimizer
 
-METRICS_FIELDS = ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s"]
-"""metrics.csv's columns for pretraining; a task's own columns go between tokens and lr."""
+METRICS_FIELDS = ["step", "tokens", "train_loss", "val_loss", "val_bpc", "lr", "tokens_per_s"]
+"""metrics.csv's columns for pretraining (``val_bpc``: bits per character of the validation
+text; files written before it lack the column, and `read_metrics` reads them all the same); a
+task's own columns go between tokens and lr."""
 
 
 class EpochOrder:
@@ -230,6 +232,57 @@ def evaluate(
 
 
 @dataclass
+class Evaluation:
+    """What `evaluate_text` measured over a list of batches.
+
+    Attributes:
+        loss: mean cross-entropy per target token, in nats.
+        tokens: target tokens scored.
+        characters: characters of those targets' text (`Tokenizer.char_counts`).
+    """
+
+    loss: float
+    tokens: int
+    characters: int
+
+    @property
+    def bits_per_char(self) -> float | None:
+        """The summed loss over the characters of the text scored, in bits: comparable across
+        tokenizers, which cut the same text into different numbers of tokens."""
+        if not self.characters:
+            return None
+        return bits_per_char(self.loss, self.tokens, self.characters)
+
+
+def bits_per_char(loss: float, tokens: int, characters: int) -> float:
+    """Bits per character of a text from its mean cross-entropy per token in nats: the summed
+    loss over the characters, over ln 2 (for a char tokenizer exactly ``loss / ln 2``)."""
+    return loss * (tokens / characters) / math.log(2)
+
+
+def evaluate_text(
+    model: torch.nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    device: str,
+    char_counts: torch.Tensor,
+    world: dist_utils.World | None = None,
+    autocast=None,
+) -> Evaluation:
+    """`evaluate`, also counting the characters of the targets' text for bits per character.
+
+    Args:
+        char_counts: characters per id, ``(vocab_size,)`` (`Tokenizer.char_counts`).
+    """
+    counts = char_counts.to(device)
+
+    def measure(logits, loss, y):  # (summed loss, targets, characters) of one batch
+        return torch.cat([loss_sums(logits, loss, y), counts[y].sum().double().reshape(1)])
+
+    loss_sum, tokens, chars = sum_over_batches(model, batches, device, world, autocast, measure)
+    return Evaluation(loss=loss_sum / tokens, tokens=int(tokens), characters=int(chars))
+
+
+@dataclass
 class TrainResult:
     """What a finished run reports."""
 
@@ -240,6 +293,7 @@ class TrainResult:
     val_loss: float | None
     sample: str | None
     history: list[dict] = field(default_factory=list)
+    val_bpc: float | None = None  # bits per character of the validation text
 
 
 def model_config_for(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
@@ -424,7 +478,7 @@ class LanguageModeling:
     """Pretraining's task: text prepared into tokens, windows of it, a fresh GPT predicting the
     next token, samples from ``cfg.sample_prompt``."""
 
-    columns = ("train_loss", "val_loss")
+    columns = ("train_loss", "val_loss", "val_bpc")
     plots = ("loss",)
 
     def __init__(self, ctx: RunContext):
@@ -448,6 +502,7 @@ class LanguageModeling:
         # eval_batches of the global batch, split across ranks: N x b evaluates what 1 x Nb does.
         n_eval = cfg.eval_batches * ctx.world.world_size
         self.val_batches = eval_batches(self.data.val, ctx_len, cfg.batch_size, n_eval)
+        self.char_counts = torch.tensor(self.tokenizer.char_counts())
         self.train_eval_batches = (
             eval_batches(self.data.train, ctx_len, cfg.batch_size, n_eval) if cfg.eval_train else []
         )
@@ -527,16 +582,23 @@ class LanguageModeling:
 
     # -- what the loop asks --------------------------------------------------------------------
     def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
-        """Loss on the fixed validation and training batches (None for a set left out)."""
+        """Loss on the fixed validation and training batches (None for a set left out), and
+        bits per character of the validation batches' text."""
         device, world = self.ctx.device, self.ctx.world
+        train = self.train_eval_batches
+        val = evaluate_text(model, self.val_batches, device, self.char_counts, world, autocast)
         return {
-            f"{split}_loss": evaluate(model, batches, device, world, autocast) if batches else None
-            for split, batches in (("train", self.train_eval_batches), ("val", self.val_batches))
+            "train_loss": evaluate(model, train, device, world, autocast) if train else None,
+            "val_loss": val.loss,
+            "val_bpc": val.bits_per_char,
         }
 
     def summary(self, row: dict) -> str:
-        val = row["val_loss"]
-        val_text = f" | val {val:.3f} (ppl {math.exp(min(val, 50)):.1f})" if val else ""
+        val, bpc = row["val_loss"], row.get("val_bpc")
+        val_text = ""
+        if val is not None:
+            bpc_text = "" if bpc is None else f", {bpc:.3f} bits/char"
+            val_text = f" | val {val:.3f} (ppl {math.exp(min(val, 50)):.1f}{bpc_text})"
         return f"train {row['train_loss']:.3f}{val_text}"
 
     def sample(self, model: GPT, use_cache: bool) -> str:
@@ -619,6 +681,8 @@ class Trainer:
         self.batches = self.task.batches
         self.metrics_fields = ["step", "tokens", *self.task.columns, "lr", "tokens_per_s"]
         self.step, self.tokens, self.history, self.saved_step = 0, 0, [], None
+        self.train_seconds = 0.0  # wall time spent in the training loop, over all its resumes
+        self.budget_s = None if cfg.max_time is None else cfg.max_time * 60
         torch.manual_seed(cfg.seed + self.world.rank)  # dropout differs across ranks
         if resume:
             self._restore()
@@ -689,24 +753,12 @@ class Trainer:
             GptkilnError: when this process was stopped (SIGTERM) or lost the other ranks (one
                 died or hung past GPTKILN_DIST_TIMEOUT); the message names the last checkpoint.
         """
-        from tqdm.auto import tqdm
-
-        if self.step >= self.batches.total_steps and self.world.is_main:
-            print(
-                f"nothing to train: {self.run_dir} is already at step {self.step} of "
-                f"{self.batches.total_steps}; raise --max-steps (or --epochs) to go on",
-                file=sys.stderr,
-            )
-        bar = tqdm(
-            total=self.batches.total_steps,
-            initial=self.step,
-            unit="step",
-            dynamic_ncols=True,
-            disable=not (self.cfg.progress and self.world.is_main),
-        )
+        if self.world.is_main:
+            self._say_if_nothing_to_train()
+        bar = self._progress_bar()
         try:
             with self.guard:
-                train_loss, val_loss = self._loop(bar)
+                train_loss, val_loss, val_bpc = self._loop(bar)
                 if self.world.is_main:
                     self.plot()
                 sample = self.log_sample(bar)
@@ -726,27 +778,69 @@ class Trainer:
             val_loss,
             sample,
             self.history,
+            val_bpc,
         )
 
-    def _loop(self, bar) -> tuple[float | None, float | None]:
-        """Optimizer steps until the last; evaluates, samples and saves at their intervals."""
+    def _progress_bar(self):
+        """A bar of steps, or of seconds when the run has a time budget (its steps are unknown)."""
+        from tqdm.auto import tqdm
+
+        options = dict(dynamic_ncols=True, disable=not (self.cfg.progress and self.world.is_main))
+        if self.budget_s is None:
+            return tqdm(total=self.batches.total_steps, initial=self.step, unit="step", **options)
+        shown = "{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]"
+        start = min(self.train_seconds, self.budget_s)
+        return tqdm(total=self.budget_s, initial=start, bar_format=shown, **options)
+
+    def _say_if_nothing_to_train(self) -> None:
+        if self.step >= self.batches.total_steps:
+            print(
+                f"nothing to train: {self.run_dir} is already at step {self.step} of "
+                f"{self.batches.total_steps}; raise --max-steps (or --epochs) to go on",
+                file=sys.stderr,
+            )
+        elif self._out_of_time():
+            print(
+                f"nothing to train: {self.run_dir} has trained {self.train_seconds / 60:.2f} "
+                f"minutes, its --max-time is {self.cfg.max_time:g}; raise --max-time to go on",
+                file=sys.stderr,
+            )
+
+    def _out_of_time(self) -> bool:
+        return self.budget_s is not None and self.train_seconds >= self.budget_s
+
+    def _clock(self, seconds: float) -> None:
+        """Record ``seconds`` of training so far. With a time budget, every rank takes the
+        slowest rank's clock, so all agree on the learning rate and on the last step."""
+        if self.budget_s is not None:
+            seconds = dist_utils.all_reduce_max(seconds, self.world)
+        self.train_seconds = seconds
+
+    def _loop(self, bar) -> tuple[float | None, float | None, float | None]:
+        """Optimizer steps until the last (``max_steps``, epochs, or the time budget);
+        evaluates, samples and saves at their intervals. Returns the last evaluation's (train
+        loss, val loss, val bits per character)."""
         cfg, total = self.cfg, self.batches.total_steps
-        train_loss = val_loss = None
+        train_loss = val_loss = val_bpc = None
         tokens_per_s = None  # no step timed yet
-        compiling = cfg.compile and self.step < total  # torch.compile works in the next step
-        if compiling and self.world.is_main:
+        origin = None  # where this process's clock reads 0 training seconds (set at step 1)
+        compiling = cfg.compile and self.step < total and not self._out_of_time()
+        if compiling and self.world.is_main:  # torch.compile works in the next step
             bar.write(
                 f"compiling the model with torch.compile: step {self.step + 1} takes longer (tens "
                 "of seconds; torch caches the compiled code, so later runs start sooner)"
             )
-        while self.step < total:
+        while self.step < total and not self._out_of_time():
             dist_utils.fail_for_test(self.step, self.world)
             t0 = now()
+            origin = t0 - self.train_seconds if origin is None else origin
             step_tokens = self.batches.tokens(self.step)
             lr, loss = self.train_step(total)
             self.step += 1
             self.tokens += step_tokens
-            dt = now() - t0
+            t1 = now()
+            self._clock(t1 - origin)
+            dt = t1 - t0
             if compiling:  # the compile time is no step's speed: keep it out of tokens/s
                 compiling = False
                 if self.world.is_main:
@@ -755,16 +849,16 @@ class Trainer:
                 tokens_per_s = step_tokens / dt
             else:
                 tokens_per_s = 0.9 * tokens_per_s + 0.1 * step_tokens / dt
-            bar.update(1)
+            bar.update(1 if self.budget_s is None else min(self.train_seconds, bar.total) - bar.n)
             if self.cfg.progress and self.world.distributed:  # the whole batch's, not rank 0's
                 shown = dist_utils.all_reduce_mean(torch.tensor(loss), self.world).item()
             else:
                 shown = loss
             speed = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
-            bar.set_postfix(loss=f"{shown:.3f}", tok_s=speed, refresh=False)
-            last = self.step == total
+            bar.set_postfix(step=self.step, loss=f"{shown:.3f}", tok_s=speed, refresh=False)
+            last = self.step == total or self._out_of_time()
             if self.step % cfg.eval_interval == 0 or last:
-                train_loss, val_loss = self.log_eval(loss, lr, tokens_per_s, bar)
+                train_loss, val_loss, val_bpc = self.log_eval(loss, lr, tokens_per_s, bar)
             if not self.world.distributed and not math.isfinite(loss):
                 raise GptkilnError(self._diverged_message(f"the loss is {loss}"))
             save = self.step % cfg.checkpoint_interval == 0 or last
@@ -775,7 +869,7 @@ class Trainer:
                 self.save()
             if sample:  # after the save: a sample that fails never costs a checkpoint
                 self.log_sample(bar)
-        return train_loss, val_loss
+        return train_loss, val_loss, val_bpc
 
     def _finite(self, loss: float) -> bool:
         """This rank's last loss and weights (its shards, with FSDP) are all finite numbers."""
@@ -823,6 +917,7 @@ class Trainer:
             warmup_steps=cfg.warmup_steps,
             total_steps=total,
             decay=cfg.decay_lr,
+            time_used=0.0 if self.budget_s is None else self.train_seconds / self.budget_s,
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -867,7 +962,7 @@ class Trainer:
                 f"step {self.step:>6} | {self.task.summary(row)} "
                 f"| lr {lr:.2e}" + ("" if tokens_per_s is None else f" | {tokens_per_s:,.0f} tok/s")
             )
-        return row["train_loss"], row.get("val_loss")
+        return row["train_loss"], row.get("val_loss"), row.get("val_bpc")
 
     def log_sample(self, bar) -> str | None:
         """Every rank generates (FSDP needs all of them); rank 0 prints."""
@@ -919,6 +1014,7 @@ class Trainer:
                 "rng": rng,
                 "cuda_rng": cuda_rng,  # each rank's own device's generator
                 "scheduler": {"step": self.step, "total_steps": self.batches.total_steps},
+                "train_seconds": self.train_seconds,
             }
             with self.guard.hold():  # a SIGTERM now would leave half a checkpoint
                 self.task.save(model_sd, state, self.cfg.to_dict())
@@ -932,6 +1028,8 @@ class Trainer:
         self.step = self.saved_step = int(state["step"])
         # a resume may change the batch or the processes: the tokens seen so far are counted
         self.tokens = int(state.get("tokens", self.step * self.batches.tokens(0)))
+        # a checkpoint from before time budgets has no clock: its time so far counts as 0
+        self.train_seconds = float(state.get("train_seconds", 0.0))
         saved_batch = state.get("global_batch")
         if self.batches.walks_epochs and saved_batch not in (None, self.batches.global_batch):
             what = "windows" if isinstance(self.task, LanguageModeling) else "examples"

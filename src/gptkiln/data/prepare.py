@@ -150,13 +150,14 @@ def _batches(items: Iterable[tuple], batch_chars: int) -> Iterator[list[tuple]]:
 
 def _write_tokens(
     staging: Path, pieces, tokenizer: Tokenizer, dtype, batch_chars, bar, threads=None
-) -> list:
-    """Encode tagged pieces batch by batch and append them to ``train.bin`` / ``val.bin``.
+) -> tuple[list[int], list[int]]:
+    """Encode tagged pieces batch by batch and append them to ``train.bin`` / ``val.bin``;
+    ``([train ids, val ids], [train characters, val characters])``.
 
     The next batch is encoded on a helper thread (the encoders release the GIL) while this one is
     converted and written, so reading, encoding and writing overlap.
     """
-    counts = [0, 0]
+    counts, chars = [0, 0], [0, 0]
     files = [open(staging / f"{name}.bin", "wb") for name in _SPLITS]
     # num_threads only when asked for: a Tokenizer subclass of its own may not take it
     options = {} if threads is None else {"num_threads": threads}
@@ -170,24 +171,28 @@ def _write_tokens(
             for batch in _batches(pieces, batch_chars):
                 future = pool.submit(encode, batch)
                 if pending is not None:
-                    _append(pending.result(), tokenizer.eot_id, dtype, files, counts, bar)
+                    _append(pending.result(), tokenizer.eot_id, dtype, files, counts, chars, bar)
                 pending = future
             if pending is not None:
-                _append(pending.result(), tokenizer.eot_id, dtype, files, counts, bar)
+                _append(pending.result(), tokenizer.eot_id, dtype, files, counts, chars, bar)
     finally:
         for f in files:
             f.close()
-    return counts
+    return counts, chars
 
 
-def _append(encoded, eot_id, dtype, files, counts, bar) -> None:
+def _append(encoded, eot_id, dtype, files, counts, chars, bar) -> None:
+    """Write a batch's ids to its splits' files; count the ids and characters of each split (a
+    document separator is one character, as `Tokenizer.char_counts` counts it)."""
     batch, arrays = encoded
     for (split, starts_document, text), ids in zip(batch, arrays, strict=True):
         if starts_document and counts[split]:
             np.array([eot_id], dtype=dtype).tofile(files[split])
             counts[split] += 1
+            chars[split] += 1
         ids.astype(dtype, copy=False).tofile(files[split])
         counts[split] += len(ids)
+        chars[split] += len(text)
         bar.update(_utf8_len(text))
 
 
@@ -281,7 +286,7 @@ def _write_dataset(
     pieces = iter_pieces(source, piece_chars=min(PIECE_CHARS, batch_chars))
     pieces = _assign_splits(pieces, split_at)
     with _progress(survey.utf8_bytes, f"tokenizing ({tok.kind})", progress) as bar:
-        train_tokens, val_tokens = _write_tokens(
+        (train_tokens, val_tokens), (train_chars, val_chars) = _write_tokens(
             staging, pieces, tok, dtype, batch_chars, bar, threads
         )
     if min(train_tokens, val_tokens) < 2:
@@ -299,6 +304,10 @@ def _write_dataset(
         "dtype": dtype.name,
         "train_tokens": train_tokens,
         "val_tokens": val_tokens,
+        # the characters of the text that became each split, a document separator counted as
+        # one: what the split's ids add up to in Tokenizer.char_counts (bits per character)
+        "train_characters": train_chars,
+        "val_characters": val_chars,
         "val_fraction": val_fraction,
         "source": DEFAULT_SOURCE if source is None else str(source),
         "checksums": source_checksums(source),
