@@ -4,6 +4,7 @@ fixed training time on this machine, ranked by bits per character of the validat
     python bench/first_run.py speed  [NAME ...] [--minutes 0.75]  # each one's speed (exclusive)
     python bench/first_run.py steps  [NAME ...] --speeds FILE      # the steps that fit (shared)
     python bench/first_run.py budget [NAME ...] [--minutes 3]      # --max-time runs (exclusive)
+    python bench/first_run.py score  [NAME ...]                    # score a run already trained
 
 Every configuration (``CONFIGS``) trains on the bundled plays (``shakespeare``), prepared once per
 tokenizer with val_fraction 0.1: ``prepare`` splits by characters, so every tokenizer's
@@ -75,6 +76,9 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     "bpe16k-narrow": ("bpe:16384", ["--model", "narrow"]),
     "bpe16k-mini": ("bpe:16384", ["--model", "mini"]),
     "bpe32k-baby": ("bpe:32768", ["--model", "baby"]),
+    "bpe16k-baby-exact": ("bpe:16384", ["--model", "baby", "--gelu", "exact"]),
+    "bpe16k-baby-b16": ("bpe:16384", ["--model", "baby", "--batch-size", "16"]),
+    "bpe16k-baby-untied": ("bpe:16384", ["--model", "baby", "--no-tie-embeddings"]),
 }
 """name -> (tokenizer, train flags); ``NAME+compile`` adds ``--compile`` to any of them."""
 
@@ -101,7 +105,12 @@ def prepared(work: Path, tokenizer: str) -> Path:
 
 
 def run_one(
-    name: str, work: Path, flags: list[str], cut_schedule: bool = False, score: bool = True
+    name: str,
+    work: Path,
+    flags: list[str],
+    cut_schedule: bool = False,
+    score: bool = True,
+    train: bool = True,
 ) -> dict:
     """Train, score and sample one configuration in a fresh process; its RESULT."""
     tokenizer, config_flags = config(name)
@@ -110,6 +119,7 @@ def run_one(
     argv = ["train", "--data", str(data), "--out", str(run_dir), "--overwrite", "--no-progress"]
     argv += [*config_flags, *ONLY_AT_THE_END, *flags]
     job = {"argv": argv, "run_dir": str(run_dir), "cut_schedule": cut_schedule, "score": score}
+    job["train"] = train
     env = dict(os.environ, OMP_NUM_THREADS=str(common.THREADS))
     with tempfile.TemporaryDirectory(prefix="gptkiln-inductor-") as cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache  # compiling from nothing, as a new user does
@@ -147,10 +157,11 @@ def worker(job: dict) -> None:
     from contextlib import redirect_stdout
 
     log = io.StringIO()
-    with redirect_stdout(log):
-        code = cli.main(job["argv"])
-    if code:
-        raise SystemExit(code)
+    if job.get("train", True):
+        with redirect_stdout(log):
+            code = cli.main(job["argv"])
+        if code:
+            raise SystemExit(code)
     output = log.getvalue()
     print(output, end="")
     run_dir = Path(job["run_dir"])
@@ -204,7 +215,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
         return worker(json.loads(sys.argv[2]))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=["speed", "steps", "budget"])
+    p.add_argument("mode", choices=["speed", "steps", "budget", "score"])
     p.add_argument("names", nargs="*", help="configurations (default: all of CONFIGS)")
     p.add_argument("--minutes", type=float, help="--max-time of speed (0.75) / budget (3) runs")
     p.add_argument("--budget", type=float, default=3.0, help="minutes the steps should fill")
@@ -223,7 +234,7 @@ def main() -> None:
     for name in names:
         if args.mode == "speed":
             flags = ["--max-time", str(args.minutes or 0.75), "--max-steps", "1000000"]
-        elif args.mode == "steps":
+        elif args.mode in ("steps", "score"):
             flags = ["--max-steps", str(speeds[name]["steps_in_budget"])]
         else:
             flags = ["--max-time", str(args.minutes or 3.0), "--max-steps", "1000000"]
@@ -233,6 +244,7 @@ def main() -> None:
             flags + extra,
             cut_schedule=args.cut_schedule,
             score=args.mode != "speed",
+            train=args.mode != "score",
         )
         r["tag"] = args.tag
         if args.mode == "speed":
