@@ -132,21 +132,6 @@ def test_compile_says_so_and_keeps_its_first_step_out_of_tokens_per_second(
     assert [r["tokens_per_s"] for r in rows] == [None] + [256.0] * 3 + [None, 256.0]
 
 
-PLAY = (
-    "ROMEO:\nBut soft, what light through yonder window breaks?\n"
-    "It is the east, and Juliet is the sun.\n\n"
-    "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?\n"
-    "Deny thy father and refuse thy name.\n\n"
-)
-
-
-@pytest.fixture
-def play_path(tmp_path) -> Path:
-    path = tmp_path / "play.txt"
-    path.write_text(PLAY * 40, encoding="utf-8")
-    return path
-
-
 def test_a_char_models_bits_per_character_are_its_loss_over_ln2(play_path, tmp_path, capsys):
     """One character a token: bits per character are exactly the loss in bits, in metrics.csv,
     the training log, the run's result and `gptkiln eval`."""
