@@ -262,9 +262,9 @@ class TrainConfig:
         "checkpoints",
         "the run directory: weights, tokenizer, trainer state, metrics.csv, loss.png",
     )
-    model: str = setting("mini", "model", f"model preset: {' | '.join(PRESETS)}")
+    model: str = setting("baby", "model", f"model preset: {' | '.join(PRESETS)}")
     tokenizer: str = setting(
-        "gpt2",
+        "bpe:16384",  # trained on the corpus; "gpt2" for GPT-2's weights and export
         "data",
         "gpt2 (OpenAI's BPE) | char | bpe:N (a byte-level BPE of N ids trained on the text; "
         "bpe alone: 8192); prepared data keeps its own",
@@ -300,7 +300,7 @@ class TrainConfig:
     batch_size: int = setting(8, "optimisation", "windows per micro-batch, per process (>= 1)")
     grad_accum: int = setting(1, "optimisation", "micro-batches per optimizer step (>= 1)")
     max_steps: int = setting(
-        300, "optimisation", "optimizer steps to train (>= 0; 0: --epochs decides)"
+        1800, "optimisation", "optimizer steps to train (>= 0; 0: --epochs decides)"
     )
     epochs: int = setting(
         0,
@@ -331,7 +331,7 @@ class TrainConfig:
         1.0, "optimisation", "clip the gradients' norm to this (>= 0; 0: no clipping)"
     )
     eval_interval: int = setting(
-        50,
+        100,
         "evaluation and samples",
         "evaluate every N steps and at the end, one row of OUT/metrics.csv each (>= 1)",
     )
@@ -344,7 +344,7 @@ class TrainConfig:
         "evaluate on fixed training batches too (off: the train loss is the last step's)",
     )
     sample_interval: int = setting(
-        100, "evaluation and samples", "print a sample every N steps, and one at the end (>= 1)"
+        600, "evaluation and samples", "print a sample every N steps, and one at the end (>= 1)"
     )
     sample_prompt: str = setting("ROMEO:", "evaluation and samples", "the samples' prompt")
     sample_tokens: int = setting(60, "evaluation and samples", "tokens per sample (>= 0)")
