@@ -106,7 +106,7 @@ def test_the_flags_people_ask_about_say_their_choices():
     from gptkiln.tokenizers import DEFAULT_BPE_VOCAB_SIZE
 
     model = flag_help("gptkiln train", "--model")
-    assert all(name in model for name in PRESETS) and "(default: mini)" in model
+    assert all(name in model for name in PRESETS) and f"(default: {TrainConfig.model})" in model
     for path in ("gptkiln train", "gptkiln prepare"):
         tokenizer = flag_help(path, "--tokenizer")
         assert "gpt2 (OpenAI's BPE) | char | bpe:N" in tokenizer
