@@ -124,7 +124,9 @@ def worker(job: dict) -> None:
         from gptkiln.kernels import chosen
 
         result["kernels"] = {
-            f"{o}x{i}": name for (o, i, rows, _), name in chosen().items() if rows == job["batch"]
+            f"{o}x{i} {dtype}": name
+            for (o, i, rows, _, dtype), name in chosen().items()
+            if rows == job["batch"]
         }
     common.emit(result)
 

@@ -112,7 +112,8 @@ def test_tuning_hands_every_linear_its_kernel_once_per_shape_and_rows(monkeypatc
     assert len(timed) == 5
     kernels.tune_decoding(model, rows=kernels.FEW_ROWS + 1)  # too many rows: not tuned
     assert len(timed) == 5 and all(set(m.few_row_kernels) == {3} for m in linears)
-    assert kernels.chosen() == {(*shape, 3, torch.get_num_threads()): "mine" for shape in chosen}
+    threads = torch.get_num_threads()
+    assert kernels.chosen() == {(*shape, 3, threads, "float32"): "mine" for shape in chosen}
 
 
 def test_a_tuned_linear_uses_its_kernel_only_for_those_rows_and_without_autograd():

@@ -19,6 +19,15 @@ from a warm cache) and hands each `gptkiln.model.Linear` the fastest for that nu
 Every candidate computes the same sums as ``F.linear`` in another order; a candidate whose result
 differs beyond float rounding is never chosen. Untuned layers, layers under autograd and
 products of more rows use ``F.linear``.
+
+Layers with int8 weights (`gptkiln.quantize.Int8Linear`: y = (x qᵀ) · scale + bias) are tuned the
+same way among the int8 products (`int8_candidates`): the reference `dequantize_linear` (what
+``torchao``'s int8 weight-only linear does in eager mode: the weight converted to x's dtype, one
+product, the scales after), torch's own ``aten._weight_int8pack_mm``, and `fused_int8`, a loop
+that ``torch.compile`` generates from a plain expression and that reads each int8 weight once
+per step. Measured on the Zen 4 EPYC at GPT-2 124M's shapes (`bench/int8_kernels.py`), the last
+is the only int8 product faster than the fp32 ones there; the others stay candidates because
+that ranking is this machine's, not a law.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -33,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""A float product ``(x, weight, bias) -> y``; an int8 one takes ``(x, qweight, scale, bias)``."""
 
 FEW_ROWS = 64
 """Products of at most this many rows are tuned; more rows are compute-bound: ``F.linear``."""
@@ -115,34 +126,119 @@ def candidates() -> dict[str, Kernel]:
     return found
 
 
-_CHOSEN: dict[tuple[int, int, int, int], str] = {}
-"""(out, in, rows, threads) -> the kernel name tuned in this process, so it is timed once."""
+# -- int8 weight-only products ------------------------------------------------------------------
+def dequantize_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """(x @ qweightᵀ) · scale + bias with the int8 weight converted to x's dtype first: the
+    reference every int8 kernel must equal, and the product for every untuned row count.
+
+    x (..., in), qweight (out, in) int8, scale (out,), bias (out,) or None -> (..., out).
+    Scaling the outputs instead of the weight is the same sum (each output channel has one
+    scale) and costs ``out`` multiplications instead of ``out * in``.
+    """
+    y = F.linear(x, qweight.to(x.dtype)) * scale.to(x.dtype)
+    return y if bias is None else y + bias
+
+
+def int8pack_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """torch's own int8 weight-only kernel, ``aten._weight_int8pack_mm`` (what inductor lowers
+    the dequantize pattern to on the CPU). Shapes as `dequantize_linear`."""
+    x2 = x.reshape(-1, x.size(-1))  # (M, in): the kernel takes 2-D inputs only
+    y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scale.to(x.dtype))  # (M, out)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], qweight.size(0))
+
+
+FUSED_INT8_MAX_ROWS = 16
+"""`fused_int8` keeps one accumulator per row in its loop: more rows are left to the others."""
+
+
+def fused_int8(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The int8 product as one loop that ``torch.compile`` (inductor) generates for this
+    weight's shape and number of rows: each int8 weight row is read once, converted in
+    registers and multiplied with every input row. Shapes as `dequantize_linear`.
+
+    The first call for a (rows, out, in) compiles (about a second; inductor keeps the result in
+    its on-disk cache for later processes). More than `FUSED_INT8_MAX_ROWS` rows: RuntimeError.
+    """
+    x2 = x.reshape(-1, x.size(-1)).contiguous()  # (M, in)
+    rows = x2.size(0)
+    if rows > FUSED_INT8_MAX_ROWS:
+        raise RuntimeError(f"fused_int8 takes at most {FUSED_INT8_MAX_ROWS} rows, got {rows}")
+    key = (rows, *qweight.shape, bias is not None, x.dtype, x.device.type)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = _COMPILED[key] = torch.compile(_own_code(_int8_rows), dynamic=False)
+    y = compiled(x2, qweight, scale, bias)  # (M, out)
+    return y.reshape(*x.shape[:-1], qweight.size(0))
+
+
+def _int8_rows(x, qweight, scale, bias):
+    """What `fused_int8` compiles: written as products and sums, not as a matmul, so that
+    inductor fuses it into one loop (a matmul would be lowered to `int8pack_mm`)."""
+    w = qweight.to(x.dtype)  # (out, in), converted inside the loop, never stored
+    y = torch.stack([(w * x[m]).sum(-1) for m in range(x.size(0))]) * scale  # (M, out)
+    return y if bias is None else y + bias
+
+
+_COMPILED: dict[tuple, Callable] = {}
+"""(rows, out, in, has bias, dtype, device) -> the compiled `_int8_rows` for it."""
+
+
+def _own_code(fn: Callable) -> Callable:
+    """A copy of ``fn`` with its own code object. torch.compile keeps its graphs per code object,
+    at most ``torch._dynamo.config.recompile_limit`` (8) of them, and runs the function
+    uncompiled past that; a model has five weight shapes, tuned for several row counts."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+
+
+def int8_candidates() -> dict[str, Callable]:
+    """The int8 weight-only products: name -> kernel ``(x, qweight, scale, bias) -> y``; the first,
+    `dequantize_linear`, is the reference. Module-level functions, so a tuned model pickles."""
+    return {"dequantize": dequantize_linear, "int8pack_mm": int8pack_mm, "fused": fused_int8}
+
+
+def _candidates_of(family: str) -> dict[str, Callable]:
+    """The candidates for a layer of this family ("float32" or "int8"; see `_family`)."""
+    return int8_candidates() if family == "int8" else candidates()
+
+
+_CHOSEN: dict[tuple[int, int, int, int, str], str] = {}
+"""(out, in, rows, threads, weight dtype) -> the kernel name tuned in this process, so it is
+timed once."""
 
 
 def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[int, int], str]:
-    """Give every eligible `gptkiln.model.Linear` of ``model`` the fastest kernel for ``rows``.
+    """Give every eligible layer of ``model`` (a `gptkiln.model.Linear`, or a
+    `gptkiln.quantize.Int8Linear`) the fastest kernel of its family for ``rows``.
 
-    Eligible: a CPU, fp32, contiguous, plain (not sharded) weight, and ``rows <= FEW_ROWS``.
-    Layers are grouped by weight shape; each candidate is timed running over the whole group
-    (its best of ``repeats`` passes; the check against ``F.linear`` on the first layer warms
-    it up), so the weights stream from memory as they do while decoding. A shape already tuned
-    in this process for this many rows and threads takes the earlier choice without timing.
+    Eligible: a CPU, contiguous, plain (not sharded) weight, fp32 (the `candidates`) or int8
+    with fp32 scales (the `int8_candidates`), and ``rows <= FEW_ROWS``. Layers are grouped by
+    weight dtype and shape; each candidate is timed running over the whole group (its best of
+    ``repeats`` passes; the check against the family's reference on the first layer warms it
+    up), so the weights stream from memory as they do while decoding. A shape already tuned in
+    this process for this many rows and threads takes the earlier choice without timing.
     The global random state is left alone. Returns {(out, in): kernel name}.
     """
     if rows > FEW_ROWS:
         return {}
-    groups: dict[tuple[int, int], list[nn.Module]] = {}
+    groups: dict[tuple[str, tuple[int, int]], list[nn.Module]] = {}
     for module in model.modules():
-        if _eligible(module):
-            groups.setdefault(tuple(module.weight.shape), []).append(module)
-    if not groups:
-        return {}
-    kernels = candidates()
+        family = _family(module)
+        if family is not None:
+            groups.setdefault((family, tuple(module.weight.shape)), []).append(module)
     threads = torch.get_num_threads()
     picked = {}
     with torch.no_grad():
-        for shape, layers in groups.items():
-            key = (*shape, rows, threads)
+        for (family, shape), layers in groups.items():
+            kernels = _candidates_of(family)
+            key = (*shape, rows, threads, family)
             if key not in _CHOSEN:
                 _CHOSEN[key] = _fastest(kernels, layers, rows, repeats)
             picked[shape] = _CHOSEN[key]
@@ -151,45 +247,61 @@ def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[i
     return picked
 
 
-def chosen() -> dict[tuple[int, int, int, int], str]:
-    """Every choice made in this process: {(out, in, rows, threads): kernel name}."""
+def chosen() -> dict[tuple[int, int, int, int, str], str]:
+    """Every choice made in this process: {(out, in, rows, threads, weight dtype): kernel name}."""
     return dict(_CHOSEN)
 
 
-def _eligible(module: nn.Module) -> bool:
+def _family(module: nn.Module) -> str | None:
+    """ "float32" or "int8": the candidates a layer takes; None when it is not tuned."""
     w = getattr(module, "weight", None)
-    return (
+    if not (
         hasattr(module, "few_row_kernels")
         and type(w) in (nn.Parameter, torch.Tensor)  # not a DTensor shard (FSDP)
         and w.device.type == "cpu"
-        and w.dtype == torch.float32
         and w.is_contiguous()
-    )
+    ):
+        return None
+    if w.dtype == torch.float32:
+        return "float32"
+    scale = getattr(module, "scale", None)
+    if w.dtype == torch.int8 and scale is not None and scale.dtype == torch.float32:
+        return "int8"
+    return None
 
 
-def _fastest(kernels: dict[str, Kernel], layers: list[nn.Module], rows: int, repeats: int) -> str:
-    """The name of the kernel with the least time over ``layers``; ``F.linear`` on a tie."""
+def _operands(layer: nn.Module) -> tuple:
+    """What a kernel takes after x: (weight, bias), or (qweight, scale, bias) for int8."""
+    scale = getattr(layer, "scale", None)
+    if layer.weight.dtype == torch.int8 and scale is not None:
+        return layer.weight, scale, layer.bias
+    return layer.weight, layer.bias
+
+
+def _fastest(kernels: dict[str, Callable], layers: list[nn.Module], rows: int, repeats: int) -> str:
+    """The name of the kernel with the least time over ``layers``; the reference (the first
+    kernel: ``F.linear``, or `dequantize_linear` for int8) on a near tie. A kernel whose result
+    differs from the reference's beyond float rounding, or that raises, is never chosen."""
     first = layers[0]
     x = torch.randn(rows, first.weight.size(1), generator=torch.Generator().manual_seed(0))
-    expected = F.linear(x, first.weight, first.bias)
-    best_name, best_time = "linear", math.inf
+    reference = next(iter(kernels))
+    expected = kernels[reference](x, *_operands(first))
+    best_name, best_time = reference, math.inf
     for name, kernel in kernels.items():
         try:
-            same = torch.allclose(
-                kernel(x, first.weight, first.bias), expected, rtol=1e-4, atol=1e-5
-            )
-        except RuntimeError:  # a kernel this build or CPU does not run
+            same = torch.allclose(kernel(x, *_operands(first)), expected, rtol=1e-4, atol=1e-5)
+        except RuntimeError:  # a kernel this build, CPU or shape does not run (or cannot compile)
             continue
         if not same:
             continue
 
         def run(kernel=kernel):
             for layer in layers:
-                kernel(x, layer.weight, layer.bias)
+                kernel(x, *_operands(layer))
 
         seconds = min(_seconds(run) for _ in range(repeats))
-        # Within 5% of F.linear, keep F.linear: no choice flips on timing noise alone.
-        if seconds < best_time * (0.95 if best_name == "linear" else 1.0):
+        # Within 5% of the reference, keep it: no choice flips on timing noise alone.
+        if seconds < best_time * (0.95 if best_name == reference else 1.0):
             best_name, best_time = name, seconds
     return best_name
 

@@ -366,14 +366,15 @@ class GPT(nn.Module):
     def setup_cache(
         self, batch_size: int, max_seq_len: int | None = None, pad_lens: torch.Tensor | None = None
     ) -> None:
-        """Allocate a static KV cache in every layer (dtype and device of the weights).
+        """Allocate a static KV cache in every layer (dtype and device of the activations: the
+        final LayerNorm's, which stays float in a model whose other weights are quantized).
 
         Args:
             pad_lens: (B,) number of left-padding tokens per row, for prompts of unequal length;
                 padded slots are never attended and positions count from each row's first token.
         """
         max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
-        weight = self.wte.weight
+        weight = self.ln_f.weight
         for block in self.h:
             cache = block.attn.kv_cache
             if (

@@ -1,0 +1,218 @@
+"""Int8 weight-only quantization, applied to a built GPT from outside (model.py stays pure).
+
+Decoding one token reads every weight once, so at batch 1 its speed is bounded by memory
+bandwidth; int8 weights are a quarter of fp32's bytes. Only the weights are quantized: the
+activations, and so every sum, stay in the model's float dtype.
+
+**The scheme.** Symmetric, one scale per output channel (per row of an (out, in) weight)::
+
+    scale[o] = max_i |W[o, i]| / 127          (1 / 127 for a row of zeros)
+    q[o, i]  = round(W[o, i] / scale[o])      in [-127, 127], int8
+
+and the layer computes ``y = (x @ qᵀ) · scale + bias`` (`Int8Linear`; its kernels, tuned for
+decoding as the float ones are, live in `gptkiln.kernels`).
+
+**What becomes int8.** Every linear layer of the blocks (``attn.c_attn``, ``attn.c_proj``,
+``mlp.c_fc``, ``mlp.c_proj``) and, unless ``embedding_and_head=False``, the output head and the
+token embedding: GPT-2's head *is* its embedding (tied), and one int8 matrix with one scale per
+token serves both (`Int8Embedding` scales each looked-up row by its token's scale). The head is
+the largest single weight (50257 x 768: 31% of GPT-2 124M's bytes), so keeping it in fp32 would
+leave 239 of the 497 MB a token reads in place of 124. What stays float: the position embedding
+(``wpe``, 3 MB at 124M), the LayerNorms, the biases and the scales. The figures behind the
+choice (speed and perplexity with the head int8 or float) are in ``bench/README.md``.
+
+**The format on disk** (`gptkiln convert quantize`). A quantized run directory is a run
+directory whose config.json records ``"quantization": {"method": "int8", "scheme":
+"per-channel-symmetric", "embedding_and_head": true}`` and whose model.safetensors holds, for
+each quantized module ``NAME``, ``NAME.weight`` as int8 (out, in) and ``NAME.scale`` as float32
+(out,), beside the float tensors of the rest under their usual names (a tied head is stored
+once, as ``wte.weight`` and ``wte.scale``). It loads the way a float run does: the model is
+built on the meta device, quantized there (no memory), and the memory-mapped int8 tensors are
+assigned, so no float copy of those weights is ever made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptkiln.errors import GptkilnError
+from gptkiln.kernels import dequantize_linear
+from gptkiln.model import GPT, Linear
+
+METHODS = ("int8",)
+"""The values ``quantize=`` accepts (besides None: keep the weights as they are)."""
+
+SCHEME = "per-channel-symmetric"
+
+
+def check_quantize(value: str | None, flag: str = "quantize") -> str | None:
+    """``value`` when it names a method gptkiln has (None passes: no quantization); otherwise a
+    GptkilnError naming the flag, the value and the choices."""
+    if value is None or value in METHODS:
+        return value
+    raise GptkilnError(
+        f"{flag} {value!r} is not a quantization gptkiln has; choose one of: "
+        f"{', '.join(METHODS)} (or leave it out to keep the weights as stored)"
+    )
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) of a float weight (out, in): q int8 (out, in), scale float32 (out,), with
+    ``q * scale[:, None]`` the nearest int8 grid point per channel (see the module docstring).
+
+    Works on the meta device too (shapes and dtypes only), which is how a quantized model is
+    built before its int8 weights are assigned.
+    """
+    w = weight.detach().float()
+    absmax = w.abs().amax(dim=1)  # (out,)
+    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax)) / 127
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # (out, in)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float weight (out, in) an int8 one stands for: ``q * scale[:, None]``."""
+    return q.to(scale.dtype) * scale[:, None]
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with an int8 weight (out, in) and one scale per output channel:
+    ``y = (x @ weightᵀ) · scale + bias``.
+
+    State dict: ``weight`` (int8), ``scale`` (float) and ``bias``, under the float layer's
+    names. Like `gptkiln.model.Linear`, ``few_row_kernels`` maps a number of rows to the kernel
+    `gptkiln.kernels.tune_decoding` timed fastest (``(x, weight, scale, bias) -> y``), used only
+    without autograd, on the CPU, in fp32; everything else is `kernels.dequantize_linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = _frozen(weight)
+        self.register_buffer("scale", scale)
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias)
+        self.few_row_kernels: dict = {}
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Int8Linear:
+        q, scale = quantize_per_channel(linear.weight)
+        return cls(q, scale, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            not torch.is_grad_enabled()
+            and self.few_row_kernels
+            and x.device.type == "cpu"
+            and x.dtype == self.scale.dtype == torch.float32  # what the kernels were tuned for
+        ):
+            kernel = self.few_row_kernels.get(x.numel() // self.in_features)
+            if kernel is not None:
+                return kernel(x, self.weight, self.scale, self.bias)
+        return dequantize_linear(x, self.weight, self.scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, int8 per-channel"
+        )
+
+
+class Int8Embedding(nn.Module):
+    """A token embedding with int8 rows (V, C) and one scale per token (V,): a lookup returns
+    ``weight[idx] * scale[idx]`` in the scales' dtype. Tied to an `Int8Linear` head, the same
+    two tensors are that head's weight and per-output-channel scales."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.weight = _frozen(weight)
+        self.register_buffer("scale", scale)
+
+    @classmethod
+    def from_float(cls, embedding: nn.Embedding) -> Int8Embedding:
+        return cls(*quantize_per_channel(embedding.weight))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(idx, self.weight).to(self.scale.dtype)  # (..., C)
+        return rows * self.scale[idx].unsqueeze(-1)  # (..., C)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 per-row"
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    """An int8 tensor as a parameter (so it moves, ties and counts as the float one did) that
+    autograd never touches."""
+    return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+
+
+def quantize_model(model: GPT, method: str = "int8", *, embedding_and_head: bool = True) -> GPT:
+    """Quantize ``model``'s weights in place (see the module docstring) and return it.
+
+    Args:
+        method: "int8" (the only one so far).
+        embedding_and_head: also the output head and the token embedding (in a tied model one
+            int8 matrix serves both); False keeps them in float.
+
+    A model already quantized is returned as it is. On the meta device this builds the
+    quantized model's structure without memory (loading a quantized run starts there).
+    """
+    check_quantize(method)
+    if quantization_of(model) is not None:
+        return model
+    head = model.lm_head
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Linear) and child is not head:
+                setattr(module, name, Int8Linear.from_float(child))
+    if embedding_and_head:
+        tied = head.weight is model.wte.weight
+        model.wte = Int8Embedding.from_float(model.wte)
+        if tied:
+            model.lm_head = Int8Linear(model.wte.weight, model.wte.scale, None)
+        else:
+            model.lm_head = Int8Linear.from_float(head)
+    return model
+
+
+def quantization_of(model: nn.Module) -> dict[str, Any] | None:
+    """What config.json records for a quantized model (see the module docstring), None for a
+    float one."""
+    if not any(isinstance(m, Int8Linear) for m in model.modules()):
+        return None
+    return {
+        "method": "int8",
+        "scheme": SCHEME,
+        "embedding_and_head": isinstance(getattr(model, "wte", None), Int8Embedding),
+    }
+
+
+def tie_quantized_head(model: GPT) -> None:
+    """Share the int8 embedding's weight and scales with the head when the config ties them
+    (after ``load_state_dict(assign=True)``, which assigns each name its own tensor)."""
+    if model.config.tie_embeddings and isinstance(model.wte, Int8Embedding):
+        model.lm_head.weight = model.wte.weight
+        model.lm_head.scale = model.wte.scale
+
+
+def read_quantization(recorded: Any, source: str) -> dict[str, Any] | None:
+    """The quantization a config.json records (None: a float run), checked; ``source`` names
+    the file for the error."""
+    if recorded is None:
+        return None
+    if (
+        not isinstance(recorded, dict)
+        or recorded.get("method") not in METHODS
+        or recorded.get("scheme") != SCHEME
+        or not isinstance(recorded.get("embedding_and_head"), bool)
+    ):
+        raise GptkilnError(
+            f"{source} records a quantization gptkiln does not read ({recorded!r}); expected "
+            f'{{"method": "int8", "scheme": "{SCHEME}", "embedding_and_head": true or false}}: '
+            "restore the file, or quantize the float run again (gptkiln convert quantize)"
+        )
+    return recorded
