@@ -190,6 +190,52 @@ def test_eval_prints_loss_and_perplexity(run_dir, play_path, capsys):
     assert bits == pytest.approx(loss / math.log(2), abs=1e-4)
 
 
+def test_convert_quantize_then_generate_and_eval(run_dir, tmp_path, play_path, capsys):
+    q = tmp_path / "q"
+    code, out, _ = cli("convert", "quantize", run_dir, "--out", q, capsys=capsys)
+    assert code == 0 and out.strip() == f"wrote {q}"
+    assert json.loads((q / "config.json").read_text())["quantization"]["method"] == "int8"
+    greedy = ["--prompt", "I had", "--max-new-tokens", "12", "--temperature", "0"]
+    code, from_run, _ = cli("generate", q, *greedy, capsys=capsys)
+    assert code == 0 and from_run.startswith("I had") and len(from_run) > len("I had\n")
+    code, on_load, _ = cli("generate", run_dir, *greedy, "--quantize", "int8", capsys=capsys)
+    assert code == 0 and on_load == from_run  # the saved int8 run is the float run quantized
+
+    def loss(*argv):
+        code, out, _ = cli("eval", *argv, "--data", play_path, "--quiet", capsys=capsys)
+        assert code == 0
+        return float(out.split("loss ")[1].split()[0])
+
+    fp32, int8 = loss(run_dir), loss(q)  # printed to 4 decimals: see test_quantize for more
+    assert int8 == loss(run_dir, "--quantize", "int8") == pytest.approx(fp32, rel=0.01)
+
+
+def test_quantized_runs_refuse_what_they_cannot_do(run_dir, tmp_path, capsys):
+    q = tmp_path / "q"
+    assert cli("convert", "quantize", run_dir, "--out", q, capsys=capsys)[0] == 0
+    code, _, err = cli("convert", "quantize", run_dir, "--out", q, capsys=capsys)
+    assert_one_line_error(code, err, "already holds a model", "--overwrite")
+    code, _, err = cli("convert", "to-hf", q, "--out", tmp_path / "hf", capsys=capsys)
+    assert_one_line_error(code, err, "quantized", "float run")
+    code, _, err = cli(
+        "convert", "quantize", run_dir, "--out", q, "--method", "int3", capsys=capsys
+    )
+    assert_one_line_error(code, err, "--method 'int3'", "int8")
+    weights = (q / "model.safetensors").read_bytes()
+    (q / "model.safetensors").write_bytes(weights[: len(weights) - 64])
+    code, _, err = cli("generate", q, "--prompt", "x", capsys=capsys)
+    assert_one_line_error(code, err, "model.safetensors", "truncated or corrupt")
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+@pytest.mark.parametrize("value", ["int4", "INT8", "none"])
+def test_a_bad_quantize_value_is_refused_in_one_line(command, value, run_dir, capsys):
+    rest = ["--prompt", "x"] if command == "generate" else ["--data", run_dir / "config.json"]
+    code, out, err = cli(command, run_dir, *rest, "--quantize", value, capsys=capsys)
+    assert_one_line_error(code, err, f"quantize {value!r}", "int8")
+    assert out == ""
+
+
 def test_bad_run_directories(run_dir, tmp_path, capsys):
     code, _, err = cli("generate", tmp_path, "--prompt", "x", capsys=capsys)
     assert_one_line_error(code, err, str(tmp_path))

@@ -31,13 +31,15 @@ def stream_text(
     on_notice: Callable[[str], None] | None = None,
     input: str = "",
     raw: bool = False,
+    quantize: str | None = None,
 ) -> Iterator[str]:
     """Yield the generated text piece by piece as tokens are chosen.
 
     The text ends at end-of-text or right before a stop string of ``cfg.stop``. An empty prompt
     starts from the end-of-text token (unconditional generation). A prompt longer than the
     model's context keeps its last ``context_length`` tokens; the ``on_notice`` callback (if
-    given) is told so.
+    given) is told so. ``quantize="int8"`` quantizes the weights on load
+    (`gptkiln.loading.load_model`).
 
     An instruction-tuned run (`gptkiln finetune`) takes ``prompt`` as the instruction and
     ``input`` as its input, formatted with the run's stored template (`finetune.templates`);
@@ -49,7 +51,7 @@ def stream_text(
     from gptkiln.loading import check_language_model, load_run
 
     cfg = cfg or SampleConfig()
-    model, tokenizer, run_cfg = load_run(run_dir, device=device)
+    model, tokenizer, run_cfg = load_run(run_dir, device=device, quantize=quantize)
     check_language_model(model, run_dir)
     template = None if raw else run_template(run_cfg, run_dir)
     if template is not None:
@@ -154,6 +156,7 @@ def complete(
     batch_size: int = 32,
     device: str = "cpu",
     on_notice: Callable[[str], None] | None = None,
+    quantize: str | None = None,
 ) -> list[Completion]:
     """``num_samples`` samples for each prompt, generated together in batches.
 
@@ -172,6 +175,8 @@ def complete(
         batch_size: samples generated at once (>= 1); the KV cache grows with it.
         device: where a run is loaded.
         on_notice: told when a prompt is longer than the model's context (its start is cut).
+        quantize: "int8" quantizes a run's weights as it loads (`gptkiln.loading.load_model`);
+            a `GPT` given is used as it is (quantize it with `gptkiln.quantize.quantize_model`).
 
     Returns:
         The samples, prompt by prompt, each prompt's in order of ``index``.
@@ -190,7 +195,7 @@ def complete(
             f"seed {cfg.seed} + num_samples - 1 is past 2**63 - 1, the largest seed; "
             "give a smaller seed"
         )
-    model, tokenizer = _model_and_tokenizer(run_or_model, tokenizer, device)
+    model, tokenizer = _model_and_tokenizer(run_or_model, tokenizer, device, quantize)
     source = "the model" if isinstance(run_or_model, GPT) else run_or_model
     ids = [
         _prompt_ids(model, tokenizer, p, source, on_notice, f"prompt {i + 1}")
@@ -233,22 +238,34 @@ def complete(
     ]
 
 
-def _model_and_tokenizer(run_or_model: Any, tokenizer: Any, device: str) -> tuple[GPT, Any]:
+def _model_and_tokenizer(
+    run_or_model: Any, tokenizer: Any, device: str, quantize: str | None
+) -> tuple[GPT, Any]:
     if isinstance(run_or_model, GPT):
         if tokenizer is None:
             raise GptkilnError("complete(model, ...) needs the model's tokenizer: tokenizer=...")
+        if quantize is not None:
+            raise GptkilnError(
+                f"complete(model, ..., quantize={quantize!r}): quantize= applies to a run as it "
+                "loads; quantize a built model with gptkiln.quantize.quantize_model first"
+            )
         return run_or_model, tokenizer
     from gptkiln.loading import load_run
 
-    model, tokenizer, _ = load_run(run_or_model, device=device)
+    model, tokenizer, _ = load_run(run_or_model, device=device, quantize=quantize)
     return model, tokenizer
 
 
 def generate_text(
-    run_dir: str | os.PathLike, prompt: str, cfg: SampleConfig | None = None, *, device: str = "cpu"
+    run_dir: str | os.PathLike,
+    prompt: str,
+    cfg: SampleConfig | None = None,
+    *,
+    device: str = "cpu",
+    quantize: str | None = None,
 ) -> str:
     """The prompt followed by the generated text."""
-    return prompt + "".join(stream_text(run_dir, prompt, cfg, device=device))
+    return prompt + "".join(stream_text(run_dir, prompt, cfg, device=device, quantize=quantize))
 
 
 @dataclass
@@ -279,6 +296,7 @@ def evaluate_run(
     batch_size: int = 8,
     device: str = "cpu",
     progress: bool = True,
+    quantize: str | None = None,
 ) -> EvalResult:
     """Cross-entropy, perplexity and bits per character of a model on text.
 
@@ -287,6 +305,7 @@ def evaluate_run(
             tokenized with the run's tokenizer and cut into non-overlapping context windows
             (a last part shorter than a window is left out: the characters counted are those
             of the targets scored).
+        quantize: "int8" quantizes the weights on load (`gptkiln.loading.load_model`).
     """
     import numpy as np
     from tqdm.auto import tqdm
@@ -297,7 +316,7 @@ def evaluate_run(
 
     if batch_size < 1:
         raise GptkilnError(f"batch_size must be >= 1, got {batch_size}")
-    model, tokenizer, _ = load_run(run_dir, device=device)
+    model, tokenizer, _ = load_run(run_dir, device=device, quantize=quantize)
     check_language_model(model, run_dir)
     model.eval()
     tokens = _eval_tokens(Path(data), tokenizer)

@@ -4,8 +4,11 @@ A run directory holds::
 
     config.json          {"format": 1, "model": GPTConfig.to_dict(), "train": {...} or null,
                           "tokenizer": "gpt2" | "char" | ... or null,
-                          "finetune": {...} (a fine-tuned run only: task, template, classes...)}
-    model.safetensors    the weights; a tied head is stored once, as ``wte.weight``
+                          "finetune": {...} (a fine-tuned run only: task, template, classes...)};
+                          a quantized run has "format": 2 and "quantization": {...}
+                          (see `gptkiln.quantize`)
+    model.safetensors    the weights; a tied head is stored once, as ``wte.weight`` (and, when
+                         quantized, ``wte.scale``)
     adapter.safetensors  a LoRA run only: the parameters that train (adapters, a head trained
                          in full); model.safetensors then holds the frozen base, written once
     <tokenizer files>    written by the tokenizer's own ``save(dir)``
@@ -37,7 +40,8 @@ from gptkiln.errors import GptkilnError
 from gptkiln.loading import (
     ADAPTER_FILE,
     CONFIG_FILE,
-    FORMAT,
+    FLOAT_FORMAT,
+    QUANTIZED_FORMAT,
     WEIGHTS_FILE,
     check_state_dict,
     read_config,
@@ -46,6 +50,7 @@ from gptkiln.loading import (
     safetensors_metadata,
 )
 from gptkiln.model import GPT
+from gptkiln.quantize import quantization_of
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 PREVIOUS_STATE_FILE = "trainer_state.prev.pt"  # kept only while a save is under way
@@ -142,7 +147,8 @@ def save_model(
     config.json always has the weights it describes.
 
     Args:
-        model: a GPT (or a DDP / compiled wrapper of one).
+        model: a GPT (or a DDP / compiled wrapper of one); a quantized one is written in the
+            quantized format (`gptkiln.quantize`).
         run_dir: the run directory (created if needed).
         train_config: the training settings to record (``TrainConfig.to_dict()``), or None.
         tokenizer: a gptkiln tokenizer; its ``save(dir)`` writes its files. None writes none.
@@ -153,7 +159,15 @@ def save_model(
     """
     model = unwrap(model)
     sd = model.state_dict()
-    return _write_run(Path(run_dir), model.config, sd, train_config, tokenizer, extra=extra)
+    return _write_run(
+        Path(run_dir),
+        model.config,
+        sd,
+        train_config,
+        tokenizer,
+        extra=extra,
+        quantization=quantization_of(model),
+    )
 
 
 def write_checkpoint(
@@ -219,6 +233,7 @@ def _write_run(
     tokenizer: Any,
     step: int | None = None,
     extra: dict | None = None,
+    quantization: dict[str, Any] | None = None,
 ) -> Path:
     from gptkiln import __version__
 
@@ -226,23 +241,24 @@ def _write_run(
     sd = dict(sd)
     if config.tie_embeddings:
         sd.pop("lm_head.weight", None)  # the same tensor as wte.weight; safetensors stores it once
-    check_state_dict(sd, config, "the model being saved")
+        sd.pop("lm_head.scale", None)  # quantized: wte.scale, likewise
+    check_state_dict(sd, config, "the model being saved", quantization)
     metadata = {"format": "pt", "gptkiln_version": __version__}
     if step is not None:
         metadata["step"] = str(step)
     write_safetensors(run_dir / WEIGHTS_FILE, sd, metadata)
     if tokenizer is not None:
         save_tokenizer(tokenizer, run_dir)
-    write_json(
-        run_dir / CONFIG_FILE,
-        {
-            "format": FORMAT,
-            "model": config.to_dict(),
-            "train": train_config,
-            "tokenizer": getattr(tokenizer, "kind", None),
-            **(extra or {}),
-        },
-    )
+    recorded = {
+        "format": FLOAT_FORMAT if quantization is None else QUANTIZED_FORMAT,
+        "model": config.to_dict(),
+        "train": train_config,
+        "tokenizer": getattr(tokenizer, "kind", None),
+        **(extra or {}),
+    }
+    if quantization is not None:
+        recorded["quantization"] = quantization
+    write_json(run_dir / CONFIG_FILE, recorded)
     return run_dir
 
 

@@ -306,6 +306,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
             on_notice=notice,
             input=args.input,
             raw=args.raw,
+            quantize=args.quantize,
         )
         first = next(pieces, "")  # the run is loaded and the prompt checked before anything shows
         echo = template is None  # an instruction-tuned run: the response alone
@@ -334,6 +335,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         device=device,
         on_notice=notice,
+        quantize=args.quantize,
     )
     for s in samples:
         s = dataclasses.replace(s, prompt=prompts[s.prompt_index])  # as given, not formatted
@@ -411,6 +413,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         device=resolve_device(args.device),
         progress=not args.quiet,
+        quantize=args.quantize,
     )
     print(
         f"loss {r.loss:.4f} | perplexity {r.perplexity:.2f} | {r.bits_per_char:.4f} bits/char "
@@ -698,6 +701,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
     if args.direction == "hf":
         convert.import_hf(args.path, args.out, overwrite=args.overwrite)
+    elif args.direction == "quantize":
+        convert.quantize_run(args.path, args.out, method=args.method, overwrite=args.overwrite)
     elif args.direction == "book":
         convert.import_book(args.path, args.out, n_head=args.n_head, overwrite=args.overwrite)
     elif args.direction == "merge-lora":
@@ -721,6 +726,16 @@ examples:
   gptkiln generate runs/default --prompt "ROMEO:"     more of the play, as it is written
   gptkiln info runs/default                           what a run holds: model, data, losses
 """
+
+
+def add_quantize_flag(p: argparse.ArgumentParser) -> None:
+    """``--quantize``, for any command that loads a model (checked by the loader: one line)."""
+    p.add_argument(
+        "--quantize",
+        metavar="METHOD",
+        help="int8: int8 weights (per output channel), quantized as the model loads; a run "
+        "saved by `convert quantize` loads quantized without it (default: none, as stored)",
+    )
 
 
 def example(*commands: str) -> str:
@@ -938,6 +953,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="cpu | cuda | cuda:N | mps | auto (default: %(default)s)",
     )
+    add_quantize_flag(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
@@ -972,6 +988,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="cpu | cuda | cuda:N | mps | auto (default: %(default)s)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_quantize_flag(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
@@ -1135,10 +1152,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "direction",
-        choices=["hf", "book", "to-hf", "merge-lora"],
+        choices=["hf", "book", "to-hf", "merge-lora", "quantize"],
         help="hf: HF GPT-2 dir -> run; book: the book's model.pth -> run; "
         "to-hf: run -> HF GPT-2 dir; merge-lora: a LoRA run -> a run with the adapters in "
-        "its weights",
+        "its weights; quantize: run -> int8 run (loads directly)",
     )
     p.add_argument("path", help="the directory or file to convert")
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (required)")
@@ -1149,6 +1166,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="attention heads of a book model, which its file does not record (>= 1) "
         "(default: %(default)s, the book's 124M)",
+    )
+    p.add_argument(
+        "--method",
+        default="int8",
+        metavar="METHOD",
+        help="quantize: the quantization, int8 (default: %(default)s)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     p.set_defaults(func=cmd_convert)

@@ -1,5 +1,5 @@
 """The ``convert`` and ``download`` commands: models into run directories and out to Hugging Face,
-and LoRA runs merged into plain ones.
+and LoRA runs merged into plain ones, and float runs into quantized ones.
 
 Each reads with `gptkiln.loading` (the one way in), converts names with `gptkiln.interop` where
 the format asks for it, and writes with `gptkiln.checkpoint`'s atomic writes. None writes over a
@@ -27,10 +27,12 @@ from gptkiln.loading import (
     load_book,
     load_hf,
     load_model,
+    load_run,
     read_config,
     tokenizer_name,
 )
 from gptkiln.model import GPT
+from gptkiln.quantize import check_quantize
 
 HUB_MODELS = {
     "gpt2": "openai-community/gpt2",
@@ -108,6 +110,11 @@ def export_hf(
             f"run {run_dir} is a classifier ({classes} classes); Hugging Face export writes a "
             "GPT-2 language model (GPT2LMHeadModel): export a pretrained or instruction-tuned run"
         )
+    if read_config(run_dir).get("quantization") is not None:
+        raise GptkilnError(
+            f"run {run_dir} is quantized (int8); Hugging Face GPT-2 export needs float weights: "
+            "export the float run it was quantized from"
+        )
     kind = tokenizer_name(run_dir)
     if kind != "gpt2":
         what = f"the {kind!r} tokenizer" if kind else "no recorded tokenizer"
@@ -179,6 +186,38 @@ def merge_lora(
     )
     _drop(stale)
     return Path(out_dir)
+
+
+# -- quantized runs --------------------------------------------------------------------------
+def quantize_run(
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    method: str = "int8",
+    overwrite: bool = False,
+) -> Path:
+    """Write a quantized copy of a float run (or of a Hugging Face GPT-2 directory) to
+    ``out_dir``: config.json recording the quantization, model.safetensors with the int8
+    weights and their scales (the format: `gptkiln.quantize`), the tokenizer's files. It loads
+    directly, with no float copy of the quantized weights in memory.
+
+    Args:
+        method: "int8" (`gptkiln.quantize.METHODS`).
+        overwrite: replace a model already in out_dir (see `checkpoint.check_out_dir`).
+    """
+    check_quantize(method, "--method")
+    out_dir = Path(out_dir)
+    stale = check_out_dir(out_dir, overwrite=overwrite)
+    if Path(run_dir).resolve() == out_dir.resolve():
+        raise GptkilnError(
+            f"--out {out_dir} is the run being quantized; give another directory, so the float "
+            "run is kept"
+        )
+    model, tokenizer, cfg = load_run(run_dir, quantize=method)
+    train = None if "model_type" in cfg else cfg.get("train")
+    save_model(model, out_dir, train_config=train, tokenizer=tokenizer)
+    _drop(stale)
+    return out_dir
 
 
 # -- the book's GPTModel ---------------------------------------------------------------------

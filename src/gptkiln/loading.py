@@ -24,7 +24,11 @@ A load then reads top to bottom::
                                          GPT built on the meta device and the tensors assigned
 
 Building on the meta device costs no memory and no initialisation, and assigning the
-memory-mapped tensors copies nothing, so a load needs about one copy of the weights.
+memory-mapped tensors copies nothing, so a load needs about one copy of the weights. A
+**quantized run** (config.json records ``"quantization"``, `gptkiln.quantize`) is built the same
+way: the meta model is quantized first (still no memory) and the int8 tensors are assigned, so
+its load holds the int8 bytes and never a float copy. ``quantize="int8"`` quantizes a float
+model as it is loaded, for any command that loads one.
 
 Hugging Face's GPT-2 and gptkiln use the same parameter names, with three differences: HF
 prefixes the body with ``transformer.``; HF's projections are ``Conv1D`` layers whose weights are
@@ -52,8 +56,19 @@ from safetensors.torch import load_file
 from gptkiln.config import GPT2_VOCAB_SIZE, GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
+from gptkiln.quantize import (
+    check_quantize,
+    check_scales,
+    int8_modules,
+    quantization_of,
+    quantize_model,
+    read_quantization,
+    tie_quantized_head,
+)
 
-FORMAT = 1  # the config.json format gptkiln writes and reads
+FORMAT = 2  # the newest config.json format gptkiln reads
+FLOAT_FORMAT = 1  # what a run of float weights is written as (any gptkiln reads it)
+QUANTIZED_FORMAT = 2  # a quantized run: a gptkiln older than quantization refuses it in one line
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter.safetensors"  # a LoRA run's adapters (`gptkiln.finetune.lora`)
@@ -92,11 +107,14 @@ def load_run(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    quantize: str | None = None,
 ) -> tuple[GPT, Any, dict[str, Any]]:
-    """(model, tokenizer, parsed config.json) of a run directory or a Hugging Face GPT-2 one."""
+    """(model, tokenizer, parsed config.json) of a run directory or a Hugging Face GPT-2 one;
+    ``quantize`` as `load_model`."""
+    check_quantize(quantize)
     run_dir = Path(run_dir)
     cfg = read_config(run_dir)
-    model = load_model(run_dir, device=device, dtype=dtype)
+    model = load_model(run_dir, device=device, dtype=dtype, quantize=quantize)
     return model, load_run_tokenizer(run_dir, cfg), cfg
 
 
@@ -114,6 +132,7 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     adapters: bool = True,
+    quantize: str | None = None,
 ) -> GPT:
     """Rebuild the model of a run directory, or of a Hugging Face GPT-2 directory.
 
@@ -128,22 +147,30 @@ def load_model(
         dtype: floating-point dtype for the weights; None keeps the stored one.
         adapters: for a LoRA run (`gptkiln finetune --lora-rank`), merge its adapters into the
             weights (peft); False gives its frozen base alone.
+        quantize: "int8" quantizes a float model's weights as it loads (`gptkiln.quantize`);
+            None keeps them as stored. A quantized run loads quantized either way.
 
     Returns:
         The GPT in eval mode.
     """
+    check_quantize(quantize)
     run_dir, weights = _resolve(run_dir_or_file)
     cfg = read_config(run_dir)
     if "model_type" in cfg:
-        return load_hf(run_dir, device=device, dtype=dtype)
+        return load_hf(run_dir, device=device, dtype=dtype, quantize=quantize)
     config = run_model_config(cfg, run_dir / CONFIG_FILE)
+    quantization = read_quantization(cfg.get("quantization"), str(run_dir / CONFIG_FILE))
     weights = _run_weights(run_dir, weights)
     sd = read_safetensors(weights)
     lora = (cfg.get("finetune") or {}).get("lora")
     if not lora or not adapters:
-        return build_model(config, sd, str(weights), device=device, dtype=dtype)
+        model = build_model(
+            config, sd, str(weights), device=device, dtype=dtype, quantization=quantization
+        )
+        return _quantized(model, quantize)
     model = build_model(config, sd, str(weights))  # the frozen base, then its adapters merged
-    return _with_adapters(model, lora, run_dir).to(device=device, dtype=dtype).eval()
+    model = _with_adapters(model, lora, run_dir).to(device=device, dtype=dtype).eval()
+    return _quantized(model, quantize)
 
 
 def _with_adapters(model: GPT, lora: Any, run_dir: Path) -> GPT:
@@ -173,12 +200,29 @@ def load_hf(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    quantize: str | None = None,
 ) -> GPT:
-    """A GPT with the weights of a Hugging Face GPT-2 directory (config.json + weights)."""
+    """A GPT with the weights of a Hugging Face GPT-2 directory (config.json + weights);
+    ``quantize`` as `load_model`."""
+    check_quantize(quantize)
     hf_dir = Path(hf_dir)
     config = config_from_hf(read_config(hf_dir), str(hf_dir / CONFIG_FILE))
     sd = hf_state_dict_to_gptkiln(read_hf_weights(hf_dir), config, str(hf_dir))
-    return build_model(config, sd, str(hf_dir), device=device, dtype=dtype)
+    return _quantized(build_model(config, sd, str(hf_dir), device=device, dtype=dtype), quantize)
+
+
+def _quantized(model: GPT, quantize: str | None) -> GPT:
+    """``model`` quantized on load when asked (a quantized one as it is). The float tensors that
+    stay float are copied out of the memory-mapped file, so its pages (every float weight was
+    read to be quantized) are let go with the mapping instead of staying in the process."""
+    if quantize is None or quantization_of(model) is not None:
+        return model
+    quantize_model(model, quantize)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.clone()
+    return model
 
 
 def load_book(path: str | os.PathLike, n_head: int = 12) -> GPT:
@@ -579,26 +623,48 @@ def build_model(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    quantization: dict[str, Any] | None = None,
 ) -> GPT:
     """A GPT with the weights of ``sd`` (gptkiln names), built on meta and assigned, not copied.
 
-    ``source`` names where the weights came from, for error messages.
+    ``source`` names where the weights came from, for error messages. ``quantization`` (what a
+    quantized run's config.json records) builds the quantized model and assigns ``sd``'s int8
+    weights and scales to it; every name, shape and dtype is checked first.
     """
-    check_state_dict(sd, config, source)
-    with torch.device("meta"):
-        model = GPT(config)
+    check_state_dict(sd, config, source, quantization)
+    model = _meta_model(config, quantization)
     sd = dict(sd)
     if config.tie_embeddings:
         sd["lm_head.weight"] = sd["wte.weight"]
+        if "wte.scale" in sd:
+            sd["lm_head.scale"] = sd["wte.scale"]
     model.load_state_dict(sd, strict=True, assign=True)
     model.tie_weights()
+    if quantization is not None:
+        tie_quantized_head(model)
+        check_scales(model, source)
     model.to(device=device, dtype=dtype)
     return model.eval()
 
 
-def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+def _meta_model(config: GPTConfig, quantization: dict[str, Any] | None) -> GPT:
+    """The GPT of ``config`` on the meta device, quantized as recorded (no memory either way)."""
+    with torch.device("meta"):
+        model = GPT(config)
+        if quantization is not None:
+            quantize_model(
+                model, quantization["method"], embedding_and_head=quantization["embedding_and_head"]
+            )
+    return model
+
+
+def expected_shapes(
+    config: GPTConfig, quantization: dict[str, Any] | None = None
+) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a checkpoint of this config stores (tied head excluded), in
-    the order of ``GPT(config).state_dict()``; worked out from the config, no model built."""
+    the order of ``GPT(config).state_dict()``; worked out from the config, no model built. A
+    quantized checkpoint (``quantization`` as its config.json records it) also stores a
+    ``NAME.scale`` (out,) after each int8 ``NAME.weight`` (`gptkiln.quantize.int8_modules`)."""
     C, V = config.n_embd, config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {
         "wte.weight": (V, C),
@@ -629,19 +695,61 @@ def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
         )
     elif not config.tie_embeddings:
         shapes["lm_head.weight"] = (V, C)
-    return shapes
+    if quantization is None:
+        return shapes
+    int8 = {f"{m}.weight" for m in int8_modules(config, quantization["embedding_and_head"])}
+    with_scales: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        with_scales[name] = shape
+        if name in int8:
+            with_scales[name.removesuffix("weight") + "scale"] = shape[:1]
+    return with_scales
 
 
-def check_state_dict(sd: Mapping[str, torch.Tensor], config: GPTConfig, source: str) -> None:
-    """Raise one readable GptkilnError when ``sd``'s names, shapes or dtypes do not fit ``config``.
+def check_state_dict(
+    sd: Mapping[str, torch.Tensor],
+    config: GPTConfig,
+    source: str,
+    quantization: dict[str, Any] | None = None,
+) -> None:
+    """Raise one readable GptkilnError when ``sd``'s names, shapes or dtypes do not fit ``config``
+    (and ``quantization``, what a quantized run's config.json records: which weights are int8).
 
     The sizes the weights themselves hold are compared first (`check_config_fits`), so that a
     config that was edited to something huge is refused at once, before anything is built.
     """
     check_config_fits(config, sd, source)
-    check_shapes(sd, expected_shapes(config), source)
+    int8 = set()
+    if quantization is not None:
+        int8 = {f"{m}.weight" for m in int8_modules(config, quantization["embedding_and_head"])}
+    check_dtypes(sd, int8, source, quantization)
+    check_shapes(sd, expected_shapes(config, quantization), source)
+
+
+def check_dtypes(
+    sd: Mapping[str, torch.Tensor],
+    int8: set[str],
+    source: str,
+    quantization: dict[str, Any] | None,
+) -> None:
+    """Raise a GptkilnError naming the tensors of ``sd`` stored as int8 where a float is
+    expected, as a float where int8 is (``int8``: the names a quantized checkpoint stores as
+    int8), or as neither: any float dtype passes for a float."""
+    wrong = [
+        f"{k} {str(v.dtype).removeprefix('torch.')} (expected {'int8' if k in int8 else 'a float'})"
+        for k, v in sd.items()
+        if (v.dtype == torch.int8) != (k in int8)
+        and (v.dtype == torch.int8 or v.is_floating_point())
+    ]
+    if wrong:
+        recorded = "records no quantization" if quantization is None else "records int8 weights"
+        raise GptkilnError(
+            f"{source} does not fit its config.json, which {recorded}: wrong dtype "
+            f"{_names(wrong)}; restore the config.json that came with these weights, or "
+            "convert the run again"
+        )
     not_float = [f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in sd.items()
-                 if not v.is_floating_point()]  # fmt: skip
+                 if not (v.is_floating_point() or v.dtype == torch.int8)]  # fmt: skip
     if not_float:
         raise GptkilnError(
             f"{source} holds tensors that are not floating-point weights: {_names(not_float)}; "

@@ -39,9 +39,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.kernels import dequantize_linear
-from gptkiln.model import GPT, Linear
+from gptkiln.model import GPT
 
 METHODS = ("int8",)
 """The values ``quantize=`` accepts (besides None: keep the weights as they are)."""
@@ -164,12 +165,17 @@ def quantize_model(model: GPT, method: str = "int8", *, embedding_and_head: bool
     check_quantize(method)
     if quantization_of(model) is not None:
         return model
-    head = model.lm_head
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, Linear) and child is not head:
-                setattr(module, name, Int8Linear.from_float(child))
+    if getattr(model.config, "num_classes", None):
+        raise GptkilnError(
+            f"this run is a classifier ({model.config.num_classes} classes); int8 quantization "
+            "is for language models (generate, eval, inspect): use the float run"
+        )
+    for name in int8_modules(model.config, embedding_and_head=False):
+        parent, _, attr = name.rpartition(".")
+        module = model.get_submodule(parent)
+        setattr(module, attr, Int8Linear.from_float(getattr(module, attr)))
     if embedding_and_head:
+        head = model.lm_head
         tied = head.weight is model.wte.weight
         model.wte = Int8Embedding.from_float(model.wte)
         if tied:
@@ -177,6 +183,21 @@ def quantize_model(model: GPT, method: str = "int8", *, embedding_and_head: bool
         else:
             model.lm_head = Int8Linear.from_float(head)
     return model
+
+
+BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+"""The linear layers of each block, all quantized."""
+
+
+def int8_modules(config: GPTConfig, embedding_and_head: bool) -> list[str]:
+    """The modules of a GPT of ``config`` whose weight `quantize_model` makes int8, by name, in
+    the order of the model's state dict. A quantized checkpoint stores ``NAME.weight`` (int8)
+    and ``NAME.scale`` for each; a tied head is the embedding (``wte``) and is not listed."""
+    names = ["wte"] if embedding_and_head else []
+    names += [f"h.{i}.{layer}" for i in range(config.n_layer) for layer in BLOCK_LINEARS]
+    if embedding_and_head and not config.tie_embeddings:
+        names.append("lm_head")
+    return names
 
 
 def quantization_of(model: nn.Module) -> dict[str, Any] | None:
@@ -197,6 +218,21 @@ def tie_quantized_head(model: GPT) -> None:
     if model.config.tie_embeddings and isinstance(model.wte, Int8Embedding):
         model.lm_head.weight = model.wte.weight
         model.lm_head.scale = model.wte.scale
+
+
+def check_scales(model: nn.Module, source: str) -> None:
+    """Refuse a quantized model whose scales are not all finite and positive (as
+    `quantize_per_channel` makes them): a file corrupted inside its data, which the
+    safetensors header cannot show. Reads only the scales (one float per channel)."""
+    for name, module in model.named_modules():
+        scale = getattr(module, "scale", None)
+        if isinstance(module, (Int8Linear, Int8Embedding)) and not bool(
+            (torch.isfinite(scale) & (scale > 0)).all()
+        ):
+            raise GptkilnError(
+                f"{source}: {name}.scale holds values that are not finite and positive; the "
+                "file is corrupt: restore it, or quantize the float run again"
+            )
 
 
 def read_quantization(recorded: Any, source: str) -> dict[str, Any] | None:
