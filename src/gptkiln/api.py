@@ -308,9 +308,7 @@ def evaluate_run(
         quantize: "int8" quantizes the weights on load (`gptkiln.loading.load_model`).
     """
     import numpy as np
-    from tqdm.auto import tqdm
 
-    from gptkiln.data.windows import SlidingWindowDataset
     from gptkiln.loading import check_ids_fit, check_language_model, load_run
     from gptkiln.train import bits_per_char
 
@@ -318,10 +316,24 @@ def evaluate_run(
         raise GptkilnError(f"batch_size must be >= 1, got {batch_size}")
     model, tokenizer, _ = load_run(run_dir, device=device, quantize=quantize)
     check_language_model(model, run_dir)
-    model.eval()
-    tokens = _eval_tokens(Path(data), tokenizer)
+    tokens = eval_tokens(data, tokenizer)
     if len(tokens):
         check_ids_fit(int(np.max(tokens)), model, tokenizer, run_dir)
+    return evaluate_model(model, tokens, batch_size=batch_size, progress=progress)
+
+
+def evaluate_model(
+    model: torch.nn.Module, tokens, *, batch_size: int = 8, progress: bool = False
+) -> EvalResult:
+    """Cross-entropy and perplexity of a built model over token ids (a sequence or a 1-D array),
+    cut into non-overlapping context windows, on the model's device."""
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from gptkiln.data.windows import SlidingWindowDataset
+
+    model.eval()
+    device = model.ln_f.weight.device
     ctx = model.config.context_length
     dataset = SlidingWindowDataset(
         np.asarray(tokens), min(ctx, len(tokens) - 1), min(ctx, len(tokens) - 1)
@@ -346,9 +358,14 @@ def evaluate_run(
     )
 
 
-def _eval_tokens(data: Path, tokenizer):
+def eval_tokens(data: str | os.PathLike, tokenizer):
+    """The ids `evaluate_run` scores: a prepared directory's validation split (its tokenizer
+    must be ``tokenizer``), or a text/jsonl file's documents encoded and joined as `prepare`
+    joins them."""
     from gptkiln.data.prepare import is_prepared, load_prepared
     from gptkiln.data.sources import iter_documents
+
+    data = Path(data)
 
     if is_prepared(data):
         prepared = load_prepared(data)

@@ -27,7 +27,6 @@ from gptkiln.loading import (
     load_book,
     load_hf,
     load_model,
-    load_run,
     read_config,
     tokenizer_name,
 )
@@ -213,9 +212,17 @@ def quantize_run(
             f"--out {out_dir} is the run being quantized; give another directory, so the float "
             "run is kept"
         )
-    model, tokenizer, cfg = load_run(run_dir, quantize=method)
+    cfg = read_config(run_dir)
+    model = load_model(run_dir, quantize=method)
+    tokenizer = None  # a run saved without one (save_model(..., tokenizer=None)) stays so
+    if tokenizer_name(run_dir) is not None:
+        from gptkiln.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer("gpt2" if "model_type" in cfg else str(run_dir))
     train = None if "model_type" in cfg else cfg.get("train")
-    save_model(model, out_dir, train_config=train, tokenizer=tokenizer)
+    finetune = cfg.get("finetune")  # an instruction-tuned run keeps its template (LoRA: merged)
+    extra = {"finetune": {k: v for k, v in finetune.items() if k != "lora"}} if finetune else None
+    save_model(model, out_dir, train_config=train, tokenizer=tokenizer, extra=extra)
     _drop(stale)
     return out_dir
 
