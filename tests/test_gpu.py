@@ -71,3 +71,24 @@ def test_trainer_picks_cuda_and_trains(tmp_path):
         )
     )
     assert result.val_loss < 3.0
+
+
+def test_int8_model_on_cuda_in_bf16_generates_as_on_the_cpu(tmp_path):
+    from gptkiln.checkpoint import save_model
+    from gptkiln.loading import load_model
+    from gptkiln.quantize import quantize_model
+
+    torch.manual_seed(0)
+    model = quantize_model(GPT(GPTConfig.from_name("tiny", vocab_size=256)).eval())
+    save_model(model, tmp_path / "q")
+    gpu = load_model(tmp_path / "q", device="cuda", dtype=torch.bfloat16)
+    assert gpu.h[0].attn.c_attn.weight.dtype == torch.int8  # int8 stays int8 under dtype=bf16
+    assert gpu.h[0].attn.c_attn.weight.device.type == "cuda"
+    idx = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        cpu_logits = model(idx)
+        gpu_logits = gpu(idx.cuda()).float().cpu()
+    torch.testing.assert_close(gpu_logits, cpu_logits, atol=0.05, rtol=0.05)  # bf16 activations
+    prompt = idx[0, :5].tolist()
+    cached = generate(gpu, prompt, max_new_tokens=20, temperature=0)
+    assert cached == generate(gpu, prompt, max_new_tokens=20, temperature=0, use_cache=False)

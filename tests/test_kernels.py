@@ -175,8 +175,86 @@ def test_a_tuned_model_can_still_be_sent_to_another_process(name, monkeypatch):
 
     model = tiny_model()
     monkeypatch.setattr(kernels, "_fastest", lambda *a: name)
-    generate(model, [[1, 2, 3]], max_new_tokens=3, temperature=0)
+    generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=3, temperature=0)  # 2 rows, as above
     again = pickle.loads(pickle.dumps(model))
-    x = torch.randn(1, model.config.n_embd)
+    x = torch.randn(2, model.config.n_embd)
+    with torch.no_grad():
+        torch.testing.assert_close(again.lm_head(x), model.lm_head(x))
+
+
+# -- the int8 family -------------------------------------------------------------------------
+def int8_layer(n_out: int, n_in: int, bias: bool = True, seed: int = 0):
+    from gptkiln.quantize import Int8Linear
+
+    torch.manual_seed(seed)
+    return Int8Linear.from_float(torch.nn.Linear(n_in, n_out, bias=bias))
+
+
+@pytest.mark.parametrize("name", sorted(kernels.int8_candidates()))
+@pytest.mark.parametrize("rows, bias", [(1, True), (3, False)])  # each a compile for "fused"
+def test_every_int8_kernel_is_the_dequantized_product(name, rows, bias):
+    kernel = kernels.int8_candidates()[name]
+    layer = int8_layer(97, 32, bias)  # 97: odd, as GPT-2's 50257
+    x = torch.randn(rows, 1, 32)
+    w = layer.weight.float() * layer.scale[:, None]
+    got = kernel(x, layer.weight, layer.scale, layer.bias)
+    assert got.shape == (rows, 1, 97)
+    torch.testing.assert_close(got, F.linear(x, w, layer.bias))
+
+
+def test_the_fused_int8_kernel_refuses_more_rows_than_it_keeps_accumulators_for():
+    layer = int8_layer(8, 16)
+    x = torch.randn(kernels.FUSED_INT8_MAX_ROWS + 1, 16)
+    with pytest.raises(RuntimeError, match="at most"):
+        kernels.fused_int8(x, layer.weight, layer.scale, layer.bias)
+
+
+def test_int8_layers_are_tuned_among_int8_kernels_only(monkeypatch):
+    from gptkiln.quantize import quantize_model
+
+    model = quantize_model(tiny_model())
+    fast_but_wrong = lambda x, q, s, b: kernels.dequantize_linear(x, q, s, b) + 1.0  # noqa: E731
+    found = {
+        "dequantize": lambda *a: (time.sleep(0.004), kernels.dequantize_linear(*a))[1],
+        "fast_but_wrong": fast_but_wrong,
+        "cannot_run": lambda x, q, s, b: slow(0.0, fails=True)(x, q, b),
+        "fast": lambda *a: (time.sleep(0.001), kernels.dequantize_linear(*a))[1],
+    }
+    monkeypatch.setattr(kernels, "int8_candidates", lambda: found)
+    monkeypatch.setattr(kernels, "candidates", lambda: pytest.fail("a float kernel was offered"))
+    picked = kernels.tune_decoding(model, rows=2)
+    assert set(picked.values()) == {"fast"} and len(picked) == 5
+    assert all(key[4] == "int8" for key in kernels.chosen())
+    assert model.h[0].mlp.c_fc.few_row_kernels[2] is found["fast"]
+    assert model.lm_head.few_row_kernels[2] is found["fast"]
+
+
+def test_quantized_generation_gives_the_same_tokens_with_every_int8_kernel(monkeypatch):
+    from gptkiln.quantize import Int8Linear, quantize_model
+
+    model = quantize_model(tiny_model())
+    batch, prompts = 2, [[1, 2, 3, 4], [5, 6, 7]]  # "fused" compiles for 2 rows, 5 shapes
+    cfg = SampleConfig(max_new_tokens=12, temperature=0)
+    reference = None  # "dequantize" comes first: the reference product
+    for name in kernels.int8_candidates():
+        monkeypatch.setattr(kernels, "_CHOSEN", {})
+        monkeypatch.setattr(kernels, "_fastest", lambda found, *a, name=name: name)
+        tokens = generate(model, prompts, cfg)
+        int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        assert all(m.few_row_kernels[batch] is kernels.int8_candidates()[name] for m in int8)
+        reference = reference or tokens
+        assert tokens == reference, name
+
+
+def test_a_tuned_quantized_model_can_still_be_sent_to_another_process(monkeypatch):
+    import pickle
+
+    from gptkiln.quantize import quantize_model
+
+    model = quantize_model(tiny_model())
+    monkeypatch.setattr(kernels, "_fastest", lambda *a: "fused")
+    generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=3, temperature=0)  # 2 rows, as above
+    again = pickle.loads(pickle.dumps(model))
+    x = torch.randn(2, model.config.n_embd)
     with torch.no_grad():
         torch.testing.assert_close(again.lm_head(x), model.lm_head(x))
