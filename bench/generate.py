@@ -1,16 +1,22 @@
-"""Greedy generation throughput, new tokens/s: gptkiln against transformers and the book.
+"""Greedy generation throughput, new tokens/s: gptkiln (fp32 and int8) against transformers and
+the book.
 
     python bench/generate.py [--batches 1 8] [--new-tokens 200] [--repeats 3] [--book-batch8]
-                             [--no-check]
+                             [--no-check] [--no-int8] [--head-float]
 
 A GPT-2 124M-shaped model with random weights (fp32, 2 threads), an 8-token prompt per row,
 200 new greedy tokens, batch 1 and batch 8; tokens/s counts every row's new tokens. Each
-implementation runs in a fresh process; one short warm-up call is excluded and the figure is the
-median over ``--repeats`` full calls, except for the book's: one full call (it recomputes the
-whole sequence for every token, a call takes about a minute at 124M), so its row is that call.
+implementation runs in a fresh process; one short warm-up call is excluded (it also tunes the
+decoding kernels, and for int8 compiles the fused one) and the figure is the median over
+``--repeats`` full calls, except for the book's: one full call (it recomputes the whole sequence
+for every token, a call takes about a minute at 124M), so its row is that call.
 
 - gptkiln: ``gptkiln.sampling.generate(model, prompts, temperature=0, max_new_tokens=200)``
   (static KV cache, the default).
+- gptkiln int8: the same model (same seed, same weights) after
+  ``gptkiln.quantize.quantize_model`` (int8 weights, per-channel scales; head and token
+  embedding int8 too); with ``--head-float``, one more row with the head and token embedding
+  kept fp32.
 - transformers: ``GPT2LMHeadModel`` (SDPA attention) ``.generate(do_sample=False,
   use_cache=True, max_new_tokens=200, min_new_tokens=200)``, so it never stops early.
 - the book: ``llms_from_scratch.ch04.generate_text_simple`` (no cache: every step re-runs the
@@ -45,6 +51,12 @@ def prompts(batch: int, vocab: int):
 
 def gptkiln_model(layout: str = "gpt2"):
     return common.gptkiln_gpt(SHAPE, layout).eval()
+
+
+def gptkiln_int8_model(embedding_and_head: bool = True):
+    from gptkiln.quantize import quantize_model
+
+    return quantize_model(gptkiln_model(), embedding_and_head=embedding_and_head)
 
 
 def hf_model(config_dict: dict | None = None):
@@ -109,8 +121,14 @@ def worker(job: dict) -> None:
     if job["impl"] == "check":
         return check_same_tokens(job)
     impl = job["impl"]
-    model = {"gptkiln": gptkiln_model, "transformers": hf_model, "book": book_model}[impl]()
-    run = generator_for(impl, model)
+    model = {
+        "gptkiln": gptkiln_model,
+        "gptkiln int8": gptkiln_int8_model,
+        "gptkiln int8, head fp32": lambda: gptkiln_int8_model(embedding_and_head=False),
+        "transformers": hf_model,
+        "book": book_model,
+    }[impl]()
+    run = generator_for(impl.split()[0], model)
     idx = prompts(job["batch"], SHAPE["vocab"])
     n = job["new_tokens"]
     with torch.inference_mode():
@@ -120,7 +138,7 @@ def worker(job: dict) -> None:
     assert out.shape == (job["batch"], 2), out.shape
     sec = statistics.median(times)
     result = {"tokens_per_s": job["batch"] * n / sec, "seconds": sec, "ms_per_token": 1e3 * sec / n}
-    if impl == "gptkiln":  # what gptkiln.kernels.tune_decoding picked for the decode steps
+    if impl.startswith("gptkiln"):  # what gptkiln.kernels.tune_decoding picked for the decode
         from gptkiln.kernels import chosen
 
         result["kernels"] = {
@@ -185,29 +203,38 @@ def main() -> None:
     )
     p.add_argument("--no-book", action="store_true", help="leave the book out entirely")
     p.add_argument("--no-check", action="store_true", help="skip the same-tokens check")
+    p.add_argument("--no-int8", action="store_true", help="leave out the int8 row")
+    p.add_argument(
+        "--head-float", action="store_true", help="add int8 with the head and embedding in fp32"
+    )
     args = p.parse_args()
 
     info = common.print_machine()
     rows, kernel_lines = [], []
     for batch in args.batches:
-        jobs = [dict(impl="gptkiln"), dict(impl="transformers")]
+        jobs = [dict(impl="gptkiln")]
+        if not args.no_int8:
+            jobs.append(dict(impl="gptkiln int8"))
+        if args.head_float:
+            jobs.append(dict(impl="gptkiln int8, head fp32"))
+        jobs.append(dict(impl="transformers"))
         if not args.no_book and (batch == 1 or args.book_batch8):
             jobs.append(dict(impl="book", repeats=1))
         for job in jobs:
             job.update(batch=batch, new_tokens=args.new_tokens)
             job.setdefault("repeats", args.repeats)
         results = common.run_rounds(__file__, jobs, args.rounds, "tokens_per_s")
-        kiln = results[0]["tokens_per_s"]
-        kernel_lines.append(
-            f"# gptkiln's decoding kernels at batch {batch}: {results[0]['kernels']}"
-        )
+        by_impl = dict(zip((job["impl"] for job in jobs), results))
         for job, r in zip(jobs, results):
+            if "kernels" in r:
+                kernel_lines.append(f"# {job['impl']} kernels at batch {batch}: {r['kernels']}")
             row = dict(batch=batch, impl=job["impl"], **r)
-            if job["impl"] != "gptkiln":
-                row["ratio"] = common.ratio(kiln, r["tokens_per_s"])
-                row["ratio_paired"] = common.paired_ratio(
-                    results[0]["tokens_per_s_rounds"], r["tokens_per_s_rounds"]
-                )
+            for key, peer in (("ratio", "gptkiln"), ("int8_ratio", "gptkiln int8")):
+                if peer in by_impl and job["impl"] != peer:
+                    row[key] = common.ratio(by_impl[peer]["tokens_per_s"], r["tokens_per_s"])
+                    row[key + "_paired"] = common.paired_ratio(
+                        by_impl[peer]["tokens_per_s_rounds"], r["tokens_per_s_rounds"]
+                    )
             rows.append(row)
     print()
     common.print_table(
@@ -219,6 +246,8 @@ def main() -> None:
             ("ms_per_token", "ms/step"),
             ("ratio", "gptkiln ratio"),
             ("ratio_paired", "ratio, paired rounds"),
+            ("int8_ratio", "int8 ratio"),
+            ("int8_ratio_paired", "int8 ratio, paired"),
             ("peak_rss_mb", "peak RSS MB"),
             ("tokens_per_s_rounds", "tokens/s per round"),
             ("others_cores", "others' cores"),
@@ -226,8 +255,9 @@ def main() -> None:
     )
     print(
         f"\n# {PROMPT_LEN}-token prompt, {args.new_tokens} new greedy tokens per row; "
-        f"'gptkiln ratio' = gptkiln tokens/s / that row's; load average now "
-        f"{common.machine()['loadavg_1m']:.2f} (at start {info['loadavg_1m']:.2f})"
+        f"'gptkiln ratio' = gptkiln (fp32) tokens/s / that row's, 'int8 ratio' = gptkiln "
+        f"int8's / that row's; load average now {common.machine()['loadavg_1m']:.2f} (at "
+        f"start {info['loadavg_1m']:.2f})"
     )
     print("\n".join(kernel_lines))
     if not args.no_check:

@@ -24,6 +24,9 @@ for others). A bf16 8192^3 matmul measured in the same run gives the practical c
 Generation: a 124M-shaped model with random weights cast to bf16, an 8-token prompt per row, 200
 new greedy tokens at batch 1 and 8: ``gptkiln.sampling.generate`` (static KV cache) against
 ``GPT2LMHeadModel.generate(use_cache=True, min_new_tokens=200)``; tokens/s counts every row.
+``gptkiln int8`` is the same model after ``gptkiln.quantize.quantize_model`` (int8 weights,
+per-channel scales, bf16 activations); on a GPU its products are the dequantized ones
+(`kernels.dequantize_linear`: the decoding tuner times kernels on the CPU only).
 """
 
 from __future__ import annotations
@@ -155,10 +158,15 @@ def generate_worker(job: dict) -> None:
     idx = torch.randint(0, s["vocab"], (job["batch"], PROMPT_LEN), generator=gen).to(device)
     if job["impl"] == "gptkiln":
         model = common.gptkiln_gpt(s, "gpt2")
+    elif job["impl"] == "gptkiln int8":
+        from gptkiln.quantize import quantize_model
+
+        model = quantize_model(common.gptkiln_gpt(s, "gpt2").eval())
     else:
         model = common.hf_gpt2(s, bos_token_id=s["vocab"] - 1, eos_token_id=s["vocab"] - 1)
-    model = model.to(device, torch.bfloat16).eval()
-    run_n = generate_bench.generator_for(job["impl"], model)  # as bench/generate.py calls them
+    model = model.to(device, torch.bfloat16).eval()  # int8 weights stay int8
+    impl = job["impl"].split()[0]
+    run_n = generate_bench.generator_for(impl, model)  # as bench/generate.py calls them
 
     def run(k):
         return run_n(idx, k)
@@ -279,7 +287,7 @@ def main() -> None:
                 new_tokens=args.new_tokens,
                 repeats=args.repeats,
             )
-            for impl in ("gptkiln", "transformers")
+            for impl in ("gptkiln", "gptkiln int8", "transformers")
         ]
         results = common.run_rounds(__file__, jobs, args.rounds, "tokens_per_s")
         kiln = results[0]["tokens_per_s"]
@@ -289,8 +297,8 @@ def main() -> None:
                 row["ratio"] = common.ratio(kiln, r["tokens_per_s"])
             rows.append(row)
     print(
-        f"\n## generation, bf16 weights, {PROMPT_LEN}-token prompt, {args.new_tokens} new "
-        f"greedy tokens per row\n"
+        f"\n## generation, bf16 weights (gptkiln int8: int8 weights, bf16 activations), "
+        f"{PROMPT_LEN}-token prompt, {args.new_tokens} new greedy tokens per row\n"
     )
     common.print_table(
         rows,
