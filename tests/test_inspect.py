@@ -353,3 +353,25 @@ def test_an_empty_prompt_or_a_missing_run_gets_one_line(run_dir, tmp_path, capsy
     assert code == 2 and "prompt is empty" in err
     code, _, err = cli("inspect", tmp_path / "nope", "--prompt", "x", capsys=capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not exist" in err
+
+
+def test_inspect_quantize_int8_shows_the_quantized_model(run_dir, tmp_path, capsys):
+    from gptkiln.loading import load_run
+    from gptkiln.quantize import quantize_model
+
+    fp32_json, int8_json = tmp_path / "fp32.json", tmp_path / "int8.json"
+    common = ["--prompt", "To be, or", "--out", tmp_path / "att.png"]
+    code, _, err = cli("inspect", run_dir, *common, "--json", fp32_json, capsys=capsys)
+    assert code == 0, err
+    code, _, err = cli(
+        "inspect", run_dir, *common, "--json", int8_json, "--quantize", "int8", capsys=capsys
+    )
+    assert code == 0, err
+    model, tokenizer, _ = load_run(run_dir)
+    expected = inspect_prompt(quantize_model(model), tokenizer, "To be, or").to_dict()
+    fp32, int8 = (json.loads(p.read_text(encoding="utf-8")) for p in (fp32_json, int8_json))
+    assert int8 == expected and int8["loss"] != fp32["loss"]  # the int8 model's, not fp32's
+    assert int8["loss"] == pytest.approx(fp32["loss"], rel=0.02)
+
+    code, out, err = cli("inspect", run_dir, *common, "--quantize", "int4", capsys=capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "'int4'" in err and out == ""

@@ -446,6 +446,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         max_tokens=args.max_tokens,
         device=resolve_device(args.device),
+        quantize=args.quantize,
     )
     check_view(result, layer=args.layer, head=args.head, position=args.position)
     if result.crop_note():
@@ -1066,6 +1067,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="cpu | cuda | cuda:N | mps | auto (default: %(default)s)",
     )
+    add_quantize_flag(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser(

@@ -268,11 +268,14 @@ def inspect_run(
     top_k: int = DEFAULT_TOP_K,
     max_tokens: int | None = DEFAULT_MAX_TOKENS,
     device: str = "cpu",
+    quantize: str | None = None,
 ) -> Inspection:
-    """`inspect_prompt` with the model and tokenizer of a run (or Hugging Face GPT-2) directory."""
+    """`inspect_prompt` with the model and tokenizer of a run (or Hugging Face GPT-2) directory;
+    ``quantize="int8"`` quantizes its weights on load (`gptkiln.loading.load_model`), to see
+    what int8 weights change."""
     from gptkiln.loading import check_language_model, load_run
 
-    model, tokenizer, _ = load_run(run_dir, device=device)
+    model, tokenizer, _ = load_run(run_dir, device=device, quantize=quantize)
     check_language_model(model, run_dir)
     return inspect_prompt(model, tokenizer, prompt, top_k=top_k, max_tokens=max_tokens)
 
