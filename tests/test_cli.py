@@ -3,8 +3,10 @@
 import hashlib
 import json
 import math
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,6 +224,10 @@ def test_quantized_runs_refuse_what_they_cannot_do(run_dir, tmp_path, capsys):
     )
     assert_one_line_error(code, err, "--method 'int3'", "int8")
     weights = (q / "model.safetensors").read_bytes()
+    mismatched = Path(shutil.copytree(run_dir, tmp_path / "mismatched"))
+    (mismatched / "model.safetensors").write_bytes(weights)  # int8 weights, a float config.json
+    code, _, err = cli("eval", mismatched, "--data", run_dir / "config.json", capsys=capsys)
+    assert_one_line_error(code, err, "records no quantization: wrong dtype", "int8")
     (q / "model.safetensors").write_bytes(weights[: len(weights) - 64])
     code, _, err = cli("generate", q, "--prompt", "x", capsys=capsys)
     assert_one_line_error(code, err, "model.safetensors", "truncated or corrupt")
