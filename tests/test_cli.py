@@ -212,6 +212,35 @@ def test_convert_quantize_then_generate_and_eval(run_dir, tmp_path, play_path, c
     assert int8 == loss(run_dir, "--quantize", "int8") == pytest.approx(fp32, rel=0.01)
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ["--prompt", "I had"],  # streamed
+        ["--prompt", "I had", "--prompt", "To be"],  # one batch through api.complete
+        ["--prompt", "I had", "--num-samples", "2", "--seed", "1"],
+        ["--prompt", "I had", "--json"],
+    ],
+)
+def test_every_path_of_generate_honours_quantize(shape, run_dir, monkeypatch, capsys):
+    import gptkiln.loading as loading
+    from gptkiln.quantize import quantization_of
+
+    loaded = []
+    real = loading.load_run
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        loaded.append(quantization_of(result[0]))
+        return result
+
+    monkeypatch.setattr(loading, "load_run", spy)
+    code, out, err = cli(
+        "generate", run_dir, *shape, "--max-new-tokens", "4", "--quantize", "int8", capsys=capsys
+    )
+    assert code == 0, err
+    assert len(loaded) == 1 and loaded[0] is not None and loaded[0]["method"] == "int8"
+
+
 def test_quantized_runs_refuse_what_they_cannot_do(run_dir, tmp_path, capsys):
     q = tmp_path / "q"
     assert cli("convert", "quantize", run_dir, "--out", q, capsys=capsys)[0] == 0
@@ -233,10 +262,15 @@ def test_quantized_runs_refuse_what_they_cannot_do(run_dir, tmp_path, capsys):
     assert_one_line_error(code, err, "model.safetensors", "truncated or corrupt")
 
 
-@pytest.mark.parametrize("command", ["generate", "eval"])
+@pytest.mark.parametrize("command", ["generate", "generate-batch", "eval"])
 @pytest.mark.parametrize("value", ["int4", "INT8", "none"])
 def test_a_bad_quantize_value_is_refused_in_one_line(command, value, run_dir, capsys):
-    rest = ["--prompt", "x"] if command == "generate" else ["--data", run_dir / "config.json"]
+    rest = {
+        "generate": ["--prompt", "x"],
+        "generate-batch": ["--prompt", "x", "--prompt", "y"],
+        "eval": ["--data", run_dir / "config.json"],
+    }[command]
+    command = command.removesuffix("-batch")
     code, out, err = cli(command, run_dir, *rest, "--quantize", value, capsys=capsys)
     assert_one_line_error(code, err, f"quantize {value!r}", "int8")
     assert out == ""

@@ -310,3 +310,42 @@ def test_eval_quantized_on_load_is_close_to_fp32_and_not_equal(float_run, tmp_pa
     int8 = evaluate_run(float_run, text, progress=False, quantize="int8")
     assert int8.tokens == fp32.tokens
     assert int8.loss != fp32.loss and int8.loss == pytest.approx(fp32.loss, rel=0.01)
+
+
+def test_serve_quantize_int8_serves_the_quantized_model(float_run, monkeypatch, capsys):
+    """`gptkiln serve RUN --quantize int8` (uvicorn.run caught, its app served on a test port)
+    answers with the int8 model: its greedy text is what generate gives quantized."""
+    import httpx
+    import uvicorn
+    from serving import ServerThread
+
+    from gptkiln.api import generate_text
+    from gptkiln.cli import main
+    from gptkiln.config import SampleConfig
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
+    assert main(["serve", str(float_run), "--quantize", "int8", "--max-batch", "2"]) == 0
+    batcher = apps[0].state.batcher
+    assert quantization_of(batcher.model)["method"] == "int8"
+    with ServerThread(apps[0]) as url:
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "float", "prompt": "Hello", "max_tokens": 6, "temperature": 0},
+            timeout=60,
+        )
+    assert r.status_code == 200, r.text
+    cfg = SampleConfig(max_new_tokens=6, temperature=0)
+    int8 = generate_text(float_run, "Hello", cfg, quantize="int8")[len("Hello") :]
+    assert r.json()["choices"][0]["text"] == int8
+
+
+def test_serve_refuses_a_bad_quantize_value_before_it_listens(float_run, monkeypatch, capsys):
+    import uvicorn
+
+    from gptkiln.cli import main
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("it served"))
+    assert main(["serve", str(float_run), "--quantize", "int4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quantize 'int4'" in err[0] and "int8" in err[0]

@@ -693,6 +693,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         model_name=args.model_name,
         device=resolve_device(args.device),
+        quantize=args.quantize,
     )
 
 
@@ -1143,6 +1144,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model id clients send and /v1/models lists (default: the directory's name)",
     )
     p.add_argument("--device", default="cpu", help="cpu | cuda | mps | auto (default: cpu)")
+    add_quantize_flag(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

@@ -65,6 +65,7 @@ def serve(
     max_body_bytes: int = 1 << 20,
     model_name: str | None = None,
     device: str = "cpu",
+    quantize: str | None = None,
     log_level: str = "info",
 ) -> None:
     """Load the model of ``run_dir`` once and serve it until interrupted.
@@ -78,6 +79,8 @@ def serve(
         max_body_bytes: larger request bodies are answered 413.
         model_name: the id clients pass as ``model``; default: the directory's name.
         device: where the model runs (``cpu``, ``cuda``, ``mps``).
+        quantize: "int8" quantizes the weights as they load (`gptkiln.loading.load_model`);
+            None serves them as stored (a quantized run is served quantized either way).
         log_level: uvicorn's; requests are not logged one by one (see ``/metrics``).
     """
     check_serve_options(
@@ -93,7 +96,7 @@ def serve(
     from gptkiln.loading import check_language_model, load_run
     from gptkiln.serve.app import create_app
 
-    model, tokenizer, _ = load_run(run_dir, device=device)
+    model, tokenizer, _ = load_run(run_dir, device=device, quantize=quantize)
     check_language_model(model, run_dir)  # a classifier's scores are not next tokens
     model.eval()
     name = model_name or Path(run_dir).resolve().name
