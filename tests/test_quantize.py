@@ -349,3 +349,22 @@ def test_serve_refuses_a_bad_quantize_value_before_it_listens(float_run, monkeyp
     assert main(["serve", str(float_run), "--quantize", "int4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "quantize 'int4'" in err[0] and "int8" in err[0]
+
+
+def test_info_reads_a_quantized_run(float_run, tmp_path):
+    """`gptkiln info` checks a quantized run's headers against its recorded quantization, counts
+    the same parameters as the float run (scales are not parameters) and says int8."""
+    from gptkiln.api import run_info
+    from gptkiln.convert import quantize_run
+
+    quantize_run(float_run, tmp_path / "q")
+    fp32, int8 = run_info(float_run), run_info(tmp_path / "q")
+    assert fp32.quantization is None and "int8" not in fp32.summary()
+    assert int8.quantization == {
+        "method": "int8",
+        "scheme": "per-channel-symmetric",
+        "embedding_and_head": True,
+    }
+    assert int8.parameters == fp32.parameters
+    assert "parameters, int8 weights (per-channel-symmetric)" in int8.summary()
+    assert int8.files["model.safetensors"] < fp32.files["model.safetensors"] / 3

@@ -402,7 +402,8 @@ class RunInfo:
         preset_changes: the model settings that differ from that preset's (the vocabulary
             follows the tokenizer and is not one), e.g. ``{"context_length": 32}``.
         model: the model config (`GPTConfig` fields).
-        parameters: parameters stored (a tied head counts once).
+        parameters: parameters stored (a tied head counts once; a quantized run's scales are
+            not parameters).
         tokenizer: the tokenizer's kind (gpt2, char, bpe); None when the run records none.
         vocab_size: the model's vocabulary.
         data: the training data: ``source``, and where its prepared tokens are known
@@ -415,6 +416,8 @@ class RunInfo:
         resumable: whether ``gptkiln train --resume`` can continue it.
         resume_note: why it can or cannot.
         history: what is known of its training, in words, when nothing is.
+        quantization: what a quantized run's config.json records (``method``, ``scheme``,
+            ``embedding_and_head``); None for float weights.
     """
 
     path: str
@@ -435,9 +438,17 @@ class RunInfo:
     resumable: bool
     resume_note: str
     history: str | None
+    quantization: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def _int8(self) -> str:
+        q = self.quantization
+        if q is None:
+            return ""
+        float_head = "" if q["embedding_and_head"] else ", the head and embedding float"
+        return f", {q['method']} weights ({q['scheme']}{float_head})"
 
     def summary(self) -> str:
         """The information as a few aligned lines, for a person."""
@@ -453,7 +464,7 @@ class RunInfo:
         what = "a gptkiln run" if self.kind == "run" else "a Hugging Face GPT-2 directory"
         lines = [
             f"{self.path}: {what}",
-            ("model", f"{preset}{shape}; {self.parameters:,} parameters"),
+            ("model", f"{preset}{shape}; {self.parameters:,} parameters{self._int8()}"),
             ("tokenizer", f"{self.tokenizer or 'not recorded'}, {self.vocab_size:,} ids"),
         ]
         if self.history:
@@ -507,11 +518,14 @@ def run_info(path: str | os.PathLike) -> RunInfo:
     """
     from gptkiln.checkpoint import PREVIOUS_STATE_FILE, TRAINER_STATE_FILE, matching_trainer_state
     from gptkiln.loading import describe_weights, read_config, safetensors_metadata, tokenizer_name
+    from gptkiln.quantize import read_quantization
 
     run_dir = Path(path)
     cfg = read_config(run_dir)
     config, sd, weights_files = describe_weights(run_dir)
     hf = "model_type" in cfg
+    quantization = None if hf else read_quantization(cfg.get("quantization"), str(run_dir))
+    scales = {f"{n[: -len('.weight')]}.scale" for n, t in sd.items() if t.dtype == torch.int8}
     train = cfg.get("train") if isinstance(cfg.get("train"), dict) else None
     files = {f.name: f.stat().st_size for f in weights_files}
     states = [run_dir / n for n in (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)]
@@ -523,7 +537,7 @@ def run_info(path: str | os.PathLike) -> RunInfo:
         preset=preset,
         preset_changes=changes,
         model=config.to_dict(),
-        parameters=sum(t.numel() for t in sd.values()),
+        parameters=sum(t.numel() for name, t in sd.items() if name not in scales),
         tokenizer=tokenizer_name(run_dir),
         vocab_size=config.vocab_size,
         data=None if hf or train is None else _data_of(run_dir, train),
@@ -535,6 +549,7 @@ def run_info(path: str | os.PathLike) -> RunInfo:
         files=files,
         resumable=False,
         history=None,
+        quantization=quantization,
     )
     if hf:
         info["history"] = "none: an imported Hugging Face model has no training history"

@@ -471,8 +471,9 @@ def describe_weights(
     run_dir: str | os.PathLike,
 ) -> tuple[GPTConfig, dict[str, torch.Tensor], list[Path]]:
     """What a run or Hugging Face GPT-2 directory holds, without reading its weights: the model
-    config, the weights as meta tensors (gptkiln names; a tied head once) checked against the
-    config as a load checks them, and the weights files. Only the files' headers are read (a
+    config, the weights as meta tensors (gptkiln names; a tied head once; a quantized run's int8
+    weights and their scales) checked against the config as a load checks them, and the weights
+    files. Only the files' headers are read (a
     pytorch_model.bin is memory-mapped)."""
     run_dir = Path(run_dir)
     cfg = read_config(run_dir)
@@ -487,9 +488,10 @@ def describe_weights(
                 sd.update(read_safetensors_header(path))
         return config, hf_state_dict_to_gptkiln(sd, config, str(run_dir)), files
     config = run_model_config(cfg, run_dir / CONFIG_FILE)
+    quantization = read_quantization(cfg.get("quantization"), str(run_dir / CONFIG_FILE))
     weights = _run_weights(run_dir)
     sd = read_safetensors_header(weights)
-    check_state_dict(sd, config, str(weights))
+    check_state_dict(sd, config, str(weights), quantization)
     return config, sd, [weights]
 
 
