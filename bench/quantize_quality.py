@@ -66,7 +66,7 @@ def main() -> None:
     prompt = tokenizer.encode(args.prompt)
     rows, texts = [], {}
     for name, model in models.items():
-        result = evaluate_model(model, tokens, batch_size=args.batch_size)
+        result = evaluate_model(model, tokens, tokenizer, batch_size=args.batch_size)
         with torch.inference_mode():
             new = generate(model, prompt, max_new_tokens=args.new_tokens, temperature=0)
         texts[name] = new

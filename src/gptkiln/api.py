@@ -310,7 +310,6 @@ def evaluate_run(
     import numpy as np
 
     from gptkiln.loading import check_ids_fit, check_language_model, load_run
-    from gptkiln.train import bits_per_char
 
     if batch_size < 1:
         raise GptkilnError(f"batch_size must be >= 1, got {batch_size}")
@@ -319,18 +318,20 @@ def evaluate_run(
     tokens = eval_tokens(data, tokenizer)
     if len(tokens):
         check_ids_fit(int(np.max(tokens)), model, tokenizer, run_dir)
-    return evaluate_model(model, tokens, batch_size=batch_size, progress=progress)
+    return evaluate_model(model, tokens, tokenizer, batch_size=batch_size, progress=progress)
 
 
 def evaluate_model(
-    model: torch.nn.Module, tokens, *, batch_size: int = 8, progress: bool = False
+    model: torch.nn.Module, tokens, tokenizer, *, batch_size: int = 8, progress: bool = False
 ) -> EvalResult:
-    """Cross-entropy and perplexity of a built model over token ids (a sequence or a 1-D array),
-    cut into non-overlapping context windows, on the model's device."""
+    """Cross-entropy, perplexity and bits per character of a built model over token ids (a
+    sequence or a 1-D array) of ``tokenizer``, cut into non-overlapping context windows, on the
+    model's device."""
     import numpy as np
     from tqdm.auto import tqdm
 
     from gptkiln.data.windows import SlidingWindowDataset
+    from gptkiln.train import bits_per_char
 
     model.eval()
     device = model.ln_f.weight.device
