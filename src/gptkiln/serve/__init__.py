@@ -1,12 +1,14 @@
 """``gptkiln serve``: an OpenAI-compatible HTTP server with continuous batching, and a playground.
 
-- `app.create_app`: the routes (FastAPI) for one loaded model;
+- `app.create_app`: the routes (FastAPI) for one loaded model (chat too, for an
+  instruction-tuned run: its stored template formats the messages);
 - `batcher.Batcher`: the one decode loop that owns the model, slots over a static KV cache;
 - `schemas`: OpenAI's request and response shapes, and its error shape;
 - `metrics`: Prometheus metrics;
 - ``static/index.html``: the playground page, shipped in the package (no CDN, no build step).
 
-`serve` loads a model once and runs the app under uvicorn.
+`serve` loads a model (and an instruction-tuned run's template) once and runs the app under
+uvicorn.
 """
 
 from __future__ import annotations
@@ -93,17 +95,20 @@ def serve(
     )
     import uvicorn
 
+    from gptkiln.finetune.runs import run_template
     from gptkiln.loading import check_language_model, load_run
     from gptkiln.serve.app import create_app
 
-    model, tokenizer, _ = load_run(run_dir, device=device, quantize=quantize)
+    model, tokenizer, run_cfg = load_run(run_dir, device=device, quantize=quantize)
     check_language_model(model, run_dir)  # a classifier's scores are not next tokens
+    template = run_template(run_cfg, run_dir)  # an instruction-tuned run's: it can chat
     model.eval()
     name = model_name or Path(run_dir).resolve().name
     app = create_app(
         model,
         tokenizer,
         model_name=name,
+        template=template,
         max_batch=max_batch,
         max_queue=max_queue,
         api_key=api_key,
@@ -112,7 +117,8 @@ def serve(
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(
         f"gptkiln serve: {run_dir} as {name!r} (context {model.config.context_length}, "
-        f"{max_batch} sequences at once); playground {url}/, API {url}/v1",
+        f"{max_batch} sequences at once); playground {url}/, API {url}/v1"
+        + (" (chat too: instruction-tuned)" if template is not None else ""),
         file=sys.stderr,
         flush=True,
     )

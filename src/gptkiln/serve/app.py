@@ -1,6 +1,7 @@
 """The HTTP routes: validate a request, hand its sequences to the batcher, shape the answer.
 
 ``POST /v1/completions`` (OpenAI's legacy completions, streamed as server-sent events or whole),
+``POST /v1/chat/completions`` (an instruction-tuned run's: the messages in its stored template),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /`` (the
 playground page) and gptkiln's own ``POST /v1/inspect`` (a prompt's attention weights and
 next-token probabilities, `gptkiln.inspect`, for the page's Inspect view). Every error is
@@ -18,8 +19,9 @@ import importlib.resources
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,6 +30,7 @@ from starlette.exceptions import HTTPException
 
 from gptkiln.config import SampleConfig
 from gptkiln.errors import GptkilnError
+from gptkiln.finetune.templates import PromptTemplate, format_messages
 from gptkiln.inspect import inspect_prompt
 from gptkiln.model import GPT
 from gptkiln.serve.batcher import (
@@ -44,6 +47,13 @@ from gptkiln.serve.metrics import CONTENT_TYPE, ServeMetrics
 from gptkiln.serve.schemas import (
     MAX_SEED,
     MAX_STOP_STRINGS,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatReply,
     Choice,
     Completion,
     CompletionRequest,
@@ -65,6 +75,7 @@ def create_app(
     tokenizer: Any,
     *,
     model_name: str,
+    template: PromptTemplate | None = None,
     max_batch: int = 8,
     max_queue: int = 64,
     api_key: str | None = None,
@@ -77,6 +88,8 @@ def create_app(
         model: the GPT, in eval mode; the app's batcher owns it while the app runs.
         tokenizer: the model's tokenizer.
         model_name: the id clients give as ``model`` and `/v1/models` lists.
+        template: an instruction-tuned run's prompt template (`finetune.runs.run_template`):
+            with it the app answers ``POST /v1/chat/completions``; without it that is a 400.
         max_batch: sequences decoded together (KV-cache rows).
         max_queue: sequences that may wait for a row; more get 429.
         api_key: when set, every ``/v1/`` request needs ``Authorization: Bearer KEY`` (401).
@@ -155,26 +168,27 @@ def create_app(
             raise _unknown_model(name, model_name)
         return card.model_dump()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req: CompletionRequest = parse_request(CompletionRequest, await request.body())
-        if req.model is not None and req.model != model_name:
-            raise _unknown_model(req.model, model_name)
-        # a long prompt takes a while to encode: off the event loop, which keeps streaming
-        prompts = await asyncio.to_thread(prompt_ids, req.prompt, tokenizer, vocab)
-        cfg = sample_config(req, [ids for _, ids in prompts], context)
+    def submit(
+        prompts: list[tuple[str, list[int]]],
+        cfg: SampleConfig,
+        n: int,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+    ) -> tuple[asyncio.Queue, list[Sequence]]:
+        """One `Sequence` a prompt x n (sample j draws with seed + j), handed to the batcher."""
         queue: asyncio.Queue = asyncio.Queue()
         seqs = [
             Sequence(
                 ids,
                 _nth_sample(cfg, j),
                 queue,
-                index=i * req.n + j,
-                logprobs=req.logprobs,
-                prompt_logprobs=req.echo and req.logprobs is not None,
+                index=i * n + j,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
             for i, (_, ids) in enumerate(prompts)
-            for j in range(req.n)
+            for j in range(n)
         ]
         if len(seqs) > max_batch + max_queue:
             raise OpenAIError(
@@ -190,13 +204,62 @@ def create_app(
                 429, f"the server is busy: {e}; retry in a moment", code="queue_full"
             ) from None
         metrics.prompt_tokens.inc(sum(len(ids) for _, ids in prompts))
-        answer = Answer(req, prompts, tokenizer, model_name)
-        if req.stream:
+        return queue, seqs
+
+    async def respond(
+        answer: Answer, queue: asyncio.Queue, seqs: list[Sequence], request: Request
+    ) -> Response:
+        if answer.req.stream:
             return StreamingResponse(answer.stream(queue, seqs), media_type="text/event-stream")
         whole = await answer.whole(queue, seqs, request)
         if whole is None:  # the client went away: nobody reads this
             return Response(status_code=499)
         return JSONResponse(whole)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = parse_request(CompletionRequest, await request.body())
+        if req.model is not None and req.model != model_name:
+            raise _unknown_model(req.model, model_name)
+        _refuse_unsupported(req)
+        # a long prompt takes a while to encode: off the event loop, which keeps streaming
+        prompts = await asyncio.to_thread(prompt_ids, req.prompt, tokenizer, vocab)
+        cfg = sample_config(req, [ids for _, ids in prompts], context)
+        queue, seqs = submit(
+            prompts,
+            cfg,
+            req.n,
+            logprobs=req.logprobs,
+            prompt_logprobs=req.echo and req.logprobs is not None,
+        )
+        return await respond(Answer(req, prompts, tokenizer, model_name), queue, seqs, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
+        if req.model is not None and req.model != model_name:
+            raise _unknown_model(req.model, model_name)
+        if template is None:
+            raise OpenAIError(
+                400,
+                f"model {model_name!r} is not instruction-tuned (its run stores no prompt "
+                "template), so it cannot read chat messages: send text to POST /v1/completions, "
+                "or serve a run made by gptkiln finetune",
+                param="messages",
+                code="not_instruction_tuned",
+            )
+        req = req.model_copy(update={"max_tokens": _chat_max_tokens(req)})
+        prompts = await asyncio.to_thread(chat_prompt, template, req.messages, tokenizer)
+        cfg = sample_config(
+            req,
+            [ids for _, ids in prompts],
+            context,
+            extra_stop=template.stop_strings(),
+            source="messages",
+        )
+        queue, seqs = submit(prompts, cfg, req.n)
+        answer = ChatAnswer(req, prompts, tokenizer, model_name)
+        return await respond(answer, queue, seqs, request)
 
     @app.post("/v1/inspect")
     async def inspect(request: Request) -> JSONResponse:
@@ -265,16 +328,41 @@ def prompt_ids(prompt: Any, tokenizer: Any, vocab_size: int) -> list[tuple[str, 
     return out
 
 
-def sample_config(req: CompletionRequest, prompts: list[list[int]], context: int) -> SampleConfig:
-    """The request's `SampleConfig`, once every prompt and its new tokens fit the context."""
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP_STRINGS or not all(stop):
+def chat_prompt(
+    template: PromptTemplate, messages: list[ChatMessage], tokenizer: Any
+) -> list[tuple[str, list[int]]]:
+    """The one prompt of a chat request, as (its text, its ids): the messages in the run's
+    template (`finetune.templates.format_messages`, as ``gptkiln chat`` formats them)."""
+    try:
+        text = format_messages(template, [m.model_dump() for m in messages])
+    except GptkilnError as e:
+        raise OpenAIError(400, str(e), "messages") from None
+    try:
+        text.encode("utf-8")
+        return [(text, encode_prompt(tokenizer, text))]
+    except UnicodeEncodeError:
+        raise OpenAIError(
+            400, "messages: a content is not valid Unicode text (a lone surrogate)", "messages"
+        ) from None
+    except GptkilnError as e:
+        raise OpenAIError(400, f"messages: {e}", "messages") from None
+
+
+def _chat_max_tokens(req: ChatCompletionRequest) -> int | None:
+    """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``: one budget."""
+    new, old = req.max_completion_tokens, req.max_tokens
+    if new is not None and old is not None and new != old:
         raise OpenAIError(
             400,
-            f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {len(stop)}: "
-            f"{json.dumps(stop)[:200]}",
-            "stop",
+            f"max_completion_tokens {new} and max_tokens {old} disagree; they name the same "
+            "budget: send one of them",
+            "max_completion_tokens",
         )
+    return old if new is None else new
+
+
+def _refuse_unsupported(req: CompletionRequest) -> None:
+    """A 400 for the completion fields this server does not honour, rather than ignoring them."""
     for name, value, allowed in (
         ("suffix", req.suffix, None),
         ("logit_bias", req.logit_bias, None),
@@ -287,13 +375,40 @@ def sample_config(req: CompletionRequest, prompts: list[list[int]], context: int
                 "leave it out",
                 name,
             )
+
+
+def sample_config(
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    context: int,
+    *,
+    extra_stop: tuple[str, ...] = (),
+    source: str = "prompt",
+) -> SampleConfig:
+    """The request's `SampleConfig`, once every prompt and its new tokens fit the context.
+
+    Args:
+        req: the parsed request (its ``max_tokens``, sampling fields and ``stop``).
+        prompts: the ids of each prompt.
+        context: the model's context length.
+        extra_stop: stop strings added to the request's own (a template's headers).
+        source: the request field the prompts came from, named in a too-long error.
+    """
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS or not all(stop):
+        raise OpenAIError(
+            400,
+            f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {len(stop)}: "
+            f"{json.dumps(stop)[:200]}",
+            "stop",
+        )
     longest = max(len(ids) for ids in prompts)
     if longest > context:
         raise OpenAIError(
             400,
             f"the prompt has {longest} tokens, more than the model's context of {context}; it "
-            "would have to be cropped, which this server does not do: shorten the prompt",
-            "prompt",
+            f"would have to be cropped, which this server does not do: shorten the {source}",
+            source,
             code="context_length_exceeded",
         )
     new = context - longest if req.max_tokens is None else req.max_tokens
@@ -301,7 +416,7 @@ def sample_config(req: CompletionRequest, prompts: list[list[int]], context: int
         raise OpenAIError(
             400,
             f"the prompt's {longest} tokens plus max_tokens {new} exceed the model's context of "
-            f"{context}; lower max_tokens to at most {context - longest} or shorten the prompt",
+            f"{context}; lower max_tokens to at most {context - longest} or shorten the {source}",
             "max_tokens",
             code="context_length_exceeded",
         )
@@ -312,7 +427,7 @@ def sample_config(req: CompletionRequest, prompts: list[list[int]], context: int
             top_k=req.top_k,
             top_p=req.top_p,
             seed=req.seed,
-            stop=tuple(stop),
+            stop=tuple(dict.fromkeys([*stop, *extra_stop])),
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
         )
@@ -328,14 +443,30 @@ def _nth_sample(cfg: SampleConfig, j: int) -> SampleConfig:
 
 
 # -- the answer --------------------------------------------------------------------------------
+@dataclass
+class Collected:
+    """A request's events, gathered for a whole (not streamed) answer; keys are choice indexes."""
+
+    texts: dict[int, str]
+    tokens: dict[int, list[tuple[int, TokenLogprobs | None]]]
+    prompt_scores: dict[int, list[TokenLogprobs | None]]
+    reasons: dict[int, str]
+    used: int = 0
+
+
 class Answer:
-    """Turns a request's events into OpenAI's completion objects, whole or as chunks."""
+    """Turns a completion request's events into OpenAI's ``text_completion`` objects, whole or
+    as chunks. The event loops (`whole`, `stream`) are shared with `ChatAnswer`; the shapes
+    (`_shape`, `_opening`, `_chunks`, `_usage_chunk`) are each answer's own."""
+
+    prefix = "cmpl"
 
     def __init__(self, req: CompletionRequest, prompts, tokenizer: Any, model_name: str) -> None:
         self.req, self.prompts, self.tokenizer = req, prompts, tokenizer
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_name = model_name
+        self.offsets: dict[int, int] = {}  # a streamed choice's text so far, for logprobs
 
     def _completion(self, choices: list[Choice], usage: Usage | None = None) -> dict[str, Any]:
         return Completion(
@@ -383,93 +514,170 @@ class Answer:
 
     async def whole(self, queue: asyncio.Queue, seqs: list[Sequence], request: Request):
         """Wait for every choice; None if the client left first (that cancels them)."""
-        texts = {s.index: "" for s in seqs}
-        tokens: dict[int, list[tuple[int, TokenLogprobs | None]]] = {s.index: [] for s in seqs}
-        prompt_scores: dict[int, list[TokenLogprobs | None]] = {}
-        reasons: dict[int, str] = {}
-        used = 0
+        got = Collected(
+            texts={s.index: "" for s in seqs},
+            tokens={s.index: [] for s in seqs},
+            prompt_scores={},
+            reasons={},
+        )
         watcher = asyncio.create_task(_watch_disconnect(request, queue))
         try:
-            while len(reasons) < len(seqs):
+            while len(got.reasons) < len(seqs):
                 event = await queue.get()
                 if event is None:  # the client went away
                     return None
                 if isinstance(event, Failed):
                     raise OpenAIError(500, event.message)
                 if isinstance(event, PromptLogprobs):
-                    prompt_scores[event.index] = event.entries
+                    got.prompt_scores[event.index] = event.entries
                 elif isinstance(event, Token):
-                    texts[event.index] += event.text
-                    tokens[event.index].append((event.id, event.logprobs))
+                    got.texts[event.index] += event.text
+                    got.tokens[event.index].append((event.id, event.logprobs))
                 elif isinstance(event, Done):
-                    texts[event.index] += event.text
-                    reasons[event.index] = event.reason
-                    used += event.tokens
+                    got.texts[event.index] += event.text
+                    got.reasons[event.index] = event.reason
+                    got.used += event.tokens
         finally:
             watcher.cancel()
             for seq in seqs:
                 seq.cancelled = True  # a no-op for those done
+        return self._shape(got, sorted(s.index for s in seqs))
+
+    def _shape(self, got: Collected, indexes: list[int]) -> dict[str, Any]:
+        """The whole ``text_completion``: each choice's text (after the prompt with ``echo``),
+        its logprobs when asked, its finish_reason; the usage."""
         choices = []
-        for seq in sorted(seqs, key=lambda s: s.index):
-            i = seq.index
+        for i in indexes:
             prompt_text, prompt = self._prompt_of(i)
             head = prompt_text if self.req.echo else ""
             logprobs = None
             if self.req.logprobs is not None:
-                ids = [t for t, _ in tokens[i]]
-                scored = [lp for _, lp in tokens[i]]
+                ids = [t for t, _ in got.tokens[i]]
+                scored = [lp for _, lp in got.tokens[i]]
                 if self.req.echo:
-                    ids, scored = prompt + ids, prompt_scores.get(i, [None] * len(prompt)) + scored
+                    scored = got.prompt_scores.get(i, [None] * len(prompt)) + scored
+                    ids = prompt + ids
                 logprobs = self._logprobs(ids, scored)
             choices.append(
-                Choice(text=head + texts[i], index=i, logprobs=logprobs, finish_reason=reasons[i])
+                Choice(
+                    text=head + got.texts[i],
+                    index=i,
+                    logprobs=logprobs,
+                    finish_reason=got.reasons[i],
+                )
             )
-        return self._completion(choices, self._usage(used))
+        return self._completion(choices, self._usage(got.used))
 
     async def stream(self, queue: asyncio.Queue, seqs: list[Sequence]) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per token (its text may be "" while held back), a last
-        chunk per choice with its finish_reason, the usage if asked, then ``[DONE]``. A client
-        that leaves closes this generator, which cancels the choices still running."""
+        """Server-sent events: the opening chunks, the chunks of each event, the usage if asked,
+        then ``[DONE]``. A client that leaves closes this generator, which cancels the choices
+        still running."""
         left = len(seqs)
         used = 0
-        offsets = {s.index: 0 for s in seqs}
         try:
-            if self.req.echo:
-                for seq in seqs:
-                    text, _ = self._prompt_of(seq.index)
-                    offsets[seq.index] = len(text)
-                    if self.req.logprobs is None:
-                        yield self._chunk(Choice(text=text, index=seq.index))
+            for chunk in self._opening(seqs):
+                yield chunk
             while left:
                 event = await queue.get()
                 if isinstance(event, Failed):
                     yield _sse(OpenAIError(500, event.message).body())
                     return
-                if isinstance(event, PromptLogprobs):
-                    text, prompt = self._prompt_of(event.index)
-                    lp = self._logprobs(prompt, event.entries)
-                    yield self._chunk(Choice(text=text, index=event.index, logprobs=lp))
-                elif isinstance(event, Token):
-                    lp = None
-                    if event.logprobs is not None:
-                        lp = self._logprobs([event.id], [event.logprobs], offsets[event.index])
-                    offsets[event.index] += len(event.text)
-                    yield self._chunk(Choice(text=event.text, index=event.index, logprobs=lp))
-                elif isinstance(event, Done):
+                if isinstance(event, Done):
                     left -= 1
                     used += event.tokens
-                    choice = Choice(text=event.text, index=event.index, finish_reason=event.reason)
-                    yield self._chunk(choice)
+                for chunk in self._chunks(event):
+                    yield chunk
             options = self.req.stream_options
             if options is not None and options.include_usage:
-                yield _sse(self._completion([], self._usage(used)))
+                yield self._usage_chunk(self._usage(used))
             yield "data: [DONE]\n\n"
         finally:
             for seq in seqs:
                 seq.cancelled = True
 
+    def _opening(self, seqs: list[Sequence]) -> Iterator[str]:
+        """With ``echo``, each prompt first (with its logprobs, they come as an event)."""
+        self.offsets = {s.index: 0 for s in seqs}
+        if self.req.echo:
+            for seq in seqs:
+                text, _ = self._prompt_of(seq.index)
+                self.offsets[seq.index] = len(text)
+                if self.req.logprobs is None:
+                    yield self._chunk(Choice(text=text, index=seq.index))
+
+    def _chunks(self, event: PromptLogprobs | Token | Done) -> Iterator[str]:
+        """A chunk a token (its text may be "" while held back), a last one per choice with
+        its finish_reason (and the text held back until then)."""
+        if isinstance(event, PromptLogprobs):
+            text, prompt = self._prompt_of(event.index)
+            lp = self._logprobs(prompt, event.entries)
+            yield self._chunk(Choice(text=text, index=event.index, logprobs=lp))
+        elif isinstance(event, Token):
+            lp = None
+            if event.logprobs is not None:
+                lp = self._logprobs([event.id], [event.logprobs], self.offsets[event.index])
+            self.offsets[event.index] += len(event.text)
+            yield self._chunk(Choice(text=event.text, index=event.index, logprobs=lp))
+        elif isinstance(event, Done):
+            yield self._chunk(
+                Choice(text=event.text, index=event.index, finish_reason=event.reason)
+            )
+
+    def _usage_chunk(self, usage: Usage) -> str:
+        return _sse(self._completion([], usage))
+
     def _chunk(self, choice: Choice) -> str:
         return _sse(self._completion([choice]))
+
+
+class ChatAnswer(Answer):
+    """The same events in OpenAI's chat shapes: a ``chat.completion`` whose choices hold an
+    assistant ``message``, or ``chat.completion.chunk`` events whose ``delta`` is the role
+    first, then content pieces, then ``{}`` with the finish_reason."""
+
+    prefix = "chatcmpl"
+
+    def _shape(self, got: Collected, indexes: list[int]) -> dict[str, Any]:
+        choices = [
+            ChatChoice(
+                index=i, message=ChatReply(content=got.texts[i]), finish_reason=got.reasons[i]
+            )
+            for i in indexes
+        ]
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model_name,
+            choices=choices,
+            usage=self._usage(got.used),
+        ).model_dump()
+
+    def _opening(self, seqs: list[Sequence]) -> Iterator[str]:
+        for seq in seqs:
+            yield self._delta(ChatChunkChoice(index=seq.index, delta={"role": "assistant"}))
+
+    def _chunks(self, event: PromptLogprobs | Token | Done) -> Iterator[str]:
+        """A content piece a token whose text is out (none while a stop string may begin);
+        at the end, the text held back until then and the finish_reason."""
+        if isinstance(event, Token | Done) and event.text:
+            yield self._delta(ChatChunkChoice(index=event.index, delta={"content": event.text}))
+        if isinstance(event, Done):
+            yield self._delta(
+                ChatChunkChoice(index=event.index, delta={}, finish_reason=event.reason)
+            )
+
+    def _usage_chunk(self, usage: Usage) -> str:
+        return self._delta(None, usage)
+
+    def _delta(self, choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model_name,
+            choices=[] if choice is None else [choice],
+            usage=usage,
+        )
+        return _sse(chunk.model_dump())
 
 
 async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:

@@ -3,7 +3,8 @@
 Requests are validated strictly: a field of the wrong JSON type, out of range or unknown is a
 400 whose message names the field (OpenAI's ``param``), never a guess (``"5"`` is not 5).
 Responses follow OpenAI's legacy completions API (``text_completion`` objects, server-sent
-``data:`` chunks), so its official clients read them unchanged.
+``data:`` chunks) and its chat completions API (``chat.completion`` objects and
+``chat.completion.chunk`` deltas), so its official clients read them unchanged.
 """
 
 from __future__ import annotations
@@ -90,6 +91,41 @@ class CompletionRequest(BaseModel):
     user: str | None = None
 
 
+class ChatMessage(BaseModel):
+    """One of a chat request's ``messages``; its role and order are checked by
+    `finetune.templates.format_messages`. ``name`` (OpenAI's participant name) is not used."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: str
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions``: OpenAI's fields for text chat, ``top_k`` added. Without
+    ``max_tokens`` (or its newer name ``max_completion_tokens``) the answer may fill the
+    context, as OpenAI's does."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    messages: list[ChatMessage]
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    temperature: float = _finite(1.0, 0.0, 2.0)
+    top_p: float = _finite(1.0, 0.0, 1.0, gt=True)
+    top_k: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    presence_penalty: float = _finite(0.0, -2.0, 2.0)
+    frequency_penalty: float = _finite(0.0, -2.0, 2.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
 class InspectRequest(BaseModel):
     """``POST /v1/inspect`` (gptkiln's own): a prompt seen through the model (`gptkiln.inspect`)."""
 
@@ -123,6 +159,31 @@ FIELD_KINDS = {
     "logit_bias": "null (not supported)",
     "user": "a string",
 }
+CHAT_FIELD_KINDS = {
+    "messages": "a list of objects {role, content}",
+    "messages.role": "one of system, user, assistant",
+    "messages.content": "text (a string)",
+    "messages.name": "a string",
+    "model": "a string",
+    "max_tokens": "a whole number >= 0",
+    "max_completion_tokens": "a whole number >= 0",
+    **{
+        name: FIELD_KINDS[name]
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "stop",
+            "presence_penalty",
+            "frequency_penalty",
+            "n",
+            "stream",
+            "stream_options",
+            "user",
+        )
+    },
+}
 INSPECT_FIELD_KINDS = {
     "prompt": f"a string of at most {MAX_INSPECT_CHARS:,} characters",
     "model": "a string",
@@ -136,8 +197,8 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        kinds = INSPECT_FIELD_KINDS if model is InspectRequest else FIELD_KINDS
-        raise validation_error(e, kinds) from None
+        kinds = {InspectRequest: INSPECT_FIELD_KINDS, ChatCompletionRequest: CHAT_FIELD_KINDS}
+        raise validation_error(e, kinds.get(model, FIELD_KINDS)) from None
 
 
 def validation_error(error: ValidationError, kinds: dict[str, str] = FIELD_KINDS) -> OpenAIError:
@@ -155,22 +216,28 @@ def validation_error(error: ValidationError, kinds: dict[str, str] = FIELD_KINDS
         )
     if not loc:
         return OpenAIError(400, f"the body must be a JSON object ({first['msg']})")
-    field = loc[0]
+    field, where, kind_of = loc[0], loc[0], loc[0]
+    if len(loc) >= 3 and loc[1].isdigit():  # a field of a list's object: messages[1].content
+        where = f"{field}[{loc[1]}].{'.'.join(loc[2:])}"
+        kind_of = f"{field}.{loc[2]}"
     if kind == "extra_forbidden":
-        path = ".".join(loc)
+        path = ".".join(loc) if where == field else where
+        known = [k for k in kinds if "." not in k]
+        if where != field:
+            known = [k.split(".", 1)[1] for k in kinds if k.startswith(f"{field}.")]
         return OpenAIError(
             400,
-            f"unknown field {path!r}; the fields are: {', '.join(kinds)}",
+            f"unknown field {path!r}; the fields are: {', '.join(known)}",
             param=path,
             code="unknown_field",
         )
     if kind == "missing":
-        return OpenAIError(400, f"{field} is required", param=field, code="missing_field")
+        return OpenAIError(400, f"{where} is required", param=where, code="missing_field")
     got = first.get("input")
     shown = json.dumps(got)[:80] if _jsonable(got) else type(got).__name__
-    what = kinds.get(field, "a valid value")
+    what = kinds.get(kind_of, kinds.get(field, "a valid value"))
     return OpenAIError(
-        400, f"{field} must be {what}, got {shown}", param=field, code="invalid_value"
+        400, f"{where} must be {what}, got {shown}", param=where, code="invalid_value"
     )
 
 
@@ -215,6 +282,51 @@ class Completion(BaseModel):
     created: int
     model: str
     choices: list[Choice]
+    usage: Usage | None = None
+
+
+class ChatReply(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatReply
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    """A ``chat.completion``: the whole answer to a chat request."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice's piece of a stream: ``delta`` is ``{"role": "assistant"}`` first, then
+    ``{"content": text}`` pieces, then ``{}`` with the finish_reason."""
+
+    index: int
+    delta: dict[str, str]
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """A ``chat.completion.chunk``: one server-sent event of a streamed chat answer (the last,
+    when asked for, has no choices and the usage)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
 

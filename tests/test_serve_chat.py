@@ -1,0 +1,295 @@
+"""POST /v1/chat/completions over real HTTP: an instruction-tuned run's chat, read by the
+official openai client, equal to what ``gptkiln chat`` and ``generate`` answer; a plain run and
+bad messages are clean 400s.
+
+The run is fine-tuned here (a tiny GPT with a character tokenizer, seconds), then served by
+`gptkiln.serve.serve` itself (uvicorn.run caught, the app run in a thread), so the test also
+sees serve() hand the run's stored template to the app.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+import string
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from serving import ServerThread
+
+from gptkiln.api import stream_from_model, stream_text
+from gptkiln.chat import Chat
+from gptkiln.checkpoint import save_model
+from gptkiln.config import FinetuneConfig, GPTConfig, SampleConfig
+from gptkiln.finetune import finetune, train_config
+from gptkiln.finetune.templates import ALPACA, format_conversation
+from gptkiln.loading import load_run
+from gptkiln.model import GPT
+from gptkiln.serve import serve
+from gptkiln.serve.app import create_app
+from gptkiln.tokenizers import build_char_tokenizer
+
+CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
+WORDS = "red green blue cat dog sun moon tree rain fish".split()
+NAME = "chat-run"
+
+
+def instructions(n: int) -> list[dict]:
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        word = rng.choice(WORDS)
+        if i % 3:
+            out.append({"instruction": f"Repeat {word}.", "input": "", "output": f"{word} {word}"})
+        else:
+            out.append({"instruction": "Repeat the input.", "input": word, "output": word})
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(a plain base run, the run instruction-tuned from it with the book's template)."""
+    root = tmp_path_factory.mktemp("chat")
+    tokenizer = build_char_tokenizer([CHARS], with_eot=True)
+    torch.manual_seed(0)
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=256)
+    save_model(GPT(config), root / "base", tokenizer=tokenizer)
+    (root / "instructions.json").write_text(json.dumps(instructions(60)))
+    ft = FinetuneConfig(base=str(root / "base"), data=str(root / "instructions.json"))
+    settings = dict(batch_size=4, lr=3e-3, progress=False, sample_tokens=4, eval_interval=50)
+    finetune(ft, train_config(ft, out=str(root / NAME), epochs=3, **settings))
+    return root / "base", root / NAME
+
+
+def served_app(run_dir, monkeypatch):
+    """The app `gptkiln serve RUN` would run (uvicorn.run caught before it listens)."""
+    got = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("app", app))
+    serve(run_dir, model_name=NAME, max_batch=4, max_queue=8, log_level="warning")
+    return got["app"]
+
+
+@pytest.fixture(scope="module")
+def url(runs):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        app = served_app(runs[1], monkeypatch)
+    with ServerThread(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def greedy(max_new_tokens: int = 24, **cfg) -> SampleConfig:
+    return SampleConfig(max_new_tokens=max_new_tokens, temperature=0, **cfg)
+
+
+# -- the official client -----------------------------------------------------------------------
+def test_a_chat_answer_is_what_generate_and_chat_answer(client, runs):
+    run = runs[1]
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Repeat sun."}],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert r.object == "chat.completion" and r.model == NAME and r.id.startswith("chatcmpl-")
+    choice = r.choices[0]
+    assert choice.index == 0 and choice.message.role == "assistant"
+    first = "".join(stream_text(run, "Repeat sun.", greedy()))  # gptkiln generate RUN --prompt
+    assert choice.message.content == first
+    tokens = len(load_run(run)[1].encode(format_conversation(ALPACA, [], "Repeat sun.")))
+    assert r.usage.prompt_tokens == tokens
+    assert r.usage.total_tokens == tokens + r.usage.completion_tokens
+
+    # a conversation: gptkiln chat's second reply, given its first turn as messages
+    chat = Chat(run, greedy())
+    assert "".join(chat.reply("Repeat sun.")) == first
+    prompt = chat.prompt("Repeat the input.")  # the first turn, then the message
+    second = "".join(chat.reply("Repeat the input."))
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=[
+            {"role": "user", "content": "Repeat sun."},
+            {"role": "assistant", "content": chat.turns[0][1]},
+            {"role": "user", "content": "Repeat the input."},
+        ],
+        max_completion_tokens=24,  # OpenAI's newer name for max_tokens
+        temperature=0,
+    )
+    assert r.choices[0].message.content == second
+    assert r.usage.prompt_tokens == len(chat.tokenizer.encode(prompt))
+
+
+def test_a_system_message_replaces_the_templates_system_text(client, runs):
+    run = runs[1]
+    model, tokenizer, _ = load_run(run)
+    system = "You repeat words."
+    prompt = format_conversation(dataclasses.replace(ALPACA, system=system), [], "Repeat cat.")
+    cfg = greedy(stop=ALPACA.stop_strings())
+    want = "".join(stream_from_model(model, tokenizer, prompt, cfg))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Repeat cat."}]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert want != "".join(stream_text(run, "Repeat cat.", greedy()))  # the system text counts
+
+
+def test_a_stream_is_the_role_then_the_same_text_then_the_finish(client, runs):
+    run = runs[1]
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": "Repeat the input."}],
+            max_tokens=30,
+            temperature=0.8,
+            seed=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant" and not chunks[0].choices[0].delta.content
+    middle = chunks[1:-2]
+    assert middle and all(c.choices[0].delta.content for c in middle)
+    text = "".join(c.choices[0].delta.content for c in middle)
+    cfg = SampleConfig(max_new_tokens=30, temperature=0.8, seed=3)
+    want = "".join(stream_text(run, "Repeat the input.", cfg))
+    assert text == want
+    last = chunks[-2].choices[0]
+    assert last.delta.content is None and last.finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens > 0
+
+
+def test_n_samples_draw_with_seed_plus_j_and_penalties_apply(client, runs):
+    run = runs[1]
+    messages = [{"role": "user", "content": "Repeat moon."}]
+    r = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=20, temperature=1.0, seed=7, n=2
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        cfg = SampleConfig(max_new_tokens=20, temperature=1.0, seed=7 + c.index)
+        assert c.message.content == "".join(stream_text(run, "Repeat moon.", cfg))
+    r = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=20, temperature=0, frequency_penalty=2.0
+    )
+    cfg = greedy(20, frequency_penalty=2.0)
+    assert r.choices[0].message.content == "".join(stream_text(run, "Repeat moon.", cfg))
+
+
+def test_the_templates_headers_end_an_answer(runs, monkeypatch, tmp_path):
+    # A chat prompt never holds the template's input part, so its header changes no prompt: a
+    # copy of the run whose input header is a word the model writes shows that the template's
+    # stop strings end the answer (they are added to the request's own).
+    run = tmp_path / NAME
+    shutil.copytree(runs[1], run)
+    model, tokenizer, cfg = load_run(run)
+    prompt = format_conversation(ALPACA, [], "Repeat sun.")
+    free = "".join(stream_from_model(model, tokenizer, prompt, greedy(40)))
+    word = free.split()[0]
+    assert "{input}" not in word and "{" not in word, free
+    cfg["finetune"]["template"]["input"] = f"\n\n{word}\n{{input}}"
+    (run / "config.json").write_text(json.dumps(cfg))
+    with ServerThread(served_app(run, monkeypatch)) as url:
+        body = {"messages": [{"role": "user", "content": "Repeat sun."}], "temperature": 0}
+        r = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 40}).json()
+    choice = r["choices"][0]
+    assert choice["message"]["content"] == free[: free.index(word)]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == "".join(stream_text(run, "Repeat sun.", greedy(40)))
+
+
+# -- refusals ----------------------------------------------------------------------------------
+def test_a_plain_run_refuses_chat_and_still_completes(runs):
+    model, tokenizer, _ = load_run(runs[0])
+    app = create_app(model.eval(), tokenizer, model_name="base")  # no template: a plain run
+    with ServerThread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model="base", messages=[{"role": "user", "content": "Hi."}]
+            )
+        assert "not instruction-tuned" in e.value.message and "/v1/completions" in e.value.message
+        assert e.value.body["code"] == "not_instruction_tuned"
+        r = client.completions.create(model="base", prompt="Hi", max_tokens=3)
+        assert r.usage.completion_tokens == 3
+
+
+def test_serve_hands_no_template_for_a_plain_run(runs, monkeypatch):
+    with ServerThread(served_app(runs[0], monkeypatch)) as url:
+        body = {"messages": [{"role": "user", "content": "Hi."}]}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "not_instruction_tuned"
+
+
+USER = {"role": "user", "content": "Repeat sun."}
+BAD = [
+    ("an empty list", {"messages": []}, "messages", "(none)"),
+    ("a wrong role", {"messages": [{"role": "bot", "content": "x"}]}, "messages", "'bot'"),
+    (
+        "two users in a row",
+        {"messages": [USER, USER]},
+        "messages",
+        "user, user",
+    ),
+    (
+        "ending with the assistant",
+        {"messages": [USER, {"role": "assistant", "content": "sun"}]},
+        "messages",
+        "user, assistant",
+    ),
+    (
+        "a system message later",
+        {"messages": [USER, {"role": "system", "content": "s"}]},
+        "messages",
+        "user, system",
+    ),
+    ("a missing content", {"messages": [{"role": "user"}]}, "messages[0].content", "required"),
+    (
+        "a null content",
+        {"messages": [{"role": "user", "content": None}]},
+        "messages[0].content",
+        "",
+    ),
+    ("a missing role", {"messages": [{"content": "x"}]}, "messages[0].role", "required"),
+    ("messages not a list", {"messages": "Repeat sun."}, "messages", "list"),
+    ("no messages", {"max_tokens": 3}, "messages", "required"),
+    (
+        "an unknown message field",
+        {"messages": [{**USER, "tool_calls": []}]},
+        "messages[0].tool_calls",
+        "role, content, name",
+    ),
+    ("an unknown field", {"messages": [USER], "logprobs": True}, "logprobs", "unknown"),
+    (
+        "two budgets that disagree",
+        {"messages": [USER], "max_tokens": 3, "max_completion_tokens": 4},
+        "max_completion_tokens",
+        "disagree",
+    ),
+    ("too many tokens", {"messages": [USER], "max_tokens": 500}, "max_tokens", "at most"),
+    ("too long", {"messages": [{"role": "user", "content": "x" * 300}]}, "messages", "shorten"),
+    ("a bad temperature", {"messages": [USER], "temperature": 3}, "temperature", "[0, 2]"),
+    ("five stop strings", {"messages": [USER], "stop": list("abcde")}, "stop", "up to 4"),
+]
+
+
+@pytest.mark.parametrize("body,param,needle", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_messages_are_a_clean_400_naming_the_field(url, body, param, needle):
+    r = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert param.split("[")[0] in error["message"] and needle in error["message"]
+    good = {"messages": [USER], "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/chat/completions", json=good).status_code == 200
