@@ -143,14 +143,20 @@ def test_a_system_message_replaces_the_templates_system_text(client, runs):
 
 
 def test_a_stream_is_the_role_then_the_same_text_then_the_finish(client, runs):
-    run = runs[1]
+    run, message = runs[1], "Repeat the input."
+    cfg = SampleConfig(max_new_tokens=40, temperature=0.8, seed=3)
+    free = "".join(stream_text(run, message, cfg))  # a character a token
+    # a stop string that starts with the last token's text: it is held back until the end
+    end = next(p for p in range(20, len(free) - 3) if free.find(free[p : p + 3]) == p) + 1
+    stop = free[end - 1 : end + 2]
     chunks = list(
         client.chat.completions.create(
             model=NAME,
-            messages=[{"role": "user", "content": "Repeat the input."}],
-            max_tokens=30,
+            messages=[{"role": "user", "content": message}],
+            max_tokens=end,
             temperature=0.8,
             seed=3,
+            stop=stop,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -161,12 +167,13 @@ def test_a_stream_is_the_role_then_the_same_text_then_the_finish(client, runs):
     middle = chunks[1:-2]
     assert middle and all(c.choices[0].delta.content for c in middle)
     text = "".join(c.choices[0].delta.content for c in middle)
-    cfg = SampleConfig(max_new_tokens=30, temperature=0.8, seed=3)
-    want = "".join(stream_text(run, "Repeat the input.", cfg))
-    assert text == want
+    cut = dataclasses.replace(cfg, max_new_tokens=end, stop=(stop,))
+    assert text == free[:end] == "".join(stream_text(run, message, cut))
     last = chunks[-2].choices[0]
-    assert last.delta.content is None and last.finish_reason in ("stop", "length")
-    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens > 0
+    assert last.delta.content is None and last.finish_reason == "length"
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == end
+    assert usage.total_tokens == usage.prompt_tokens + end
 
 
 def test_n_samples_draw_with_seed_plus_j_and_penalties_apply(client, runs):
