@@ -1094,7 +1094,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a run (or a Hugging Face GPT-2 directory) with an OpenAI-compatible "
         "API (POST /v1/completions, GET /v1/models; POST /v1/chat/completions for an "
         "instruction-tuned run, its messages in the run's template), GET /health, GET /metrics "
-        "(Prometheus) and a playground page at /. Concurrent requests are batched together as they come.",
+        "(Prometheus) and a playground page at /. Concurrent requests are batched together as "
+        "they come.",
         epilog=example("gptkiln serve runs/default --port 8000")
         + "then open http://127.0.0.1:8000/ or point an OpenAI client at "
         "http://127.0.0.1:8000/v1\n",
