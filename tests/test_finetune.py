@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from instruction_data import WORDS, instructions
 from safetensors.torch import load_file
 
 from gptkiln.api import evaluate_run
@@ -42,7 +43,6 @@ book_ch06 = pytest.importorskip("llms_from_scratch.ch06", reason="the book's pac
 book_ch07 = pytest.importorskip("llms_from_scratch.ch07", reason="the book's package")
 
 CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
-WORDS = "red green blue cat dog sun moon tree rain fish".split()
 
 
 def cli(*argv, capsys):
@@ -60,18 +60,6 @@ def assert_one_line_error(code, err, *needles):
     assert len(lines) == 1 and "Traceback" not in err, err
     for needle in needles:
         assert needle in lines[0], lines[0]
-
-
-def instructions(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        word = rng.choice(WORDS)
-        if i % 3:
-            out.append({"instruction": f"Repeat {word}.", "input": "", "output": f"{word} {word}"})
-        else:
-            out.append({"instruction": "Repeat the input.", "input": word, "output": word})
-    return out
 
 
 @pytest.fixture(scope="module")

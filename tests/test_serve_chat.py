@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import shutil
 import string
 
@@ -20,6 +19,7 @@ import openai
 import pytest
 import torch
 import uvicorn
+from instruction_data import instructions
 from serving import ServerThread
 
 from gptkiln.api import stream_from_model, stream_text
@@ -35,20 +35,7 @@ from gptkiln.serve.app import create_app
 from gptkiln.tokenizers import build_char_tokenizer
 
 CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
-WORDS = "red green blue cat dog sun moon tree rain fish".split()
 NAME = "chat-run"
-
-
-def instructions(n: int) -> list[dict]:
-    rng = random.Random(0)
-    out = []
-    for i in range(n):
-        word = rng.choice(WORDS)
-        if i % 3:
-            out.append({"instruction": f"Repeat {word}.", "input": "", "output": f"{word} {word}"})
-        else:
-            out.append({"instruction": "Repeat the input.", "input": word, "output": word})
-    return out
 
 
 @pytest.fixture(scope="module")
