@@ -17,7 +17,7 @@ Implementations, each in a fresh process:
   oneDNN's linear): what gptkiln decodes with before quantization.
 - int8, the tuner's candidates (`kernels.int8_candidates`): ``dequantize`` (the weight converted
   to fp32, one product, the scales after), ``int8pack_mm`` (``aten._weight_int8pack_mm``),
-  ``fused`` (the loop ``torch.compile`` generates from `kernels._int8_rows`).
+  ``fused`` (the loop inductor generates from `kernels._int8_rows`).
 - int8, looked at and not candidates: ``torchao`` (``quantize_(Int8WeightOnlyConfig())`` on an
   ``nn.Linear``, torchao 0.18, eager) and ``torchao+compile`` (the same under ``torch.compile``);
   ``int8pack_mm bf16`` (torch's kernel with the activations rounded to bf16: its vectorised
@@ -93,7 +93,7 @@ def kernel_for(torch, impl: str, layer):
         ref = lambda x: F.linear(x, dequantize(tq, ts), b)  # noqa: E731
         if impl == "torchao":
             return m, ref
-        compiled = torch.compile(kernels._own_code(_module_call), dynamic=False)
+        compiled = torch.compile(_own_code(_module_call), dynamic=False)
         return (lambda x: compiled(m, x)), ref
     if impl == "int8pack_mm bf16":
         sb = s.to(torch.bfloat16)
@@ -111,6 +111,14 @@ def kernel_for(torch, impl: str, layer):
 
 def _module_call(m, x):
     return m(x)
+
+
+def _own_code(fn):
+    """A copy of ``fn`` with its own code object: torch.compile keeps at most
+    ``torch._dynamo.config.recompile_limit`` (8) graphs per code object, one per layer shape."""
+    import types
+
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
 
 
 def _add(y, b):
