@@ -465,8 +465,11 @@ def test_another_alphabet_of_the_same_size_is_refused_by_resume_and_eval(tmp_pat
     train(tiny_config(tmp_path / "a.txt", run, **cfg))
     with pytest.raises(GptkilnError, match="another 'char' tokenizer than the one of --data"):
         train(tiny_config(tmp_path / "b", run, **{**cfg, "max_steps": 4}), resume=True)
-    with pytest.raises(GptkilnError, match="another 'char' tokenizer.*another vocabulary"):
+    with pytest.raises(GptkilnError, match="a 'char' tokenizer of another vocabulary, not the"):
         evaluate_run(run, tmp_path / "b", progress=False)
+    prepare(tmp_path / "b.txt", tmp_path / "b-bpe", tokenizer="bpe:300", progress=False)
+    with pytest.raises(GptkilnError, match="a 'bpe' tokenizer, not the run's 'char' one"):
+        evaluate_run(run, tmp_path / "b-bpe", progress=False)
     assert evaluate_run(run, tmp_path / "a.txt", progress=False).tokens > 0  # text: encoded here
 
 

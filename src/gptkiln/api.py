@@ -373,9 +373,9 @@ def eval_tokens(data: str | os.PathLike, tokenizer):
         if prepared.tokenizer.fingerprint() != tokenizer.fingerprint():
             same_kind = prepared.tokenizer.kind == tokenizer.kind
             raise GptkilnError(
-                f"{data} was prepared with {'another' if same_kind else 'the'} "
-                f"{prepared.tokenizer.kind!r} tokenizer than the run's {tokenizer.kind!r}"
-                f"{' (another vocabulary)' if same_kind else ''}: its ids mean other text. Pass a "
+                f"{data} was prepared with a {prepared.tokenizer.kind!r} tokenizer"
+                f"{' of another vocabulary' if same_kind else ''}, not the run's "
+                f"{tokenizer.kind!r} one: its ids mean other text. Pass a "
                 "text file, or prepare the data with the run's tokenizer (gptkiln prepare TEXT "
                 "--tokenizer RUN_DIR --out DIR)"
             )
