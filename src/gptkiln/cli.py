@@ -771,11 +771,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tokenizer",
-        default="gpt2",
+        default=TrainConfig.tokenizer,  # what `gptkiln train` prepares its text with
         metavar="SPEC",
         help="gpt2 (OpenAI's BPE) | char | bpe:N (a byte-level BPE of N ids trained on the "
         "text; bpe alone: 8192) | a directory with a saved tokenizer (a run, prepared data) "
-        "(default: %(default)s)",
+        "(default: %(default)s, as train's)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (required)")
     p.add_argument(
