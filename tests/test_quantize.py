@@ -368,3 +368,24 @@ def test_info_reads_a_quantized_run(float_run, tmp_path):
     assert int8.parameters == fp32.parameters
     assert "parameters, int8 weights (per-channel-symmetric)" in int8.summary()
     assert int8.files["model.safetensors"] < fp32.files["model.safetensors"] / 3
+
+
+def test_convert_quantize_float_head_keeps_the_head_and_embedding_fp32(float_run, tmp_path):
+    """`gptkiln convert quantize --float-head`: the blocks' linear layers int8, the (tied) head
+    and token embedding fp32, recorded in config.json, and loaded back as that model."""
+    from gptkiln.api import run_info
+    from gptkiln.cli import main
+
+    q = tmp_path / "q"
+    assert main(["convert", "quantize", str(float_run), "--out", str(q), "--float-head"]) == 0
+    recorded = json.loads((q / CONFIG_FILE).read_text())["quantization"]
+    assert recorded["embedding_and_head"] is False
+    loaded = load_model(q)
+    assert type(loaded.lm_head) is Linear and loaded.lm_head.weight.dtype == torch.float32
+    assert type(loaded.wte) is torch.nn.Embedding
+    assert all(isinstance(b.mlp.c_fc, Int8Linear) for b in loaded.h)
+    expected = quantize_model(load_model(float_run), embedding_and_head=False)
+    idx = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx), expected(idx), rtol=0, atol=0)
+    assert ", the head and embedding float" in run_info(q).summary()

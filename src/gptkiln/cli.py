@@ -704,7 +704,13 @@ def cmd_convert(args: argparse.Namespace) -> None:
     if args.direction == "hf":
         convert.import_hf(args.path, args.out, overwrite=args.overwrite)
     elif args.direction == "quantize":
-        convert.quantize_run(args.path, args.out, method=args.method, overwrite=args.overwrite)
+        convert.quantize_run(
+            args.path,
+            args.out,
+            method=args.method,
+            embedding_and_head=not args.float_head,
+            overwrite=args.overwrite,
+        )
     elif args.direction == "book":
         convert.import_book(args.path, args.out, n_head=args.n_head, overwrite=args.overwrite)
     elif args.direction == "merge-lora":
@@ -1178,6 +1184,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="int8",
         metavar="METHOD",
         help="quantize: the quantization, int8 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--float-head",
+        action="store_true",
+        help="quantize: keep the output head and token embedding in fp32 (default: int8 too)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     p.set_defaults(func=cmd_convert)

@@ -193,6 +193,7 @@ def quantize_run(
     out_dir: str | os.PathLike,
     *,
     method: str = "int8",
+    embedding_and_head: bool = True,
     overwrite: bool = False,
 ) -> Path:
     """Write a quantized copy of a float run (or of a Hugging Face GPT-2 directory) to
@@ -202,6 +203,8 @@ def quantize_run(
 
     Args:
         method: "int8" (`gptkiln.quantize.METHODS`).
+        embedding_and_head: also the output head and the token embedding (the default); False
+            keeps them float (``--float-head``), recorded in config.json.
         overwrite: replace a model already in out_dir (see `checkpoint.check_out_dir`).
     """
     check_quantize(method, "--method")
@@ -213,7 +216,12 @@ def quantize_run(
             "run is kept"
         )
     cfg = read_config(run_dir)
-    model = load_model(run_dir, quantize=method)
+    if embedding_and_head:
+        model = load_model(run_dir, quantize=method)
+    else:
+        from gptkiln.quantize import quantize_model
+
+        model = quantize_model(load_model(run_dir), method, embedding_and_head=False)
     tokenizer = None  # a run saved without one (save_model(..., tokenizer=None)) stays so
     if tokenizer_name(run_dir) is not None:
         from gptkiln.tokenizers import load_tokenizer
