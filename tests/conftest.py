@@ -75,3 +75,13 @@ def verdict_text(verdict_path) -> str:
     """The book's text, read exactly as the book reads it."""
     with open(verdict_path, encoding="utf-8") as f:
         return f.read()
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """A real headless Chromium (`browser.open_browser`); skips where there is none."""
+    from browser import open_browser
+
+    driver = open_browser(tmp_path / "profile")
+    yield driver
+    driver.quit()

@@ -1,13 +1,10 @@
-"""The playground page in a real headless Chromium (Debian's chromium and chromium-driver):
-type a prompt, Generate, and the page shows exactly the greedy text; Stop ends a stream."""
-
-import os
-import shutil
-import time
-from pathlib import Path
+"""The playground page in a real headless Chromium (Debian's chromium and chromium-driver;
+the ``browser`` fixture, conftest.py): type a prompt, Generate, and the page shows exactly the
+greedy text; Stop ends a stream."""
 
 import pytest
 import torch
+from browser import fill, wait_for
 from serving import ServerThread
 
 from gptkiln.api import generate_text
@@ -19,17 +16,6 @@ from gptkiln.model import GPT
 from gptkiln.serve.app import create_app
 from gptkiln.tokenizers import build_char_tokenizer
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
 
 
@@ -50,43 +36,6 @@ def url(run_dir):
     model, tokenizer, _ = load_run(run_dir)
     with ServerThread(create_app(model, tokenizer, model_name="bard")) as url:
         yield url
-
-
-@pytest.fixture
-def browser(tmp_path):
-    if not (Path(CHROMIUM).is_file() and Path(CHROMEDRIVER).is_file()):
-        pytest.skip(
-            f"no headless browser here ({CHROMIUM}, {CHROMEDRIVER}): "
-            "apt-get install chromium chromium-driver (.ci/run does)"
-        )
-    from selenium import webdriver
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in [*FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,900"]:
-        options.add_argument(flag)
-    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager: never look online
-    driver = webdriver.Chrome(
-        options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER)
-    )
-    yield driver
-    driver.quit()
-
-
-def wait_for(condition, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
-def fill(driver, element_id: str, value: str) -> None:
-    field = driver.find_element("id", element_id)
-    field.clear()
-    field.send_keys(value)
 
 
 def state(driver) -> str:

@@ -1,6 +1,6 @@
 """POST /v1/chat/completions over real HTTP: an instruction-tuned run's chat, read by the
 official openai client, equal to what ``gptkiln chat`` and ``generate`` answer; a plain run and
-bad messages are clean 400s.
+bad messages are clean 400s; the page's Chat view (headless Chromium) says the same.
 
 The run is fine-tuned here (a tiny GPT with a character tokenizer, seconds), then served by
 `gptkiln.serve.serve` itself (uvicorn.run caught, the app run in a thread), so the test also
@@ -19,6 +19,7 @@ import openai
 import pytest
 import torch
 import uvicorn
+from browser import fill, wait_for
 from instruction_data import instructions
 from serving import ServerThread
 
@@ -287,3 +288,86 @@ def test_bad_messages_are_a_clean_400_naming_the_field(url, body, param, needle)
     assert param.split("[")[0] in error["message"] and needle in error["message"]
     good = {"messages": [USER], "max_tokens": 2}
     assert httpx.post(f"{url}/v1/chat/completions", json=good).status_code == 200
+
+
+# -- the page's Chat view, in a real headless Chromium ---------------------------------------
+def chat_page(browser, url, max_tokens: str, temperature: str) -> None:
+    """Open the page, set the Generate view's sampling (which Chat uses), switch to Chat."""
+    browser.get(url)
+    wait_for(lambda: NAME in browser.find_element("id", "model-info").text)
+    fill(browser, "max-tokens", max_tokens)
+    fill(browser, "temperature", temperature)
+    wait_for(lambda: browser.find_element("id", "tab-chat").is_displayed())
+    browser.find_element("id", "tab-chat").click()
+
+
+def say(browser, text: str) -> str:
+    """Send a message; the answer as the page shows it (its last assistant bubble)."""
+    answers = len(browser.find_elements("css selector", ".msg.assistant"))
+    fill(browser, "chat-input", text)
+    browser.find_element("id", "chat-send").click()
+    status = browser.find_element("id", "chat-status")
+    wait_for(lambda: status.get_attribute("data-state") in ("done", "error"))
+    bubbles = browser.find_elements("css selector", ".msg.assistant")
+    assert len(bubbles) == answers + 1, browser.find_element("id", "chat-error").text
+    return bubbles[-1].get_attribute("textContent")
+
+
+def test_the_page_chats_as_gptkiln_chat_does_and_new_chat_forgets(browser, url, runs):
+    run = runs[1]
+    chat = Chat(run, greedy())
+    first, second = "".join(chat.reply("Repeat sun.")), "".join(chat.reply("Repeat the input."))
+    alone = "".join(Chat(run, greedy()).reply("Repeat the input."))  # no first turn
+    assert second != alone  # the conversation so far changes the answer
+
+    chat_page(browser, url, max_tokens="24", temperature="0")
+    assert say(browser, "Repeat sun.") == first
+    assert say(browser, "Repeat the input.") == second  # both turns went as messages
+    users = [
+        m.get_attribute("textContent") for m in browser.find_elements("css selector", ".msg.user")
+    ]
+    assert users == ["Repeat sun.", "Repeat the input."]
+    assert int(browser.find_element("id", "chat-tokens").text) > 0  # the stream's usage
+
+    browser.find_element("id", "chat-reset").click()
+    assert browser.find_elements("css selector", ".msg") == []
+    assert say(browser, "Repeat the input.") == alone
+
+
+def test_a_chat_error_is_shown_and_the_message_given_back(browser, url):
+    chat_page(browser, url, max_tokens="24", temperature="5")  # above OpenAI's 2
+    fill(browser, "chat-input", "Repeat sun.")
+    browser.find_element("id", "chat-send").click()
+    status = browser.find_element("id", "chat-status")
+    wait_for(lambda: status.get_attribute("data-state") == "error")
+    assert "temperature" in browser.find_element("id", "chat-error").text
+    assert browser.find_elements("css selector", ".msg") == []
+    assert browser.find_element("id", "chat-input").get_attribute("value") == "Repeat sun."
+
+
+def test_a_plain_run_has_no_chat_tab(browser, runs):
+    model, tokenizer, _ = load_run(runs[0])
+    with ServerThread(create_app(model.eval(), tokenizer, model_name="base")) as url:
+        assert httpx.get(f"{url}/health").json()["chat"] is False
+        browser.get(url)
+        wait_for(lambda: "base" in browser.find_element("id", "model-info").text)
+        assert not browser.find_element("id", "tab-chat").is_displayed()
+
+
+def test_the_page_drops_the_oldest_turns_that_no_longer_fit_as_gptkiln_chat_does(
+    browser, url, runs
+):
+    messages = ["Repeat sun.", "Repeat the input.", "Repeat moon."]
+    chat = Chat(runs[1], greedy())  # 24 new tokens: the third prompt holds one earlier turn
+    want, prompts = [], []
+    for message in messages:
+        prompts.append(chat.prompt(message))
+        want.append("".join(chat.reply(message)))
+    assert "Repeat sun." in prompts[1] and "Repeat sun." not in prompts[2]
+    assert "Repeat the input." in prompts[2]
+
+    chat_page(browser, url, max_tokens="24", temperature="0")
+    assert [say(browser, m) for m in messages] == want
+    bubbles = browser.find_elements("css selector", ".msg")
+    forgotten = ["forgotten" in b.get_attribute("class") for b in bubbles]
+    assert forgotten == [True, True, False, False, False, False]  # the first question and answer

@@ -147,6 +147,7 @@ def create_app(
             "status": "ok",
             "model": model_name,
             "api_key_required": api_key is not None,
+            "chat": template is not None,  # POST /v1/chat/completions answers (the page's Chat)
             "max_batch": max_batch,
             "active": batcher.active,
             "waiting": batcher.waiting,
