@@ -3,6 +3,7 @@ on what else is in the batch (greedy, seeded, penalties, stop strings, staggered
 
 import asyncio
 import copy
+import types
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from gptkiln.serve.batcher import (
     QueueFull,
     Sequence,
     Token,
+    prefill_groups,
 )
 from gptkiln.tokenizers import build_char_tokenizer
 
@@ -162,6 +164,66 @@ def test_greedy_requests_arriving_at_staggered_steps_get_what_each_gets_alone(mo
     check_each_equals_alone(model, tokenizer, arrivals, out)
     assert len({tuple(o["ids"]) for o in out.values()}) == 4  # not one text for all
     assert batcher.steps < sum(c.max_new_tokens for c in cfgs)  # they did share steps
+
+
+TOGETHER = ["the quick", "the lazy", "brown fox", "jumps"]  # 9, 8, 9, 5 characters
+
+
+def counting_prefills(batcher, fail_batched: bool = False) -> list[int]:
+    """Record the number of rows of every prefill forward (several prompts at once when > 1);
+    with ``fail_batched``, a forward of several prompts raises."""
+    real, rows = batcher.model.forward, []
+
+    def forward(idx, *args, start_pos=None, **kwargs):
+        if not isinstance(start_pos, torch.Tensor):  # a prefill (start_pos 0), not a decode
+            rows.append(idx.size(0))
+            if fail_batched and idx.size(0) > 1:
+                raise RuntimeError("out of memory (pretend)")
+        return real(idx, *args, start_pos=start_pos, **kwargs)
+
+    batcher.model.forward = forward
+    return rows
+
+
+@pytest.mark.parametrize("fail_batched", [False, True])
+def test_prompts_of_similar_length_are_prefilled_together_and_get_what_each_gets_alone(
+    model, tokenizer, fail_batched
+):
+    cfg = SampleConfig(max_new_tokens=10, temperature=0)
+    seqs = [Sequence(tokenizer.encode(p), cfg, asyncio.Queue()) for p in TOGETHER]
+    batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=4)
+    prefills = counting_prefills(batcher, fail_batched)
+
+    async def main():
+        await batcher.start()
+        try:
+            batcher.submit(seqs)
+            return [await collect(seq) for seq in seqs]
+        finally:
+            await batcher.stop()
+
+    out = asyncio.run(main())
+    for seq, got in zip(seqs, out):
+        assert got["ids"] == alone(model, tokenizer, seq.prompt, cfg)[0], tokenizer.decode(
+            seq.prompt
+        )
+    # one forward for the four (right-padded to 9); if it fails, each prompt alone, none lost
+    assert prefills == ([4, 1, 1, 1, 1] if fail_batched else [4])
+
+
+def test_prefill_groups_keep_the_padding_small():
+    def slots(*lengths):
+        return [types.SimpleNamespace(seq=types.SimpleNamespace(prompt=[0] * n)) for n in lengths]
+
+    def lengths(groups):
+        return [[len(s.seq.prompt) for s in g] for g in groups]
+
+    # by length; 96 joins the 160s (480 padded for 416), 48 not 96 (192 padded for 144)
+    groups = prefill_groups(slots(160, 16, 96, 48, 16, 160))
+    assert lengths(groups) == [[16, 16], [48], [96, 160, 160]]
+    assert lengths(prefill_groups(slots(9, 8, 9, 5))) == [[5, 8, 9, 9]]  # 36 padded for 31
+    assert lengths(prefill_groups(slots(1, 9))) == [[1], [9]]  # 18 for 10: apart
+    assert prefill_groups([]) == []
 
 
 def test_seeded_sampling_penalties_and_top_k_p_equal_alone(model, tokenizer):

@@ -438,7 +438,7 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         *,
         start_pos: int | torch.Tensor | None = None,
-        last_only: bool = False,
+        last_only: bool | torch.Tensor = False,
         rows: slice | torch.Tensor | None = None,
         attentions: list[torch.Tensor] | None = None,
     ):
@@ -452,7 +452,9 @@ class GPT(nn.Module):
                 (``setup_cache`` first); None for an ordinary full-sequence forward. A (B,)
                 tensor gives each row its own position (continuous batching: a server's rows
                 hold sequences of different lengths; such a cache has no left padding).
-            last_only: compute logits for the last position only (generation), (B, 1, V).
+            last_only: compute logits for the last position only (generation), (B, 1, V); a
+                (B,) tensor of positions: each row's own last one (prompts of different lengths
+                padded on the right into one batch), also (B, 1, V).
             rows: the cache rows that idx's rows use (a slice or an index tensor), so a new
                 sequence can be prefilled into one row while the others keep theirs; None: the
                 first B rows.
@@ -477,7 +479,9 @@ class GPT(nn.Module):
         for block in self.h:
             x = block(x, start_pos, mask, rows, attentions)
         x = self.ln_f(x)
-        if last_only:
+        if isinstance(last_only, torch.Tensor):
+            x = x[torch.arange(B, device=x.device), last_only][:, None]  # (B, 1, C)
+        elif last_only:
             x = x[:, -1:, :]  # (B, 1, C)
         logits = self.head(x)  # (B, T, V)
         if targets is None:

@@ -12,10 +12,12 @@ Each iteration of the loop:
 1. drops the sequences whose client went away (their slots are free again);
 2. admits waiting sequences into free slots, oldest first, while the prompts to prefill stay
    within ``prefill_tokens`` (at least one a step, so a long prompt is never starved);
-3. in the worker: prefills each admitted prompt into its own cache row (the other rows keep
-   what they hold) and samples its first token; then one decode step feeds every active row its
-   last token at its own position (`GPT.forward` with a (B,) ``start_pos``) and samples each
-   row's next token;
+3. in the worker: prefills the admitted prompts into their own cache rows (the other rows keep
+   what they hold), prompts of similar length together in one forward (padded on the right:
+   the padding's keys sit past each row's end, where its later tokens overwrite them before
+   anything attends to them), and samples each one's first token; then one decode step feeds
+   every active row its last token at its own position (`GPT.forward` with a (B,)
+   ``start_pos``) and samples each row's next token;
 4. hands each sequence its events: a token (the text it made final, its log-probabilities),
    and at the end the reason (``stop`` or ``length``).
 
@@ -315,7 +317,10 @@ class Batcher:
     @torch.inference_mode()
     def _step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
         events: list[tuple[Sequence, Event]] = []
-        for slot in admitted:
+        scored = [s for s in admitted if s.seq.prompt_logprobs]  # need every position's logits
+        for group in prefill_groups([s for s in admitted if not s.seq.prompt_logprobs]):
+            events += self._prefill_together(group)
+        for slot in scored:
             events += self._isolated(slot, self._prefill, slot)
         going = [s for s in self._slots.values() if not s.done]
         if going:
@@ -332,10 +337,36 @@ class Batcher:
         events: list[tuple[Sequence, Event]] = []
         if seq.prompt_logprobs:
             events.append((seq, PromptLogprobs(seq.index, self._score_prompt(seq, logits))))
-        if seq.cfg.max_new_tokens == 0:
+        return events + self._first_token(slot, logits[:, -1, :])
+
+    def _prefill_together(self, slots: list[_Slot]) -> list[tuple[Sequence, Event]]:
+        """Prefill several prompts in one forward, right-padded to the longest, each into its
+        own cache row; each row's logits are read at its own last prompt position. If that
+        forward fails, each prompt is prefilled alone, so only one at fault fails."""
+        if len(slots) == 1:
+            return self._isolated(slots[0], self._prefill, slots[0])
+        longest = max(len(s.seq.prompt) for s in slots)
+        idx = torch.zeros(len(slots), longest, dtype=torch.long)  # (G, T), padded with id 0
+        for i, slot in enumerate(slots):
+            idx[i, : len(slot.seq.prompt)] = torch.tensor(slot.seq.prompt)
+        last = torch.tensor([len(s.seq.prompt) - 1 for s in slots], device=self.device)  # (G,)
+        rows = torch.tensor([s.row for s in slots], device=self.device)  # (G,)
+        try:
+            logits = self.model(idx.to(self.device), start_pos=0, last_only=last, rows=rows)
+        except Exception:
+            return [e for slot in slots for e in self._isolated(slot, self._prefill, slot)]
+        events: list[tuple[Sequence, Event]] = []
+        for i, slot in enumerate(slots):
+            slot.pos = len(slot.seq.prompt)
+            events += self._isolated(slot, self._first_token, slot, logits[i : i + 1, -1])
+        return events
+
+    def _first_token(self, slot: _Slot, logits: torch.Tensor) -> list[tuple[Sequence, Event]]:
+        """After its prefill: a sequence's first token from its last prompt logits (1, V)."""
+        if slot.seq.cfg.max_new_tokens == 0:
             slot.done = True
-            return events + [(seq, Done(seq.index, "length", "", 0))]
-        return events + self._choose(slot, logits[:, -1, :])
+            return [(slot.seq, Done(slot.seq.index, "length", "", 0))]
+        return self._choose(slot, logits)
 
     def _decode(self, slots: list[_Slot]) -> list[tuple[Sequence, Event]]:
         """One token for every active row, each at its own position; empty rows below the
@@ -395,6 +426,30 @@ class Batcher:
         for t, token in enumerate(seq.prompt[1:]):
             entries.append(_logprobs(logits[0, t], token, k))
         return entries
+
+
+PREFILL_PADDING = 1.25
+"""Prompts are prefilled together while the padded batch is at most this many times their own
+tokens (`prefill_groups`)."""
+
+
+def prefill_groups(slots: list[_Slot]) -> list[list[_Slot]]:
+    """The admitted slots in groups to prefill together: by prompt length, a group growing while
+    its padded size (members x the longest prompt) stays within `PREFILL_PADDING` times its
+    tokens, so prompts of one length share a forward and a short prompt never pays for a
+    much longer one's width."""
+    groups: list[list[_Slot]] = []
+    tokens = 0
+    for slot in sorted(slots, key=lambda s: len(s.seq.prompt)):
+        n = len(slot.seq.prompt)
+        group = groups[-1] if groups else None
+        if group is not None and (len(group) + 1) * n <= PREFILL_PADDING * (tokens + n):
+            group.append(slot)
+            tokens += n
+        else:
+            groups.append([slot])
+            tokens = n
+    return groups
 
 
 def _logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
