@@ -499,12 +499,12 @@ def test_prepare_knows_the_names_of_a_models_files():
 
 
 def test_an_os_error_without_a_path_is_not_passed_off_as_bad_input(monkeypatch, capsys):
-    import gptkiln.cli as cli_module
+    import gptkiln.cli.prepare
 
     def broken(args):
         raise OSError("a shared library failed to load")
 
-    monkeypatch.setattr(cli_module, "cmd_prepare", broken)
+    monkeypatch.setattr(gptkiln.cli.prepare, "run", broken)
     with pytest.raises(OSError, match="shared library"):  # a real failure keeps its traceback
         main(["prepare", "x.txt", "--out", "y"])
 

@@ -105,13 +105,13 @@ def test_a_rank_that_lost_its_peers_says_so_once_and_the_job_fails_with_1(agent,
 
 
 def test_a_run_stopped_from_outside_is_one_line_and_exit_code_1(monkeypatch, capsys, tmp_path):
-    import gptkiln.cli
+    import gptkiln.cli.train
     from gptkiln.errors import RunStopped
 
     def stopped(args):
         raise RunStopped("rank 0 of 2 stopped at step 9: lost contact with the other ranks")
 
-    monkeypatch.setattr(gptkiln.cli, "cmd_train", stopped)
+    monkeypatch.setattr(gptkiln.cli.train, "run", stopped)
     assert main(["train", "--out", str(tmp_path / "run")]) == 1
     assert capsys.readouterr().err == (
         "gptkiln train: error: rank 0 of 2 stopped at step 9: lost contact with the other ranks\n"

@@ -1,0 +1,132 @@
+"""The ``gptkiln`` command: thin subcommands, each parsing flags and calling one library function.
+
+A `GptkilnError` (bad input) prints one line and exits with code 2; so does a bad flag.
+
+One module per command, or per close group, each holding its parser and what runs it:
+
+    common.py    the parser class, help layout, one-line error, and the flags several commands
+                 share (--device, --quantize, --out, --overwrite, the sampling flags, RUN, ...)
+    prepare.py   prepare                    train.py     train (flags from TrainConfig; --nproc)
+    generate.py  generate                   eval.py      eval
+    inspect.py   inspect                    info.py      info
+    serve.py     serve                      convert.py   convert, download
+    finetune.py  finetune, classify, chat
+
+A command's ``add_parser(sub)`` adds its subparser and sets ``func`` to the function that runs
+it, so `main` calls ``args.func(args)``. A new command (``evaluate``, say) is a module here with
+those two functions and one line in `COMMANDS`, where it takes its place in ``gptkiln --help``.
+Nothing here imports torch: each command imports its library when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from gptkiln import __version__
+from gptkiln.cli import convert, eval, finetune, generate, info, inspect, prepare, serve, train
+from gptkiln.cli.common import (
+    HelpFormatter,
+    Parser,
+    add_quantize_flag,
+    example,
+    fail,
+)
+from gptkiln.cli.finetune import FINETUNE_LOOP_FLAGS, add_finetune_flags, finetune_configs_from_args
+from gptkiln.cli.generate import read_prompt_file
+from gptkiln.cli.train import (
+    RECIPES_DIR,
+    add_train_flags,
+    check_prepared_data_agrees,
+    launch_torchrun,
+    load_recipe,
+    train_config_from_args,
+)
+from gptkiln.errors import GptkilnError
+
+__all__ = [
+    "COMMANDS",
+    "EXAMPLES",
+    "FINETUNE_LOOP_FLAGS",
+    "RECIPES_DIR",
+    "HelpFormatter",
+    "Parser",
+    "add_finetune_flags",
+    "add_quantize_flag",
+    "add_train_flags",
+    "build_parser",
+    "check_prepared_data_agrees",
+    "example",
+    "finetune_configs_from_args",
+    "launch_torchrun",
+    "load_recipe",
+    "main",
+    "read_prompt_file",
+    "train_config_from_args",
+]
+
+# Each command's subparser, in the order `gptkiln --help` lists them.
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    prepare.add_parser,
+    train.add_parser,
+    generate.add_parser,
+    eval.add_parser,
+    inspect.add_parser,
+    info.add_parser,
+    serve.add_parser,
+    convert.add_convert_parser,
+    finetune.add_finetune_parser,
+    finetune.add_classify_parser,
+    finetune.add_chat_parser,
+    convert.add_download_parser,
+)
+
+EXAMPLES = """\
+examples:
+  gptkiln train                                       a small GPT on the bundled plays
+  gptkiln generate runs/default --prompt "ROMEO:"     more of the play, as it is written
+  gptkiln info runs/default                           what a run holds: model, data, losses
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gptkiln`` parser with every command of `COMMANDS` (imports no torch)."""
+    parser = Parser(
+        prog="gptkiln",
+        description="Train, run and share GPT-2 style models. "
+        "'gptkiln COMMAND --help' explains a command and its flags.",
+        epilog=EXAMPLES,
+    )
+    parser.add_argument("--version", action="version", version=f"gptkiln {__version__}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=Parser, title="commands", metavar="COMMAND"
+    )
+    for add_parser in COMMANDS:
+        add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``gptkiln`` command line; the exit code: 0, 2 for bad input, 130 for Ctrl-C."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except GptkilnError as e:
+        return fail(f"gptkiln {args.command}: error: {e}", e.exit_code)
+    except KeyboardInterrupt:
+        from gptkiln.launch import quiet_on_interrupt
+
+        if not quiet_on_interrupt():
+            print(f"gptkiln {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `gptkiln generate ... | head`
+        return 0
+    except OSError as e:
+        if not e.filename:  # not about a path the user gave: a real failure, with its traceback
+            raise
+        return fail(  # a path that cannot be read or written: permissions, a full disk, a file
+            f"gptkiln {args.command}: error: {e.filename}: {e.strerror or e}; check the path, "
+            "its permissions and the free space"
+        )
+    return 0

@@ -1,0 +1,178 @@
+"""What every command's module shares: the parser class and its help layout, the one-line error,
+the example epilog, and the flags several commands take, each defined here once.
+
+A flag whose wording differs between commands takes that wording as a parameter, so the
+commands' ``--help`` stays as it reads (tests/golden/help). Nothing here imports torch: the
+whole parser is built before a command imports its library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import textwrap
+from typing import Any
+
+from gptkiln.config import SampleConfig
+from gptkiln.errors import GptkilnError
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help beside it where it fits; a description's lines wrapped to the terminal,
+    and indented lines (the examples) kept as written."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        lines = [
+            indent + line
+            if line[:1].isspace() or not line
+            else textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+            for line in text.splitlines()
+        ]
+        return "\n".join(lines) + "\n"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (what, and where to look), exit code 2; help
+    keeps its examples' layout (`HelpFormatter`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
+def example(*commands: str) -> str:
+    """A subcommand's epilog: its example command(s)."""
+    return "example:\n" + "".join(f"  {c}\n" for c in commands)
+
+
+def fail(line: str, code: int = 2) -> int:
+    """One line on stderr (under `--nproc`, once for all ranks); exit code 2 for bad input."""
+    from gptkiln.launch import report_error
+
+    if not report_error(line):
+        print(line, file=sys.stderr)
+    return code
+
+
+def note(message: str) -> None:
+    """A library's notice (a cropped prompt, a fallback taken), on stderr, apart from output."""
+    print(f"note: {message}", file=sys.stderr)
+
+
+def check_prompt_text(prompt: str) -> None:
+    """Refuse a ``--prompt`` of bytes that are not UTF-8 (Python keeps them as surrogates)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes on the command line
+        raise GptkilnError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8") from None
+
+
+def keep_freed_memory_on_cpu(device: str) -> None:
+    """Training on the CPU in our own process: keep freed blocks (no page faults per step)."""
+    from gptkiln.allocator import keep_freed_memory
+    from gptkiln.devices import resolve_device
+
+    if resolve_device(device).startswith("cpu"):
+        keep_freed_memory()
+
+
+# -- flags several commands take --------------------------------------------------------------
+RUN_HELP = "a run directory, or an imported Hugging Face GPT-2 directory"
+
+
+def add_run_argument(
+    p: argparse.ArgumentParser, help: str = RUN_HELP, metavar: str | None = "RUN"
+) -> None:
+    """The model a command loads, as ``args.run_dir``."""
+    p.add_argument("run_dir", metavar=metavar, help=help)
+
+
+def add_device_flag(
+    p: argparse.ArgumentParser, devices: str = "cpu | cuda | cuda:N | mps | auto"
+) -> None:
+    """``--device`` of a command that loads a model to use it (default cpu); ``devices`` is the
+    list its help shows. (``train`` and ``finetune`` take theirs from `TrainConfig`.)"""
+    p.add_argument("--device", default="cpu", help=f"{devices} (default: %(default)s)")
+
+
+def add_quantize_flag(p: argparse.ArgumentParser) -> None:
+    """``--quantize``, for any command that loads a model (checked by the loader: one line)."""
+    p.add_argument(
+        "--quantize",
+        metavar="METHOD",
+        help="int8: int8 weights (per output channel), quantized as the model loads; a run "
+        "saved by `convert quantize` loads quantized without it (default: none, as stored)",
+    )
+
+
+def add_out_flag(p: argparse.ArgumentParser, help: str = "the directory to write (required)"):
+    """``--out DIR``, required: where a command writes what it makes."""
+    p.add_argument("--out", required=True, metavar="DIR", help=help)
+
+
+def add_overwrite_flag(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup,
+    help: str = "replace a model already in --out",
+) -> None:
+    """``--overwrite``: replace what ``--out`` holds instead of refusing to."""
+    p.add_argument("--overwrite", action="store_true", help=help)
+
+
+def add_quiet_flag(p: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress bar (``args.quiet``; the library takes ``progress=not quiet``)."""
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+# The sampling flags, in the order a command lists them: (type, metavar). Each is a field of
+# `SampleConfig`, which `sample_config` builds from those a command has.
+SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
+    "max_new_tokens": (int, "N"),
+    "temperature": (float, "X"),
+    "top_k": (int, "K"),
+    "top_p": (float, "P"),
+    "stop": (str, "TEXT"),
+    "presence_penalty": (float, "X"),
+    "frequency_penalty": (float, "X"),
+    "seed": (int, "N"),
+}
+
+
+def add_sampling_flags(
+    p: argparse.ArgumentParser,
+    helps: dict[str, str],
+    defaults: dict[str, Any],
+    metavars: bool = True,
+) -> None:
+    """The `SAMPLING_FLAGS` that ``helps`` names (``--max-new-tokens`` for ``max_new_tokens``),
+    in that order, each with its help.
+
+    Args:
+        p: the command's parser.
+        helps: {field: help} of the flags the command takes.
+        defaults: {field: default} where the command's differs from `SampleConfig`'s.
+        metavars: False shows each flag's name as its value (``--top-k TOP_K``), as ``chat``
+            always has, instead of ``K``.
+    """
+    fields = {f.name: f.default for f in dataclasses.fields(SampleConfig)}
+    for name, (kind, metavar) in SAMPLING_FLAGS.items():
+        if name not in helps:
+            continue
+        if name == "stop":  # repeatable: each --stop adds one
+            value: dict[str, Any] = dict(action="append", default=[])
+        else:
+            value = dict(type=kind, default=defaults.get(name, fields[name]))
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, metavar=metavar if metavars else None, help=helps[name], **value)
+
+
+def sample_config(args: argparse.Namespace) -> SampleConfig:
+    """The `SampleConfig` of a command's sampling flags (`add_sampling_flags`); a flag the
+    command does not take keeps `SampleConfig`'s default."""
+    return SampleConfig(**{name: getattr(args, name) for name in SAMPLING_FLAGS if name in args})

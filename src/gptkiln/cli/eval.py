@@ -1,0 +1,61 @@
+"""``gptkiln eval``: a run's loss, perplexity and bits per character on text
+(`gptkiln.api.evaluate_run`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from gptkiln.cli.common import (
+    add_device_flag,
+    add_quantize_flag,
+    add_quiet_flag,
+    add_run_argument,
+    example,
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="loss and perplexity of a run on text",
+        description="Cross-entropy loss and perplexity of a run on text, over the text's "
+        "non-overlapping context windows.",
+        epilog=example("gptkiln eval runs/char --data data/plays-char"),
+    )
+    add_run_argument(p)
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="PATH",
+        help="a prepared data folder (its validation split) or a text/.jsonl file, tokenized "
+        "with the run's tokenizer (required)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        metavar="N",
+        help="windows per forward pass (>= 1) (default: %(default)s)",
+    )
+    add_device_flag(p)
+    add_quiet_flag(p)
+    add_quantize_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    from gptkiln.api import evaluate_run
+    from gptkiln.devices import resolve_device
+
+    r = evaluate_run(
+        args.run_dir,
+        args.data,
+        batch_size=args.batch_size,
+        device=resolve_device(args.device),
+        progress=not args.quiet,
+        quantize=args.quantize,
+    )
+    print(
+        f"loss {r.loss:.4f} | perplexity {r.perplexity:.2f} | {r.bits_per_char:.4f} bits/char "
+        f"| {r.tokens:,} tokens, {r.characters:,} characters"
+    )

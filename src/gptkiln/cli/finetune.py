@@ -1,0 +1,304 @@
+"""``gptkiln finetune``, and the commands that use what it makes: ``classify`` (a classifier's
+labels) and ``chat`` (an instruction-tuned run, a conversation). `gptkiln.finetune` and
+`gptkiln.chat` do the work."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from gptkiln.cli.common import (
+    add_device_flag,
+    add_out_flag,
+    add_overwrite_flag,
+    add_run_argument,
+    add_sampling_flags,
+    example,
+    keep_freed_memory_on_cpu,
+    sample_config,
+)
+from gptkiln.config import FinetuneConfig, TrainConfig
+
+
+def add_finetune_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a model to follow instructions or to classify texts (full or LoRA)",
+        description="Fine-tune a run or a Hugging Face GPT-2 model with the loop of `gptkiln "
+        "train`: instruction following (the book's chapter 7) or classification (chapter 6), "
+        "all layers, the last N, or LoRA adapters (appendix E).",
+        epilog=example(
+            "gptkiln finetune runs/gpt2 --data instructions.json --out runs/instruct",
+            "gptkiln finetune runs/gpt2 --task classify --data sms.csv --lora-rank 16 "
+            "--out runs/spam",
+        ),
+    )
+    add_finetune_flags(p)
+    p.set_defaults(func=run_finetune)
+
+
+# The loop's settings `gptkiln finetune` takes, with their help; the defaults are
+# `gptkiln.finetune.train_config`'s (the book's chapters 6-7).
+FINETUNE_LOOP_FLAGS = {
+    "batch_size": "examples a micro-batch, >= 1",
+    "grad_accum": "micro-batches an optimizer step, >= 1",
+    "epochs": "passes over the training examples, >= 0 (used when --max-steps is 0)",
+    "max_steps": "optimizer steps, >= 0 (0: --epochs decides)",
+    "lr": "AdamW learning rate, > 0 (default: 5e-05; 5e-04 with LoRA)",
+    "min_lr": "learning rate the cosine decay ends at, in [0, lr]",
+    "warmup_steps": "steps of linear warm-up, >= 0",
+    "decay_lr": "cosine decay of the learning rate after warm-up (the book: constant)",
+    "weight_decay": "AdamW weight decay on matrices, >= 0",
+    "grad_clip": "clip the gradient norm to this, >= 0 (0: no clipping)",
+    "eval_interval": "evaluate every N steps, >= 1",
+    "eval_batches": "batches per split evaluated, >= 1",
+    "eval_train": "also evaluate on training examples",
+    "sample_interval": "instruct: a response to a held-out entry every N steps, >= 1",
+    "sample_tokens": "instruct: tokens of that response, >= 0",
+    "checkpoint_interval": "save every N steps, >= 1",
+    "seed": "seed of the data order, the new head and the adapters, in [0, 2**63)",
+    "device": "auto | cpu | cuda | cuda:N | mps",
+    "precision": "auto (bf16 on CUDA) | fp32 | bf16",
+    "compile": "run the model under torch.compile",
+    "progress": "show a progress bar",
+}
+
+
+def add_finetune_flags(p: argparse.ArgumentParser) -> None:
+    """`FinetuneConfig`'s flags (the model, the data and the task; what trains), then the
+    loop's (`FINETUNE_LOOP_FLAGS`)."""
+    _add_data_flags(p)
+    _add_trainable_flags(p)
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    add_overwrite_flag(p, help="replace a run already in --out")
+    _add_loop_flags(p)
+
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+    """The model to start from, the examples and what the task makes of them."""
+    p.add_argument(
+        "base", help="the model to start from: a run directory or a Hugging Face GPT-2 directory"
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="FILE",
+        help="instruct: a .json list or .jsonl of {instruction, input, output}; "
+        "classify: a .csv, .tsv (with a header row) or .jsonl of texts and labels",
+    )
+    add_out_flag(p, help="the run directory to write")
+    p.add_argument(
+        "--task",
+        choices=["instruct", "classify"],
+        default="instruct",
+        help="instruct: follow instructions (the book's ch. 7); classify: a label "
+        "per text (ch. 6) (default: instruct)",
+    )
+    p.add_argument(
+        "--template",
+        default="alpaca",
+        metavar="NAME|FILE",
+        help="instruct: the prompt template, 'alpaca' (the book's) or a JSON file "
+        "with system, instruction, input, response (default: alpaca)",
+    )
+    p.add_argument(
+        "--mask-prompt",
+        action="store_true",
+        help="instruct: learn the responses only (no loss on the prompt's tokens)",
+    )
+    p.add_argument(
+        "--text-column",
+        default="text",
+        metavar="NAME",
+        help="classify: the column (or JSON key) of the texts (default: text)",
+    )
+    p.add_argument(
+        "--label-column",
+        default="label",
+        metavar="NAME",
+        help="classify: the column (or JSON key) of the labels (default: label)",
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        metavar="N",
+        help="classify: tokens each text is cut or padded to, 1 to the context "
+        "(default: the longest training text's, at most the context)",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        metavar="F",
+        help="share of the examples for validation, in (0, 1) (default: 0.05 "
+        "instruct, 0.1 classify)",
+    )
+    p.add_argument(
+        "--test-fraction",
+        type=float,
+        metavar="F",
+        help="share of the examples for testing, in [0, 1) (default: 0.1 instruct, 0.2 classify)",
+    )
+
+
+def _add_trainable_flags(p: argparse.ArgumentParser) -> None:
+    """What trains: all, the last blocks, or LoRA adapters (and where they go)."""
+    p.add_argument(
+        "--train-layers",
+        default="default",
+        metavar="all|last-N|lora",
+        help="what trains: all; the last N blocks, final norm and head; or LoRA "
+        "adapters (default: all for instruct, last-1 for classify)",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="LoRA adapters of rank R >= 1 on the attention and MLP projections, "
+        "base frozen (default: 0, no LoRA; 16 with --train-layers lora)",
+    )
+    p.add_argument(
+        "--lora-alpha",
+        type=float,
+        metavar="A",
+        help="adapters scaled by A / R, > 0 (peft's convention; the book's alpha "
+        "16 at rank 16 is 256) (default: 2 x R)",
+    )
+    p.add_argument(
+        "--lora-qkv",
+        choices=["split", "fused"],
+        default="split",
+        help="split: an adapter per query, key and value (the book's placement); "
+        "fused: one on the fused c_attn (Hugging Face's) (default: split)",
+    )
+    p.add_argument(
+        "--lora-head",
+        action="store_true",
+        help="also put an adapter on the head (the book's appendix E; a classify "
+        "head is otherwise trained in full)",
+    )
+
+
+def _add_loop_flags(p: argparse.ArgumentParser) -> None:
+    """`FINETUNE_LOOP_FLAGS`, each defaulting to `gptkiln.finetune`'s (the book's) value, else
+    `TrainConfig`'s; a flag not given stays out of ``args`` (`train_config` fills it in)."""
+    from gptkiln.finetune import FINETUNE_TRAIN_DEFAULTS
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name, text in FINETUNE_LOOP_FLAGS.items():
+        default = FINETUNE_TRAIN_DEFAULTS.get(name, fields[name].default)
+        flag = "--" + name.replace("_", "-")
+        shown = "" if name == "lr" else f" (default: {default})"  # lr: its help names both
+        if isinstance(default, bool):
+            p.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=text + shown,
+            )
+        else:
+            p.add_argument(
+                flag,
+                type=type(default),
+                default=argparse.SUPPRESS,
+                metavar=name.upper(),
+                help=text + shown,
+            )
+
+
+def finetune_configs_from_args(
+    args: argparse.Namespace,
+) -> tuple[FinetuneConfig, TrainConfig]:
+    """(`FinetuneConfig`, the loop's `TrainConfig`) of a ``gptkiln finetune`` command line."""
+    from gptkiln.finetune import train_config
+
+    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    ft = FinetuneConfig.from_dict({k: v for k, v in vars(args).items() if k in names})
+    loop = {k: v for k, v in vars(args).items() if k in FINETUNE_LOOP_FLAGS}
+    return ft, train_config(ft, out=args.out, **loop)
+
+
+def run_finetune(args: argparse.Namespace) -> None:
+    from gptkiln.finetune import finetune
+
+    ft, cfg = finetune_configs_from_args(args)
+    keep_freed_memory_on_cpu(cfg.device)
+    result = finetune(ft, cfg, resume=args.resume, overwrite=args.overwrite)
+    last = result.history[-1] if result.history else {}
+    scores = ", ".join(
+        f"{k.replace('_', ' ')} {100 * v:.1f}%"
+        if k.endswith("accuracy")
+        else f"{k.replace('_', ' ')} {v:.3f}"
+        for k, v in last.items()
+        if k.endswith(("loss", "accuracy")) and v is not None
+    )
+    print(f"done: {result.steps} steps; {scores}; run saved in {result.run_dir}")
+
+
+def add_classify_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "classify",
+        help="the label of texts, by a classifier from `gptkiln finetune --task classify`",
+        epilog=example('gptkiln classify runs/spam --text "You won a prize! Call now"'),
+    )
+    add_run_argument(p, help="a run fine-tuned with --task classify", metavar=None)
+    p.add_argument(
+        "--text",
+        action="append",
+        required=True,
+        help="a text to classify; repeat for more (one line of output each: the "
+        "label, a tab, each class's probability)",
+    )
+    add_device_flag(p, devices="cpu | cuda | cuda:N | mps")
+    p.set_defaults(func=run_classify)
+
+
+def run_classify(args: argparse.Namespace) -> None:
+    from gptkiln.devices import resolve_device
+    from gptkiln.finetune.classify import classify
+
+    for prediction in classify(args.run_dir, args.text, device=resolve_device(args.device)):
+        probs = " ".join(f"{c}={v:.3f}" for c, v in prediction.probabilities.items())
+        print(f"{prediction.label}\t{probs}")
+
+
+# chat's sampling flags (`common.add_sampling_flags`): greedy by default, as the book's chapter 7
+# generates its responses.
+CHAT_SAMPLING_HELP = {
+    "max_new_tokens": "longest response in tokens, >= 0 (default: 200)",
+    "temperature": "0 = greedy (the book's), > 0 samples (default: 0)",
+    "top_k": "sample from the k likeliest tokens, >= 1 (default: all)",
+    "top_p": "nucleus sampling, in (0, 1] (default: off)",
+    "seed": "seed of the sampling, in [0, 2**63) (default: none)",
+}
+CHAT_SAMPLING_DEFAULTS = {"max_new_tokens": 200, "temperature": 0.0}
+
+
+def add_chat_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="chat with an instruction-tuned run (streams; /reset, /exit, Ctrl-C stops a reply)",
+        description="Chat with a run from `gptkiln finetune` (instruct): each message and the "
+        "conversation so far go through the run's prompt template. At a terminal: line "
+        "editing, /reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops a "
+        "response. From a pipe (or --plain): a message a line in, each response out.",
+        epilog=example("gptkiln chat runs/instruct --temperature 0.7 --seed 1"),
+    )
+    add_run_argument(p, help="a run fine-tuned with --task instruct", metavar=None)
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="no prompts or banner, responses only (the default when stdin is not a terminal)",
+    )
+    add_sampling_flags(p, CHAT_SAMPLING_HELP, CHAT_SAMPLING_DEFAULTS, metavars=False)
+    add_device_flag(p, devices="cpu | cuda | cuda:N | mps")
+    p.set_defaults(func=run_chat)
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    from gptkiln import chat
+    from gptkiln.devices import resolve_device
+
+    session = chat.Chat(args.run_dir, sample_config(args), device=resolve_device(args.device))
+    chat.run_chat(session, interactive=not args.plain and sys.stdin.isatty())

@@ -1,0 +1,65 @@
+"""``gptkiln prepare``: a corpus -> train.bin, val.bin and meta.json (`gptkiln.data.prepare`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from gptkiln.cli.common import add_out_flag, add_quiet_flag, example
+from gptkiln.config import TrainConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize a corpus into train.bin / val.bin",
+        description="Tokenize a corpus into train.bin, val.bin and meta.json (streaming), for "
+        "`gptkiln train --data DIR`.",
+        epilog=example("gptkiln prepare shakespeare --tokenizer char --out data/plays-char"),
+    )
+    p.add_argument(
+        "source",
+        help='a .txt/.md file, a .jsonl file (a "text" field a line), a folder of them, or '
+        "shakespeare (the bundled plays)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=TrainConfig.tokenizer,  # what `gptkiln train` prepares its text with
+        metavar="SPEC",
+        help="gpt2 (OpenAI's BPE) | char | bpe:N (a byte-level BPE of N ids trained on the "
+        "text; bpe alone: 8192) | a directory with a saved tokenizer (a run, prepared data) "
+        "(default: %(default)s, as train's)",
+    )
+    add_out_flag(p)
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        metavar="X",
+        help="share of the text, taken from its end, held out for validation, in (0, 1) "
+        "(default: %(default)s)",
+    )
+    add_quiet_flag(p)
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="threads encoding with the gpt2 tokenizer (>= 1; default: every core)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    from gptkiln.data.prepare import prepare
+
+    meta = prepare(
+        args.source,
+        args.out,
+        tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
+        progress=not args.quiet,
+        threads=args.threads,
+    )
+    print(
+        f"wrote {args.out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
+        f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,})"
+    )

@@ -1,0 +1,254 @@
+"""``gptkiln train``: one flag per `TrainConfig` field, a YAML recipe under them, and
+``--nproc N`` to relaunch the same command under torchrun (`gptkiln.train.train` does the work).
+
+Settings are chosen in layers: `TrainConfig`'s defaults, then the recipe (``--config``), then the
+flags given; `train_config_from_args` is that choice, for tests and scripts too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from gptkiln.cli.common import add_overwrite_flag, example, keep_freed_memory_on_cpu
+from gptkiln.config import TRAIN_GROUPS, TrainConfig, check_values
+from gptkiln.errors import GptkilnError
+
+RECIPES_DIR = Path(__file__).parents[1] / "recipes"
+"""The bundled recipes (``--config book-verdict``): src/gptkiln/recipes/*.yaml."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model (no flags: a small model on Shakespeare)",
+        description="Train a GPT. Settings come from the defaults, then --config, then flags; "
+        "every flag is also a key of a YAML recipe (max_steps: 600).",
+        epilog=example(
+            "gptkiln train --data data/plays-char --model baby --max-steps 600 --out runs/char"
+        ),
+    )
+    p.add_argument(
+        "--config",
+        metavar="RECIPE",
+        help="a YAML recipe file, or a bundled recipe: "
+        f"{' | '.join(sorted(r.stem for r in RECIPES_DIR.glob('*.yaml')))} "
+        "(default: none, the defaults below)",
+    )
+    groups = add_train_flags(p)
+    groups["checkpoints"].add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its checkpoint"
+    )
+    add_overwrite_flag(groups["checkpoints"], help="start afresh over a run already in --out")
+    groups["hardware"].add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="train with N processes on this machine, launched through torchrun (>= 1; "
+        "default: this process alone)",
+    )
+    p.set_defaults(func=run)
+
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+_STR_METAVARS = {"data": "PATH", "out": "DIR", "model": "PRESET", "tokenizer": "SPEC"}
+_STR_METAVARS |= {"device": "DEVICE", "gelu": "KIND", "max_time": "MINUTES"}
+
+
+def add_train_flags(p: argparse.ArgumentParser) -> dict[str, Any]:
+    """One flag per `TrainConfig` field (``max_steps`` -> ``--max-steps``), in the argument group
+    the field names, with the help the field carries and its default. Returns the groups by
+    name, for the flags of the command itself."""
+    groups = {name: p.add_argument_group(name) for name in TRAIN_GROUPS}
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help = f"{f.metadata.get('help', '')} (default: {_shown_default(f)})".lstrip()
+        kind, choices = _flag_type(hints[f.name])
+        group = groups.get(f.metadata.get("group"), p)  # tests hold every field to a group
+        if kind is bool:
+            action = argparse.BooleanOptionalAction
+            group.add_argument(flag, action=action, default=argparse.SUPPRESS, help=help)
+        else:
+            metavar = None if choices else _STR_METAVARS.get(f.name, _METAVARS[kind])
+            group.add_argument(
+                flag,
+                type=kind,
+                choices=choices,
+                default=argparse.SUPPRESS,
+                metavar=metavar,
+                help=help,
+            )
+    return groups
+
+
+def _flag_type(hint: Any) -> tuple[type, list | None]:
+    """(the type argparse converts to, the choices or None) of a field's type hint."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return type(args[0]), list(args)
+    if args:  # X | None
+        return _flag_type(args[0])
+    return hint, None
+
+
+def _shown_default(f: dataclasses.Field) -> str:
+    """A field's default as help shows it: what "not set" means for None, on/off for a bool."""
+    if f.default is None:
+        return f.metadata.get("unset") or "not set"
+    if isinstance(f.default, bool):
+        return "on" if f.default else "off"
+    return str(f.default)
+
+
+def load_recipe(name_or_path: str) -> dict[str, Any]:
+    """A YAML training recipe: a bundled name (``book-verdict``) or a file path."""
+    import yaml
+
+    path = Path(name_or_path)
+    if not path.is_file():
+        bundled = RECIPES_DIR / f"{name_or_path}.yaml"
+        if not bundled.is_file():
+            names = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+            raise GptkilnError(
+                f"--config {name_or_path}: no such file or bundled recipe; bundled recipes: {names}"
+            )
+        path = bundled
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        problem = str(e).replace("\n", " ")
+        raise GptkilnError(f"{path}: not valid YAML ({problem}); fix the file") from None
+    if not isinstance(values, dict):
+        raise GptkilnError(f"{path}: a recipe is a mapping of training settings (key: value)")
+    return check_values(TrainConfig, values, str(path))
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the recipe (--config), then the flags given on the command line."""
+    return _chosen_config(args)[0]
+
+
+def _chosen_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]:
+    """The `TrainConfig` of `train_config_from_args`, and where each setting a person chose came
+    from: ``"recipe"`` or ``"flag"`` (a flag overrides the recipe)."""
+    values: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    if getattr(args, "config", None):
+        values.update(load_recipe(args.config))
+        given.update(dict.fromkeys(values, "recipe"))
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    flags = {k: v for k, v in vars(args).items() if k in names}
+    values.update(flags)
+    given.update(dict.fromkeys(flags, "flag"))
+    return TrainConfig.from_dict(values), given
+
+
+def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: str | None):
+    """Prepared data has its tokenizer and its split already, and training keeps them. A
+    ``--tokenizer`` or ``--val-fraction`` flag that contradicts them would be ignored, so it is
+    refused; a recipe's (made for preparing raw text) gets a note on stderr. ``bpe`` alone
+    agrees with a BPE of any size; ``bpe:N`` with one prepared as ``bpe:N`` (a small corpus can
+    give fewer ids than N) or of N ids."""
+    import math
+    import shlex
+
+    from gptkiln.data.prepare import is_prepared, read_meta
+    from gptkiln.tokenizers import parse_tokenizer_spec
+
+    meta = read_meta(cfg.data) if is_prepared(cfg.data) else None
+    if meta is None:  # text to prepare, or damaged data: loading it names what is wrong
+        return
+    clashes = []  # (setting, what was asked, what the data has)
+    made, spec = meta.get("tokenizer"), meta.get("tokenizer_spec")
+    if "tokenizer" in given and isinstance(made, str):
+        kind, size = parse_tokenizer_spec(cfg.tokenizer)
+        if made == "bpe":
+            sizes = {meta.get("vocab_size")}
+            try:
+                sizes.add(parse_tokenizer_spec(spec)[1])  # the N asked for when prepared
+            except GptkilnError:  # prepared with a run's tokenizer: the spec is its folder
+                pass
+            agrees = kind == "bpe" and (":" not in cfg.tokenizer or size in sizes)
+            made = f"a BPE tokenizer of {meta.get('vocab_size')} ids"
+        else:
+            agrees = kind == made
+            made = f"the {made} tokenizer"
+        if not agrees:
+            clashes.append(("tokenizer", cfg.tokenizer, f"prepared with {made}"))
+    fraction = meta.get("val_fraction")
+    if "val_fraction" in given and isinstance(fraction, (int, float)):
+        if not math.isclose(cfg.val_fraction, fraction, rel_tol=1e-9):
+            has = f"split with val_fraction {fraction}"
+            clashes.append(("val_fraction", str(cfg.val_fraction), has))
+    flags = [c for c in clashes if given[c[0]] == "flag"]
+    for name, asked, has in clashes:
+        if given[name] == "recipe" and not flags and os.environ.get("RANK", "0") == "0":
+            print(
+                f"note: --config {recipe} sets {name}: {asked}, but --data {cfg.data} was {has}, "
+                "which training keeps",
+                file=sys.stderr,
+            )
+    if flags:
+        names = " and ".join("--" + name.replace("_", "-") for name, _, _ in flags)
+        asked = " ".join(f"--{name.replace('_', '-')} {value}" for name, value, _ in flags)
+        source = shlex.quote(str(meta["source"])) if meta.get("source") else "TEXT"
+        raise GptkilnError(
+            f"{asked}: --data {cfg.data} was {' and '.join(has for _, _, has in flags)}, which "
+            f"training keeps; drop {names} to train on it as it is, or prepare the text again: "
+            f"gptkiln prepare {source} {asked} --out NEW_DIR"
+        )
+
+
+def run(args: argparse.Namespace) -> None:
+    cfg, given = _chosen_config(args)
+    check_prepared_data_agrees(cfg, given, args.config)
+    if args.nproc is not None:
+        _check_before_launch(cfg, args)
+        return launch_torchrun(args.nproc)
+    from gptkiln.train import train
+
+    keep_freed_memory_on_cpu(cfg.device)
+    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    if result.val_loss is not None and int(os.environ.get("RANK", 0)) == 0:
+        print(
+            f"done: {result.steps} steps, {result.tokens_seen:,} tokens; "
+            f"train loss {result.train_loss:.3f}, val loss {result.val_loss:.3f} "
+            f"({result.val_bpc:.3f} bits/char); "
+            f"run saved in {result.run_dir}"
+        )
+
+
+def _check_before_launch(cfg: TrainConfig, args: argparse.Namespace) -> None:
+    """What every worker would refuse, refused once here: one line instead of N tracebacks in
+    torchrun's report."""
+    from gptkiln.checkpoint import check_run_dir_for_training
+    from gptkiln.data.prepare import is_prepared
+    from gptkiln.data.sources import check_source
+
+    if not is_prepared(cfg.data):
+        check_source(cfg.data)
+    check_run_dir_for_training(Path(cfg.out), resume=args.resume, overwrite=args.overwrite)
+
+
+def launch_torchrun(nproc: int) -> None:
+    """Re-run this train command under torchrun with ``nproc`` processes on this machine."""
+    if nproc < 1:
+        raise GptkilnError(f"--nproc must be >= 1, got {nproc}")
+    argv = sys.argv[1:]
+    rest, skip = [], False
+    for a in argv:  # drop --nproc N / --nproc=N, keep everything else as given
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    from gptkiln.launch import launch
+
+    raise SystemExit(launch(nproc, rest))
