@@ -118,6 +118,15 @@ def test_a_run_stopped_from_outside_is_one_line_and_exit_code_1(monkeypatch, cap
     )
 
 
+def test_train_nproc_relaunches_the_command_line_main_was_given(agent, monkeypatch, tmp_path):
+    monkeypatch.setattr("sys.argv", ["pytest", "-k", "launch"])  # this process's, not the command
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit) as exit:
+        main(["train", "--nproc=2", "--max-steps", "3", "--out", out])
+    assert exit.value.code == 0
+    assert agent["args"].training_script_args == ["train", "--max-steps", "3", "--out", out]
+
+
 def test_a_crash_points_at_its_traceback(agent, capsys):
     agent["raise"] = failed(rank_0=1)
     assert launch.launch(2, ["train"]) == 1

@@ -108,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one ``gptkiln`` command line; the exit code: 0, 2 for bad input, 130 for Ctrl-C."""
+    """Run one ``gptkiln`` command line (``argv``; None: this process's); the exit code: 0, 2
+    for bad input, 1 for a run stopped from outside, 130 for Ctrl-C."""
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # what `train --nproc` reruns
     try:
         args.func(args)
     except GptkilnError as e:

@@ -55,12 +55,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-_METAVARS = {int: "N", float: "X", str: "TEXT"}
-_STR_METAVARS = {"data": "PATH", "out": "DIR", "model": "PRESET", "tokenizer": "SPEC"}
-_STR_METAVARS |= {"device": "DEVICE", "gelu": "KIND", "max_time": "MINUTES"}
+# What a flag's value is called in train's help: by its field, else by its type.
+_FIELD_METAVARS = {
+    "data": "PATH",
+    "out": "DIR",
+    "model": "PRESET",
+    "tokenizer": "SPEC",
+    "device": "DEVICE",
+    "gelu": "KIND",
+    "max_time": "MINUTES",
+}
+_TYPE_METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
-def add_train_flags(p: argparse.ArgumentParser) -> dict[str, Any]:
+def add_train_flags(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
     """One flag per `TrainConfig` field (``max_steps`` -> ``--max-steps``), in the argument group
     the field names, with the help the field carries and its default. Returns the groups by
     name, for the flags of the command itself."""
@@ -75,7 +83,7 @@ def add_train_flags(p: argparse.ArgumentParser) -> dict[str, Any]:
             action = argparse.BooleanOptionalAction
             group.add_argument(flag, action=action, default=argparse.SUPPRESS, help=help)
         else:
-            metavar = None if choices else _STR_METAVARS.get(f.name, _METAVARS[kind])
+            metavar = None if choices else _FIELD_METAVARS.get(f.name, _TYPE_METAVARS[kind])
             group.add_argument(
                 flag,
                 type=kind,
@@ -210,7 +218,7 @@ def run(args: argparse.Namespace) -> None:
     check_prepared_data_agrees(cfg, given, args.config)
     if args.nproc is not None:
         _check_before_launch(cfg, args)
-        return launch_torchrun(args.nproc)
+        return launch_torchrun(args.nproc, args.argv)
     from gptkiln.train import train
 
     keep_freed_memory_on_cpu(cfg.device)
@@ -236,11 +244,11 @@ def _check_before_launch(cfg: TrainConfig, args: argparse.Namespace) -> None:
     check_run_dir_for_training(Path(cfg.out), resume=args.resume, overwrite=args.overwrite)
 
 
-def launch_torchrun(nproc: int) -> None:
-    """Re-run this train command under torchrun with ``nproc`` processes on this machine."""
+def launch_torchrun(nproc: int, argv: list[str]) -> None:
+    """Re-run a train command line (``argv``, without the program: ``["train", ...]``) under
+    torchrun with ``nproc`` processes on this machine, its ``--nproc`` left out."""
     if nproc < 1:
         raise GptkilnError(f"--nproc must be >= 1, got {nproc}")
-    argv = sys.argv[1:]
     rest, skip = [], False
     for a in argv:  # drop --nproc N / --nproc=N, keep everything else as given
         if skip:
