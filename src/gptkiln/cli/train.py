@@ -167,28 +167,13 @@ def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: 
     import shlex
 
     from gptkiln.data.prepare import is_prepared, read_meta
-    from gptkiln.tokenizers import parse_tokenizer_spec
 
     meta = read_meta(cfg.data) if is_prepared(cfg.data) else None
     if meta is None:  # text to prepare, or damaged data: loading it names what is wrong
         return
     clashes = []  # (setting, what was asked, what the data has)
-    made, spec = meta.get("tokenizer"), meta.get("tokenizer_spec")
-    if "tokenizer" in given and isinstance(made, str):
-        kind, size = parse_tokenizer_spec(cfg.tokenizer)
-        if made == "bpe":
-            sizes = {meta.get("vocab_size")}
-            try:
-                sizes.add(parse_tokenizer_spec(spec)[1])  # the N asked for when prepared
-            except GptkilnError:  # prepared with a run's tokenizer: the spec is its folder
-                pass
-            agrees = kind == "bpe" and (":" not in cfg.tokenizer or size in sizes)
-            made = f"a BPE tokenizer of {meta.get('vocab_size')} ids"
-        else:
-            agrees = kind == made
-            made = f"the {made} tokenizer"
-        if not agrees:
-            clashes.append(("tokenizer", cfg.tokenizer, f"prepared with {made}"))
+    if "tokenizer" in given and (has := _tokenizer_clash(cfg.tokenizer, meta)):
+        clashes.append(("tokenizer", cfg.tokenizer, has))
     fraction = meta.get("val_fraction")
     if "val_fraction" in given and isinstance(fraction, (int, float)):
         if not math.isclose(cfg.val_fraction, fraction, rel_tol=1e-9):
@@ -211,6 +196,29 @@ def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: 
             f"training keeps; drop {names} to train on it as it is, or prepare the text again: "
             f"gptkiln prepare {source} {asked} --out NEW_DIR"
         )
+
+
+def _tokenizer_clash(asked: str, meta: dict[str, Any]) -> str | None:
+    """How prepared data (its ``meta``) was tokenized, when a ``--tokenizer`` spec disagrees;
+    None when it agrees or the data does not say."""
+    from gptkiln.tokenizers import parse_tokenizer_spec
+
+    made, spec = meta.get("tokenizer"), meta.get("tokenizer_spec")
+    if not isinstance(made, str):
+        return None
+    kind, size = parse_tokenizer_spec(asked)
+    if made == "bpe":
+        sizes = {meta.get("vocab_size")}
+        try:
+            sizes.add(parse_tokenizer_spec(spec)[1])  # the N asked for when prepared
+        except GptkilnError:  # prepared with a run's tokenizer: the spec is its folder
+            pass
+        agrees = kind == "bpe" and (":" not in asked or size in sizes)
+        made = f"a BPE tokenizer of {meta.get('vocab_size')} ids"
+    else:
+        agrees = kind == made
+        made = f"the {made} tokenizer"
+    return None if agrees else f"prepared with {made}"
 
 
 def run(args: argparse.Namespace) -> None:
