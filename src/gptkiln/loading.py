@@ -53,6 +53,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from gptkiln import load_steps
 from gptkiln.config import GPT2_VOCAB_SIZE, GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
@@ -71,7 +72,6 @@ FLOAT_FORMAT = 1  # what a run of float weights is written as (any gptkiln reads
 QUANTIZED_FORMAT = 2  # a quantized run: a gptkiln older than quantization refuses it in one line
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-ADAPTER_FILE = "adapter.safetensors"  # a LoRA run's adapters (`gptkiln.finetune.lora`)
 HF_BIN_FILE = "pytorch_model.bin"
 HF_INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 6  # parameter names listed in one error line before "and N more"
@@ -145,8 +145,9 @@ def load_model(
             or a Hugging Face GPT-2 directory (config.json with ``"model_type": "gpt2"``).
         device: where the weights end up.
         dtype: floating-point dtype for the weights; None keeps the stored one.
-        adapters: for a LoRA run (`gptkiln finetune --lora-rank`), merge its adapters into the
-            weights (peft); False gives its frozen base alone.
+        adapters: run the load steps the features registered for the run's config.json
+            entries (`gptkiln.load_steps`: a LoRA run's adapters merged into the weights);
+            False gives the weights of its model.safetensors alone (a LoRA run's frozen base).
         quantize: "int8" quantizes a float model's weights as it loads (`gptkiln.quantize`);
             None keeps them as stored. A quantized run loads quantized either way.
 
@@ -162,37 +163,10 @@ def load_model(
     quantization = read_quantization(cfg.get("quantization"), str(run_dir / CONFIG_FILE))
     weights = _run_weights(run_dir, weights)
     sd = read_safetensors(weights)
-    lora = (cfg.get("finetune") or {}).get("lora")
-    if not lora or not adapters:
-        model = build_model(
-            config, sd, str(weights), device=device, dtype=dtype, quantization=quantization
-        )
-        return _quantized(model, quantize)
-    model = build_model(config, sd, str(weights))  # the frozen base, then its adapters merged
-    model = _with_adapters(model, lora, run_dir).to(device=device, dtype=dtype).eval()
-    return _quantized(model, quantize)
-
-
-def _with_adapters(model: GPT, lora: Any, run_dir: Path) -> GPT:
-    """The base of a LoRA run with the run's adapters merged into its weights."""
-    from gptkiln.finetune.lora import LoraSpec, load_adapters
-
-    path = run_dir / ADAPTER_FILE
-    if not path.is_file():
-        raise GptkilnError(
-            f"{run_dir} is a LoRA run without its {ADAPTER_FILE}; restore the file, or train "
-            "the run again"
-        )
-    if not isinstance(lora, dict):
-        raise GptkilnError(f"{run_dir / CONFIG_FILE}: 'finetune.lora' is {lora!r}; restore it")
-    try:
-        spec = LoraSpec.from_dict(lora)
-    except TypeError:
-        raise GptkilnError(
-            f"{run_dir / CONFIG_FILE}: 'finetune.lora' is not a LoRA setting ({lora!r}); "
-            "restore the file"
-        ) from None
-    return load_adapters(model, spec, read_safetensors(path), str(path))
+    model = build_model(config, sd, str(weights), quantization=quantization)
+    for entry, step in load_steps.steps_for(cfg) if adapters else []:
+        model = step(model, cfg[entry], run_dir)  # e.g. a LoRA run's adapters merged
+    return _quantized(model.to(device=device, dtype=dtype).eval(), quantize)
 
 
 def load_hf(
