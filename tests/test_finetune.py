@@ -10,7 +10,10 @@ import dataclasses
 import io
 import json
 import random
+import shutil
 import string
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -459,6 +462,50 @@ def test_merged_equals_unmerged_and_exports_to_hugging_face(work, lora_runs, cap
         "convert", "merge-lora", work / "merged", "--out", work / "m2", capsys=capsys
     )
     assert_one_line_error(code, err, "no LoRA adapters")
+
+
+@pytest.mark.slow
+def test_a_process_that_imports_loading_alone_loads_a_lora_run_merged(lora_runs, tmp_path):
+    """Loading imports no feature: the package's __init__, which runs before any of its modules,
+    registers fine-tuning's load step (`gptkiln.load_steps`), so importing `gptkiln.loading`
+    and nothing else still merges a LoRA run's adapters (fine-tuning is imported by that load)."""
+    run, _, _ = lora_runs
+    code = (
+        "import sys, torch\n"
+        "from safetensors.torch import save_file\n"
+        "from gptkiln.loading import load_model\n"
+        "assert not [m for m in sys.modules if m.startswith('gptkiln.finetune')], 'too early'\n"
+        f"model = load_model({str(run)!r})\n"
+        "assert 'gptkiln.finetune.lora' in sys.modules\n"
+        "with torch.no_grad():\n"
+        "    logits = model(torch.arange(24).reshape(2, 12))\n"
+        f"save_file({{'logits': logits}}, {str(tmp_path / 'logits.safetensors')!r})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    x = torch.arange(24).reshape(2, 12)
+    with torch.no_grad():
+        merged, base = load_model(run)(x), load_model(run, adapters=False)(x)
+    logits = load_file(tmp_path / "logits.safetensors")["logits"]
+    assert torch.equal(logits, merged) and not torch.allclose(logits, base, atol=1e-3)
+
+
+def test_a_lora_run_whose_config_records_quantization_is_one_line(lora_runs, tmp_path, capsys):
+    run, _, _ = lora_runs
+    q = tmp_path / "q"
+    assert cli("convert", "quantize", run, "--out", q, capsys=capsys)[0] == 0  # merged, int8
+    shutil.copy(run / "adapter.safetensors", q)
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["finetune"]["lora"] = json.loads((run / "config.json").read_text())["finetune"]["lora"]
+    (q / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(GptkilnError, match="records quantization, but a LoRA run's base is float"):
+        load_model(q)
+    code, _, err = cli("generate", q, "--prompt", "a", "--max-new-tokens", "2", capsys=capsys)
+    assert_one_line_error(code, err, "LoRA run's base is float")
+    cfg["finetune"] = "lora"
+    (q / "config.json").write_text(json.dumps(cfg))
+    code, _, err = cli("generate", q, "--prompt", "a", "--max-new-tokens", "2", capsys=capsys)
+    assert_one_line_error(code, err, "'finetune' is 'lora'", "restore it")
 
 
 def test_merged_gpt2_run_exports_to_hugging_face(tmp_path, capsys):

@@ -38,7 +38,6 @@ from safetensors.torch import save_file
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.loading import (
-    ADAPTER_FILE,
     CONFIG_FILE,
     FLOAT_FORMAT,
     QUANTIZED_FORMAT,
@@ -52,6 +51,7 @@ from gptkiln.loading import (
 from gptkiln.model import GPT
 from gptkiln.quantize import quantization_of
 
+ADAPTER_FILE = "adapter.safetensors"  # a LoRA run's adapters (`gptkiln.finetune.lora`)
 TRAINER_STATE_FILE = "trainer_state.pt"
 PREVIOUS_STATE_FILE = "trainer_state.prev.pt"  # kept only while a save is under way
 TENSORBOARD_DIR = "tensorboard"  # train --tensorboard's event files
@@ -235,7 +235,7 @@ def _write_run(
     extra: dict | None = None,
     quantization: dict[str, Any] | None = None,
 ) -> Path:
-    from gptkiln import __version__
+    from gptkiln.version import __version__
 
     run_dir.mkdir(parents=True, exist_ok=True)
     sd = dict(sd)

@@ -31,16 +31,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from gptkiln.checkpoint import ADAPTER_FILE
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.loading import ADAPTER_FILE
+from gptkiln.loading import CONFIG_FILE, read_safetensors
 from gptkiln.model import GPT
+from gptkiln.quantize import quantization_of
 
-__all__ = ["ADAPTER_FILE", "LoraSpec", "add_lora", "load_adapters", "lora_parameter_count"]
+__all__ = [
+    "ADAPTER_FILE",
+    "LoraSpec",
+    "add_lora",
+    "load_adapters",
+    "lora_parameter_count",
+    "merge_run_adapters",
+]
 BLOCK_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 QKV = 3  # query, key and value: the row blocks of c_attn
 
@@ -178,3 +188,43 @@ def load_adapters(model: GPT, spec: LoraSpec, adapters: dict[str, torch.Tensor],
         )
     model.load_state_dict(adapters, strict=False)
     return merge_lora(tuner)
+
+
+def merge_run_adapters(model: GPT, finetune: Any, run_dir: Path) -> GPT:
+    """The model of a fine-tuned run as it was trained, from ``model``, the one its
+    model.safetensors holds: for a LoRA run (a ``"lora"`` setting in ``finetune``, its
+    config.json's ``"finetune"`` entry) that frozen base with the run's adapters
+    (adapter.safetensors) merged into its weights; any other fine-tuned run's as it is.
+
+    This is the load step of the ``"finetune"`` entry (`gptkiln.load_steps`), which every
+    `gptkiln.loading.load_model` of a fine-tuned run runs, so each command that loads a LoRA
+    run gets its adapters merged.
+    """
+    if not finetune:
+        return model
+    if not isinstance(finetune, dict):
+        raise GptkilnError(f"{run_dir / CONFIG_FILE}: 'finetune' is {finetune!r}; restore it")
+    lora = finetune.get("lora")
+    if not lora:
+        return model
+    path = run_dir / ADAPTER_FILE
+    if not path.is_file():
+        raise GptkilnError(
+            f"{run_dir} is a LoRA run without its {ADAPTER_FILE}; restore the file, or train "
+            "the run again"
+        )
+    if not isinstance(lora, dict):
+        raise GptkilnError(f"{run_dir / CONFIG_FILE}: 'finetune.lora' is {lora!r}; restore it")
+    try:
+        spec = LoraSpec.from_dict(lora)
+    except TypeError:
+        raise GptkilnError(
+            f"{run_dir / CONFIG_FILE}: 'finetune.lora' is not a LoRA setting ({lora!r}); "
+            "restore the file"
+        ) from None
+    if quantization_of(model) is not None:
+        raise GptkilnError(
+            f"{run_dir / CONFIG_FILE} records quantization, but a LoRA run's base is float "
+            "(convert quantize merges the adapters first); restore the file"
+        )
+    return load_adapters(model, spec, read_safetensors(path), str(path))

@@ -1,0 +1,207 @@
+"""The checks every format's weights pass before a model is built from them, and the checks of a
+built model against what it is asked to do: one readable GptkilnError each, naming the file,
+the tensors and the fix.
+
+The shapes a checkpoint must hold are worked out from the config alone (`expected_shapes`), so
+a format's reader checks its tensors (memory-mapped, or meta tensors from a header) without
+building anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gptkiln.config import GPTConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT
+from gptkiln.quantize import int8_modules
+
+_MAX_NAMES = 6  # parameter names listed in one error line before "and N more"
+_BLOCK_KEY = re.compile(r"^h\.(\d+)\.")
+
+
+def expected_shapes(
+    config: GPTConfig, quantization: dict[str, Any] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a checkpoint of this config stores (tied head excluded), in
+    the order of ``GPT(config).state_dict()``; worked out from the config, no model built. A
+    quantized checkpoint (``quantization`` as its config.json records it) also stores a
+    ``NAME.scale`` (out,) after each int8 ``NAME.weight`` (`gptkiln.quantize.int8_modules`)."""
+    C, V = config.n_embd, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "wte.weight": (V, C),
+        "wpe.weight": (config.context_length, C),
+    }
+    for i in range(config.n_layer):
+        block = {
+            "ln_1.weight": (C,),
+            "ln_1.bias": (C,),
+            "attn.c_attn.weight": (3 * C, C),
+            "attn.c_attn.bias": (3 * C,),
+            "attn.c_proj.weight": (C, C),
+            "attn.c_proj.bias": (C,),
+            "ln_2.weight": (C,),
+            "ln_2.bias": (C,),
+            "mlp.c_fc.weight": (4 * C, C),
+            "mlp.c_fc.bias": (4 * C,),
+            "mlp.c_proj.weight": (C, 4 * C),
+            "mlp.c_proj.bias": (C,),
+        }
+        if not config.qkv_bias:
+            del block["attn.c_attn.bias"]
+        shapes.update({f"h.{i}.{name}": shape for name, shape in block.items()})
+    shapes.update({"ln_f.weight": (C,), "ln_f.bias": (C,)})
+    if config.num_classes:
+        shapes.update(
+            {"score.weight": (config.num_classes, C), "score.bias": (config.num_classes,)}
+        )
+    elif not config.tie_embeddings:
+        shapes["lm_head.weight"] = (V, C)
+    if quantization is None:
+        return shapes
+    int8 = {f"{m}.weight" for m in int8_modules(config, quantization["embedding_and_head"])}
+    with_scales: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        with_scales[name] = shape
+        if name in int8:
+            with_scales[name.removesuffix("weight") + "scale"] = shape[:1]
+    return with_scales
+
+
+def check_state_dict(
+    sd: Mapping[str, torch.Tensor],
+    config: GPTConfig,
+    source: str,
+    quantization: dict[str, Any] | None = None,
+) -> None:
+    """Raise one readable GptkilnError when ``sd``'s names, shapes or dtypes do not fit ``config``
+    (and ``quantization``, what a quantized run's config.json records: which weights are int8).
+
+    The sizes the weights themselves hold are compared first (`check_config_fits`), so that a
+    config that was edited to something huge is refused at once, before anything is built.
+    """
+    check_config_fits(config, sd, source)
+    int8 = set()
+    if quantization is not None:
+        int8 = {f"{m}.weight" for m in int8_modules(config, quantization["embedding_and_head"])}
+    check_dtypes(sd, int8, source, quantization)
+    check_shapes(sd, expected_shapes(config, quantization), source)
+
+
+def check_dtypes(
+    sd: Mapping[str, torch.Tensor],
+    int8: set[str],
+    source: str,
+    quantization: dict[str, Any] | None,
+) -> None:
+    """Raise a GptkilnError naming the tensors of ``sd`` stored as int8 where a float is
+    expected, as a float where int8 is (``int8``: the names a quantized checkpoint stores as
+    int8), or as neither: any float dtype passes for a float."""
+    wrong = [
+        f"{k} {str(v.dtype).removeprefix('torch.')} (expected {'int8' if k in int8 else 'a float'})"
+        for k, v in sd.items()
+        if (v.dtype == torch.int8) != (k in int8)
+        and (v.dtype == torch.int8 or v.is_floating_point())
+    ]
+    if wrong:
+        recorded = "records no quantization" if quantization is None else "records int8 weights"
+        raise GptkilnError(
+            f"{source} does not fit its config.json, which {recorded}: wrong dtype "
+            f"{_names(wrong)}; restore the config.json that came with these weights, or "
+            "convert the run again"
+        )
+    not_float = [f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in sd.items()
+                 if not (v.is_floating_point() or v.dtype == torch.int8)]  # fmt: skip
+    if not_float:
+        raise GptkilnError(
+            f"{source} holds tensors that are not floating-point weights: {_names(not_float)}; "
+            "it is not a gptkiln or GPT-2 checkpoint: restore the file or convert it again"
+        )
+
+
+def weights_dims(sd: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """The model sizes a state dict (gptkiln names) holds: ``n_layer`` from its ``h.N`` blocks,
+    ``vocab_size`` and ``n_embd`` from ``wte.weight``, ``context_length`` from ``wpe.weight``.
+    Read from names and shapes only (a memory-mapped file is not read)."""
+    blocks = {int(m.group(1)) for k in sd if (m := _BLOCK_KEY.match(k))}
+    dims = {"n_layer": max(blocks) + 1 if blocks else 0}
+    if "wte.weight" in sd and sd["wte.weight"].dim() == 2:
+        dims["vocab_size"], dims["n_embd"] = sd["wte.weight"].shape
+    if "wpe.weight" in sd and sd["wpe.weight"].dim() == 2:
+        dims["context_length"] = sd["wpe.weight"].shape[0]
+    return dims
+
+
+def check_config_fits(config: GPTConfig, sd: Mapping[str, torch.Tensor], source: str) -> None:
+    """Refuse a config whose sizes are not those the weights hold, naming each field and what
+    the weights say: a config.json edited by hand (``"n_layer": 1000000000``) or taken from
+    another run fails here in one line, instead of building a model that does not fit in memory."""
+    held = weights_dims(sd)
+    wrong = [name for name, value in held.items() if getattr(config, name) != value]
+    if wrong:
+        says = ", ".join(f"{name} {getattr(config, name)}" for name in wrong)
+        holds = ", ".join(f"{name} {held[name]}" for name in wrong)
+        raise GptkilnError(
+            f"{source}: the config says {says}, but the weights hold {holds}; the config "
+            "does not belong to these weights: restore it (or set it to what the weights hold)"
+        )
+
+
+def check_shapes(
+    sd: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], source: str
+) -> None:
+    """Raise a GptkilnError naming missing, unexpected and wrongly shaped tensors of ``sd``."""
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    wrong = [
+        f"{k} {tuple(sd[k].shape)} (expected {tuple(expected[k])})"
+        for k in expected
+        if k in sd and tuple(sd[k].shape) != tuple(expected[k])
+    ]
+    problems = [
+        f"{what} {_names(items)}"
+        for what, items in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("wrong shape", wrong),
+        )
+        if items
+    ]
+    if problems:
+        raise GptkilnError(
+            f"{source} does not fit this model config: {'; '.join(problems)}; "
+            f"is it a checkpoint of a different model or format?"
+        )
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_NAMES])
+    more = len(items) - _MAX_NAMES
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+# -- a built model against its use -----------------------------------------------------------
+def check_language_model(model: GPT, run_dir: str | os.PathLike) -> None:
+    """Refuse a classifier (`gptkiln finetune --task classify`) where text is read or written
+    token by token (generate, eval, inspect): its head scores classes, not next tokens."""
+    if model.config.num_classes:
+        raise GptkilnError(
+            f"{run_dir} is a classifier of {model.config.num_classes} classes, which reads no "
+            f"next tokens and writes no text; ask it with `gptkiln classify {run_dir} --text TEXT`"
+        )
+
+
+def check_ids_fit(ids_max: int, model: GPT, tokenizer: Any, run_dir: str | os.PathLike) -> None:
+    """Refuse token ids the model has no embedding for (a run whose tokenizer files were
+    replaced, e.g. by a ``prepare`` into the run directory) with one line, not an IndexError."""
+    if ids_max >= model.config.vocab_size:
+        raise GptkilnError(
+            f"{run_dir}: its tokenizer ({tokenizer.kind}, {tokenizer.vocab_size:,} ids) gave id "
+            f"{ids_max:,}, beyond the model's {model.config.vocab_size:,}; the tokenizer files "
+            "do not belong to this model: restore them, or train the model again"
+        )

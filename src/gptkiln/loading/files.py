@@ -1,0 +1,122 @@
+"""Reading the files every format is made of: config.json, safetensors (memory-mapped, or only
+its header) and PyTorch's own files (``torch.load(weights_only=True)``), each with errors a
+person can act on."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError, safe_open
+
+from gptkiln.errors import GptkilnError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The parsed config.json of a run (or Hugging Face) directory, with readable errors."""
+    run_dir = Path(run_dir)
+    path = run_dir / CONFIG_FILE
+    if not run_dir.exists():
+        raise GptkilnError(
+            f"{run_dir} does not exist; give a run directory made by "
+            f"`gptkiln train --out DIR` or `gptkiln convert`"
+        )
+    if run_dir.is_file():
+        raise GptkilnError(
+            f"{run_dir} is a file, not a run directory; give the directory that holds "
+            f"{CONFIG_FILE} (made by `gptkiln train --out DIR` or `gptkiln convert`)"
+        )
+    if not path.is_file():
+        raise GptkilnError(
+            f"{run_dir} is not a gptkiln run directory ({CONFIG_FILE} is missing); "
+            f"make one with `gptkiln train --out {run_dir}` or `gptkiln convert`"
+        )
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GptkilnError(
+            f"{path} is not valid JSON ({e}); restore it from a copy or re-run training"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise GptkilnError(f"{path} should hold a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Memory-map a safetensors file (tensors are read lazily, page by page)."""
+    try:
+        return safetensors.torch.load_file(path, device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise _corrupt(path, e) from None
+
+
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    """The metadata of a safetensors file; {} when it cannot be read (errors come on loading)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError):
+        return {}
+
+
+# safetensors' dtype names -> torch's (any other reads as uint8: not a floating-point weight)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "BOOL": torch.bool,
+}
+
+
+def read_safetensors_header(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as meta tensors: names, shapes and dtypes from its
+    header, no data read (any file size answers at once)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {
+                name: torch.empty(
+                    s.get_shape(),
+                    dtype=_SAFETENSORS_DTYPES.get(s.get_dtype(), torch.uint8),
+                    device="meta",
+                )
+                for name, s in slices.items()
+            }
+    except (SafetensorError, OSError) as e:
+        raise _corrupt(path, e) from None
+
+
+def _corrupt(path: Path, e: Exception) -> GptkilnError:
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return GptkilnError(f"{path} is truncated or corrupt ({reason}); restore it or re-run training")
+
+
+def load_torch_file(path: Path) -> dict[str, Any]:
+    """``torch.load`` of plain data only (weights_only), memory-mapped where the format allows."""
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:  # files from torch < 1.6 (not zip) cannot be memory-mapped
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise GptkilnError(f"{path} does not exist; give the path of the checkpoint file") from None
+    except Exception as e:  # truncated zip, or a pickle that is more than tensors
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GptkilnError(
+            f"{path} cannot be read as a PyTorch state dict ({reason}); is it "
+            f"truncated, or not a plain state dict?"
+        ) from None
