@@ -148,11 +148,12 @@ def worker(job: dict) -> None:
     from gptkiln.api import evaluate_run, generate_text
     from gptkiln.config import SampleConfig
     from gptkiln.data.prepare import read_meta
+    from gptkiln.train import optimizer_step
 
     config.PRESETS.update(EXTRA_PRESETS)
     if job["cut_schedule"]:  # the cosine runs to max_steps whatever the clock says
-        lr_at = optim.lr_at
-        train_module.lr_at = lambda step, **kw: lr_at(step, **{**kw, "time_used": 0.0})
+        lr_at = optim.lr_at  # replaced where the optimizer step reads it
+        optimizer_step.lr_at = lambda step, **kw: lr_at(step, **{**kw, "time_used": 0.0})
     import io
     from contextlib import redirect_stdout
 

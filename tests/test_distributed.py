@@ -692,11 +692,11 @@ def _train_on_a_clock(argv: list[str], seconds_per_read: float = 1.0) -> int:
     """`gptkiln train ARGV` with a clock that moves ``seconds_per_read`` each time it is read."""
     import itertools
 
-    import gptkiln.train
+    import gptkiln.train.loop
     from gptkiln.cli import main
 
     ticks = itertools.count()
-    gptkiln.train.now = lambda: float(next(ticks)) * seconds_per_read
+    gptkiln.train.loop.now = lambda: float(next(ticks)) * seconds_per_read
     return main(["train", *argv])
 
 

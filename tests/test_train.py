@@ -79,10 +79,10 @@ def test_training_learns_and_writes_a_run_directory(play_path, play_text, tmp_pa
 def test_tokens_per_second_is_the_tokens_of_a_step_over_its_time(play_path, tmp_path, monkeypatch):
     import itertools
 
-    import gptkiln.train
+    import gptkiln.train.loop
 
     ticks = itertools.count()  # a clock that moves 0.5 s each time it is read: 0.5 s a step
-    monkeypatch.setattr(gptkiln.train, "now", lambda: next(ticks) / 2)
+    monkeypatch.setattr(gptkiln.train.loop, "now", lambda: next(ticks) / 2)
     train(tiny_config(play_path, tmp_path / "run", max_steps=8, eval_interval=4))
     rows = read_metrics(tmp_path / "run" / "metrics.csv")
     assert [r["tokens_per_s"] for r in rows] == [2 * 4 * 32] * 2  # batch 4 x context 32 / 0.5 s
@@ -95,7 +95,7 @@ def test_compile_says_so_and_keeps_its_first_step_out_of_tokens_per_second(
     no code generation), says which step compiles and what it took, and the reported speed is
     that of the steps after it (a clock moving 10 s during the compiling step, 0.5 s after):
     at the compiling step itself nothing was timed, so its row leaves tokens/s empty."""
-    import gptkiln.train
+    import gptkiln.train.loop
 
     clock = [0.0]
     compiled_calls = []
@@ -112,7 +112,7 @@ def test_compile_says_so_and_keeps_its_first_step_out_of_tokens_per_second(
         return forward
 
     monkeypatch.setattr(torch, "compile", fake_compile)
-    monkeypatch.setattr(gptkiln.train, "now", lambda: clock[0])
+    monkeypatch.setattr(gptkiln.train.loop, "now", lambda: clock[0])
     cfg = tiny_config(play_path, tmp_path / "run", max_steps=4, eval_interval=1, compile=True)
     train(cfg)
     assert len(compiled_calls) == 4  # every training step went through the compiled model
@@ -213,14 +213,14 @@ def test_a_resumed_run_reads_an_older_metrics_file_and_writes_every_column(play_
 
 
 def _clock(monkeypatch, seconds_per_read: float = 0.5):
-    """train.now as a clock that moves ``seconds_per_read`` each time it is read: the trainer
+    """train.loop.now as a clock that moves ``seconds_per_read`` each time it is read: the trainer
     reads it before and after each step, so a step takes 0.5 s and so does the gap after it."""
     import itertools
 
-    import gptkiln.train
+    import gptkiln.train.loop
 
     ticks = itertools.count()
-    monkeypatch.setattr(gptkiln.train, "now", lambda: next(ticks) * seconds_per_read)
+    monkeypatch.setattr(gptkiln.train.loop, "now", lambda: next(ticks) * seconds_per_read)
 
 
 def test_max_time_ends_the_run_at_the_first_step_past_the_budget(play_path, tmp_path, monkeypatch):

@@ -15,7 +15,8 @@ from gptkiln import distributed as dist_utils
 from gptkiln.config import FinetuneConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.task import ExampleBatches, FineTuning, fixed_batches
-from gptkiln.train import RunContext, sum_over_batches
+from gptkiln.train.evaluation import sum_over_batches
+from gptkiln.train.task import RunContext
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -14,7 +14,8 @@ from gptkiln.config import FinetuneConfig, SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.task import ExampleBatches, FineTuning, fixed_batches, loss_summary
 from gptkiln.finetune.templates import format_example, format_prompt, load_template
-from gptkiln.train import RunContext, evaluate
+from gptkiln.train.evaluation import evaluate
+from gptkiln.train.task import RunContext
 
 IGNORE_INDEX = -100  # targets cross_entropy skips (its ignore_index)
 

@@ -19,7 +19,8 @@ from gptkiln.config import FinetuneConfig, TrainConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.lora import LoraSpec, add_lora
 from gptkiln.model import GPT
-from gptkiln.train import EpochOrder, RunContext, spread_evenly
+from gptkiln.train.data_order import EpochOrder, spread_evenly
+from gptkiln.train.task import RunContext
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

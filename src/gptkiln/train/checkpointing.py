@@ -1,0 +1,190 @@
+"""A run's checkpoints: when they are written, what the trainer's state holds beside the weights
+(step, tokens seen, the optimizer, every rank's random generators, the clock), how a resume puts
+it all back, and whether this attempt of a run starts afresh or resumes.
+
+The task writes and reads the files (`Task.save`, `Task.load`: a full GPT, or LoRA adapters);
+this module decides what goes in them, so every task resumes exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gptkiln import distributed as dist_utils
+from gptkiln.config import TrainConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.train.task import BatchSource, LanguageModeling, Task
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a run stands, what a checkpoint saves and a resume restores: its optimizer step,
+    the input tokens seen so far (over all ranks), the seconds spent training so far."""
+
+    step: int
+    tokens: int
+    train_seconds: float
+
+
+class Checkpoints:
+    """When a run saves, what its checkpoint holds, and restoring it.
+
+    Args:
+        task: writes and reads the checkpoint's files.
+        cfg: the loop's settings (``out``, ``checkpoint_interval``; saved with the checkpoint).
+        world: this process's rank: all ranks gather the state, rank 0 writes it.
+        device: this process's device (its CUDA generator is saved too).
+        guard: holds SIGTERM while the files are written, so that none is left half written.
+        restarted: torchrun restarted the workers (a resume then says so).
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        cfg: TrainConfig,
+        world: dist_utils.World,
+        device: str,
+        guard: dist_utils.TerminationGuard,
+        restarted: bool = False,
+    ) -> None:
+        self.task, self.cfg, self.world, self.device = task, cfg, world, device
+        self.guard, self.restarted = guard, restarted
+        self.run_dir = Path(cfg.out)
+        self.saved_step: int | None = None  # the step of the last checkpoint written or read
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether the loop saves after step ``step``: every ``checkpoint_interval`` steps and
+        after the last."""
+        return step % self.cfg.checkpoint_interval == 0 or last
+
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: BatchSource,
+        progress: Progress,
+    ) -> None:
+        """Write the checkpoint of ``progress.step`` (all ranks gather, rank 0 writes)."""
+        step = progress.step
+        model_sd, optim_sd = dist_utils.full_state(model, optimizer)
+        rng = _gather_rng(self.world, torch.get_rng_state)
+        cuda_rng = []
+        if self.device.startswith("cuda"):
+            cuda_rng = _gather_rng(self.world, lambda: torch.cuda.get_rng_state(self.device))
+        if self.world.is_main:
+            state = {
+                "step": step,
+                "tokens": progress.tokens,
+                "global_batch": batches.global_batch,
+                "world_size": self.world.world_size,
+                "optimizer": optim_sd,
+                "rng": rng,
+                "cuda_rng": cuda_rng,  # each rank's own device's generator
+                "scheduler": {"step": step, "total_steps": batches.total_steps},
+                "train_seconds": progress.train_seconds,
+            }
+            with self.guard.hold():  # a SIGTERM now would leave half a checkpoint
+                self.task.save(model_sd, state, self.cfg.to_dict())
+                self.saved_step = step
+        dist_utils.barrier(self.world)
+        self.saved_step = step
+
+    def restore(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: BatchSource
+    ) -> Progress:
+        """Load the task's checkpoint into ``model`` and ``optimizer`` and this rank's random
+        generators; where the run stands. Raises when this resume's global batch would change
+        the order of an epoch-walking run."""
+        model_sd, state = self.task.load()
+        dist_utils.load_full_state(model, optimizer, model_sd, state["optimizer"])
+        step = self.saved_step = int(state["step"])
+        progress = Progress(
+            step=step,
+            # a resume may change the batch or the processes: the tokens seen so far are counted
+            tokens=int(state.get("tokens", step * batches.tokens(0))),
+            # a checkpoint from before time budgets has no clock: its time so far counts as 0
+            train_seconds=float(state.get("train_seconds", 0.0)),
+        )
+        self._check_same_global_batch(state.get("global_batch"), batches)
+        if self.world.is_main and self.restarted:
+            print(
+                f"torchrun restarted the workers: resuming from step {step} in {self.run_dir}",
+                flush=True,
+            )
+        rng = state["rng"]
+        if len(rng) == self.world.world_size:
+            torch.set_rng_state(rng[self.world.rank])
+        cuda_rng = state.get("cuda_rng") or []
+        if self.device.startswith("cuda") and len(cuda_rng) == self.world.world_size:
+            torch.cuda.set_rng_state(cuda_rng[self.world.rank], self.device)
+        return progress
+
+    def _check_same_global_batch(self, saved_batch: int | None, batches: BatchSource) -> None:
+        if batches.walks_epochs and saved_batch not in (None, batches.global_batch):
+            what = "windows" if isinstance(self.task, LanguageModeling) else "examples"
+            raise GptkilnError(
+                f"{self.run_dir} was trained on {saved_batch} {what} a step and this resume "
+                f"takes {batches.global_batch} (batch_size x grad_accum x processes): "
+                "each epoch is walked in steps of that size, so a new size would "
+                f"read some {what} twice and skip others. Keep the product at {saved_batch}, "
+                "or start a new run"
+            )
+
+    def forget_replaced(self, overwrite: bool) -> None:
+        """Rank 0 of a new run over an old one (``overwrite``): the old trainer state goes, so
+        that a restart after a failure never resumes the replaced run."""
+        from gptkiln.checkpoint import TRAINER_STATE_FILE
+
+        if overwrite:
+            (self.run_dir / TRAINER_STATE_FILE).unlink(missing_ok=True)
+
+
+def start_mode(
+    run_dir: Path, resume: bool, overwrite: bool, world: dist_utils.World
+) -> tuple[bool, bool, bool]:
+    """(resume, overwrite, restarted) for this attempt of the run, the same on every rank, or
+    an error. ``restarted``: torchrun restarted the workers after a failure."""
+    from gptkiln import checkpoint
+
+    # Any rank: restart counts are per machine, and an agent whose workers were healthy
+    # restarts them without counting it.
+    restarted = dist_utils.any_rank(dist_utils.restart_count() > 0, world)
+    resume, overwrite = resume_after_restart(run_dir, resume, overwrite, restarted)
+    checkpoint.check_run_dir_for_training(run_dir, resume=resume, overwrite=overwrite)
+    if not dist_utils.all_equal(int(resume), world):
+        raise GptkilnError(
+            f"the ranks disagree whether {run_dir} holds a checkpoint to resume; "
+            "with several machines, --out must be on a filesystem that every machine sees"
+        )
+    return resume, overwrite, restarted
+
+
+def resume_after_restart(
+    run_dir: Path, resume: bool, overwrite: bool, restarted: bool
+) -> tuple[bool, bool]:
+    """(resume, overwrite) for this attempt of the run.
+
+    When torchrun has ``restarted`` the workers after a failure (``--max-restarts``), the run
+    continues from the checkpoint the failed attempt left in ``run_dir``, whatever the command
+    line said (it is the same command); before any checkpoint, it starts as the command says.
+    """
+    from gptkiln.checkpoint import TRAINER_STATE_FILE
+
+    if restarted and (run_dir / TRAINER_STATE_FILE).is_file():
+        return True, False
+    return resume, overwrite
+
+
+def _gather_rng(world: dist_utils.World, get_state) -> list[torch.Tensor]:
+    """Every rank's generator state (``get_state()``, a CPU tensor), by rank."""
+    state = get_state()
+    if not world.distributed:
+        return [state]
+    import torch.distributed as dist
+
+    states: list = [None] * world.world_size
+    dist.all_gather_object(states, state)
+    return states

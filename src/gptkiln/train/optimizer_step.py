@@ -1,0 +1,78 @@
+"""One optimizer step, the loop's hot path: the scheduled learning rate, forward and backward
+over ``grad_accum`` micro-batches under autocast, clipping, the update. One host sync a step:
+the loss, read once after the last micro-batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from gptkiln import distributed as dist_utils
+from gptkiln.config import TrainConfig
+from gptkiln.optim import lr_at
+from gptkiln.train.task import BatchSource
+
+
+def autocast_for(device: str, precision: str) -> torch.autocast:
+    """The autocast context of ``precision`` on ``device`` ("auto": bf16 on CUDA, fp32
+    elsewhere)."""
+    device_type = device.split(":")[0]
+    bf16 = precision == "bf16" or (precision == "auto" and device_type == "cuda")
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
+
+
+class OptimizerStep:
+    """Optimizer step ``step`` of ``total``, called as ``optimizer_step(step, total, time_used)``.
+
+    Args:
+        model: the model that trains, as wrapped for the ranks (plain, DDP or FSDP): its
+            gradients are synchronised on the last micro-batch only, and clipped.
+        forward: what runs the forward pass: ``model``, or torch.compile's wrapper of it.
+        optimizer: the optimizer of ``model``'s parameters; its learning rate is set each step.
+        batches: the (x, y) of each micro-batch, ``(batch_size, T)`` each.
+        cfg: the schedule, ``grad_accum``, ``grad_clip`` and ``precision``.
+        device: where the batches go.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        forward: Callable,
+        optimizer: torch.optim.Optimizer,
+        batches: BatchSource,
+        cfg: TrainConfig,
+        device: str,
+    ) -> None:
+        self.model, self.forward, self.optimizer = model, forward, optimizer
+        self.batches, self.cfg, self.device = batches, cfg, device
+
+    def __call__(self, step: int, total: int, time_used: float) -> tuple[float, float]:
+        """Step ``step`` of ``total`` (``time_used``: the fraction of a time budget spent, 0.0
+        without one); (its learning rate, its mean loss on this rank)."""
+        cfg = self.cfg
+        lr = lr_at(
+            step,
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total,
+            decay=cfg.decay_lr,
+            time_used=time_used,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(cfg.grad_accum):
+            x, y = self.batches.get(step, micro)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with dist_utils.gradient_sync(self.model, micro == cfg.grad_accum - 1):
+                with autocast_for(self.device, cfg.precision):
+                    _, loss = self.forward(x, y)
+                (loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr, loss_sum.item() / cfg.grad_accum

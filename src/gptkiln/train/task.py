@@ -1,0 +1,274 @@
+"""What a kind of training gives the loop (`Task`, `BatchSource`, handed a `RunContext`), and
+pretraining's task, `LanguageModeling`: prepared text, windows of it, a fresh GPT.
+
+Fine-tuning's tasks (`gptkiln.finetune`) implement the same protocol, so `gptkiln train` and
+`gptkiln finetune` share one loop, one checkpoint format, one resume and one metrics file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from gptkiln import distributed as dist_utils
+from gptkiln.config import GPTConfig, TrainConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT
+from gptkiln.train.data_order import Batches, eval_batches
+from gptkiln.train.evaluation import evaluate, evaluate_text, sample_text
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Where a run trains, handed to a task as it builds its data and model.
+
+    Attributes:
+        cfg: the loop's settings.
+        run_dir: the run directory (``cfg.out``).
+        device: the torch device of this process (``cuda:LOCAL_RANK`` under torchrun).
+        world: this process's rank among the training processes.
+        resume: whether the run continues from the checkpoint in ``run_dir``.
+    """
+
+    cfg: TrainConfig
+    run_dir: Path
+    device: str
+    world: dist_utils.World
+    resume: bool
+
+
+class BatchSource(Protocol):
+    """Training batches by (optimizer step, micro-step), the same on every resume."""
+
+    global_batch: int  # items an optimizer step reads over all ranks and micro-steps
+    walks_epochs: bool  # the order depends on global_batch, so a resume must keep it
+
+    @property
+    def total_steps(self) -> int: ...
+
+    def tokens(self, step: int) -> int:
+        """Input tokens that optimizer step ``step`` reads, over all ranks and micro-steps."""
+        ...
+
+    def get(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of this rank's micro-step ``micro`` of step ``step``."""
+        ...
+
+
+class Task(Protocol):
+    """What a kind of training gives `Trainer`: a model, its batches, how to evaluate and
+    sample it, and how its checkpoint is written and read back.
+
+    The loss is the model's own: ``model(x, y)`` returns ``(logits, loss)``.
+    """
+
+    model: GPT  # built on the device; the parameters that train have requires_grad
+    tokenizer: Any
+    batches: BatchSource
+    columns: tuple[str, ...]  # what `evaluate` returns: metrics.csv columns between tokens and lr
+    plots: tuple[str, ...]  # metrics drawn at the end, each as METRIC.png (train_ / val_ columns)
+
+    def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
+        """One value per column, on the task's fixed evaluation batches."""
+        ...
+
+    def summary(self, row: dict) -> str:
+        """The evaluation's part of the line printed at each evaluation."""
+        ...
+
+    def sample(self, model: GPT, use_cache: bool) -> str | None:
+        """A text to watch the run learn by (None: the task has none)."""
+        ...
+
+    def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
+        """Write the checkpoint (rank 0 only): the model state dict, the trainer's state."""
+        ...
+
+    def load(self) -> tuple[dict, dict]:
+        """(full model state dict, trainer state) of the checkpoint to resume from."""
+        ...
+
+
+class LanguageModeling:
+    """Pretraining's task: text prepared into tokens, windows of it, a fresh GPT predicting the
+    next token, samples from ``cfg.sample_prompt``."""
+
+    columns = ("train_loss", "val_loss", "val_bpc")
+    plots = ("loss",)
+
+    def __init__(self, ctx: RunContext):
+        from gptkiln import checkpoint
+
+        self.ctx, self.cfg, self.run_dir = ctx, ctx.cfg, ctx.run_dir
+        cfg = ctx.cfg
+        self.data = self._load_data()
+        self.tokenizer = self.data.tokenizer
+        if ctx.resume:
+            self._check_same_tokenizer()
+        self._check_sample_prompt()
+        self.model_config = model_config_for(cfg, self.tokenizer.vocab_size)
+        self._check_splits_hold_a_window()
+        if ctx.resume:
+            checkpoint.check_same_model_config(self.run_dir, self.model_config)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.model = GPT(self.model_config).to(ctx.device)
+        ctx_len = self.model_config.context_length
+        self.batches = Batches(self.data.train, cfg, ctx_len, ctx.world)
+        # eval_batches of the global batch, split across ranks: N x b evaluates what 1 x Nb does.
+        n_eval = cfg.eval_batches * ctx.world.world_size
+        self.val_batches = eval_batches(self.data.val, ctx_len, cfg.batch_size, n_eval)
+        self.char_counts = torch.tensor(self.tokenizer.char_counts())
+        self.train_eval_batches = (
+            eval_batches(self.data.train, ctx_len, cfg.batch_size, n_eval) if cfg.eval_train else []
+        )
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _load_data(self):
+        from gptkiln.data.prepare import is_prepared, load_prepared, prepare
+
+        cfg, world = self.cfg, self.ctx.world
+        if is_prepared(cfg.data):
+            return load_prepared(cfg.data)
+        data_dir = self.run_dir / "data"
+        source = cfg.data
+        if world.is_main and not _prepared_matches(
+            data_dir, source, cfg.tokenizer, cfg.val_fraction
+        ):
+            prepare(
+                source,
+                data_dir,
+                tokenizer=cfg.tokenizer,
+                val_fraction=cfg.val_fraction,
+                progress=cfg.progress,
+            )
+        dist_utils.barrier(world)
+        return load_prepared(data_dir)
+
+    def _check_same_tokenizer(self) -> None:
+        """A resumed run reads its data with the tokenizer it was trained with (the same kind
+        and size are not enough: two char alphabets or two trained BPEs differ in their ids)."""
+        from gptkiln.tokenizers import META_FILE, load_tokenizer
+
+        if not (self.run_dir / META_FILE).is_file():
+            return
+        saved = load_tokenizer(self.run_dir)
+        if saved.fingerprint() != self.tokenizer.fingerprint():
+            raise GptkilnError(
+                f"{self.run_dir} was trained with another {saved.kind!r} tokenizer than the one "
+                f"of --data {self.cfg.data or 'shakespeare'} ({self.tokenizer.kind!r}, "
+                f"{self.tokenizer.vocab_size:,} ids): its ids would mean other text. Resume with "
+                "the data the run was trained on, prepare new text with the run's tokenizer "
+                "(gptkiln prepare TEXT --tokenizer RUN_DIR --out DIR), or start a new run with "
+                "--overwrite"
+            )
+
+    def _check_splits_hold_a_window(self) -> None:
+        """Each split holds one window at least (checked before the model is built)."""
+        from gptkiln.data.prepare import is_prepared
+
+        need = self.model_config.context_length + 1
+        prepared = is_prepared(self.cfg.data)
+        for split in ("train", "val"):
+            tokens = len(getattr(self.data, split))
+            if tokens < need:
+                if split == "val" and not prepared:
+                    more = ", raise --val-fraction or give more text"
+                else:
+                    more = " or prepare more text" if prepared else " or give more text"
+                raise GptkilnError(
+                    f"the {split} split has {tokens:,} tokens, fewer than one window of "
+                    f"context_length + 1 = {need:,}; lower --context-length{more}"
+                )
+
+    def _check_sample_prompt(self) -> None:
+        """The prompt of the samples while training: encodable, checked before step 1."""
+        try:
+            ids = self.tokenizer.encode(self.cfg.sample_prompt)
+        except GptkilnError as e:
+            raise GptkilnError(
+                f"--sample-prompt {self.cfg.sample_prompt!r}: {e}; pass a prompt in the "
+                "corpus's alphabet with --sample-prompt"
+            ) from None
+        if not ids:
+            raise GptkilnError(
+                "--sample-prompt is empty; samples while training need at least one token, "
+                "e.g. --sample-prompt 'The'"
+            )
+
+    # -- what the loop asks --------------------------------------------------------------------
+    def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
+        """Loss on the fixed validation and training batches (None for a set left out), and
+        bits per character of the validation batches' text."""
+        device, world = self.ctx.device, self.ctx.world
+        train = self.train_eval_batches
+        val = evaluate_text(model, self.val_batches, device, self.char_counts, world, autocast)
+        return {
+            "train_loss": evaluate(model, train, device, world, autocast) if train else None,
+            "val_loss": val.loss,
+            "val_bpc": val.bits_per_char,
+        }
+
+    def summary(self, row: dict) -> str:
+        val, bpc = row["val_loss"], row.get("val_bpc")
+        val_text = ""
+        if val is not None:
+            bpc_text = "" if bpc is None else f", {bpc:.3f} bits/char"
+            val_text = f" | val {val:.3f} (ppl {math.exp(min(val, 50)):.1f}{bpc_text})"
+        return f"train {row['train_loss']:.3f}{val_text}"
+
+    def sample(self, model: GPT, use_cache: bool) -> str:
+        cfg = self.cfg
+        return sample_text(
+            model, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens, cfg.seed, use_cache
+        )
+
+    def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
+        from gptkiln import checkpoint
+
+        checkpoint.write_checkpoint(
+            self.run_dir,
+            self.model_config,
+            model_sd,
+            state,
+            train_config=train_config,
+            tokenizer=self.tokenizer,
+        )
+
+    def load(self) -> tuple[dict, dict]:
+        from gptkiln import checkpoint
+
+        return checkpoint.read_checkpoint(self.run_dir)
+
+
+def model_config_for(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    """The model config a training config asks for, sized to the tokenizer's vocabulary."""
+    overrides: dict = {"vocab_size": vocab_size}
+    if cfg.context_length is not None:
+        overrides["context_length"] = cfg.context_length
+    if cfg.dropout is not None:
+        overrides["dropout"] = cfg.dropout
+    if cfg.tie_embeddings is not None:
+        overrides["tie_embeddings"] = cfg.tie_embeddings
+    if cfg.gelu is not None:
+        overrides["gelu"] = cfg.gelu
+    return GPTConfig.from_name(cfg.model, **overrides)
+
+
+def _prepared_matches(data_dir: Path, source, tokenizer: str, val_fraction: float) -> bool:
+    """Whether data_dir already holds this source prepared the same way (so it is reused): the
+    same source (files with the same contents), tokenizer spec (``bpe:N`` with its N) and split."""
+    from gptkiln.data.prepare import read_meta
+    from gptkiln.data.sources import DEFAULT_SOURCE, source_checksums
+
+    meta = read_meta(data_dir)  # None when missing or damaged: prepare it again
+    return (
+        meta is not None
+        and meta.get("source") == (DEFAULT_SOURCE if source is None else str(source))
+        and meta.get("tokenizer_spec") == tokenizer
+        and meta.get("val_fraction") == val_fraction
+        and meta.get("checksums") == source_checksums(source)  # an edited file: prepare again
+    )
