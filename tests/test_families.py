@@ -544,3 +544,26 @@ def test_every_preset_builds_and_names_its_family():
         config = GPTConfig.from_name(name)
         assert config.family in ("gpt2", "llama3", "qwen3")
         assert (config.family != "gpt2") == name.startswith(("llama", "qwen")), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dynamic_shapes_compile_the_whole_forward_in_one_graph(family):
+    """As GPT-2's (tests/test_model.py): nothing in the RoPE, GQA or SwiGLU path splits the
+    graph under dynamic shapes with dropout on; one graph each side of the fused-attention
+    bound."""
+    import gptkiln.model
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    limit = gptkiln.model.FUSED_ATTENTION_MAX_T
+    config = small_config(family, context_length=2 * limit, n_layer=1, dropout=0.1)
+    model = torch.compile(GPT(config).train(), backend=backend, dynamic=True)
+    for T in (16, 32, limit + 8, limit + 16):
+        idx = torch.randint(0, 97, (2, T))
+        model(idx, idx)[1].backward()
+    assert len(graphs) == 2
