@@ -479,8 +479,8 @@ def test_a_config_without_the_family_keys_is_gpt2_as_before():
     )
     assert (config.head_size, config.kv_heads, config.mlp_size) == (32, 4, 512)
     assert GPTConfig.from_dict(config.to_dict()) == config
-    qwen = GPTConfig.from_name("llama3.2-1b")
-    assert GPTConfig.from_dict(qwen.to_dict()) == qwen  # rope_scaling survives JSON
+    llama = GPTConfig.from_name("llama3.2-1b")
+    assert GPTConfig.from_dict(llama.to_dict()) == llama  # rope_scaling survives JSON
 
 
 def test_gpt2_logits_are_the_golden_ones_of_the_code_before_the_families():
