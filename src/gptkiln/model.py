@@ -1,15 +1,33 @@
-"""The GPT-2 model: MLP, CausalSelfAttention (with an optional static KV cache), Block, GPT.
+"""One decoder-only transformer for GPT-2, Llama 3 and Qwen3, its blocks composed from the
+config's choices (`GPTConfig`: norm, positions, MLP, key/value heads, head size, q/k norm).
 
-Parameter names follow OpenAI's / Hugging Face's GPT-2 (``wte``, ``wpe``, ``h.N.ln_1``,
-``attn.c_attn``, ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``, ``lm_head``;
-a classifier's head is ``score``, as in ``GPT2ForSequenceClassification``) so checkpoints map
-one to one. This file imports only torch and the config: devices, dtypes,
-compilation, parallelism and decoding kernels are applied to a built model from outside (a graph
-that ``torch.compile`` traces for the CPU only spells GELU and short attention out: see
-`_fuse_on_cpu`).
+A family is a named set of those choices (``config.FAMILIES``), not a class of its own:
+
+============  ===========  ==========  =========  ==================  ===============
+family        norm         positions   MLP        attention           q/k norm
+============  ===========  ==========  =========  ==================  ===============
+gpt2          LayerNorm    learned     GELU       multi-head, fused   no
+llama3        RMSNorm      RoPE        SwiGLU     grouped-query       no
+qwen3         RMSNorm      RoPE        SwiGLU     grouped-query       RMSNorm per head
+============  ===========  ==========  =========  ==================  ===============
+
+GPT-2's parameter names are OpenAI's / Hugging Face's (``wte``, ``wpe``, ``h.N.ln_1``,
+``attn.c_attn``, ``attn.c_proj``, ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``,
+``lm_head``; a classifier's head is ``score``, as in ``GPT2ForSequenceClassification``) so
+checkpoints map one to one. Llama and Qwen keep the same top level (``wte``, ``h.N.ln_1``,
+``h.N.ln_2``, ``ln_f``, ``lm_head``; no ``wpe``) and use Hugging Face's role names inside a
+block (``attn.q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``;
+``mlp.gate_proj``, ``up_proj``, ``down_proj``), so that LoRA targets and weight mapping read
+the same as theirs. Every choice is made when the model is built: a GPT-2 forward runs exactly
+the code it ran before the other families existed.
+
+This file imports only torch and the config: devices, dtypes, compilation, parallelism and
+decoding kernels are applied to a built model from outside (a graph that ``torch.compile``
+traces for the CPU only spells GELU and short attention out: see `_fuse_on_cpu`).
 
 Shape legend: B batch, T time (new tokens), S keys attended (cache length), C channels
-(``n_embd``), nh heads, hs head size (C // nh), V vocabulary.
+(``n_embd``), nh heads, nkv key/value heads (nh for GPT-2), hs head size (C // nh unless the
+config sets ``head_dim``), V vocabulary.
 """
 
 from __future__ import annotations
@@ -56,6 +74,8 @@ class KVCache(nn.Module):
     """Pre-allocated keys and values of one attention layer, written in place as tokens arrive.
 
     Static shapes (as in gpt-fast): nothing is concatenated or re-allocated per decode step.
+    It holds the key/value heads, nkv: with grouped-query attention fewer than the query heads,
+    which divides the cache by n_head / n_kv_head (the heads are expanded only to attend).
     """
 
     def __init__(
@@ -68,7 +88,7 @@ class KVCache(nn.Module):
         device: torch.device | str | None = None,
     ):
         super().__init__()
-        shape = (batch_size, n_head, max_seq_len, head_size)  # (B, nh, S_max, hs)
+        shape = (batch_size, n_head, max_seq_len, head_size)  # (B, nkv, S_max, hs)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
@@ -79,7 +99,7 @@ class KVCache(nn.Module):
         v: torch.Tensor,
         rows: slice | torch.Tensor | None = None,
     ):
-        """Store k, v (B, nh, T, hs) at positions start..start+T; return all keys/values so far.
+        """Store k, v (B, nkv, T, hs) at positions start..start+T; return all keys/values so far.
 
         ``start`` is one position for every row, or a (B,) tensor of each row's own (continuous
         batching: rows hold sequences of different lengths); then S is the furthest row's end.
@@ -91,36 +111,89 @@ class KVCache(nn.Module):
             end = start + k.size(2)
             self.k[rows, :, start:end] = k
             self.v[rows, :, start:end] = v
-            return self.k[rows, :, :end], self.v[rows, :, :end]  # (B, nh, S, hs) with S = end
+            return self.k[rows, :, :end], self.v[rows, :, :end]  # (B, nkv, S, hs) with S = end
         start = start.to(k.device)
         at = start[:, None] + torch.arange(k.size(2), device=k.device)  # (B, T) positions
         row = torch.arange(self.k.size(0), device=k.device)[rows][:, None]  # (B, 1)
-        self.k[row, :, at] = k.transpose(1, 2)  # (B, T, nh, hs) written at (row, :, position)
+        self.k[row, :, at] = k.transpose(1, 2)  # (B, T, nkv, hs) written at (row, :, position)
         self.v[row, :, at] = v.transpose(1, 2)
         end = int(at.max()) + 1
-        return self.k[rows, :, :end], self.v[rows, :, :end]  # (B, nh, S, hs)
+        return self.k[rows, :, :end], self.v[rows, :, :end]  # (B, nkv, S, hs)
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with one fused query/key/value projection (``c_attn``).
+class Attention(nn.Module):
+    """What every attention layer shares: the KV cache slot, dropout, and `attend`, which picks
+    the kernel (SDPA, or the explicit softmax when weights are asked for or a CPU graph is
+    compiled). `CausalSelfAttention` (GPT-2) and `GroupedQueryAttention` (Llama, Qwen) add
+    their projections."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_kv_head = config.kv_heads
+        self.head_size = config.head_size
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.use_sdpa = config.attention == "sdpa"
+        self.grouped = self.n_kv_head != self.n_head  # SDPA's enable_gqa
+        self.resid_dropout = nn.Dropout(config.dropout)
+        # A submodule slot from the start, so that setting and clearing the cache leaves the
+        # module's structure as it was: a compiled training step is not recompiled after a sample.
+        self.kv_cache: KVCache | None
+        self.register_module("kv_cache", None)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start_pos: int | torch.Tensor | None,
+        mask: torch.Tensor | None,
+        attentions: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hs)) v: q (B, nh, T, hs), k and v (B, nkv, S, hs) ->
+        (B, nh, T, hs); arguments as `CausalSelfAttention.forward`'s.
+
+        With fewer key/value heads than query heads SDPA expands them itself (``enable_gqa``):
+        measured on the 2-core CPU at a decode step (12 query and 4 key/value heads of 64,
+        batch 1), 15 against 31 us with the keys repeated first at S = 64, 34 against 78 at 256,
+        91 against 1,200 at 1,024.
+        """
+        T = q.size(2)
+        dropout_p = self.dropout if self.training else 0.0
+        # A short full-sequence forward compiled for the CPU spells attention out (see
+        # _fuse_on_cpu): inductor fuses its scale, mask and softmax; SDPA stays one opaque call.
+        if (
+            self.use_sdpa
+            and attentions is None
+            and not (mask is None and start_pos is None and _fuse_on_cpu(q, T))
+        ):
+            # a plain bool: under dynamic shapes `T > 1` is symbolic, which SDPA refuses
+            is_causal = True if mask is None and T > 1 else False
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                enable_gqa=self.grouped,
+            )
+        return explicit_attention(q, k, v, mask, dropout_p, attentions)
+
+
+class CausalSelfAttention(Attention):
+    """GPT-2's multi-head causal self-attention, with one fused query/key/value projection
+    (``c_attn``) and the output projection ``c_proj``.
 
     The book's ``MultiHeadAttention`` computes the same thing with three separate projections
     (``W_query``, ``W_key``, ``W_value``); ``c_attn`` holds them stacked, which is one matmul.
     """
 
     def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
-        self.dropout = config.dropout
-        self.use_sdpa = config.attention == "sdpa"
+        super().__init__(config)
         self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.qkv_bias)
         self.c_proj = Linear(config.n_embd, config.n_embd)
-        self.resid_dropout = nn.Dropout(config.dropout)
-        # A submodule slot from the start, so that setting and clearing the cache leaves the
-        # module's structure as it was: a compiled training step is not recompiled after a sample.
-        self.kv_cache: KVCache | None
-        self.register_module("kv_cache", None)
 
     def forward(
         self,
@@ -129,6 +202,7 @@ class CausalSelfAttention(nn.Module):
         mask: torch.Tensor | None = None,
         rows: slice | torch.Tensor | None = None,
         attentions: list[torch.Tensor] | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C).
 
@@ -140,6 +214,8 @@ class CausalSelfAttention(nn.Module):
             rows: the cache rows x's rows are (`KVCache.update`); None: the first B.
             attentions: a list to append this layer's attention weights (B, nh, T, S) to; given,
                 the explicit path runs (SDPA never forms the weights).
+            rope: unused: GPT-2's positions are learned embeddings, added at the input (the
+                argument is there so that every block calls its attention alike).
         """
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
@@ -148,23 +224,64 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if self.kv_cache is not None and start_pos is not None:
             k, v = self.kv_cache.update(start_pos, k, v, rows)  # (B, nh, S, hs)
-        dropout_p = self.dropout if self.training else 0.0
-        # A short full-sequence forward compiled for the CPU spells attention out (see
-        # _fuse_on_cpu): inductor fuses its scale, mask and softmax; SDPA stays one opaque call.
-        if (
-            self.use_sdpa
-            and attentions is None
-            and not (mask is None and start_pos is None and _fuse_on_cpu(x, T))
-        ):
-            # a plain bool: under dynamic shapes `T > 1` is symbolic, which SDPA refuses
-            is_causal = True if mask is None and T > 1 else False
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
-            )
-        else:
-            y = explicit_attention(q, k, v, mask, dropout_p, attentions)
+        y = self.attend(q, k, v, start_pos, mask, attentions)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, nh, hs) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+class GroupedQueryAttention(Attention):
+    """Llama's and Qwen's attention: separate query, key and value projections (``q_proj``,
+    ``k_proj``, ``v_proj``) to ``n_head`` query heads and ``n_kv_head`` key/value heads of
+    ``head_size`` each, RoPE on queries and keys, and ``o_proj`` back to C.
+
+    Grouped-query attention (Ainslie et al. 2023, https://arxiv.org/abs/2305.13245): each
+    key/value head serves n_head / n_kv_head consecutive query heads (key head j the query
+    heads j*g .. j*g + g-1, g the group size: the book's ``repeat_interleave``), so the KV
+    cache holds n_kv_head heads; n_kv_head = n_head is multi-head attention, 1 multi-query.
+    With ``qk_norm`` (Qwen3) each head's queries and keys go through an RMSNorm of their own
+    (``q_norm``, ``k_norm``, weights shared by the heads) before RoPE, which keeps the
+    attention logits from growing large. The book's ``GroupedQueryAttention`` (``W_query``,
+    ``W_key``, ``W_value``, ``out_proj``, ``num_kv_groups`` = n_kv_head).
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        C, hs = config.n_embd, self.head_size
+        self.q_proj = Linear(C, self.n_head * hs, bias=config.qkv_bias)
+        self.k_proj = Linear(C, self.n_kv_head * hs, bias=config.qkv_bias)
+        self.v_proj = Linear(C, self.n_kv_head * hs, bias=config.qkv_bias)
+        self.o_proj = Linear(self.n_head * hs, C, bias=config.bias)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hs, eps=config.norm_eps)
+            self.k_norm = RMSNorm(hs, eps=config.norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        start_pos: int | torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        rows: slice | torch.Tensor | None = None,
+        attentions: list[torch.Tensor] | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); arguments as `CausalSelfAttention.forward`'s, and
+        ``rope``: the cos and sin of x's positions, (1 or B, 1, T, hs) each (`GPT.rope_at`);
+        None: no rotation. ``attentions`` gets per-query-head weights (B, nh, T, S)."""
+        B, T, _ = x.shape
+        hs = self.head_size
+        q = self.q_proj(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.kv_cache is not None and start_pos is not None:
+            k, v = self.kv_cache.update(start_pos, k, v, rows)  # (B, nkv, S, hs)
+        y = self.attend(q, k, v, start_pos, mask, attentions)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * hs)  # (B, T, nh * hs)
+        return self.resid_dropout(self.o_proj(y))
 
 
 def explicit_attention(
@@ -177,10 +294,16 @@ def explicit_attention(
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(hs)) v, spelled out: the math that SDPA fuses.
 
-    q (B, nh, T, hs), k and v (B, nh, S, hs) -> (B, nh, T, hs). Scale *before* softmax
+    q (B, nh, T, hs), k and v (B, nkv, S, hs) -> (B, nh, T, hs). Scale *before* softmax
     (scaling the probabilities afterwards is a classic bug: rows would no longer sum to 1).
+    With fewer key/value heads than query heads (grouped-query attention) each is repeated
+    for its group of nh / nkv query heads first, as the book's ``repeat_interleave``.
     ``weights_out``, if a list, gets the attention weights (B, nh, T, S), before dropout.
     """
+    if k.size(-3) != q.size(-3):
+        group = q.size(-3) // k.size(-3)
+        k = k.repeat_interleave(group, dim=-3)  # (B, nh, S, hs): [K1, K1, K2, K2] for group 2
+        v = v.repeat_interleave(group, dim=-3)  # (B, nh, S, hs)
     T, S = q.size(-2), k.size(-2)
     attn_scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, S)
     given_mask = mask is not None
@@ -203,7 +326,7 @@ def explicit_attention(
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: expand 4x, GELU, project back.
+    """GPT-2's position-wise feed-forward: expand 4x (``config.mlp_size``), GELU, project back.
 
     GELU is GPT-2's tanh approximation unless ``config.gelu`` is ``"exact"`` (the erf form,
     nanoGPT's ``nn.GELU()``; in this CPU build ~45% less time than the tanh one, forward and
@@ -212,8 +335,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = Linear(4 * config.n_embd, config.n_embd)
+        self.c_fc = Linear(config.n_embd, config.mlp_size)
+        self.c_proj = Linear(config.mlp_size, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
         self.approximate = "tanh" if config.gelu == "tanh" else "none"
 
@@ -224,6 +347,20 @@ class MLP(nn.Module):
         else:
             h = F.gelu(h, approximate=self.approximate)
         return self.dropout(self.c_proj(h))
+
+
+RESIDUAL_PROJECTIONS = ("c_proj", "o_proj", "down_proj")
+"""The layers that write into the residual stream (attention output, MLP output), whose
+initial weights ``init="gpt2"`` scales down by 1/sqrt(2 n_layer)."""
+
+
+def block_linears(config: GPTConfig) -> tuple[str, ...]:
+    """The names of a block's linear layers for this config, in the order of the block's
+    state dict: GPT-2's four or Llama's / Qwen's seven (for quantization and LoRA targets)."""
+    if config.family == "gpt2":
+        return ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    attn = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj")
+    return (*attn, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 # The longest context for which a compiled CPU graph spells attention out. Measured on a 2-core
@@ -261,15 +398,128 @@ def gelu_tanh_by_sigmoid(x: torch.Tensor) -> torch.Tensor:
 _TWO_SQRT_2_OVER_PI = 2 * math.sqrt(2 / math.pi)
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block with two shortcut (residual) connections."""
+class SwiGLU(nn.Module):
+    """Llama's and Qwen's feed-forward: ``down_proj(silu(gate_proj(x)) * up_proj(x))``.
+
+    A gated linear unit with the SiLU (x sigmoid(x)) as its gate (Shazeer 2020,
+    https://arxiv.org/abs/2002.05202): one projection, passed through SiLU, decides how much of
+    the other goes through. It has three matrices to GELU's two, so its hidden width
+    (``intermediate_size``) is usually about 8/3 x C where GELU's is 4 x C. The book's
+    ``FeedForward`` of its Llama and Qwen models: ``fc1`` is ``gate_proj``, ``fc2``
+    ``up_proj``, ``fc3`` ``down_proj``.
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
+        C, H = config.n_embd, config.mlp_size
+        self.gate_proj = Linear(C, H, bias=config.bias)
+        self.up_proj = Linear(C, H, bias=config.bias)
+        self.down_proj = Linear(H, C, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C), through (B, T, intermediate_size)."""
+        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class RMSNorm(nn.RMSNorm):
+    """Root-mean-square norm (Zhang and Sennrich 2019, https://arxiv.org/abs/1910.07467):
+    ``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension.
+
+    LayerNorm without the mean subtracted and without a bias: one statistic instead of two, and
+    no shift. Llama's and Qwen's norm, torch's ``nn.RMSNorm`` (one fused kernel) under a name
+    of the model's own; the book's ``RMSNorm`` calls the weight ``scale``.
+    """
+
+
+def make_norm(config: GPTConfig, size: int) -> nn.Module:
+    """The norm the config chooses over ``size`` features: ``nn.LayerNorm`` (weight and bias)
+    or `RMSNorm` (weight), with ``config.norm_eps``."""
+    if config.norm == "layernorm":
+        return nn.LayerNorm(size, eps=config.norm_eps)
+    return RMSNorm(size, eps=config.norm_eps)
+
+
+def rope_tables(
+    head_size: int,
+    context_length: int,
+    theta: float = 10_000.0,
+    scaling: dict[str, float] | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and sin of RoPE's angles for every position, (context_length, head_size) each,
+    computed in float32.
+
+    Rotary position embeddings (Su et al. 2021, https://arxiv.org/abs/2104.09864) turn pair i
+    of a head's dimensions (dims i and i + hs/2, the "rotate half" layout of Llama, Qwen and
+    the book) at position p by the angle p * theta^(-2i / hs): fast rotations for the first
+    pairs, slow ones for the last. ``scaling`` (Llama 3.1's, keys as
+    `gptkiln.config.ROPE_SCALING_KEYS`) slows the slowest frequencies down by ``factor`` and
+    blends in between, to stretch a model trained on ``original_context_length`` tokens.
+    The book's ``compute_rope_params`` (``theta_base``, ``freq_config``).
+    """
+    i = torch.arange(0, head_size, 2, device=device, dtype=torch.float32)  # (hs/2,): 2i
+    inv_freq = 1.0 / theta ** (i / head_size)  # (hs/2,) radians per position
+    if scaling is not None:
+        inv_freq = _llama3_scaled(inv_freq, **scaling)
+    positions = torch.arange(context_length, device=device, dtype=torch.float32)  # (T,)
+    angles = positions[:, None] * inv_freq[None, :]  # (T, hs/2)
+    angles = torch.cat([angles, angles], dim=1)  # (T, hs): pair i is dims i and i + hs/2
+    return torch.cos(angles), torch.sin(angles)
+
+
+def _llama3_scaled(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_context_length: int,
+) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: wavelengths longer than original_context_length /
+    low_freq_factor are divided by ``factor``, those shorter than original_context_length /
+    high_freq_factor kept, those between blended linearly (Hugging Face's ``rope_type
+    "llama3"``; the book's ``freq_config``)."""
+    low_freq_wavelen = original_context_length / low_freq_factor
+    high_freq_wavelen = original_context_length / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # (hs/2,) positions per full turn
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_context_length / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth) * (inv_freq / factor) + smooth * inv_freq
+    medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, nh, T, hs) rotated by its positions' angles: cos and sin broadcast to it, e.g.
+    (T, hs) or (B, 1, T, hs) (`rope_tables` rows picked by position).
+
+    Each pair (x_i, x_{i+hs/2}) turns by its angle a: (x_i cos a - x_{i+hs/2} sin a,
+    x_{i+hs/2} cos a + x_i sin a). A query at position m and a key at n then have the dot
+    product of their unrotated forms turned by (m - n) * frequency: attention sees only how
+    far apart they are. The book's ``apply_rope``; the result is in x's dtype.
+    """
+    x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each: the first and second halves
+    rotated = torch.cat((-x2, x1), dim=-1)  # (B, nh, T, hs)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with two shortcut (residual) connections:
+    ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; norm, attention and MLP as the config
+    chooses (GPT-2's `CausalSelfAttention` and `MLP`, or `GroupedQueryAttention` and
+    `SwiGLU`)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = make_norm(config, config.n_embd)
+        if config.family == "gpt2":
+            self.attn = CausalSelfAttention(config)
+        else:
+            self.attn = GroupedQueryAttention(config)
+        self.ln_2 = make_norm(config, config.n_embd)
+        self.mlp = MLP(config) if config.mlp == "gelu" else SwiGLU(config)
 
     def forward(
         self,
@@ -278,35 +528,65 @@ class Block(nn.Module):
         mask: torch.Tensor | None = None,
         rows: slice | torch.Tensor | None = None,
         attentions: list[torch.Tensor] | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), start_pos, mask, rows, attentions)
+        x = x + self.attn(self.ln_1(x), start_pos, mask, rows, attentions, rope)
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
-    """GPT-2: token + position embeddings, ``n_layer`` blocks, final LayerNorm, output head.
+    """The model: token embedding (+ learned position embedding for GPT-2), ``n_layer``
+    blocks, final norm, output head.
 
     The head is ``lm_head`` (next-token logits over the vocabulary) or, when
     ``config.num_classes`` is set, ``score`` (class logits; the book's chapter 6 replaces the
     output layer with ``Linear(n_embd, num_classes)`` and reads the last position).
+
+    With RoPE the model holds ``rope_cos`` and ``rope_sin`` (context_length, hs), buffers
+    that no checkpoint stores (`init_buffers`); each forward picks the rows of its tokens'
+    positions, which are each row's own (left padding, per-row ``start_pos``).
     """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.context_length, config.n_embd)
+        if config.positions == "learned":
+            self.wpe = nn.Embedding(config.context_length, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.ln_f = make_norm(config, config.n_embd)
         if config.num_classes:
             self.score = nn.Linear(config.n_embd, config.num_classes)
         else:
             self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.tie_weights()
         self.pad_lens: torch.Tensor | None = None  # (B,) left-padding per row, set with the cache
+        self.init_buffers()
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """(Re)compute the buffers no checkpoint stores, on the token embedding's device: RoPE's
+        cos and sin tables, in float32 (nothing for GPT-2).
+
+        Called by ``__init__``; a model built on the meta device has them on meta too, so after
+        its weights are assigned (``load_state_dict(assign=True)``) call this before using it.
+        """
+        if self.config.positions != "rope":
+            return
+        c = self.config
+        cos, sin = rope_tables(
+            c.head_size, c.context_length, c.rope_theta, c.rope_scaling, self.wte.weight.device
+        )
+        self.register_buffer("rope_cos", cos, persistent=False)  # (context_length, hs)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (context_length, hs)
+
+    def rope_at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions ``pos`` (T,) or (B, T): (1 or B, 1, T, hs) each, to
+        broadcast over the heads of q and k (B, nh, T, hs)."""
+        return self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3)
 
     def tie_weights(self) -> None:
         """Share the token embedding with the output head when the config says so (GPT-2)."""
@@ -322,9 +602,11 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """Fresh weights as ``config.init`` says.
 
-        ``"gpt2"``: N(0, 0.02) weights, zero biases, unit LayerNorms, and residual projections
-        scaled by 1/sqrt(2 * n_layer) (GPT-2 paper, section 2.3). ``"pytorch"``: every layer's
-        own default (the book's ``GPTModel``).
+        ``"gpt2"``: N(0, 0.02) weights, zero biases, unit norms, and residual projections
+        (``c_proj``; ``o_proj`` and ``down_proj`` for Llama and Qwen) scaled by
+        1/sqrt(2 * n_layer) (GPT-2 paper, section 2.3; 0.02 is also Hugging Face's
+        ``initializer_range`` for Llama and Qwen). ``"pytorch"``: every layer's own default
+        (the book's ``GPTModel``).
         """
         if self.config.init == "pytorch":
             for module in self.modules():
@@ -335,7 +617,7 @@ class GPT(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith("c_proj") else 0.02
+                std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -344,30 +626,37 @@ class GPT(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
         self.tie_weights()
 
     def num_parameters(self, exclude_position_embeddings: bool = False) -> int:
-        """Parameter count; a tied embedding/head counts once."""
+        """Parameter count; a tied embedding/head counts once. A model with RoPE has no
+        position embeddings to exclude (its cos/sin tables are buffers, not parameters)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if exclude_position_embeddings else n
+        if exclude_position_embeddings and self.config.positions == "learned":
+            n -= self.wpe.weight.numel()
+        return n
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token, forward + backward: 6N + 12 L T C (PaLM paper, appendix B),
-        N the parameters that take part in a matmul (all but the position embeddings and, when
-        the head is untied, the token embedding: a lookup), the second term the attention
-        score/value matmuls."""
+        """Training FLOPs per token, forward + backward: 6N + 12 L T nh hs (PaLM paper,
+        appendix B), N the parameters that take part in a matmul (all but the position
+        embeddings and, when the head is untied, the token embedding: a lookup), the second term
+        the attention score/value matmuls of every query head (nh hs = C for GPT-2; grouped
+        key/value heads save parameters, not these products)."""
         c = self.config
         n = self.num_parameters(True)
         if not c.tie_embeddings:
             n -= self.wte.weight.numel()
-        return 6 * n + 12 * c.n_layer * seq_len * c.n_embd
+        return 6 * n + 12 * c.n_layer * seq_len * c.n_head * c.head_size
 
     # -- the KV cache ------------------------------------------------------------------------
     def setup_cache(
         self, batch_size: int, max_seq_len: int | None = None, pad_lens: torch.Tensor | None = None
     ) -> None:
         """Allocate a static KV cache in every layer (dtype and device of the activations: the
-        final LayerNorm's, which stays float in a model whose other weights are quantized).
+        final norm's, which stays float in a model whose other weights are quantized), of the
+        config's key/value heads.
 
         Args:
             pad_lens: (B,) number of left-padding tokens per row, for prompts of unequal length;
@@ -387,7 +676,7 @@ class GPT(nn.Module):
                 block.attn.kv_cache = KVCache(
                     batch_size,
                     max_seq_len,
-                    self.config.n_head,
+                    self.config.kv_heads,
                     self.config.head_size,
                     weight.dtype,
                     weight.device,
@@ -475,9 +764,14 @@ class GPT(nn.Module):
         if end > limit:
             raise ValueError(f"sequence reaches position {end}, beyond the {limit} available")
         pos, mask = self._positions_and_mask(T, start_pos, idx.device, rows)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        rope = None
+        if self.config.positions == "learned":
+            x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        else:
+            x = self.drop(self.wte(idx))  # (B, T, C); positions enter as rotations of q and k
+            rope = self.rope_at(pos)  # 2 x (1 or B, 1, T, hs)
         for block in self.h:
-            x = block(x, start_pos, mask, rows, attentions)
+            x = block(x, start_pos, mask, rows, attentions, rope)
         x = self.ln_f(x)
         if isinstance(last_only, torch.Tensor):
             x = x[torch.arange(B, device=x.device), last_only][:, None]  # (B, 1, C)

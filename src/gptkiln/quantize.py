@@ -12,13 +12,16 @@ activations, and so every sum, stay in the model's float dtype.
 and the layer computes ``y = (x @ qᵀ) · scale + bias`` (`Int8Linear`; its kernels, tuned for
 decoding as the float ones are, live in `gptkiln.kernels`).
 
-**What becomes int8.** Every linear layer of the blocks (``attn.c_attn``, ``attn.c_proj``,
-``mlp.c_fc``, ``mlp.c_proj``) and, unless ``embedding_and_head=False``, the output head and the
+**What becomes int8.** Every linear layer of the blocks (GPT-2's ``attn.c_attn``, ``attn.c_proj``,
+``mlp.c_fc``, ``mlp.c_proj``; Llama's and Qwen's ``attn.q_proj``, ``k_proj``, ``v_proj``,
+``o_proj``, ``mlp.gate_proj``, ``up_proj``, ``down_proj``: `gptkiln.model.block_linears`)
+and, unless ``embedding_and_head=False``, the output head and the
 token embedding: GPT-2's head *is* its embedding (tied), and one int8 matrix with one scale per
 token serves both (`Int8Embedding` scales each looked-up row by its token's scale). The head is
 the largest single weight (50257 x 768: 31% of GPT-2 124M's bytes), so keeping it in fp32 would
 leave 239 of the 497 MB a token reads in place of 124. What stays float: the position embedding
-(``wpe``, 3 MB at 124M), the LayerNorms, the biases and the scales. The figures behind the
+(``wpe``, 3 MB at 124M), the norms (LayerNorm, RMSNorm, q/k norms), the biases, the scales and
+RoPE's cos/sin tables. The figures behind the
 choice (speed and perplexity with the head int8 or float) are in ``bench/README.md``.
 
 **The format on disk** (`gptkiln convert quantize`). A quantized run directory is a run
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.kernels import dequantize_linear
-from gptkiln.model import GPT
+from gptkiln.model import GPT, block_linears
 
 METHODS = ("int8",)
 """The values ``quantize=`` accepts (besides None: keep the weights as they are)."""
@@ -185,16 +188,13 @@ def quantize_model(model: GPT, method: str = "int8", *, embedding_and_head: bool
     return model
 
 
-BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-"""The linear layers of each block, all quantized."""
-
-
 def int8_modules(config: GPTConfig, embedding_and_head: bool) -> list[str]:
     """The modules of a GPT of ``config`` whose weight `quantize_model` makes int8, by name, in
     the order of the model's state dict. A quantized checkpoint stores ``NAME.weight`` (int8)
     and ``NAME.scale`` for each; a tied head is the embedding (``wte``) and is not listed."""
     names = ["wte"] if embedding_and_head else []
-    names += [f"h.{i}.{layer}" for i in range(config.n_layer) for layer in BLOCK_LINEARS]
+    layers = block_linears(config)
+    names += [f"h.{i}.{layer}" for i in range(config.n_layer) for layer in layers]
     if embedding_and_head and not config.tie_embeddings:
         names.append("lm_head")
     return names
