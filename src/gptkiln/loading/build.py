@@ -72,6 +72,7 @@ def build_model(
     if quantization is not None:
         tie_quantized_head(model)
         check_scales(model, source)
+    model.init_buffers()  # RoPE's tables, which no checkpoint stores, off the meta device
     model.to(device=device, dtype=dtype)
     return model.eval()
 

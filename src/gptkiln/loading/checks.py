@@ -33,29 +33,13 @@ def expected_shapes(
     quantized checkpoint (``quantization`` as its config.json records it) also stores a
     ``NAME.scale`` (out,) after each int8 ``NAME.weight`` (`gptkiln.quantize.int8_modules`)."""
     C, V = config.n_embd, config.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "wte.weight": (V, C),
-        "wpe.weight": (config.context_length, C),
-    }
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (V, C)}
+    if config.positions == "learned":
+        shapes["wpe.weight"] = (config.context_length, C)
+    block = _block_shapes(config)
     for i in range(config.n_layer):
-        block = {
-            "ln_1.weight": (C,),
-            "ln_1.bias": (C,),
-            "attn.c_attn.weight": (3 * C, C),
-            "attn.c_attn.bias": (3 * C,),
-            "attn.c_proj.weight": (C, C),
-            "attn.c_proj.bias": (C,),
-            "ln_2.weight": (C,),
-            "ln_2.bias": (C,),
-            "mlp.c_fc.weight": (4 * C, C),
-            "mlp.c_fc.bias": (4 * C,),
-            "mlp.c_proj.weight": (C, 4 * C),
-            "mlp.c_proj.bias": (C,),
-        }
-        if not config.qkv_bias:
-            del block["attn.c_attn.bias"]
         shapes.update({f"h.{i}.{name}": shape for name, shape in block.items()})
-    shapes.update({"ln_f.weight": (C,), "ln_f.bias": (C,)})
+    shapes.update(_norm_shapes("ln_f", config))
     if config.num_classes:
         shapes.update(
             {"score.weight": (config.num_classes, C), "score.bias": (config.num_classes,)}
@@ -71,6 +55,51 @@ def expected_shapes(
         if name in int8:
             with_scales[name.removesuffix("weight") + "scale"] = shape[:1]
     return with_scales
+
+
+def _norm_shapes(name: str, config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """A norm's tensors: LayerNorm's weight and bias, RMSNorm's weight alone."""
+    shapes = {f"{name}.weight": (config.n_embd,)}
+    if config.norm == "layernorm":
+        shapes[f"{name}.bias"] = (config.n_embd,)
+    return shapes
+
+
+def _block_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of one block's tensors, in the order of the block's state dict."""
+    C, M = config.n_embd, config.mlp_size
+    Q, KV = config.n_head * config.head_size, config.kv_heads * config.head_size
+    if config.family == "gpt2":
+        linears = {
+            "attn.c_attn": (3 * C, C, config.qkv_bias),
+            "attn.c_proj": (C, C, config.bias),
+        }
+    else:
+        linears = {
+            "attn.q_proj": (Q, C, config.qkv_bias),
+            "attn.k_proj": (KV, C, config.qkv_bias),
+            "attn.v_proj": (KV, C, config.qkv_bias),
+            "attn.o_proj": (C, Q, config.bias),
+        }
+    if config.mlp == "gelu":
+        linears.update({"mlp.c_fc": (M, C, config.bias), "mlp.c_proj": (C, M, config.bias)})
+    else:
+        linears.update({
+            "mlp.gate_proj": (M, C, config.bias),
+            "mlp.up_proj": (M, C, config.bias),
+            "mlp.down_proj": (C, M, config.bias),
+        })  # fmt: skip
+    shapes = _norm_shapes("ln_1", config)
+    for name, (out, inp, bias) in linears.items():
+        shapes[f"{name}.weight"] = (out, inp)
+        if bias:
+            shapes[f"{name}.bias"] = (out,)
+        if name == "attn.o_proj" and config.qk_norm:
+            shapes["attn.q_norm.weight"] = (config.head_size,)
+            shapes["attn.k_norm.weight"] = (config.head_size,)
+        if name in ("attn.c_proj", "attn.o_proj"):
+            shapes.update(_norm_shapes("ln_2", config))
+    return shapes
 
 
 def check_state_dict(
@@ -126,8 +155,8 @@ def check_dtypes(
 
 def weights_dims(sd: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """The model sizes a state dict (gptkiln names) holds: ``n_layer`` from its ``h.N`` blocks,
-    ``vocab_size`` and ``n_embd`` from ``wte.weight``, ``context_length`` from ``wpe.weight``.
-    Read from names and shapes only (a memory-mapped file is not read)."""
+    ``vocab_size`` and ``n_embd`` from ``wte.weight``, ``context_length`` from ``wpe.weight``
+    (learned positions only: RoPE stores none). Read from names and shapes only (a memory-mapped file is not read)."""
     blocks = {int(m.group(1)) for k in sd if (m := _BLOCK_KEY.match(k))}
     dims = {"n_layer": max(blocks) + 1 if blocks else 0}
     if "wte.weight" in sd and sd["wte.weight"].dim() == 2:
