@@ -15,10 +15,12 @@ How documents are drawn (:func:`interleave`): the weights, divided by their sum,
 member's share of the mixture's *tokens*. Before every document, the members whose tokens so far
 are at or below their share are "behind" (one always is); one of them is drawn at random, in
 proportion to its weight, from a generator seeded with ``seed``, and its next whole document goes
-in. So at every point each member is within one document of its share, the order is the same
-for the same seed, sources and tokenizer, and a different seed shuffles which member comes
-next. The mixture ends when the member drawn has no document left: no document is repeated, and
-the other members are read only as far as their share needs.
+in. So at every point no member is ahead of its share by a whole document of its own, nor
+behind it by more than the others are ahead together (one document each: with two members,
+within one document either way); the order is the same for the same seed, sources and
+tokenizer, and another seed shuffles which member comes next. The mixture ends when the member
+drawn has no document left: no document is repeated, and the other members are read only as far
+as their share needs.
 """
 
 from __future__ import annotations
