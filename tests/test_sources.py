@@ -244,6 +244,24 @@ def test_folders_read_every_format_in_name_order_and_checksum_each_file(tmp_path
         check_source(tmp_path / "e.parquet.gz")
 
 
+def test_a_bpe_prepare_counts_and_trains_in_one_read(tmp_path, monkeypatch):
+    module = sys.modules["gptkiln.data.prepare"]  # gptkiln.data.prepare is also the function
+    reads = []
+    real = module.iter_pieces
+
+    def counted(*args, **kwargs):
+        reads.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "iter_pieces", counted)
+    source = write_parquet(tmp_path / "d.parquet", DOCS)
+    meta = prepare(source, tmp_path / "out", "bpe:300", 0.3, progress=False)
+    assert len(reads) == 2  # count and train the BPE, then encode (a hub dataset: two downloads)
+    text = "\n".join(KEPT)  # documents joined by one separator each, counted as one character
+    assert meta["characters"] == len(text) - (len(KEPT) - 1)
+    assert meta["train_characters"] + meta["val_characters"] == len(text)
+
+
 # -------------------------------------------------------------------------------- bad input
 
 

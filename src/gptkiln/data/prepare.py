@@ -89,6 +89,16 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def _survey(pieces: Iterable[tuple[bool, str]], *, want_charset: bool, progress: bool) -> _Survey:
     survey = _Survey()
+    for _ in _surveyed(pieces, survey, want_charset=want_charset, progress=progress):
+        pass
+    return survey
+
+
+def _surveyed(
+    pieces: Iterable[tuple[bool, str]], survey: _Survey, *, want_charset: bool, progress: bool
+) -> Iterator[str]:
+    """The pieces' texts, counted into ``survey`` as they pass (so a BPE can be trained on the
+    same pass that counts the characters)."""
     with _progress(None, "reading", progress) as bar:
         for starts_document, text in pieces:
             survey.documents += starts_document
@@ -98,7 +108,7 @@ def _survey(pieces: Iterable[tuple[bool, str]], *, want_charset: bool, progress:
             if want_charset:
                 collect_chars(text, survey.code_points)
             bar.update(size)
-    return survey
+            yield text
 
 
 def _kind_to_build(spec) -> str | None:
@@ -302,11 +312,20 @@ class _Run:
     def tokenizer(self, spec, progress: bool) -> Tokenizer:
         """Survey what needs surveying (a single source's characters, for its split; a char
         alphabet), then build or load the tokenizer; refuse one that cannot join documents."""
-        want_charset = _kind_to_build(spec) == "char"
-        if self.mixture is None or want_charset:
+        kind = _kind_to_build(spec)
+        want_charset = kind == "char"
+        texts = self.texts
+        if self.mixture is None and kind == "bpe":  # one pass counts and trains: one read less
+            self.survey = _Survey()
+            counted = _surveyed(self.pieces(), self.survey, want_charset=False, progress=progress)
+            texts = lambda: counted  # noqa: E731
+        elif self.mixture is None or want_charset:
             pieces = self.pieces() if self.mixture is None else ((True, t) for t in self.texts())
             self.survey = _survey(pieces, want_charset=want_charset, progress=progress)
-        tok = _make_tokenizer(spec, self.texts, self.survey)
+        tok = _make_tokenizer(spec, texts, self.survey)
+        if self.mixture is None and kind == "bpe":
+            for _ in counted:  # the trainer reads to the end; the split needs every character
+                pass
         documents = 2 if self.mixture is not None else self.survey.documents
         if documents > 1 and tok.eot_id is None:
             what = f"has {documents} documents" if self.mixture is None else "is a mixture"
