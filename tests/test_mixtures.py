@@ -289,3 +289,21 @@ def test_a_bad_weight_through_the_cli_is_one_line_and_exit_2(tmp_path, sources, 
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "mix.yaml item 2: weight '0'" in err or "mix.yaml item 2: weight 0" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_train_reuses_a_prepared_mixture_until_a_member_or_weight_changes(tmp_path, sources):
+    from gptkiln.train import _prepared_matches  # how `gptkiln train --data mix.yaml` decides
+
+    root, _ = sources
+    yaml_path = root / "mix.yaml"
+    yaml_path.write_text("- books.jsonl:1\n- news:2\n")
+    out = tmp_path / "data"
+    prepare(yaml_path, out, "gpt2", progress=False)
+    assert _prepared_matches(out, yaml_path, "gpt2", 0.1)
+    assert not _prepared_matches(out, yaml_path, "gpt2", 0.2)
+    write_jsonl(root / "news" / "b.jsonl", corpus("news", 201)[100:])  # a member's shard edited
+    assert not _prepared_matches(out, yaml_path, "gpt2", 0.1)
+    prepare(yaml_path, out, "gpt2", progress=False)
+    assert _prepared_matches(out, yaml_path, "gpt2", 0.1)
+    yaml_path.write_text("- books.jsonl:1\n- news:3\n")  # another weight
+    assert not _prepared_matches(out, yaml_path, "gpt2", 0.1)
