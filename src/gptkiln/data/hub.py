@@ -108,25 +108,20 @@ def _check_saved(split_dir: Path, text_field: str, spec) -> None:
             raise GptkilnError(
                 f"{file}: not a readable Arrow file ({_first_line(e)}); save the dataset again"
             ) from None
-        _check_column(
-            schema.names,
-            schema.field(text_field).type if text_field in schema.names else None,
-            text_field,
-            spec,
-            pa,
-        )
+        _check_column(schema.names, text_field, spec)
+        kind = schema.field(text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise GptkilnError(
+                f'{spec}: column "{text_field}" holds {kind}, not text; name the column that '
+                "holds the text with --text-field"
+            )
 
 
-def _check_column(names, kind, text_field: str, spec, pa=None) -> None:
+def _check_column(names, text_field: str, spec) -> None:
     if text_field not in names:
         raise GptkilnError(
             f'{spec}: no column "{text_field}" (columns: {", ".join(names) or "none"}); name the '
             "column that holds the text with --text-field"
-        )
-    if pa is not None and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise GptkilnError(
-            f'{spec}: column "{text_field}" holds {kind}, not text; name the column that holds '
-            "the text with --text-field"
         )
 
 
@@ -210,7 +205,7 @@ def _streamed_texts(spec: DatasetSpec, text_field: str) -> Iterator[str]:
         except Exception as e:
             raise _load_error(spec, e) from None
         if not checked:
-            _check_column(list(batch), None, text_field, spec)
+            _check_column(list(batch), text_field, spec)
             checked = True
         for text in batch[text_field]:
             if text is not None and not isinstance(text, str):

@@ -86,11 +86,6 @@ def parquet_texts(path: Path, text_field: str) -> Iterator[str]:
                 yield text
 
 
-def parquet_rows(path: Path) -> int:
-    """The number of rows in a Parquet file, from its footer."""
-    return _open(path).metadata.num_rows
-
-
 def _first_line(error: Exception) -> str:
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
