@@ -307,3 +307,46 @@ def test_train_reuses_a_prepared_mixture_until_a_member_or_weight_changes(tmp_pa
     assert _prepared_matches(out, yaml_path, "gpt2", 0.1)
     yaml_path.write_text("- books.jsonl:1\n- news:3\n")  # another weight
     assert not _prepared_matches(out, yaml_path, "gpt2", 0.1)
+
+
+def prepare_takes(flag: str) -> bool:
+    """Whether `gptkiln prepare` has ``flag`` (the cli package adds --text-field, --mix, --seed)."""
+    import contextlib
+    import io
+
+    from gptkiln.cli import main
+
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
+        main(["prepare", "--help"])
+    return flag in help_text.getvalue()
+
+
+@pytest.mark.skipif(not prepare_takes("--mix"), reason="prepare has no --mix and --seed yet")
+def test_the_mix_and_seed_flags_through_prepare(tmp_path, sources, capsys):
+    from gptkiln.cli import main
+
+    root, _ = sources
+    books, news = f"{root / 'books.jsonl'}", f"{root / 'news'}"
+
+    def run(*argv):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code
+        return code, capsys.readouterr().err
+
+    code, err = run("prepare", "--mix", f"{books}:1", f"{news}:2", "--seed", 3, "--tokenizer",
+                    "gpt2", "--out", tmp_path / "out", "--quiet")  # fmt: skip
+    assert code == 0, err
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["seed"] == 3 and [m["weight"] for m in meta["mix"]] == [1.0, 2.0]
+    for argv, needle in [
+        (["--mix", f"{books}:0", f"{news}:1"], "must be above 0"),
+        ([books, "--mix", f"{news}:1"], "both a source"),
+        ([], "SOURCE"),  # neither a source nor --mix
+    ]:
+        code, err = run("prepare", *argv, "--out", tmp_path / "bad", "--quiet")
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert needle in err
+        assert not (tmp_path / "bad").exists()

@@ -436,3 +436,32 @@ def test_bad_corpora_through_prepare_are_one_line_and_exit_2(tmp_path, capsys, m
                             "gpt2", "--quiet", capsys=capsys)  # fmt: skip
     assert code == 0, err
     assert "wrote" in stdout and (out / "meta.json").is_file()
+
+
+def prepare_takes(flag: str) -> bool:
+    """Whether `gptkiln prepare` has ``flag`` (the cli package adds --text-field, --mix, --seed)."""
+    import contextlib
+    import io
+
+    from gptkiln.cli import main
+
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
+        main(["prepare", "--help"])
+    return flag in help_text.getvalue()
+
+
+@pytest.mark.skipif(not prepare_takes("--text-field"), reason="prepare has no --text-field yet")
+def test_the_text_field_flag_through_prepare(tmp_path, capsys):
+    (tmp_path / "d.jsonl").write_bytes(jsonl_bytes(DOCS, field="content"))
+    write_parquet(tmp_path / "d.parquet", DOCS, field="content")
+    for name in ("d.jsonl", "d.parquet"):
+        out = tmp_path / f"out-{name}"
+        code, _, err = cli("prepare", tmp_path / name, "--text-field", "content", "--tokenizer",
+                           "gpt2", "--out", out, "--quiet", capsys=capsys)  # fmt: skip
+        assert code == 0, err
+        assert json.loads((out / "meta.json").read_text())["text_field"] == "content"
+        code, _, err = cli("prepare", tmp_path / name, "--out", tmp_path / "no", capsys=capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "content, id" in err and "--text-field" in err
+        assert not (tmp_path / "no").exists()
