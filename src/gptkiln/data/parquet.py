@@ -34,7 +34,9 @@ def _pyarrow():
 def _open(path: Path):
     pa, pq = _pyarrow()
     try:
-        return pq.ParquetFile(path)
+        # pre_buffer off: with it, pyarrow keeps the read ranges of every row group read so far,
+        # and memory grows with the file (28 MB at 100 MB of text, 63 MB at 300 MB; 12 MB without)
+        return pq.ParquetFile(path, pre_buffer=False)
     except (pa.ArrowException, OSError) as e:
         raise GptkilnError(
             f"{path}: not a readable Parquet file ({_first_line(e)}); it may be truncated or "
