@@ -465,3 +465,38 @@ def test_the_text_field_flag_through_prepare(tmp_path, capsys):
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert "content, id" in err and "--text-field" in err
         assert not (tmp_path / "no").exists()
+
+
+def test_a_hub_dataset_is_streamed_at_its_pinned_revision(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from gptkiln.data import hub
+
+    calls = []
+
+    class Stream:
+        def __init__(self, fail_after=None):
+            self.fail_after = fail_after
+
+        def iter(self, batch_size):
+            yield {"text": KEPT[:3], "id": [0, 1, 2]}
+            if self.fail_after:
+                raise ConnectionError("Read timed out.\nsecond line")
+            yield {"text": [None, *KEPT[3:]], "id": list(range(3, len(KEPT) + 1))}
+
+    def load_dataset(name, config, **kwargs):
+        calls.append((name, config, kwargs))
+        return Stream(fail_after="cut" in name)
+
+    monkeypatch.setattr(hub, "hub_revision", lambda name: "0123abc")
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    spec = "hf:org/corpus:en@validation"
+    assert list(iter_documents(spec)) == KEPT
+    assert calls == [
+        ("org/corpus", "en", {"split": "validation", "streaming": True, "revision": "0123abc"})
+    ]
+    assert source_checksums(spec) == {spec: "revision 0123abc"}
+    with pytest.raises(GptkilnError, match=r"hf:org/cut: cannot load it with datasets "
+                       r"\(ConnectionError: Read timed out.\); .* and the network$"):  # fmt: skip
+        list(iter_documents("hf:org/cut"))
+    with pytest.raises(GptkilnError, match=r'no column "body" \(columns: text, id\)'):
+        list(iter_documents(spec, text_field="body"))
