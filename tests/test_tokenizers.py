@@ -298,3 +298,21 @@ def test_a_bpe_size_is_ascii_digits_within_what_the_trainer_can_hold():
             parse_tokenizer_spec(f"bpe:{size}")
     assert parse_tokenizer_spec("bpe:257") == ("bpe", 257)
     assert parse_tokenizer_spec("bpe:1048576") == ("bpe", 1 << 20)
+
+
+def test_bpe_arrays_in_slices_are_the_plain_batch(chinese_bpe, monkeypatch):
+    import gptkiln.tokenizers
+
+    texts = [f"{i}: to be, or not to be. " * 140 for i in range(20)] + ["", "天气很好", "a"]
+    plain = chinese_bpe.encode_ordinary_batch(texts)
+    calls = []
+    real = chinese_bpe._hf_plain.encode_batch_fast
+    monkeypatch.setattr(gptkiln.tokenizers, "BPE_SLICE_CHARS", 10_000)
+    monkeypatch.setattr(gptkiln.tokenizers.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(
+        chinese_bpe, "_hf_plain", type("Hf", (), {"encode_batch_fast": lambda self, t, **kw: (
+            calls.append(len(t)), real(t, **kw))[1]})(),
+    )  # fmt: skip
+    arrays = chinese_bpe.encode_ordinary_batch_arrays(texts)
+    assert [a.tolist() for a in arrays] == plain
+    assert calls == [4, 4, 4, 4, 4, 3]  # 4 x ~3,000 characters pass 10,000; 2 texts a core

@@ -36,6 +36,10 @@ multiple of 64 so the embedding and output matmuls stay on fast GPU tile sizes."
 MAX_BPE_VOCAB_SIZE = 1 << 20
 """The largest ``bpe:N`` (1 Mi ids, five times GPT-4o's 200k); the trainer allocates per id."""
 
+BPE_SLICE_CHARS = 2 << 20
+"""Characters a BPE encodes per call of Hugging Face's batch encoder (see
+`BPETokenizer.encode_ordinary_batch_arrays`)."""
+
 META_FILE = "tokenizer_meta.json"
 CHAR_VOCAB_FILE = "char_vocab.json"
 BPE_FILE = "tokenizer.json"
@@ -422,6 +426,26 @@ class BPETokenizer(Tokenizer):
     def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
         encodings = self._hf_plain.encode_batch_fast(texts, add_special_tokens=False)
         return [e.ids for e in encodings]
+
+    def encode_ordinary_batch_arrays(
+        self, texts: list[str], num_threads: int | None = None
+    ) -> list[np.ndarray]:
+        # HF builds a whole Encoding per text (each token also as a string, offsets, masks),
+        # several times the ids' size, for a whole call at once. So a batch goes in slices, each
+        # turned into arrays before the next: about BPE_SLICE_CHARS characters, and two texts a
+        # core at least, so that every core still has texts to encode.
+        arrays: list[np.ndarray] = []
+        least = 2 * (os.cpu_count() or 1)
+        start = 0
+        while start < len(texts):
+            end, chars = start, 0
+            while end < len(texts) and (chars < BPE_SLICE_CHARS or end - start < least):
+                chars += len(texts[end])
+                end += 1
+            encodings = self._hf_plain.encode_batch_fast(texts[start:end], add_special_tokens=False)
+            arrays += [np.array(e.ids, dtype=np.int64) for e in encodings]
+            start = end
+        return arrays
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)

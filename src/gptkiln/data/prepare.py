@@ -23,17 +23,20 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from gptkiln.data.encoding import encoded_batches
+from gptkiln.data.mixture import Mixture, load_mixture, mixed_text, write_mixture
+from gptkiln.data.records import DEFAULT_TEXT_FIELD
 from gptkiln.data.sources import (
     DEFAULT_SOURCE,
     PIECE_CHARS,
     check_source,
+    is_mixture,
     iter_pieces,
     source_checksums,
 )
@@ -84,10 +87,20 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, delay=0.5)
 
 
-def _survey(source, *, want_charset: bool, progress: bool) -> _Survey:
+def _survey(pieces: Iterable[tuple[bool, str]], *, want_charset: bool, progress: bool) -> _Survey:
     survey = _Survey()
+    for _ in _surveyed(pieces, survey, want_charset=want_charset, progress=progress):
+        pass
+    return survey
+
+
+def _surveyed(
+    pieces: Iterable[tuple[bool, str]], survey: _Survey, *, want_charset: bool, progress: bool
+) -> Iterator[str]:
+    """The pieces' texts, counted into ``survey`` as they pass (so a BPE can be trained on the
+    same pass that counts the characters)."""
     with _progress(None, "reading", progress) as bar:
-        for starts_document, text in iter_pieces(source):
+        for starts_document, text in pieces:
             survey.documents += starts_document
             survey.chars += len(text)
             size = _utf8_len(text)
@@ -95,7 +108,7 @@ def _survey(source, *, want_charset: bool, progress: bool) -> _Survey:
             if want_charset:
                 collect_chars(text, survey.code_points)
             bar.update(size)
-    return survey
+            yield text
 
 
 def _kind_to_build(spec) -> str | None:
@@ -106,8 +119,9 @@ def _kind_to_build(spec) -> str | None:
     return parse_tokenizer_spec(spec)[0]
 
 
-def _make_tokenizer(spec, source, survey: _Survey) -> Tokenizer:
-    """The tokenizer named by ``spec``: given, loaded from a folder, or built from the source."""
+def _make_tokenizer(spec, texts: Callable[[], Iterable[str]], survey: _Survey | None) -> Tokenizer:
+    """The tokenizer named by ``spec``: given, loaded from a folder, or built from the text
+    (``texts()``, read again to train a BPE; ``survey``, the characters, for ``char``)."""
     if isinstance(spec, Tokenizer):
         return spec
     if _kind_to_build(spec) is None:
@@ -117,7 +131,7 @@ def _make_tokenizer(spec, source, survey: _Survey) -> Tokenizer:
         return GPT2Tokenizer()
     if kind == "char":
         return CharTokenizer(sorted(map(chr, survey.code_points)), with_eot=survey.documents > 1)
-    return train_bpe_tokenizer((text for _, text in iter_pieces(source)), vocab_size)
+    return train_bpe_tokenizer(texts(), vocab_size)
 
 
 def _assign_splits(pieces: Iterable[tuple[bool, str]], split_at: int) -> Iterator[tuple]:
@@ -136,45 +150,16 @@ def _assign_splits(pieces: Iterable[tuple[bool, str]], split_at: int) -> Iterato
         offset = end
 
 
-def _batches(items: Iterable[tuple], batch_chars: int) -> Iterator[list[tuple]]:
-    batch, size = [], 0
-    for item in items:
-        batch.append(item)
-        size += len(item[2])
-        if size >= batch_chars:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
 def _write_tokens(
     staging: Path, pieces, tokenizer: Tokenizer, dtype, batch_chars, bar, threads=None
 ) -> tuple[list[int], list[int]]:
     """Encode tagged pieces batch by batch and append them to ``train.bin`` / ``val.bin``;
-    ``([train ids, val ids], [train characters, val characters])``.
-
-    The next batch is encoded on a helper thread (the encoders release the GIL) while this one is
-    converted and written, so reading, encoding and writing overlap.
-    """
+    ``([train ids, val ids], [train characters, val characters])``."""
     counts, chars = [0, 0], [0, 0]
     files = [open(staging / f"{name}.bin", "wb") for name in _SPLITS]
-    # num_threads only when asked for: a Tokenizer subclass of its own may not take it
-    options = {} if threads is None else {"num_threads": threads}
-    encode = lambda batch: (
-        batch,
-        tokenizer.encode_ordinary_batch_arrays([t for _, _, t in batch], **options),
-    )
     try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            pending = None
-            for batch in _batches(pieces, batch_chars):
-                future = pool.submit(encode, batch)
-                if pending is not None:
-                    _append(pending.result(), tokenizer.eot_id, dtype, files, counts, chars, bar)
-                pending = future
-            if pending is not None:
-                _append(pending.result(), tokenizer.eot_id, dtype, files, counts, chars, bar)
+        for encoded in encoded_batches(pieces, tokenizer, batch_chars, threads):
+            _append(encoded, tokenizer.eot_id, dtype, files, counts, chars, bar)
     finally:
         for f in files:
             f.close()
@@ -183,17 +168,25 @@ def _write_tokens(
 
 def _append(encoded, eot_id, dtype, files, counts, chars, bar) -> None:
     """Write a batch's ids to its splits' files; count the ids and characters of each split (a
-    document separator is one character, as `Tokenizer.char_counts` counts it)."""
+    document separator is one character, as `Tokenizer.char_counts` counts it). A batch of many
+    small documents is joined first and written once per split."""
     batch, arrays = encoded
+    parts: list[list[np.ndarray]] = [[], []]
+    eot = np.array([0 if eot_id is None else eot_id], dtype=dtype)
+    size = 0
     for (split, starts_document, text), ids in zip(batch, arrays, strict=True):
         if starts_document and counts[split]:
-            np.array([eot_id], dtype=dtype).tofile(files[split])
+            parts[split].append(eot)
             counts[split] += 1
             chars[split] += 1
-        ids.astype(dtype, copy=False).tofile(files[split])
+        parts[split].append(ids.astype(dtype, copy=False))
         counts[split] += len(ids)
         chars[split] += len(text)
-        bar.update(_utf8_len(text))
+        size += _utf8_len(text)
+    for split, arrays_of_split in enumerate(parts):
+        if arrays_of_split:
+            np.concatenate(arrays_of_split).tofile(files[split])
+    bar.update(size)
 
 
 # A model's files (the names gptkiln.checkpoint writes; not imported here: it needs torch).
@@ -218,6 +211,9 @@ def prepare(
     tokenizer: str | os.PathLike | Tokenizer = "gpt2",
     val_fraction: float = 0.1,
     *,
+    text_field: str = DEFAULT_TEXT_FIELD,
+    mix: str | os.PathLike | Sequence | Mixture | None = None,
+    seed: int = 0,
     progress: bool = True,
     batch_chars: int = BATCH_CHARS,
     threads: int | None = None,
@@ -225,13 +221,19 @@ def prepare(
     """Tokenize ``source`` into ``out_dir``: ``train.bin``, ``val.bin``, ``meta.json``, tokenizer.
 
     Args:
-        source: a file, folder, or ``None`` / ``"shakespeare"`` (see :mod:`gptkiln.data.sources`).
+        source: a file, folder, ``hf:`` dataset, or ``None`` / ``"shakespeare"`` (see
+            :mod:`gptkiln.data.sources`); a ``.yaml`` file is a mixture (as ``mix``). ``None``
+            when ``mix`` is given.
         out_dir: folder to write (created; files of an earlier prepare there are replaced).
         tokenizer: ``"gpt2"``, ``"char"``, ``"bpe"`` (``bpe:N`` for N ids; default
             :data:`~gptkiln.tokenizers.DEFAULT_BPE_VOCAB_SIZE`), a folder holding a saved tokenizer
             (e.g. earlier prepared data, to share its vocabulary), or a :class:`Tokenizer`.
             ``char`` and ``bpe`` are built from the whole source (train and validation).
         val_fraction: share of the characters, taken from the end, that becomes ``val.bin``.
+        text_field: the JSON key or column that holds the text (JSON, Parquet, datasets).
+        mix: several sources drawn by weight (see :mod:`gptkiln.data.mixture`): a YAML file, or
+            a list of ``"SOURCE:WEIGHT"`` strings, ``(source, weight)`` pairs or mappings.
+        seed: seeds a mixture's draw (the same seed, sources and tokenizer give the same data).
         progress: show tqdm progress bars (in bytes of text) on stderr.
         batch_chars: characters per encoding batch; lower it to save memory (memory use is a
             few times this, whatever the corpus size).
@@ -246,26 +248,24 @@ def prepare(
         raise GptkilnError(f"batch_chars {batch_chars!r}: must be a positive number of characters")
     if threads is not None and threads < 1:
         raise GptkilnError(f"threads {threads!r}: must be at least 1")
-    check_source(source)
+    if not isinstance(text_field, str) or not text_field:
+        raise GptkilnError(f"text_field {text_field!r}: name the field that holds the text")
+    mixture = _mixture_of(source, mix, text_field)
+    if mixture is not None:
+        mixture.check()
+    else:
+        check_source(source, text_field=text_field)
     _check_out_dir(Path(out_dir))
     _kind_to_build(tokenizer)  # an unknown tokenizer name fails before any reading
-    survey = _survey(source, want_charset=_kind_to_build(tokenizer) == "char", progress=progress)
-    tok = _make_tokenizer(tokenizer, source, survey)
-    if survey.documents > 1 and tok.eot_id is None:
-        raise GptkilnError(
-            f"{source}: has {survey.documents} documents but tokenizer {tok.kind!r} has no "
-            "<|endoftext|> id to join them; use a tokenizer with one (gpt2, bpe, or char built "
-            "from this source)"
-        )
+    run = _Run(source, mixture, text_field, seed, min(PIECE_CHARS, batch_chars))
+    tok = run.tokenizer(tokenizer, progress)
     out_dir = Path(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
     try:
         spec = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None
-        meta = _write_dataset(
-            staging, source, tok, spec, survey, val_fraction, batch_chars, progress, threads
-        )
+        meta = _write_dataset(staging, run, tok, spec, val_fraction, batch_chars, progress, threads)
         _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -276,22 +276,103 @@ def prepare(
     return meta
 
 
+def _mixture_of(source, mix, text_field: str) -> Mixture | None:
+    """The mixture to prepare (``mix``, or a ``.yaml`` source), else None."""
+    if mix is not None:
+        if source is not None:
+            raise GptkilnError(
+                f"both a source ({source}) and a mix were given; give one: a mix lists every "
+                "source it draws from"
+            )
+        return load_mixture(mix, text_field=text_field)
+    return load_mixture(source, text_field=text_field) if is_mixture(source) else None
+
+
+@dataclass
+class _Run:
+    """What one prepare reads: a source or a mixture, and how to read it."""
+
+    source: str | os.PathLike | None
+    mixture: Mixture | None
+    text_field: str
+    seed: int
+    piece_chars: int
+    survey: _Survey | None = None
+
+    def pieces(self) -> Iterator[tuple[bool, str]]:
+        """A single source's pieces."""
+        return iter_pieces(self.source, piece_chars=self.piece_chars, text_field=self.text_field)
+
+    def texts(self) -> Iterator[str]:
+        """The text a tokenizer is built from: the source, or the mixture drawn by characters."""
+        if self.mixture is not None:
+            return mixed_text(self.mixture, self.seed, self.piece_chars)
+        return (text for _, text in self.pieces())
+
+    def tokenizer(self, spec, progress: bool) -> Tokenizer:
+        """Survey what needs surveying (a single source's characters, for its split; a char
+        alphabet), then build or load the tokenizer; refuse one that cannot join documents."""
+        kind = _kind_to_build(spec)
+        want_charset = kind == "char"
+        texts = self.texts
+        if self.mixture is None and kind == "bpe":  # one pass counts and trains: one read less
+            self.survey = _Survey()
+            counted = _surveyed(self.pieces(), self.survey, want_charset=False, progress=progress)
+            texts = lambda: counted  # noqa: E731
+        elif self.mixture is None or want_charset:
+            pieces = self.pieces() if self.mixture is None else ((True, t) for t in self.texts())
+            self.survey = _survey(pieces, want_charset=want_charset, progress=progress)
+        tok = _make_tokenizer(spec, texts, self.survey)
+        if self.mixture is None and kind == "bpe":
+            for _ in counted:  # the trainer reads to the end; the split needs every character
+                pass
+        documents = 2 if self.mixture is not None else self.survey.documents
+        if documents > 1 and tok.eot_id is None:
+            what = f"has {documents} documents" if self.mixture is None else "is a mixture"
+            raise GptkilnError(
+                f"{self.name}: {what} but tokenizer {tok.kind!r} has no <|endoftext|> id to join "
+                "them; use a tokenizer with one (gpt2, bpe, or char built from this source)"
+            )
+        return tok
+
+    @property
+    def name(self) -> str:
+        if self.mixture is not None:
+            return str(self.mixture)
+        return DEFAULT_SOURCE if self.source is None else str(self.source)
+
+
 def _write_dataset(
-    staging, source, tok, tokenizer_spec, survey, val_fraction, batch_chars, progress, threads
+    staging, run: _Run, tok, tokenizer_spec, val_fraction, batch_chars, progress, threads
 ) -> dict:
     """Write every file of a prepared dataset into ``staging``; return the meta dict
     (``tokenizer_spec``: what was asked for, e.g. ``bpe:8000``, so a later run can reuse it)."""
     dtype = token_dtype(tok.vocab_size)
-    split_at = int((1.0 - val_fraction) * survey.chars)  # the book's split_idx
-    pieces = iter_pieces(source, piece_chars=min(PIECE_CHARS, batch_chars))
-    pieces = _assign_splits(pieces, split_at)
-    with _progress(survey.utf8_bytes, f"tokenizing ({tok.kind})", progress) as bar:
-        (train_tokens, val_tokens), (train_chars, val_chars) = _write_tokens(
-            staging, pieces, tok, dtype, batch_chars, bar, threads
-        )
+    extra: dict = {}
+    if run.mixture is None:
+        survey = run.survey
+        split_at = int((1.0 - val_fraction) * survey.chars)  # the book's split_idx
+        pieces = _assign_splits(run.pieces(), split_at)
+        with _progress(survey.utf8_bytes, f"tokenizing ({tok.kind})", progress) as bar:
+            tokens, chars = _write_tokens(staging, pieces, tok, dtype, batch_chars, bar, threads)
+        documents, characters = survey.documents, survey.chars
+        checksums = source_checksums(run.source)
+        if run.text_field != DEFAULT_TEXT_FIELD:
+            extra["text_field"] = run.text_field
+    else:
+        with _progress(None, f"mixing and tokenizing ({tok.kind})", progress) as bar:
+            mixed = write_mixture(
+                staging, run.mixture, tok, dtype, val_fraction, run.seed,
+                batch_chars=batch_chars, piece_chars=run.piece_chars, threads=threads, bar=bar,
+            )  # fmt: skip
+        tokens, chars, documents = mixed.tokens, mixed.characters, mixed.documents
+        characters = sum(mixed.member_characters) + documents - 1
+        checksums = run.mixture.checksums()
+        extra = {"mix": _mix_meta(run.mixture, mixed), "seed": run.seed, "split": "documents"}
+    train_tokens, val_tokens = tokens
     if min(train_tokens, val_tokens) < 2:
         raise GptkilnError(
-            f"{source}: corpus too small for val_fraction={val_fraction}: train has "
+            f"{run.name}: corpus too small for val_fraction={val_fraction}: train has "
             f"{train_tokens} tokens and val {val_tokens}, at least 2 each are needed; use "
             "more text or another val_fraction"
         )
@@ -306,17 +387,36 @@ def _write_dataset(
         "val_tokens": val_tokens,
         # the characters of the text that became each split, a document separator counted as
         # one: what the split's ids add up to in Tokenizer.char_counts (bits per character)
-        "train_characters": train_chars,
-        "val_characters": val_chars,
+        "train_characters": chars[0],
+        "val_characters": chars[1],
         "val_fraction": val_fraction,
-        "source": DEFAULT_SOURCE if source is None else str(source),
-        "checksums": source_checksums(source),
-        "documents": survey.documents,
-        "characters": survey.chars,
+        "source": run.name,
+        "checksums": checksums,
+        "documents": documents,
+        "characters": characters,
+        **extra,
     }
     tok.save(staging)
     (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta
+
+
+def _mix_meta(mixture: Mixture, mixed) -> list[dict]:
+    """Per member: its source, weight, text field, what it gave the mixture, and checksums."""
+    total = sum(mixed.member_tokens) or 1
+    return [
+        {
+            "source": m.source,
+            "weight": m.weight,
+            "text_field": m.text_field,
+            "documents": mixed.member_documents[i],
+            "tokens": mixed.member_tokens[i],
+            "characters": mixed.member_characters[i],
+            "share": round(mixed.member_tokens[i] / total, 6),
+            "checksums": mixture.member_checksums(m),
+        }
+        for i, m in enumerate(mixture.members)
+    ]
 
 
 def _move_into_place(staging: Path, out_dir: Path) -> None:

