@@ -150,7 +150,11 @@ def test_without_the_harness_evaluate_says_how_to_install_it(monkeypatch, tmp_pa
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` now fails
-    monkeypatch.delitem(sys.modules, "gptkiln.evaluate", raising=False)
+    import gptkiln
+
+    # the package attribute too: a fresh import rebinds it, and later tests must get theirs back
+    monkeypatch.setattr(gptkiln, "evaluate", importlib.import_module("gptkiln.evaluate"))
+    monkeypatch.delitem(sys.modules, "gptkiln.evaluate")
     ev = importlib.import_module("gptkiln.evaluate")  # imports all the same
     with pytest.raises(GptkilnError) as e:
         ev.evaluate(tmp_path, "hellaswag")
