@@ -181,7 +181,7 @@ def complete(
     Returns:
         The samples, prompt by prompt, each prompt's in order of ``index``.
     """
-    from gptkiln.sampling import TextStream, generate_stream
+    from gptkiln.sampling import generate_batched
 
     cfg = cfg or SampleConfig()
     prompts = list(prompts)
@@ -202,28 +202,14 @@ def complete(
         for i, p in enumerate(prompts)
     ]
     rows = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
-    eot = tokenizer.eot_id if cfg.stop_at_eos else None
-    streams = [TextStream(tokenizer.decode, cfg.stop, eot) for _ in rows]
-    was_training = model.training
-    model.eval()
-    try:
-        for start in range(0, len(rows), batch_size):
-            batch = range(start, min(start + batch_size, len(rows)))
-            seeds = None if cfg.seed is None else [cfg.seed + rows[r][1] for r in batch]
-            for _ in generate_stream(
-                model,
-                [ids[rows[r][0]] for r in batch],
-                cfg,
-                tokenizer.eot_id,
-                streams=[streams[r] for r in batch],
-                row_seeds=seeds,
-            ):
-                pass
-    finally:
-        model.clear_cache()
-        model.train(was_training)
-    for stream in streams:
-        stream.flush()  # what a sample that ran out of tokens held back
+    streams = generate_batched(
+        model,
+        [ids[i] for i, _ in rows],
+        cfg,
+        tokenizer,
+        batch_size=batch_size,
+        row_seeds=None if cfg.seed is None else [cfg.seed + j for _, j in rows],
+    )
     return [
         Completion(
             prompt_index=i,

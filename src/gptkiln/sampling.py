@@ -269,6 +269,48 @@ def generate_stream(
             logits = prefill(model, idx[:, -ctx:])
 
 
+def generate_batched(
+    model: GPT,
+    prompts: Sequence[Sequence[int]],
+    cfg: SampleConfig,
+    tokenizer,
+    *,
+    batch_size: int,
+    row_seeds: Sequence[int | None] | None = None,
+) -> list[TextStream]:
+    """Generate from every prompt (token ids), ``batch_size`` rows at a time, each row into its
+    own `TextStream`: the text ends before a stop string of ``cfg.stop`` or at end-of-text
+    (with ``cfg.stop_at_eos``). ``row_seeds``: one seed (or None) a prompt, as
+    `generate_stream`'s. Returns the streams, in the prompts' order, each flushed (what a row
+    that ran out of tokens held back is given out).
+
+    `gptkiln.api.complete` and the harness backend (`gptkiln.evaluate`) both generate through
+    this; the model is left in the mode it was in, without a cache.
+    """
+    eot = tokenizer.eot_id if cfg.stop_at_eos else None
+    streams = [TextStream(tokenizer.decode, cfg.stop, eot) for _ in prompts]
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(prompts), batch_size):
+            batch = range(start, min(start + batch_size, len(prompts)))
+            for _ in generate_stream(
+                model,
+                [prompts[r] for r in batch],
+                cfg,
+                tokenizer.eot_id,
+                streams=[streams[r] for r in batch],
+                row_seeds=None if row_seeds is None else [row_seeds[r] for r in batch],
+            ):
+                pass
+    finally:
+        model.clear_cache()
+        model.train(was_training)
+    for stream in streams:
+        stream.flush()
+    return streams
+
+
 def _row_generators(
     seed: int | None, row_seeds: Sequence[int | None] | None, rows: int, device: torch.device
 ) -> list[torch.Generator | None] | None:
