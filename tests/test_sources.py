@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gptkiln.data import iter_documents, iter_pieces, prepare, source_checksums
+from gptkiln.data import check_source, iter_documents, iter_pieces, prepare, source_checksums
 from gptkiln.data.hub import DatasetSpec, parse_hf_spec
-from gptkiln.data.sources import check_source
 from gptkiln.errors import GptkilnError
 
 pa = pytest.importorskip("pyarrow")

@@ -7,9 +7,9 @@ source (txt / md / jsonl / json / parquet, .gz / .zst, folders, hf: datasets, Sh
   -> SlidingWindowDataset / RandomWindowDataset / create_dataloader
 """
 
-from gptkiln.data.mixture import Mixture, load_mixture
+from gptkiln.data.mixture import Mixture, check_source, load_mixture, source_checksums
 from gptkiln.data.prepare import PreparedData, load_prepared, prepare, token_dtype
-from gptkiln.data.sources import iter_documents, iter_pieces, play_to_text, source_checksums
+from gptkiln.data.sources import iter_documents, iter_pieces, play_to_text
 from gptkiln.data.windows import (
     RandomWindowDataset,
     SlidingWindowDataset,
@@ -22,6 +22,7 @@ __all__ = [
     "PreparedData",
     "RandomWindowDataset",
     "SlidingWindowDataset",
+    "check_source",
     "create_dataloader",
     "iter_documents",
     "iter_pieces",

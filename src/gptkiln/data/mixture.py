@@ -76,17 +76,17 @@ class Mixture:
 
     def check(self) -> None:
         """Each member's `check_source` (a missing file, a missing column, ... in one line)."""
-        from gptkiln.data.sources import check_source
+        from gptkiln.data.sources import check_single_source
 
         for member in self.members:
-            check_source(member.source, text_field=member.text_field)
+            check_single_source(member.source, text_field=member.text_field)
 
     def member_checksums(self, member: Member) -> dict[str, str]:
         """`source_checksums` of one member (computed once per mixture)."""
-        from gptkiln.data.sources import source_checksums
+        from gptkiln.data.sources import single_source_checksums
 
         if member.source not in self._checksums:
-            self._checksums[member.source] = source_checksums(member.source)
+            self._checksums[member.source] = single_source_checksums(member.source)
         return self._checksums[member.source]
 
     def checksums(self) -> dict[str, str]:
@@ -445,3 +445,24 @@ class _Written:
             member_tokens=self.member_tokens,
             member_characters=self.member_chars,
         )
+
+
+def check_source(source: str | os.PathLike | None, *, text_field: str = DEFAULT_TEXT_FIELD) -> None:
+    """`check_single_source` of a source, or of each member of a mixture (a ``.yaml`` file),
+    whose weights are checked too: what ``prepare`` and ``train`` check before any progress."""
+    from gptkiln.data.sources import check_single_source, is_mixture
+
+    if is_mixture(source):
+        load_mixture(source, text_field=text_field).check()
+    else:
+        check_single_source(source, text_field=text_field)
+
+
+def source_checksums(source: str | os.PathLike | None) -> dict[str, str]:
+    """SHA-256 of every file of a source (`single_source_checksums`), or of a mixture: its YAML
+    file's name and each member's ``SOURCE/FILE``."""
+    from gptkiln.data.sources import is_mixture, single_source_checksums
+
+    if is_mixture(source):
+        return load_mixture(source).checksums()
+    return single_source_checksums(source)

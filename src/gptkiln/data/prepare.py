@@ -30,15 +30,20 @@ from pathlib import Path
 import numpy as np
 
 from gptkiln.data.encoding import encoded_batches
-from gptkiln.data.mixture import Mixture, load_mixture, mixed_text, write_mixture
+from gptkiln.data.mixture import (
+    Mixture,
+    check_source,
+    load_mixture,
+    mixed_text,
+    source_checksums,
+    write_mixture,
+)
 from gptkiln.data.records import DEFAULT_TEXT_FIELD
 from gptkiln.data.sources import (
     DEFAULT_SOURCE,
     PIECE_CHARS,
-    check_source,
     is_mixture,
     iter_pieces,
-    source_checksums,
 )
 from gptkiln.errors import GptkilnError
 from gptkiln.tokenizers import (

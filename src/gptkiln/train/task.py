@@ -261,8 +261,9 @@ def model_config_for(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
 def _prepared_matches(data_dir: Path, source, tokenizer: str, val_fraction: float) -> bool:
     """Whether data_dir already holds this source prepared the same way (so it is reused): the
     same source (files with the same contents), tokenizer spec (``bpe:N`` with its N) and split."""
+    from gptkiln.data.mixture import source_checksums
     from gptkiln.data.prepare import read_meta
-    from gptkiln.data.sources import DEFAULT_SOURCE, source_checksums
+    from gptkiln.data.sources import DEFAULT_SOURCE
 
     meta = read_meta(data_dir)  # None when missing or damaged: prepare it again
     return (
