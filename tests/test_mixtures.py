@@ -309,20 +309,6 @@ def test_train_reuses_a_prepared_mixture_until_a_member_or_weight_changes(tmp_pa
     assert not _prepared_matches(out, yaml_path, "gpt2", 0.1)
 
 
-def prepare_takes(flag: str) -> bool:
-    """Whether `gptkiln prepare` has ``flag`` (the cli package adds --text-field, --mix, --seed)."""
-    import contextlib
-    import io
-
-    from gptkiln.cli import main
-
-    help_text = io.StringIO()
-    with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
-        main(["prepare", "--help"])
-    return flag in help_text.getvalue()
-
-
-@pytest.mark.skipif(not prepare_takes("--mix"), reason="prepare has no --mix and --seed yet")
 def test_the_mix_and_seed_flags_through_prepare(tmp_path, sources, capsys):
     from gptkiln.cli import main
 

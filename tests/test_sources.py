@@ -437,20 +437,6 @@ def test_bad_corpora_through_prepare_are_one_line_and_exit_2(tmp_path, capsys, m
     assert "wrote" in stdout and (out / "meta.json").is_file()
 
 
-def prepare_takes(flag: str) -> bool:
-    """Whether `gptkiln prepare` has ``flag`` (the cli package adds --text-field, --mix, --seed)."""
-    import contextlib
-    import io
-
-    from gptkiln.cli import main
-
-    help_text = io.StringIO()
-    with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
-        main(["prepare", "--help"])
-    return flag in help_text.getvalue()
-
-
-@pytest.mark.skipif(not prepare_takes("--text-field"), reason="prepare has no --text-field yet")
 def test_the_text_field_flag_through_prepare(tmp_path, capsys):
     (tmp_path / "d.jsonl").write_bytes(jsonl_bytes(DOCS, field="content"))
     write_parquet(tmp_path / "d.parquet", DOCS, field="content")
@@ -499,3 +485,23 @@ def test_a_hub_dataset_is_streamed_at_its_pinned_revision(monkeypatch):
         list(iter_documents("hf:org/cut"))
     with pytest.raises(GptkilnError, match=r'no column "body" \(columns: text, id\)'):
         list(iter_documents(spec, text_field="body"))
+
+
+def test_train_reads_its_text_field_and_prepares_again_when_it_changes(tmp_path, capsys):
+    (tmp_path / "d.parquet").unlink(missing_ok=True)
+    write_parquet(tmp_path / "d.parquet", DOCS * 20, field="content")
+    run = tmp_path / "run"
+    common = ("train", "--data", tmp_path / "d.parquet", "--out", run, "--model", "tiny",
+              "--tokenizer", "gpt2", "--max-steps", 1, "--batch-size", 2, "--context-length", 16,
+              "--eval-interval", 1, "--eval-batches", 1, "--no-progress")  # fmt: skip
+    code, _, err = cli(*common, capsys=capsys)  # the default field, "text", is not there
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "content" in err and "--text-field" in err
+    code, _, err = cli(*common, "--text-field", "content", capsys=capsys)
+    assert code == 0, err
+    meta = json.loads((run / "data" / "meta.json").read_text())
+    assert meta["text_field"] == "content"
+    from gptkiln.train import _prepared_matches
+
+    assert _prepared_matches(run / "data", tmp_path / "d.parquet", "gpt2", 0.1, "content")
+    assert not _prepared_matches(run / "data", tmp_path / "d.parquet", "gpt2", 0.1, "text")

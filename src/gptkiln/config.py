@@ -498,8 +498,8 @@ class TrainConfig:
     data: str | None = setting(
         None,
         "data",
-        "text to train on: a .txt/.jsonl file or a folder of them (prepared into OUT/data/), "
-        "or a folder made by `gptkiln prepare`",
+        "text to train on: a .txt/.jsonl/.json/.parquet file (.gz, .zst), a folder of them, "
+        "hf:NAME, a .yaml mixture (prepared into OUT/data/), or a folder made by `gptkiln prepare`",
         unset="the bundled Shakespeare plays",
     )
     out: str = setting(
@@ -508,6 +508,11 @@ class TrainConfig:
         "the run directory: weights, tokenizer, trainer state, metrics.csv, loss.png",
     )
     model: str = setting("baby", "model", f"model preset: {' | '.join(PRESETS)}")
+    text_field: str = setting(
+        "text",
+        "data",
+        "the JSON key, or Parquet or dataset column, of --data that holds the text",
+    )
     tokenizer: str = setting(
         "bpe:16384",  # trained on the corpus; "gpt2" for GPT-2's weights and export
         "data",

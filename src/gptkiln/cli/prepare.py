@@ -6,6 +6,7 @@ import argparse
 
 from gptkiln.cli.common import add_out_flag, add_quiet_flag, example
 from gptkiln.config import TrainConfig
+from gptkiln.errors import GptkilnError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,8 +19,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "source",
-        help='a .txt/.md file, a .jsonl file (a "text" field a line), a folder of them, or '
-        "shakespeare (the bundled plays)",
+        nargs="?",
+        help="a .txt/.md, .jsonl, .json or .parquet file (the text and JSON ones may end in .gz "
+        "or .zst), a folder of them, a folder saved by datasets, hf:NAME[:CONFIG][@SPLIT] (a "
+        "Hugging Face dataset), a .yaml mixture, or shakespeare (the bundled plays); none with "
+        "--mix",
     )
     p.add_argument(
         "--tokenizer",
@@ -38,6 +42,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="share of the text, taken from its end, held out for validation, in (0, 1) "
         "(default: %(default)s)",
     )
+    p.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the JSON key, or Parquet or dataset column, that holds the text "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--mix",
+        nargs="+",
+        metavar="SOURCE:WEIGHT",
+        help="draw documents from several sources in proportion to their weights, by tokens, "
+        "instead of one SOURCE, e.g. --mix data/web:3 hf:roneneldan/TinyStories:1 (default: "
+        "one SOURCE)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of a mixture's draw: the same seed, sources and tokenizer give the same data "
+        "(default: %(default)s)",
+    )
     add_quiet_flag(p)
     p.add_argument(
         "--threads",
@@ -51,11 +78,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     from gptkiln.data.prepare import prepare
 
+    if args.source is None and not args.mix:
+        raise GptkilnError(
+            "gptkiln prepare: give a SOURCE to prepare (a file, a folder, hf:NAME, a .yaml "
+            "mixture or shakespeare), or several with --mix SOURCE:WEIGHT ..."
+        )
     meta = prepare(
         args.source,
         args.out,
         tokenizer=args.tokenizer,
         val_fraction=args.val_fraction,
+        text_field=args.text_field,
+        mix=args.mix,
+        seed=args.seed,
         progress=not args.quiet,
         threads=args.threads,
     )

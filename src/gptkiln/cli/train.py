@@ -64,6 +64,7 @@ _FIELD_METAVARS = {
     "device": "DEVICE",
     "gelu": "KIND",
     "max_time": "MINUTES",
+    "text_field": "NAME",
 }
 _TYPE_METAVARS = {int: "N", float: "X", str: "TEXT"}
 
@@ -248,7 +249,7 @@ def _check_before_launch(cfg: TrainConfig, args: argparse.Namespace) -> None:
     from gptkiln.data.prepare import is_prepared
 
     if not is_prepared(cfg.data):
-        check_source(cfg.data)
+        check_source(cfg.data, text_field=cfg.text_field)
     check_run_dir_for_training(Path(cfg.out), resume=args.resume, overwrite=args.overwrite)
 
 

@@ -136,13 +136,14 @@ class LanguageModeling:
         data_dir = self.run_dir / "data"
         source = cfg.data
         if world.is_main and not _prepared_matches(
-            data_dir, source, cfg.tokenizer, cfg.val_fraction
+            data_dir, source, cfg.tokenizer, cfg.val_fraction, cfg.text_field
         ):
             prepare(
                 source,
                 data_dir,
                 tokenizer=cfg.tokenizer,
                 val_fraction=cfg.val_fraction,
+                text_field=cfg.text_field,
                 progress=cfg.progress,
             )
         dist_utils.barrier(world)
@@ -258,7 +259,9 @@ def model_config_for(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
     return GPTConfig.from_name(cfg.model, **overrides)
 
 
-def _prepared_matches(data_dir: Path, source, tokenizer: str, val_fraction: float) -> bool:
+def _prepared_matches(
+    data_dir: Path, source, tokenizer: str, val_fraction: float, text_field: str = "text"
+) -> bool:
     """Whether data_dir already holds this source prepared the same way (so it is reused): the
     same source (files with the same contents), tokenizer spec (``bpe:N`` with its N) and split."""
     from gptkiln.data.mixture import source_checksums
@@ -271,5 +274,6 @@ def _prepared_matches(data_dir: Path, source, tokenizer: str, val_fraction: floa
         and meta.get("source") == (DEFAULT_SOURCE if source is None else str(source))
         and meta.get("tokenizer_spec") == tokenizer
         and meta.get("val_fraction") == val_fraction
+        and meta.get("text_field", "text") == text_field  # prepare records it when not "text"
         and meta.get("checksums") == source_checksums(source)  # an edited file: prepare again
     )
