@@ -194,7 +194,7 @@ def main() -> None:
     p.add_argument("--row-group-rows", type=int, default=1000, help="rows a Parquet row group")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repeats of every process")
     args = p.parse_args()
-    from gptkiln.data.sources import check_source
+    from gptkiln.data import check_source
     from gptkiln.errors import GptkilnError
     from gptkiln.tokenizers import parse_tokenizer_spec
 

@@ -107,7 +107,7 @@ def test_jsonl_errors_name_file_and_line(tmp_path, bad_line, message):
 
 
 def test_check_source_refuses_a_binary_file_before_reading_it(tmp_path):
-    from gptkiln.data.sources import check_source
+    from gptkiln.data import check_source
 
     path = tmp_path / "blob.txt"
     path.write_bytes(b"text then \x00\x01 binary")
