@@ -612,9 +612,12 @@ class GPT(nn.Module):
         if self.config.positions != "rope":
             return
         c = self.config
-        cos, sin = rope_tables(
-            c.head_size, c.context_length, c.rope_theta, c.rope_scaling, self.wte.weight.device
-        )
+        if self.wte.weight.is_meta:  # shapes only (meta's arange imports torch._dynamo, 1.8 s)
+            cos = sin = torch.empty(c.context_length, c.head_size, device="meta")
+        else:
+            cos, sin = rope_tables(
+                c.head_size, c.context_length, c.rope_theta, c.rope_scaling, self.wte.weight.device
+            )
         self.register_buffer("rope_cos", cos, persistent=False)  # (context_length, hs)
         self.register_buffer("rope_sin", sin, persistent=False)  # (context_length, hs)
 
