@@ -211,3 +211,18 @@ def test_tuning_points_inductors_cache_into_ours_unless_set(monkeypatch, tmp_pat
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "users"))
     cache.use_for_inductor()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "users")
+
+
+def test_gpt2_ranks_come_from_the_cache_while_the_files_are_the_same(monkeypatch, tmp_path):
+    import gptkiln.tokenizers as tokenizers
+
+    monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path))
+    first = tokenizers.gpt2_mergeable_ranks()  # read from the files, checked, and stored
+    assert first == tokenizers._gpt2_ranks_from(*tokenizers._gpt2_files())
+    read = tokenizers._gpt2_ranks_from
+    monkeypatch.setattr(tokenizers, "_gpt2_ranks_from", lambda *a: pytest.fail("read again"))
+    assert tokenizers.gpt2_mergeable_ranks() == first
+    (tmp_path / "gpt2-ranks.json").write_text('{"format": 1, "machine"')  # cut short
+    monkeypatch.setattr(tokenizers, "_gpt2_ranks_from", read)
+    assert tokenizers.gpt2_mergeable_ranks() == first  # read from the files, and rewritten
+    assert len(json.loads((tmp_path / "gpt2-ranks.json").read_text())["entries"]["tokens"]) == 50256
