@@ -198,9 +198,17 @@ def _compile_int8_rows(x2, qweight, scale, bias) -> Callable:
         if bias is None
         else (with_bias, (x2, qweight, scale, bias))
     )
+    # Traced on fake tensors that carry a ShapeEnv: without one inductor bypasses its FX graph
+    # cache ("No shape env") and a later process generates the same code again.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [fake_mode.from_tensor(a, static_shapes=True) for a in args]
     with torch.no_grad():
-        graph = make_fx(fn)(*args)
-        return inductor_compile(graph, list(args))
+        with fake_mode:
+            graph = make_fx(fn)(*fakes)
+        return inductor_compile(graph, fakes)
 
 
 def _int8_rows(x, qweight, scale, bias):
