@@ -22,8 +22,9 @@ other load falls on every row alike); each row shows the median and the range ov
 
 Targets (issue 28, warm cache): first token <= import torch + 0.5 s, fp32 and int8; serve
 answering /health <= import torch + 2 s. The margin column is each row's median minus
-``import torch``'s. Timings on a shared machine are noisy: the load average at the start is
-printed, and rows in one round run back to back.
+``import torch``'s. Timings on a shared machine are noisy: each round first waits (up to
+``BENCH_MAX_WAIT`` s) for other processes to go quiet and then reports the cores they kept busy
+during it; rows in one round run back to back.
 """
 
 from __future__ import annotations
@@ -149,11 +150,17 @@ def main() -> None:
         run = args.run or save_run(scratch)
         rounds: dict[str, list[dict]] = {}
         for r in range(args.rounds):
+            common.wait_for_quiet()
+            others = common.others_cores_meter(common._children_cpu_seconds)
             for name, result in one_round(
                 run, scratch, r, not args.no_int8, not args.no_serve
             ).items():
                 rounds.setdefault(name, []).append(result)
-            print(f"# round {r + 1} of {args.rounds} done", flush=True)
+            print(
+                f"# round {r + 1} of {args.rounds} done; other processes kept "
+                f"{others():.2f} cores busy meanwhile (of {os.cpu_count()})",
+                flush=True,
+            )
         shutil.rmtree(scratch, ignore_errors=True)
     floor = statistics.median(x["seconds"] for x in rounds["import torch"])
     rows = []
