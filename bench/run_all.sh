@@ -34,6 +34,7 @@ export OMP_NUM_THREADS=2
   echo; echo "## load_memory"; "$PY" bench/load_memory.py
   echo; echo "## ddp_scaling"; "$PY" bench/ddp_scaling.py
   echo; echo "## serve";      "$PY" bench/serve.py
+  echo; echo "## startup";    "$PY" bench/startup.py
   if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     echo; echo "## gpu";      "$PY" bench/gpu.py
   fi

@@ -8,6 +8,9 @@ which exists only in the workplace this was built in: without it they skip and s
 
 from __future__ import annotations
 
+import getpass
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,21 @@ def plays_text(chars: int) -> str:
     if len(text) < chars:
         raise ValueError(f"the bundled plays hold {len(text):,} characters, not {chars:,}")
     return text[:chars]
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path_factory, monkeypatch):
+    # Each test gets an empty cache directory of its own (`gptkiln.cache`), inherited by the
+    # commands it runs: nothing is written into the real ~/.cache, and no test reads another's
+    # tuned kernels.
+    monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path_factory.mktemp("gptkiln-cache")))
+    # Decoding points inductor's caches into that directory unless the variable is set: the
+    # suite keeps inductor's default instead, so that its compiled kernels carry over between
+    # tests and runs as they did.
+    default = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(default))
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -141,7 +141,7 @@ def test_only_cpu_fp32_plain_weights_are_tuned():
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_generation_tunes_and_gives_the_untuned_tokens(batch, monkeypatch):
+def test_generation_tunes_and_gives_the_untuned_tokens(batch, monkeypatch, tmp_path):
     model = tiny_model()
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8]][:batch]
     cfg = SampleConfig(max_new_tokens=20, temperature=0)
@@ -149,6 +149,7 @@ def test_generation_tunes_and_gives_the_untuned_tokens(batch, monkeypatch):
     reference = None  # "linear" comes first: F.linear itself
     for name in kernels.candidates():
         monkeypatch.setattr(kernels, "_CHOSEN", {})
+        monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / name))  # nor the last one's, on disk
         monkeypatch.setattr(kernels, "_fastest", lambda found, *a, name=name: name)
         tokens = generate(model, prompts, cfg)
         linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -229,7 +230,7 @@ def test_int8_layers_are_tuned_among_int8_kernels_only(monkeypatch):
     assert model.lm_head.few_row_kernels[2] is found["fast"]
 
 
-def test_quantized_generation_gives_the_same_tokens_with_every_int8_kernel(monkeypatch):
+def test_quantized_generation_gives_the_same_tokens_with_every_int8_kernel(monkeypatch, tmp_path):
     from gptkiln.quantize import Int8Linear, quantize_model
 
     model = quantize_model(tiny_model())
@@ -238,6 +239,7 @@ def test_quantized_generation_gives_the_same_tokens_with_every_int8_kernel(monke
     reference = None  # "dequantize" comes first: the reference product
     for name in kernels.int8_candidates():
         monkeypatch.setattr(kernels, "_CHOSEN", {})
+        monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / name))  # nor the last one's, on disk
         monkeypatch.setattr(kernels, "_fastest", lambda found, *a, name=name: name)
         tokens = generate(model, prompts, cfg)
         int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # before any test patches torch.compiler.is_compiling: see below
 import torch.nn.functional as F
 
 import gptkiln.model
@@ -243,6 +244,10 @@ def test_a_graph_compiled_for_the_cpu_spells_out_gelu_and_short_attention(monkey
 
 
 def test_other_devices_keep_the_aten_kernels_when_compiled(monkeypatch):
+    # A meta forward's first reduction imports torch._dynamo, which records the
+    # torch.compiler.is_compiling it finds as the one to trace: imported here, under the patch,
+    # it would remember the lambda and break later tests' graphs on the real function. The
+    # import at the top of this file keeps that from depending on which test ran first.
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=50, context_length=16, n_layer=1, n_head=2, n_embd=16))
         idx = torch.zeros(2, 16, dtype=torch.long)

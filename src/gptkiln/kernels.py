@@ -198,9 +198,17 @@ def _compile_int8_rows(x2, qweight, scale, bias) -> Callable:
         if bias is None
         else (with_bias, (x2, qweight, scale, bias))
     )
+    # Traced on fake tensors that carry a ShapeEnv: without one inductor bypasses its FX graph
+    # cache ("No shape env") and a later process generates the same code again.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [fake_mode.from_tensor(a, static_shapes=True) for a in args]
     with torch.no_grad():
-        graph = make_fx(fn)(*args)
-        return inductor_compile(graph, list(args))
+        with fake_mode:
+            graph = make_fx(fn)(*fakes)
+        return inductor_compile(graph, fakes)
 
 
 def _int8_rows(x, qweight, scale, bias):
@@ -240,11 +248,19 @@ def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[i
     weight dtype and shape; each candidate is timed running over the whole group (its best of
     ``repeats`` passes; the check against the family's reference on the first layer warms it
     up), so the weights stream from memory as they do while decoding. A shape already tuned in
-    this process for this many rows and threads takes the earlier choice without timing.
+    this process for this many rows and threads takes the earlier choice without timing, and
+    so does one tuned by an earlier process on this machine (`gptkiln.cache`: keyed by torch
+    version, CPU and its flags, weight dtype and shape, rows, threads and the candidates' names),
+    once it still equals the reference on the first layer (which also warms it up).
     The global random state is left alone. Returns {(out, in): kernel name}.
     """
     if rows > FEW_ROWS:
         return {}
+    from gptkiln.cache import decode_kernel_choices, use_for_inductor
+
+    use_for_inductor()  # `fused_int8`'s compiled loops, kept beside the choices
+    stored = decode_kernel_choices()
+    known = stored.entries()
     groups: dict[tuple[str, tuple[int, int]], list[nn.Module]] = {}
     for module in model.modules():
         family = _family(module)
@@ -257,7 +273,16 @@ def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[i
             kernels = _candidates_of(family)
             key = (*shape, rows, threads, family)
             if key not in _CHOSEN:
-                _CHOSEN[key] = _fastest(kernels, layers, rows, repeats)
+                names = ",".join(kernels)
+                entry = f"{family} {shape[0]}x{shape[1]} rows={rows} threads={threads} {names}"
+                name = known.get(entry)
+                reference = next(iter(kernels))  # needs no check against itself
+                if name not in kernels or (
+                    name != reference and not _still_equal(kernels, name, layers[0], rows)
+                ):
+                    name = _fastest(kernels, layers, rows, repeats)
+                    stored.put(entry, name)
+                _CHOSEN[key] = name
             picked[shape] = _CHOSEN[key]
             for layer in layers:
                 layer.few_row_kernels[rows] = kernels[_CHOSEN[key]]
@@ -321,6 +346,17 @@ def _fastest(kernels: dict[str, Callable], layers: list[nn.Module], rows: int, r
         if seconds < best_time * (0.95 if best_name == reference else 1.0):
             best_name, best_time = name, seconds
     return best_name
+
+
+def _still_equal(kernels: dict[str, Callable], name: str, layer: nn.Module, rows: int) -> bool:
+    """Whether ``kernels[name]`` (a choice read from the disk cache) still gives the reference's
+    result on ``layer`` for ``rows`` rows, as `_fastest` asks of every candidate."""
+    x = torch.randn(rows, layer.weight.size(1), generator=torch.Generator().manual_seed(0))
+    expected = next(iter(kernels.values()))(x, *_operands(layer))
+    try:
+        return torch.allclose(kernels[name](x, *_operands(layer)), expected, rtol=1e-4, atol=1e-5)
+    except RuntimeError:
+        return False
 
 
 def _seconds(fn: Callable[[], object]) -> float:

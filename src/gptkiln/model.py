@@ -534,6 +534,34 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class _SkipInitialisers(torch.overrides.TorchFunctionMode):
+    """Skips ``torch.nn.init``'s fills while a model is built on the meta device.
+
+    Every layer's constructor initialises its weights (``nn.Embedding``: ``normal_``,
+    ``nn.Linear``: ``kaiming_uniform_``). On meta tensors that is pointless, the weights are
+    about to be assigned, and not free: meta ``normal_`` runs through ``torch._refs``, whose
+    first call imports ``torch._dynamo`` (1.8 s on a 2-core Xeon, most of a load's start-up).
+    A function mode is thread-local and sees exactly the calls made while it is on.
+    """
+
+    SKIPPED = frozenset(
+        {
+            nn.init.normal_,  # these four dispatch through the mode themselves
+            nn.init.uniform_,
+            nn.init.kaiming_uniform_,
+            nn.init.constant_,
+            torch.Tensor.normal_,  # what the others (xavier_, trunc_normal_, ...) end in
+            torch.Tensor.uniform_,
+        }
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SKIPPED:
+            return args[0] if args else kwargs["tensor"]  # in place: the tensor, untouched
+        return func(*args, **kwargs)
+
+
 class GPT(nn.Module):
     """The model: token embedding (+ learned position embedding for GPT-2), ``n_layer``
     blocks, final norm, output head.
@@ -550,6 +578,15 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        if torch.get_default_device().type == "meta":  # a model whose tensors get assigned
+            with _SkipInitialisers():
+                self._build(config)
+        else:
+            self._build(config)
+            self.reset_parameters()
+
+    def _build(self, config: GPTConfig) -> None:
+        """The layers of ``config``, as each layer's own constructor initialises them."""
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         if config.positions == "learned":
             self.wpe = nn.Embedding(config.context_length, config.n_embd)
@@ -563,8 +600,6 @@ class GPT(nn.Module):
         self.tie_weights()
         self.pad_lens: torch.Tensor | None = None  # (B,) left-padding per row, set with the cache
         self.init_buffers()
-        if not any(p.is_meta for p in self.parameters()):
-            self.reset_parameters()
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -577,9 +612,12 @@ class GPT(nn.Module):
         if self.config.positions != "rope":
             return
         c = self.config
-        cos, sin = rope_tables(
-            c.head_size, c.context_length, c.rope_theta, c.rope_scaling, self.wte.weight.device
-        )
+        if self.wte.weight.is_meta:  # shapes only (meta's arange imports torch._dynamo, 1.8 s)
+            cos = sin = torch.empty(c.context_length, c.head_size, device="meta")
+        else:
+            cos, sin = rope_tables(
+                c.head_size, c.context_length, c.rope_theta, c.rope_scaling, self.wte.weight.device
+            )
         self.register_buffer("rope_cos", cos, persistent=False)  # (context_length, hs)
         self.register_buffer("rope_sin", sin, persistent=False)  # (context_length, hs)
 

@@ -71,6 +71,11 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     Works on the meta device too (shapes and dtypes only), which is how a quantized model is
     built before its int8 weights are assigned.
     """
+    if weight.is_meta:  # no arithmetic: meta's reductions import torch._dynamo (1.8 s)
+        out_features = weight.size(0)
+        return torch.empty(weight.shape, dtype=torch.int8, device="meta"), torch.empty(
+            out_features, dtype=torch.float32, device="meta"
+        )
     w = weight.detach().float()
     absmax = w.abs().amax(dim=1)  # (out,)
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax)) / 127
