@@ -748,10 +748,12 @@ def evaluate(
     harness()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise GptkilnError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
-    manager, built = load_tasks(tasks, include_path)
+    # the model first: a missing run or a classifier is refused before the harness reads its
+    # task index (seconds) and logs what it makes of the tasks
     lm = GptkilnLM(
         run_dir, device=device, batch_size=batch_size, quantize=quantize, progress=progress
     )
+    manager, built = load_tasks(tasks, include_path)
     folder, path = _output_paths(run_dir, output_path)
     results = run_harness(
         lm,
@@ -837,9 +839,10 @@ def _write(results: dict, samples: dict | None, folder: Path, path: Path) -> lis
 
     path.write_text(dump(results, indent=2) + "\n", encoding="utf-8")
     written = []
-    stem = path.stem.removeprefix("results")
+    stem = path.stem.removeprefix("results")  # results_DATE.json: samples_TASK_DATE.jsonl
+    stem = stem if not stem or stem.startswith("_") else f"_{stem}"  # out.json: ..._out.jsonl
     for task, rows in (samples or {}).items():
-        sample_path = folder / f"samples_{task}{stem or ''}.jsonl"
+        sample_path = folder / f"samples_{task}{stem}.jsonl"
         sample_path.write_text("".join(dump(r) + "\n" for r in rows), encoding="utf-8")
         written.append(sample_path)
     return written
