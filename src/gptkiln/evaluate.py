@@ -692,13 +692,13 @@ class HarnessResults:
         results: the harness's results dict (``results``, ``groups``, ``configs``, ``versions``,
             ``n-shot``, ``higher_is_better``, ``n-samples``, ``config``, ...), as written.
         table: the harness's results table, with a first line naming the run and settings.
-        path: the results JSON written.
+        path: the results JSON written (None: not written).
         sample_paths: one JSON Lines file of per-sample records a task, with ``log_samples``.
     """
 
     results: dict[str, Any]
     table: str
-    path: Path
+    path: Path | None
     sample_paths: list[Path]
 
     def metrics(self) -> dict[str, float]:
@@ -776,6 +776,54 @@ def evaluate(
     return HarnessResults(results, header + "\n" + results_table(results), path, sample_paths)
 
 
+def evaluate_model(
+    model,
+    tokenizer,
+    tasks: str | Sequence[str],
+    *,
+    include_path: str | os.PathLike | None = None,
+    num_fewshot: int | None = None,
+    limit: int | float | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    seed: int | None = None,
+    bootstrap_iters: int = 0,
+    output_path: str | os.PathLike | None = None,
+    source: str = "the model",
+) -> HarnessResults:
+    """Harness tasks on a model in hand (a trainer's, at an evaluation step); the results
+    JSON written to ``output_path`` (a folder or a ``.json`` file) when given.
+
+    The model is used on its own device and put back in the mode it was in; pass the `GPT`
+    itself, not a compiled or DDP wrapper, and call this on one rank. The harness's task index
+    is read once per process; the tasks are built anew each call. Standard errors are computed
+    only with ``bootstrap_iters`` > 0. ``source`` names the model in the table's first line and
+    in the JSON's ``model_args``.
+
+    Returns:
+        The results and their table; ``path`` is None when nothing was written.
+    """
+    manager, built = load_tasks(tasks, include_path)
+    lm = GptkilnLM.from_model(
+        model, tokenizer, batch_size=batch_size, source=source, progress=False
+    )
+    folder, path = (None, None) if output_path is None else _output_paths(None, output_path)
+    results = run_harness(
+        lm,
+        manager,
+        built,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        seed=seed,
+        bootstrap_iters=bootstrap_iters,
+    )
+    results["config"].update(model="gptkiln", model_args={"source": source})
+    results.pop("samples", None)
+    if path is not None:
+        _write(results, None, folder, path)
+    header = f"gptkiln ({source}), limit: {limit}, num_fewshot: {num_fewshot}"
+    return HarnessResults(results, header + "\n" + results_table(results), path, [])
+
+
 def run_tasks(
     model,
     tokenizer,
@@ -788,26 +836,19 @@ def run_tasks(
     seed: int | None = None,
     bootstrap_iters: int = 0,
 ) -> dict[str, float]:
-    """Harness tasks on a model in hand (a trainer's, at an evaluation step): its metrics as
-    flat columns, ``TASK/METRIC`` (`flat_metrics`), for metrics.csv and TensorBoard.
-
-    The model is used on its own device and put back in the mode it was in; pass the `GPT`
-    itself, not a compiled or DDP wrapper, and call this on one rank. The harness's task index
-    is read once per process; the tasks are built anew each call. Standard errors are not
-    computed (``bootstrap_iters`` 0) and nothing is written.
-    """
-    manager, built = load_tasks(tasks, include_path)
-    lm = GptkilnLM.from_model(model, tokenizer, batch_size=batch_size, progress=False)
-    results = run_harness(
-        lm,
-        manager,
-        built,
+    """`evaluate_model`'s metrics as flat columns, ``TASK/METRIC`` (`flat_metrics`), for
+    metrics.csv and TensorBoard; nothing is written."""
+    return evaluate_model(
+        model,
+        tokenizer,
+        tasks,
+        include_path=include_path,
         num_fewshot=num_fewshot,
         limit=limit,
+        batch_size=batch_size,
         seed=seed,
         bootstrap_iters=bootstrap_iters,
-    )
-    return flat_metrics(results)
+    ).metrics()
 
 
 def _output_paths(run_dir, output_path) -> tuple[Path, Path]:
