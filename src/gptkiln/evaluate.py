@@ -638,10 +638,7 @@ def run_harness(
     few-shot sampling); None keeps its defaults (0, 1234, 1234, 1234)."""
     import lm_eval
 
-    if num_fewshot is not None and num_fewshot < 0:
-        raise GptkilnError(f"num_fewshot must be >= 0, got {num_fewshot}")
-    if limit is not None and not limit > 0:
-        raise GptkilnError(f"limit must be > 0 (a count, or a fraction below 1), got {limit}")
+    check_settings(num_fewshot, limit)
     seeds = {} if seed is None else dict.fromkeys(
         ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seed
     )  # fmt: skip
@@ -655,6 +652,14 @@ def run_harness(
         bootstrap_iters=bootstrap_iters,
         **seeds,
     )
+
+
+def check_settings(num_fewshot: int | None, limit: int | float | None) -> None:
+    """One line for a number of few-shot examples or a limit the harness cannot take."""
+    if num_fewshot is not None and num_fewshot < 0:
+        raise GptkilnError(f"num_fewshot must be >= 0, got {num_fewshot}")
+    if limit is not None and not limit > 0:
+        raise GptkilnError(f"limit must be > 0 (a count, or a fraction below 1), got {limit}")
 
 
 def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
@@ -748,6 +753,7 @@ def evaluate(
     harness()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise GptkilnError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+    check_settings(num_fewshot, limit)
     # the model first: a missing run or a classifier is refused before the harness reads its
     # task index (seconds) and logs what it makes of the tasks
     lm = GptkilnLM(
