@@ -279,8 +279,8 @@ def test_train_refuses_bad_tasks_before_the_first_step(play_path, tmp_path, caps
     needs_harness()
     (tmp_path / "broken.yaml").write_text("task: broken\ndataset_path: [unclosed\n")
     run = tmp_path / "run"
-    code, _, err = cli(*train_args(play_path, run, "--eval-tasks", "broken",
-                                   "--eval-tasks-include-path", tmp_path), capsys=capsys)  # fmt: skip
+    tasks = ["--eval-tasks", "broken", "--eval-tasks-include-path", tmp_path]
+    code, _, err = cli(*train_args(play_path, run, *tasks), capsys=capsys)
     assert_one_line_error(code, err, "gptkiln train: error:", "the task file does not parse")
     assert not (run / "metrics.csv").exists()
 
