@@ -336,3 +336,25 @@ def test_the_plot_draws_the_task_metrics_beside_the_loss(tmp_path, monkeypatch):
     saved.clear()
     plot_metric(rows, tmp_path / "plain.png", "loss", beside=["eval/none"])
     assert len(saved[0].axes) == 2  # the loss and its tokens-seen axis: no empty panel
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_0_runs_the_tasks_while_the_other_waits(
+    play_path, play_tasks, tmp_path
+):
+    from test_distributed import Launches, gptkiln_train, settings, worker_env
+
+    run = tmp_path / "run"
+    values = settings(play_path, run, max_steps=4, eval_tasks="play_mc",
+                      eval_tasks_include_path=str(play_tasks), eval_tasks_interval=2)  # fmt: skip
+    started = Launches()
+    try:
+        env = worker_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+        output = started.run(gptkiln_train(2, values), env=env)
+    finally:
+        started.close()
+    rows = read_metrics(run / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == [2, 4]
+    assert all(r["eval/play_mc/acc"] is not None for r in rows)
+    assert len(list((run / "eval").glob("results_*.json"))) == 1  # written once, by rank 0
+    assert output.count("harness results written to") == 1

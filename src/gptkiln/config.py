@@ -602,7 +602,7 @@ class TrainConfig:
     eval_tasks: str | None = setting(
         None,
         "evaluation and samples",
-        "lm-evaluation-harness tasks, NAME[,NAME...], run on the final weights: the results "
+        "lm-evaluation-harness tasks, comma-separated, run on the final weights: the results "
         "JSON into OUT/eval/, the table printed, the metrics into metrics.csv (needs the eval "
         "extra)",
         unset="none",

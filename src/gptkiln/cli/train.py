@@ -64,6 +64,9 @@ _FIELD_METAVARS = {
     "device": "DEVICE",
     "gelu": "KIND",
     "max_time": "MINUTES",
+    "eval_tasks": "NAME[,NAME...]",
+    "eval_tasks_limit": "N",
+    "eval_tasks_include_path": "DIR",
 }
 _TYPE_METAVARS = {int: "N", float: "X", str: "TEXT"}
 
