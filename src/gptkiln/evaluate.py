@@ -53,7 +53,7 @@ except ImportError:
         return lambda cls: cls
 
 
-INSTALL = "pip install 'lm-eval>=0.4.13,<0.5' (or gptkiln's extra: pip install -e '.[eval]')"
+INSTALL = "pip install 'lm-eval>=0.4.13,<0.5' (or gptkiln's extra: pip install -e \".[eval]\")"
 DEFAULT_BATCH_SIZE = 16
 HARNESS_MAX_GEN_TOKS = 256  # the harness's default when a task gives no max_gen_toks
 
