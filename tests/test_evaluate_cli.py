@@ -261,10 +261,13 @@ def test_train_runs_the_tasks_on_the_final_weights_only_by_default_and_resumes(
 ):
     run = tmp_path / "run"
     tasks = ["--eval-tasks", "play_mc", "--eval-tasks-include-path", play_tasks]
-    code, _, err = cli(*train_args(play_path, run, *tasks, "--max-steps", "3"), capsys=capsys)
+    limited = [*tasks, "--eval-tasks-limit", "2", "--max-steps", "3"]
+    code, _, err = cli(*train_args(play_path, run, *limited), capsys=capsys)
     assert code == 0, err
     rows = read_metrics(run / "metrics.csv")
     assert [(int(r["step"]), r["eval/play_mc/acc"] is not None) for r in rows] == [(3, True)]
+    (first,) = (run / "eval").glob("results_*.json")
+    assert json.loads(first.read_text())["n-samples"]["play_mc"]["effective"] == 2  # the limit
     # resumed to step 6: the column kept, the new final weights evaluated and written
     code, _, err = cli(*train_args(play_path, run, *tasks), "--resume", capsys=capsys)
     assert code == 0, err
@@ -273,7 +276,8 @@ def test_train_runs_the_tasks_on_the_final_weights_only_by_default_and_resumes(
         (3, True),
         (6, True),
     ]
-    assert len(list((run / "eval").glob("results_*.json"))) >= 1
+    latest = max((run / "eval").glob("results_*.json"), key=lambda p: p.stat().st_mtime)
+    assert json.loads(latest.read_text())["n-samples"]["play_mc"]["effective"] == 3  # no limit
 
 
 def test_train_refuses_bad_tasks_before_the_first_step(play_path, tmp_path, capsys):
