@@ -280,14 +280,14 @@ def test_train_runs_the_tasks_on_the_final_weights_only_by_default_and_resumes(
     assert json.loads(latest.read_text())["n-samples"]["play_mc"]["effective"] == 3  # no limit
 
 
-def test_train_refuses_bad_tasks_before_the_first_step(play_path, tmp_path, capsys):
+def test_train_refuses_bad_tasks_before_preparing_the_data(play_path, tmp_path, capsys):
     needs_harness()
     (tmp_path / "broken.yaml").write_text("task: broken\ndataset_path: [unclosed\n")
     run = tmp_path / "run"
     tasks = ["--eval-tasks", "broken", "--eval-tasks-include-path", tmp_path]
     code, _, err = cli(*train_args(play_path, run, *tasks), capsys=capsys)
     assert_one_line_error(code, err, "gptkiln train: error:", "the task file does not parse")
-    assert not (run / "metrics.csv").exists()
+    assert not (run / "data").exists()  # refused before the text was prepared
 
 
 @pytest.mark.parametrize(

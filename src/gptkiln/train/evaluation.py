@@ -7,11 +7,12 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from gptkiln import distributed as dist_utils
-from gptkiln.config import SampleConfig
+from gptkiln.config import SampleConfig, TrainConfig
 from gptkiln.model import GPT
 
 
@@ -153,7 +154,7 @@ class TaskBenchmarks:
         world: this process's rank.
     """
 
-    def __init__(self, cfg, run_dir, world: dist_utils.World) -> None:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, world: dist_utils.World) -> None:
         from gptkiln.errors import GptkilnError
         from gptkiln.evaluate import load_tasks
 

@@ -115,6 +115,8 @@ class Trainer:
         self.guard = dist_utils.TerminationGuard()
         if cfg.tensorboard:  # a missing package fails before any data is prepared
             tensorboard_writer_class()
+        # so do a missing harness and a bad task of --eval-tasks
+        benchmarks = TaskBenchmarks(cfg, self.run_dir, self.world) if cfg.eval_tasks else None
         resume, overwrite, restarted = start_mode(self.run_dir, resume, overwrite, self.world)
         context = RunContext(cfg, self.run_dir, self.device, self.world, resume)
         self.task = (task or LanguageModeling)(context)
@@ -128,8 +130,7 @@ class Trainer:
             self.model, self.forward, self.optimizer, self.batches, cfg, self.device
         )
         self.log = RunLog(self.task, self.run_dir, self.world, self.guard)
-        if cfg.eval_tasks:  # a missing harness or a bad task is refused before step 1
-            self.log.benchmarks = TaskBenchmarks(cfg, self.run_dir, self.world)
+        self.log.benchmarks = benchmarks
         self.checkpoints = Checkpoints(
             self.task, cfg, self.world, self.device, self.guard, restarted
         )
