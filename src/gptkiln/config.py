@@ -604,6 +604,33 @@ class TrainConfig:
         "also log every metric and the samples for TensorBoard, into OUT/tensorboard/ "
         "(view: tensorboard --logdir OUT)",
     )
+    eval_tasks: str | None = setting(
+        None,
+        "evaluation and samples",
+        "lm-evaluation-harness tasks, comma-separated, run on the final weights: the results "
+        "JSON into OUT/eval/, the table printed, the metrics into metrics.csv (needs the eval "
+        "extra)",
+        unset="none",
+    )
+    eval_tasks_interval: int | None = setting(
+        None,
+        "evaluation and samples",
+        "also run --eval-tasks every N steps: a metrics.csv column per task metric "
+        "(eval/TASK/METRIC), drawn beside the loss in loss.png (>= 1)",
+        unset="at the end only",
+    )
+    eval_tasks_limit: float | None = setting(
+        None,
+        "evaluation and samples",
+        "documents per task at most in each run of --eval-tasks, or a fraction of them below 1",
+        unset="all",
+    )
+    eval_tasks_include_path: str | None = setting(
+        None,
+        "evaluation and samples",
+        "a folder of task YAML files of your own for --eval-tasks",
+        unset="the harness's tasks only",
+    )
     checkpoint_interval: int = setting(
         100, "checkpoints", "save a checkpoint every N steps, and at the end (>= 1)"
     )
@@ -693,8 +720,28 @@ class TrainConfig:
             raise GptkilnError(
                 f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}"
             )
+        self._check_eval_tasks()
         if self.gelu not in (None, "tanh", "exact"):
             raise GptkilnError(f"gelu must be 'tanh' or 'exact', got {self.gelu!r}")
+
+    def _check_eval_tasks(self) -> None:
+        """The settings of harness tasks while training: each needs ``eval_tasks``."""
+        if self.eval_tasks is not None and not self.eval_tasks.strip(" ,"):
+            raise GptkilnError(
+                "eval_tasks is empty; name tasks (hellaswag,arc_easy) or leave it out"
+            )
+        for name in ("eval_tasks_interval", "eval_tasks_limit", "eval_tasks_include_path"):
+            if getattr(self, name) is not None and self.eval_tasks is None:
+                flag = "--" + name.replace("_", "-")
+                raise GptkilnError(f"{flag} needs --eval-tasks, the tasks to run; add it")
+        if self.eval_tasks_interval is not None:
+            _positive_int("eval_tasks_interval", self.eval_tasks_interval)
+        limit = self.eval_tasks_limit
+        if limit is not None and not (0 < limit < math.inf and (limit < 1 or limit.is_integer())):
+            raise GptkilnError(
+                f"eval_tasks_limit must be a whole number of documents >= 1 or a fraction in "
+                f"(0, 1), got {limit!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -53,7 +53,7 @@ except ImportError:
         return lambda cls: cls
 
 
-INSTALL = "pip install 'lm-eval>=0.4.13,<0.5' (or gptkiln's extra: pip install -e '.[eval]')"
+INSTALL = "pip install 'lm-eval>=0.4.13,<0.5' (or gptkiln's extra: pip install -e \".[eval]\")"
 DEFAULT_BATCH_SIZE = 16
 HARNESS_MAX_GEN_TOKS = 256  # the harness's default when a task gives no max_gen_toks
 
@@ -638,10 +638,7 @@ def run_harness(
     few-shot sampling); None keeps its defaults (0, 1234, 1234, 1234)."""
     import lm_eval
 
-    if num_fewshot is not None and num_fewshot < 0:
-        raise GptkilnError(f"num_fewshot must be >= 0, got {num_fewshot}")
-    if limit is not None and not limit > 0:
-        raise GptkilnError(f"limit must be > 0 (a count, or a fraction below 1), got {limit}")
+    check_settings(num_fewshot, limit)
     seeds = {} if seed is None else dict.fromkeys(
         ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seed
     )  # fmt: skip
@@ -655,6 +652,14 @@ def run_harness(
         bootstrap_iters=bootstrap_iters,
         **seeds,
     )
+
+
+def check_settings(num_fewshot: int | None, limit: int | float | None) -> None:
+    """One line for a number of few-shot examples or a limit the harness cannot take."""
+    if num_fewshot is not None and num_fewshot < 0:
+        raise GptkilnError(f"num_fewshot must be >= 0, got {num_fewshot}")
+    if limit is not None and not limit > 0:
+        raise GptkilnError(f"limit must be > 0 (a count, or a fraction below 1), got {limit}")
 
 
 def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
@@ -692,13 +697,13 @@ class HarnessResults:
         results: the harness's results dict (``results``, ``groups``, ``configs``, ``versions``,
             ``n-shot``, ``higher_is_better``, ``n-samples``, ``config``, ...), as written.
         table: the harness's results table, with a first line naming the run and settings.
-        path: the results JSON written.
+        path: the results JSON written (None: not written).
         sample_paths: one JSON Lines file of per-sample records a task, with ``log_samples``.
     """
 
     results: dict[str, Any]
     table: str
-    path: Path
+    path: Path | None
     sample_paths: list[Path]
 
     def metrics(self) -> dict[str, float]:
@@ -748,10 +753,13 @@ def evaluate(
     harness()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise GptkilnError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
-    manager, built = load_tasks(tasks, include_path)
+    check_settings(num_fewshot, limit)
+    # the model first: a missing run or a classifier is refused before the harness reads its
+    # task index (seconds) and logs what it makes of the tasks
     lm = GptkilnLM(
         run_dir, device=device, batch_size=batch_size, quantize=quantize, progress=progress
     )
+    manager, built = load_tasks(tasks, include_path)
     folder, path = _output_paths(run_dir, output_path)
     results = run_harness(
         lm,
@@ -774,6 +782,54 @@ def evaluate(
     return HarnessResults(results, header + "\n" + results_table(results), path, sample_paths)
 
 
+def evaluate_model(
+    model,
+    tokenizer,
+    tasks: str | Sequence[str],
+    *,
+    include_path: str | os.PathLike | None = None,
+    num_fewshot: int | None = None,
+    limit: int | float | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    seed: int | None = None,
+    bootstrap_iters: int = 0,
+    output_path: str | os.PathLike | None = None,
+    source: str = "the model",
+) -> HarnessResults:
+    """Harness tasks on a model in hand (a trainer's, at an evaluation step); the results
+    JSON written to ``output_path`` (a folder or a ``.json`` file) when given.
+
+    The model is used on its own device and put back in the mode it was in; pass the `GPT`
+    itself, not a compiled or DDP wrapper, and call this on one rank. The harness's task index
+    is read once per process; the tasks are built anew each call. Standard errors are computed
+    only with ``bootstrap_iters`` > 0. ``source`` names the model in the table's first line and
+    in the JSON's ``model_args``.
+
+    Returns:
+        The results and their table; ``path`` is None when nothing was written.
+    """
+    manager, built = load_tasks(tasks, include_path)
+    lm = GptkilnLM.from_model(
+        model, tokenizer, batch_size=batch_size, source=source, progress=False
+    )
+    folder, path = (None, None) if output_path is None else _output_paths(None, output_path)
+    results = run_harness(
+        lm,
+        manager,
+        built,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        seed=seed,
+        bootstrap_iters=bootstrap_iters,
+    )
+    results["config"].update(model="gptkiln", model_args={"source": source})
+    results.pop("samples", None)
+    if path is not None:
+        _write(results, None, folder, path)
+    header = f"gptkiln ({source}), limit: {limit}, num_fewshot: {num_fewshot}"
+    return HarnessResults(results, header + "\n" + results_table(results), path, [])
+
+
 def run_tasks(
     model,
     tokenizer,
@@ -786,26 +842,19 @@ def run_tasks(
     seed: int | None = None,
     bootstrap_iters: int = 0,
 ) -> dict[str, float]:
-    """Harness tasks on a model in hand (a trainer's, at an evaluation step): its metrics as
-    flat columns, ``TASK/METRIC`` (`flat_metrics`), for metrics.csv and TensorBoard.
-
-    The model is used on its own device and put back in the mode it was in; pass the `GPT`
-    itself, not a compiled or DDP wrapper, and call this on one rank. The harness's task index
-    is read once per process; the tasks are built anew each call. Standard errors are not
-    computed (``bootstrap_iters`` 0) and nothing is written.
-    """
-    manager, built = load_tasks(tasks, include_path)
-    lm = GptkilnLM.from_model(model, tokenizer, batch_size=batch_size, progress=False)
-    results = run_harness(
-        lm,
-        manager,
-        built,
+    """`evaluate_model`'s metrics as flat columns, ``TASK/METRIC`` (`flat_metrics`), for
+    metrics.csv and TensorBoard; nothing is written."""
+    return evaluate_model(
+        model,
+        tokenizer,
+        tasks,
+        include_path=include_path,
         num_fewshot=num_fewshot,
         limit=limit,
+        batch_size=batch_size,
         seed=seed,
         bootstrap_iters=bootstrap_iters,
-    )
-    return flat_metrics(results)
+    ).metrics()
 
 
 def _output_paths(run_dir, output_path) -> tuple[Path, Path]:
@@ -837,9 +886,10 @@ def _write(results: dict, samples: dict | None, folder: Path, path: Path) -> lis
 
     path.write_text(dump(results, indent=2) + "\n", encoding="utf-8")
     written = []
-    stem = path.stem.removeprefix("results")
+    stem = path.stem.removeprefix("results")  # results_DATE.json: samples_TASK_DATE.jsonl
+    stem = stem if not stem or stem.startswith("_") else f"_{stem}"  # out.json: ..._out.jsonl
     for task, rows in (samples or {}).items():
-        sample_path = folder / f"samples_{task}{stem or ''}.jsonl"
+        sample_path = folder / f"samples_{task}{stem}.jsonl"
         sample_path.write_text("".join(dump(r) + "\n" for r in rows), encoding="utf-8")
         written.append(sample_path)
     return written

@@ -23,9 +23,19 @@ def plot_losses(rows: Sequence[dict], path: str | os.PathLike) -> None:
     plot_metric(rows, path, "loss")
 
 
-def plot_metric(rows: Sequence[dict], path: str | os.PathLike, metric: str = "loss") -> None:
+def plot_metric(
+    rows: Sequence[dict],
+    path: str | os.PathLike,
+    metric: str = "loss",
+    beside: Sequence[str] = (),
+) -> None:
     """Draw ``train_METRIC`` and ``val_METRIC`` of rows of metrics (with ``step`` and
-    ``tokens``) to a PNG at ``path``; called ``plot_values`` in the book's chapter 6."""
+    ``tokens``) to a PNG at ``path``; called ``plot_values`` in the book's chapter 6.
+
+    ``beside``: other columns (a harness task's ``eval/TASK/METRIC``), drawn against steps in a
+    second panel to the right, each from the rows that have it; the panel is left out when none
+    of them has a value.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a window
@@ -33,9 +43,17 @@ def plot_metric(rows: Sequence[dict], path: str | os.PathLike, metric: str = "lo
     from matplotlib.ticker import MaxNLocator
 
     name = metric.capitalize()
+    curves = {
+        column: [(r["step"], r[column]) for r in rows if r.get(column) is not None]
+        for column in beside
+    }
+    curves = {column: points for column, points in curves.items() if points}
+    if curves:
+        fig, (ax, tasks_ax) = plt.subplots(1, 2, figsize=(11, 3.5))
+    else:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = [r["step"] for r in rows]
     train = [r.get(f"train_{metric}") for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, train, label=f"Training {metric}")
     val = [(r["step"], r[f"val_{metric}"]) for r in rows if r.get(f"val_{metric}") is not None]
     if val:
@@ -47,6 +65,19 @@ def plot_metric(rows: Sequence[dict], path: str | os.PathLike, metric: str = "lo
     tokens = ax.twiny()  # same curve against tokens seen, on the top axis
     tokens.plot([r["tokens"] for r in rows], train, alpha=0)
     tokens.set_xlabel("Tokens seen")
+    if curves:
+        for column, points in curves.items():
+            label = column.removeprefix("eval/")
+            tasks_ax.plot(*zip(*points), marker="o", markersize=3, label=label)
+        values = [v for points in curves.values() for _, v in points]
+        if min(values) > 0 and max(values) > 100 * min(values):  # perplexities beside accuracies
+            tasks_ax.set_yscale("log")
+        tasks_ax.set_xlim(ax.get_xlim())  # the same steps under both panels
+        tasks_ax.set_xlabel("Steps")
+        tasks_ax.set_ylabel("Task metric")
+        tasks_ax.set_title("lm-evaluation-harness tasks", fontsize=9)
+        tasks_ax.legend(fontsize=7, loc="best")
+        tasks_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

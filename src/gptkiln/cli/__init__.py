@@ -8,13 +8,14 @@ One module per command, or per close group, each holding its parser and what run
                  share (--device, --quantize, --out, --overwrite, the sampling flags, RUN, ...)
     prepare.py   prepare                    train.py     train (flags from TrainConfig; --nproc)
     generate.py  generate                   eval.py      eval
-    inspect.py   inspect                    info.py      info
+    evaluate.py  evaluate (lm-eval tasks)   inspect.py   inspect
+    info.py      info
     serve.py     serve                      convert.py   convert, download
     finetune.py  finetune, classify, chat
 
 A command's ``add_parser(sub)`` adds its subparser and sets ``func`` to the function that runs
-it, so `main` calls ``args.func(args)``. A new command (``evaluate``, say) is a module here with
-those two functions and one line in `COMMANDS`, where it takes its place in ``gptkiln --help``.
+it, so `main` calls ``args.func(args)``. A new command is a module here with those two
+functions and one line in `COMMANDS`, where it takes its place in ``gptkiln --help``.
 Nothing here imports torch: each command imports its library when it runs.
 """
 
@@ -25,7 +26,18 @@ import sys
 from collections.abc import Callable
 
 from gptkiln import __version__
-from gptkiln.cli import convert, eval, finetune, generate, info, inspect, prepare, serve, train
+from gptkiln.cli import (
+    convert,
+    eval,
+    evaluate,
+    finetune,
+    generate,
+    info,
+    inspect,
+    prepare,
+    serve,
+    train,
+)
 from gptkiln.cli.common import (
     HelpFormatter,
     Parser,
@@ -72,6 +84,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     train.add_parser,
     generate.add_parser,
     eval.add_parser,
+    evaluate.add_parser,
     inspect.add_parser,
     info.add_parser,
     serve.add_parser,

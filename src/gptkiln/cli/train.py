@@ -65,6 +65,9 @@ _FIELD_METAVARS = {
     "gelu": "KIND",
     "max_time": "MINUTES",
     "text_field": "NAME",
+    "eval_tasks": "NAME[,NAME...]",
+    "eval_tasks_limit": "N",
+    "eval_tasks_include_path": "DIR",
 }
 _TYPE_METAVARS = {int: "N", float: "X", str: "TEXT"}
 

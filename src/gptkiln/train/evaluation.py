@@ -3,14 +3,16 @@ per character of the text, a task's own counts), and short samples to watch it l
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from gptkiln import distributed as dist_utils
-from gptkiln.config import SampleConfig
+from gptkiln.config import SampleConfig, TrainConfig
 from gptkiln.model import GPT
 
 
@@ -129,3 +131,91 @@ def sample_text(
     cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=0.8, top_k=50, seed=seed)
     new = generate(model, ids, cfg, eot_id=tokenizer.eot_id, use_cache=use_cache)
     return prompt + tokenizer.decode(new)
+
+
+BENCHMARK_PREFIX = "eval/"
+"""What metrics.csv and TensorBoard call a harness task's metric: ``eval/TASK/METRIC``."""
+
+
+class TaskBenchmarks:
+    """lm-evaluation-harness tasks (``cfg.eval_tasks``) on the model while it trains: on the
+    final weights, and every ``cfg.eval_tasks_interval`` steps when set.
+
+    Rank 0 alone runs them, on the model itself (not its DDP wrapper), while the other ranks
+    wait at a barrier (so a harness run must end within GPTKILN_DIST_TIMEOUT). Under FSDP no
+    rank holds the whole model, so it is refused. The random number generators (Python, NumPy,
+    torch), which the harness seeds, are put back afterwards: training goes on as it would have
+    without the tasks.
+
+    Args:
+        cfg: the run's settings (``eval_tasks``, ``eval_tasks_interval``, ``eval_tasks_limit``,
+            ``eval_tasks_include_path``, ``batch_size``, ``parallel``).
+        run_dir: the results JSON of the final weights goes into ``run_dir/eval/``.
+        world: this process's rank.
+    """
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, world: dist_utils.World) -> None:
+        from gptkiln.errors import GptkilnError
+        from gptkiln.evaluate import load_tasks
+
+        if world.distributed and cfg.parallel == "fsdp":
+            raise GptkilnError(
+                "--eval-tasks with --parallel fsdp: no process holds the whole model to run the "
+                "harness on; use --parallel ddp, or evaluate the run afterwards with "
+                "`gptkiln evaluate OUT --tasks ...`"
+            )
+        self.cfg, self.run_dir, self.world = cfg, run_dir, world
+        limit = cfg.eval_tasks_limit
+        self.limit = int(limit) if limit is not None and limit >= 1 else limit
+        load_tasks(cfg.eval_tasks, cfg.eval_tasks_include_path)  # bad tasks: before step 1
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether the tasks run after optimizer step ``step`` (``last``: the final one)."""
+        interval = self.cfg.eval_tasks_interval
+        return last or (interval is not None and step % interval == 0)
+
+    def run(self, model: GPT, tokenizer, step: int, last: bool, write) -> dict[str, float]:
+        """The tasks' metrics as ``eval/TASK/METRIC`` columns (on rank 0; {} on the others).
+        After the final step the results JSON is written into ``run_dir/eval/`` and its table
+        and path go to ``write`` (the run's printed log)."""
+        from gptkiln.evaluate import evaluate_model
+
+        columns: dict[str, float] = {}
+        if self.world.is_main:
+            cfg = self.cfg
+            with _rng_kept(model.wte.weight.device):
+                report = evaluate_model(
+                    model,
+                    tokenizer,
+                    cfg.eval_tasks,
+                    include_path=cfg.eval_tasks_include_path,
+                    limit=self.limit,
+                    batch_size=cfg.batch_size,
+                    output_path=self.run_dir / "eval" if last else None,
+                    source=f"{self.run_dir} at step {step}",
+                )
+            columns = {BENCHMARK_PREFIX + k: v for k, v in report.metrics().items()}
+            if last:
+                write(f"{report.table}\nharness results written to {report.path}")
+        dist_utils.barrier(self.world)  # the other ranks wait for rank 0's tasks
+        return columns
+
+
+@contextlib.contextmanager
+def _rng_kept(device: torch.device):
+    """Python's, NumPy's and torch's random states (the CPU's and a CUDA ``device``'s) as they
+    were on entry, put back on exit."""
+    import random
+
+    import numpy as np
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)

@@ -24,6 +24,7 @@ from gptkiln.errors import GptkilnError, RunStopped
 from gptkiln.model import GPT
 from gptkiln.optim import make_optimizer
 from gptkiln.train.checkpointing import Checkpoints, Progress, start_mode
+from gptkiln.train.evaluation import TaskBenchmarks
 from gptkiln.train.optimizer_step import OptimizerStep, autocast_for
 from gptkiln.train.run_log import ProgressBar, RunLog, tensorboard_writer_class
 from gptkiln.train.stops import diverged_message, nothing_to_train, stopped_message
@@ -114,6 +115,8 @@ class Trainer:
         self.guard = dist_utils.TerminationGuard()
         if cfg.tensorboard:  # a missing package fails before any data is prepared
             tensorboard_writer_class()
+        # so do a missing harness and a bad task of --eval-tasks
+        benchmarks = TaskBenchmarks(cfg, self.run_dir, self.world) if cfg.eval_tasks else None
         resume, overwrite, restarted = start_mode(self.run_dir, resume, overwrite, self.world)
         context = RunContext(cfg, self.run_dir, self.device, self.world, resume)
         self.task = (task or LanguageModeling)(context)
@@ -127,6 +130,7 @@ class Trainer:
             self.model, self.forward, self.optimizer, self.batches, cfg, self.device
         )
         self.log = RunLog(self.task, self.run_dir, self.world, self.guard)
+        self.log.benchmarks = benchmarks
         self.checkpoints = Checkpoints(
             self.task, cfg, self.world, self.device, self.guard, restarted
         )
@@ -228,7 +232,11 @@ class Trainer:
                 shown = loss
             bar.step_done(self.step, shown, speed.tokens_per_s)
             last = self.step == total or clock.out_of_time()
-            if self.step % cfg.eval_interval == 0 or last:
+            if (
+                self.step % cfg.eval_interval == 0
+                or last
+                or self.log.benchmarks_due(self.step, last)
+            ):
                 evaluated = self.log.log_eval(
                     self.model,
                     self.autocast,
@@ -238,6 +246,7 @@ class Trainer:
                     lr,
                     speed.tokens_per_s,
                     bar,
+                    last=last,
                 )
             save = self.checkpoints.due(self.step, last)
             sample = self.step % cfg.sample_interval == 0 and not last

@@ -16,8 +16,10 @@ import torch
 
 from gptkiln import distributed as dist_utils
 from gptkiln.errors import GptkilnError
+from gptkiln.train.evaluation import BENCHMARK_PREFIX
 
 if TYPE_CHECKING:
+    from gptkiln.train.evaluation import TaskBenchmarks
     from gptkiln.train.task import Task
     from gptkiln.train.timing import TrainingClock
 
@@ -142,6 +144,7 @@ class RunLog:
         self.fields = ["step", "tokens", *task.columns, "lr", "tokens_per_s"]
         self.history: list[dict] = []  # every evaluation's row, those before a resume too
         self.tensorboard: TensorBoardLog | None = None
+        self.benchmarks: TaskBenchmarks | None = None  # harness tasks, when the run has them
 
     @property
     def metrics_path(self) -> Path:
@@ -188,10 +191,11 @@ class RunLog:
         lr: float,
         tokens_per_s: float | None,
         bar: ProgressBar,
+        last: bool = False,
     ) -> dict:
         """The task's evaluation of ``model`` (e.g. loss and perplexity on fixed validation and
-        training batches) after optimizer step ``step``, as one row, written, printed and
-        returned.
+        training batches) after optimizer step ``step``, and the harness tasks' metrics when
+        they are due (`benchmarks_due`), as one row, written, printed and returned.
 
         Args:
             tokens: input tokens seen so far, over all ranks.
@@ -199,8 +203,13 @@ class RunLog:
                 train_loss when the task evaluated no training set.
             lr: the learning rate of the last step.
             tokens_per_s: the loop's speed, None until a step is timed.
+            last: whether this is the run's final step.
         """
         values = self.task.evaluate(model, autocast)
+        if self.benchmarks_due(step, last):
+            tokenizer = self.task.tokenizer
+            raw = dist_utils.unwrap(model)
+            values.update(self.benchmarks.run(raw, tokenizer, step, last, bar.write))
         mean_batch = dist_utils.all_reduce_mean(torch.tensor(batch_loss), self.world).item()
         if values.get("train_loss") is None:  # no training set evaluated: the batches' loss
             values["train_loss"] = mean_batch
@@ -216,6 +225,10 @@ class RunLog:
         self.write(row, bar)
         return row
 
+    def benchmarks_due(self, step: int, last: bool) -> bool:
+        """Whether the harness tasks run after step ``step`` (``last``: the final one)."""
+        return self.benchmarks is not None and self.benchmarks.due(step, last)
+
     def write(self, row: dict, bar: ProgressBar) -> None:
         """Keep ``row`` in the history; rank 0 appends it to metrics.csv and TensorBoard and
         prints its line."""
@@ -225,8 +238,13 @@ class RunLog:
             if self.tensorboard is not None:
                 self.tensorboard.log_row(row)
             speed = row["tokens_per_s"]
+            tasks = "".join(
+                f" | {name.removeprefix(BENCHMARK_PREFIX)} {value:.4g}"
+                for name, value in row.items()
+                if name.startswith(BENCHMARK_PREFIX) and value is not None
+            )
             bar.write(
-                f"step {row['step']:>6} | {self.task.summary(row)} | lr {row['lr']:.2e}"
+                f"step {row['step']:>6} | {self.task.summary(row)}{tasks} | lr {row['lr']:.2e}"
                 + ("" if speed is None else f" | {speed:,.0f} tok/s")
             )
 
@@ -242,13 +260,16 @@ class RunLog:
         return text
 
     def plot(self) -> None:
-        """loss.png, and a plot of each other metric the task draws (e.g. accuracy.png)."""
+        """loss.png (with the harness tasks' metrics in a panel beside the loss, when the run
+        has them), and a plot of each other metric the task draws (e.g. accuracy.png)."""
         from gptkiln.plots import plot_metric
 
         if self.metrics_path.exists():
             rows = read_metrics(self.metrics_path)
+            tasks = [c for c in self.fields if c.startswith(BENCHMARK_PREFIX)]
             for metric in self.task.plots:
-                plot_metric(rows, self.run_dir / f"{metric}.png", metric)
+                beside = tasks if metric == "loss" else []
+                plot_metric(rows, self.run_dir / f"{metric}.png", metric, beside=beside)
 
     def close(self) -> None:
         """Close the TensorBoard log, if one is open."""
@@ -256,9 +277,27 @@ class RunLog:
             self.tensorboard.close()
 
     def _append(self, row: dict) -> None:
-        new = not self.metrics_path.exists()
-        with self.guard.hold(), open(self.metrics_path, "a", newline="") as f:
+        """One row at the end of metrics.csv. A column the file has not yet (a harness task's
+        metric, known once the task has run) is added after the others: the file is written
+        again with it, empty in the rows before, and replaces the old one at once."""
+        added = [k for k in row if k not in self.fields]
+        self.fields += added
+        with self.guard.hold():
+            if not (added and self.metrics_path.exists()):
+                self._write_rows(self.metrics_path, [row], "a")
+                return
+            rows = read_metrics(self.metrics_path)
+            for old in rows:
+                old["step"], old["tokens"] = int(old["step"]), int(old["tokens"])
+            fresh = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+            self._write_rows(fresh, [*rows, row], "w")
+            os.replace(fresh, self.metrics_path)
+
+    def _write_rows(self, path: Path, rows: list[dict], mode: str) -> None:
+        new = mode == "w" or not path.exists()
+        with open(path, mode, newline="") as f:
             writer = csv.DictWriter(f, fieldnames=self.fields)
             if new:
                 writer.writeheader()
-            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in self.fields})
+            for row in rows:
+                writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in self.fields})
