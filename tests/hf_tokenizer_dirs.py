@@ -1,3 +1,4 @@
+# ruff: noqa: E501 - the templates keep the long lines of the real ones they copy the shape of
 """Hugging Face tokenizer directories for the tests, written offline: a tiny byte-level BPE
 trained with ``tokenizers`` plus added special tokens shaped like Llama 3's and Qwen3's, and a
 tokenizer_config.json holding chat templates written in the shape of theirs."""
@@ -102,8 +103,15 @@ QWEN3_NON_SPECIAL = ["<think>", "</think>"]  # added, but normal tokens (special
 def _tokenizer_json(specials: list[str], plain_added: list[str], bos: str | None) -> str:
     """A byte-level BPE of ~400 ids trained on CORPUS, the added tokens after it; with ``bos``
     a post-processor that puts it first (Llama 3's ``TemplateProcessing``)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from tokenizers import trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

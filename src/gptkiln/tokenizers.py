@@ -565,11 +565,12 @@ class HFTokenizer(Tokenizer):
     the ids and text ``transformers.AutoTokenizer`` gives on the same directory.
 
     - `encode` is ``AutoTokenizer.encode(text)``: added tokens (``<|eot_id|>``, ``<|im_end|>``)
-      written in the text are recognized as HF recognizes them, and BOS is added as the
-      tokenizer's post-processor says; where tokenizer_config.json sets ``add_bos_token`` /
-      ``add_eos_token`` (or there is no post-processor) one is built from them, as
-      ``transformers`` builds it. `encode_templated` adds nothing (a chat template's text holds
-      its own), as ``apply_chat_template(tokenize=True)``.
+      written in the text are recognized as HF recognizes them, and BOS (EOS) is added as
+      tokenizer.json's post-processor says (Llama 3's puts ``<|begin_of_text|>`` first, Qwen3's
+      adds none). ``transformers`` 5 reads no ``add_bos_token`` / ``add_eos_token`` from
+      tokenizer_config.json when there is a tokenizer.json, and neither does this.
+      `encode_templated` adds nothing (a chat template's text holds its own), as
+      ``apply_chat_template(tokenize=True)``.
     - `decode` keeps special tokens (HF's default) and cleans up spaces only where HF does
       (``clean_up_tokenization_spaces`` on a model other than BPE).
     - ``eot_id`` is the EOS of tokenizer_config.json (else config.json's first); `stop_ids` are
@@ -585,7 +586,6 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, source: str, files: dict[str, Any]) -> None:
         from tokenizers import Tokenizer as HFTok
-        from tokenizers import processors
 
         self._source, self.files = source, files
         config = files.get(HF_CONFIG_FILE) or {}
@@ -596,16 +596,6 @@ class HFTokenizer(Tokenizer):
         self._hf = hf_tokenizer = HFTok.from_str(source)
         bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
         self.bos_id = self._id_of(bos) if bos else model_config.get("bos_token_id")
-        add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
-        if add_bos is not None or add_eos is not None or hf_tokenizer.post_processor is None:
-            # transformers' update_post_processor: BOS before and EOS after as configured.
-            add_bos, add_eos = bool(add_bos) and bos is not None, bool(add_eos) and eos is not None
-            single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
-            pair = " ".join([single] + [f"{bos}:1"] * add_bos + ["$B:1"] + [f"{eos}:1"] * add_eos)
-            special = [(bos, self._id_of(bos))] * add_bos + [(eos, self._id_of(eos))] * add_eos
-            self._hf.post_processor = processors.TemplateProcessing(
-                single=single, pair=pair, special_tokens=special
-            )
         # A twin that reads special tokens as plain text, for encode_ordinary_batch.
         self._hf_plain = HFTok.from_str(self._hf.to_str())
         self._hf_plain.encode_special_tokens = True
