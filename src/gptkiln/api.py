@@ -85,12 +85,12 @@ def stream_from_model(
     of one sequence through `sampling.TextStream`, which `generate`, `chat` and the
     fine-tuning samples all read. ``templated``: ``prompt`` was rendered by the model's chat
     template (`gptkiln.tokenizers.encode_prompt`)."""
-    from gptkiln.sampling import TextStream, generate_stream
+    from gptkiln.sampling import TextStream, generate_stream, stop_ids_of
 
     was_training = model.training
     model.eval()
     ids = _prompt_ids(model, tokenizer, prompt, source, on_notice, templated=templated)
-    ends = tokenizer.stop_ids  # every id that ends a turn (Llama 3 Instruct has several)
+    ends = stop_ids_of(tokenizer)  # every id that ends a turn (Llama 3 Instruct has several)
     stream = TextStream(tokenizer.decode, cfg.stop, ends if cfg.stop_at_eos else None)
     try:
         for _ in generate_stream(model, [ids], cfg, ends, streams=[stream]):

@@ -126,6 +126,13 @@ def end_ids(eot_id: int | Sequence[int] | None) -> tuple[int, ...]:
     return tuple(int(i) for i in eot_id)
 
 
+def stop_ids_of(tokenizer) -> tuple[int, ...]:
+    """The ids that end a sequence for ``tokenizer``: its `stop_ids` (a gptkiln tokenizer's),
+    else its ``eot_id`` alone (any object with ``decode`` and ``eot_id`` serves)."""
+    ids = getattr(tokenizer, "stop_ids", None)
+    return end_ids(tokenizer.eot_id if ids is None else ids)
+
+
 class TextStream:
     """The text of one generated sequence, given out piece by piece as it becomes final.
 
@@ -300,7 +307,7 @@ def generate_batched(
     `gptkiln.api.complete` and the harness backend (`gptkiln.evaluate`) both generate through
     this; the model is left in the mode it was in, without a cache.
     """
-    eot = tokenizer.stop_ids if cfg.stop_at_eos else None
+    eot = stop_ids_of(tokenizer) if cfg.stop_at_eos else None
     streams = [TextStream(tokenizer.decode, cfg.stop, eot) for _ in prompts]
     was_training = model.training
     model.eval()
@@ -311,7 +318,7 @@ def generate_batched(
                 model,
                 [prompts[r] for r in batch],
                 cfg,
-                tokenizer.stop_ids,
+                stop_ids_of(tokenizer),
                 streams=[streams[r] for r in batch],
                 row_seeds=None if row_seeds is None else [row_seeds[r] for r in batch],
             ):
@@ -363,7 +370,7 @@ def generate(
     if overrides:
         cfg = SampleConfig(**{**cfg.__dict__, **overrides})
     if tokenizer is not None and eot_id is None:
-        eot_id = getattr(tokenizer, "stop_ids", tokenizer.eot_id)
+        eot_id = stop_ids_of(tokenizer)
     if isinstance(prompts, (torch.Tensor, np.ndarray)):  # (T,) one prompt, (B, T) a batch
         prompts = prompts.tolist()
     single = len(prompts) > 0 and isinstance(prompts[0], int)

@@ -42,7 +42,7 @@ from gptkiln.config import SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.kernels import tune_decoding
 from gptkiln.model import GPT
-from gptkiln.sampling import TextStream, apply_penalties, sample_rows
+from gptkiln.sampling import TextStream, apply_penalties, sample_rows, stop_ids_of
 
 
 class QueueFull(Exception):
@@ -281,7 +281,7 @@ class Batcher:
 
     def _new_slot(self, row: int, seq: Sequence) -> _Slot:
         cfg = seq.cfg
-        end = self.tokenizer.stop_ids if cfg.stop_at_eos else None  # any of them ends a turn
+        end = stop_ids_of(self.tokenizer) if cfg.stop_at_eos else None  # any of them ends a turn
         generator = None
         if cfg.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
