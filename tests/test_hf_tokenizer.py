@@ -124,14 +124,19 @@ def test_bos_eos_and_every_stop_id_come_from_the_config_files(tmp_path):
 
 
 def test_a_run_keeps_the_tokenizer_and_bpe_runs_stay_bpe(tmp_path):
-    source = load_tokenizer(write_qwen3_dir(tmp_path / "q"))
+    directory = write_llama3_dir(tmp_path / "l")
+    (directory / "generation_config.json").unlink()  # the stop ids of config.json alone
+    source = load_tokenizer(directory)
+    assert len(source.stop_ids) == 3
     source.save(tmp_path / "saved")
+    (tmp_path / "saved" / "config.json").write_text('{"model": {}}')  # a run's own config.json
     again = load_tokenizer(tmp_path / "saved")
     assert isinstance(again, HFTokenizer)
     assert json.loads((tmp_path / "saved" / "tokenizer_meta.json").read_text())["kind"] == "hf"
     assert again.fingerprint() == source.fingerprint() and again.stop_ids == source.stop_ids
     for text in TEXTS:
         assert again.encode(text) == source.encode(text)
+    assert again.bos_id == source.bos_id and again.eot_id == source.eot_id
     assert (tmp_path / "saved" / "tokenizer_config.json").is_file()
     # gptkiln's own trained BPE also writes a tokenizer.json: it stays a bpe tokenizer
     bpe = train_bpe_tokenizer(["some text to learn from, twice " * 20], 300)

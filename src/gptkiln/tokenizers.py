@@ -650,6 +650,16 @@ class HFTokenizer(Tokenizer):
         kept = {k: v for k, v in config.items() if k != "chat_template"}
         return self._hf.to_str() + json.dumps([kept, self._stop_ids], sort_keys=True)
 
+    def save(self, directory: str | os.PathLike) -> None:
+        """As every tokenizer saves; the meta file also keeps the model config.json's BOS/EOS
+        ids (a run's config.json is gptkiln's own, so they would be lost with the file)."""
+        super().save(directory)
+        meta_path = Path(directory) / META_FILE
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        model = self.files.get("config.json") or {}
+        meta[MODEL_IDS_KEY] = {k: model[k] for k in ("bos_token_id", "eos_token_id") if k in model}
+        meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
     def _save_files(self, directory: Path) -> None:
         (directory / BPE_FILE).write_text(self._source, encoding="utf-8")
         for name, content in self.files.items():
@@ -671,9 +681,8 @@ class HFTokenizer(Tokenizer):
         path = directory / BPE_FILE
         if not path.is_file():
             raise GptkilnError(
-                f"{directory}: has {HF_CONFIG_FILE} but no {BPE_FILE}; gptkiln reads a Hugging "
-                f"Face tokenizer from its {BPE_FILE} (the 'fast' tokenizer): copy it from the "
-                "model's repository"
+                f"{directory}: a Hugging Face tokenizer with no {BPE_FILE}; gptkiln reads one "
+                f"from its {BPE_FILE} (the 'fast' tokenizer): copy it from the model's repository"
             )
         try:
             source = path.read_text(encoding="utf-8")
@@ -687,11 +696,19 @@ class HFTokenizer(Tokenizer):
         for name in (HF_CONFIG_FILE, *HF_EXTRA_FILES, "config.json"):
             if (directory / name).is_file():
                 is_json = name.endswith(".json")
-                text = (directory / name).read_text(encoding="utf-8")
-                files[name] = read_json(directory / name) if is_json else text
+                files[name] = (
+                    read_json(directory / name)
+                    if is_json
+                    else (directory / name).read_text(encoding="utf-8")
+                )
+        meta_path = directory / META_FILE
+        if meta_path.is_file():  # saved by gptkiln: config.json is the run's, the ids are here
+            files["config.json"] = read_json(meta_path).get(MODEL_IDS_KEY) or {}
         return cls(source, files)
 
 
+MODEL_IDS_KEY = "model_ids"
+"""tokenizer_meta.json's entry for the model config.json's ``bos_token_id`` / ``eos_token_id``."""
 _CORRUPT = "even_though_it_will_corrupt_output"  # transformers' flag's end
 _CLEAN_UP = (
     (" .", "."),
