@@ -41,11 +41,13 @@ def stream_text(
     given) is told so. ``quantize="int8"`` quantizes the weights on load
     (`gptkiln.loading.load_model`).
 
-    An instruction-tuned run (`gptkiln finetune`) takes ``prompt`` as the instruction and
-    ``input`` as its input, formatted with the run's stored template (`finetune.templates`);
+    An instruction-tuned run (`gptkiln finetune`, or a model with its own chat template,
+    `gptkiln.chat_template`) takes ``prompt`` as the instruction and ``input`` as its input,
+    formatted with the run's stored template (`finetune.templates`);
     the text is the response alone, which also ends where the model starts a part of the
     template (``### Instruction:`` ...). ``raw`` sends ``prompt`` as it is.
     """
+    from gptkiln.chat_template import is_chat_template
     from gptkiln.finetune.runs import run_template
     from gptkiln.finetune.templates import format_prompt
     from gptkiln.loading import check_language_model, load_run
@@ -63,7 +65,10 @@ def stream_text(
             f"--input goes into an instruction-tuned run's prompt template, and {why}; put the "
             "whole prompt in --prompt"
         )
-    yield from stream_from_model(model, tokenizer, prompt, cfg, run_dir, on_notice)
+    templated = is_chat_template(template)
+    yield from stream_from_model(
+        model, tokenizer, prompt, cfg, run_dir, on_notice, templated=templated
+    )
 
 
 def stream_from_model(
@@ -73,18 +78,22 @@ def stream_from_model(
     cfg: SampleConfig,
     source: str | os.PathLike = "the model",
     on_notice: Callable[[str], None] | None = None,
+    *,
+    templated: bool = False,
 ) -> Iterator[str]:
     """`stream_text` for a model already loaded (``source`` names it in messages): the text
     of one sequence through `sampling.TextStream`, which `generate`, `chat` and the
-    fine-tuning samples all read."""
-    from gptkiln.sampling import TextStream, generate_stream
+    fine-tuning samples all read. ``templated``: ``prompt`` was rendered by the model's chat
+    template (`gptkiln.tokenizers.encode_prompt`)."""
+    from gptkiln.sampling import TextStream, generate_stream, stop_ids_of
 
     was_training = model.training
     model.eval()
-    ids = _prompt_ids(model, tokenizer, prompt, source, on_notice)
-    stream = TextStream(tokenizer.decode, cfg.stop, tokenizer.eot_id if cfg.stop_at_eos else None)
+    ids = _prompt_ids(model, tokenizer, prompt, source, on_notice, templated=templated)
+    ends = stop_ids_of(tokenizer)  # every id that ends a turn (Llama 3 Instruct has several)
+    stream = TextStream(tokenizer.decode, cfg.stop, ends if cfg.stop_at_eos else None)
     try:
-        for _ in generate_stream(model, [ids], cfg, tokenizer.eot_id, streams=[stream]):
+        for _ in generate_stream(model, [ids], cfg, ends, streams=[stream]):
             if piece := stream.take():
                 yield piece
         if tail := stream.flush():  # it ended inside a character, or by length: what is held back
@@ -101,13 +110,14 @@ def _prompt_ids(
     run: Any,
     on_notice: Callable[[str], None] | None,
     which: str = "prompt",
+    templated: bool = False,
 ) -> list[int]:
     """A prompt's ids (an empty one: end-of-text), checked against the model's vocabulary; the
     notice says when it is longer than the context (``which`` names it there)."""
     from gptkiln.loading import check_ids_fit
     from gptkiln.tokenizers import encode_prompt
 
-    ids = encode_prompt(tokenizer, prompt)
+    ids = encode_prompt(tokenizer, prompt, templated=templated)
     check_ids_fit(max(ids), model, tokenizer, run)
     ctx = model.config.context_length
     if len(ids) > ctx and on_notice:
@@ -157,6 +167,7 @@ def complete(
     device: str = "cpu",
     on_notice: Callable[[str], None] | None = None,
     quantize: str | None = None,
+    templated: bool = False,
 ) -> list[Completion]:
     """``num_samples`` samples for each prompt, generated together in batches.
 
@@ -177,6 +188,8 @@ def complete(
         on_notice: told when a prompt is longer than the model's context (its start is cut).
         quantize: "int8" quantizes a run's weights as it loads (`gptkiln.loading.load_model`);
             a `GPT` given is used as it is (quantize it with `gptkiln.quantize.quantize_model`).
+        templated: the prompts were rendered by the model's chat template and hold their own
+            special tokens (`gptkiln.tokenizers.encode_prompt`).
 
     Returns:
         The samples, prompt by prompt, each prompt's in order of ``index``.
@@ -198,7 +211,7 @@ def complete(
     model, tokenizer = _model_and_tokenizer(run_or_model, tokenizer, device, quantize)
     source = "the model" if isinstance(run_or_model, GPT) else run_or_model
     ids = [
-        _prompt_ids(model, tokenizer, p, source, on_notice, f"prompt {i + 1}")
+        _prompt_ids(model, tokenizer, p, source, on_notice, f"prompt {i + 1}", templated)
         for i, p in enumerate(prompts)
     ]
     rows = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]

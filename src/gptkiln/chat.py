@@ -1,7 +1,8 @@
 """``gptkiln chat``: a conversation with an instruction-tuned run, in a terminal or over stdin.
 
 `Chat` keeps the turns and formats each prompt with the run's stored template
-(`finetune.templates.format_conversation`); responses stream through the same
+(`finetune.templates.format_conversation`), or the model's own chat template
+(`gptkiln.chat_template`) when it was not fine-tuned by gptkiln; responses stream through the same
 `api.stream_from_model` as ``gptkiln generate``. `run_chat` is the terminal around it: a line
 is a message; ``/reset`` forgets the conversation, ``/exit`` (or end of input) leaves; Ctrl-C
 stops a response and keeps the chat going.
@@ -29,12 +30,14 @@ class Chat:
     """
 
     def __init__(self, run_dir: str | os.PathLike, cfg: SampleConfig, *, device: str = "cpu"):
+        from gptkiln.chat_template import is_chat_template
         from gptkiln.finetune.runs import require_template
         from gptkiln.loading import load_run
 
         self.run_dir, self.device = run_dir, device
         self.model, self.tokenizer, run_cfg = load_run(run_dir, device=device)
         self.template = require_template(run_cfg, run_dir)
+        self.templated = is_chat_template(self.template)  # its text holds its special tokens
         stop = tuple(cfg.stop) + self.template.stop_strings()
         self.cfg = SampleConfig(**{**cfg.__dict__, "stop": stop})
         self.turns: list[tuple[str, str]] = []
@@ -45,12 +48,16 @@ class Chat:
     def prompt(self, message: str) -> str:
         """The text the model continues for ``message``, with as many earlier turns as fit."""
         from gptkiln.finetune.templates import format_conversation
+        from gptkiln.tokenizers import encode_prompt
 
         room = self.model.config.context_length - self.cfg.max_new_tokens
         turns = list(self.turns)
         while True:
             text = format_conversation(self.template, turns, message)
-            if not turns or len(self.tokenizer.encode(text)) <= room:
+            if (
+                not turns
+                or len(encode_prompt(self.tokenizer, text, templated=self.templated)) <= room
+            ):
                 return text
             turns.pop(0)
 
@@ -60,7 +67,12 @@ class Chat:
 
         pieces: list[str] = []
         stream = stream_from_model(
-            self.model, self.tokenizer, self.prompt(message), self.cfg, self.run_dir
+            self.model,
+            self.tokenizer,
+            self.prompt(message),
+            self.cfg,
+            self.run_dir,
+            templated=self.templated,
         )
         try:
             with contextlib.closing(stream):  # a stopped response frees the KV cache at once

@@ -117,6 +117,22 @@ def left_pad(
     return idx, pad_lens
 
 
+def end_ids(eot_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """The ids that end a sequence, from one end-of-text id, several, or None (none)."""
+    if eot_id is None:
+        return ()
+    if isinstance(eot_id, (int, np.integer)):
+        return (int(eot_id),)
+    return tuple(int(i) for i in eot_id)
+
+
+def stop_ids_of(tokenizer) -> tuple[int, ...]:
+    """The ids that end a sequence for ``tokenizer``: its `stop_ids` (a gptkiln tokenizer's),
+    else its ``eot_id`` alone (any object with ``decode`` and ``eot_id`` serves)."""
+    ids = getattr(tokenizer, "stop_ids", None)
+    return end_ids(tokenizer.eot_id if ids is None else ids)
+
+
 class TextStream:
     """The text of one generated sequence, given out piece by piece as it becomes final.
 
@@ -130,16 +146,18 @@ class TextStream:
     Args:
         decode: ids -> text (the tokenizer's ``decode``).
         stop: stop strings.
-        eot_id: the end-of-text id, which ends the sequence (None: it does not).
+        eot_id: the end-of-text id, or several (a tokenizer's `stop_ids`), which end the
+            sequence (None: none does).
     """
 
     def __init__(
         self,
         decode: Callable[[list[int]], str],
         stop: Sequence[str] = (),
-        eot_id: int | None = None,
+        eot_id: int | Sequence[int] | None = None,
     ) -> None:
         self.decode, self.stop, self.eot_id = decode, tuple(stop), eot_id
+        self._ends = end_ids(eot_id)
         self.ids: list[int] = []  # the sequence's ids, end-of-text excluded
         self.text = ""  # the text given out so far
         self.done = False
@@ -154,7 +172,7 @@ class TextStream:
         """Add one token; return the text it makes final ("" once the sequence is done)."""
         if self.done:
             return ""
-        if token == self.eot_id:
+        if token in self._ends:
             piece = self.flush()
             self.done = True
             return piece
@@ -197,7 +215,7 @@ def generate_stream(
     model: GPT,
     prompts: Sequence[Sequence[int]],
     cfg: SampleConfig,
-    eot_id: int | None = None,
+    eot_id: int | Sequence[int] | None = None,
     use_cache: bool = True,
     *,
     streams: Sequence[TextStream] | None = None,
@@ -205,7 +223,8 @@ def generate_stream(
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,) per step, until max_new_tokens or every row ended.
 
-    A row ends at ``eot_id`` (with ``cfg.stop_at_eos``) or, when ``streams`` are given (one
+    A row ends at ``eot_id`` (any of them, when several: a tokenizer's `stop_ids`; with
+    ``cfg.stop_at_eos``) or, when ``streams`` are given (one
     `TextStream` a row, which this fills as tokens come), when its stream is done (a stop
     string); stop strings in ``cfg.stop`` need the streams. An ended row keeps yielding ``eot_id``
     (or 0) until the others end. Prompts longer than the context keep their last
@@ -222,13 +241,14 @@ def generate_stream(
         )
     device = model.wte.weight.device
     ctx = model.config.context_length
-    idx, pad_lens = left_pad([list(p)[-ctx:] for p in prompts], eot_id or 0, device)
+    ends = end_ids(eot_id)
+    filler = ends[0] if ends else 0
+    idx, pad_lens = left_pad([list(p)[-ctx:] for p in prompts], filler, device)
     if pad_lens.any() and not use_cache:
         raise GptkilnError("prompts of unequal length need use_cache=True (the padding mask)")
     B = idx.size(0)
     generators = _row_generators(cfg.seed, row_seeds, B, device)
-    stop = eot_id if cfg.stop_at_eos else None
-    filler = eot_id or 0
+    stop = torch.tensor(ends, device=device) if cfg.stop_at_eos and ends else None
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     penalised = bool(cfg.presence_penalty or cfg.frequency_penalty)
     counts = torch.zeros(B, model.config.vocab_size, device=device) if penalised else None
@@ -254,7 +274,7 @@ def generate_stream(
                     streams[row].push(t)
                     finished[row] = streams[row].done
         if stop is not None:
-            finished |= token == stop
+            finished |= torch.isin(token, stop)
         yield token
         if step + 1 == cfg.max_new_tokens or bool(finished.all()):
             return
@@ -287,7 +307,7 @@ def generate_batched(
     `gptkiln.api.complete` and the harness backend (`gptkiln.evaluate`) both generate through
     this; the model is left in the mode it was in, without a cache.
     """
-    eot = tokenizer.eot_id if cfg.stop_at_eos else None
+    eot = stop_ids_of(tokenizer) if cfg.stop_at_eos else None
     streams = [TextStream(tokenizer.decode, cfg.stop, eot) for _ in prompts]
     was_training = model.training
     model.eval()
@@ -298,7 +318,7 @@ def generate_batched(
                 model,
                 [prompts[r] for r in batch],
                 cfg,
-                tokenizer.eot_id,
+                stop_ids_of(tokenizer),
                 streams=[streams[r] for r in batch],
                 row_seeds=None if row_seeds is None else [row_seeds[r] for r in batch],
             ):
@@ -330,7 +350,7 @@ def generate(
     model: GPT,
     prompts: Sequence[Sequence[int]] | Sequence[int] | torch.Tensor | np.ndarray,
     cfg: SampleConfig | None = None,
-    eot_id: int | None = None,
+    eot_id: int | Sequence[int] | None = None,
     use_cache: bool = True,
     *,
     tokenizer=None,
@@ -350,14 +370,14 @@ def generate(
     if overrides:
         cfg = SampleConfig(**{**cfg.__dict__, **overrides})
     if tokenizer is not None and eot_id is None:
-        eot_id = tokenizer.eot_id
+        eot_id = stop_ids_of(tokenizer)
     if isinstance(prompts, (torch.Tensor, np.ndarray)):  # (T,) one prompt, (B, T) a batch
         prompts = prompts.tolist()
     single = len(prompts) > 0 and isinstance(prompts[0], int)
     batch = [list(prompts)] if single else [list(p) for p in prompts]
     if cfg.stop and tokenizer is None:
         raise GptkilnError("stop strings need the tokenizer: generate(..., tokenizer=tokenizer)")
-    ends = eot_id if cfg.stop_at_eos else None
+    ends = end_ids(eot_id) if cfg.stop_at_eos else ()
     streams = [TextStream(tokenizer.decode, cfg.stop, ends) for _ in batch] if cfg.stop else None
     rows: list[list[int]] = [[] for _ in batch]
     done = [False] * len(batch)
@@ -368,7 +388,7 @@ def generate(
             for row, t in enumerate(token.tolist()):
                 if done[row]:
                     continue
-                if ends is not None and t == ends:
+                if t in ends:
                     done[row] = True
                 else:
                     rows[row].append(t)

@@ -164,11 +164,13 @@ def _complete(
     """Every prompt's ``--num-samples`` samples, generated in batches, printed each after its
     '--- prompt P of M, sample S of N (seed X) ---' line, or as JSON Lines (``--json``)."""
     from gptkiln.api import complete
+    from gptkiln.chat_template import is_chat_template
     from gptkiln.finetune.templates import format_prompt
 
-    sent = prompts
+    sent, templated = prompts, False
     if template is not None:  # each prompt an instruction, formatted as stream_text does
         sent = [format_prompt(template, prompt, args.input) for prompt in prompts]
+        templated = is_chat_template(template)
         cfg = dataclasses.replace(cfg, stop=tuple(cfg.stop) + template.stop_strings())
     elif args.input:
         why = "--raw leaves it out" if args.raw else f"{args.run_dir} is not instruction-tuned"
@@ -185,6 +187,7 @@ def _complete(
         device=device,
         on_notice=note,
         quantize=args.quantize,
+        templated=templated,
     )
     for s in samples:
         s = dataclasses.replace(s, prompt=prompts[s.prompt_index])  # as given, not formatted

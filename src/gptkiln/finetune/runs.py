@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gptkiln.chat_template import ChatTemplate, load_chat_template
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.templates import PromptTemplate
 from gptkiln.loading import CONFIG_FILE
@@ -30,20 +31,26 @@ def finetune_info(run_cfg: dict[str, Any]) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
-def run_template(run_cfg: dict[str, Any], run_dir: str | os.PathLike) -> PromptTemplate | None:
-    """The prompt template an instruction-tuned run was trained with (None: it has none)."""
+def run_template(
+    run_cfg: dict[str, Any], run_dir: str | os.PathLike
+) -> PromptTemplate | ChatTemplate | None:
+    """The prompt template an instruction-tuned run was trained with, else the model's own chat
+    template (tokenizer_config.json's, `gptkiln.chat_template`); None: it has neither."""
     info = finetune_info(run_cfg)
     if not info or info.get("template") is None:
-        return None
+        return load_chat_template(run_dir) if Path(run_dir).is_dir() else None
     return PromptTemplate.from_dict(info["template"], f"{Path(run_dir) / CONFIG_FILE} template")
 
 
-def require_template(run_cfg: dict[str, Any], run_dir: str | os.PathLike) -> PromptTemplate:
+def require_template(
+    run_cfg: dict[str, Any], run_dir: str | os.PathLike
+) -> PromptTemplate | ChatTemplate:
     """`run_template`, refusing a run that was not instruction-tuned."""
     template = run_template(run_cfg, run_dir)
     if template is None:
         raise GptkilnError(
-            f"{run_dir} was not instruction-tuned (its config.json has no prompt template); "
+            f"{run_dir} was not instruction-tuned (its config.json has no prompt template, "
+            "and it has no chat template); "
             f"fine-tune it first (gptkiln finetune {run_dir} --data INSTRUCTIONS.json --out DIR), "
             "or continue text with gptkiln generate"
         )

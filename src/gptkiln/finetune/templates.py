@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gptkiln.chat_template import ChatTemplate, render_instruction
 from gptkiln.errors import GptkilnError
 
 
@@ -129,9 +130,14 @@ def _instruction_part(template: PromptTemplate, instruction: str, input: str = "
     return text
 
 
-def format_prompt(template: PromptTemplate, instruction: str, input: str = "") -> str:
+def format_prompt(
+    template: PromptTemplate | ChatTemplate, instruction: str, input: str = ""
+) -> str:
     """The prompt a response follows: system, instruction, input (when not empty), response
-    header. For the book's template: ``format_input(entry) + "\\n\\n### Response:\\n"``."""
+    header. For the book's template: ``format_input(entry) + "\\n\\n### Response:\\n"``.
+    A model's chat template gets one user message (`chat_template.render_instruction`)."""
+    if isinstance(template, ChatTemplate):
+        return render_instruction(template, instruction, input)
     return template.system + _instruction_part(template, instruction, input) + template.response
 
 
@@ -141,11 +147,20 @@ def format_example(template: PromptTemplate, entry: dict[str, str]) -> str:
 
 
 def format_conversation(
-    template: PromptTemplate, turns: Sequence[tuple[str, str]], message: str
+    template: PromptTemplate | ChatTemplate, turns: Sequence[tuple[str, str]], message: str
 ) -> str:
     """The prompt for the next response in a conversation: the system text once, then each
     earlier turn's (message, response), then ``message`` and the response header. With no
-    earlier turns it is ``format_prompt(template, message)``."""
+    earlier turns it is ``format_prompt(template, message)``. A model's chat template renders
+    the turns as user and assistant messages."""
+    if isinstance(template, ChatTemplate):
+        messages = []
+        for said, answered in turns:
+            messages += [
+                {"role": "user", "content": said},
+                {"role": "assistant", "content": answered},
+            ]
+        return template.render([*messages, {"role": "user", "content": message}])
     parts = [template.system]
     for said, answered in turns:
         parts += [_instruction_part(template, said), template.response, answered]
@@ -156,7 +171,9 @@ def format_conversation(
 ROLES = ("system", "user", "assistant")
 
 
-def format_messages(template: PromptTemplate, messages: Sequence[Mapping[str, Any]]) -> str:
+def format_messages(
+    template: PromptTemplate | ChatTemplate, messages: Sequence[Mapping[str, Any]]
+) -> str:
     """The prompt for the next response to OpenAI-style chat ``messages``, each
     ``{"role": "system" | "user" | "assistant", "content": text}``.
 
@@ -166,6 +183,10 @@ def format_messages(template: PromptTemplate, messages: Sequence[Mapping[str, An
     chat`` send the model the same text for the same conversation.
     """
     turns = [_checked_message(i, m) for i, m in enumerate(messages)]
+    if isinstance(template, ChatTemplate):  # the model's template decides what it accepts
+        if not turns:
+            raise GptkilnError("messages: none; send at least one user message")
+        return template.render([{"role": r, "content": c} for r, c in turns])
     if turns and turns[0][0] == "system":
         template = dataclasses.replace(template, system=turns.pop(0)[1])
     roles = [role for role, _ in turns]

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from gptkiln.chat_template import ChatTemplate, is_chat_template
 from gptkiln.config import SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.templates import PromptTemplate, format_messages
@@ -75,7 +76,7 @@ def create_app(
     tokenizer: Any,
     *,
     model_name: str,
-    template: PromptTemplate | None = None,
+    template: PromptTemplate | ChatTemplate | None = None,
     max_batch: int = 8,
     max_queue: int = 64,
     api_key: str | None = None,
@@ -330,7 +331,7 @@ def prompt_ids(prompt: Any, tokenizer: Any, vocab_size: int) -> list[tuple[str, 
 
 
 def chat_prompt(
-    template: PromptTemplate, messages: list[ChatMessage], tokenizer: Any
+    template: PromptTemplate | ChatTemplate, messages: list[ChatMessage], tokenizer: Any
 ) -> list[tuple[str, list[int]]]:
     """The one prompt of a chat request, as (its text, its ids): the messages in the run's
     template (`finetune.templates.format_messages`, as ``gptkiln chat`` formats them)."""
@@ -340,7 +341,8 @@ def chat_prompt(
         raise OpenAIError(400, str(e), "messages") from None
     try:
         text.encode("utf-8")
-        return [(text, encode_prompt(tokenizer, text))]
+        templated = is_chat_template(template)  # a model's own template holds its specials
+        return [(text, encode_prompt(tokenizer, text, templated=templated))]
     except UnicodeEncodeError:
         raise OpenAIError(
             400, "messages: a content is not valid Unicode text (a lone surrogate)", "messages"

@@ -42,7 +42,7 @@ from gptkiln.config import SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.kernels import tune_decoding
 from gptkiln.model import GPT
-from gptkiln.sampling import TextStream, apply_penalties, sample_rows
+from gptkiln.sampling import TextStream, apply_penalties, sample_rows, stop_ids_of
 
 
 class QueueFull(Exception):
@@ -146,7 +146,7 @@ class Batcher:
 
     Args:
         model: the GPT (eval mode); the batcher owns it from `start` on.
-        tokenizer: gives ``decode`` and ``eot_id`` (end-of-text ends a sequence).
+        tokenizer: gives ``decode`` and ``stop_ids`` (each ends a sequence).
         max_batch: cache rows: how many sequences decode together.
         max_queue: sequences that may wait for a slot; `submit` refuses more (`QueueFull`).
         prefill_tokens: prompt tokens prefilled per step (at least one prompt a step).
@@ -281,7 +281,7 @@ class Batcher:
 
     def _new_slot(self, row: int, seq: Sequence) -> _Slot:
         cfg = seq.cfg
-        end = self.tokenizer.eot_id if cfg.stop_at_eos else None
+        end = stop_ids_of(self.tokenizer) if cfg.stop_at_eos else None  # any of them ends a turn
         generator = None
         if cfg.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(cfg.seed)

@@ -1,0 +1,229 @@
+"""A model's own chat template (tokenizer_config.json's ``chat_template``): rendered as
+``transformers``' ``apply_chat_template`` renders it, text and ids, for templates in the shape of
+Llama 3's and Qwen3's; ``gptkiln chat``, ``generate`` and serve's ``/v1/chat/completions`` send
+the model that prompt; a broken template is one line. The prompt the model receives is caught
+where generation starts; what a tiny random model then says is not looked at."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import warnings
+from datetime import datetime
+
+import pytest
+import uvicorn
+from hf_tokenizer_dirs import write_llama3_dir, write_qwen3_dir
+
+from gptkiln import sampling
+from gptkiln.chat_template import ChatTemplate, load_chat_template
+from gptkiln.checkpoint import save_model
+from gptkiln.cli import main
+from gptkiln.config import GPTConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT
+from gptkiln.tokenizers import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "Why?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Colour of the sky?"},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "And grass? <|eot_id|> {{ not jinja }}"},
+    ],
+    [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\nFour."},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "Six."},  # a tool-less assistant turn last
+    ],
+    [{"role": "user", "content": '日本語で？ "quotes" & <tags>'}],
+]
+
+
+def auto(directory):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoTokenizer.from_pretrained(directory)
+
+
+def hf_ids(hf, messages, add_generation_prompt=True):
+    out = hf.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt
+    )
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.fixture(params=["llama3", "qwen3"])
+def hf_dir(request, tmp_path):
+    write = write_llama3_dir if request.param == "llama3" else write_qwen3_dir
+    return write(tmp_path / request.param)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_rendered_text_and_ids_equal_apply_chat_template(hf_dir, add_generation_prompt):
+    hf, template = auto(hf_dir), load_chat_template(hf_dir)
+    tokenizer = load_tokenizer(hf_dir)
+    for messages in CONVERSATIONS:
+        want = hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        got = template.render(messages, add_generation_prompt=add_generation_prompt)
+        assert got == want, messages
+        assert tokenizer.encode_templated(got) == hf_ids(hf, messages, add_generation_prompt)
+
+
+def test_the_template_sees_transformers_helpers_and_special_tokens(tmp_path):
+    source = (
+        "{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ messages | tojson }}|"
+        "{{ messages[0] | tojson(indent=2) }}|{{ strftime_now('%Y') }}|"
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}"
+        "{% endfor %}|{{ add_generation_prompt }}"
+    )
+    directory = write_qwen3_dir(tmp_path / "q", template=source)
+    messages = [
+        {"role": "user", "content": "<b>é & 'x'</b>"},
+        {"role": "assistant", "content": "y"},
+    ]
+    got = load_chat_template(directory).render(messages, add_generation_prompt=False)
+    assert got == auto(directory).apply_chat_template(messages, tokenize=False)
+    assert "<b>é & 'x'</b>" in got  # not HTML-escaped, not ASCII-escaped: transformers' tojson
+    assert str(datetime.now().year) in got and got.startswith("|<|im_end|>|<|endoftext|>|")
+
+
+def test_raise_exception_and_the_sandbox_are_one_line_errors(tmp_path):
+    directory = write_llama3_dir(tmp_path / "l")
+    template = load_chat_template(directory)
+    with pytest.raises(GptkilnError, match="Only user and assistant roles") as e:
+        template.render([{"role": "system", "content": "a"}, {"role": "system", "content": "b"}])
+    assert "\n" not in str(e.value)
+    sneaky = ChatTemplate("{{ messages.__class__.__mro__ }}", {}, "x")
+    with pytest.raises(GptkilnError, match="refused"):
+        sneaky.render([{"role": "user", "content": "a"}])
+
+
+def test_a_named_template_list_and_a_jinja_file_are_read_as_transformers_reads_them(tmp_path):
+    directory = write_qwen3_dir(tmp_path / "q")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "TOOLS"},
+        {"name": "default", "template": "DEFAULT{{ messages[0].content }}"},
+    ]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "a"}]
+    assert load_chat_template(directory).render(messages) == "DEFAULTa"
+    (directory / "chat_template.jinja").write_text("FILE{{ messages[0].content }}")
+    assert load_chat_template(directory).render(messages) == "FILEa"
+    assert auto(directory).apply_chat_template(messages, tokenize=False) == "FILEa"
+
+
+# -- the commands ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def chat_run(hf_dir, tmp_path):
+    """A tiny random model saved as a run with the directory's tokenizer (and so its template)."""
+    tokenizer = load_tokenizer(hf_dir)
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=256)
+    save_model(GPT(config), tmp_path / "run", tokenizer=tokenizer)
+    return tmp_path / "run", auto(hf_dir)
+
+
+@pytest.fixture
+def prompts_seen(monkeypatch):
+    """The prompts (token ids) generation is started with; it then gives no tokens."""
+    seen: list[list[int]] = []
+
+    def caught(model, prompts, cfg, eot_id=None, use_cache=True, **kw):
+        seen.extend(list(p) for p in prompts)
+        return iter(())
+
+    monkeypatch.setattr(sampling, "generate_stream", caught)
+    return seen
+
+
+def cli(*argv, capsys):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_chat_sends_the_conversation_in_the_models_template(
+    chat_run, prompts_seen, monkeypatch, capsys
+):
+    run, hf = chat_run
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi!\nAnd then?\n"))
+    code, _, err = cli("chat", run, "--max-new-tokens", 4, capsys=capsys)
+    assert code == 0, err
+    first = [{"role": "user", "content": "Hi!"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "And then?"},
+    ]
+    assert prompts_seen == [hf_ids(hf, first), hf_ids(hf, second)]
+
+
+def test_generate_on_a_chat_model_sends_a_user_message(chat_run, prompts_seen, capsys):
+    run, hf = chat_run
+    code, _, err = cli("generate", run, "--prompt", "Name a colour.", capsys=capsys)
+    assert code == 0, err
+    code, _, err = cli(
+        "generate", run, "--prompt", "Two", "--input", "words", "--num-samples", 2, capsys=capsys
+    )
+    assert code == 0, err
+    code, _, err = cli("generate", run, "--prompt", "Name a colour.", "--raw", capsys=capsys)
+    assert code == 0, err
+    one = hf_ids(hf, [{"role": "user", "content": "Name a colour."}])
+    two = hf_ids(hf, [{"role": "user", "content": "Two\n\nwords"}])
+    assert prompts_seen == [one, two, two, hf.encode("Name a colour.")]
+
+
+def test_serve_chat_completions_use_the_models_template(chat_run, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from gptkiln.serve import app as app_module
+    from gptkiln.serve import serve
+
+    run, hf = chat_run
+    got, sent = {}, []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("app", app))
+    chat_prompt = app_module.chat_prompt
+
+    def caught(*args):
+        sent.extend(chat_prompt(*args))
+        return sent[-1:]
+
+    monkeypatch.setattr(app_module, "chat_prompt", caught)
+    serve(run, model_name="m", max_batch=2, max_queue=4, log_level="warning")
+    messages = CONVERSATIONS[2]
+    with TestClient(got["app"]) as client:
+        r = client.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": messages, "max_tokens": 3, "temperature": 0},
+        )
+    assert r.status_code == 200, r.text
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert sent == [(text, hf_ids(hf, messages))]
+    assert r.json()["usage"]["prompt_tokens"] == len(hf_ids(hf, messages))
+
+
+def test_a_broken_template_is_one_line_exit_2(tmp_path, capsys):
+    directory = write_llama3_dir(tmp_path / "l", template="{% for m in messages %}{{ m }")
+    tokenizer = load_tokenizer(directory)
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=64)
+    save_model(GPT(config), tmp_path / "run", tokenizer=tokenizer)
+    for command in (["chat"], ["generate", "--prompt", "hi"]):
+        code, _, err = cli(command[0], tmp_path / "run", *command[1:], capsys=capsys)
+        assert code == 2, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "chat template is not valid jinja2" in lines[0], err
+        assert "tokenizer_config.json" in lines[0]

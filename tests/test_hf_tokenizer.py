@@ -1,0 +1,207 @@
+"""A Hugging Face directory's tokenizer (kind ``hf``): the ids and text of
+``transformers.AutoTokenizer`` on the same directory, BOS/EOS from its config files, several stop
+ids ending generation, saved into a run and read back, gptkiln's own ``bpe`` files told apart,
+and one-line errors. The directories are written here (`hf_tokenizer_dirs`), offline."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from hf_tokenizer_dirs import LLAMA3_SPECIALS, write_llama3_dir, write_qwen3_dir
+
+from gptkiln import sampling
+from gptkiln.checkpoint import save_model
+from gptkiln.cli import main
+from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.loading import load_run
+from gptkiln.model import GPT
+from gptkiln.sampling import TextStream, generate
+from gptkiln.tokenizers import (
+    BPETokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    train_bpe_tokenizer,
+)
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    "<|begin_of_text|>Hi<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nok",
+    "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n<think>\nhm\n</think>\n\nSo.",
+    "日本語のテキスト, don't stop; it's fine! <|endoftext|> <|end_of_text|>",
+    "  spaces   and\ttabs\n\nnewlines ",
+    "",
+]
+
+
+def auto(directory):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoTokenizer.from_pretrained(directory)
+
+
+@pytest.fixture(params=["llama3", "qwen3", "wordlevel"])
+def hf_dir(request, tmp_path):
+    if request.param == "llama3":
+        return write_llama3_dir(tmp_path / "llama3")
+    if request.param == "qwen3":
+        return write_qwen3_dir(tmp_path / "qwen3")
+    return write_wordlevel_dir(tmp_path / "wordlevel")
+
+
+def write_wordlevel_dir(directory):
+    """A WordLevel tokenizer without a post-processor or a decoder (ids decode to words joined
+    by spaces), whose config asks for space clean-up, and for BOS and EOS, which transformers
+    5 does not read beside a tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "<s>", "</s>", "Hello", ",", "world", ".", "don", "'", "t", "!", "?"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>"])
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "[UNK]",
+        "add_bos_token": True,
+        "add_eos_token": True,
+        "clean_up_tokenization_spaces": True,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_encode_and_decode_equal_auto_tokenizers(hf_dir):
+    hf, ours = auto(hf_dir), load_tokenizer(hf_dir)
+    assert isinstance(ours, HFTokenizer) and ours.kind == "hf"
+    assert ours.vocab_size == len(hf)
+    texts = TEXTS + ["Hello , world . don ' t !", "Hello world ?"]
+    for text in texts:
+        ids = hf.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == hf.decode(ids), text
+        # a chat template's text: no special tokens added, as apply_chat_template encodes it
+        assert ours.encode_templated(text) == hf.encode(text, add_special_tokens=False), text
+    assert ours.bos_id == hf.bos_token_id
+    assert ours.eot_id == hf.eos_token_id
+
+
+def test_a_wordlevel_tokenizers_spaces_are_cleaned_up_as_its_config_says(tmp_path):
+    ours = load_tokenizer(write_wordlevel_dir(tmp_path / "w"))
+    ids = ours.encode("Hello, world. don't!")
+    assert ids == [3, 4, 5, 6, 7, 8, 9, 10]  # no <s> / </s>: tokenizer.json has no post-processor
+    assert ours.decode(ids) == "Hello, world. don't!"  # " ," " ." " '" " !" cleaned up
+    assert ours._hf.decode(ids) == "Hello , world . don ' t !"  # what tokenizers alone gives
+
+
+def test_special_tokens_in_text_are_one_id_and_ordinary_batches_keep_them_text(tmp_path):
+    ours = load_tokenizer(write_llama3_dir(tmp_path / "l"))
+    eot = ours.encode_templated("<|eot_id|>")
+    assert eot == [ours.eot_id]
+    plain = ours.encode_ordinary_batch(["<|eot_id|>"])[0]
+    assert len(plain) > 1 and ours.eot_id not in plain  # documents cannot smuggle one in
+    assert ours.decode(plain) == "<|eot_id|>"
+
+
+def test_bos_eos_and_every_stop_id_come_from_the_config_files(tmp_path):
+    llama = load_tokenizer(write_llama3_dir(tmp_path / "l"))
+    ids = {t: llama.encode_templated(t)[0] for t in LLAMA3_SPECIALS}
+    assert llama.bos_id == ids["<|begin_of_text|>"]
+    assert llama.eot_id == ids["<|eot_id|>"]  # tokenizer_config.json's eos_token
+    assert set(llama.stop_ids) == {ids["<|eot_id|>"], ids["<|end_of_text|>"], ids["<|eom_id|>"]}
+    assert llama.encode("x")[0] == llama.bos_id  # the post-processor adds BOS
+    qwen = load_tokenizer(write_qwen3_dir(tmp_path / "q"))
+    assert qwen.bos_id is None and qwen.encode("x")[0] != qwen.encode_templated("<|im_start|>")[0]
+    im_end, endoftext = qwen.encode_templated("<|im_end|>"), qwen.encode_templated("<|endoftext|>")
+    assert qwen.stop_ids == (im_end[0], endoftext[0])
+
+
+def test_a_run_keeps_the_tokenizer_and_bpe_runs_stay_bpe(tmp_path):
+    directory = write_llama3_dir(tmp_path / "l")
+    (directory / "generation_config.json").unlink()  # the stop ids of config.json alone
+    source = load_tokenizer(directory)
+    assert len(source.stop_ids) == 3
+    source.save(tmp_path / "saved")
+    (tmp_path / "saved" / "config.json").write_text('{"model": {}}')  # a run's own config.json
+    again = load_tokenizer(tmp_path / "saved")
+    assert isinstance(again, HFTokenizer)
+    assert json.loads((tmp_path / "saved" / "tokenizer_meta.json").read_text())["kind"] == "hf"
+    assert again.fingerprint() == source.fingerprint() and again.stop_ids == source.stop_ids
+    for text in TEXTS:
+        assert again.encode(text) == source.encode(text)
+    assert again.bos_id == source.bos_id and again.eot_id == source.eot_id
+    assert (tmp_path / "saved" / "tokenizer_config.json").is_file()
+    # gptkiln's own trained BPE also writes a tokenizer.json: it stays a bpe tokenizer
+    bpe = train_bpe_tokenizer(["some text to learn from, twice " * 20], 300)
+    bpe.save(tmp_path / "bpe")
+    loaded = load_tokenizer(tmp_path / "bpe")
+    assert type(loaded) is BPETokenizer and loaded.stop_ids == (loaded.eot_id,)
+
+
+def scripted(monkeypatch, tokens):
+    """sample_rows that draws ``tokens`` in turn (one row), whatever the logits."""
+    it = iter(tokens)
+    monkeypatch.setattr(sampling, "sample_rows", lambda *a, **k: torch.tensor([next(it)]))
+
+
+def test_generation_stops_on_any_of_several_stop_ids(tmp_path, monkeypatch):
+    tok = load_tokenizer(write_llama3_dir(tmp_path / "l"))
+    config = GPTConfig.from_name("tiny", vocab_size=tok.vocab_size, context_length=64)
+    model = GPT(config).eval()
+    eot, eom = tok.eot_id, tok.encode_templated("<|eom_id|>")[0]
+    assert eom != eot and eom in tok.stop_ids
+    cfg = SampleConfig(max_new_tokens=8, temperature=0)
+    scripted(monkeypatch, [5, 6, eom, 7, 8, 9, 10, 11])
+    assert generate(model, [3, 4], cfg, tokenizer=tok) == [5, 6]  # ended by the second stop id
+    scripted(monkeypatch, [5, 6, eom, 7, 8, 9, 10, 11])
+    assert generate(model, [3, 4], cfg, eot_id=eot) == [5, 6, eom, 7, 8, 9, 10, 11]
+    stream = TextStream(tok.decode, (), tok.stop_ids)
+    stream.push(5)
+    stream.push(tok.encode_templated("<|end_of_text|>")[0])
+    assert stream.done and stream.text == tok.decode([5])
+
+
+def test_serving_a_run_stops_on_any_stop_id(tmp_path, monkeypatch):
+    from gptkiln.serve.batcher import Batcher
+
+    tok = load_tokenizer(write_llama3_dir(tmp_path / "l"))
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=tok.vocab_size, context_length=64))
+    batcher = Batcher(model.eval(), tok)
+    seq_cfg = SampleConfig(max_new_tokens=8, temperature=0)
+    slot = batcher._new_slot(0, type("Seq", (), {"cfg": seq_cfg})())
+    slot.stream.push(5)
+    slot.stream.push(tok.encode_templated("<|eom_id|>")[0])
+    assert slot.stream.done
+
+
+def cli(*argv, capsys):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_run_without_its_tokenizer_json_is_one_line(tmp_path, capsys):
+    tok = load_tokenizer(write_llama3_dir(tmp_path / "l"))
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=tok.vocab_size, context_length=64))
+    save_model(model, tmp_path / "run", tokenizer=tok)
+    assert isinstance(load_run(tmp_path / "run")[1], HFTokenizer)
+    (tmp_path / "run" / "tokenizer.json").unlink()
+    code, _, err = cli("generate", tmp_path / "run", "--prompt", "hi", capsys=capsys)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "tokenizer.json" in err
+    # a Hugging Face directory with a config but no tokenizer.json, read directly
+    (tmp_path / "l" / "tokenizer.json").unlink()
+    from gptkiln.errors import GptkilnError
+
+    with pytest.raises(GptkilnError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path / "l")
