@@ -292,8 +292,23 @@ def check_worker(job: dict) -> None:
     )
 
 
+def bandwidth_worker(job: dict) -> None:
+    """Read bandwidth: the best of 10 sums over a 512 MiB fp32 tensor (as
+    ``bench/int8_kernels.py``), and the bytes of each family's weights read per decoded token."""
+    torch = common.setup_torch(job.get("threads", common.THREADS))
+    x = torch.ones(2**27)  # 512 MiB
+    best = min(common.time_calls(x.sum, warmup=1, repeats=10))
+    out = {"gb_s": x.numel() * 4 / best / 1e9}
+    with torch.device("meta"):
+        for family in FAMILIES:
+            model = gptkiln_model(family)  # a tied head: its matrix is read once, by the head
+            out[family] = sum(p.numel() for p in model.parameters()) * 4 / 1e6  # MB, fp32
+    common.emit(out)
+
+
 def worker(job: dict) -> None:
-    {"check": check_worker, "train": train_worker, "decode": decode_worker}[job["part"]](job)
+    parts = {"check": check_worker, "train": train_worker, "decode": decode_worker}
+    {**parts, "bandwidth": bandwidth_worker}[job["part"]](job)
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -317,6 +332,9 @@ def main() -> None:
 
     info = common.print_machine()
     rows, checks, kernel_lines = [], [], []
+    memory = None
+    if "decode" in args.parts:  # how fast a token could be at best: all its weights, read once
+        memory = common.run_worker(__file__, dict(part="bandwidth"))
     for family in args.families:
         check = common.run_worker(__file__, dict(part="check", family=family))
         checks.append(
@@ -342,6 +360,15 @@ def main() -> None:
             jobs = [dict(part=part, family=family, impl=i, shape=shape) for i in impls]
             results = common.run_rounds(__file__, jobs, rounds, "tokens_per_s")
             peer = results[impls.index("transformers")]
+            if part == "decode" and memory is not None:
+                floor = memory[family] / memory["gb_s"]  # MB / (GB/s) = ms
+                checks.append(
+                    f"# {family}-124m fp32 weights {memory[family]:.0f} MB a token: at the "
+                    f"machine's {memory['gb_s']:.1f} GB/s (sum over 512 MiB, 2 threads) a token "
+                    f"takes at least {floor:.1f} ms, so against transformers' "
+                    f"{peer['ms_per_token']:.1f} ms/token fp32 decoding can reach at most "
+                    f"{peer['ms_per_token'] / floor:.2f}x"
+                )
             for job, r in zip(jobs, results):
                 row = dict(model=f"{family}-124m", part=part, impl=job["impl"], **r)
                 if job["impl"] != "transformers":
