@@ -376,6 +376,11 @@ def main() -> None:
                     row["ratio_paired"] = common.paired_ratio(
                         r["tokens_per_s_rounds"], peer["tokens_per_s_rounds"]
                     )
+                print(
+                    f"# {family} {part} {job['impl']}: {r['tokens_per_s']:.1f} tokens/s "
+                    f"(others' cores {r['others_cores']:.2f})",
+                    flush=True,
+                )
                 if r.get("kernels"):
                     line = f"# {family} {job['impl']} decoding kernels: {r['kernels']}"
                     kernel_lines.append(line)
