@@ -5,6 +5,7 @@ fixed training time on this machine, ranked by bits per character of the validat
     python bench/first_run.py steps  [NAME ...] --speeds FILE      # the steps that fit (shared)
     python bench/first_run.py budget [NAME ...] [--minutes 3]      # --max-time runs (exclusive)
     python bench/first_run.py score  [NAME ...]                    # score a run already trained
+    python bench/first_run.py budget --family llama3 [--minutes 3] # one family's configurations
 
 Every configuration (``CONFIGS``) trains on the bundled plays (``shakespeare``), prepared once per
 tokenizer with val_fraction 0.1: ``prepare`` splits by characters, so every tokenizer's
@@ -24,6 +25,10 @@ from "ROMEO:" (seed 1, temperature 0.8, top-k 50).
   the clock), to confirm the best with the clock running. ``--cut-schedule`` runs them with a
   schedule that ignores the clock (cosine to ``--max-steps``, the run cut by the budget), to
   measure what fitting the schedule to the budget gains.
+
+``bpe16k-llama3-baby`` and ``bpe16k-qwen3-baby`` are the default (``bpe16k-baby``) with the
+Llama 3 and Qwen3 shapes of its size (``llama3-baby``, ``qwen3-baby``); ``--family`` keeps one
+family's configurations, so that each family can be run on its own.
 
 Prints one row per run (``RESULT`` lines hold everything as JSON) and a Markdown table.
 """
@@ -79,8 +84,21 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     "bpe16k-baby-exact": ("bpe:16384", ["--model", "baby", "--gelu", "exact"]),
     "bpe16k-baby-b16": ("bpe:16384", ["--model", "baby", "--batch-size", "16"]),
     "bpe16k-baby-untied": ("bpe:16384", ["--model", "baby", "--no-tie-embeddings"]),
+    # the default (bpe16k-baby) in the other families, at baby's size: llama3-baby and
+    # qwen3-baby (4 layers, 4 query heads and 2 key/value heads of 32, 128 wide, SwiGLU 352)
+    "bpe16k-llama3-baby": ("bpe:16384", ["--model", "llama3-baby"]),
+    "bpe16k-qwen3-baby": ("bpe:16384", ["--model", "qwen3-baby"]),
 }
 """name -> (tokenizer, train flags); ``NAME+compile`` adds ``--compile`` to any of them."""
+
+
+def family_of(name: str) -> str:
+    """The model family a configuration trains: ``llama3`` or ``qwen3`` where its ``--model``
+    preset is one of theirs, else ``gpt2`` (every other preset and the shapes above)."""
+    flags = CONFIGS[name.partition("+")[0]][1]
+    model = flags[flags.index("--model") + 1] if "--model" in flags else "baby"
+    return next((f for f in ("llama3", "qwen3") if model.startswith(f)), "gpt2")
+
 
 ONLY_AT_THE_END = ["--eval-interval", "1000000", "--sample-interval", "1000000"]
 ONLY_AT_THE_END += ["--checkpoint-interval", "1000000"]
@@ -218,6 +236,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("mode", choices=["speed", "steps", "budget", "score"])
     p.add_argument("names", nargs="*", help="configurations (default: all of CONFIGS)")
+    p.add_argument(
+        "--family",
+        choices=["gpt2", "llama3", "qwen3"],
+        help="only the configurations of this model family (with no names: all of them)",
+    )
     p.add_argument("--minutes", type=float, help="--max-time of speed (0.75) / budget (3) runs")
     p.add_argument("--budget", type=float, default=3.0, help="minutes the steps should fill")
     p.add_argument("--speeds", type=Path, default=Path("/tmp/gptkiln-first-run/speeds.json"))
@@ -227,6 +250,10 @@ def main() -> None:
     p.add_argument("--cut-schedule", action="store_true", help="budget: ignore the clock")
     args = p.parse_args()
     names = args.names or list(CONFIGS)
+    for name in names:
+        config(name)  # an unknown name stops here, before any run
+    if args.family:
+        names = [n for n in names if family_of(n) == args.family]
     args.work.mkdir(parents=True, exist_ok=True)
     extra = shlex.split(args.flags)
     common.print_machine()

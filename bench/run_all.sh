@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every gptkiln benchmark, one after the other, each printing its figures and ratios; the output
-# is what bench/README.md's tables are copied from. About 45 minutes on a quiet 2-core machine.
+# is what bench/README.md's tables are copied from. About an hour on a quiet 2-core machine.
 #
 #   bash bench/run_all.sh [OUTPUT_FILE]       (default: bench/results-$(date +%F).txt)
 #
@@ -23,6 +23,7 @@ export OMP_NUM_THREADS=2
   echo; echo "## train_step, compiled"; "$PY" bench/train_step.py --sizes baby --compile --bf16
   echo; echo "## adamw";      "$PY" bench/adamw.py
   echo; echo "## generate";   "$PY" bench/generate.py --rounds 2
+  echo; echo "## families (Llama 3, Qwen3)"; "$PY" bench/families.py --rounds 2
   if [ -f "$SHAKESPEARE" ]; then
     echo; echo "## prepare";    "$PY" bench/prepare.py --corpus "$SHAKESPEARE"
     echo; echo "## time_to_quality"; "$PY" bench/time_to_quality.py --data "$SHAKESPEARE"
