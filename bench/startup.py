@@ -163,6 +163,7 @@ def main() -> None:
     common.print_machine()
     with tempfile.TemporaryDirectory(prefix="gptkiln-startup-") as tmp:
         scratch = Path(tmp)
+        os.environ["GPTKILN_CACHE"] = str(scratch / "bench")  # saving the run: not the user's
         run = args.run or save_run(scratch)
         rounds: dict[str, list[dict]] = {}
         for r in range(args.rounds):

@@ -8,8 +8,10 @@ which exists only in the workplace this was built in: without it they skip and s
 
 from __future__ import annotations
 
+import atexit
 import getpass
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -37,6 +39,14 @@ def plays_text(chars: int) -> str:
     if len(text) < chars:
         raise ValueError(f"the bundled plays hold {len(text):,} characters, not {chars:,}")
     return text[:chars]
+
+
+# gptkiln's cache (`gptkiln.cache`) for the whole session, set before any fixture runs: module-
+# and session-scoped fixtures load tokenizers and generate too, outside the per-test directory
+# below, and nothing the suite does may write into the real ~/.cache.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="gptkiln-test-cache-")
+os.environ["GPTKILN_CACHE"] = _SESSION_CACHE
+atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
