@@ -334,7 +334,8 @@ def test_fused_lora_on_separate_q_k_v_layers_is_one_line(base, tmp_path, capsys)
 @pytest.mark.skipif(sys.platform != "linux", reason="reads worker pids from /proc")
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_match_one_with_twice_the_batch(family, parallel, play_path, tmp_path):
-    from test_distributed import B, Launches, assert_same_training, flags, settings
+    from safetensors.torch import load_file
+    from test_distributed import B, Launches, flags, settings
 
     from gptkiln.config import TrainConfig
     from gptkiln.train import train
@@ -349,5 +350,20 @@ def test_two_processes_match_one_with_twice_the_batch(family, parallel, play_pat
         launches.run([*cmd, *flags(settings(play_path, out, parallel=parallel, **values))])
     finally:
         launches.close()
-    assert_same_training(out, reference)
+    rows, ref_rows = read_metrics(out / "metrics.csv"), read_metrics(reference / "metrics.csv")
+    assert [r["step"] for r in rows] == [2, 4] == [r["step"] for r in ref_rows]
+    for row, ref_row in zip(rows, ref_rows, strict=True):
+        for key in ("train_loss", "val_loss"):
+            assert row[key] == pytest.approx(ref_row[key], rel=1e-5), (row["step"], key)
+    weights, ref_weights = (
+        load_file(out / "model.safetensors"),
+        load_file(reference / "model.safetensors"),
+    )
+    assert weights.keys() == ref_weights.keys()
+    for name in weights:
+        # atol 5e-5, not test_distributed's 1e-5: summed in another order, Qwen3's gradients
+        # differ by rounding, which AdamW's normalised step magnifies where a gradient is tiny;
+        # measured: one element of 16,384 of h.2.attn.q_proj 1.2e-5 apart, every other within
+        # 1e-5 (a wrong gradient sync moves weights by ~lr = 3e-3).
+        torch.testing.assert_close(weights[name], ref_weights[name], rtol=1e-4, atol=5e-5)
     assert load_model(out).config.family == family
