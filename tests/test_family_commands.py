@@ -272,13 +272,17 @@ def test_instruction_finetuning_lowers_the_loss(base):
     assert load_model(base / "instruct").config.family == load_model(base / "base").config.family
 
 
-def test_classification_finetuning_trains_a_family_model(base):
+def test_classification_finetuning_trains_a_family_model(base, capsys):
     ft = FinetuneConfig(base=str(base / "base"), data=str(base / "labelled.csv"), task="classify")
     settings = dict(batch_size=8, max_steps=6, eval_interval=3, lr=1e-3)
     result = finetune(ft, quick(ft, base / "classify", **settings))
     assert {"val_accuracy", "test_accuracy"} <= set(result.history[-1])
     model = load_model(base / "classify")
     assert model.config.num_classes == 2 and model.config.family in FAMILIES
+    capsys.readouterr()  # the training's lines
+    code, out, err = cli("classify", base / "classify", "--text", "good day", capsys=capsys)
+    assert code == 0, err
+    assert out.split("\t")[0] in ("good", "bad")
 
 
 def test_lora_adapts_every_block_linear_and_merged_equals_unmerged(base):
