@@ -453,9 +453,12 @@ class RunInfo:
     def summary(self) -> str:
         """The information as a few aligned lines, for a person."""
         m = self.model
+        family = m.get("family", "gpt2")
+        kv = m.get("n_kv_head")
+        heads = f"{m['n_head']} heads" + (f" ({kv} key/value)" if kv and kv != m["n_head"] else "")
         shape = (
-            f"{m['n_layer']} layers, {m['n_head']} heads, {m['n_embd']} wide, context "
-            f"{m['context_length']}, vocabulary {m['vocab_size']:,}"
+            f"{'' if family == 'gpt2' else family + ', '}{m['n_layer']} layers, {heads}, "
+            f"{m['n_embd']} wide, context {m['context_length']}, vocabulary {m['vocab_size']:,}"
         )
         changes = ", ".join(f"{k} {v}" for k, v in self.preset_changes.items())
         preset = (

@@ -507,7 +507,12 @@ class TrainConfig:
         "checkpoints",
         "the run directory: weights, tokenizer, trainer state, metrics.csv, loss.png",
     )
-    model: str = setting("baby", "model", f"model preset: {' | '.join(PRESETS)}")
+    model: str = setting(
+        "baby",
+        "model",
+        f"model preset, which names its architecture too (llama3-*, qwen3-*; the others gpt2): "
+        f"{' | '.join(PRESETS)}",
+    )
     text_field: str = setting(
         "text",
         "data",

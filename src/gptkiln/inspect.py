@@ -7,7 +7,10 @@ the causal mask, and hand them back: the same model, weights and math as trainin
 From that one forward it gathers
 
 - every layer's and head's attention weights, (n_layer, n_head, T, T): query tokens down, key
-  tokens across, each row summing to 1, zero above the diagonal;
+  tokens across, each row summing to 1, zero above the diagonal. With grouped-query attention
+  (Llama 3, Qwen3: fewer key/value heads than query heads) there is still one map per query
+  head, its own queries against the keys it shares with its group; ``kv_head_of`` names the
+  key/value head each query head reads (query head h reads h // (n_head / n_kv_head));
 - at each position, the top-k next tokens and their probabilities (softmax of the logits), and
   the probability and loss of the token that does come next in the prompt;
 - the prompt's mean loss over the tokens it predicts, and its perplexity.
@@ -82,6 +85,8 @@ class Inspection:
         prompt_tokens: tokens of the whole prompt; more than T when it was cropped.
         max_tokens: the crop asked for (None: none).
         context_length: the model's context, the crop that always applies.
+        n_kv_head: the model's key/value heads (fewer than nh with grouped-query attention;
+            None: one per query head).
     """
 
     prompt: str
@@ -92,6 +97,15 @@ class Inspection:
     prompt_tokens: int
     max_tokens: int | None
     context_length: int
+    n_kv_head: int | None = None
+
+    @property
+    def kv_head_of(self) -> list[int]:
+        """For each query head, the key/value head it reads: h // (nh / nkv), the
+        ``repeat_interleave`` grouping of `gptkiln.model`; [0, 1, ..., nh - 1] without GQA."""
+        n_head = self.attention.shape[1]
+        group = n_head // (self.n_kv_head or n_head)
+        return [h // group for h in range(n_head)]
 
     @property
     def cropped(self) -> bool:
@@ -134,6 +148,8 @@ class Inspection:
             "cropped": self.cropped,
             "n_layer": n_layer,
             "n_head": n_head,
+            "n_kv_head": self.n_kv_head or n_head,
+            "kv_head_of": self.kv_head_of,
             "tokens": [{"id": i, "label": s} for i, s in zip(self.ids, self.labels)],
             "attention": self.attention.double().round(decimals=decimals).tolist(),
             "positions": [
@@ -258,7 +274,9 @@ def inspect_prompt(
             positions.append(Position(candidates, nxt, losses[t].item()))
         else:
             positions.append(Position(candidates, None, None))
-    return Inspection(text, ids, labels, weights, positions, len(all_ids), max_tokens, ctx)
+    return Inspection(
+        text, ids, labels, weights, positions, len(all_ids), max_tokens, ctx, model.config.kv_heads
+    )
 
 
 def inspect_run(

@@ -128,6 +128,7 @@ def plot_attention(
     heads: Sequence[int] | None = None,
     title: str = "",
     on_notice: Callable[[str], None] | None = None,
+    kv_heads: int | None = None,
 ) -> list[Path]:
     """Draw attention weights as heat-maps, one panel per (layer, head), into PNG file(s).
 
@@ -143,6 +144,10 @@ def plot_attention(
         layers, heads: which to draw (default: all); each panel is titled with its numbers.
         title: a line above the panels (the prompt, say).
         on_notice: told, in one line, of anything a person should know about the picture.
+        kv_heads: the model's key/value heads, when fewer than its query heads (grouped-query
+            attention): each panel is still one query head's map, titled with the key/value
+            head it reads (``head 3 · kv 1``); the heads of a group share their keys, not
+            their maps.
 
     Returns:
         The files written.
@@ -159,7 +164,7 @@ def plot_attention(
     written = []
     with matplotlib.rc_context({"font.family": families}):
         figures = attention_figures(
-            weights, [shown(s) for s in labels], layers, heads, shown(title), on_notice
+            weights, [shown(s) for s in labels], layers, heads, shown(title), on_notice, kv_heads
         )
         for fig, suffix in figures:
             out = path.with_name(f"{path.stem}{suffix}{path.suffix}") if suffix else path
@@ -176,6 +181,7 @@ def attention_figures(
     heads: Sequence[int] | None = None,
     title: str = "",
     on_notice: Callable[[str], None] | None = None,
+    kv_heads: int | None = None,
 ) -> list[tuple[Any, str]]:
     """The figures `plot_attention` saves, as (matplotlib Figure, file-name suffix) pairs; the
     suffix is ``""`` for the single figure, ``"-layerN"`` for one of several."""
@@ -185,6 +191,7 @@ def attention_figures(
     layers = list(range(weights.shape[0])) if layers is None else list(layers)
     heads = list(range(weights.shape[1])) if heads is None else list(heads)
     T = weights.shape[-1]
+    group = weights.shape[1] // kv_heads if kv_heads else 1  # query heads per key/value head
     side = min(max(INCH_PER_TOKEN * T, MIN_PANEL_INCHES), MAX_PANEL_INCHES)
     panels = [[(layer, head) for head in heads] for layer in layers]  # rows of (layer, head)
     if len(layers) == 1 or len(heads) == 1:  # a single row or column: wrap it near square
@@ -197,10 +204,13 @@ def attention_figures(
                 "layer instead (or pick one with --layer, or fewer tokens with --max-tokens)"
             )
         return [
-            (_attention_figure(weights, labels, _wrap(row), side, title), f"-layer{row[0][0]}")
+            (
+                _attention_figure(weights, labels, _wrap(row), side, title, group),
+                f"-layer{row[0][0]}",
+            )
             for row in panels
         ]
-    return [(_attention_figure(weights, labels, panels, side, title), "")]
+    return [(_attention_figure(weights, labels, panels, side, title, group), "")]
 
 
 def _wrap(panels: list) -> list[list]:
@@ -209,8 +219,9 @@ def _wrap(panels: list) -> list[list]:
     return [panels[i : i + ncols] for i in range(0, len(panels), ncols)]
 
 
-def _attention_figure(weights, labels, grid, side, title):
-    """One figure: a panel per (layer, head) of ``grid`` (rows of pairs), one colour bar."""
+def _attention_figure(weights, labels, grid, side, title, group=1):
+    """One figure: a panel per (layer, head) of ``grid`` (rows of pairs), one colour bar; with
+    ``group`` > 1 query heads per key/value head, each panel names the one its head reads."""
     import matplotlib.pyplot as plt
 
     T = len(labels)
@@ -231,9 +242,8 @@ def _attention_figure(weights, labels, grid, side, title):
                 ax.set_axis_off()
                 continue
             layer, head = grid[r][c]
-            image = draw_heatmap(
-                ax, weights[layer, head], labels, f"layer {layer} · head {head}", every=every
-            )
+            name = f"layer {layer} · head {head}" + (f" · kv {head // group}" if group > 1 else "")
+            image = draw_heatmap(ax, weights[layer, head], labels, name, every=every)
             below = r + 1 < nrows and c < len(grid[r + 1])  # a panel under this one
             if below:
                 ax.tick_params(labelbottom=False)

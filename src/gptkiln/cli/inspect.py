@@ -24,7 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "and head's attention weights as heat-maps (query tokens down, key tokens across, the "
         "masked future grey), the top-k next tokens after each prompt token, and the loss of "
         "each prompt token given the ones before it, with the perplexity. Layers, heads and "
-        "positions count from 0 (layer 0 is h.0); -1 is the last.",
+        "positions count from 0 (layer 0 is h.0); -1 is the last. With grouped-query attention "
+        "(llama3, qwen3: fewer key/value heads than query heads) each query head still has its "
+        "own map, titled with the key/value head it shares (head 3 · kv 1), and --json gives "
+        "n_kv_head and kv_head_of, that head for each query head.",
         epilog=example(
             "gptkiln inspect runs/char --prompt 'ROMEO: What' --layer 0 --top-k 3 "
             "--out attention.png --json attention.json"
@@ -118,6 +121,7 @@ def run(args: argparse.Namespace) -> None:
         heads=heads,
         title=title if len(title) <= 90 else title[:89] + "…",
         on_notice=note,
+        kv_heads=result.n_kv_head,
     )
     print(f"wrote {', '.join(str(f) for f in files)}")
     if args.json:

@@ -3,8 +3,14 @@
 Each adapted layer ``W`` (out x in) computes ``W x + (alpha / r) B A x`` with ``A`` (r x in) and
 ``B`` (out x r), A drawn as nn.Linear draws weights and B zero, so training starts from the
 base model exactly (Hu et al. 2021, https://arxiv.org/abs/2106.09685; the book's appendix E).
-The adapters go on every block's attention and MLP projections (``attn.c_attn``,
-``attn.c_proj``, ``mlp.c_fc``, ``mlp.c_proj``) and, when asked, on the head.
+The adapters go on every block's attention and MLP projections, named per family by
+`gptkiln.model.block_linears` (GPT-2's ``attn.c_attn``, ``attn.c_proj``, ``mlp.c_fc``,
+``mlp.c_proj``; Llama's and Qwen's ``attn.q_proj/k_proj/v_proj/o_proj`` and
+``mlp.gate_proj/up_proj/down_proj``) and, when asked, on the head.
+
+Llama and Qwen already have a layer per query, key and value projection: there an adapter on
+each is the book's placement (``qkv="split"``), and ``"fused"`` has nothing to fuse, so it is
+refused.
 
 gptkiln's query, key and value projections are one fused layer, ``c_attn`` (3C x C), where the
 book has three (``W_query``, ``W_key``, ``W_value``). Two placements:
@@ -40,7 +46,7 @@ from gptkiln.checkpoint import ADAPTER_FILE
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.loading import CONFIG_FILE, read_safetensors
-from gptkiln.model import GPT
+from gptkiln.model import GPT, block_linears
 from gptkiln.quantize import quantization_of
 
 __all__ = [
@@ -51,7 +57,6 @@ __all__ = [
     "lora_parameter_count",
     "merge_run_adapters",
 ]
-BLOCK_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 QKV = 3  # query, key and value: the row blocks of c_attn
 
 
@@ -111,12 +116,13 @@ def head_name(config: GPTConfig) -> str:
 def peft_config(spec: LoraSpec, config: GPTConfig):
     """The ``peft.LoraConfig`` of ``spec`` for a GPT of ``config``."""
     peft = import_peft()
-    names = "|".join(name.replace(".", r"\.") for name in BLOCK_LAYERS)
+    check_family(spec, config)
+    names = "|".join(name.replace(".", r"\.") for name in block_linears(config))
     target = rf"h\.\d+\.({names})"
     if spec.head:
         target += f"|{head_name(config)}"
     options: dict[str, Any] = {}
-    if spec.qkv == "split":
+    if spec.qkv == "split" and config.family == "gpt2":  # q, k, v fused in c_attn
         qkv = r"h\.\d+\.attn\.c_attn"
         options = dict(
             rank_pattern={qkv: QKV * spec.rank},
@@ -133,6 +139,15 @@ def peft_config(spec: LoraSpec, config: GPTConfig):
         bias="none",
         **options,
     )
+
+
+def check_family(spec: LoraSpec, config: GPTConfig) -> None:
+    """Refuse ``qkv="fused"`` for a family whose query, key and value are separate layers."""
+    if spec.qkv == "fused" and config.family != "gpt2":
+        raise GptkilnError(
+            f"--lora-qkv fused: a {config.family} model has separate q_proj, k_proj and v_proj "
+            "layers, nothing to fuse; use --lora-qkv split (an adapter on each)"
+        )
 
 
 def add_lora(model: GPT, spec: LoraSpec):
@@ -164,10 +179,20 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def lora_parameter_count(config: GPTConfig, spec: LoraSpec) -> int:
     """Adapter parameters for a GPT of ``config``, by the formulas of this module's docstring."""
     C, L, r = config.n_embd, config.n_layer, spec.rank
+    head_out = config.num_classes or config.vocab_size
+    head = r * (C + head_out) if spec.head else 0
+    if config.family != "gpt2":  # an adapter of r x (in + out) on each of the seven layers
+        check_family(spec, config)
+        Q, KV, hidden = (
+            config.n_head * config.head_size,
+            config.kv_heads * config.head_size,
+            config.mlp_size,
+        )
+        attn = r * (C + Q) + 2 * r * (C + KV) + r * (Q + C)  # q, k, v, o
+        return L * (attn + 2 * r * (C + hidden) + r * (hidden + C)) + head  # + gate, up, down
     qkv = (QKV * r * C + QKV * C * r) if spec.qkv == "split" else (r * C + QKV * C * r)
     per_block = qkv + 2 * r * C + 5 * r * C + 5 * r * C  # c_attn, c_proj, c_fc, mlp.c_proj
-    head_out = config.num_classes or config.vocab_size
-    return L * per_block + (r * (C + head_out) if spec.head else 0)
+    return L * per_block + head
 
 
 def load_adapters(model: GPT, spec: LoraSpec, adapters: dict[str, torch.Tensor], source: str):
