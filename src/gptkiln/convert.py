@@ -208,10 +208,10 @@ def export_hf(
     config = model.config
     kind = tokenizer_name(run_dir)
     _check_export_tokenizer(run_dir, config.family, kind)
-    hf_sd = gptkiln_state_dict_to_hf(model.state_dict(), config)
     dtype = str(model.wte.weight.dtype).removeprefix("torch.")
+    hf_config = {**config_to_hf(config), "dtype": dtype}  # (refuses what the class cannot hold)
+    hf_sd = gptkiln_state_dict_to_hf(model.state_dict(), config)
     written = _write_hf_weights(out_dir, hf_sd, shard_bytes)
-    hf_config = {**config_to_hf(config), "dtype": dtype}
     if kind == "gpt2":
         _write_gpt2_tokenizer_files(out_dir, config.context_length)
         written += ["vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"]
