@@ -137,16 +137,14 @@ def _carry_hf_tokenizer(src_dir: Path, cfg: dict, out_dir: Path) -> dict:
     return extra
 
 
-def _copy_files(src_dir: Path, out_dir: Path, names) -> list[str]:
+def _copy_files(src_dir: Path, out_dir: Path, names: tuple[str, ...]) -> list[str]:
     """Copy the files of ``names`` that ``src_dir`` holds into ``out_dir``, byte for byte and
     each atomically; the names copied."""
-    copied = []
-    for name in names:
-        if (src_dir / name).is_file() and (src_dir / name).resolve() != (out_dir / name).resolve():
-            src = src_dir / name
+    copied = [name for name in names if (src_dir / name).is_file()]
+    for name in copied:
+        src = src_dir / name
+        if src.resolve() != (out_dir / name).resolve():  # (a file is never copied onto itself)
             atomic_write(out_dir / name, lambda tmp, src=src: shutil.copyfile(src, tmp))
-        if (src_dir / name).is_file():
-            copied.append(name)
     return copied
 
 
