@@ -58,9 +58,9 @@ def test_a_directory_is_read_by_the_format_its_config_json_names(tmp_path):
 
 
 def test_an_unknown_hugging_face_model_type_is_one_line(tmp_path):
-    path = hf_dir(tmp_path / "llama", model_type="llama")
+    path = hf_dir(tmp_path / "mistral", model_type="mistral")
     for read in (load_model, describe_weights, tokenizer_name, load_run_tokenizer):
-        with pytest.raises(GptkilnError, match="model_type is 'llama', not one gptkiln reads"):
+        with pytest.raises(GptkilnError, match="model_type is 'mistral', not one gptkiln reads"):
             read(path)
 
 

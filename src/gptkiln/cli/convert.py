@@ -1,5 +1,5 @@
-"""``gptkiln convert`` and ``gptkiln download``: models between formats, and OpenAI's GPT-2
-weights from the Hugging Face Hub (`gptkiln.convert`)."""
+"""``gptkiln convert`` and ``gptkiln download``: models between formats, and GPT-2, Llama and
+Qwen3 weights from the Hugging Face Hub (`gptkiln.convert`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from gptkiln.cli.common import add_out_flag, add_overwrite_flag, example
 # convert's directions: what each makes of what, as its help lists them; `run_convert` calls
 # the `gptkiln.convert` function of each.
 DIRECTIONS = {
-    "hf": "HF GPT-2 dir -> run",
+    "hf": "HF GPT-2 / Llama / Qwen3 dir -> run",
     "book": "the book's model.pth -> run",
-    "to-hf": "run -> HF GPT-2 dir",
+    "to-hf": "run -> HF dir of its family (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM)",
     "merge-lora": "a LoRA run -> a run with the adapters in its weights",
     "quantize": "run -> int8 run (loads directly)",
 }
@@ -22,7 +22,8 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
         help="Hugging Face / book checkpoints in, Hugging Face out",
-        description="Convert models: a Hugging Face GPT-2 directory or the book's model.pth "
+        description="Convert models: a Hugging Face GPT-2, Llama or Qwen3 directory (one "
+        "safetensors file or its shards; its tokenizer's files kept) or the book's model.pth "
         "into a run directory, or a run into a directory Hugging Face transformers loads.",
         epilog=example("gptkiln convert to-hf runs/tiny-gpt2 --out exported/tiny-gpt2"),
     )
@@ -52,6 +53,13 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="quantize: keep the output head and token embedding in fp32 (default: int8 too)",
     )
+    p.add_argument(
+        "--max-shard-size",
+        default="50GB",
+        metavar="SIZE",
+        help="to-hf: weights larger than this are written as shards with an index, as "
+        "transformers' save_pretrained does (e.g. 5GB, 500MB) (default: %(default)s)",
+    )
     add_overwrite_flag(p)
     p.set_defaults(func=run_convert)
 
@@ -64,7 +72,9 @@ def run_convert(args: argparse.Namespace) -> None:
     elif args.direction == "book":
         convert.import_book(args.path, args.out, n_head=args.n_head, overwrite=args.overwrite)
     elif args.direction == "to-hf":
-        convert.export_hf(args.path, args.out, overwrite=args.overwrite)
+        convert.export_hf(
+            args.path, args.out, overwrite=args.overwrite, max_shard_size=args.max_shard_size
+        )
     elif args.direction == "merge-lora":
         convert.merge_lora(args.path, args.out, overwrite=args.overwrite)
     elif args.direction == "quantize":
@@ -83,12 +93,17 @@ def run_convert(args: argparse.Namespace) -> None:
 def add_download_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "download",
-        help="download OpenAI's GPT-2 weights (needs internet)",
-        description="Download OpenAI's GPT-2 weights from the Hugging Face Hub into a run "
-        "directory.",
+        help="download GPT-2, Llama or Qwen3 weights (needs internet)",
+        description="Download a GPT-2, Llama or Qwen3 model from the Hugging Face Hub into a "
+        "run directory (a Llama or Qwen3 run keeps the model's own tokenizer).",
         epilog=example("gptkiln download gpt2 --out runs/gpt2"),
     )
-    p.add_argument("name", help="gpt2 (124M) | gpt2-medium | gpt2-large | gpt2-xl (1.5B)")
+    p.add_argument(
+        "name",
+        help="gpt2 (124M) | gpt2-medium | gpt2-large | gpt2-xl (1.5B) | llama3.2-1b | "
+        "llama3.2-3b | qwen3-0.6b | qwen3-1.7b, or a Hub repository id (owner/name) of a GPT-2, "
+        "Llama or Qwen3 model",
+    )
     add_out_flag(p)
     add_overwrite_flag(p)
     p.set_defaults(func=run_download)

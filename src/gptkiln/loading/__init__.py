@@ -10,8 +10,12 @@ with gptkiln's names and layouts (a `StoredModel`), over one set of checks:
                     ``model.safetensors``, the tokenizer's files), written by `gptkiln.checkpoint`;
                     a quantized run too
 ``hf``              a **Hugging Face** directory's weights files, any family: model.safetensors,
-                    its shards, or pytorch_model.bin
+                    its shards (model.safetensors.index.json), or pytorch_model.bin; the
+                    tokenizer's files a conversion carries along
 ``hf_gpt2``         **Hugging Face GPT-2** (``"model_type": "gpt2"``): its config and names
+``hf_llama``        **Hugging Face Llama and Qwen3** (``"model_type": "llama"`` / ``"qwen3"``,
+                    gptkiln's families ``llama3`` / ``qwen3``): config (RoPE scaling, GQA,
+                    head_dim, biases) and names; the tokenizer read from the directory
 ``book``            the **book's** ``model.pth`` (a state dict of its ``GPTModel``)
 ``checks``          names, shapes, dtypes and sizes against a config (`check_state_dict`), and a
                     built model against its use (`check_language_model`, `check_ids_fit`)
@@ -19,7 +23,7 @@ with gptkiln's names and layouts (a `StoredModel`), over one set of checks:
 ``build``           `build_model`: a `StoredModel` into a GPT on the meta device, tensors assigned
 ==================  ===========================================================================
 
-A new Hugging Face family (Llama 3, Qwen3) is a module beside ``hf_gpt2`` and one row in
+A new Hugging Face family is a module beside ``hf_gpt2`` and ``hf_llama`` and one row in
 `load.HF_FAMILIES`. A load then reads top to bottom::
 
     load_run(path)                       model, tokenizer, config.json
@@ -29,7 +33,7 @@ A new Hugging Face family (Llama 3, Qwen3) is a module beside ``hf_gpt2`` and on
            ├─ run.read                   a run:  GPTConfig from its "model" entry,
            │                                     read_safetensors (memory-mapped)
            ├─ hf_gpt2.read               HF:     config_from_hf, hf weights files (memory-mapped,
-           │                                     shards, or a torch file),
+           │  (hf_llama.read)                    shards, or a torch file),
            │                                     hf_state_dict_to_gptkiln (names, Conv1D
            │                                     transposes, shapes checked)
            ├─ build_model                every name, shape and dtype checked against the config,
@@ -70,7 +74,13 @@ from gptkiln.loading.files import (
     read_safetensors_header,
     safetensors_metadata,
 )
-from gptkiln.loading.hf import HF_BIN_FILE, HF_INDEX_FILE, hf_weights_files, read_hf_weights
+from gptkiln.loading.hf import (
+    HF_BIN_FILE,
+    HF_INDEX_FILE,
+    HF_TOKENIZER_FILES,
+    hf_weights_files,
+    read_hf_weights,
+)
 from gptkiln.loading.hf_gpt2 import CONV1D, config_from_hf, hf_state_dict_to_gptkiln
 from gptkiln.loading.load import (
     HF_FAMILIES,
@@ -93,6 +103,7 @@ __all__ = [
     "HF_BIN_FILE",
     "HF_FAMILIES",
     "HF_INDEX_FILE",
+    "HF_TOKENIZER_FILES",
     "QUANTIZED_FORMAT",
     "WEIGHTS_FILE",
     "StoredModel",

@@ -1,7 +1,8 @@
-"""The weights files of a Hugging Face model directory, whatever the model family:
+"""The files of a Hugging Face model directory, whatever the model family: its weights,
 model.safetensors (memory-mapped), its sharded form (model.safetensors.index.json and the shards
-it names) or pytorch_model.bin (``torch.load(weights_only=True, mmap=True)``). Each family's
-names, layouts and config are its own module's (`gptkiln.loading.hf_gpt2`)."""
+it names) or pytorch_model.bin (``torch.load(weights_only=True, mmap=True)``); and the names of
+the tokenizer's files a conversion carries along. Each family's names, layouts and config are
+its own module's (`gptkiln.loading.hf_gpt2`, `gptkiln.loading.hf_llama`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ from gptkiln.loading.files import (
 
 HF_BIN_FILE = "pytorch_model.bin"
 HF_INDEX_FILE = "model.safetensors.index.json"
+# A Hugging Face model's tokenizer and what it says about generation (BOS/EOS, stop ids, the chat
+# template): the files a conversion keeps as they are, into a run and back out of it.
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def hf_weights_files(hf_dir: Path) -> list[Path]:
@@ -28,14 +38,38 @@ def hf_weights_files(hf_dir: Path) -> list[Path]:
     if (hf_dir / WEIGHTS_FILE).is_file():
         return [hf_dir / WEIGHTS_FILE]
     if (hf_dir / HF_INDEX_FILE).is_file():
-        index = json.loads((hf_dir / HF_INDEX_FILE).read_text(encoding="utf-8"))
-        return [hf_dir / shard for shard in sorted(set(index["weight_map"].values()))]
+        return _shards(hf_dir)
     if (hf_dir / HF_BIN_FILE).is_file():
         return [hf_dir / HF_BIN_FILE]
     raise GptkilnError(
-        f"{hf_dir} has a config.json but no {WEIGHTS_FILE} or {HF_BIN_FILE}; "
-        f"copy the weights file into it"
+        f"{hf_dir} has a config.json but no {WEIGHTS_FILE}, {HF_INDEX_FILE} (with its "
+        f"shards) or {HF_BIN_FILE}; copy the weights files into it"
     )
+
+
+def _shards(hf_dir: Path) -> list[Path]:
+    """The shards model.safetensors.index.json names (its ``weight_map``: tensor -> file), each
+    of which must be in the directory."""
+    path = hf_dir / HF_INDEX_FILE
+    try:
+        weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+        if not names or not all(isinstance(n, str) and "/" not in n for n in names):
+            raise ValueError("no shard file names")
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GptkilnError(
+            f"{path} is not a safetensors index (a weight_map of tensor names to shard files: "
+            f"{reason}); restore it from the model's repository"
+        ) from None
+    missing = [name for name in names if not (hf_dir / name).is_file()]
+    if missing:
+        raise GptkilnError(
+            f"{path} names {len(names)} shards, but {', '.join(missing[:3])}"
+            f"{' and more' if len(missing) > 3 else ''} {'is' if len(missing) == 1 else 'are'} "
+            "not in the directory; download the missing shards beside it"
+        )
+    return [hf_dir / name for name in names]
 
 
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:

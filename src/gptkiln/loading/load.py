@@ -3,10 +3,10 @@ load over all of them (`load_model`, `load_run`), with what a look without loadi
 (`describe_weights`, `tokenizer_name`).
 
 A format is a module with the functions of `Format`: `gptkiln.loading.run` (a gptkiln run) and
-one module per Hugging Face model family (`gptkiln.loading.hf_gpt2`). Every format reads into a
-`StoredModel` (a `GPTConfig` and a state dict with gptkiln's names) and `build_model` builds any
-of them, so a new family (Llama 3, Qwen3) is a module beside ``hf_gpt2`` and a row in
-`HF_FAMILIES`.
+one module per Hugging Face model family (`gptkiln.loading.hf_gpt2`, `gptkiln.loading.hf_llama`
+for Llama and Qwen3). Every format reads into a `StoredModel` (a `GPTConfig` and a state dict
+with gptkiln's names) and `build_model` builds any of them, so a new family is a module beside
+them and a row in `HF_FAMILIES`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from gptkiln import load_steps
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.loading import hf_gpt2, run
+from gptkiln.loading import hf_gpt2, hf_llama, run
 from gptkiln.loading.book import read_book
 from gptkiln.loading.build import StoredModel, build_model, quantized_on_load
 from gptkiln.loading.checks import check_state_dict
@@ -55,7 +55,8 @@ class Format(Protocol):
 
 
 # Hugging Face directories, by their config.json's "model_type": the module that reads each.
-HF_FAMILIES: dict[str, Format] = {"gpt2": hf_gpt2}
+# (Llama's and Qwen3's checkpoints share their names: one module reads both.)
+HF_FAMILIES: dict[str, Format] = {"gpt2": hf_gpt2, "llama": hf_llama, "qwen3": hf_llama}
 
 
 def format_of(cfg: Mapping[str, Any], directory: str | os.PathLike) -> Format:
@@ -67,8 +68,8 @@ def format_of(cfg: Mapping[str, Any], directory: str | os.PathLike) -> Format:
     if family is None:
         raise GptkilnError(
             f"{Path(directory) / CONFIG_FILE}: model_type is {cfg['model_type']!r}, not one "
-            f"gptkiln reads ({', '.join(map(repr, HF_FAMILIES))}); only those Hugging Face "
-            "checkpoints can be loaded or converted"
+            f"gptkiln reads ({', '.join(map(repr, HF_FAMILIES))}: GPT-2, Llama and Qwen3 "
+            "checkpoints); only those Hugging Face models can be loaded or converted"
         )
     return family
 
@@ -90,7 +91,8 @@ def load_run(
 
 
 def load_run_tokenizer(run_dir: str | os.PathLike, cfg: dict[str, Any] | None = None):
-    """The tokenizer of a run directory (its files), or gpt2 for a Hugging Face GPT-2 one."""
+    """The tokenizer of a run directory (its files), gpt2 for a Hugging Face GPT-2 one, a Llama
+    or Qwen3 directory's own (its tokenizer.json)."""
     from gptkiln.tokenizers import load_tokenizer
 
     cfg = read_config(run_dir) if cfg is None else cfg
@@ -141,11 +143,17 @@ def load_hf(
     dtype: torch.dtype | None = None,
     quantize: str | None = None,
 ) -> GPT:
-    """A GPT with the weights of a Hugging Face GPT-2 directory (config.json + weights);
-    ``quantize`` as `load_model`."""
+    """A GPT with the weights of a Hugging Face directory (config.json with a ``"model_type"``
+    of `HF_FAMILIES`, and its weights files); ``quantize`` as `load_model`."""
     check_quantize(quantize)
     hf_dir = Path(hf_dir)
-    stored = hf_gpt2.read(hf_dir, read_config(hf_dir))
+    cfg = read_config(hf_dir)
+    if "model_type" not in cfg:
+        raise GptkilnError(
+            f"{hf_dir / CONFIG_FILE} has no model_type: it is not a Hugging Face model directory "
+            "(a gptkiln run is used as it is, without converting)"
+        )
+    stored = format_of(cfg, hf_dir).read(hf_dir, cfg)
     return _build(stored, hf_dir, device=device, dtype=dtype, steps=False, quantize=quantize)
 
 
