@@ -18,18 +18,13 @@ from gptkiln.loading.files import (
     read_safetensors,
     read_safetensors_header,
 )
+from gptkiln.tokenizers import BPE_FILE, HF_CONFIG_FILE, HF_EXTRA_FILES
 
 HF_BIN_FILE = "pytorch_model.bin"
 HF_INDEX_FILE = "model.safetensors.index.json"
 # A Hugging Face model's tokenizer and what it says about generation (BOS/EOS, stop ids, the chat
 # template): the files a conversion keeps as they are, into a run and back out of it.
-HF_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-)
+HF_TOKENIZER_FILES = (BPE_FILE, HF_CONFIG_FILE, *HF_EXTRA_FILES)  # tokenizers.py names them
 
 
 def hf_weights_files(hf_dir: Path) -> list[Path]:
