@@ -326,3 +326,26 @@ def test_a_model_tuned_to_the_dynamic_int8_kernel_gives_nearly_the_reference_log
         assert all(m.few_row_kernels[1] is kernels.dynamic_int8 for m in int8)
         got = model(x)[0]
     assert 0 < relative_error(got, expected) < kernels.ACTIVATION_TOLERANCE
+
+
+def test_a_kernel_quantizing_activations_must_win_clearly(monkeypatch):
+    from gptkiln.quantize import quantize_model
+
+    model = quantize_model(tiny_model())
+    clock = [0.0]  # a clock the kernels advance: the test hangs on no real timing
+
+    def taking(seconds, kernel):
+        return lambda *a: (clock.__setitem__(0, clock[0] + seconds), kernel(*a))[1]
+
+    def on_the_clock(fn):
+        start = clock[0]
+        fn()
+        return clock[0] - start
+
+    monkeypatch.setattr(kernels, "_seconds", on_the_clock)
+    exact = taking(1.0, kernels.dequantize_linear)
+    for dynamic, expected in ((0.9, "dequantize"), (0.5, "dynamic")):
+        found = {"dequantize": exact, "dynamic": taking(dynamic, kernels.dynamic_int8)}
+        monkeypatch.setattr(kernels, "_CHOSEN", {})
+        monkeypatch.setattr(kernels, "int8_candidates", lambda found=found: found)
+        assert set(kernels.tune_decoding(model, rows=1).values()) == {expected}
