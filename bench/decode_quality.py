@@ -1,0 +1,96 @@
+"""What the decoding kernels cost in quality: perplexity computed token by token, as decoding runs.
+
+    python bench/decode_quality.py RUN --text FILE [--max-tokens 2048]
+
+`bench/quantize_quality.py` measures int8 weights through ``gptkiln eval``, whose forwards
+multiply hundreds of rows at once and so never reach the few-row kernels the tuner hands out
+for decoding (`gptkiln.kernels`). Here every token goes through the static KV cache one at a
+time (`gptkiln.sampling.decode_one_token`, batch 1, the kernels tuned for one row), over
+windows of the model's context from the first ``--max-tokens`` tokens of FILE, and the
+perplexity of the next token is accumulated. Rows:
+
+- ``fp32``: the run as stored, tuned as `generate` tunes it (every float kernel equals
+  ``F.linear`` up to rounding);
+- ``int8, reference kernel``: int8 weights (`gptkiln.quantize`), every layer on
+  `kernels.dequantize_linear` (fp32 activations);
+- ``int8, kernel <name>``: the same weights with every layer on one int8 candidate, e.g.
+  ``dynamic`` (int8 activations too, `kernels.dynamic_int8`);
+
+each with its change against fp32 in percent (the target: within 1%). 2 threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+
+
+def decode_perplexity(model, ids: list[int]) -> float:
+    """exp(mean NLL) of each next token, fed one at a time through the KV cache, in windows of
+    the model's context length."""
+    import torch
+    import torch.nn.functional as F
+
+    from gptkiln.sampling import decode_one_token
+
+    ctx = model.config.context_length
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, ctx):
+            window = ids[start : start + ctx + 1]
+            model.setup_cache(1, len(window) - 1, torch.zeros(1, dtype=torch.long))
+            for pos in range(len(window) - 1):
+                logits = decode_one_token(model, torch.tensor([window[pos]]), pos)  # (1, V)
+                total += float(F.cross_entropy(logits, torch.tensor([window[pos + 1]])))
+                count += 1
+    model.clear_cache()
+    return math.exp(total / count)
+
+
+def with_kernel(model, name: str):
+    """Every int8 layer of ``model`` on the int8 candidate ``name`` for one row."""
+    from gptkiln import kernels
+    from gptkiln.quantize import Int8Linear
+
+    kernel = kernels.int8_candidates()[name]
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.few_row_kernels = {1: kernel}
+    return model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("run")
+    p.add_argument("--text", required=True, help="a UTF-8 text file")
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--kernels", nargs="+", default=["dynamic"])
+    args = p.parse_args()
+    common.setup_torch()
+    from gptkiln.kernels import tune_decoding
+    from gptkiln.loading import load_run
+
+    common.print_machine()
+    model, tokenizer, _ = load_run(args.run)
+    ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))[: args.max_tokens]
+    tune_decoding(model, rows=1)
+    rows = [{"model": "fp32", "ppl": decode_perplexity(model.eval(), ids)}]
+    int8, _, _ = load_run(args.run, quantize="int8")
+    for name in ["dequantize", *args.kernels]:
+        label = "int8, reference kernel" if name == "dequantize" else f"int8, kernel {name}"
+        rows.append({"model": label, "ppl": decode_perplexity(with_kernel(int8, name), ids)})
+    for row in rows:
+        row["change_pct"] = 100 * (row["ppl"] / rows[0]["ppl"] - 1)
+    print(f"# {args.run}: {len(ids)} tokens of {args.text}, one at a time through the KV cache")
+    common.print_table(
+        rows, [("model", "model"), ("ppl", "perplexity"), ("change_pct", "vs fp32 %")]
+    )
+
+
+if __name__ == "__main__":
+    main()
