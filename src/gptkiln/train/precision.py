@@ -5,7 +5,9 @@
 model's own training step (forward and backward, eager) says it is faster by `MARGIN` at least,
 fp32 otherwise; fp32 on every other device. Measured, not assumed: AMX makes a 124M step ~1.7x
 faster, while on small models the casts cost more than the bf16 matmuls save, and the same model
-can fall either side on two chips.
+can fall either side on two chips. The measurement runs eager, for a ``--compile`` run too
+(compiling both to time them would take longer than most runs), so it may miss a gain that only
+compiled code shows: pass ``--precision bf16`` there.
 """
 
 from __future__ import annotations
