@@ -29,6 +29,10 @@ from "ROMEO:" (seed 1, temperature 0.8, top-k 50).
 ``bpe16k-llama3-baby`` and ``bpe16k-qwen3-baby`` are the default (``bpe16k-baby``) with the
 Llama 3 and Qwen3 shapes of its size (``llama3-baby``, ``qwen3-baby``); ``--family`` keeps one
 family's configurations, so that each family can be run on its own.
+Configurations take suffixes (`SUFFIXES`): ``+compile``, and the arithmetic, ``+fp32``,
+``+bf16`` or ``+auto`` (the default: the run's first line says what auto chose, and the table's
+precision column what each run trained in), so ``bpe16k-baby+fp32 bpe16k-baby`` compares fp32
+with auto's choice in one batch.
 
 Prints one row per run (``RESULT`` lines hold everything as JSON) and a Markdown table.
 """
@@ -89,7 +93,18 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     "bpe16k-llama3-baby": ("bpe:16384", ["--model", "llama3-baby"]),
     "bpe16k-qwen3-baby": ("bpe:16384", ["--model", "qwen3-baby"]),
 }
-"""name -> (tokenizer, train flags); ``NAME+compile`` adds ``--compile`` to any of them."""
+"""name -> (tokenizer, train flags); suffixes add flags to any of them (`SUFFIXES`)."""
+
+SUFFIXES: dict[str, list[str]] = {
+    "compile": ["--compile"],
+    # the arithmetic: a name without one trains with the default, --precision auto (bf16 where
+    # the CPU has AMX or AVX512-BF16 and a step measures faster in it; the run's first line and
+    # the RESULT's "precision" say which)
+    "fp32": ["--precision", "fp32"],
+    "bf16": ["--precision", "bf16"],
+    "auto": ["--precision", "auto"],
+}
+"""``NAME+SUFFIX[+SUFFIX]``: e.g. ``bpe16k-baby+fp32`` against ``bpe16k-baby+bf16``."""
 
 
 def family_of(name: str) -> str:
@@ -106,11 +121,14 @@ SAMPLE_CHARS = 250
 
 
 def config(name: str) -> tuple[str, list[str]]:
-    base, plus, extra = name.partition("+")
-    if base not in CONFIGS or extra not in ("", "compile"):
-        raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)} (+compile)")
+    base, *extras = name.split("+")
+    if base not in CONFIGS or any(extra not in SUFFIXES for extra in extras):
+        raise SystemExit(
+            f"unknown configuration {name!r}; known: {', '.join(CONFIGS)} "
+            f"(+{' / +'.join(SUFFIXES)})"
+        )
     tokenizer, flags = CONFIGS[base]
-    return tokenizer, flags + (["--compile"] if extra else [])
+    return tokenizer, flags + [flag for extra in extras for flag in SUFFIXES[extra]]
 
 
 def prepared(work: Path, tokenizer: str) -> Path:
@@ -216,6 +234,7 @@ def worker(job: dict) -> None:
             "tokens_per_s": int(last["tokens"]) / float(state["train_seconds"]),
             "steady_tokens_per_s": last["tokens_per_s"],
             "val_bpc_log": last["val_bpc"],
+            "precision": state.get("precision"),  # what the run trained in (auto resolved)
         }
     )
 
@@ -290,6 +309,7 @@ def main() -> None:
         [
             ("name", "config"),
             ("tag", "tag"),
+            ("precision", "precision"),
             ("steps", "steps"),
             ("train_s", "train s"),
             ("first_step_s", "first step s"),

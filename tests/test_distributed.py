@@ -67,6 +67,7 @@ def settings(data: Path, out: Path, **overrides) -> dict:
         decay_lr=False,
         seed=7,
         progress=False,
+        precision="fp32",  # runs compared bit for bit: auto's measurement could differ
     )
     return {**base, **overrides}
 

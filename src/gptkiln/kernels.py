@@ -446,6 +446,8 @@ def _still_equal(kernels: dict[str, Callable], name: str, layer: nn.Module, rows
         return _agrees(name, kernels[name](x, *_operands(layer)), expected)
     except RuntimeError:
         return False
+
+
 QUANTIZING_MARGIN = 0.8
 """A kernel of `QUANTIZING_ACTIVATIONS` is chosen only in at most this fraction of the best exact
 kernel's time."""

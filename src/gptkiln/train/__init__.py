@@ -23,6 +23,7 @@ The modules, each one idea (this package re-exports their public names):
 - `evaluation`: `sum_over_batches`, `evaluate`, `evaluate_text`, `bits_per_char`, `sample_text`.
 - `run_log`: metrics.csv (`RunLog`, `read_metrics`), `TensorBoardLog`, the progress bar.
 - `checkpointing`: `Checkpoints` (cadence, save, restore), `start_mode`, `resume_after_restart`.
+- `precision`: `--precision auto` resolved to fp32 or bf16, measured on the CPU, kept on resume.
 - `timing`: `TrainingClock` (the time budget), `Speedometer` (tokens per second).
 - `stops`: the one-line messages of a run that diverged, was stopped, or has nothing to train.
 """

@@ -22,11 +22,14 @@ from gptkiln.train.task import BatchSource, LanguageModeling, Task
 @dataclass(frozen=True)
 class Progress:
     """Where a run stands, what a checkpoint saves and a resume restores: its optimizer step,
-    the input tokens seen so far (over all ranks), the seconds spent training so far."""
+    the input tokens seen so far (over all ranks), the seconds spent training so far, and the
+    precision it trains in (``"fp32"`` or ``"bf16"``, what ``--precision auto`` chose at its
+    start; None in a checkpoint written before the choice was recorded)."""
 
     step: int
     tokens: int
     train_seconds: float
+    precision: str | None = None
 
 
 class Checkpoints:
@@ -85,9 +88,14 @@ class Checkpoints:
                 "cuda_rng": cuda_rng,  # each rank's own device's generator
                 "scheduler": {"step": step, "total_steps": batches.total_steps},
                 "train_seconds": progress.train_seconds,
+                "precision": progress.precision,
             }
+            # config.json records the arithmetic the run trains in, not "auto"
+            train_config = self.cfg.to_dict()
+            if progress.precision is not None:
+                train_config["precision"] = progress.precision
             with self.guard.hold():  # a SIGTERM now would leave half a checkpoint
-                self.task.save(model_sd, state, self.cfg.to_dict())
+                self.task.save(model_sd, state, train_config)
                 self.saved_step = step
         dist_utils.barrier(self.world)
         self.saved_step = step
@@ -107,6 +115,7 @@ class Checkpoints:
             tokens=int(state.get("tokens", step * batches.tokens(0))),
             # a checkpoint from before time budgets has no clock: its time so far counts as 0
             train_seconds=float(state.get("train_seconds", 0.0)),
+            precision=state.get("precision"),
         )
         self._check_same_global_batch(state.get("global_batch"), batches)
         if self.world.is_main and self.restarted:

@@ -26,6 +26,7 @@ from gptkiln.optim import make_optimizer
 from gptkiln.train.checkpointing import Checkpoints, Progress, start_mode
 from gptkiln.train.evaluation import TaskBenchmarks
 from gptkiln.train.optimizer_step import OptimizerStep, autocast_for
+from gptkiln.train.precision import PrecisionChoice, precision_for_run, resumed_precision
 from gptkiln.train.run_log import ProgressBar, RunLog, tensorboard_writer_class
 from gptkiln.train.stops import diverged_message, nothing_to_train, stopped_message
 from gptkiln.train.task import LanguageModeling, RunContext, Task
@@ -121,14 +122,17 @@ class Trainer:
         context = RunContext(cfg, self.run_dir, self.device, self.world, resume)
         self.task = (task or LanguageModeling)(context)
         self.tokenizer = self.task.tokenizer
+        self.batches = self.task.batches
+        # measured on the bare model, before a wrapper would synchronise its backward
+        self.precision: PrecisionChoice | None = None
+        if not resume:
+            self.precision = precision_for_run(
+                cfg.precision, self.device, self.task.model, self.batches.get(0, 0), self.world
+            )
         self.model = dist_utils.parallelize(self.task.model, self.world, cfg.parallel)
         self.forward = torch.compile(self.model) if cfg.compile else self.model
         betas = (cfg.beta1, cfg.beta2)
         self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay, betas)
-        self.batches = self.task.batches
-        self.optimizer_step = OptimizerStep(
-            self.model, self.forward, self.optimizer, self.batches, cfg, self.device
-        )
         self.log = RunLog(self.task, self.run_dir, self.world, self.guard)
         self.log.benchmarks = benchmarks
         self.checkpoints = Checkpoints(
@@ -141,10 +145,17 @@ class Trainer:
             progress = self.checkpoints.restore(self.model, self.optimizer, self.batches)
             self.step, self.tokens = progress.step, progress.tokens
             self.clock.seconds = progress.train_seconds
+            self.precision = resumed_precision(cfg.precision, progress.precision, self.device)
             self.log.keep_rows_until(self.step)
         elif self.world.is_main:
             self.log.start_afresh()
             self.checkpoints.forget_replaced(overwrite)
+        self.optimizer_step = OptimizerStep(
+            self.model, self.forward, self.optimizer, self.batches, cfg, self.device
+        )
+        self.optimizer_step.precision = self.precision.precision
+        if self.world.is_main:
+            print(self.precision.line(), flush=True)
         if cfg.tensorboard and self.world.is_main:
             self.log.open_tensorboard(self.step + 1 if resume else None)
 
@@ -162,8 +173,8 @@ class Trainer:
 
     @property
     def autocast(self) -> torch.autocast:
-        """The autocast context of ``cfg.precision`` ("auto": bf16 on CUDA, fp32 elsewhere)."""
-        return autocast_for(self.device, self.cfg.precision)
+        """The autocast context of the precision this run trains in (`self.precision`)."""
+        return autocast_for(self.device, self.precision.precision)
 
     @property
     def raw_model(self) -> GPT:
@@ -288,7 +299,7 @@ class Trainer:
 
     def save(self) -> None:
         """Write the checkpoint (all ranks gather, rank 0 writes)."""
-        progress = Progress(self.step, self.tokens, self.clock.seconds)
+        progress = Progress(self.step, self.tokens, self.clock.seconds, self.precision.precision)
         self.checkpoints.save(self.model, self.optimizer, self.batches, progress)
 
 

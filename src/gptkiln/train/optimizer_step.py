@@ -11,15 +11,18 @@ import torch
 from gptkiln import distributed as dist_utils
 from gptkiln.config import TrainConfig
 from gptkiln.optim import lr_at
+from gptkiln.train.precision import static_precision
 from gptkiln.train.task import BatchSource
 
 
 def autocast_for(device: str, precision: str) -> torch.autocast:
-    """The autocast context of ``precision`` on ``device`` ("auto": bf16 on CUDA, fp32
+    """The autocast context of ``precision`` on ``device``: ``"bf16"`` or ``"fp32"``, as
+    `gptkiln.train.precision` resolved it (``"auto"``, unresolved: bf16 on CUDA, fp32
     elsewhere)."""
     device_type = device.split(":")[0]
-    bf16 = precision == "bf16" or (precision == "auto" and device_type == "cuda")
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
+    if precision == "auto":
+        precision = static_precision(device)
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 class OptimizerStep:
@@ -31,8 +34,11 @@ class OptimizerStep:
         forward: what runs the forward pass: ``model``, or torch.compile's wrapper of it.
         optimizer: the optimizer of ``model``'s parameters; its learning rate is set each step.
         batches: the (x, y) of each micro-batch, ``(batch_size, T)`` each.
-        cfg: the schedule, ``grad_accum``, ``grad_clip`` and ``precision``.
+        cfg: the schedule, ``grad_accum`` and ``grad_clip``.
         device: where the batches go.
+
+    ``precision``: what the steps run in, ``"fp32"`` or ``"bf16"`` autocast (`Trainer` sets
+    the one it resolved; ``cfg.precision`` until then).
     """
 
     def __init__(
@@ -46,6 +52,7 @@ class OptimizerStep:
     ) -> None:
         self.model, self.forward, self.optimizer = model, forward, optimizer
         self.batches, self.cfg, self.device = batches, cfg, device
+        self.precision = cfg.precision
 
     def __call__(self, step: int, total: int, time_used: float) -> tuple[float, float]:
         """Step ``step`` of ``total`` (``time_used``: the fraction of a time budget spent, 0.0
@@ -67,7 +74,7 @@ class OptimizerStep:
             x, y = self.batches.get(step, micro)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with dist_utils.gradient_sync(self.model, micro == cfg.grad_accum - 1):
-                with autocast_for(self.device, cfg.precision):
+                with autocast_for(self.device, self.precision):
                     _, loss = self.forward(x, y)
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
