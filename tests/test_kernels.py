@@ -330,7 +330,7 @@ def test_a_model_tuned_to_the_dynamic_int8_kernel_gives_nearly_the_reference_log
     assert 0 < relative_error(got, expected) < kernels.ACTIVATION_TOLERANCE
 
 
-def test_a_kernel_quantizing_activations_must_win_clearly(monkeypatch):
+def test_a_kernel_quantizing_activations_must_win_clearly(monkeypatch, tmp_path):
     from gptkiln.quantize import quantize_model
 
     model = quantize_model(tiny_model())
@@ -349,5 +349,6 @@ def test_a_kernel_quantizing_activations_must_win_clearly(monkeypatch):
     for dynamic, expected in ((0.9, "dequantize"), (0.5, "dynamic")):
         found = {"dequantize": exact, "dynamic": taking(dynamic, kernels.dynamic_int8)}
         monkeypatch.setattr(kernels, "_CHOSEN", {})
+        monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / str(dynamic)))  # no choice on disk
         monkeypatch.setattr(kernels, "int8_candidates", lambda found=found: found)
         assert set(kernels.tune_decoding(model, rows=1).values()) == {expected}
