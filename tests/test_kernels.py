@@ -315,6 +315,18 @@ def test_a_kernel_quantizing_activations_is_held_to_its_tolerance_and_no_other_i
     assert not kernels._agrees("dynamic", expected * float("nan"), expected)
 
 
+@pytest.fixture
+def with_dynamic_int8(monkeypatch):
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest leaves it out of the suite's tuning
+
+
+def test_the_exact_kernels_setting_leaves_the_dynamic_int8_kernel_out(monkeypatch):
+    assert "dynamic" not in kernels.int8_candidates()  # conftest's setting, for every test
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")
+    assert "dynamic" in kernels.int8_candidates()
+
+
+@pytest.mark.usefixtures("with_dynamic_int8")
 def test_a_model_tuned_to_the_dynamic_int8_kernel_gives_nearly_the_reference_logits(monkeypatch):
     from gptkiln.quantize import Int8Linear, quantize_model
 

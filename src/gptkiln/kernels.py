@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 import warnings
 import weakref
@@ -297,13 +298,18 @@ def _packed(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | Non
 def int8_candidates() -> dict[str, Callable]:
     """The int8 products: name -> kernel ``(x, qweight, scale, bias) -> y``; the first,
     `dequantize_linear`, is the reference. Module-level functions, so a tuned model pickles.
-    ``dynamic`` quantizes the activations too (see `dynamic_int8`, `ACTIVATION_TOLERANCE`)."""
-    return {
+    ``dynamic`` quantizes the activations too (see `dynamic_int8`, `ACTIVATION_TOLERANCE`); with
+    ``GPTKILN_EXACT_KERNELS=1`` in the environment it is left out, so that every choice gives
+    the reference's numbers up to rounding (the same tokens whatever the tuner's timings)."""
+    found = {
         "dequantize": dequantize_linear,
         "int8pack_mm": int8pack_mm,
         "fused": fused_int8,
         "dynamic": dynamic_int8,
     }
+    if os.environ.get("GPTKILN_EXACT_KERNELS") == "1":
+        del found["dynamic"]
+    return found
 
 
 QUANTIZING_ACTIVATIONS = frozenset({"dynamic"})
