@@ -204,6 +204,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="interleaved repeats of every process")
     p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for MFU")
     p.add_argument(
+        "--parts", nargs="+", default=["train", "generate"], choices=["train", "generate"]
+    )
+    p.add_argument(
         "--smoke", action="store_true", help="tiny shapes and few steps: check the code paths"
     )
     args = p.parse_args()
@@ -225,6 +228,13 @@ def main() -> None:
     )["tflops"]
     print(f"# {gpu}: bf16 matmul {mm:.1f} TFLOP/s measured; data-sheet peak {peak} TFLOP/s")
 
+    if "train" in args.parts:
+        train_part(args, shape, compile_, peak, mm)
+    if "generate" in args.parts:
+        generate_part(args, shape)
+
+
+def train_part(args, shape: dict, compile_: bool, peak: float | None, mm: float) -> None:
     train_jobs = [
         dict(
             job="train",
@@ -275,6 +285,8 @@ def main() -> None:
         ],
     )
 
+
+def generate_part(args, shape: dict) -> None:
     rows = []
     for batch in args.gen_batches:
         jobs = [

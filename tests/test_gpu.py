@@ -67,6 +67,7 @@ def test_trainer_picks_cuda_and_trains(tmp_path):
             max_steps=30,
             eval_interval=30,
             sample_interval=30,
+            sample_prompt="to be",
             progress=False,
         )
     )
@@ -92,3 +93,85 @@ def test_int8_model_on_cuda_in_bf16_generates_as_on_the_cpu(tmp_path):
     prompt = idx[0, :5].tolist()
     cached = generate(gpu, prompt, max_new_tokens=20, temperature=0)
     assert cached == generate(gpu, prompt, max_new_tokens=20, temperature=0, use_cache=False)
+
+
+# -- the Llama 3 and Qwen3 families on CUDA ---------------------------------------------------
+@pytest.fixture(params=("llama3", "qwen3"))
+def family_model(request) -> GPT:
+    from test_families import randomize_, small_config
+
+    torch.manual_seed(0)
+    return randomize_(GPT(small_config(request.param)))
+
+
+def test_family_logits_on_cuda_equal_the_cpus(family_model):
+    idx = torch.randint(0, 97, (2, 32))
+    with torch.no_grad():
+        cpu_logits = family_model(idx)
+        gpu = family_model.cuda()
+        torch.testing.assert_close(gpu(idx.cuda()).cpu(), cpu_logits, atol=1e-4, rtol=1e-4)
+        bf16_logits = gpu.to(torch.bfloat16)(idx.cuda()).float().cpu()
+    torch.testing.assert_close(bf16_logits, cpu_logits, atol=0.25, rtol=0.05)
+
+
+def test_family_cached_and_left_padded_generation_on_cuda(family_model):
+    gpu = family_model.cuda()
+    prompts = [[5, 9, 11], [7, 3, 2, 8, 1, 4], [13]]
+    alone = [generate(gpu, p, max_new_tokens=12, temperature=0) for p in prompts]
+    for p, out in zip(prompts, alone):
+        assert out == generate(gpu, p, max_new_tokens=12, temperature=0, use_cache=False)
+    assert generate(gpu, prompts, max_new_tokens=12, temperature=0) == alone  # left-padded
+    bf16 = gpu.to(torch.bfloat16)
+    idx = torch.tensor([alone[1]], device="cuda")
+    with torch.no_grad():
+        full = bf16(idx)[0, -1].float()
+        bf16.setup_cache(1, idx.size(1))
+        try:
+            bf16(idx[:, :-1], start_pos=0)
+            step = bf16(idx[:, -1:], start_pos=idx.size(1) - 1)[0, -1].float()
+        finally:
+            bf16.clear_cache()
+    torch.testing.assert_close(step, full, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_family_compiled_bf16_training_reduces_the_loss_on_cuda(family):
+    from test_families import small_config
+
+    torch.manual_seed(0)
+    model = GPT(small_config(family)).cuda()
+    compiled = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    idx = torch.randint(0, 97, (8, 32), device="cuda")
+    losses = []
+    for _ in range(20):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = compiled(idx, idx.roll(-1, dims=1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_trainer_trains_a_family_preset_on_cuda_in_bf16_auto(tmp_path):
+    from gptkiln.train import train
+
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question. " * 200)
+    result = train(
+        TrainConfig(
+            data=str(text),
+            out=str(tmp_path / "run"),
+            model="qwen3-baby",
+            tokenizer="char",
+            context_length=32,
+            batch_size=8,
+            max_steps=30,
+            eval_interval=30,
+            sample_interval=30,
+            sample_prompt="to be",
+            progress=False,
+        )
+    )
+    assert result.val_loss < 3.0

@@ -40,6 +40,7 @@ def tiny_config(data, out, **kw) -> TrainConfig:
         lr=3e-3,
         progress=False,
         sample_prompt="I ",
+        device="cpu",  # the CPU's step, bit for bit, also where a GPU is (tests/test_gpu.py)
     )
     return TrainConfig(**{**base, **kw})
 
