@@ -77,71 +77,25 @@ def gptkiln_model(family: str, context: int | None = None):
     return GPT(config)
 
 
-def hf_config(config):
-    """transformers' config of gptkiln's ``config`` (a Llama 3 or Qwen3 one), SDPA attention."""
-    import transformers
-
-    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling:
-        s = config.rope_scaling
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": config.rope_theta,
-            "factor": s["factor"],
-            "low_freq_factor": s["low_freq_factor"],
-            "high_freq_factor": s["high_freq_factor"],
-            "original_max_position_embeddings": s["original_context_length"],
-        }
-    cls = transformers.LlamaConfig if config.family == "llama3" else transformers.Qwen3Config
-    return cls(
-        vocab_size=config.vocab_size,
-        hidden_size=config.n_embd,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.n_layer,
-        num_attention_heads=config.n_head,
-        num_key_value_heads=config.kv_heads,
-        head_dim=config.head_size,
-        max_position_embeddings=config.context_length,
-        rms_norm_eps=config.norm_eps,
-        rope_parameters=rope,
-        tie_word_embeddings=config.tie_embeddings,
-        attention_bias=config.qkv_bias,
-        attention_dropout=0.0,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        attn_implementation="sdpa",
-    )
-
-
-# gptkiln's names -> transformers': the block's inner names (q_proj, gate_proj, q_norm, ...) are
-# the same; only the containers and the norms around them differ.
-HF_NAMES = (
-    ("wte.", "model.embed_tokens."),
-    ("ln_f.", "model.norm."),
-    ("h.", "model.layers."),
-    (".attn.", ".self_attn."),
-    (".ln_1.", ".input_layernorm."),
-    (".ln_2.", ".post_attention_layernorm."),
-)
-
-
 def to_hf(model):
-    """transformers' ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` holding ``model``'s weights."""
+    """transformers' ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` holding ``model``'s weights, its
+    config and names as ``gptkiln convert to-hf`` writes them (`gptkiln.interop`), SDPA
+    attention."""
     import transformers
+
+    from gptkiln.interop import config_to_hf, gptkiln_state_dict_to_hf
 
     config = model.config
-    cls = transformers.LlamaForCausalLM
-    if config.family == "qwen3":
-        cls = transformers.Qwen3ForCausalLM
-    theirs = cls(hf_config(config))
-    sd = {}
-    for key, value in model.state_dict().items():
-        if not key.startswith("lm_head"):
-            for ours, hf in HF_NAMES:
-                key = key.replace(ours, hf)
-        sd[key] = value
-    theirs.load_state_dict(sd, strict=True)
+    qwen = config.family == "qwen3"
+    hf_config = (transformers.Qwen3Config if qwen else transformers.LlamaConfig).from_dict(
+        config_to_hf(config), attn_implementation="sdpa"
+    )
+    theirs = (transformers.Qwen3ForCausalLM if qwen else transformers.LlamaForCausalLM)(hf_config)
+    missing, unexpected = theirs.load_state_dict(
+        gptkiln_state_dict_to_hf(model.state_dict(), config), strict=False
+    )
+    tied = ["lm_head.weight"] if config.tie_embeddings else []
+    assert list(missing) == tied and not unexpected, (missing, unexpected)
     return theirs
 
 
