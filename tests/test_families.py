@@ -569,3 +569,25 @@ def test_dynamic_shapes_compile_the_whole_forward_in_one_graph(family):
         idx = torch.randint(0, 97, (2, T))
         model(idx, idx)[1].backward()
     assert len(graphs) == 2
+
+
+def test_bf16_autocast_steps_use_the_fused_norm_and_warn_nothing():
+    """Under CPU bf16 autocast Qwen3's q/k norms get bf16 input: normalized in fp32, as
+    transformers' Qwen3RMSNorm, without torch's dtype-mismatch warning (seen once on every
+    default `gptkiln train` while --precision auto measured)."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = GPT(small_config("qwen3"))
+    idx = torch.randint(0, 97, (2, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, loss = m(idx, idx)
+        loss.backward()
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(loss)
+    q = torch.randn(2, 4, 8, 48, dtype=torch.bfloat16)
+    norm = m.h[0].attn.q_norm
+    expected = torch.nn.functional.rms_norm(q.float(), (48,), norm.weight, norm.eps)
+    assert norm(q).dtype == torch.bfloat16
+    torch.testing.assert_close(norm(q).float(), expected, atol=1e-2, rtol=1e-2)

@@ -508,7 +508,7 @@ class TrainConfig:
         "the run directory: weights, tokenizer, trainer state, metrics.csv, loss.png",
     )
     model: str = setting(
-        "baby",
+        "qwen3-baby",  # learned most in 3 minutes (bench/first_run.py; GPT-2's baby: --model baby)
         "model",
         f"model preset, which names its architecture too (llama3-*, qwen3-*; the others gpt2): "
         f"{' | '.join(PRESETS)}",

@@ -429,7 +429,17 @@ class RMSNorm(nn.RMSNorm):
     LayerNorm without the mean subtracted and without a bias: one statistic instead of two, and
     no shift. Llama's and Qwen's norm, torch's ``nn.RMSNorm`` (one fused kernel) under a name
     of the model's own; the book's ``RMSNorm`` calls the weight ``scale``.
+
+    Input of another dtype than the weight (under bf16 autocast, Qwen3's queries and keys come
+    from bf16 products) is normalized in float32 and returned in its own dtype, as Hugging
+    Face's ``Qwen3RMSNorm`` does; torch's fused kernel takes only matching dtypes (otherwise it
+    warns and falls back to separate ops).
     """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            return super().forward(x.to(self.weight.dtype)).to(x.dtype)
+        return super().forward(x)
 
 
 def make_norm(config: GPTConfig, size: int) -> nn.Module:
