@@ -66,6 +66,22 @@ def test_the_fastest_correct_kernel_wins():
     assert kernels._fastest(found, layers, rows=2, repeats=2) == "medium"
 
 
+def test_a_kernel_quantizing_activations_must_win_clearly_except_against_a_compiled_one():
+    """`dynamic` (int8 activations) needs `QUANTIZING_MARGIN` against an exact kernel, and
+    `fused` needs it against `dynamic`: it costs every process that uses it seconds of inductor
+    (a 2-token `generate` of an int8 run: 7.3 s against 1.8 s for 1 token)."""
+    layers = [Linear(8, 12) for _ in range(2)]
+    assert "fused" in kernels.COMPILED and "dynamic" in kernels.QUANTIZING_ACTIVATIONS
+    exact = {"linear": slow(0.02), "onednn": slow(0.010), "dynamic": slow(0.009)}
+    assert kernels._fastest(exact, layers, rows=1, repeats=2) == "onednn"  # 10%: not clear
+    compiled = {"linear": slow(0.02), "fused": slow(0.009), "dynamic": slow(0.010)}
+    assert kernels._fastest(compiled, layers, rows=1, repeats=2) == "dynamic"  # 10%: not clear
+    clearly = {"linear": slow(0.02), "onednn": slow(0.010), "dynamic": slow(0.004)}
+    assert kernels._fastest(clearly, layers, rows=1, repeats=2) == "dynamic"
+    slower = {"linear": slow(0.02), "fused": slow(0.004), "dynamic": slow(0.010)}
+    assert kernels._fastest(slower, layers, rows=1, repeats=2) == "fused"
+
+
 def test_f_linear_keeps_a_near_tie():
     layers = [Linear(8, 12)]
     found = {"linear": slow(0.010), "barely_faster": slow(0.0099)}  # 1% faster: noise
