@@ -9,12 +9,13 @@ time (`gptkiln.sampling.decode_one_token`, batch 1, the kernels tuned for one ro
 windows of the model's context from the first ``--max-tokens`` tokens of FILE, and the
 perplexity of the next token is accumulated. Rows:
 
-- ``fp32``: the run as stored, tuned as `generate` tunes it (every float kernel equals
-  ``F.linear`` up to rounding);
+- ``fp32``: the run as stored, every layer on ``F.linear`` (the reference);
 - ``int8, reference kernel``: int8 weights (`gptkiln.quantize`), every layer on
   `kernels.dequantize_linear` (fp32 activations);
 - ``int8, kernel <name>``: the same weights with every layer on one int8 candidate, e.g.
   ``dynamic`` (int8 activations too, `kernels.dynamic_int8`);
+- ``fp32 weights, kernel <name>``: the run with every float layer on one fp32 candidate, e.g.
+  ``bf16`` (`kernels.bf16_linear`, offered on CPUs with bf16 instructions);
 
 each with its change against fp32 in percent (the target: within 1%). 2 threads.
 """
@@ -64,22 +65,44 @@ def with_kernel(model, name: str):
     return model
 
 
+def with_float_kernel(model, name: str):
+    """Every float layer of ``model`` on the fp32 candidate ``name`` for one row."""
+    from gptkiln import kernels
+    from gptkiln.model import Linear
+
+    kernel = kernels.candidates()[name]
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.few_row_kernels = {1: kernel}
+    return model.eval()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run")
     p.add_argument("--text", required=True, help="a UTF-8 text file")
     p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--kernels", nargs="+", default=["dynamic"])
+    p.add_argument("--kernels", nargs="+", default=["dynamic"], help="int8 candidates")
+    p.add_argument(
+        "--float-kernels", nargs="+", default=["bf16"], help="fp32 candidates (where offered)"
+    )
     args = p.parse_args()
     common.setup_torch()
-    from gptkiln.kernels import tune_decoding
     from gptkiln.loading import load_run
 
     common.print_machine()
     model, tokenizer, _ = load_run(args.run)
     ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))[: args.max_tokens]
-    tune_decoding(model, rows=1)
-    rows = [{"model": "fp32", "ppl": decode_perplexity(model.eval(), ids)}]
+    rows = [{"model": "fp32", "ppl": decode_perplexity(with_float_kernel(model, "linear"), ids)}]
+    from gptkiln.kernels import candidates
+
+    for name in args.float_kernels:
+        if name not in candidates():
+            print(f"# fp32 kernel {name}: not offered here (GPTKILN_EXACT_KERNELS, or the CPU)")
+            continue
+        again, _, _ = load_run(args.run)
+        label = f"fp32 weights, kernel {name}"
+        rows.append({"model": label, "ppl": decode_perplexity(with_float_kernel(again, name), ids)})
     int8, _, _ = load_run(args.run, quantize="int8")
     for name in ["dequantize", *args.kernels]:
         label = "int8, reference kernel" if name == "dequantize" else f"int8, kernel {name}"

@@ -380,3 +380,31 @@ def test_a_kernel_quantizing_activations_must_win_clearly(monkeypatch, tmp_path)
         monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / str(dynamic)))  # no choice on disk
         monkeypatch.setattr(kernels, "int8_candidates", lambda found=found: found)
         assert set(kernels.tune_decoding(model, rows=1).values()) == {expected}
+
+
+# -- bf16 products for fp32 weights ------------------------------------------------------------
+def test_the_bf16_kernel_is_f_linear_within_its_tolerance_and_keeps_one_copy():
+    w, b = torch.randn(97, 64), torch.randn(97)
+    x = torch.randn(3, 1, 64)
+    got = kernels.bf16_linear(x, w, b)
+    expected = F.linear(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == (3, 1, 97)
+    # bf16's 8-bit mantissa: ~0.3% of the norm; more than float rounding, within the tolerance
+    assert 1e-4 < relative_error(got, expected) < kernels.ACTIVATION_TOLERANCE
+    copy = kernels._BF16[id(w)][2]
+    assert copy.dtype == torch.bfloat16
+    kernels.bf16_linear(x, w, None)
+    assert kernels._BF16[id(w)][2] is copy  # made once
+    w.neg_()  # in place: the copy is stale
+    assert relative_error(kernels.bf16_linear(x, w, None), F.linear(x, w)) < 0.01
+    assert kernels._BF16[id(w)][2] is not copy
+
+
+def test_the_bf16_kernel_is_a_candidate_only_with_bf16_instructions_and_not_exact(monkeypatch):
+    assert "bf16" not in kernels.candidates()  # conftest's GPTKILN_EXACT_KERNELS=1
+    assert "bf16" in kernels.QUANTIZING_ACTIVATIONS  # held to the looser check, the margin
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")
+    monkeypatch.setattr(kernels, "_has_bf16", lambda: False)
+    assert "bf16" not in kernels.candidates()
+    monkeypatch.setattr(kernels, "_has_bf16", lambda: True)
+    assert kernels.candidates()["bf16"] is kernels.bf16_linear

@@ -29,11 +29,14 @@ Measured on the Zen 4 EPYC at GPT-2 124M's shapes (`bench/int8_kernels.py`), the
 only int8 product faster than the fp32 ones there; the others stay candidates because
 that ranking is this machine's, not a law.
 
-One int8 candidate computes other sums on purpose: `dynamic_int8` quantizes each activation row
-to 8 bits too and multiplies int8 by int8 (fbgemm's dynamic quantized linear), as llama.cpp's
-q8_0 does while decoding; on an Intel Xeon with AVX-512 it ran 768x3072 in 53 us against fp32's
-214 and `int8pack_mm`'s 992. It is held to a looser check (`ACTIVATION_TOLERANCE`) than the
-others, and what it costs in perplexity is measured in ``bench/README.md``.
+Two candidates compute other sums on purpose (`QUANTIZING_ACTIVATIONS`). For int8,
+`dynamic_int8` quantizes each activation row to 8 bits too and multiplies int8 by int8 (fbgemm's
+dynamic quantized linear), as llama.cpp's q8_0 does while decoding; on an Intel Xeon with
+AVX-512 it ran 768x3072 in 53 us against fp32's 214 and `int8pack_mm`'s 992. For fp32, on a CPU
+with bf16 instructions, `bf16_linear` multiplies in bf16 (half the bytes of the weight read).
+Both are held to a looser check (`ACTIVATION_TOLERANCE`) than the others and chosen only when
+clearly faster (`QUANTIZING_MARGIN`); ``GPTKILN_EXACT_KERNELS=1`` leaves both out, and what they
+cost in perplexity is measured in ``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -131,7 +134,32 @@ def candidates() -> dict[str, Kernel]:
     }
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         found["onednn"] = onednn
+    if os.environ.get("GPTKILN_EXACT_KERNELS") != "1" and _has_bf16():
+        found["bf16"] = bf16_linear
     return found
+
+
+@functools.cache
+def _has_bf16() -> bool:
+    from gptkiln.devices import cpu_bf16_features
+
+    return bool(cpu_bf16_features())
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in bf16: x and a bf16 copy of the weight (made once per weight, as
+    `dynamic_int8`'s packed one, and kept while the weight lives unchanged: half its bytes held
+    again), the sums by the CPU's bf16 instructions (AMX, AVX512-BF16), the result and the bias
+    in x's dtype. Half the bytes to read per token, at bf16's rounding: a candidate only where
+    the CPU has those instructions, held to `ACTIVATION_TOLERANCE` and `QUANTIZING_MARGIN` as
+    `dynamic_int8` is; on the Xeon of ``bench/README.md`` it wins only the 50,257-wide head."""
+    w16 = _kept(_BF16, (weight,), lambda: weight.detach().to(torch.bfloat16))
+    y = F.linear(x.to(torch.bfloat16), w16).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+_BF16: dict[int, tuple] = {}
+"""id(weight) -> (weakref of the weight, its version, its bf16 copy)."""
 
 
 # -- int8 weight-only products ------------------------------------------------------------------
@@ -276,23 +304,34 @@ def _packed(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | Non
     """The packed weight `dynamic_int8` multiplies by, made once per weight: repacked if the
     int8 weight, its scales or bias were changed in place, or if the weight was freed and the id
     went to another tensor."""
-    versions = (qweight._version, scale._version, None if bias is None else bias._version)
-    entry = _PACKED.get(id(qweight))
-    if entry is not None and entry[0]() is qweight and entry[1] == versions:
+
+    def pack():
+        with warnings.catch_warnings():  # the quantized tensor types are deprecated, the op not
+            warnings.simplefilter("ignore")
+            qt = torch._make_per_channel_quantized_tensor(
+                qweight.detach(),
+                scale.detach().double(),
+                torch.zeros(qweight.size(0), dtype=torch.long),
+                0,
+            )
+            return torch.ops.quantized.linear_prepack(
+                qt, None if bias is None else bias.detach().float()
+            )
+
+    return _kept(_PACKED, (qweight, scale, bias), pack)
+
+
+def _kept(cache: dict[int, tuple], tensors: tuple, make: Callable[[], object]):
+    """``make()``, made once for ``tensors`` (the first one the key) and kept in ``cache``: made
+    again if any of them changed in place, or if the first was freed and its id went to another
+    tensor."""
+    versions = tuple(None if t is None else t._version for t in tensors)
+    entry = cache.get(id(tensors[0]))
+    if entry is not None and entry[0]() is tensors[0] and entry[1] == versions:
         return entry[2]
-    with warnings.catch_warnings():  # the quantized tensor types are deprecated, the op is not
-        warnings.simplefilter("ignore")
-        qt = torch._make_per_channel_quantized_tensor(
-            qweight.detach(),
-            scale.detach().double(),
-            torch.zeros(qweight.size(0), dtype=torch.long),
-            0,
-        )
-        packed = torch.ops.quantized.linear_prepack(
-            qt, None if bias is None else bias.detach().float()
-        )
-    _PACKED[id(qweight)] = (weakref.ref(qweight), versions, packed)
-    return packed
+    value = make()
+    cache[id(tensors[0])] = (weakref.ref(tensors[0]), versions, value)
+    return value
 
 
 def int8_candidates() -> dict[str, Callable]:
@@ -312,7 +351,7 @@ def int8_candidates() -> dict[str, Callable]:
     return found
 
 
-QUANTIZING_ACTIVATIONS = frozenset({"dynamic"})
+QUANTIZING_ACTIVATIONS = frozenset({"dynamic", "bf16"})
 CHOICE_RULES = "rules=3"
 """Part of every choice's key on disk: a change to `_fastest`'s rules bumps it, so that choices
 made by the old rules are made again."""
