@@ -352,10 +352,11 @@ def int8_candidates() -> dict[str, Callable]:
 
 
 QUANTIZING_ACTIVATIONS = frozenset({"dynamic", "bf16"})
+"""The candidates whose numbers differ from the reference by more than rounding (by design)."""
+
 CHOICE_RULES = "rules=3"
 """Part of every choice's key on disk: a change to `_fastest`'s rules bumps it, so that choices
 made by the old rules are made again."""
-"""The candidates whose numbers differ from the reference by more than rounding (by design)."""
 
 
 def _candidates_of(family: str) -> dict[str, Callable]:

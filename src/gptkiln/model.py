@@ -431,9 +431,9 @@ class RMSNorm(nn.RMSNorm):
     of the model's own; the book's ``RMSNorm`` calls the weight ``scale``.
 
     Input of another dtype than the weight (under bf16 autocast, Qwen3's queries and keys come
-    from bf16 products) is normalized in float32 and returned in its own dtype, as Hugging
-    Face's ``Qwen3RMSNorm`` does; torch's fused kernel takes only matching dtypes (otherwise it
-    warns and falls back to separate ops).
+    from bf16 products) is normalized in the weight's dtype (float32 there, as Hugging Face's
+    ``Qwen3RMSNorm`` computes) and returned in its own; torch's fused kernel takes only
+    matching dtypes (otherwise it warns and falls back to separate ops).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
