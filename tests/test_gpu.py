@@ -49,7 +49,10 @@ def test_kv_cache_generation_on_cuda_equals_no_cache():
     assert cached == generate(model, prompt, max_new_tokens=30, temperature=0, use_cache=False)
 
 
-def test_trainer_picks_cuda_and_trains(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "qwen3-baby"])  # GPT-2, and a family preset
+def test_trainer_picks_cuda_and_trains_in_bf16_auto(tmp_path, model):
+    import json
+
     from gptkiln.devices import resolve_device
     from gptkiln.train import train
 
@@ -60,7 +63,7 @@ def test_trainer_picks_cuda_and_trains(tmp_path):
         TrainConfig(
             data=str(text),
             out=str(tmp_path / "run"),
-            model="tiny",
+            model=model,
             tokenizer="char",
             context_length=32,
             batch_size=8,
@@ -72,6 +75,8 @@ def test_trainer_picks_cuda_and_trains(tmp_path):
         )
     )
     assert result.val_loss < 3.0
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["train"]["precision"] == "bf16"  # auto on CUDA
 
 
 def test_int8_model_on_cuda_in_bf16_generates_as_on_the_cpu(tmp_path):
@@ -152,26 +157,3 @@ def test_family_compiled_bf16_training_reduces_the_loss_on_cuda(family):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
-
-
-def test_trainer_trains_a_family_preset_on_cuda_in_bf16_auto(tmp_path):
-    from gptkiln.train import train
-
-    text = tmp_path / "t.txt"
-    text.write_text("to be or not to be, that is the question. " * 200)
-    result = train(
-        TrainConfig(
-            data=str(text),
-            out=str(tmp_path / "run"),
-            model="qwen3-baby",
-            tokenizer="char",
-            context_length=32,
-            batch_size=8,
-            max_steps=30,
-            eval_interval=30,
-            sample_interval=30,
-            sample_prompt="to be",
-            progress=False,
-        )
-    )
-    assert result.val_loss < 3.0
