@@ -50,6 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
+import generate as generate_bench  # noqa: E402
 
 FAMILIES = ("llama3", "qwen3")
 TRAIN = dict(context=256, batch=2, warmup=3, steps=5)
@@ -167,33 +168,6 @@ def prompt(length: int, vocab: int):
     return torch.randint(0, vocab, (1, length), generator=gen)  # (1, T)
 
 
-def greedy(impl: str, model):
-    """A function (prompt ids (1, T), n) -> n new greedy ids (1, n), each with its own KV
-    cache."""
-    import torch
-
-    if impl.startswith("gptkiln"):
-        from gptkiln.sampling import generate
-
-        return lambda idx, n: torch.tensor(
-            generate(model, idx.tolist(), max_new_tokens=n, temperature=0)
-        )
-
-    def run(idx, n):
-        out = model.generate(
-            idx,
-            attention_mask=torch.ones_like(idx),
-            do_sample=False,
-            use_cache=True,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            pad_token_id=0,
-        )
-        return out[:, idx.size(1) :]
-
-    return run
-
-
 def decode_worker(job: dict) -> None:
     torch = common.setup_torch(job.get("threads", common.THREADS))
     s, impl = job["shape"], job["impl"]
@@ -206,7 +180,7 @@ def decode_worker(job: dict) -> None:
 
             model = quantize_model(model)
     model.eval()
-    run = greedy(impl, model)
+    run = generate_bench.generator_for(impl.split()[0], model)  # as bench/generate.py calls them
     idx = prompt(s["prompt"], model.config.vocab_size)
     n = s["new_tokens"]
     with torch.inference_mode():
@@ -233,8 +207,8 @@ def check_worker(job: dict) -> None:
     with torch.inference_mode():
         a, b = ours(idx), theirs(idx).logits
         first = prompt(8, vocab)
-        tok_a = greedy("gptkiln", ours)(first, CHECK_TOKENS)
-        tok_b = greedy("transformers", theirs)(first, CHECK_TOKENS)
+        tok_a = generate_bench.generator_for("gptkiln", ours)(first, CHECK_TOKENS)
+        tok_b = generate_bench.generator_for("transformers", theirs)(first, CHECK_TOKENS)
     same = bool(torch.equal(tok_a, tok_b))
     common.emit(
         {
