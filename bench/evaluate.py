@@ -130,12 +130,14 @@ def worker(job: dict) -> None:
     manager, built = load_tasks(job["task"], work / "tasks")
     t0 = time.perf_counter()
     if job["impl"] == "gptkiln":
-        lm = GptkilnLM(str(work / "run"), batch_size=job["batch_size"], progress=False)
+        lm = GptkilnLM(
+            str(work / "run"), batch_size=job["batch_size"], dtype=job["dtype"], progress=False
+        )
     else:
         from lm_eval.models.huggingface import HFLM
 
         lm = HFLM(pretrained=str(work / "hf"), device="cpu", batch_size=job["batch_size"],
-                  dtype="float32")  # fmt: skip
+                  dtype=job["dtype"])  # fmt: skip
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     results = run_harness(lm, manager, built, bootstrap_iters=0)
@@ -162,6 +164,12 @@ def main() -> None:
     p.add_argument("--max-gen-toks", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=16, help="both backends'")
     p.add_argument("--rounds", type=int, default=1, help="interleaved repeats of every process")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="both backends' weights (bfloat16: where the CPU has AMX or AVX512-BF16)",
+    )
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--work", type=Path, help="where the run and tasks go (default: a temp dir)")
     args = p.parse_args()
@@ -173,7 +181,7 @@ def main() -> None:
         for task in args.tasks:
             jobs = [
                 dict(impl=impl, task=task, work=str(work), batch_size=args.batch_size,
-                     threads=common.THREADS)
+                     dtype=args.dtype, threads=common.THREADS)
                 for impl in IMPLS
             ]  # fmt: skip
             ours, theirs = common.run_rounds(__file__, jobs, args.rounds, "seconds", best="min")
@@ -204,7 +212,8 @@ def main() -> None:
         f"\n# all tasks: gptkiln {total['gptkiln']:.1f} s, hf {total['hf']:.1f} s, ratio "
         f"{total['hf'] / total['gptkiln']:.2f}; {args.questions} questions x 4 choices, "
         f"{args.prompts} prompts x {args.max_gen_toks} tokens, {args.documents} documents; "
-        f"batch size {args.batch_size}; load average now {common.machine()['loadavg_1m']:.2f} "
+        f"batch size {args.batch_size}; {args.dtype}; "
+        f"load average now {common.machine()['loadavg_1m']:.2f} "
         f"(at start {info['loadavg_1m']:.2f})"
     )
 

@@ -384,6 +384,36 @@ def test_run_tasks_gives_flat_columns_for_a_model_in_hand(setup, both):
     assert model.training  # put back as it was
 
 
+def test_scores_and_generations_leave_out_the_kernels_that_change_the_sums(setup, monkeypatch):
+    """On a CPU where int8 activations (or a bf16 product) win the tuner's race, `gptkiln
+    generate` takes them; an evaluation must not: its scores and tokens are the weights' own."""
+    from gptkiln import kernels
+    from gptkiln.evaluate import GptkilnLM, load_tasks, run_harness
+    from gptkiln.quantize import Int8Linear
+
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    offered = []
+
+    def quantizing_wins(found, layers, rows, repeats):  # a machine where they are fastest
+        offered.append(set(found))
+        return next((n for n in found if n in kernels.QUANTIZING_ACTIVATIONS), next(iter(found)))
+
+    monkeypatch.setattr(kernels, "_fastest", quantizing_wins)
+    lm = GptkilnLM(str(setup["root"] / "run"), batch_size=3, quantize="int8", progress=False)
+    manager, built = load_tasks("kiln_gen", setup["tasks"])
+    run_harness(lm, manager, built, bootstrap_iters=0)
+    assert offered and not any(names & kernels.QUANTIZING_ACTIVATIONS for names in offered)
+    layers = [m for m in lm._model.modules() if isinstance(m, Int8Linear)]
+    tuned = {k for m in layers for k in m.few_row_kernels.values()}
+    assert tuned and kernels.dynamic_int8 not in tuned
+    with kernels.exact_kernels():
+        assert "dynamic" not in kernels.int8_candidates()
+    assert "dynamic" in kernels.int8_candidates()  # outside the block: offered again
+    kernels.tune_decoding(lm._model, rows=3)
+    assert {m.few_row_kernels[3] for m in layers} == {kernels.dynamic_int8}
+
+
 def test_limit_num_fewshot_and_seed_reach_the_harness(setup, tmp_path):
     from gptkiln.evaluate import evaluate
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_cli import assert_one_line_error, cli
 from test_evaluate import CONTEXT, chain_model, needs_harness, task_yaml, write_jsonl
 
@@ -108,6 +109,26 @@ def test_output_path_log_samples_limit_num_fewshot_seed_and_batch_size_reach_the
     assert [json.loads(line)["doc_id"] for line in samples.read_text().splitlines()] == [0, 1]
     assert f"written: {path}, {samples}" in out
     assert "limit: 2, num_fewshot: 1, batch_size: 3" in out.splitlines()[0]
+
+
+def test_dtype_loads_the_weights_in_it_and_is_recorded(setup, tmp_path, capsys, monkeypatch):
+    import gptkiln.evaluate as ev
+
+    dtypes = []
+    score_pairs = ev.score_pairs
+    monkeypatch.setattr(
+        ev,
+        "score_pairs",
+        lambda m, *a, **kw: dtypes.append(m.wte.weight.dtype) or score_pairs(m, *a, **kw),
+    )
+    path = tmp_path / "bf16.json"
+    code, out, err = cli("evaluate", setup["run"], "--tasks", "kiln_mc", "--include-path",
+                         setup["tasks"], "--output-path", path, "--dtype", "bfloat16",
+                         "--quiet", capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    assert json.loads(path.read_text())["config"]["model_args"]["dtype"] == "bfloat16"
+    assert out.startswith(f"gptkiln (run={setup['run']},dtype=bfloat16)")
 
 
 def test_a_fractional_limit_is_a_share_of_the_documents(setup, tmp_path, capsys):

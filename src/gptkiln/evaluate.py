@@ -14,6 +14,10 @@
   `gptkiln generate` runs it), the task's stop strings and ``max_gen_toks``, greedy or sampled
   as its ``generation_kwargs`` say.
 
+All three run inside `gptkiln.kernels.exact_kernels`: the decoding tuner's kernels that change
+the sums on purpose (int8 activations, a bf16 product on a CPU with AMX) are left out, so the
+scores and tokens are the weights' own whatever the CPU, and equal the ``hf`` backend's.
+
 `evaluate` runs tasks on a run and writes the harness's results JSON (by default into
 ``RUN/eval/``); `run_tasks` runs them on a model in hand (a trainer's) and returns the metrics
 as flat columns. The class is registered as the harness's model ``gptkiln``: with the harness
@@ -417,6 +421,7 @@ class GptkilnLM(TemplateLM):
         or after ``max_gen_toks`` tokens."""
         from tqdm.auto import tqdm
 
+        from gptkiln.kernels import exact_kernels
         from gptkiln.sampling import generate_batched
 
         groups: dict[str, list[int]] = {}
@@ -434,13 +439,14 @@ class GptkilnLM(TemplateLM):
             room = self.max_length - cfg.max_new_tokens
             prompts = {n: self._prompt(requests[n].args[0], room) for n in members}
             order = sorted(members, key=lambda n: -len(prompts[n]))  # the longest first
-            streams = generate_batched(
-                self._model,
-                [prompts[n] for n in order],
-                cfg,
-                self._tokenizer,
-                batch_size=self.batch_size,
-            )
+            with exact_kernels():  # the weights' own sums: no decoding shortcut changes a token
+                streams = generate_batched(
+                    self._model,
+                    [prompts[n] for n in order],
+                    cfg,
+                    self._tokenizer,
+                    batch_size=self.batch_size,
+                )
             for n, stream in zip(order, streams):
                 texts[n] = stream.text
                 self.cache_hook.add_partial("generate_until", requests[n].args, stream.text)
@@ -452,10 +458,15 @@ class GptkilnLM(TemplateLM):
     def _score(self, pairs: Sequence[Pair], what: str, disable_tqdm: bool):
         from tqdm.auto import tqdm
 
+        from gptkiln.kernels import exact_kernels
+
         with tqdm(
             total=len(pairs), desc=f"Running {what}", disable=disable_tqdm or not self._progress
         ) as bar:
-            return score_pairs(self._model, pairs, batch_size=self.batch_size, on_batch=bar.update)
+            with exact_kernels():
+                return score_pairs(
+                    self._model, pairs, batch_size=self.batch_size, on_batch=bar.update
+                )
 
     def _prompt(self, context: str, room: int) -> list[int]:
         """A generation's context ids: cut from the left to leave ``max_gen_toks`` of room in
@@ -724,6 +735,7 @@ def evaluate(
     seed: int | None = None,
     device: str = "cpu",
     quantize: str | None = None,
+    dtype: str | None = None,
     bootstrap_iters: int = 100_000,
     progress: bool = True,
 ) -> HarnessResults:
@@ -744,6 +756,8 @@ def evaluate(
             keeps the harness's defaults.
         device: cpu | cuda | cuda:N | mps | auto.
         quantize: "int8" quantizes the weights as they load.
+        dtype: float32, bfloat16 or float16 for the weights (None: as stored), as the ``hf``
+            backend's ``dtype``.
         bootstrap_iters: resamples for the standard errors of metrics that need them (0: none).
         progress: progress bars.
 
@@ -757,7 +771,12 @@ def evaluate(
     # the model first: a missing run or a classifier is refused before the harness reads its
     # task index (seconds) and logs what it makes of the tasks
     lm = GptkilnLM(
-        run_dir, device=device, batch_size=batch_size, quantize=quantize, progress=progress
+        run_dir,
+        device=device,
+        batch_size=batch_size,
+        quantize=quantize,
+        dtype=dtype,
+        progress=progress,
     )
     manager, built = load_tasks(tasks, include_path)
     folder, path = _output_paths(run_dir, output_path)
@@ -772,6 +791,7 @@ def evaluate(
         bootstrap_iters=bootstrap_iters,
     )
     model_args = {"run": str(run_dir)} | ({"quantize": quantize} if quantize else {})
+    model_args |= {"dtype": dtype} if dtype else {}
     results["config"].update(model="gptkiln", model_args=model_args, device=device)
     samples = results.pop("samples", None)
     sample_paths = _write(results, samples, folder, path)

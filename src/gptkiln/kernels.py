@@ -35,12 +35,15 @@ dynamic quantized linear), as llama.cpp's q8_0 does while decoding; on an Intel 
 AVX-512 it ran 768x3072 in 53 us against fp32's 214 and `int8pack_mm`'s 992. For fp32, on a CPU
 with bf16 instructions, `bf16_linear` multiplies in bf16 (half the bytes of the weight read).
 Both are held to a looser check (`ACTIVATION_TOLERANCE`) than the others and chosen only when
-clearly faster (`QUANTIZING_MARGIN`); ``GPTKILN_EXACT_KERNELS=1`` leaves both out, and what they
-cost in perplexity is measured in ``bench/README.md``.
+clearly faster (`QUANTIZING_MARGIN`); ``GPTKILN_EXACT_KERNELS=1`` in the environment, or the
+`exact_kernels` block (``gptkiln evaluate`` scores and generates in one), leaves both out, and
+what they cost in perplexity is measured in ``bench/README.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import os
@@ -52,6 +55,27 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+_EXACT = contextvars.ContextVar("gptkiln_exact_kernels", default=False)
+
+
+@contextlib.contextmanager
+def exact_kernels():
+    """A block in which `tune_decoding` offers only kernels that give the reference's numbers up
+    to float rounding (`QUANTIZING_ACTIVATIONS` left out), as ``GPTKILN_EXACT_KERNELS=1`` does
+    for a whole process: for work whose numbers are the point, such as a benchmark's scores."""
+    token = _EXACT.set(True)
+    try:
+        yield
+    finally:
+        _EXACT.reset(token)
+
+
+def exact_only() -> bool:
+    """Whether the tuner leaves out `QUANTIZING_ACTIVATIONS` here (`exact_kernels`, or
+    ``GPTKILN_EXACT_KERNELS=1``)."""
+    return _EXACT.get() or os.environ.get("GPTKILN_EXACT_KERNELS") == "1"
+
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 """A float product ``(x, weight, bias) -> y``; an int8 one takes ``(x, qweight, scale, bias)``."""
@@ -134,7 +158,7 @@ def candidates() -> dict[str, Kernel]:
     }
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         found["onednn"] = onednn
-    if os.environ.get("GPTKILN_EXACT_KERNELS") != "1" and _has_bf16():
+    if not exact_only() and _has_bf16():
         found["bf16"] = bf16_linear
     return found
 
@@ -337,16 +361,16 @@ def _kept(cache: dict[int, tuple], tensors: tuple, make: Callable[[], object]):
 def int8_candidates() -> dict[str, Callable]:
     """The int8 products: name -> kernel ``(x, qweight, scale, bias) -> y``; the first,
     `dequantize_linear`, is the reference. Module-level functions, so a tuned model pickles.
-    ``dynamic`` quantizes the activations too (see `dynamic_int8`, `ACTIVATION_TOLERANCE`); with
-    ``GPTKILN_EXACT_KERNELS=1`` in the environment it is left out, so that every choice gives
-    the reference's numbers up to rounding (the same tokens whatever the tuner's timings)."""
+    ``dynamic`` quantizes the activations too (see `dynamic_int8`, `ACTIVATION_TOLERANCE`); where
+    `exact_only` it is left out, so that every choice gives the reference's numbers up to
+    rounding (the same tokens whatever the tuner's timings)."""
     found = {
         "dequantize": dequantize_linear,
         "int8pack_mm": int8pack_mm,
         "fused": fused_int8,
         "dynamic": dynamic_int8,
     }
-    if os.environ.get("GPTKILN_EXACT_KERNELS") == "1":
+    if exact_only():
         del found["dynamic"]
     return found
 
@@ -364,9 +388,10 @@ def _candidates_of(family: str) -> dict[str, Callable]:
     return int8_candidates() if family == "int8" else candidates()
 
 
-_CHOSEN: dict[tuple[int, int, int, int, str], str] = {}
-"""(out, in, rows, threads, weight dtype) -> the kernel name tuned in this process, so it is
-timed once."""
+_CHOSEN: dict[tuple[int, int, int, int, str, str], str] = {}
+"""(out, in, rows, threads, weight dtype, the candidates' names) -> the kernel name tuned in this
+process, so it is timed once (and again inside or outside `exact_kernels`, whose candidates
+differ)."""
 
 
 def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[int, int], str]:
@@ -401,9 +426,9 @@ def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[i
     with torch.no_grad():
         for (family, shape), layers in groups.items():
             kernels = _candidates_of(family)
-            key = (*shape, rows, threads, family)
+            names = ",".join(kernels)
+            key = (*shape, rows, threads, family, names)
             if key not in _CHOSEN:
-                names = ",".join(kernels)
                 entry = f"{family} {shape[0]}x{shape[1]} rows={rows} threads={threads} {names}"
                 entry += f" {CHOICE_RULES}"
                 name = known.get(entry)
@@ -421,8 +446,9 @@ def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[i
 
 
 def chosen() -> dict[tuple[int, int, int, int, str], str]:
-    """Every choice made in this process: {(out, in, rows, threads, weight dtype): kernel name}."""
-    return dict(_CHOSEN)
+    """Every choice made in this process: {(out, in, rows, threads, weight dtype): kernel name}
+    (the latest, where one was made both inside and outside `exact_kernels`)."""
+    return {key[:5]: name for key, name in _CHOSEN.items()}
 
 
 def _family(module: nn.Module) -> str | None:
