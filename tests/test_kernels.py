@@ -342,6 +342,35 @@ def test_the_exact_kernels_setting_leaves_the_dynamic_int8_kernel_out(monkeypatc
     assert "dynamic" in kernels.int8_candidates()
 
 
+def test_the_copies_timing_made_are_freed_unless_a_chosen_kernel_reads_them(monkeypatch):
+    """Timing `dynamic_int8` packs every int8 weight again (and `bf16_linear`, where the CPU
+    has it, copies every fp32 one): held while the weights live, that is the model's bytes
+    again, for kernels that lost."""
+    from gptkiln.quantize import Int8Linear, quantize_model
+
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")
+    model = quantize_model(tiny_model())
+    weights = [m.weight for m in model.modules() if isinstance(m, Int8Linear)]
+    real = kernels._fastest
+    choice = {}
+
+    def timed_then(found, layers, rows, repeats):
+        real(found, layers, rows, repeats)  # times them all: every copy is made
+        return choice[rows]
+
+    monkeypatch.setattr(kernels, "_fastest", timed_then)
+    choice.update({1: "dynamic", 2: "dequantize"})
+    kernels.tune_decoding(model, rows=1)
+    assert all(id(w) in kernels._PACKED for w in weights)  # the chosen kernel's copies stay
+    kernels.tune_decoding(model, rows=2)
+    assert all(id(w) in kernels._PACKED for w in weights)  # still read at 1 row
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            del m.few_row_kernels[1]
+    kernels.tune_decoding(model, rows=2)
+    assert not any(id(w) in kernels._PACKED for w in weights)
+
+
 @pytest.mark.usefixtures("with_dynamic_int8")
 def test_a_model_tuned_to_the_dynamic_int8_kernel_gives_nearly_the_reference_logits(monkeypatch):
     from gptkiln.quantize import Int8Linear, quantize_model

@@ -442,7 +442,18 @@ def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[i
             picked[shape] = _CHOSEN[key]
             for layer in layers:
                 layer.few_row_kernels[rows] = kernels[_CHOSEN[key]]
+                _drop_unused_copies(layer)
     return picked
+
+
+def _drop_unused_copies(layer: nn.Module) -> None:
+    """Free the copies of ``layer``'s weight that timing the candidates made (a bf16 one, a
+    packed int8 one: as many bytes again as the weight, or half) where none of the kernels the
+    layer now uses reads them; a later call of such a kernel makes its copy again."""
+    used = set(layer.few_row_kernels.values())
+    for kernel, cache in ((bf16_linear, _BF16), (dynamic_int8, _PACKED)):
+        if kernel not in used:
+            cache.pop(id(layer.weight), None)
 
 
 def chosen() -> dict[tuple[int, int, int, int, str], str]:
