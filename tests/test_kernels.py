@@ -371,18 +371,6 @@ def test_the_copies_timing_made_are_freed_unless_a_chosen_kernel_reads_them(monk
     assert not any(id(w) in kernels._PACKED for w in weights)
 
 
-def test_weights_the_dynamic_int8_kernel_reads_are_packed_when_it_is_chosen(monkeypatch):
-    """Before the first token, on every thread, not one by one in the first decode step."""
-    from gptkiln.quantize import Int8Linear, quantize_model
-
-    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")
-    model = quantize_model(tiny_model())
-    weights = [m.weight for m in model.modules() if isinstance(m, Int8Linear)]
-    monkeypatch.setattr(kernels, "_fastest", lambda found, *a: "dynamic")  # nothing is timed
-    kernels.tune_decoding(model, rows=1)
-    assert len(weights) == 9 and all(id(w) in kernels._PACKED for w in weights)
-
-
 @pytest.mark.usefixtures("with_dynamic_int8")
 def test_a_model_tuned_to_the_dynamic_int8_kernel_gives_nearly_the_reference_logits(monkeypatch):
     from gptkiln.quantize import Int8Linear, quantize_model

@@ -443,24 +443,7 @@ def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[i
             for layer in layers:
                 layer.few_row_kernels[rows] = kernels[_CHOSEN[key]]
                 _drop_unused_copies(layer)
-    _pack_ahead(
-        [m for g in groups.values() for m in g if dynamic_int8 in m.few_row_kernels.values()]
-    )
     return picked
-
-
-def _pack_ahead(layers: list[nn.Module]) -> None:
-    """Pack the int8 weights `dynamic_int8` will read now, on as many threads as torch uses,
-    the largest first: fbgemm's packing runs on one core and releases the GIL (124M's 49
-    weights: 0.76 s one after another, 0.47 s on 2 threads), and the first decode step would
-    otherwise pack them one by one before the first token."""
-    if len(layers) < 2:
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    layers = sorted(layers, key=lambda m: -m.weight.numel())
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        list(pool.map(lambda m: _packed(m.weight, m.scale, m.bias), layers))
 
 
 def _drop_unused_copies(layer: nn.Module) -> None:
