@@ -152,12 +152,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 QUICK_EXIT = frozenset({"generate", "eval", "info", "inspect"})
-"""Commands that leave nothing open or running when they return (their output printed, any file
-they write, `inspect`'s PNG and JSON, written and closed). Once one returns, `run` ends the
-process at once (`os._exit`, after the atexit handlers and flushing the streams) instead of letting the
-interpreter tear torch down module by module: ``python -c "import torch"`` spends 0.35-0.39 s
-exiting on a 2-core Xeon, a tenth of a 200-token int8 ``generate``. Commands that train, serve
-or convert (writers, worker processes, threads) exit as usual."""
+"""Commands that leave nothing open or running when they return (their output printed, any
+file they write, `inspect`'s PNG and JSON, written and closed). Once one returns, `run` ends
+the process at once (`os._exit`, after the atexit handlers and flushing the streams) instead of
+letting the interpreter tear torch down module by module: ``python -c "import torch"`` spends
+0.35-0.39 s exiting on a 2-core Xeon, a tenth of a 200-token int8 ``generate``. Commands that
+train, serve or convert (writers, worker processes, threads) exit as usual."""
 
 
 def run(argv: list[str] | None = None) -> NoReturn:
