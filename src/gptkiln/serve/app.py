@@ -97,80 +97,64 @@ def create_app(
         max_body_bytes: larger request bodies get 413.
         prefill_tokens: prompt tokens prefilled per decode step (see `Batcher`).
     """
-    metrics: ServeMetrics
-    batcher = Batcher(
-        model,
-        tokenizer,
-        max_batch=max_batch,
-        max_queue=max_queue,
-        prefill_tokens=prefill_tokens,
-        on_token=lambda first, seconds: metrics.token(first, seconds),
-    )
-    metrics = ServeMetrics(lambda: batcher.waiting, lambda: batcher.active)
-    page = (importlib.resources.files("gptkiln.serve") / "static" / "index.html").read_bytes()
-    created = int(time.time())
-    context = model.config.context_length
-    vocab = min(model.config.vocab_size, tokenizer.vocab_size)  # ids both know
+    served = Served(model, tokenizer, model_name, template, max_batch, max_queue, prefill_tokens)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await batcher.start()
+        await served.batcher.start()
         yield
-        await batcher.stop()
+        await served.batcher.stop()
 
     app = FastAPI(
         title="gptkiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
-    app.state.batcher, app.state.metrics = batcher, metrics
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    app.state.batcher, app.state.metrics = served.batcher, served.metrics
+    app.add_middleware(
+        Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=served.metrics
+    )
+    _add_error_handlers(app)
+    _add_info_routes(app, served, api_key_required=api_key is not None)
+    _add_generation_routes(app, served)
+    return app
 
-    @app.exception_handler(OpenAIError)
-    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        message = f"{request.method} {request.url.path}: {e.detail}"
-        return JSONResponse(OpenAIError(e.status_code, message).body(), status_code=e.status_code)
+class Served:
+    """What the routes share: the model, its tokenizer and template, the batcher that owns the
+    model while the app runs, the metrics, and `submit`, which hands a request's sequences to
+    the batcher."""
 
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, e: Exception) -> JSONResponse:
-        error = OpenAIError(500, f"the server failed: {type(e).__name__}: {e}")
-        return JSONResponse(error.body(), status_code=500)
+    def __init__(
+        self,
+        model: GPT,
+        tokenizer: Any,
+        model_name: str,
+        template: PromptTemplate | ChatTemplate | None,
+        max_batch: int,
+        max_queue: int,
+        prefill_tokens: int,
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.model_name, self.template = model_name, template
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.batcher = Batcher(
+            model,
+            tokenizer,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            prefill_tokens=prefill_tokens,
+            on_token=lambda first, seconds: self.metrics.token(first, seconds),
+        )
+        self.metrics = ServeMetrics(lambda: self.batcher.waiting, lambda: self.batcher.active)
+        self.context = model.config.context_length
+        self.vocab = min(model.config.vocab_size, tokenizer.vocab_size)  # ids both know
 
-    @app.get("/", include_in_schema=False)
-    async def playground() -> HTMLResponse:
-        return HTMLResponse(page)
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "model": model_name,
-            "api_key_required": api_key is not None,
-            "chat": template is not None,  # POST /v1/chat/completions answers (the page's Chat)
-            "max_batch": max_batch,
-            "active": batcher.active,
-            "waiting": batcher.waiting,
-        }
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    card = ModelCard(id=model_name, created=created, context_length=context)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return ModelList(data=[card]).model_dump()
-
-    @app.get("/v1/models/{name:path}")
-    async def one_model(name: str) -> dict[str, Any]:
-        if name != model_name:
-            raise _unknown_model(name, model_name)
-        return card.model_dump()
+    def check_model(self, name: str | None) -> None:
+        """A request's ``model``, when it names one, must be this one (404 otherwise)."""
+        if name is not None and name != self.model_name:
+            raise _unknown_model(name, self.model_name)
 
     def submit(
+        self,
         prompts: list[tuple[str, list[int]]],
         cfg: SampleConfig,
         n: int,
@@ -192,55 +176,115 @@ def create_app(
             for i, (_, ids) in enumerate(prompts)
             for j in range(n)
         ]
-        if len(seqs) > max_batch + max_queue:
+        if len(seqs) > self.max_batch + self.max_queue:
             raise OpenAIError(
                 400,
                 f"this request asks for {len(seqs)} sequences (prompts x n); the server holds at "
-                f"most {max_batch + max_queue} (--max-batch + --max-queue): send fewer at once",
+                f"most {self.max_batch + self.max_queue} (--max-batch + --max-queue): send fewer "
+                "at once",
                 param="n",
             )
         try:
-            batcher.submit(seqs)
+            self.batcher.submit(seqs)
         except QueueFull as e:
             raise OpenAIError(
                 429, f"the server is busy: {e}; retry in a moment", code="queue_full"
             ) from None
-        metrics.prompt_tokens.inc(sum(len(ids) for _, ids in prompts))
+        self.metrics.prompt_tokens.inc(sum(len(ids) for _, ids in prompts))
         return queue, seqs
 
-    async def respond(
-        answer: Answer, queue: asyncio.Queue, seqs: list[Sequence], request: Request
-    ) -> Response:
-        if answer.req.stream:
-            return StreamingResponse(answer.stream(queue, seqs), media_type="text/event-stream")
-        whole = await answer.whole(queue, seqs, request)
-        if whole is None:  # the client went away: nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(whole)
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI-shaped JSON: ours, Starlette's (404, 405, ...) and the unexpected."""
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(OpenAIError(e.status_code, message).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception) -> JSONResponse:
+        error = OpenAIError(500, f"the server failed: {type(e).__name__}: {e}")
+        return JSONResponse(error.body(), status_code=500)
+
+
+def _add_info_routes(app: FastAPI, served: Served, *, api_key_required: bool) -> None:
+    """``GET /`` (the playground), ``/health``, ``/metrics``, ``/v1/models[/NAME]``."""
+    page = (importlib.resources.files("gptkiln.serve") / "static" / "index.html").read_bytes()
+    card = ModelCard(id=served.model_name, created=int(time.time()), context_length=served.context)
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": served.model_name,
+            "api_key_required": api_key_required,
+            "chat": served.template is not None,  # POST /v1/chat/completions answers
+            "max_batch": served.max_batch,
+            "active": served.batcher.active,
+            "waiting": served.batcher.waiting,
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(served.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str) -> dict[str, Any]:
+        if name != served.model_name:
+            raise _unknown_model(name, served.model_name)
+        return card.model_dump()
+
+
+async def _respond(
+    answer: Answer, queue: asyncio.Queue, seqs: list[Sequence], request: Request
+) -> Response:
+    """The answer streamed as server-sent events, or whole once every sequence is done."""
+    if answer.req.stream:
+        return StreamingResponse(answer.stream(queue, seqs), media_type="text/event-stream")
+    whole = await answer.whole(queue, seqs, request)
+    if whole is None:  # the client went away: nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(whole)
+
+
+def _add_generation_routes(app: FastAPI, served: Served) -> None:
+    """``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/inspect``."""
+    tokenizer, model_name, template = served.tokenizer, served.model_name, served.template
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await request.body())
-        if req.model is not None and req.model != model_name:
-            raise _unknown_model(req.model, model_name)
+        served.check_model(req.model)
         _refuse_unsupported(req)
         # a long prompt takes a while to encode: off the event loop, which keeps streaming
-        prompts = await asyncio.to_thread(prompt_ids, req.prompt, tokenizer, vocab)
-        cfg = sample_config(req, [ids for _, ids in prompts], context)
-        queue, seqs = submit(
+        prompts = await asyncio.to_thread(prompt_ids, req.prompt, tokenizer, served.vocab)
+        cfg = sample_config(req, [ids for _, ids in prompts], served.context)
+        queue, seqs = served.submit(
             prompts,
             cfg,
             req.n,
             logprobs=req.logprobs,
             prompt_logprobs=req.echo and req.logprobs is not None,
         )
-        return await respond(Answer(req, prompts, tokenizer, model_name), queue, seqs, request)
+        return await _respond(Answer(req, prompts, tokenizer, model_name), queue, seqs, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
-        if req.model is not None and req.model != model_name:
-            raise _unknown_model(req.model, model_name)
+        served.check_model(req.model)
         if template is None:
             raise OpenAIError(
                 400,
@@ -255,35 +299,39 @@ def create_app(
         cfg = sample_config(
             req,
             [ids for _, ids in prompts],
-            context,
+            served.context,
             extra_stop=template.stop_strings(),
             source="messages",
         )
-        queue, seqs = submit(prompts, cfg, req.n)
+        queue, seqs = served.submit(prompts, cfg, req.n)
         answer = ChatAnswer(req, prompts, tokenizer, model_name)
-        return await respond(answer, queue, seqs, request)
+        return await _respond(answer, queue, seqs, request)
 
     @app.post("/v1/inspect")
     async def inspect(request: Request) -> JSONResponse:
         req: InspectRequest = parse_request(InspectRequest, await request.body())
-        if req.model is not None and req.model != model_name:
-            raise _unknown_model(req.model, model_name)
+        served.check_model(req.model)
         if not req.prompt:
             raise OpenAIError(400, "prompt is empty; give some text to inspect", "prompt")
-        if req.top_k > vocab:
+        if req.top_k > served.vocab:
             raise OpenAIError(
-                400, f"top_k {req.top_k} is more than the vocabulary's {vocab} tokens", "top_k"
+                400,
+                f"top_k {req.top_k} is more than the vocabulary's {served.vocab} tokens",
+                "top_k",
             )
         run = functools.partial(
-            inspect_prompt, model, tokenizer, req.prompt, top_k=req.top_k, max_tokens=req.max_tokens
+            inspect_prompt,
+            served.model,
+            tokenizer,
+            req.prompt,
+            top_k=req.top_k,
+            max_tokens=req.max_tokens,
         )
         try:
-            found = await batcher.call(run)
+            found = await served.batcher.call(run)
         except GptkilnError as e:
             raise OpenAIError(400, f"prompt: {e}", "prompt") from None
         return JSONResponse({"model": model_name, **found.to_dict(decimals=4)})
-
-    return app
 
 
 def _unknown_model(name: str, served: str) -> OpenAIError:
