@@ -28,6 +28,8 @@ def test_every_kernel_is_f_linear(name, n_out, rows):
     for bias in (b, None):
         got = kernel(x, w, bias)
         assert got.shape == (rows, 1, n_out)
+        # laid out as F.linear's: SDPA on heads cut from a strided q/k/v leaves its fused path
+        assert got.is_contiguous()
         torch.testing.assert_close(got, F.linear(x, w, bias))
 
 
@@ -218,7 +220,7 @@ def test_every_int8_kernel_is_the_dequantized_product(name, rows, bias):
     x = torch.randn(rows, 1, 32)
     w = layer.weight.float() * layer.scale[:, None]
     got = kernel(x, layer.weight, layer.scale, layer.bias)
-    assert got.shape == (rows, 1, 97)
+    assert got.shape == (rows, 1, 97) and got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, w, layer.bias))
 
 

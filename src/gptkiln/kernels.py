@@ -128,7 +128,9 @@ def _weight_on_the_left(x2, w, b) -> torch.Tensor:
     blocks, _, n_in = w.shape
     xt = x2.t().expand(blocks, n_in, x2.size(0))  # (blocks, in, M), a view
     y = torch.bmm(w, xt) if b is None else torch.baddbmm(b[:, :, None], w, xt)  # (blocks, h, M)
-    return y.view(-1, x2.size(0)).t()  # (M, blocks * h)
+    # laid out as F.linear's: a transposed view of several rows would send what reads it (SDPA
+    # on the heads cut from it: its math path instead of the fused one; the norms) slow ways
+    return y.view(-1, x2.size(0)).t().contiguous()  # (M, blocks * h)
 
 
 def _input_on_the_left(x2, w, b) -> torch.Tensor:
