@@ -80,7 +80,7 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     low, high = w.aminmax(dim=1)  # (out,) each: |w|'s largest without a full-size |w| tensor
     absmax = torch.maximum(-low, high)
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax)) / 127
-    # one full-size float tensor, rounded and clamped in place (124M's weights: 0.53 s -> 0.2)
+    # one full-size float tensor, rounded and clamped in place (124M's 49: 0.47 s -> 0.31)
     q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # (out, in)
     return q, scale
 
