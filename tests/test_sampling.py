@@ -405,3 +405,24 @@ def test_an_empty_prompt_starts_from_end_of_text_or_is_refused_without_one():
 def test_bad_stop_strings_and_penalties_are_refused(kwargs, message):
     with pytest.raises(GptkilnError, match=message):
         SampleConfig(**kwargs)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_greedy_is_argmax_with_its_ties_and_nans(rows):
+    """`greedy` takes NumPy's argmax for fp32 on the CPU: the same indices as torch's, the
+    first of equal largest logits and NaN counted largest included."""
+    from gptkiln.sampling import greedy
+
+    torch.manual_seed(0)
+    logits = torch.randn(rows, 50257)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the first wins
+    if rows > 1:
+        logits[1, 4] = float("nan")
+    for x in (logits, logits.double(), logits[:, ::2], logits.t().contiguous().t()):
+        got = greedy(x)
+        assert got.dtype == torch.long and torch.equal(got, x.argmax(dim=-1))
+    assert greedy(logits)[0] == 7
+    with torch.inference_mode():
+        assert torch.equal(greedy(logits.clone()), logits.argmax(dim=-1))
+    w = logits.clone().requires_grad_()
+    assert torch.equal(greedy(w), logits.argmax(dim=-1))  # autograd: torch's own

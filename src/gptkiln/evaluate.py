@@ -46,6 +46,7 @@ import torch
 import yaml
 
 from gptkiln.errors import GptkilnError
+from gptkiln.sampling import greedy
 
 try:  # the harness is an optional extra; `harness()` says how to install it where it is missing
     from lm_eval.api.model import TemplateLM
@@ -126,7 +127,7 @@ def _continuation_scores(logits: torch.Tensor, continuation: list[int]) -> tuple
     target = torch.tensor(continuation, device=logits.device)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     picked = logprobs.gather(-1, target[:, None]).squeeze(-1)  # (n,)
-    return float(picked.sum()), bool((logits.argmax(dim=-1) == target).all())
+    return float(picked.sum()), bool((greedy(logits) == target).all())
 
 
 def _score_whole(model, pairs: Sequence[Pair]) -> list[tuple[float, bool]]:
