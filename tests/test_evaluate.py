@@ -410,8 +410,13 @@ def test_scores_and_generations_leave_out_the_kernels_that_change_the_sums(setup
     with kernels.exact_kernels():
         assert "dynamic" not in kernels.int8_candidates()
     assert "dynamic" in kernels.int8_candidates()  # outside the block: offered again
-    kernels.tune_decoding(lm._model, rows=3)
+    kernels.tune_decoding(lm._model, rows=3)  # a model tuned before, as a trainer's that sampled
     assert {m.few_row_kernels[3] for m in layers} == {kernels.dynamic_int8}
+    assert set(kernels.QUANTIZING_ACTIVATIONS) == set(kernels._QUANTIZING_KERNELS)
+    manager, built = load_tasks("kiln_mc", setup["tasks"])
+    run_harness(lm, manager, built, bootstrap_iters=0)  # scoring takes them off first
+    assert not any(kernels.dynamic_int8 in m.few_row_kernels.values() for m in layers)
+    assert not any(id(m.weight) in kernels._PACKED for m in layers)  # and frees their copies
 
 
 def test_limit_num_fewshot_and_seed_reach_the_harness(setup, tmp_path):

@@ -14,9 +14,11 @@
   `gptkiln generate` runs it), the task's stop strings and ``max_gen_toks``, greedy or sampled
   as its ``generation_kwargs`` say.
 
-All three run inside `gptkiln.kernels.exact_kernels`: the decoding tuner's kernels that change
-the sums on purpose (int8 activations, a bf16 product on a CPU with AMX) are left out, so the
-scores and tokens are the weights' own whatever the CPU, and equal the ``hf`` backend's.
+None of the three uses the decoding tuner's kernels that change the sums on purpose (int8
+activations, a bf16 product on a CPU with AMX): generation tunes inside
+`gptkiln.kernels.exact_kernels`, and scoring first takes off any such kernel an earlier tuning
+gave the model (`kernels.keep_exact`: a trainer's model samples text between evaluations). So
+the scores and tokens are the weights' own whatever the CPU, and equal the ``hf`` backend's.
 
 `evaluate` runs tasks on a run and writes the harness's results JSON (by default into
 ``RUN/eval/``); `run_tasks` runs them on a model in hand (a trainer's) and returns the metrics
@@ -459,15 +461,13 @@ class GptkilnLM(TemplateLM):
     def _score(self, pairs: Sequence[Pair], what: str, disable_tqdm: bool):
         from tqdm.auto import tqdm
 
-        from gptkiln.kernels import exact_kernels
+        from gptkiln.kernels import keep_exact
 
+        keep_exact(self._model)  # scoring tunes nothing: what an earlier tuning gave goes
         with tqdm(
             total=len(pairs), desc=f"Running {what}", disable=disable_tqdm or not self._progress
         ) as bar:
-            with exact_kernels():
-                return score_pairs(
-                    self._model, pairs, batch_size=self.batch_size, on_batch=bar.update
-                )
+            return score_pairs(self._model, pairs, batch_size=self.batch_size, on_batch=bar.update)
 
     def _prompt(self, context: str, room: int) -> list[int]:
         """A generation's context ids: cut from the left to leave ``max_gen_toks`` of room in

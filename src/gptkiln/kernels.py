@@ -36,8 +36,8 @@ AVX-512 it ran 768x3072 in 53 us against fp32's 214 and `int8pack_mm`'s 992. For
 with bf16 instructions, `bf16_linear` multiplies in bf16 (half the bytes of the weight read).
 Both are held to a looser check (`ACTIVATION_TOLERANCE`) than the others and chosen only when
 clearly faster (`QUANTIZING_MARGIN`); ``GPTKILN_EXACT_KERNELS=1`` in the environment, or the
-`exact_kernels` block (``gptkiln evaluate`` scores and generates in one), leaves both out, and
-what they cost in perplexity is measured in ``bench/README.md``.
+`exact_kernels` block (``gptkiln evaluate`` generates in one, and scores after `keep_exact`),
+leaves both out, and what they cost in perplexity is measured in ``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -448,14 +448,32 @@ def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[i
     return picked
 
 
+_QUANTIZING_KERNELS = {"bf16": (bf16_linear, _BF16), "dynamic": (dynamic_int8, _PACKED)}
+"""`QUANTIZING_ACTIVATIONS` by name: the kernel, and the cache of weight copies it keeps."""
+
+
 def _drop_unused_copies(layer: nn.Module) -> None:
     """Free the copies of ``layer``'s weight that timing the candidates made (a bf16 one, a
     packed int8 one: as many bytes again as the weight, or half) where none of the kernels the
     layer now uses reads them; a later call of such a kernel makes its copy again."""
     used = set(layer.few_row_kernels.values())
-    for kernel, cache in ((bf16_linear, _BF16), (dynamic_int8, _PACKED)):
+    for kernel, cache in _QUANTIZING_KERNELS.values():
         if kernel not in used:
             cache.pop(id(layer.weight), None)
+
+
+def keep_exact(model: nn.Module) -> None:
+    """Take the kernels of `QUANTIZING_ACTIVATIONS` off every layer of ``model`` (and free their
+    weight copies): the row counts they served go back to the reference product.
+    `exact_kernels` decides what a tuning offers; a model tuned before (a trainer's, which
+    samples text between evaluations) keeps what it was given until this."""
+    inexact = {kernel for kernel, _ in _QUANTIZING_KERNELS.values()}
+    for module in model.modules():
+        kernels = getattr(module, "few_row_kernels", None)
+        if kernels and inexact & set(kernels.values()):
+            for rows in [r for r, k in kernels.items() if k in inexact]:
+                del kernels[rows]
+            _drop_unused_copies(module)
 
 
 def chosen() -> dict[tuple[int, int, int, int, str], str]:
