@@ -243,8 +243,7 @@ def _add_info_routes(app: FastAPI, served: Served, *, api_key_required: bool) ->
 
     @app.get("/v1/models/{name:path}")
     async def one_model(name: str) -> dict[str, Any]:
-        if name != served.model_name:
-            raise _unknown_model(name, served.model_name)
+        served.check_model(name)
         return card.model_dump()
 
 
