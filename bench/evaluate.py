@@ -23,7 +23,10 @@ Each (backend, task) runs in a fresh process: it loads its model and builds the 
 then times the harness's evaluation of that task (``simple_evaluate`` on the built task,
 bootstrap off): the requests and the harness's own work around them, the same for both. The
 ratio is hf's seconds over gptkiln's. The metrics of both are printed: on the same weights they
-agree (the tests check the per-request figures to 1e-4).
+agree (the tests check the per-request figures to 1e-4). gptkiln's process keeps freed memory
+for reuse (`gptkiln.allocator`), as ``gptkiln evaluate`` and ``lm_eval --model gptkiln`` set it
+on the CPU; the ``hf`` backend's runs as ``lm_eval --model hf`` leaves it, unless
+``--hf-keeps-freed-memory`` gives it the same.
 """
 
 from __future__ import annotations
@@ -126,6 +129,10 @@ def worker(job: dict) -> None:
     common.setup_torch(job["threads"])
     from gptkiln.evaluate import GptkilnLM, flat_metrics, load_tasks, run_harness
 
+    if job["impl"] == "gptkiln" or job["hf_keeps_freed_memory"]:
+        from gptkiln.allocator import keep_freed_memory
+
+        keep_freed_memory()  # as `gptkiln evaluate` and `lm_eval --model gptkiln` do on the CPU
     work = Path(job["work"])
     manager, built = load_tasks(job["task"], work / "tasks")
     t0 = time.perf_counter()
@@ -171,6 +178,12 @@ def main() -> None:
         help="both backends' weights (bfloat16: where the CPU has AMX or AVX512-BF16)",
     )
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    p.add_argument(
+        "--hf-keeps-freed-memory",
+        action="store_true",
+        help="the hf backend's process keeps freed memory too, as gptkiln's does (lm_eval's own "
+        "command does not): like for like on the allocator",
+    )
     p.add_argument("--work", type=Path, help="where the run and tasks go (default: a temp dir)")
     args = p.parse_args()
     info = common.print_machine()
@@ -181,7 +194,8 @@ def main() -> None:
         for task in args.tasks:
             jobs = [
                 dict(impl=impl, task=task, work=str(work), batch_size=args.batch_size,
-                     dtype=args.dtype, threads=common.THREADS)
+                     dtype=args.dtype, threads=common.THREADS,
+                     hf_keeps_freed_memory=args.hf_keeps_freed_memory)
                 for impl in IMPLS
             ]  # fmt: skip
             ours, theirs = common.run_rounds(__file__, jobs, args.rounds, "seconds", best="min")
@@ -212,7 +226,8 @@ def main() -> None:
         f"\n# all tasks: gptkiln {total['gptkiln']:.1f} s, hf {total['hf']:.1f} s, ratio "
         f"{total['hf'] / total['gptkiln']:.2f}; {args.questions} questions x 4 choices, "
         f"{args.prompts} prompts x {args.max_gen_toks} tokens, {args.documents} documents; "
-        f"batch size {args.batch_size}; {args.dtype}; "
+        f"batch size {args.batch_size}; {args.dtype}; hf keeps freed memory: "
+        f"{'yes' if args.hf_keeps_freed_memory else 'no (as lm_eval runs it)'}; "
         f"load average now {common.machine()['loadavg_1m']:.2f} "
         f"(at start {info['loadavg_1m']:.2f})"
     )

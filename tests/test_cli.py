@@ -192,6 +192,17 @@ def test_eval_prints_loss_and_perplexity(run_dir, play_path, capsys):
     assert bits == pytest.approx(loss / math.log(2), abs=1e-4)
 
 
+def test_eval_keeps_freed_memory_on_the_cpu(run_dir, play_path, capsys, monkeypatch):
+    import gptkiln.allocator
+
+    calls = []
+    monkeypatch.setattr(gptkiln.allocator, "keep_freed_memory", lambda: calls.append(1) or True)
+    code, _, err = cli("eval", run_dir, "--data", play_path, "--device", "cpu", "--quiet",
+                       capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    assert calls == [1]
+
+
 def test_convert_quantize_then_generate_and_eval(run_dir, tmp_path, play_path, capsys):
     q = tmp_path / "q"
     code, out, _ = cli("convert", "quantize", run_dir, "--out", q, capsys=capsys)

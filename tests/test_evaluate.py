@@ -90,10 +90,12 @@ def some_pairs(model: GPT) -> list[Pair]:
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-context", "whole-rows"])
 @pytest.mark.parametrize("batch_size", [1, 3, 16])
-def test_score_pairs_equals_a_plain_forward_per_pair(monkeypatch, shared, batch_size):
+@pytest.mark.parametrize("score_rows", [1024, 5], ids=["logits-at-once", "logits-5-at-a-time"])
+def test_score_pairs_equals_a_plain_forward_per_pair(monkeypatch, shared, batch_size, score_rows):
     import gptkiln.evaluate as ev
 
     monkeypatch.setattr(ev, "_cheaper_shared", lambda model, pairs: shared)
+    monkeypatch.setattr(ev, "SCORE_ROWS", score_rows)
     model = chain_model(n_embd=32)
     pairs = some_pairs(model)
     got = score_pairs(model, pairs, batch_size=batch_size)
@@ -103,6 +105,28 @@ def test_score_pairs_equals_a_plain_forward_per_pair(monkeypatch, shared, batch_
     for (a, _), (b, _) in zip(got, want):
         assert a == pytest.approx(b, abs=1e-4)
     assert model.h[0].attn.kv_cache is None  # no cache left behind
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-context", "whole-rows"])
+def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(monkeypatch, shared):
+    import gptkiln.evaluate as ev
+
+    monkeypatch.setattr(ev, "_cheaper_shared", lambda model, pairs: shared)
+    model = chain_model(n_embd=32)
+    pairs = some_pairs(model)
+    rows: list[int] = []
+    model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1]))
+    argmaxes: list[int] = []
+    monkeypatch.setattr(ev, "greedy", lambda logits: argmaxes.append(1) or logits.argmax(-1))
+    with_greedy = score_pairs(model, pairs, batch_size=4)
+    assert all(len(shape) == 1 for shape in rows)  # (positions, C): no padded (B, T) grid
+    assert sum(n for (n,) in rows) == sum(len(cont) for _, cont in pairs)
+    assert argmaxes
+    argmaxes.clear()
+    without = score_pairs(model, pairs, batch_size=4, greedy_too=False)
+    assert not argmaxes
+    assert [g for _, g in without] == [False] * len(pairs)
+    assert [s for s, _ in without] == pytest.approx([s for s, _ in with_greedy], abs=1e-5)
 
 
 def test_the_shared_way_is_chosen_for_a_questions_choices_and_not_for_rolling_windows():
@@ -505,6 +529,18 @@ def test_bad_model_args_are_one_line(setup):
         GptkilnLM(run=str(setup["root"] / "run"), pretrained="gpt2")
     with pytest.raises(GptkilnError, match="batch size 'many'"):
         GptkilnLM(run=str(setup["root"] / "run"), batch_size="many")
+
+
+def test_built_by_the_harness_from_its_string_the_model_keeps_freed_memory(setup, monkeypatch):
+    import gptkiln.allocator
+    from gptkiln.evaluate import GptkilnLM
+
+    calls = []
+    monkeypatch.setattr(gptkiln.allocator, "keep_freed_memory", lambda: calls.append(1) or True)
+    GptkilnLM(run=str(setup["root"] / "run"))  # a library caller's process: left as it is
+    assert calls == []
+    lm = GptkilnLM.create_from_arg_string(f"run={setup['root'] / 'run'}", {"batch_size": 2})
+    assert calls == [1] and lm.batch_size == 2
 
 
 # -- registration --------------------------------------------------------------------------------

@@ -131,6 +131,18 @@ def test_dtype_loads_the_weights_in_it_and_is_recorded(setup, tmp_path, capsys, 
     assert out.startswith(f"gptkiln (run={setup['run']},dtype=bfloat16)")
 
 
+def test_evaluate_keeps_freed_memory_on_the_cpu(setup, tmp_path, capsys, monkeypatch):
+    import gptkiln.allocator
+
+    calls = []
+    monkeypatch.setattr(gptkiln.allocator, "keep_freed_memory", lambda: calls.append(1) or True)
+    code, _, err = cli("evaluate", setup["run"], "--tasks", "kiln_mc", "--include-path",
+                       setup["tasks"], "--limit", "1", "--output-path", tmp_path / "r.json",
+                       "--device", "cpu", "--quiet", capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    assert calls == [1]
+
+
 def test_a_fractional_limit_is_a_share_of_the_documents(setup, tmp_path, capsys):
     code, _, err = cli("evaluate", setup["run"], "--tasks", "kiln_mc", "--include-path",
                        setup["tasks"], "--output-path", tmp_path / "r.json", "--limit", "0.4",

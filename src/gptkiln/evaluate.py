@@ -5,9 +5,9 @@
 
 - ``loglikelihood``: (context, continuation) pairs scored in batches sorted by length. A context
   shared by several continuations (a question's choices) is run once into the KV cache, and each
-  continuation goes on from it; the head computes logits only where a token is scored. A pair
-  longer than the window keeps its last ``context_length + 1`` tokens, as the harness's ``hf``
-  backend cuts it.
+  continuation goes on from it; the head computes logits only where a token is scored, a
+  thousand positions at a time. A pair longer than the window keeps its last
+  ``context_length + 1`` tokens, as the harness's ``hf`` backend cuts it.
 - ``loglikelihood_rolling``: a document scored in windows of the context length (the harness's
   rolling-window rule, `lm_eval.utils.get_rolling_token_windows`), for perplexity tasks.
 - ``generate_until``: batched generation with the KV cache (`sampling.generate_batched`, as
@@ -122,37 +122,56 @@ def plan_batches(pairs: Sequence[Pair], batch_size: int, max_length: int) -> lis
     return batches
 
 
-def _continuation_scores(logits: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
-    """(summed log-probability, whether each token is the argmax) of ``continuation`` under
-    ``logits`` (len(continuation), V), one row a token; log-softmax in float32 as the ``hf``
-    backend takes it."""
-    target = torch.tensor(continuation, device=logits.device)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    picked = logprobs.gather(-1, target[:, None]).squeeze(-1)  # (n,)
-    return float(picked.sum()), bool((greedy(logits) == target).all())
+SCORE_ROWS = 1024
+"""Positions whose logits are formed at once while scoring: with GPT-2's 50,257 tokens ~200 MB
+in float32, where a batch of 16 whole windows would hold 3.3 GB."""
 
 
-def _score_whole(model, pairs: Sequence[Pair]) -> list[tuple[float, bool]]:
-    """Each pair as one row of ``context + continuation[:-1]``, right-padded: one forward, the
-    head at every position (the ``hf`` backend's way; the cheaper one for short contexts)."""
+def _score_positions(
+    model, hidden: torch.Tensor, targets: list[int], counts: list[int], greedy_too: bool
+) -> list[tuple[float, bool]]:
+    """(summed log-probability, whether each token is the argmax) of every continuation:
+    ``hidden`` (N, C) the final norm's output at the positions that predict its tokens, in
+    order, ``targets`` the N tokens, ``counts`` how many of them each continuation has. The head
+    runs on ``SCORE_ROWS`` positions at a time; log-softmax in float32, as the ``hf`` backend
+    takes it. Without ``greedy_too`` the second answer is False (not computed)."""
+    target = torch.tensor(targets, device=hidden.device)
+    picked = torch.empty(len(targets), device=hidden.device)  # float32
+    hits = torch.zeros(len(targets), dtype=torch.bool, device=hidden.device)
+    for a in range(0, len(targets), SCORE_ROWS):
+        b = min(a + SCORE_ROWS, len(targets))
+        logits = model.head(hidden[a:b])  # (n, V)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        picked[a:b] = logprobs.gather(-1, target[a:b, None]).squeeze(-1)
+        if greedy_too:
+            hits[a:b] = greedy(logits) == target[a:b]
+    sums, alls = picked.split(counts), hits.split(counts)
+    return [(float(x.sum()), greedy_too and bool(h.all())) for x, h in zip(sums, alls)]
+
+
+def _score_whole(model, pairs: Sequence[Pair], greedy_too: bool) -> list[tuple[float, bool]]:
+    """Each pair as one row of ``context + continuation[:-1]``, right-padded: one forward (the
+    ``hf`` backend's way; the cheaper one for short contexts), the head only where a
+    continuation's token is predicted."""
     device = model.wte.weight.device
     rows = [ctx + cont[:-1] for ctx, cont in pairs]
     width = max(len(r) for r in rows)
     idx = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)  # (B, T)
-    logits = model(idx)  # (B, T, V); padding comes after each row's tokens, which never see it
-    return [
-        _continuation_scores(logits[b, len(ctx) - 1 : len(ctx) + len(cont) - 1], cont)
-        for b, (ctx, cont) in enumerate(pairs)
-    ]
+    x = model.hidden(idx)  # (B, T, C); padding comes after each row's tokens, never seen
+    row = [b for b, (_, cont) in enumerate(pairs) for _ in cont]
+    col = [len(ctx) - 1 + j for ctx, cont in pairs for j in range(len(cont))]
+    at = x[torch.tensor(row, device=device), torch.tensor(col, device=device)]  # (N, C)
+    targets = [t for _, cont in pairs for t in cont]
+    return _score_positions(model, at, targets, [len(c) for _, c in pairs], greedy_too)
 
 
-def _score_shared(model, pairs: Sequence[Pair]) -> list[tuple[float, bool]]:
-    """Each distinct context run once into the KV cache (left-padded), its last logits scoring
-    every continuation's first token; then the continuations' other tokens, one round per
-    choice: round j feeds the j-th continuation of every context that has one into that
+def _score_shared(model, pairs: Sequence[Pair], greedy_too: bool) -> list[tuple[float, bool]]:
+    """Each distinct context run once into the KV cache (left-padded), its last position
+    scoring every continuation's first token; then the continuations' other tokens, one round
+    per choice: round j feeds the j-th continuation of every context that has one into that
     context's cache row, after the context (a later round overwrites an earlier one's keys and
     values there, and attends to no more than its own)."""
-    from gptkiln.sampling import left_pad, prefill
+    from gptkiln.sampling import left_pad
 
     device = model.wte.weight.device
     contexts: dict[tuple[int, ...], list[int]] = {}
@@ -162,44 +181,39 @@ def _score_shared(model, pairs: Sequence[Pair]) -> list[tuple[float, bool]]:
     P = idx.size(1)
     longest = max(len(cont) for _, cont in pairs)
     model.setup_cache(len(contexts), P + longest - 1, pad_lens)
-    first = prefill(model, idx)  # (U, V): each context's next-token logits
-    scored: list[tuple[float, bool] | None] = [None] * len(pairs)
+    first = model.hidden(idx, start_pos=0)[:, -1]  # (U, C): what predicts each first token
+    at: list[torch.Tensor | None] = [None] * len(pairs)  # (len(cont), C) each
     members = list(contexts.values())
     for j in range(max(len(m) for m in members)):
         round_rows = [(u, m[j]) for u, m in enumerate(members) if len(m) > j]
         tails = [pairs[i][1][:-1] for _, i in round_rows]
-        logits = None
+        x = None
         if max(len(t) for t in tails):
             width = max(len(t) for t in tails)
             tail_idx = torch.tensor([t + [0] * (width - len(t)) for t in tails], device=device)
             rows = torch.tensor([u for u, _ in round_rows], device=device)
             every_row = len(round_rows) == len(members)  # then the cache is read without a copy
-            logits = model(tail_idx, start_pos=P, rows=None if every_row else rows)  # (R, T, V)
+            x = model.hidden(tail_idx, start_pos=P, rows=None if every_row else rows)  # (R, T, C)
         for r, (u, i) in enumerate(round_rows):
-            cont = pairs[i][1]
-            rows_logits = first[u, None]  # (1, V) for the first token, then one a token after it
-            if len(cont) > 1:
-                rows_logits = torch.cat([rows_logits, logits[r, : len(cont) - 1]])
-            scored[i] = _continuation_scores(rows_logits, cont)
-    return scored  # type: ignore[return-value]
+            n = len(pairs[i][1])
+            at[i] = first[u, None] if n == 1 else torch.cat([first[u, None], x[r, : n - 1]])
+    targets = [t for _, cont in pairs for t in cont]
+    counts = [len(c) for _, c in pairs]
+    return _score_positions(model, torch.cat(at), targets, counts, greedy_too)  # type: ignore[arg-type]
 
 
 def _cheaper_shared(model, pairs: Sequence[Pair]) -> bool:
-    """Whether the shared-context way (`_score_shared`) multiplies fewer numbers than one
-    forward of whole rows (`_score_whole`): per token a block costs ~12 C^2 multiply-adds and
-    the head V C; the shared way runs each distinct context once and the head only where a
-    token is scored. Ties go to the whole rows, which need no cache."""
-    c = model.config
-    block, head = c.n_layer * 12 * c.n_embd**2, c.vocab_size * c.n_embd
-    whole = len(pairs) * max(len(a) + len(b) - 1 for a, b in pairs) * (block + head)
+    """Whether the shared-context way (`_score_shared`) runs the blocks on fewer positions than
+    one forward of whole rows (`_score_whole`); both run the head only where a token is scored.
+    Ties go to the whole rows, which need no cache."""
+    whole = len(pairs) * max(len(a) + len(b) - 1 for a, b in pairs)
     contexts: dict[tuple[int, ...], list[int]] = {}
     for ctx, cont in pairs:
         contexts.setdefault(tuple(ctx), []).append(len(cont) - 1)
-    longest_ctx = max(len(ctx) for ctx in contexts)
-    shared = len(contexts) * (longest_ctx * block + head)
+    shared = len(contexts) * max(len(ctx) for ctx in contexts)
     for j in range(max(len(t) for t in contexts.values())):
         tails = [t[j] for t in contexts.values() if len(t) > j]
-        shared += len(tails) * max(tails) * (block + head)
+        shared += len(tails) * max(tails)
     return shared < 0.9 * whole
 
 
@@ -209,6 +223,7 @@ def score_pairs(
     pairs: Sequence[Pair],
     *,
     batch_size: int = DEFAULT_BATCH_SIZE,
+    greedy_too: bool = True,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[tuple[float, bool]]:
     """(log-probability of the continuation given the context, whether greedy decoding would
@@ -219,6 +234,8 @@ def score_pairs(
         model: a `GPT` (its device is the model's own); it is put in eval mode meanwhile.
         pairs: (context ids, continuation ids).
         batch_size: contexts a forward holds (>= 1).
+        greedy_too: also find whether each continuation is the greedy one (an argmax over the
+            vocabulary at every position); False: skipped, and answered False.
         on_batch: told how many pairs each batch scored (a progress bar).
     """
     ctx_len = model.config.context_length
@@ -232,7 +249,7 @@ def score_pairs(
         for batch in plan_batches(pairs, batch_size, ctx_len):
             chunk = [pairs[i] for i in batch]
             score = _score_shared if _cheaper_shared(model, chunk) else _score_whole
-            for i, result in zip(batch, score(model, chunk)):
+            for i, result in zip(batch, score(model, chunk, greedy_too)):
                 scored[i] = result
             if on_batch is not None:
                 on_batch(len(batch))
@@ -299,6 +316,19 @@ class GptkilnLM(TemplateLM):
         )
         check_language_model(model, run)
         self._setup(model, tokenizer, _batch_size(batch_size), str(run), quantize, progress)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """The harness's constructor for ``--model gptkiln --model_args ...``: the process is
+        an evaluation's own, so on the CPU freed memory is kept for reuse
+        (`gptkiln.allocator.keep_freed_memory`, as ``gptkiln evaluate`` does): every batch's
+        logits would otherwise be mapped and zero-filled again, page by page."""
+        lm = super().create_from_arg_string(arg_string, additional_config)
+        if lm.device.type == "cpu":
+            from gptkiln.allocator import keep_freed_memory
+
+            keep_freed_memory()
+        return lm
 
     @classmethod
     def from_model(
@@ -388,7 +418,7 @@ class GptkilnLM(TemplateLM):
         """The harness's tokenized pairs: ((context, continuation) strings or None, context ids,
         continuation ids) -> (log-probability, is greedy)."""
         pairs = [fit_window(ctx, cont, self.max_length) for _, ctx, cont in requests]
-        answers = self._score(pairs, "loglikelihood requests", disable_tqdm)
+        answers = self._score(pairs, "loglikelihood requests", disable_tqdm, greedy_too=True)
         for (strings, _, _), answer in zip(requests, answers):
             if strings is not None:
                 self.cache_hook.add_partial("loglikelihood", strings, answer)
@@ -412,7 +442,8 @@ class GptkilnLM(TemplateLM):
                 pairs.append(window)
                 owner.append(n)
         totals = [0.0] * len(requests)
-        for n, (logprob, _) in zip(owner, self._score(pairs, "rolling windows", disable_tqdm)):
+        scores = self._score(pairs, "rolling windows", disable_tqdm, greedy_too=False)
+        for n, (logprob, _) in zip(owner, scores):  # is_greedy: not part of the answer
             totals[n] += logprob
         for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
@@ -458,7 +489,7 @@ class GptkilnLM(TemplateLM):
         return texts
 
     # -- helpers -------------------------------------------------------------------------------
-    def _score(self, pairs: Sequence[Pair], what: str, disable_tqdm: bool):
+    def _score(self, pairs: Sequence[Pair], what: str, disable_tqdm: bool, greedy_too: bool):
         from tqdm.auto import tqdm
 
         from gptkiln.kernels import keep_exact
@@ -467,7 +498,13 @@ class GptkilnLM(TemplateLM):
         with tqdm(
             total=len(pairs), desc=f"Running {what}", disable=disable_tqdm or not self._progress
         ) as bar:
-            return score_pairs(self._model, pairs, batch_size=self.batch_size, on_batch=bar.update)
+            return score_pairs(
+                self._model,
+                pairs,
+                batch_size=self.batch_size,
+                greedy_too=greedy_too,
+                on_batch=bar.update,
+            )
 
     def _prompt(self, context: str, room: int) -> list[int]:
         """A generation's context ids: cut from the left to leave ``max_gen_toks`` of room in

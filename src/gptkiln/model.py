@@ -803,6 +803,34 @@ class GPT(nn.Module):
             logits (B, T, V) (V: num_classes for a classifier), or (logits, loss) when targets
             are given.
         """
+        B = idx.size(0)
+        x = self.hidden(idx, start_pos=start_pos, rows=rows, attentions=attentions)
+        if isinstance(last_only, torch.Tensor):
+            x = x[torch.arange(B, device=x.device), last_only][:, None]  # (B, 1, C)
+        elif last_only:
+            x = x[:, -1:, :]  # (B, 1, C)
+        logits = self.head(x)  # (B, T, V)
+        if targets is None:
+            return logits
+        if self.config.num_classes:
+            loss = F.cross_entropy(logits[:, -1, :].float(), targets)  # (B, V) against (B,)
+        else:
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
+            )
+        return logits, loss
+
+    def hidden(
+        self,
+        idx: torch.Tensor,
+        *,
+        start_pos: int | torch.Tensor | None = None,
+        rows: slice | torch.Tensor | None = None,
+        attentions: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The final norm's output (B, T, C) for token ids (B, T): what the head turns into
+        logits, for a caller that needs them at a few positions only (scoring a continuation:
+        ``self.head(x[rows, positions])``). Arguments as `forward`'s."""
         B, T = idx.shape
         per_row = isinstance(start_pos, torch.Tensor)
         if per_row and self.pad_lens is not None:
@@ -820,18 +848,4 @@ class GPT(nn.Module):
             rope = self.rope_at(pos)  # 2 x (1 or B, 1, T, hs)
         for block in self.h:
             x = block(x, start_pos, mask, rows, attentions, rope)
-        x = self.ln_f(x)
-        if isinstance(last_only, torch.Tensor):
-            x = x[torch.arange(B, device=x.device), last_only][:, None]  # (B, 1, C)
-        elif last_only:
-            x = x[:, -1:, :]  # (B, 1, C)
-        logits = self.head(x)  # (B, T, V)
-        if targets is None:
-            return logits
-        if self.config.num_classes:
-            loss = F.cross_entropy(logits[:, -1, :].float(), targets)  # (B, V) against (B,)
-        else:
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
-            )
-        return logits, loss
+        return self.ln_f(x)

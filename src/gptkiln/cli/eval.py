@@ -11,6 +11,7 @@ from gptkiln.cli.common import (
     add_quiet_flag,
     add_run_argument,
     example,
+    keep_freed_memory_on_cpu,
 )
 
 
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> None:
     from gptkiln.api import evaluate_run
     from gptkiln.devices import resolve_device
 
+    keep_freed_memory_on_cpu(args.device)  # each batch's logits: no page faults to map again
     r = evaluate_run(
         args.run_dir,
         args.data,

@@ -12,6 +12,7 @@ from gptkiln.cli.common import (
     add_quiet_flag,
     add_run_argument,
     example,
+    keep_freed_memory_on_cpu,
 )
 
 
@@ -107,6 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     from gptkiln.evaluate import evaluate
 
+    keep_freed_memory_on_cpu(args.device)  # each batch's logits: no page faults to map again
     report = evaluate(
         args.run_dir,
         args.tasks,
