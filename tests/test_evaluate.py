@@ -349,6 +349,57 @@ def test_aggregated_metrics_equal_the_hf_backends(both):
     assert ours == pytest.approx(theirs, rel=1e-5)
 
 
+# -- the Llama 3 and Qwen3 families ---------------------------------------------------------------
+@pytest.fixture(scope="module", params=("llama3", "qwen3"))
+def family_both(setup, request, tmp_path_factory):
+    """The three tasks on a Llama 3 / Qwen3 run (GPT-2's tokenizer, a chain head as
+    `chain_model`'s, grouped-query attention, RoPE; Llama with its RoPE scaling, Qwen with the
+    norms of q and k) by gptkiln's backend, and by the hf backend on its export
+    (LlamaForCausalLM / Qwen3ForCausalLM)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from gptkiln.convert import export_hf
+    from gptkiln.evaluate import GptkilnLM, load_tasks, run_harness
+
+    root = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(f"{request.param}-baby", vocab_size=50257,
+                                 context_length=CONTEXT, n_layer=2, n_embd=64,
+                                 intermediate_size=128, tie_embeddings=False)  # fmt: skip
+    model = GPT(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.wte.weight[torch.randperm(config.vocab_size)] * 10)
+    save_model(model, root / "run", tokenizer=setup["tokenizer"])
+    export_hf(root / "run", root / "hf")
+    results = {}
+    lms = {
+        "gptkiln": GptkilnLM(str(root / "run"), batch_size=3),
+        "hf": HFLM(pretrained=str(root / "hf"), device="cpu", batch_size=3, dtype="float32"),
+    }
+    for name, lm in lms.items():
+        manager, built = load_tasks(TASKS, setup["tasks"])
+        results[name] = run_harness(lm, manager, built, log_samples=True, bootstrap_iters=0)
+    return results
+
+
+def test_the_families_scores_generations_and_metrics_equal_the_hf_backends(family_both):
+    from gptkiln.evaluate import flat_metrics
+
+    ours, theirs = family_both["gptkiln"], family_both["hf"]
+    for task in ("kiln_mc", "kiln_roll"):
+        got, want = responses(ours, task), responses(theirs, task)
+        assert len(got) == len(want) > 0
+        for doc_ours, doc_theirs in zip(got, want):
+            for r, r_hf in zip(doc_ours, doc_theirs):  # (logprob, is_greedy) or a logprob
+                r, r_hf = (r, r_hf) if isinstance(r, (tuple, list)) else ((r,), (r_hf,))
+                assert r[0] == pytest.approx(r_hf[0], abs=1e-4, rel=1e-6)
+                assert r[1:] == r_hf[1:]
+    generated = [doc[0] for doc in responses(ours, "kiln_gen")]
+    assert generated == [doc[0] for doc in responses(theirs, "kiln_gen")]
+    assert len(set(generated)) > 1  # the prompts lead to different text
+    assert flat_metrics(ours) == pytest.approx(flat_metrics(theirs), rel=1e-5)
+
+
 # -- the library function ----------------------------------------------------------------------
 def test_evaluate_writes_the_harness_json_into_the_run_and_returns_its_table(setup, both):
     from gptkiln.evaluate import evaluate
