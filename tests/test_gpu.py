@@ -1,4 +1,4 @@
-"""CUDA paths: bf16 autocast training, torch.compile, cached generation on the GPU.
+"""CUDA paths: bf16 autocast training, torch.compile, cached generation, harness scoring on the GPU.
 
 Skipped without a GPU (CI has none); run them on a machine with one: ``pytest -m gpu``.
 """
@@ -157,3 +157,20 @@ def test_family_compiled_bf16_training_reduces_the_loss_on_cuda(family):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+# -- lm-evaluation-harness scoring on CUDA -----------------------------------------------------
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-context", "whole-rows"])
+def test_harness_scoring_on_cuda_equals_the_cpus(monkeypatch, shared):
+    from test_evaluate import chain_model, some_pairs
+
+    import gptkiln.evaluate as ev
+
+    monkeypatch.setattr(ev, "_cheaper_shared", lambda model, pairs: shared)
+    model = chain_model(n_embd=32)
+    pairs = some_pairs(model)
+    cpu = ev.score_pairs(model, pairs, batch_size=4)
+    gpu = ev.score_pairs(model.cuda(), pairs, batch_size=4)
+    assert [g for _, g in gpu] == [g for _, g in cpu]
+    for (a, _), (b, _) in zip(gpu, cpu):
+        assert a == pytest.approx(b, abs=1e-3, rel=1e-4)
