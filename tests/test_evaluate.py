@@ -94,7 +94,7 @@ def some_pairs(model: GPT) -> list[Pair]:
 def test_score_pairs_equals_a_plain_forward_per_pair(monkeypatch, shared, batch_size, score_rows):
     import gptkiln.evaluate as ev
 
-    monkeypatch.setattr(ev, "_cheaper_shared", lambda model, pairs: shared)
+    monkeypatch.setattr(ev, "_cheaper_shared", lambda pairs: shared)
     monkeypatch.setattr(ev, "SCORE_ROWS", score_rows)
     model = chain_model(n_embd=32)
     pairs = some_pairs(model)
@@ -111,7 +111,7 @@ def test_score_pairs_equals_a_plain_forward_per_pair(monkeypatch, shared, batch_
 def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(monkeypatch, shared):
     import gptkiln.evaluate as ev
 
-    monkeypatch.setattr(ev, "_cheaper_shared", lambda model, pairs: shared)
+    monkeypatch.setattr(ev, "_cheaper_shared", lambda pairs: shared)
     model = chain_model(n_embd=32)
     pairs = some_pairs(model)
     rows: list[int] = []
@@ -132,12 +132,11 @@ def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(m
 def test_the_shared_way_is_chosen_for_a_questions_choices_and_not_for_rolling_windows():
     from gptkiln.evaluate import _cheaper_shared
 
-    model = chain_model(n_embd=32)
     question = list(range(1, 41))
-    assert _cheaper_shared(model, [(question, [5, 6]), (question, [7]), (question, [8, 9, 10])])
+    assert _cheaper_shared([(question, [5, 6]), (question, [7]), (question, [8, 9, 10])])
     # first windows of documents, each a whole window after end-of-text: nothing to share
     windows = [([50256], list(range(64))), ([50256], list(range(1, 65))), ([7], [8] * 64)]
-    assert not _cheaper_shared(model, windows)
+    assert not _cheaper_shared(windows)
 
 
 def test_plan_batches_keeps_a_contexts_choices_together_and_fits_the_window():

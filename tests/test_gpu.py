@@ -166,7 +166,7 @@ def test_harness_scoring_on_cuda_equals_the_cpus(monkeypatch, shared):
 
     import gptkiln.evaluate as ev
 
-    monkeypatch.setattr(ev, "_cheaper_shared", lambda model, pairs: shared)
+    monkeypatch.setattr(ev, "_cheaper_shared", lambda pairs: shared)
     model = chain_model(n_embd=32)
     pairs = some_pairs(model)
     cpu = ev.score_pairs(model, pairs, batch_size=4)

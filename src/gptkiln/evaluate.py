@@ -202,7 +202,7 @@ def _score_shared(model, pairs: Sequence[Pair], greedy_too: bool) -> list[tuple[
     return _score_positions(model, torch.cat(at), targets, counts, greedy_too)  # type: ignore[arg-type]
 
 
-def _cheaper_shared(model, pairs: Sequence[Pair]) -> bool:
+def _cheaper_shared(pairs: Sequence[Pair]) -> bool:
     """Whether the shared-context way (`_score_shared`) runs the blocks on fewer positions than
     one forward of whole rows (`_score_whole`); both run the head only where a token is scored.
     Ties go to the whole rows, which need no cache."""
@@ -248,7 +248,7 @@ def score_pairs(
     try:
         for batch in plan_batches(pairs, batch_size, ctx_len):
             chunk = [pairs[i] for i in batch]
-            score = _score_shared if _cheaper_shared(model, chunk) else _score_whole
+            score = _score_shared if _cheaper_shared(chunk) else _score_whole
             for i, result in zip(batch, score(model, chunk, greedy_too)):
                 scored[i] = result
             if on_batch is not None:
