@@ -137,6 +137,16 @@ def test_the_shared_way_is_chosen_for_a_questions_choices_and_not_for_rolling_wi
     # first windows of documents, each a whole window after end-of-text: nothing to share
     windows = [([50256], list(range(64))), ([50256], list(range(1, 65))), ([7], [8] * 64)]
     assert not _cheaper_shared(windows)
+    # of unequal lengths, whole rows pad; yet a one-token context is not worth the cache
+    assert not _cheaper_shared([([50256], [1] * n) for n in (64, 10, 20, 30)])
+
+
+def test_pairs_after_a_one_token_context_are_batched_as_separate_rows():
+    pairs = [([50256], [3] * (10 + i)) for i in range(20)] + [([4, 5], [6]), ([4, 5], [7])]
+    batches = plan_batches(pairs, batch_size=16, max_length=CONTEXT)
+    assert [len(b) for b in batches] == [16, 6]  # 16 rows; then 4 rows and a shared context
+    assert batches[0] == list(range(19, 3, -1))  # the longest first
+    assert batches[1][-2:] in ([20, 21], [21, 20])  # the two choices of [4, 5] side by side
 
 
 def test_plan_batches_keeps_a_contexts_choices_together_and_fits_the_window():

@@ -94,21 +94,35 @@ def fit_window(context: list[int], continuation: list[int], max_length: int) -> 
     return context[cut:], continuation
 
 
+def _shared_as(i: int, ctx: list[int]) -> tuple[int, ...]:
+    """The key that groups pair ``i`` with the others of its context: the context itself, or,
+    for a context of one token, a key of the pair's own (see `plan_batches`)."""
+    return tuple(ctx) if len(ctx) > 1 else (-1 - i,)
+
+
 def plan_batches(pairs: Sequence[Pair], batch_size: int, max_length: int) -> list[list[int]]:
     """Indices of ``pairs`` in batches: the longest first (as the harness's ``hf`` backend
     sorts), the continuations of one context side by side, at most ``batch_size`` contexts a
     batch, and never more positions than the window holds once the contexts are left-padded to
-    the longest (the longest context plus the longest continuation, less one)."""
+    the longest (the longest context plus the longest continuation, less one).
+
+    A context of one token is not shared (every document's first rolling window starts from
+    end-of-text): sharing it would save one position a continuation, and the continuations
+    would run one by one after it through the cache, whose attention takes an explicit mask
+    and so does the whole square instead of the causal half."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (ctx, _) in enumerate(pairs):
-        groups.setdefault(tuple(ctx), []).append(i)
-    order = sorted(
-        groups.items(), key=lambda g: (-len(g[0]) - max(len(pairs[i][1]) for i in g[1]), g[0])
-    )
+        groups.setdefault(_shared_as(i, ctx), []).append(i)
+
+    def longest_first(members: list[int]) -> tuple:
+        ctx = pairs[members[0]][0]
+        return -len(ctx) - max(len(pairs[i][1]) for i in members), tuple(ctx), members[0]
+
     batches: list[list[int]] = []
     batch: list[int] = []
     contexts, longest_ctx, longest_cont = 0, 0, 0
-    for ctx, members in order:
+    for members in sorted(groups.values(), key=longest_first):
+        ctx = pairs[members[0]][0]
         cont = max(len(pairs[i][1]) for i in members)
         fits = max(longest_ctx, len(ctx)) + max(longest_cont, cont) - 1 <= max_length
         if batch and (contexts == batch_size or not fits):
@@ -205,12 +219,13 @@ def _score_shared(model, pairs: Sequence[Pair], greedy_too: bool) -> list[tuple[
 def _cheaper_shared(pairs: Sequence[Pair]) -> bool:
     """Whether the shared-context way (`_score_shared`) runs the blocks on fewer positions than
     one forward of whole rows (`_score_whole`); both run the head only where a token is scored.
-    Ties go to the whole rows, which need no cache."""
+    Contexts of one token count as not shared (`plan_batches`). Ties go to the whole rows,
+    which need no cache."""
     whole = len(pairs) * max(len(a) + len(b) - 1 for a, b in pairs)
     contexts: dict[tuple[int, ...], list[int]] = {}
-    for ctx, cont in pairs:
-        contexts.setdefault(tuple(ctx), []).append(len(cont) - 1)
-    shared = len(contexts) * max(len(ctx) for ctx in contexts)
+    for i, (ctx, cont) in enumerate(pairs):
+        contexts.setdefault(_shared_as(i, ctx), []).append(len(cont) - 1)
+    shared = len(contexts) * max(len(ctx) for ctx, _ in pairs)
     for j in range(max(len(t) for t in contexts.values())):
         tails = [t[j] for t in contexts.values() if len(t) > j]
         shared += len(tails) * max(tails)
