@@ -565,19 +565,23 @@ def test_a_classifier_run_is_refused_in_one_line(tmp_path, setup):
 
 
 def test_generation_settings_gptkiln_has_not_are_refused(setup):
-    from gptkiln.evaluate import GptkilnLM
+    from gptkiln.evaluate import GptkilnLM, sample_config
 
     lm = GptkilnLM.from_model(chain_model(n_embd=16), setup["tokenizer"])
-    cfg = lm._sample_config({"until": ["\n"], "max_new_tokens": 5, "do_sample": True,
+
+    def config(gen_kwargs):
+        return sample_config(gen_kwargs, setup["tokenizer"], lm.max_gen_toks)
+
+    cfg = config({"until": ["\n"], "max_new_tokens": 5, "do_sample": True,
                              "temperature": 0.7, "top_k": 0, "top_p": 0.9})  # fmt: skip
     assert (cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p) == (5, 0.7, None, 0.9)
     assert cfg.stop == ("\n", "<|endoftext|>")  # the end-of-text text, as hf adds it
-    assert lm._sample_config({"until": [], "temperature": 0.7}).temperature == 0.7
-    assert lm._sample_config({"do_sample": False, "temperature": 0.7}).temperature == 0.0
+    assert config({"until": [], "temperature": 0.7}).temperature == 0.7
+    assert config({"do_sample": False, "temperature": 0.7}).temperature == 0.0
     with pytest.raises(GptkilnError, match="generation_kwargs repetition_penalty: not a setting"):
-        lm._sample_config({"until": [], "repetition_penalty": 1.2})
+        config({"until": [], "repetition_penalty": 1.2})
     with pytest.raises(GptkilnError, match="no beam search"):
-        lm._sample_config({"num_beams": 4})
+        config({"num_beams": 4})
 
 
 def test_bad_model_args_are_one_line(setup):

@@ -484,7 +484,7 @@ class GptkilnLM(TemplateLM):
             disable=disable_tqdm or not self._progress,
         )
         for members in groups.values():
-            cfg = self._sample_config(requests[members[0]].args[1])
+            cfg = sample_config(requests[members[0]].args[1], self._tokenizer, self.max_gen_toks)
             room = self.max_length - cfg.max_new_tokens
             prompts = {n: self._prompt(requests[n].args[0], room) for n in members}
             order = sorted(members, key=lambda n: -len(prompts[n]))  # the longest first
@@ -528,39 +528,41 @@ class GptkilnLM(TemplateLM):
         ids = self.tok_encode(context) if context else [self.eot_token_id]
         return ids[-room:] if room > 0 else ids
 
-    def _sample_config(self, gen_kwargs: dict):
-        """A `SampleConfig` from a task's ``generation_kwargs`` (normalized as the harness's
-        backends normalize them: ``until``, ``max_gen_toks`` or its aliases, ``do_sample``,
-        ``temperature``, ``top_k``, ``top_p``), its stop strings with the end-of-text text
-        among them as the ``hf`` backend adds it."""
-        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
-        from gptkiln.config import SampleConfig
+def sample_config(gen_kwargs: dict, tokenizer, max_gen_toks: int):
+    """A `SampleConfig` from a task's ``generation_kwargs`` (normalized as the harness's
+    backends normalize them: ``until``, ``max_gen_toks`` or its aliases, ``do_sample``,
+    ``temperature``, ``top_k``, ``top_p``), its stop strings with the end-of-text text
+    among them as the ``hf`` backend adds it (``tokenizer``'s); ``max_gen_toks`` where the task
+    gives no length."""
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
-        kwargs = dict(normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks))
-        eot = self._tokenizer.eot_id
-        until = handle_stop_sequences(
-            kwargs.pop("until"), None if eot is None else self._tokenizer.decode([eot])
+    from gptkiln.config import SampleConfig
+
+    kwargs = dict(normalize_gen_kwargs(dict(gen_kwargs), max_gen_toks))
+    eot = tokenizer.eot_id
+    until = handle_stop_sequences(
+        kwargs.pop("until"), None if eot is None else tokenizer.decode([eot])
+    )
+    max_new = kwargs.pop("max_gen_toks")
+    do_sample = kwargs.pop("do_sample", False)
+    temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
+    top_k, top_p = kwargs.pop("top_k", None) or None, kwargs.pop("top_p", None)  # HF: 0 = off
+    if kwargs.pop("num_beams", 1) != 1:
+        raise GptkilnError("generation_kwargs num_beams: gptkiln has no beam search; use 1")
+    if kwargs:
+        raise GptkilnError(
+            f"generation_kwargs {', '.join(sorted(kwargs))}: not a setting gptkiln's "
+            "generation has (it takes until, max_gen_toks, do_sample, temperature, top_k, "
+            "top_p); remove it from the task or --gen_kwargs"
         )
-        max_new = kwargs.pop("max_gen_toks")
-        do_sample = kwargs.pop("do_sample", False)
-        temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
-        top_k, top_p = kwargs.pop("top_k", None) or None, kwargs.pop("top_p", None)  # HF: 0 = off
-        if kwargs.pop("num_beams", 1) != 1:
-            raise GptkilnError("generation_kwargs num_beams: gptkiln has no beam search; use 1")
-        if kwargs:
-            raise GptkilnError(
-                f"generation_kwargs {', '.join(sorted(kwargs))}: not a setting gptkiln's "
-                "generation has (it takes until, max_gen_toks, do_sample, temperature, top_k, "
-                "top_p); remove it from the task or --gen_kwargs"
-            )
-        return SampleConfig(
-            max_new_tokens=int(max_new),
-            temperature=temperature if do_sample else 0.0,
-            top_k=None if top_k is None else int(top_k),
-            top_p=None if top_p is None else float(top_p),
-            stop=tuple(s for s in until if s),
-        )
+    return SampleConfig(
+        max_new_tokens=int(max_new),
+        temperature=temperature if do_sample else 0.0,
+        top_k=None if top_k is None else int(top_k),
+        top_p=None if top_p is None else float(top_p),
+        stop=tuple(s for s in until if s),
+    )
 
 
 def _batch_size(value: int | str | None) -> int:
