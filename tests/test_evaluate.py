@@ -114,7 +114,7 @@ def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(m
     monkeypatch.setattr(ev, "_cheaper_shared", lambda pairs: shared)
     model = chain_model(n_embd=32)
     pairs = some_pairs(model)
-    rows: list[int] = []
+    rows: list[torch.Size] = []
     model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1]))
     argmaxes: list[int] = []
     monkeypatch.setattr(ev, "greedy", lambda logits: argmaxes.append(1) or logits.argmax(-1))
@@ -366,15 +366,18 @@ def family_both(setup, request, tmp_path_factory):
     norms of q and k) by gptkiln's backend, and by the hf backend on its export
     (LlamaForCausalLM / Qwen3ForCausalLM)."""
     from lm_eval.models.huggingface import HFLM
+    from test_families import SCALING
 
     from gptkiln.convert import export_hf
     from gptkiln.evaluate import GptkilnLM, load_tasks, run_harness
 
     root = tmp_path_factory.mktemp(request.param)
     torch.manual_seed(0)
+    scaling = {"rope_scaling": SCALING} if request.param == "llama3" else {}  # Llama 3.1's
     config = GPTConfig.from_name(f"{request.param}-baby", vocab_size=50257,
                                  context_length=CONTEXT, n_layer=2, n_embd=64,
-                                 intermediate_size=128, tie_embeddings=False)  # fmt: skip
+                                 intermediate_size=128, tie_embeddings=False,
+                                 **scaling)  # fmt: skip
     model = GPT(config).eval()
     with torch.no_grad():
         model.lm_head.weight.copy_(model.wte.weight[torch.randperm(config.vocab_size)] * 10)
@@ -573,7 +576,7 @@ def test_generation_settings_gptkiln_has_not_are_refused(setup):
         return sample_config(gen_kwargs, setup["tokenizer"], lm.max_gen_toks)
 
     cfg = config({"until": ["\n"], "max_new_tokens": 5, "do_sample": True,
-                             "temperature": 0.7, "top_k": 0, "top_p": 0.9})  # fmt: skip
+                  "temperature": 0.7, "top_k": 0, "top_p": 0.9})  # fmt: skip
     assert (cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p) == (5, 0.7, None, 0.9)
     assert cfg.stop == ("\n", "<|endoftext|>")  # the end-of-text text, as hf adds it
     assert config({"until": [], "temperature": 0.7}).temperature == 0.7
