@@ -94,10 +94,14 @@ def fit_window(context: list[int], continuation: list[int], max_length: int) -> 
     return context[cut:], continuation
 
 
-def _shared_as(i: int, ctx: list[int]) -> tuple[int, ...]:
-    """The key that groups pair ``i`` with the others of its context: the context itself, or,
-    for a context of one token, a key of the pair's own (see `plan_batches`)."""
-    return tuple(ctx) if len(ctx) > 1 else (-1 - i,)
+def _by_context(pairs: Sequence[Pair]) -> list[list[int]]:
+    """Indices of ``pairs`` grouped by context, in order of first appearance: the pairs that
+    share one run it once. A context of one token is not shared: each such pair is a group of
+    its own (see `plan_batches`)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (ctx, _) in enumerate(pairs):
+        groups.setdefault(tuple(ctx) if len(ctx) > 1 else (-1 - i,), []).append(i)
+    return list(groups.values())
 
 
 def plan_batches(pairs: Sequence[Pair], batch_size: int, max_length: int) -> list[list[int]]:
@@ -110,9 +114,6 @@ def plan_batches(pairs: Sequence[Pair], batch_size: int, max_length: int) -> lis
     end-of-text): sharing it would save one position a continuation, and the continuations
     would run one by one after it through the cache, whose attention takes an explicit mask
     and so does the whole square instead of the causal half."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, (ctx, _) in enumerate(pairs):
-        groups.setdefault(_shared_as(i, ctx), []).append(i)
 
     def longest_first(members: list[int]) -> tuple:
         ctx = pairs[members[0]][0]
@@ -121,7 +122,7 @@ def plan_batches(pairs: Sequence[Pair], batch_size: int, max_length: int) -> lis
     batches: list[list[int]] = []
     batch: list[int] = []
     contexts, longest_ctx, longest_cont = 0, 0, 0
-    for members in sorted(groups.values(), key=longest_first):
+    for members in sorted(_by_context(pairs), key=longest_first):
         ctx = pairs[members[0]][0]
         cont = max(len(pairs[i][1]) for i in members)
         fits = max(longest_ctx, len(ctx)) + max(longest_cont, cont) - 1 <= max_length
@@ -188,16 +189,13 @@ def _score_shared(model, pairs: Sequence[Pair], greedy_too: bool) -> list[tuple[
     from gptkiln.sampling import left_pad
 
     device = model.wte.weight.device
-    contexts: dict[tuple[int, ...], list[int]] = {}
-    for i, (ctx, _) in enumerate(pairs):
-        contexts.setdefault(tuple(ctx), []).append(i)
-    idx, pad_lens = left_pad([list(c) for c in contexts], 0, device)  # (U, P)
+    members = _by_context(pairs)
+    idx, pad_lens = left_pad([pairs[m[0]][0] for m in members], 0, device)  # (U, P)
     P = idx.size(1)
     longest = max(len(cont) for _, cont in pairs)
-    model.setup_cache(len(contexts), P + longest - 1, pad_lens)
+    model.setup_cache(len(members), P + longest - 1, pad_lens)
     first = model.hidden(idx, start_pos=0)[:, -1]  # (U, C): what predicts each first token
     at: list[torch.Tensor | None] = [None] * len(pairs)  # (len(cont), C) each
-    members = list(contexts.values())
     for j in range(max(len(m) for m in members)):
         round_rows = [(u, m[j]) for u, m in enumerate(members) if len(m) > j]
         tails = [pairs[i][1][:-1] for _, i in round_rows]
@@ -219,15 +217,13 @@ def _score_shared(model, pairs: Sequence[Pair], greedy_too: bool) -> list[tuple[
 def _cheaper_shared(pairs: Sequence[Pair]) -> bool:
     """Whether the shared-context way (`_score_shared`) runs the blocks on fewer positions than
     one forward of whole rows (`_score_whole`); both run the head only where a token is scored.
-    Contexts of one token count as not shared (`plan_batches`). Ties go to the whole rows,
-    which need no cache."""
+    Contexts are grouped as `_score_shared` groups them (`_by_context`). Ties go to the whole
+    rows, which need no cache."""
     whole = len(pairs) * max(len(a) + len(b) - 1 for a, b in pairs)
-    contexts: dict[tuple[int, ...], list[int]] = {}
-    for i, (ctx, cont) in enumerate(pairs):
-        contexts.setdefault(_shared_as(i, ctx), []).append(len(cont) - 1)
-    shared = len(contexts) * max(len(ctx) for ctx, _ in pairs)
-    for j in range(max(len(t) for t in contexts.values())):
-        tails = [t[j] for t in contexts.values() if len(t) > j]
+    groups = [[len(pairs[i][1]) - 1 for i in m] for m in _by_context(pairs)]  # tail lengths
+    shared = len(groups) * max(len(ctx) for ctx, _ in pairs)
+    for j in range(max(len(t) for t in groups)):
+        tails = [t[j] for t in groups if len(t) > j]
         shared += len(tails) * max(tails)
     return shared < 0.9 * whole
 
