@@ -62,7 +62,13 @@ def _own_cache_dir(tmp_path_factory, monkeypatch):
     # Each test gets an empty cache directory of its own (`gptkiln.cache`), inherited by the
     # commands it runs: nothing is written into the real ~/.cache, and no test reads another's
     # tuned kernels.
-    monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path_factory.mktemp("gptkiln-cache")))
+    own = tmp_path_factory.mktemp("gptkiln-cache")
+    monkeypatch.setenv("GPTKILN_CACHE", str(own))
+    # ...except the project's compiled kernels (`gptkiln.native`), which every process that
+    # tunes would otherwise build again (~0.5 s each): one build for the session, shared.
+    shared = Path(_SESSION_CACHE) / "native"
+    shared.mkdir(exist_ok=True)
+    (own / "native").symlink_to(shared, target_is_directory=True)
     # Decoding points inductor's caches into that directory unless the variable is set: the
     # suite keeps inductor's default instead, so that its compiled kernels carry over between
     # tests and runs as they did.

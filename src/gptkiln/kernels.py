@@ -12,6 +12,11 @@ CPU's BLAS does either depends on the machine far more than one would guess (mea
   at 31-41 GB/s (15 on one thread): 33 -> 21 ms a token.
 - At 8 rows the same machine's best was oneDNN's linear (`onednn`), 74 -> 40 ms a step. On an
   Intel Xeon with AMX, by contrast, ``F.linear`` ran twice as fast as `input_rows` at batch 1.
+- At 4-16 rows no library product reached the memory's speed on the 2-core Xeon: ``F.linear``,
+  `weight_rows`, oneDNN and MKL's packed weights all ran at 9-12 GB/s where the machine reads
+  19. `few_rows_linear`, the project's own AVX-512 loop (``csrc/few_rows.c``, built once per
+  machine by `gptkiln.native` where a C compiler is), ran at 14-18 GB/s at 16 rows and 17-23
+  at 8: a 124M decode step of 16 rows 63 -> 47-50 ms.
 
 So nothing is fixed in advance: `tune_decoding` times every candidate over the model's own
 weights (all layers of a shape, as decoding reads them, so the weights come from memory and not
@@ -141,6 +146,52 @@ def _input_on_the_left(x2, w, b) -> torch.Tensor:
     return y.transpose(0, 1).reshape(x2.size(0), -1)  # (M, blocks * h)
 
 
+def few_rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by the project's own AVX-512 loop (``csrc/few_rows.c``,
+    built once per machine by `gptkiln.native`): each thread streams whole 4-row blocks of the
+    weight from memory once, multiplies them with every row of x while the next block is
+    prefetched, and adds each output's partial sums up once at the end.
+
+    For fp32, 1 to ``FEW_ROWS`` rows, an input width that is a multiple of 16 and contiguous
+    tensors; anything else goes to ``F.linear``. Offered by `candidates` only where the library
+    loads (`gptkiln.native.few_rows_library`).
+    """
+    from gptkiln.native import few_rows_library
+
+    n_out, n_in = weight.shape
+    x2 = x.reshape(-1, n_in)
+    lib = few_rows_library()
+    if (
+        lib is None
+        or not 1 <= x2.size(0) <= FEW_ROWS
+        or n_in % 16
+        or x2.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x2.device.type != "cpu"
+        or weight.device.type != "cpu"
+        or not weight.is_contiguous()
+        or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
+    ):
+        return F.linear(x, weight, bias)
+    x2 = x2.contiguous()
+    y = torch.empty(x2.size(0), n_out, dtype=x2.dtype)
+    refused = lib.few_rows_linear(
+        x2.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        x2.size(0),
+        n_out,
+        n_in,
+        torch.get_num_threads(),
+    )
+    if refused:  # arguments the loop does not take (an input width of 0)
+        return F.linear(x, weight, bias)
+    return y.reshape(*x.shape[:-1], n_out)
+
+
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's linear (the kernel inductor calls on CPU), on the plain weight: no packed copy."""
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.size(-1)), weight, bias, "none", [], "")
@@ -160,6 +211,10 @@ def candidates() -> dict[str, Kernel]:
     }
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         found["onednn"] = onednn
+    from gptkiln.native import few_rows_library
+
+    if few_rows_library() is not None:
+        found["few_rows"] = few_rows_linear
     if not exact_only() and _has_bf16():
         found["bf16"] = bf16_linear
     return found

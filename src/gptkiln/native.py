@@ -1,0 +1,137 @@
+"""The project's own compiled kernels: C sources in ``gptkiln/csrc``, built once per machine.
+
+`few_rows_library` compiles ``csrc/few_rows.c`` (`gptkiln.kernels.few_rows_linear`: fp32
+products of a few rows with AVX-512) with the system's C compiler the first time a process asks
+for it, into the cache directory (`gptkiln.cache.cache_dir`, ``native/``), and loads it with
+``ctypes``; later processes load the built file. The sources include no Python or torch headers,
+so building takes well under a second and needs only a C compiler with OpenMP (gcc, clang), as
+inductor's own CPU kernels do.
+
+A library is named by a digest of its source, the compiler (its resolved path, size and time)
+and the flags, so an edited source or a new compiler builds a new one (and the old is removed).
+Two processes may build at once: each writes its own temporary file and renames it into place
+(``os.replace``, atomic). A file that does not load (truncated, another machine's) is built
+again.
+
+Where there is no compiler, the build fails, the CPU lacks AVX-512
+(``torch.backends.cpu.get_cpu_capability``), the platform is not Linux on x86-64, or
+``GPTKILN_NATIVE=0`` is set, the function returns None and the kernels that need it are not
+offered: everything runs on torch's own, as before. ``CC`` picks the compiler (default: ``cc``,
+then ``gcc``, then ``clang``). Its OpenMP loops run on torch's OpenMP runtime where the soname
+matches (gcc's ``libgomp.so.1``, which torch's Linux wheels load first), so the two share one
+pool of threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCES = Path(__file__).resolve().parent / "csrc"
+FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
+ENV = "GPTKILN_NATIVE"
+"""``GPTKILN_NATIVE=0`` turns the compiled kernels off (torch's own are used)."""
+
+
+@functools.cache
+def few_rows_library() -> ctypes.CDLL | None:
+    """``csrc/few_rows.c`` built and loaded (its ``few_rows_linear`` typed), or None where it
+    cannot be (see the module's docstring). Built at most once per process."""
+    if os.environ.get(ENV) == "0" or not _avx512_on_linux():
+        return None
+    lib = load_built("few_rows")
+    if lib is None:
+        return None
+    fn = lib.few_rows_linear
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def _avx512_on_linux() -> bool:
+    import torch
+
+    return (
+        platform.system() == "Linux"
+        and platform.machine() in ("x86_64", "AMD64")
+        and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+    )
+
+
+def compiler() -> str | None:
+    """The C compiler: ``$CC``, else the first of cc, gcc, clang on the PATH; None: none."""
+    named = os.environ.get("CC")
+    if named:
+        return shutil.which(named)
+    return next((path for c in ("cc", "gcc", "clang") if (path := shutil.which(c))), None)
+
+
+def load_built(name: str) -> ctypes.CDLL | None:
+    """``csrc/NAME.c`` as a loaded shared library, built into the cache first where no loadable
+    build of this source with this compiler is there; None where it cannot be built."""
+    cc = compiler()
+    if cc is None:
+        return None
+    source = SOURCES / f"{name}.c"
+    try:  # the compiler as a file (a new one is another build), without running it
+        real = os.path.realpath(cc)
+        stat = os.stat(real)
+    except OSError:
+        return None
+    compiled_by = f"{real} {stat.st_size} {stat.st_mtime_ns} {' '.join(FLAGS)}"
+    digest = hashlib.sha256(source.read_bytes() + compiled_by.encode()).hexdigest()[:16]
+    path = built_dir() / f"{name}-{digest}.so"
+    if path.exists():
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError:  # truncated, or not a library: build it again
+            pass
+    if not _build(cc, source, path):
+        return None
+    for old in path.parent.glob(f"{name}-*.so"):  # builds of an earlier source or compiler
+        if old != path:
+            with contextlib.suppress(OSError):
+                old.unlink()
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        return None
+
+
+def built_dir() -> Path:
+    """Where built libraries are kept: ``native/`` in gptkiln's cache directory."""
+    from gptkiln.cache import cache_dir
+
+    return cache_dir() / "native"
+
+
+def _build(cc: str, source: Path, path: Path) -> bool:
+    """Compile source into path, through a temporary file renamed into place; False on any
+    failure (the compiler's messages are dropped: the kernels are an option, not a need)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".so.tmp", dir=path.parent)
+        os.close(fd)
+    except OSError:
+        return False
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(source)], capture_output=True, timeout=120
+        )
+        if done.returncode != 0:
+            return False
+        os.replace(tmp, path)
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
