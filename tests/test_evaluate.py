@@ -116,8 +116,16 @@ def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(m
     pairs = some_pairs(model)
     rows: list[torch.Size] = []
     model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1]))
+    import gptkiln.native as native
+
     argmaxes: list[int] = []
-    monkeypatch.setattr(ev, "greedy", lambda logits: argmaxes.append(1) or logits.argmax(-1))
+    scored = native.target_log_probs
+
+    def counted(logits, targets, with_argmax):
+        argmaxes.extend([1] if with_argmax else [])
+        return scored(logits, targets, with_argmax)
+
+    monkeypatch.setattr(native, "target_log_probs", counted)
     with_greedy = score_pairs(model, pairs, batch_size=4)
     assert all(len(shape) == 1 for shape in rows)  # (positions, C): no padded (B, T) grid
     assert sum(n for (n,) in rows) == sum(len(cont) for _, cont in pairs)

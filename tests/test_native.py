@@ -18,8 +18,10 @@ def fresh_build(monkeypatch, tmp_path):
     """A cache directory of this test's own (no shared build) and no library loaded yet."""
     monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / "cache"))
     native.few_rows_library.cache_clear()
+    native.target_log_probs_library.cache_clear()
     yield tmp_path / "cache" / "native"
     native.few_rows_library.cache_clear()
+    native.target_log_probs_library.cache_clear()
 
 
 needs_library = pytest.mark.skipif(
@@ -137,3 +139,54 @@ def test_the_library_builds_wherever_it_can(fresh_build):
         pytest.skip("no C compiler, or no AVX-512: nothing to build on this machine")
     assert native.few_rows_library() is not None
     assert "few_rows" in kernels.candidates()
+    assert native.target_log_probs_library() is not None
+
+
+# -- target_log_probs: one token's log-probability a row, for scoring ---------------------------
+needs_scoring_library = pytest.mark.skipif(
+    native.target_log_probs_library() is None,
+    reason="no C compiler with OpenMP, or no AVX-512 on this machine: torch's path runs",
+)
+
+
+@needs_scoring_library
+@pytest.mark.parametrize("rows, width", [(1, 16), (5, 50257), (33, 1000), (3, 7)])
+def test_target_log_probs_are_log_softmax_gathered_and_argmax_the_first_largest(rows, width):
+    # widths: a multiple of 16, GPT-2's 50,257 (a remainder of 1), one smaller than a vector
+    torch.manual_seed(rows)
+    logits = torch.randn(rows, width) * 8
+    logits[0, width // 2] = logits[0, -1] = logits[0].max() + 1  # a tie: the first index wins
+    if rows > 1:
+        logits[1, -1] = logits[1].max() + 1  # the largest in the remainder
+    targets = torch.randint(0, width, (rows,))
+    got, top = native.target_log_probs(logits, targets, with_argmax=True)
+    exact = torch.log_softmax(logits.double(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    torch_error = (torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1) - exact)
+    assert (got.double() - exact).abs().max() <= torch_error.abs().max() + 2e-6
+    assert torch.equal(top, logits.argmax(-1))
+    assert top[0] == width // 2
+    again, none = native.target_log_probs(logits, targets, with_argmax=False)
+    assert none is None and torch.equal(again, got)
+
+
+@needs_scoring_library
+def test_target_log_probs_take_rows_apart_and_refuse_a_target_out_of_range():
+    torch.manual_seed(0)
+    wide = torch.randn(4, 80)
+    logits = wide[:, :64]  # rows 80 floats apart
+    targets = torch.tensor([0, 63, 5, 17])
+    got, _ = native.target_log_probs(logits, targets, with_argmax=False)
+    torch.testing.assert_close(got, torch.log_softmax(logits, -1)[range(4), targets])
+    with pytest.raises(IndexError, match="outside the 64 logits"):
+        native.target_log_probs(logits, torch.tensor([0, 64, 1, 2]), with_argmax=False)
+
+
+def test_target_log_probs_go_through_torch_where_the_library_is_not(fresh_build, monkeypatch):
+    monkeypatch.setenv("GPTKILN_NATIVE", "0")
+    native.target_log_probs_library.cache_clear()
+    logits, targets = torch.randn(3, 20, dtype=torch.float64), torch.tensor([1, 2, 19])
+    got, top = native.target_log_probs(logits, targets, with_argmax=True)
+    assert native.target_log_probs_library() is None
+    want = torch.log_softmax(logits.float(), -1)[range(3), targets]  # in fp32, as hf takes it
+    torch.testing.assert_close(got, want)
+    assert torch.equal(top, logits.argmax(-1))

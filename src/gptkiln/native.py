@@ -1,9 +1,11 @@
 """The project's own compiled kernels: C sources in ``gptkiln/csrc``, built once per machine.
 
 `few_rows_library` compiles ``csrc/few_rows.c`` (`gptkiln.kernels.few_rows_linear`: fp32
-products of a few rows with AVX-512) with the system's C compiler the first time a process asks
-for it, into the cache directory (`gptkiln.cache.cache_dir`, ``native/``), and loads it with
-``ctypes``; later processes load the built file. The sources include no Python or torch headers,
+products of a few rows with AVX-512), and `target_log_probs_library` ``csrc/target_log_probs.c``
+(`target_log_probs`: the log-probability of one token a row, for scoring), with the system's C
+compiler the first time a process asks for it, into the cache directory
+(`gptkiln.cache.cache_dir`, ``native/``), and loads it with ``ctypes``; later processes load the
+built file. The sources include no Python or torch headers,
 so building takes well under a second and needs only a C compiler with OpenMP (gcc, clang), as
 inductor's own CPU kernels do.
 
@@ -54,6 +56,61 @@ def few_rows_library() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     fn.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def target_log_probs_library() -> ctypes.CDLL | None:
+    """``csrc/target_log_probs.c`` built and loaded (its ``target_log_probs`` typed), or None
+    where it cannot be, as `few_rows_library`."""
+    if os.environ.get(ENV) == "0" or not _avx512_on_linux():
+        return None
+    lib = load_built("target_log_probs")
+    if lib is None:
+        return None
+    fn = lib.target_log_probs
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def target_log_probs(logits, targets, with_argmax: bool):
+    """``log_softmax(logits)[n, targets[n]]`` for every row n, and (``with_argmax``) each row's
+    argmax (its first index where several tie), else None: logits (N, V), targets (N,) int64.
+
+    By ``csrc/target_log_probs.c`` on fp32 CPU logits where it builds (each row read once from
+    memory, no (N, V) log-softmax written); torch's ``log_softmax`` and ``gather`` (the
+    reference, in fp32) everywhere else."""
+    import torch
+
+    lib = target_log_probs_library()
+    if (
+        lib is None
+        or logits.dtype != torch.float32
+        or logits.device.type != "cpu"
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+        or logits.size(0) == 0
+    ):
+        from gptkiln.sampling import greedy
+
+        picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])
+        return picked.squeeze(-1), (greedy(logits) if with_argmax else None)
+    targets = targets.to(torch.int64).contiguous()
+    out = torch.empty(logits.size(0), dtype=torch.float32)
+    top = torch.empty(logits.size(0), dtype=torch.int64) if with_argmax else None
+    refused = lib.target_log_probs(
+        logits.data_ptr(),
+        targets.data_ptr(),
+        out.data_ptr(),
+        None if top is None else top.data_ptr(),
+        logits.size(0),
+        logits.size(1),
+        logits.stride(0),
+        torch.get_num_threads(),
+    )
+    if refused:
+        raise IndexError(f"a target is outside the {logits.size(1)} logits of its row")
+    return out, top
 
 
 def _avx512_on_linux() -> bool:
@@ -124,7 +181,7 @@ def _build(cc: str, source: Path, path: Path) -> bool:
         return False
     try:
         done = subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(source)], capture_output=True, timeout=120
+            [cc, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, timeout=120
         )
         if done.returncode != 0:
             return False
