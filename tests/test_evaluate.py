@@ -107,8 +107,11 @@ def test_score_pairs_equals_a_plain_forward_per_pair(monkeypatch, shared, batch_
     assert model.h[0].attn.kv_cache is None  # no cache left behind
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-context", "whole-rows"])
-def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(monkeypatch, shared):
+def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(
+    monkeypatch, shared, native
+):
     import gptkiln.evaluate as ev
 
     monkeypatch.setattr(ev, "_cheaper_shared", lambda pairs: shared)
@@ -116,16 +119,18 @@ def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(m
     pairs = some_pairs(model)
     rows: list[torch.Size] = []
     model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1]))
-    import gptkiln.native as native
-
     argmaxes: list[int] = []
-    scored = native.target_log_probs
+    if native:  # the compiled loop takes the argmax when asked (where it builds)
+        scored = ev.target_log_probs
 
-    def counted(logits, targets, with_argmax):
-        argmaxes.extend([1] if with_argmax else [])
-        return scored(logits, targets, with_argmax)
+        def counted(logits, targets, with_argmax):
+            argmaxes.extend([1] if with_argmax else [])
+            return scored(logits, targets, with_argmax)
 
-    monkeypatch.setattr(native, "target_log_probs", counted)
+        monkeypatch.setattr(ev, "target_log_probs", counted)
+    else:  # torch's path: log_softmax, gather, greedy
+        monkeypatch.setattr(ev, "target_log_probs", lambda *a, **k: None)
+        monkeypatch.setattr(ev, "greedy", lambda logits: argmaxes.append(1) or logits.argmax(-1))
     with_greedy = score_pairs(model, pairs, batch_size=4)
     assert all(len(shape) == 1 for shape in rows)  # (positions, C): no padded (B, T) grid
     assert sum(n for (n,) in rows) == sum(len(cont) for _, cont in pairs)
@@ -135,6 +140,22 @@ def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(m
     assert not argmaxes
     assert [g for _, g in without] == [False] * len(pairs)
     assert [s for s, _ in without] == pytest.approx([s for s, _ in with_greedy], abs=1e-5)
+
+
+def test_the_compiled_scoring_gives_torchs_figures(monkeypatch):
+    import gptkiln.evaluate as ev
+    from gptkiln.native import target_log_probs_library
+
+    if target_log_probs_library() is None:
+        pytest.skip("no C compiler or no AVX-512 here: torch's path is the only one")
+    model = chain_model(n_embd=32)
+    pairs = some_pairs(model)
+    compiled = score_pairs(model, pairs, batch_size=4)
+    monkeypatch.setattr(ev, "target_log_probs", lambda *a, **k: None)
+    reference = score_pairs(model, pairs, batch_size=4)
+    assert [g for _, g in compiled] == [g for _, g in reference]
+    assert any(g for _, g in reference) and not all(g for _, g in reference)
+    assert [s for s, _ in compiled] == pytest.approx([s for s, _ in reference], abs=1e-5)
 
 
 def test_the_shared_way_is_chosen_for_a_questions_choices_and_not_for_rolling_windows():

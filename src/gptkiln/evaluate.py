@@ -48,6 +48,8 @@ import torch
 import yaml
 
 from gptkiln.errors import GptkilnError
+from gptkiln.native import target_log_probs
+from gptkiln.sampling import greedy
 
 try:  # the harness is an optional extra; `harness()` says how to install it where it is missing
     from lm_eval.api.model import TemplateLM
@@ -148,16 +150,21 @@ def _score_positions(
     ``hidden`` (N, C) the final norm's output at the positions that predict its tokens, in
     order, ``targets`` the N tokens, ``counts`` how many of them each continuation has. The head
     runs on ``SCORE_ROWS`` positions at a time; log-softmax in float32, as the ``hf`` backend
-    takes it. Without ``greedy_too`` the second answer is False (not computed)."""
-    from gptkiln.native import target_log_probs
-
+    takes it (by `gptkiln.native.target_log_probs`, which writes none of it, where that builds).
+    Without ``greedy_too`` the second answer is False (not computed)."""
     target = torch.tensor(targets, device=hidden.device)
     picked = torch.empty(len(targets), device=hidden.device)  # float32
     hits = torch.zeros(len(targets), dtype=torch.bool, device=hidden.device)
     for a in range(0, len(targets), SCORE_ROWS):
         b = min(a + SCORE_ROWS, len(targets))
         logits = model.head(hidden[a:b])  # (n, V)
-        picked[a:b], top = target_log_probs(logits, target[a:b], with_argmax=greedy_too)
+        native = target_log_probs(logits, target[a:b], with_argmax=greedy_too)
+        if native is not None:  # the same figures, without writing the log-softmax
+            picked[a:b], top = native
+        else:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            picked[a:b] = logprobs.gather(-1, target[a:b, None]).squeeze(-1)
+            top = greedy(logits) if greedy_too else None
         if greedy_too:
             hits[a:b] = top == target[a:b]
     sums, alls = picked.split(counts), hits.split(counts)

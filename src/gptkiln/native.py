@@ -74,12 +74,14 @@ def target_log_probs_library() -> ctypes.CDLL | None:
 
 
 def target_log_probs(logits, targets, with_argmax: bool):
-    """``log_softmax(logits)[n, targets[n]]`` for every row n, and (``with_argmax``) each row's
-    argmax (its first index where several tie), else None: logits (N, V), targets (N,) int64.
+    """``(log_softmax(logits)[n, targets[n]] for every row n, each row's argmax or None)`` by
+    ``csrc/target_log_probs.c``: logits (N, V) fp32 on the CPU, rows of unit stride; targets (N,)
+    int64. The argmax (only ``with_argmax``) is a row's first index where several tie, as
+    ``torch.argmax``'s. Each row is read once from memory and no (N, V) log-softmax is written.
 
-    By ``csrc/target_log_probs.c`` on fp32 CPU logits where it builds (each row read once from
-    memory, no (N, V) log-softmax written); torch's ``log_softmax`` and ``gather`` (the
-    reference, in fp32) everywhere else."""
+    None where the library is not (`target_log_probs_library`) or the logits are not of that
+    kind: the caller takes torch's ``log_softmax`` and ``gather`` (the reference,
+    `gptkiln.evaluate._score_positions`)."""
     import torch
 
     lib = target_log_probs_library()
@@ -91,10 +93,7 @@ def target_log_probs(logits, targets, with_argmax: bool):
         or logits.stride(1) != 1
         or logits.size(0) == 0
     ):
-        from gptkiln.sampling import greedy
-
-        picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])
-        return picked.squeeze(-1), (greedy(logits) if with_argmax else None)
+        return None
     targets = targets.to(torch.int64).contiguous()
     out = torch.empty(logits.size(0), dtype=torch.float32)
     top = torch.empty(logits.size(0), dtype=torch.int64) if with_argmax else None
