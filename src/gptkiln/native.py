@@ -5,9 +5,8 @@ products of a few rows with AVX-512), and `target_log_probs_library` ``csrc/targ
 (`target_log_probs`: the log-probability of one token a row, for scoring), with the system's C
 compiler the first time a process asks for it, into the cache directory
 (`gptkiln.cache.cache_dir`, ``native/``), and loads it with ``ctypes``; later processes load the
-built file. The sources include no Python or torch headers,
-so building takes well under a second and needs only a C compiler with OpenMP (gcc, clang), as
-inductor's own CPU kernels do.
+built file. The sources include no Python or torch headers, so building takes well under a
+second and needs only a C compiler with OpenMP (gcc, clang), as inductor's own CPU kernels do.
 
 A library is named by a digest of its source, the compiler (its resolved path, size and time)
 and the flags, so an edited source or a new compiler builds a new one (and the old is removed).
