@@ -46,28 +46,30 @@ ENV = "GPTKILN_NATIVE"
 def few_rows_library() -> ctypes.CDLL | None:
     """``csrc/few_rows.c`` built and loaded (its ``few_rows_linear`` typed), or None where it
     cannot be (see the module's docstring). Built at most once per process."""
-    if os.environ.get(ENV) == "0" or not _avx512_on_linux():
-        return None
-    lib = load_built("few_rows")
-    if lib is None:
-        return None
-    fn = lib.few_rows_linear
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    fn.restype = ctypes.c_int
-    return lib
+    return _typed("few_rows", "few_rows_linear", [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4)
 
 
 @functools.cache
 def target_log_probs_library() -> ctypes.CDLL | None:
     """``csrc/target_log_probs.c`` built and loaded (its ``target_log_probs`` typed), or None
     where it cannot be, as `few_rows_library`."""
+    return _typed(
+        "target_log_probs",
+        "target_log_probs",
+        [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int],
+    )
+
+
+def _typed(name: str, function: str, argtypes: list) -> ctypes.CDLL | None:
+    """``csrc/NAME.c`` loaded (`load_built`), its ``function`` given ``argtypes`` and an int
+    result; None where it is off, the CPU or platform does not fit, or it cannot be built."""
     if os.environ.get(ENV) == "0" or not _avx512_on_linux():
         return None
-    lib = load_built("target_log_probs")
+    lib = load_built(name)
     if lib is None:
         return None
-    fn = lib.target_log_probs
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn = getattr(lib, function)
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return lib
 
