@@ -17,11 +17,14 @@ import gptkiln.native as native
 def fresh_build(monkeypatch, tmp_path):
     """A cache directory of this test's own (no shared build) and no library loaded yet."""
     monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / "cache"))
-    native.few_rows_library.cache_clear()
-    native.target_log_probs_library.cache_clear()
+    for library in LIBRARIES:
+        library.cache_clear()
     yield tmp_path / "cache" / "native"
-    native.few_rows_library.cache_clear()
-    native.target_log_probs_library.cache_clear()
+    for library in LIBRARIES:
+        library.cache_clear()
+
+
+LIBRARIES = (native.few_rows_library, native.target_log_probs_library, native.gelu_library)
 
 
 needs_library = pytest.mark.skipif(
@@ -140,6 +143,7 @@ def test_the_library_builds_wherever_it_can(fresh_build):
     assert native.few_rows_library() is not None
     assert "few_rows" in kernels.candidates()
     assert native.target_log_probs_library() is not None
+    assert native.gelu_library() is not None
 
 
 # -- target_log_probs: one token's log-probability a row, for scoring ---------------------------
@@ -188,3 +192,131 @@ def test_target_log_probs_leave_to_torch_what_they_do_not_take(fresh_build, monk
     monkeypatch.setenv("GPTKILN_NATIVE", "0")
     native.target_log_probs_library.cache_clear()  # a new process, as it were
     assert native.target_log_probs(logits, targets, with_argmax=True) is None
+
+
+# -- gelu_tanh_: GPT-2's MLP activation with its bias, in place --------------------------------
+needs_gelu_library = pytest.mark.skipif(
+    native.gelu_library() is None,
+    reason="no C compiler with OpenMP, or no AVX-512 on this machine: F.gelu runs",
+)
+
+
+@needs_gelu_library
+@pytest.mark.parametrize("shape", [(1, 16), (16, 3072), (2, 3, 50), (3, 7), (700, 3072)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_gelu_loop_is_the_tanh_gelu_of_y_plus_bias(shape, with_bias):
+    # widths: whole vectors, a remainder, less than one vector; (700, 3072): many threads' chunks
+    torch.manual_seed(len(shape) + shape[-1])
+    y = torch.randn(shape) * 4
+    bias = torch.randn(shape[-1]) * 3 if with_bias else None
+    before = y if bias is None else y + bias
+    exact = F.gelu(before.double(), approximate="tanh")
+    torch_error = (F.gelu(before, approximate="tanh").double() - exact).abs().max()
+    out = y.clone()
+    assert native.gelu_tanh_(out, bias)
+    assert (out.double() - exact).abs().max() <= torch_error + 1e-6
+
+
+@needs_gelu_library
+def test_the_gelu_loop_takes_the_far_ends_as_torch_does():
+    edge = torch.tensor([-1e4, -100.0, -20.0, -5.0, -1e-30, 0.0, 1e-30, 5.0, 100.0, 3e38])
+    edge = torch.cat([edge, torch.tensor([float("inf"), float("-inf"), float("nan")])])
+    out = edge.clone()[None]
+    assert native.gelu_tanh_(out, None)
+    torch.testing.assert_close(out[0], F.gelu(edge, approximate="tanh"), equal_nan=True)
+
+
+def test_the_gelu_loop_leaves_to_torch_what_it_does_not_take(fresh_build, monkeypatch):
+    y = torch.randn(4, 32)
+    for other, bias in [
+        (y.double(), None),
+        (y.t(), None),  # not contiguous
+        (y.clone(), torch.randn(31)),  # a bias of another width
+        (y.clone(), torch.randn(32).double()),
+        (y[:0].clone(), None),
+    ]:
+        kept = other.clone()
+        assert not native.gelu_tanh_(other, bias)
+        assert torch.equal(other, kept)
+    monkeypatch.setenv("GPTKILN_NATIVE", "0")
+    native.gelu_library.cache_clear()  # a new process, as it were
+    kept = y.clone()
+    assert not native.gelu_tanh_(y, None) and torch.equal(y, kept)
+
+
+def _mlp(bias: float):
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(GPTConfig(vocab_size=64, context_length=16, n_layer=1, n_head=2, n_embd=32)).eval()
+    with torch.no_grad():
+        mlp.c_fc.bias.fill_(bias)  # far from 0: a bias left out or added twice shows
+    return mlp
+
+
+def _reference(mlp, x):
+    h = F.gelu(F.linear(x, mlp.c_fc.weight, mlp.c_fc.bias), approximate="tanh")
+    return F.linear(h, mlp.c_proj.weight, mlp.c_proj.bias)
+
+
+@needs_gelu_library
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_the_mlp_takes_the_loop_without_autograd_and_adds_the_bias_once(rows):
+    mlp = _mlp(bias=2.5)
+    x = torch.randn(1, rows, 32)
+    assert kernels.use_compiled_gelu(mlp) == 1
+    with torch.inference_mode():
+        assert mlp._expand_in_place(x) is not None  # the loop's path is the one taken
+        torch.testing.assert_close(mlp(x), _reference(mlp, x), atol=2e-6, rtol=1e-5)
+    if rows <= kernels.FEW_ROWS:
+        kernels.tune_decoding(mlp, rows=rows)
+        assert mlp.c_fc.few_row_kernels
+    with torch.no_grad():  # a tuned few-row kernel, called without the bias
+        torch.testing.assert_close(mlp(x), _reference(mlp, x), atol=2e-6, rtol=1e-5)
+    x.requires_grad_(True)
+    called = []
+    mlp.gelu_in_place = lambda h, bias: called.append(h) or False
+    mlp(x).sum().backward()  # autograd: F.gelu, which has a backward
+    assert x.grad is not None and not called
+
+
+@needs_gelu_library
+def test_an_int8_mlp_takes_the_loop_after_its_own_bias():
+    from gptkiln.quantize import Int8Linear
+
+    mlp = _mlp(bias=-1.5)
+    x = torch.randn(2, 5, 32)
+    mlp.c_fc = quantized = Int8Linear.from_float(mlp.c_fc)
+    kernels.use_compiled_gelu(mlp)
+    with torch.inference_mode():
+        assert mlp._expand_in_place(x) is not None
+        h = F.gelu(quantized(x), approximate="tanh")
+        expected = F.linear(h, mlp.c_proj.weight, mlp.c_proj.bias)
+        torch.testing.assert_close(mlp(x), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_the_compiled_gelu_goes_where_it_builds_and_the_model_runs_without_it(
+    fresh_build, monkeypatch
+):
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+
+    cfg = dict(vocab_size=64, context_length=16, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg)).eval()
+    exact = GPT(GPTConfig(**cfg, gelu="exact")).eval()  # the erf GELU: not this loop's
+    idx = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        before = model(idx)
+    assert kernels.use_compiled_gelu(exact) == 0
+    if native.gelu_library() is not None:
+        kernels.tune_decoding(model, rows=2)  # decoding gives it, as evaluation does
+        assert all(block.mlp.gelu_in_place is native.gelu_tanh_ for block in model.h)
+        with torch.no_grad():
+            torch.testing.assert_close(model(idx), before, atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("GPTKILN_NATIVE", "0")
+    native.gelu_library.cache_clear()
+    fresh = GPT(GPTConfig(**cfg)).eval()
+    assert kernels.use_compiled_gelu(fresh) == 0
+    assert all(block.mlp.gelu_in_place is None for block in fresh.h)

@@ -57,6 +57,11 @@ class Linear(nn.Linear):
         self.few_row_kernels: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias`` (``bias`` this layer's, or None to leave it for the caller to add):
+        the tuned kernel for this number of rows where there is one, else ``F.linear``."""
         # grad mode first: a compiled training step then never reads (or guards on) the dict
         if (
             not torch.is_grad_enabled()
@@ -66,8 +71,8 @@ class Linear(nn.Linear):
         ):
             kernel = self.few_row_kernels.get(x.numel() // self.in_features)
             if kernel is not None:
-                return kernel(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+                return kernel(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class KVCache(nn.Module):
@@ -339,14 +344,37 @@ class MLP(nn.Module):
         self.c_proj = Linear(config.mlp_size, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
         self.approximate = "tanh" if config.gelu == "tanh" else "none"
+        # A compiled tanh GELU given from outside (`gptkiln.kernels.use_compiled_gelu`), used
+        # without autograd on the CPU: (h, bias) -> whether it wrote gelu(h + bias) into h.
+        self.gelu_in_place = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)
-        if self.approximate == "tanh" and _fuse_on_cpu(h):
-            h = gelu_tanh_by_sigmoid(h)
-        else:
-            h = F.gelu(h, approximate=self.approximate)
+        h = None
+        # grad mode first: a compiled training step then never reads (or guards on) the hook
+        if not torch.is_grad_enabled() and self.gelu_in_place is not None:
+            h = self._expand_in_place(x)
+        if h is None:
+            h = self.c_fc(x)
+            if self.approximate == "tanh" and _fuse_on_cpu(h):
+                h = gelu_tanh_by_sigmoid(h)
+            else:
+                h = F.gelu(h, approximate=self.approximate)
         return self.dropout(self.c_proj(h))
+
+    def _expand_in_place(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``c_fc`` then ``gelu_in_place`` on its output, which also adds a plain `Linear`'s
+        bias (its product then skips it: addmm would first copy the bias into every output
+        row). For a forward without autograd: on the CPU in fp32, outside ``torch.compile``;
+        None elsewhere."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+            return None
+        fc = self.c_fc
+        plain = type(fc) is Linear and fc.bias is not None
+        h = fc.product(x, None) if plain else fc(x)  # an int8 or LoRA layer adds its own bias
+        bias = fc.bias if plain else None
+        if not self.gelu_in_place(h, bias):  # not a tensor it takes (another dtype, a view)
+            h = F.gelu(h if bias is None else h + bias, approximate="tanh")
+        return h
 
 
 RESIDUAL_PROJECTIONS = ("c_proj", "o_proj", "down_proj")

@@ -1,8 +1,9 @@
 """The project's own compiled kernels: C sources in ``gptkiln/csrc``, built once per machine.
 
 `few_rows_library` compiles ``csrc/few_rows.c`` (`gptkiln.kernels.few_rows_linear`: fp32
-products of a few rows with AVX-512), and `target_log_probs_library` ``csrc/target_log_probs.c``
-(`target_log_probs`: the log-probability of one token a row, for scoring), with the system's C
+products of a few rows with AVX-512), `target_log_probs_library` ``csrc/target_log_probs.c``
+(`target_log_probs`: the log-probability of one token a row, for scoring) and `gelu_library`
+``csrc/gelu.c`` (`gelu_tanh_`: GPT-2's MLP activation with its bias, in place), with the system's C
 compiler the first time a process asks for it, into the cache directory
 (`gptkiln.cache.cache_dir`, ``native/``), and loads it with ``ctypes``; later processes load the
 built file. The sources include no Python or torch headers, so building takes well under a
@@ -60,6 +61,14 @@ def target_log_probs_library() -> ctypes.CDLL | None:
     )
 
 
+@functools.cache
+def gelu_library() -> ctypes.CDLL | None:
+    """``csrc/gelu.c`` built and loaded (its ``gelu_tanh`` typed), or None where it cannot be,
+    as `few_rows_library`."""
+    argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    return _typed("gelu", "gelu_tanh", argtypes)
+
+
 def _typed(name: str, function: str, argtypes: list) -> ctypes.CDLL | None:
     """``csrc/NAME.c`` loaded (`load_built`), its ``function`` given ``argtypes`` and an int
     result; None where it is off, the CPU or platform does not fit, or it cannot be built."""
@@ -111,6 +120,37 @@ def target_log_probs(logits, targets, with_argmax: bool):
     if refused:
         raise IndexError(f"a target is outside the {logits.size(1)} logits of its row")
     return out, top
+
+
+def gelu_tanh_(y, bias) -> bool:
+    """``y = gelu(y + bias)`` in place, GPT-2's tanh GELU, by ``csrc/gelu.c``: y (..., N) fp32
+    on the CPU, contiguous; bias (N,) fp32 or None. False, and y untouched, where the library is
+    not (`gelu_library`) or the tensors are not of that kind: the caller takes ``F.gelu``."""
+    import torch
+
+    lib = gelu_library()
+    if (
+        lib is None
+        or y.dtype != torch.float32
+        or y.device.type != "cpu"
+        or not y.is_contiguous()
+        or y.dim() == 0
+        or y.numel() == 0
+        or (
+            bias is not None
+            and (
+                bias.dtype != torch.float32
+                or bias.device.type != "cpu"
+                or not bias.is_contiguous()
+                or bias.shape != (y.size(-1),)
+            )
+        )
+    ):
+        return False
+    cols = y.size(-1)
+    bias_at = None if bias is None else bias.data_ptr()
+    lib.gelu_tanh(y.data_ptr(), bias_at, y.numel() // cols, cols, cols, torch.get_num_threads())
+    return True
 
 
 def _avx512_on_linux() -> bool:
