@@ -426,3 +426,19 @@ def test_greedy_is_argmax_with_its_ties_and_nans(rows):
         assert torch.equal(greedy(logits.clone()), logits.argmax(dim=-1))
     w = logits.clone().requires_grad_()
     assert torch.equal(greedy(w), logits.argmax(dim=-1))  # autograd: torch's own
+
+
+def test_the_first_token_is_out_before_the_decoding_kernels_are_tuned(model, monkeypatch):
+    import gptkiln.sampling as sampling
+
+    tuned = []
+    monkeypatch.setattr(sampling, "tune_decoding", lambda m, rows: tuned.append(rows))
+    cfg = SampleConfig(max_new_tokens=3, temperature=0, stop_at_eos=False)
+    stream = generate_stream(model, [[1, 2, 3], [4, 5]], cfg)
+    next(stream)  # the prefill's token: no timing stood before it
+    assert tuned == []
+    next(stream)  # the first decode step multiplies 2 rows: tuned for 2, once
+    list(stream)
+    assert tuned == [2]
+    one = generate_stream(model, [[1, 2, 3]], SampleConfig(max_new_tokens=1, temperature=0))
+    assert len(list(one)) == 1 and tuned == [2]  # no decode step, nothing to tune

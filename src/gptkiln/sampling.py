@@ -16,7 +16,7 @@ import torch
 
 from gptkiln.config import SampleConfig, check_sampling
 from gptkiln.errors import GptkilnError
-from gptkiln.kernels import tune_decoding
+from gptkiln.kernels import tune_decoding, use_compiled_gelu
 from gptkiln.model import GPT
 
 
@@ -264,10 +264,12 @@ def generate_stream(
     penalised = bool(cfg.presence_penalty or cfg.frequency_penalty)
     counts = torch.zeros(B, model.config.vocab_size, device=device) if penalised else None
     pos = idx.size(1)
+    # Each decode step multiplies B rows: the tuner gives every layer its fastest kernel for
+    # that, after the first token is out (a first token waits for no timing).
+    untuned = use_cache and cfg.max_new_tokens > 1
+    use_compiled_gelu(model)
     if use_cache:  # room for the prompt and the new tokens only: 1024 slots are 600 MB at batch 8
         model.setup_cache(B, min(ctx, pos + cfg.max_new_tokens), pad_lens)
-        if cfg.max_new_tokens > 1:  # each decode step multiplies B rows: the fastest kernel
-            tune_decoding(model, rows=B)
         logits = prefill(model, idx)
     else:
         logits = window_logits(model, idx)
@@ -289,6 +291,9 @@ def generate_stream(
         yield token
         if step + 1 == cfg.max_new_tokens or bool(finished.all()):
             return
+        if untuned:
+            tune_decoding(model, rows=B)
+            untuned = False
         idx = torch.cat([idx, token[:, None]], dim=1)
         if not use_cache:
             logits = window_logits(model, idx)
