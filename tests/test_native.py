@@ -24,7 +24,12 @@ def fresh_build(monkeypatch, tmp_path):
         library.cache_clear()
 
 
-LIBRARIES = (native.few_rows_library, native.target_log_probs_library, native.gelu_library)
+LIBRARIES = (
+    native.few_rows_library,
+    native.int8_rows_library,
+    native.target_log_probs_library,
+    native.gelu_library,
+)
 
 
 needs_library = pytest.mark.skipif(
@@ -144,6 +149,8 @@ def test_the_library_builds_wherever_it_can(fresh_build):
     assert "few_rows" in kernels.candidates()
     assert native.target_log_probs_library() is not None
     assert native.gelu_library() is not None
+    assert native.int8_rows_library() is not None
+    assert "int8_rows" in kernels.int8_candidates()
 
 
 # -- target_log_probs: one token's log-probability a row, for scoring ---------------------------
@@ -320,3 +327,80 @@ def test_the_compiled_gelu_goes_where_it_builds_and_the_model_runs_without_it(
     fresh = GPT(GPTConfig(**cfg)).eval()
     assert kernels.use_compiled_gelu(fresh) == 0
     assert all(block.mlp.gelu_in_place is None for block in fresh.h)
+
+
+# -- int8_rows_linear: int8 weights, fp32 activations, a few rows ------------------------------
+needs_int8_library = pytest.mark.skipif(
+    native.int8_rows_library() is None,
+    reason="no C compiler with OpenMP, or no AVX-512 on this machine: the kernel is not offered",
+)
+
+
+@needs_int8_library
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 64])
+@pytest.mark.parametrize("n_out, n_in", [(4, 16), (7, 48), (97, 768), (50, 528)])
+def test_the_int8_rows_kernel_is_the_dequantizing_product(rows, n_out, n_in):
+    # remainders as the fp32 loop's; 528 = 512 + 16: an input wider than one chunk of k
+    from gptkiln.quantize import quantize_per_channel
+
+    torch.manual_seed(rows * 1000 + n_out)
+    q, scale = quantize_per_channel(torch.randn(n_out, n_in))
+    x, b = torch.randn(rows, n_in), torch.randn(n_out)
+    for bias in (b, None):
+        got = kernels.int8_rows_linear(x, q, scale, bias)
+        assert got.shape == (rows, n_out) and got.is_contiguous()
+        w = q.double() * scale.double()[:, None]  # the exact sums: activations never rounded
+        exact = F.linear(x.double(), w, None if bias is None else bias.double())
+        reference = kernels.dequantize_linear(x, q, scale, bias)
+        torch_error = (reference - exact).abs().max().item()
+        assert (got - exact).abs().max().item() <= 4 * torch_error + 1e-6
+        torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
+    many = torch.randn(2, 3, n_in)  # leading dimensions are kept
+    assert kernels.int8_rows_linear(many, q, scale, b).shape == (2, 3, n_out)
+
+
+@needs_int8_library
+def test_the_int8_rows_kernel_leaves_to_the_reference_what_it_does_not_take():
+    from gptkiln.quantize import quantize_per_channel
+
+    torch.manual_seed(0)
+    q, scale = quantize_per_channel(torch.randn(8, 48))
+    q24, scale24 = quantize_per_channel(torch.randn(8, 24))
+    cases = {
+        "a width that is not a multiple of 16": (torch.randn(3, 24), q24, scale24),
+        "more rows than it keeps sums for": (torch.randn(kernels.FEW_ROWS + 1, 48), q, scale),
+        "float64": (torch.randn(3, 48, dtype=torch.float64), q, scale.double()),
+        "a transposed weight": (torch.randn(3, 8), q.t(), torch.ones(48)),
+        "a strided input": (torch.randn(3, 96)[:, ::2], q, scale),
+    }
+    for what, (x, weight, s) in cases.items():
+        torch.testing.assert_close(
+            kernels.int8_rows_linear(x, weight, s, None),
+            kernels.dequantize_linear(x, weight, s, None),
+            msg=what,
+        )
+
+
+@needs_int8_library
+def test_an_int8_model_given_the_loop_decodes_the_reference_tokens(monkeypatch):
+    import gptkiln.sampling as sampling
+    from gptkiln.config import GPTConfig, SampleConfig
+    from gptkiln.model import GPT
+    from gptkiln.quantize import quantize_model
+
+    monkeypatch.setattr(sampling, "tune_decoding", lambda model, rows: {})  # the kernels below
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=96, context_length=32, n_layer=2, n_head=2, n_embd=64)
+    model = quantize_model(GPT(cfg).eval())
+    layers = [m for m in model.modules() if hasattr(m, "few_row_kernels")]
+    assert layers and all(m.weight.dtype == torch.int8 for m in layers)
+    greedy = SampleConfig(max_new_tokens=12, temperature=0, stop_at_eos=False)
+    reference = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
+    for layer in layers:
+        layer.few_row_kernels = {1: kernels.int8_rows_linear}
+    called = []
+    lib = native.int8_rows_library()
+    monkeypatch.setattr(native, "int8_rows_library", lambda: called.append(1) or lib)
+    got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
+    assert called  # the loop ran: every decode step's products went through it
+    assert torch.equal(got, reference)

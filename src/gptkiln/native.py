@@ -1,9 +1,11 @@
 """The project's own compiled kernels: C sources in ``gptkiln/csrc``, built once per machine.
 
 `few_rows_library` compiles ``csrc/few_rows.c`` (`gptkiln.kernels.few_rows_linear`: fp32
-products of a few rows with AVX-512), `target_log_probs_library` ``csrc/target_log_probs.c``
-(`target_log_probs`: the log-probability of one token a row, for scoring) and `gelu_library`
-``csrc/gelu.c`` (`gelu_tanh_`: GPT-2's MLP activation with its bias, in place), with the system's C
+products of a few rows with AVX-512), `int8_rows_library` ``csrc/int8_rows.c``
+(`gptkiln.kernels.int8_rows_linear`: the same for int8 weights), `target_log_probs_library`
+``csrc/target_log_probs.c`` (`target_log_probs`: the log-probability of one token a row, for
+scoring) and `gelu_library` ``csrc/gelu.c`` (`gelu_tanh_`: GPT-2's MLP activation with its
+bias, in place), with the system's C
 compiler the first time a process asks for it, into the cache directory
 (`gptkiln.cache.cache_dir`, ``native/``), and loads it with ``ctypes``; later processes load the
 built file. The sources include no Python or torch headers, so building takes well under a
@@ -59,6 +61,13 @@ def target_log_probs_library() -> ctypes.CDLL | None:
         "target_log_probs",
         [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int],
     )
+
+
+@functools.cache
+def int8_rows_library() -> ctypes.CDLL | None:
+    """``csrc/int8_rows.c`` built and loaded (its ``int8_rows_linear`` typed), or None where it
+    cannot be, as `few_rows_library`."""
+    return _typed("int8_rows", "int8_rows_linear", [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4)
 
 
 @functools.cache
