@@ -29,6 +29,7 @@ LIBRARIES = (
     native.int8_rows_library,
     native.target_log_probs_library,
     native.gelu_library,
+    native.decode_attention_library,
 )
 
 
@@ -151,6 +152,7 @@ def test_the_library_builds_wherever_it_can(fresh_build):
     assert native.gelu_library() is not None
     assert native.int8_rows_library() is not None
     assert "int8_rows" in kernels.int8_candidates()
+    assert native.decode_attention_library() is not None
 
 
 # -- target_log_probs: one token's log-probability a row, for scoring ---------------------------
@@ -403,4 +405,88 @@ def test_an_int8_model_given_the_loop_decodes_the_reference_tokens(monkeypatch):
     monkeypatch.setattr(native, "int8_rows_library", lambda: called.append(1) or lib)
     got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
     assert called  # the loop ran: every decode step's products went through it
+    assert torch.equal(got, reference)
+
+
+# -- decode_attention: one new token a row over the KV cache -----------------------------------
+needs_attention_library = pytest.mark.skipif(
+    native.decode_attention_library() is None,
+    reason="no C compiler with OpenMP, or no AVX-512 on this machine: SDPA runs",
+)
+
+
+@needs_attention_library
+@pytest.mark.parametrize(
+    "B, H, G, S, D, masked",
+    [
+        (1, 12, 12, 130, 64, False),  # GPT-2 at batch 1
+        (16, 12, 12, 37, 64, True),  # a left-padded batch
+        (2, 8, 2, 50, 128, True),  # grouped-query heads (Llama's, Qwen's) of 128
+        (3, 4, 1, 5, 16, True),  # multi-query, fewer keys than one vector
+    ],
+)
+def test_decode_attention_is_sdpa(B, H, G, S, D, masked):
+    torch.manual_seed(B * 100 + S)
+    qkv = torch.randn(B, 1, (H + 2 * G) * D)
+    q = qkv[..., : H * D].view(B, 1, H, D).transpose(1, 2)  # a strided view, as the model's
+    cache_k, cache_v = torch.randn(B, G, S + 9, D), torch.randn(B, G, S + 9, D)
+    k, v = cache_k[:, :, :S], cache_v[:, :, :S]  # the cache's first S positions, a view
+    mask = None
+    if masked:
+        mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+        mask[0, ..., : S // 3 + 1] = False  # row 0's left padding
+    got = native.decode_attention(q, k, v, mask)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=G != H)
+    assert got.shape == (B, H, 1, D)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+
+
+@needs_attention_library
+def test_decode_attention_of_a_row_with_every_key_masked_is_sdpas():
+    q, k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16)
+    mask = torch.tensor([[True, True, False, True], [False] * 4])[:, None, None]
+    got = native.decode_attention(q, k, v, mask)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # zeros on the CPU
+    torch.testing.assert_close(got, expected, equal_nan=True)
+    assert got[0].abs().sum() > 0
+
+
+def test_decode_attention_leaves_to_sdpa_what_it_does_not_take(fresh_build, monkeypatch):
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 4, 6, 16), torch.randn(1, 4, 6, 16)
+    cases = {
+        "two new tokens": (torch.randn(1, 4, 2, 16), k, v, None),
+        "float64": (q.double(), k.double(), v.double(), None),
+        "a head size that is not a multiple of 16": (q[..., :8], k[..., :8], v[..., :8], None),
+        "an additive mask": (q, k, v, torch.zeros(1, 1, 1, 6)),
+        "a mask of several query rows": (q, k, v, torch.ones(1, 1, 2, 6, dtype=torch.bool)),
+        "heads that do not group": (torch.randn(1, 3, 1, 16), k[:, :2], v[:, :2], None),
+    }
+    for what, (a, b, c, mask) in cases.items():
+        assert native.decode_attention(a, b, c, mask) is None, what
+    monkeypatch.setenv("GPTKILN_NATIVE", "0")
+    native.decode_attention_library.cache_clear()
+    assert native.decode_attention(q, k, v, None) is None
+
+
+@needs_attention_library
+@pytest.mark.parametrize("family", ["gpt2", "llama3"])
+def test_a_model_given_the_compiled_loops_decodes_the_same_tokens(family, monkeypatch):
+    import gptkiln.sampling as sampling
+    from gptkiln.config import GPTConfig, SampleConfig
+    from gptkiln.model import GPT
+
+    monkeypatch.setattr(sampling, "use_compiled_loops", lambda model: None)  # given below
+    monkeypatch.setattr(sampling, "tune_decoding", lambda model, rows: {})
+    name = "baby" if family == "gpt2" else f"{family}-baby"
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name(name, vocab_size=97, context_length=48)).eval()
+    prompts = [[5, 6, 7, 8, 9], [1, 2]]  # unequal: the shorter row is left-padded (a mask)
+    greedy = SampleConfig(max_new_tokens=10, temperature=0, stop_at_eos=False)
+    reference = torch.stack(list(sampling.generate_stream(model, prompts, greedy)))
+    assert kernels.use_compiled_attention(model) == len(model.h)
+    calls = []
+    for block in model.h:
+        block.attn.decode_attention = lambda *a: calls.append(1) or native.decode_attention(*a)
+    got = torch.stack(list(sampling.generate_stream(model, prompts, greedy)))
+    assert len(calls) == 9 * len(model.h)  # every decode step, every layer (not the prefill)
     assert torch.equal(got, reference)

@@ -373,9 +373,9 @@ class GptkilnLM(TemplateLM):
         self._model, self._tokenizer, self._source = model, tokenizer, source
         self._batch_size, self._quantize, self._progress = batch_size, quantize, progress
         self._device = model.wte.weight.device
-        from gptkiln.kernels import use_compiled_gelu
+        from gptkiln.kernels import use_compiled_loops
 
-        use_compiled_gelu(model)  # its sums are the GELU's up to rounding, as the hf backend's
+        use_compiled_loops(model)  # their sums are torch's up to rounding, as the hf backend's
 
     # -- what the harness reads ----------------------------------------------------------------
     @property

@@ -146,6 +146,10 @@ class Attention(nn.Module):
         # module's structure as it was: a compiled training step is not recompiled after a sample.
         self.kv_cache: KVCache | None
         self.register_module("kv_cache", None)
+        # A compiled attention for one new token a row, given from outside
+        # (`gptkiln.kernels.use_compiled_attention`), used without autograd on the CPU:
+        # (q, k, v, mask) -> SDPA's output, or None where it does not take these tensors.
+        self.decode_attention = None
 
     def attend(
         self,
@@ -166,6 +170,18 @@ class Attention(nn.Module):
         """
         T = q.size(2)
         dropout_p = self.dropout if self.training else 0.0
+        # grad mode first: a compiled training step then never reads (or guards on) the hook
+        if (
+            not torch.is_grad_enabled()
+            and T == 1
+            and self.decode_attention is not None
+            and attentions is None
+            and dropout_p == 0.0
+            and not torch.compiler.is_compiling()
+        ):
+            y = self.decode_attention(q, k, v, mask)
+            if y is not None:
+                return y
         # A short full-sequence forward compiled for the CPU spells attention out (see
         # _fuse_on_cpu): inductor fuses its scale, mask and softmax; SDPA stays one opaque call.
         if (

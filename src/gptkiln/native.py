@@ -71,6 +71,14 @@ def int8_rows_library() -> ctypes.CDLL | None:
 
 
 @functools.cache
+def decode_attention_library() -> ctypes.CDLL | None:
+    """``csrc/decode_attention.c`` built and loaded (its ``decode_attention`` typed), or None
+    where it cannot be, as `few_rows_library`."""
+    argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_int]
+    return _typed("decode_attention", "decode_attention", argtypes)
+
+
+@functools.cache
 def gelu_library() -> ctypes.CDLL | None:
     """``csrc/gelu.c`` built and loaded (its ``gelu_tanh`` typed), or None where it cannot be,
     as `few_rows_library`."""
@@ -160,6 +168,71 @@ def gelu_tanh_(y, bias) -> bool:
     bias_at = None if bias is None else bias.data_ptr()
     lib.gelu_tanh(y.data_ptr(), bias_at, y.numel() // cols, cols, cols, torch.get_num_threads())
     return True
+
+
+def decode_attention(q, k, v, mask):
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)`` for one
+    query a row (a decode step) by ``csrc/decode_attention.c``: q (B, H, 1, D), k and v
+    (B, G, S, D) with H a multiple of G (each key/value head serving H / G consecutive query
+    heads), every tensor fp32 on the CPU with unit stride over D (views of the projections and
+    of the KV cache are taken as they are), D a multiple of 16 up to 256; ``mask`` None or a
+    bool tensor that broadcasts to (B, 1, 1, S), True where a key may be attended. Returns
+    (B, H, 1, D), or None where the library is not (`decode_attention_library`) or the tensors
+    are not of that kind: the caller takes SDPA."""
+    import torch
+
+    lib = decode_attention_library()
+    if lib is None or q.dim() != 4 or k.dim() != 4 or q.size(2) != 1:
+        return None
+    B, H, _, D = q.shape
+    G, S = k.size(1), k.size(2)
+    if (
+        q.dtype != torch.float32
+        or k.dtype != torch.float32
+        or v.dtype != torch.float32
+        or q.device.type != "cpu"
+        or k.device.type != "cpu"
+        or v.device.type != "cpu"
+        or k.shape != (B, G, S, D)
+        or v.shape != k.shape
+        or k.stride() != v.stride()
+        or q.stride(3) != 1
+        or k.stride(3) != 1
+        or D % 16
+        or D > 256
+        or H % G
+        or S == 0
+    ):
+        return None
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.device.type != "cpu":
+            return None
+        try:
+            mask = mask.expand(B, 1, 1, S).reshape(B, S).contiguous()
+        except RuntimeError:  # not a (B, 1, 1, S) mask: a query's own row of several
+            return None
+    out = torch.empty(B, H, 1, D, dtype=torch.float32)
+    refused = lib.decode_attention(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        None if mask is None else mask.data_ptr(),
+        out.data_ptr(),
+        B,
+        H,
+        G,
+        S,
+        D,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        S,
+        1.0 / D**0.5,
+        torch.get_num_threads(),
+    )
+    return None if refused else out
 
 
 def _avx512_on_linux() -> bool:

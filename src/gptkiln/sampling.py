@@ -16,7 +16,7 @@ import torch
 
 from gptkiln.config import SampleConfig, check_sampling
 from gptkiln.errors import GptkilnError
-from gptkiln.kernels import tune_decoding, use_compiled_gelu
+from gptkiln.kernels import tune_decoding, use_compiled_loops
 from gptkiln.model import GPT
 
 
@@ -267,7 +267,7 @@ def generate_stream(
     # Each decode step multiplies B rows: the tuner gives every layer its fastest kernel for
     # that, after the first token is out (a first token waits for no timing).
     untuned = use_cache and cfg.max_new_tokens > 1
-    use_compiled_gelu(model)
+    use_compiled_loops(model)
     if use_cache:  # room for the prompt and the new tokens only: 1024 slots are 600 MB at batch 8
         model.setup_cache(B, min(ctx, pos + cfg.max_new_tokens), pad_lens)
         logits = prefill(model, idx)
