@@ -490,3 +490,5 @@ def test_a_model_given_the_compiled_loops_decodes_the_same_tokens(family, monkey
     got = torch.stack(list(sampling.generate_stream(model, prompts, greedy)))
     assert len(calls) == 9 * len(model.h)  # every decode step, every layer (not the prefill)
     assert torch.equal(got, reference)
+    spelled_out = GPT(GPTConfig.from_name(name, vocab_size=97, attention="math"))
+    assert kernels.use_compiled_attention(spelled_out) == 0  # the explicit product, as asked

@@ -598,7 +598,7 @@ def use_compiled_gelu(model: nn.Module) -> int:
 
 
 def use_compiled_attention(model: nn.Module) -> int:
-    """Give every attention layer of ``model`` the compiled decode-step attention of
+    """Give every SDPA attention layer of ``model`` the compiled decode-step attention of
     ``csrc/decode_attention.c`` (`gptkiln.native.decode_attention`: one query a row over the KV
     cache, masks and grouped heads included), which it uses without autograd on the CPU in fp32
     where a step has one new token. Returns how many layers took it: 0 where the library does
@@ -611,7 +611,8 @@ def use_compiled_attention(model: nn.Module) -> int:
     from gptkiln.model import Attention
     from gptkiln.native import decode_attention, decode_attention_library
 
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    # a config's attention "math" asks for the explicit product (the book's): left as it is
+    layers = [m for m in model.modules() if isinstance(m, Attention) and m.use_sdpa]
     if not layers or decode_attention_library() is None:
         return 0
     for layer in layers:
