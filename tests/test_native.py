@@ -449,6 +449,11 @@ def test_decode_attention_of_a_row_with_every_key_masked_is_sdpas():
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # zeros on the CPU
     torch.testing.assert_close(got, expected, equal_nan=True)
     assert got[0].abs().sum() > 0
+    q[1, 0, 0, 3] = float("nan")  # a broken query: NaN out, as SDPA's (not zeros)
+    mask[1] = True
+    got = native.decode_attention(q, k, v, mask)
+    assert got[1, 0].isnan().all() and not got[1, 1].isnan().any() and not got[0].isnan().any()
+    assert F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[1, 0].isnan().all()
 
 
 def test_decode_attention_leaves_to_sdpa_what_it_does_not_take(fresh_build, monkeypatch):

@@ -58,6 +58,10 @@ static AVX512 void one_head(const float *q, const float *k, const float *v, int6
         __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(ks));
         for (int64_t i = 1; i < nv; i++) acc = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(ks + 16 * i), acc);
         float x = _mm512_reduce_add_ps(acc);
+        if (x != x) { /* a NaN in q or a key: NaN out, as SDPA's, never a quiet zero */
+            for (int64_t i = 0; i < D; i++) out[i] = NAN;
+            return;
+        }
         scores[s] = x;
         if (x > top) top = x;
     }
