@@ -497,3 +497,20 @@ def test_a_model_given_the_compiled_loops_decodes_the_same_tokens(family, monkey
     assert torch.equal(got, reference)
     spelled_out = GPT(GPTConfig.from_name(name, vocab_size=97, attention="math"))
     assert kernels.use_compiled_attention(spelled_out) == 0  # the explicit product, as asked
+
+
+def test_an_edited_header_builds_a_new_library(fresh_build, monkeypatch, tmp_path):
+    import shutil
+
+    if native.compiler() is None or not native._avx512_on_linux():
+        pytest.skip("no C compiler, or no AVX-512: nothing to build on this machine")
+    sources = tmp_path / "csrc"
+    shutil.copytree(native.SOURCES, sources)
+    monkeypatch.setattr(native, "SOURCES", sources)
+    assert native.load_built("gelu") is not None
+    first = [p.name for p in fresh_build.glob("gelu-*.so")]
+    header = sources / "vexp.h"  # what gelu.c includes
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    assert native.load_built("gelu") is not None
+    second = [p.name for p in fresh_build.glob("gelu-*.so")]
+    assert len(first) == len(second) == 1 and first != second  # rebuilt, the old one removed

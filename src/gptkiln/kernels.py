@@ -33,7 +33,7 @@ that inductor generates from a plain expression and that reads each int8 weight 
 Measured on the Zen 4 EPYC at GPT-2 124M's shapes (`bench/int8_kernels.py`), the last is the
 only int8 product faster than the fp32 ones there; the others stay candidates because
 that ranking is this machine's, not a law. Where a C compiler and AVX-512 are, `int8_rows_linear`
-(``csrc/int8_rows.c``) joins them: the int8 weights widened to fp32 in registers as they stream
+(in ``csrc/few_rows.c``) joins them: the int8 weights widened to fp32 in registers as they stream
 from memory, the activations left in fp32.
 
 Two candidates compute other sums on purpose (`QUANTIZING_ACTIVATIONS`). For int8,
@@ -162,26 +162,37 @@ def few_rows_linear(
     """
     from gptkiln.native import few_rows_library
 
+    lib = few_rows_library()
+    y = _by_row_loop(lib and lib.few_rows_linear, x, weight, (), bias, torch.float32)
+    return F.linear(x, weight, bias) if y is None else y
+
+
+def _by_row_loop(loop, x, weight, operands, bias, weight_dtype) -> torch.Tensor | None:
+    """``x`` (..., in) times ``weight`` (out, in) by a compiled loop of ``csrc/few_rows.c``,
+    ``loop(x, weight, *operands, bias, y, rows, out, in, threads)``; None where there is no
+    loop (None) or it does not take these tensors (fp32 x of 1 to ``FEW_ROWS`` rows, an input
+    width that is a multiple of 16, a contiguous weight of ``weight_dtype``, an fp32 bias; every
+    tensor on the CPU): the caller takes its reference."""
     n_out, n_in = weight.shape
     x2 = x.reshape(-1, n_in)
-    lib = few_rows_library()
     if (
-        lib is None
+        loop is None
         or not 1 <= x2.size(0) <= FEW_ROWS
         or n_in % 16
         or x2.dtype != torch.float32
-        or weight.dtype != torch.float32
+        or weight.dtype != weight_dtype
         or x2.device.type != "cpu"
         or weight.device.type != "cpu"
         or not weight.is_contiguous()
         or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
     ):
-        return F.linear(x, weight, bias)
+        return None
     x2 = x2.contiguous()
-    y = torch.empty(x2.size(0), n_out, dtype=x2.dtype)
-    refused = lib.few_rows_linear(
+    y = torch.empty(x2.size(0), n_out, dtype=torch.float32)
+    refused = loop(
         x2.data_ptr(),
         weight.data_ptr(),
+        *(t.data_ptr() for t in operands),
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
         x2.size(0),
@@ -189,20 +200,20 @@ def few_rows_linear(
         n_in,
         torch.get_num_threads(),
     )
-    if refused:  # arguments the loop does not take (an input width of 0)
-        return F.linear(x, weight, bias)
-    return y.reshape(*x.shape[:-1], n_out)
+    return None if refused else y.reshape(*x.shape[:-1], n_out)
 
 
 def int8_rows_linear(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """`dequantize_linear` by the project's own AVX-512 loop (``csrc/int8_rows.c``, built once
-    per machine by `gptkiln.native`): `few_rows_linear`'s streaming of 4-row weight blocks, with
-    each int8 weight widened to fp32 in registers and each output's scale applied once to its
-    sum. The activations stay fp32, so it equals the reference up to rounding (it is not one of
-    `QUANTIZING_ACTIVATIONS`). Measured on the 2-core Xeon over GPT-2 124M's 49 int8 weights at
-    batch 1: 6.7 ms (18.5 GB/s) against `dynamic_int8`'s 8.9 and the reference's 89.
+    """`dequantize_linear` by the project's own AVX-512 loop (the int8 twin in
+    ``csrc/few_rows.c``, built once per machine by `gptkiln.native`): `few_rows_linear`'s
+    streaming of 4-row weight blocks, with each int8 weight widened to fp32 in registers and
+    each output's scale applied once to its sum. The activations stay fp32, so it equals the
+    reference up to rounding (it is not one of `QUANTIZING_ACTIVATIONS`). Measured on the 2-core
+    Xeon over GPT-2 124M's 49 int8 weights at batch 1: 6.3-6.7 ms (18.5-19.5 GB/s),
+    `dynamic_int8` 5.8-8.9 and the reference 72-89 in the same processes; at 4 rows 8.6-10.2
+    against 10.0-12.4.
 
     For fp32 x of 1 to ``FEW_ROWS`` rows, an input width that is a multiple of 16, contiguous
     int8 weight and fp32 scales; anything else goes to `dequantize_linear`. Offered by
@@ -210,39 +221,11 @@ def int8_rows_linear(
     """
     from gptkiln.native import int8_rows_library
 
-    n_out, n_in = qweight.shape
-    x2 = x.reshape(-1, n_in)
     lib = int8_rows_library()
-    if (
-        lib is None
-        or not 1 <= x2.size(0) <= FEW_ROWS
-        or n_in % 16
-        or x2.dtype != torch.float32
-        or qweight.dtype != torch.int8
-        or scale.dtype != torch.float32
-        or x2.device.type != "cpu"
-        or qweight.device.type != "cpu"
-        or not qweight.is_contiguous()
-        or not scale.is_contiguous()
-        or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
-    ):
-        return dequantize_linear(x, qweight, scale, bias)
-    x2 = x2.contiguous()
-    y = torch.empty(x2.size(0), n_out, dtype=x2.dtype)
-    refused = lib.int8_rows_linear(
-        x2.data_ptr(),
-        qweight.data_ptr(),
-        scale.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        x2.size(0),
-        n_out,
-        n_in,
-        torch.get_num_threads(),
-    )
-    if refused:
-        return dequantize_linear(x, qweight, scale, bias)
-    return y.reshape(*x.shape[:-1], n_out)
+    y = None
+    if scale.dtype == torch.float32 and scale.is_contiguous() and scale.device.type == "cpu":
+        y = _by_row_loop(lib and lib.int8_rows_linear, x, qweight, (scale,), bias, torch.int8)
+    return dequantize_linear(x, qweight, scale, bias) if y is None else y
 
 
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

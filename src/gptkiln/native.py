@@ -1,18 +1,20 @@
 """The project's own compiled kernels: C sources in ``gptkiln/csrc``, built once per machine.
 
 `few_rows_library` compiles ``csrc/few_rows.c`` (`gptkiln.kernels.few_rows_linear`: fp32
-products of a few rows with AVX-512), `int8_rows_library` ``csrc/int8_rows.c``
-(`gptkiln.kernels.int8_rows_linear`: the same for int8 weights), `target_log_probs_library`
+products of a few rows with AVX-512; `int8_rows_library` types its int8-weight twin,
+`gptkiln.kernels.int8_rows_linear`), `target_log_probs_library`
 ``csrc/target_log_probs.c`` (`target_log_probs`: the log-probability of one token a row, for
-scoring) and `gelu_library` ``csrc/gelu.c`` (`gelu_tanh_`: GPT-2's MLP activation with its
-bias, in place), with the system's C
-compiler the first time a process asks for it, into the cache directory
+scoring), `gelu_library` ``csrc/gelu.c`` (`gelu_tanh_`: GPT-2's MLP activation with its bias,
+in place) and `decode_attention_library` ``csrc/decode_attention.c`` (`decode_attention`: one
+new token a row over the KV cache), with the system's C compiler the first time a process asks
+for it, into the cache directory
 (`gptkiln.cache.cache_dir`, ``native/``), and loads it with ``ctypes``; later processes load the
 built file. The sources include no Python or torch headers, so building takes well under a
 second and needs only a C compiler with OpenMP (gcc, clang), as inductor's own CPU kernels do.
 
-A library is named by a digest of its source, the compiler (its resolved path, size and time)
-and the flags, so an edited source or a new compiler builds a new one (and the old is removed).
+A library is named by a digest of its source, the headers beside it (``vexp.h``), the
+compiler (its resolved path, size and time) and the flags, so an edited source or header or a
+new compiler builds a new one (and the old is removed).
 Two processes may build at once: each writes its own temporary file and renames it into place
 (``os.replace``, atomic). A file that does not load (truncated, another machine's) is built
 again.
@@ -65,9 +67,9 @@ def target_log_probs_library() -> ctypes.CDLL | None:
 
 @functools.cache
 def int8_rows_library() -> ctypes.CDLL | None:
-    """``csrc/int8_rows.c`` built and loaded (its ``int8_rows_linear`` typed), or None where it
-    cannot be, as `few_rows_library`."""
-    return _typed("int8_rows", "int8_rows_linear", [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4)
+    """``csrc/few_rows.c`` built and loaded with its ``int8_rows_linear`` typed (the same loop
+    for int8 weights), or None where it cannot be, as `few_rows_library`."""
+    return _typed("few_rows", "int8_rows_linear", [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4)
 
 
 @functools.cache
@@ -266,7 +268,8 @@ def load_built(name: str) -> ctypes.CDLL | None:
     except OSError:
         return None
     compiled_by = f"{real} {stat.st_size} {stat.st_mtime_ns} {' '.join(FLAGS)}"
-    digest = hashlib.sha256(source.read_bytes() + compiled_by.encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))  # vexp.h
+    digest = hashlib.sha256(source.read_bytes() + headers + compiled_by.encode()).hexdigest()[:16]
     path = built_dir() / f"{name}-{digest}.so"
     if path.exists():
         try:

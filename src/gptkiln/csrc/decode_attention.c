@@ -6,39 +6,18 @@
    (left padding), grouped-query heads (G key/value heads, each serving H / G query heads).
    torch's SDPA spends ~30-90 us a call there on a 2-core Xeon at batch 1 (its flash kernel is
    built for blocks of queries); this is three passes over one head's S keys: the scores (dot
-   products, masked keys at -inf), their softmax (the exponential of gelu.c and
-   target_log_probs.c, within 2 ulp; the sum in fp32), and the weighted sum of the values. The
-   (batch, head) pairs are shared among the threads. Nothing here includes Python's or torch's
-   headers. */
+   products, masked keys at -inf), their softmax (vexp.h's exponential, within 2 ulp; the sum
+   in fp32), and the weighted sum of the values. The (batch, head) pairs are shared among the
+   threads. Nothing here includes Python's or torch's headers. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "vexp.h"
+
 #define AVX512 __attribute__((target("avx512f")))
 #define MAX_D 256
-
-/* exp(x) for x <= 0; below -87.3 the result is 0. */
-static inline __attribute__((always_inline)) AVX512 __m512 exp_le0(__m512 x) {
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-    const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-    __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-    r = _mm512_fnmadd_ps(n, ln2_lo, r);
-    /* Cephes expf's polynomial: exp(r) = 1 + r + r^2 * P(r) */
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 r2 = _mm512_mul_ps(r, r);
-    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(p, n));
-}
 
 /* One (row, head): q (D), keys and values S rows `ss` floats apart, mask (S bytes) or NULL,
    scores (S floats of scratch), out (D). */

@@ -1,4 +1,5 @@
-/* y (M, N) = x (M, K) . w (N, K)^T + b in fp32, for the few rows of decoding, with AVX-512.
+/* y (M, N) = x (M, K) . w (N, K)^T + b in fp32, for the few rows of decoding, with AVX-512; and
+   the same with int8 weights and one scale per output row (int8_rows_linear).
 
    Used by gptkiln.kernels.few_rows_linear, which compiles this file once per machine with the
    system's C compiler (gptkiln.native) and calls it through ctypes; the tuner
@@ -17,22 +18,40 @@
      than L1: measured 18.4 against 17.4 GB/s at 16 rows);
    - the 16 partial sums of each output stay in registers (or a small stack buffer across
      chunks) and are added up once, at the end.
-   The sums are F.linear's in another order: they differ by float rounding only. */
+   The sums are F.linear's in another order: they differ by float rounding only.
+
+   int8_rows_linear is the same loop over an int8 weight q with per-output scales (used by
+   gptkiln.kernels.int8_rows_linear, an int8 tuner candidate): each int8 weight is widened to
+   fp32 in registers as it streams, the activations stay fp32 (unlike fbgemm's dynamic product
+   or llama.cpp's q8_0, which round them to 8 bits), and each output's scale multiplies its sum
+   once. So it equals kernels.dequantize_linear (F.linear on q * scale) up to rounding. At batch
+   1 an int8 weight is a quarter of the fp32 one's bytes; torch's int8-weight products with
+   fp32 activations ran far below the memory's speed (the reference writes a float copy of the
+   weight; _weight_int8pack_mm took 992 us for 768x3072 against F.linear's 214). */
 #include <immintrin.h>
 #include <stddef.h>
+#include <stdint.h>
 
-#define KC 256     /* floats of k per chunk: 4 rows of w (4 KB) and 4 of x stay in L1 */
 #define MAX_ROWS 64
 
 #define AVX512 __attribute__((target("avx512f")))
 
-/* R rows of x times the 4 w rows at w, over k in [k0, k1), added into part (R x 4 vectors of
-   partial sums); each step prefetches `per` 64-byte lines from *pf (up to pf_end). */
-#define ROWS_TIMES_4(R)                                                                       \
-    static inline __attribute__((always_inline)) AVX512 void rows##R##_times_4(               \
-        const float *x, const float *w, __m512 *part, int K, int k0, int k1, const char **pf, \
+/* 16 weights as fp32: fp32 as they are, int8 widened (vpmovsxbd, vcvtdq2ps). */
+static inline __attribute__((always_inline)) AVX512 __m512 load_f32(const float *w) {
+    return _mm512_loadu_ps(w);
+}
+static inline __attribute__((always_inline)) AVX512 __m512 load_i8(const int8_t *q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+}
+
+/* R rows of x times the 4 weight rows at w (of type T, loaded by LOAD), over k in [k0, k1),
+   added into part (R x 4 vectors of partial sums); each step prefetches `per` 64-byte lines
+   from *pf (up to pf_end). */
+#define ROWS_TIMES_4(KIND, R, T, LOAD)                                                        \
+    static inline __attribute__((always_inline)) AVX512 void KIND##_rows##R##_times_4(        \
+        const float *x, const T *w, __m512 *part, int K, int k0, int k1, const char **pf,     \
         const char *pf_end, int per) {                                                        \
-        const float *w0 = w, *w1 = w + K, *w2 = w + 2 * (size_t)K, *w3 = w + 3 * (size_t)K;   \
+        const T *w0 = w, *w1 = w + K, *w2 = w + 2 * (size_t)K, *w3 = w + 3 * (size_t)K;       \
         __m512 acc[R][4];                                                                     \
         for (int r = 0; r < R; r++)                                                           \
             for (int c = 0; c < 4; c++) acc[r][c] = part[r * 4 + c];                          \
@@ -40,8 +59,8 @@
         for (int k = k0; k < k1; k += 16) {                                                   \
             for (int i = 0; i < per; i++, p += 64)                                            \
                 if (p < pf_end) _mm_prefetch(p, _MM_HINT_T1);                                 \
-            __m512 a0 = _mm512_loadu_ps(w0 + k), a1 = _mm512_loadu_ps(w1 + k);                \
-            __m512 a2 = _mm512_loadu_ps(w2 + k), a3 = _mm512_loadu_ps(w3 + k);                \
+            __m512 a0 = LOAD(w0 + k), a1 = LOAD(w1 + k);                                      \
+            __m512 a2 = LOAD(w2 + k), a3 = LOAD(w3 + k);                                      \
             for (int r = 0; r < R; r++) {                                                     \
                 __m512 xv = _mm512_loadu_ps(x + (size_t)r * K + k);                           \
                 acc[r][0] = _mm512_fmadd_ps(xv, a0, acc[r][0]);                               \
@@ -54,60 +73,84 @@
         for (int r = 0; r < R; r++)                                                           \
             for (int c = 0; c < 4; c++) part[r * 4 + c] = acc[r][c];                          \
     }
-ROWS_TIMES_4(1)
-ROWS_TIMES_4(2)
-ROWS_TIMES_4(3)
-ROWS_TIMES_4(4)
 
-/* Outputs n..n+3 of every row: w's rows n..n+3 times all M rows of x. */
-static AVX512 void block_of_4(const float *x, const float *w, const float *b, float *y, int M,
-                              int N, int K, int n, int blocks_end) {
-    __m512 part[MAX_ROWS * 4];
-    for (int i = 0; i < M * 4; i++) part[i] = _mm512_setzero_ps();
-    const float *wb = w + (size_t)n * K;
-    int lines = K / 4;                   /* the next block: 4 rows x K floats, in 64-byte lines */
-    int steps = ((M + 3) / 4) * (K / 16);
-    int per = (lines + steps - 1) / steps;
-    const char *pf = (const char *)(wb + 4 * (size_t)K);
-    const char *pf_end = n + 4 < blocks_end ? pf + (size_t)lines * 64 : pf;
-    for (int k0 = 0; k0 < K; k0 += KC) {
-        int k1 = k0 + KC < K ? k0 + KC : K;
-        int m = 0;
-        for (; m + 4 <= M; m += 4)
-            rows4_times_4(x + (size_t)m * K, wb, part + m * 4, K, k0, k1, &pf, pf_end, per);
-        const float *xm = x + (size_t)m * K;
-        switch (M - m) {
-            case 3: rows3_times_4(xm, wb, part + m * 4, K, k0, k1, &pf, pf_end, per); break;
-            case 2: rows2_times_4(xm, wb, part + m * 4, K, k0, k1, &pf, pf_end, per); break;
-            case 1: rows1_times_4(xm, wb, part + m * 4, K, k0, k1, &pf, pf_end, per); break;
-        }
+/* The whole loop for weights of type T: KC elements of k per chunk (4 weight rows and 4 rows
+   of x stay in L1), `KIND_block_of_4` (outputs n..n+3 of every row: weight rows n..n+3 times
+   all M rows of x), `KIND_single_output` (output n: the last N % 4 weight rows) and `KIND_all`
+   (every output, the blocks shared among the threads). Each output is its sum times its scale
+   (s, or 1 where s is NULL) plus its bias (b, or 0). */
+#define ROWS_LOOP(KIND, T, LOAD, KC)                                                          \
+    ROWS_TIMES_4(KIND, 1, T, LOAD)                                                            \
+    ROWS_TIMES_4(KIND, 2, T, LOAD)                                                            \
+    ROWS_TIMES_4(KIND, 3, T, LOAD)                                                            \
+    ROWS_TIMES_4(KIND, 4, T, LOAD)                                                            \
+    static AVX512 void KIND##_block_of_4(const float *x, const T *w, const float *s,          \
+                                         const float *b, float *y, int M, int N, int K, int n,\
+                                         int blocks_end) {                                    \
+        __m512 part[MAX_ROWS * 4];                                                            \
+        for (int i = 0; i < M * 4; i++) part[i] = _mm512_setzero_ps();                       \
+        const T *wb = w + (size_t)n * K;                                                      \
+        int lines = (int)(4 * (size_t)K * sizeof(T) / 64); /* the next block, in lines */     \
+        int steps = ((M + 3) / 4) * (K / 16);                                                 \
+        int per = (lines + steps - 1) / steps;                                                \
+        const char *pf = (const char *)(wb + 4 * (size_t)K);                                  \
+        const char *pf_end = n + 4 < blocks_end ? pf + (size_t)lines * 64 : pf;               \
+        for (int k0 = 0; k0 < K; k0 += KC) {                                                  \
+            int k1 = k0 + KC < K ? k0 + KC : K;                                               \
+            int m = 0;                                                                        \
+            for (; m + 4 <= M; m += 4)                                                        \
+                KIND##_rows4_times_4(x + (size_t)m * K, wb, part + m * 4, K, k0, k1, &pf,     \
+                                     pf_end, per);                                            \
+            const float *xm = x + (size_t)m * K;                                              \
+            __m512 *pm = part + m * 4;                                                        \
+            switch (M - m) {                                                                  \
+                case 3: KIND##_rows3_times_4(xm, wb, pm, K, k0, k1, &pf, pf_end, per); break; \
+                case 2: KIND##_rows2_times_4(xm, wb, pm, K, k0, k1, &pf, pf_end, per); break; \
+                case 1: KIND##_rows1_times_4(xm, wb, pm, K, k0, k1, &pf, pf_end, per); break; \
+            }                                                                                 \
+        }                                                                                     \
+        for (int m = 0; m < M; m++)                                                           \
+            for (int c = 0; c < 4; c++)                                                       \
+                y[(size_t)m * N + n + c] = _mm512_reduce_add_ps(part[m * 4 + c]) *           \
+                                               (s ? s[n + c] : 1.f) + (b ? b[n + c] : 0.f);   \
+    }                                                                                         \
+    static AVX512 void KIND##_single_output(const float *x, const T *w, const float *s,       \
+                                            const float *b, float *y, int M, int N, int K,    \
+                                            int n) {                                          \
+        const T *wn = w + (size_t)n * K;                                                      \
+        for (int m = 0; m < M; m++) {                                                         \
+            __m512 acc = _mm512_setzero_ps();                                                 \
+            for (int k = 0; k < K; k += 16)                                                   \
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)m * K + k), LOAD(wn + k),   \
+                                      acc);                                                   \
+            y[(size_t)m * N + n] =                                                            \
+                _mm512_reduce_add_ps(acc) * (s ? s[n] : 1.f) + (b ? b[n] : 0.f);              \
+        }                                                                                     \
+    }                                                                                         \
+    static AVX512 int KIND##_all(const float *x, const T *w, const float *s, const float *b,  \
+                                 float *y, int M, int N, int K, int threads) {                \
+        if (M < 1 || M > MAX_ROWS || K < 16 || K % 16 != 0 || N < 1) return -1;              \
+        int blocks = N / 4;                                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
+        for (int j = 0; j < blocks; j++)                                                      \
+            KIND##_block_of_4(x, w, s, b, y, M, N, K, 4 * j, 4 * blocks);                     \
+        for (int n = 4 * blocks; n < N; n++) KIND##_single_output(x, w, s, b, y, M, N, K, n); \
+        return 0;                                                                             \
     }
-    for (int m = 0; m < M; m++)
-        for (int c = 0; c < 4; c++)
-            y[(size_t)m * N + n + c] = _mm512_reduce_add_ps(part[m * 4 + c]) + (b ? b[n + c] : 0.f);
-}
 
-/* Output n of every row (the last N % 4 rows of w). */
-static AVX512 void single_output(const float *x, const float *w, const float *b, float *y, int M,
-                                 int N, int K, int n) {
-    const float *wn = w + (size_t)n * K;
-    for (int m = 0; m < M; m++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int k = 0; k < K; k += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)m * K + k), _mm512_loadu_ps(wn + k), acc);
-        y[(size_t)m * N + n] = _mm512_reduce_add_ps(acc) + (b ? b[n] : 0.f);
-    }
-}
+ROWS_LOOP(f32, float, load_f32, 256) /* 4 rows of w: 4 KB a chunk */
+ROWS_LOOP(i8, int8_t, load_i8, 512)  /* 4 rows of q: 2 KB; 4 of x: 8 KB */
 
-/* The entry point. x (M, K), w (N, K), y (M, N) contiguous fp32; b (N,) or NULL; 1 <= M <=
-   MAX_ROWS, K % 16 == 0 (the caller checks both); `threads` OpenMP threads (torch's own
-   runtime, libgomp, when torch is loaded first). Returns 0, or -1 for arguments it refuses. */
+/* The entry points. x (M, K), w or q (N, K), y (M, N) contiguous fp32 (q int8); scale (N,)
+   fp32; b (N,) or NULL; 1 <= M <= MAX_ROWS, K % 16 == 0 (the callers check both); `threads`
+   OpenMP threads (torch's own runtime, libgomp, when torch is loaded first). Each returns 0,
+   or -1 for arguments it refuses. */
 AVX512 int few_rows_linear(const float *x, const float *w, const float *b, float *y, int M, int N,
                            int K, int threads) {
-    if (M < 1 || M > MAX_ROWS || K < 16 || K % 16 != 0 || N < 1) return -1;
-    int blocks = N / 4;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int j = 0; j < blocks; j++) block_of_4(x, w, b, y, M, N, K, 4 * j, 4 * blocks);
-    for (int n = 4 * blocks; n < N; n++) single_output(x, w, b, y, M, N, K, n);
-    return 0;
+    return f32_all(x, w, 0, b, y, M, N, K, threads);
+}
+
+AVX512 int int8_rows_linear(const float *x, const int8_t *q, const float *scale, const float *b,
+                            float *y, int M, int N, int K, int threads) {
+    return i8_all(x, q, scale, b, y, M, N, K, threads);
 }

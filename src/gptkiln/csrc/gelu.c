@@ -9,35 +9,15 @@
 
    gelu(x) = 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), the same
    function written without the cancellation of 1 + tanh(u) for negative x. sigmoid(z) comes
-   from e = exp(-|z|) <= 1: 1 / (1 + e) for z >= 0, e / (1 + e) below. The exponential is the
-   same degree-6 polynomial as target_log_probs.c's (within 2 ulp); the division is exact
+   from e = exp(-|z|) <= 1: 1 / (1 + e) for z >= 0, e / (1 + e) below. The exponential is
+   vexp.h's (within 2 ulp); the division is exact
    rounding. Nothing here includes Python's or torch's headers. */
 #include <immintrin.h>
 #include <stdint.h>
 
-#define AVX512 __attribute__((target("avx512f")))
+#include "vexp.h"
 
-/* exp(x) for x <= 0; below -87.3 the result is 0. */
-static inline __attribute__((always_inline)) AVX512 __m512 exp_le0(__m512 x) {
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-    const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-    __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-    r = _mm512_fnmadd_ps(n, ln2_lo, r);
-    /* Cephes expf's polynomial: exp(r) = 1 + r + r^2 * P(r) */
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 r2 = _mm512_mul_ps(r, r);
-    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(p, n));
-}
+#define AVX512 __attribute__((target("avx512f")))
 
 static inline __attribute__((always_inline)) AVX512 __m512 gelu16(__m512 x) {
     const __m512 two_c = _mm512_set1_ps(1.5957691216057308f); /* 2 sqrt(2/pi) */

@@ -7,7 +7,7 @@
    tensor that the gather then reads again; here each row is read from memory once (its max and
    argmax), then again from L2 (the sum of exponentials), and nothing is written but the answers.
 
-   The exponentials are fp32 (a degree-6 polynomial on [-ln2/2, ln2/2], scaled by 2^n with
+   The exponentials are fp32 (vexp.h: a degree-6 polynomial on [-ln2/2, ln2/2], scaled by 2^n with
    vscalefps: within 2 ulp), their sum is kept in fp64, the log in fp64: at least as close to the
    exact log-probability as torch's fp32 log_softmax. Nothing here includes Python's or torch's
    headers. */
@@ -15,28 +15,9 @@
 #include <math.h>
 #include <stdint.h>
 
-#define AVX512 __attribute__((target("avx512f")))
+#include "vexp.h"
 
-/* exp(x) for x <= 0 (x - max of a row); below -87.3 the result is 0. */
-static inline __attribute__((always_inline)) AVX512 __m512 exp_le0(__m512 x) {
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-    const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-    r = _mm512_fnmadd_ps(n, ln2_lo, r);
-    /* Cephes expf's polynomial: exp(r) = 1 + r + r^2 * P(r) */
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 r2 = _mm512_mul_ps(r, r);
-    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+#define AVX512 __attribute__((target("avx512f")))
 
 static AVX512 void one_row(const float *row, int64_t V, int64_t target, float *out,
                            int64_t *argmax) {
