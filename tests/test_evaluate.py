@@ -178,6 +178,32 @@ def test_pairs_after_a_one_token_context_are_batched_as_separate_rows():
     assert batches[1][-2:] in ([20, 21], [21, 20])  # the two choices of [4, 5] side by side
 
 
+def test_whole_rows_of_unequal_length_run_in_forwards_of_about_one_length(monkeypatch):
+    """A rolling task's last windows mix full and short rows in one batch: each forward pads
+    only to rows of about its own length (`_even_rows`), and every figure stays the same."""
+    import gptkiln.evaluate as ev
+
+    monkeypatch.setattr(ev, "RUN_POSITIONS", 50)
+    model = chain_model(n_embd=32)
+    g = torch.Generator().manual_seed(3)
+    pairs = [([50256], torch.randint(0, 50257, (n,), generator=g).tolist())
+             for n in (30, 64, 10, 62, 29, 60)]  # fmt: skip
+    assert not ev._cheaper_shared(pairs)  # whole rows
+    shapes: list[tuple[int, int]] = []
+    model.h[0].register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape[:2])))
+    got = score_pairs(model, pairs, batch_size=16)
+    # one batch of six rows, in three forwards: 64/62/60 tokens, 30/29, then 10 alone
+    assert shapes == [(3, 64), (2, 30), (1, 10)]
+    want = reference_scores(model, pairs)
+    assert [g for _, g in got] == [w for _, w in want]
+    for (a, _), (b, _) in zip(got, want):
+        assert a == pytest.approx(b, abs=1e-4)
+    shapes.clear()
+    monkeypatch.setattr(ev, "RUN_POSITIONS", 64 * 3 + 1)  # 3 rows of 64 are too few to end a run
+    score_pairs(model, pairs, batch_size=16)
+    assert shapes == [(4, 64), (2, 29)]
+
+
 def test_plan_batches_keeps_a_contexts_choices_together_and_fits_the_window():
     pairs = [([1] * 10, [2] * 3), ([1] * 10, [3]), ([4] * 60, [5]), ([6] * 2, [7] * 60)]
     pairs += [([8] * 5, [9] * 2)] * 3

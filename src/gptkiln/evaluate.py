@@ -235,6 +235,34 @@ def _cheaper_shared(pairs: Sequence[Pair]) -> bool:
     return shared < 0.9 * whole
 
 
+EVEN_ROWS = 0.9
+"""A forward of whole rows (`_score_whole`) pads each row to its longest: a row shorter than
+this share of that longest one starts a forward of its own (`_even_rows`)."""
+RUN_POSITIONS = 1024
+"""...once the forward before it holds this many positions: fewer rows than that make the
+products less efficient than the padding costs."""
+
+
+def _even_rows(pairs: Sequence[Pair], batch: list[int]) -> list[list[int]]:
+    """A batch of whole rows in runs of about one length, the longest first: a run ends where
+    the next row is shorter than ``EVEN_ROWS`` of the run's first, once it holds
+    ``RUN_POSITIONS`` positions. A batch sorted by its contexts (`plan_batches`) can still mix
+    rows from a full window down to a fifth of one (a rolling task's last windows); padded to
+    the longest, a fifth of its positions would be padding, whose products and attention are
+    thrown away. Each row's figures do not depend on the rows beside it."""
+    length = {i: len(pairs[i][0]) + len(pairs[i][1]) - 1 for i in batch}
+    runs: list[list[int]] = []
+    for i in sorted(batch, key=lambda i: -length[i]):
+        if runs:
+            run = runs[-1]
+            short = length[i] < EVEN_ROWS * length[run[0]]
+            if not (short and length[run[0]] * len(run) >= RUN_POSITIONS):
+                run.append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
 @torch.inference_mode()
 def score_pairs(
     model,
@@ -266,9 +294,11 @@ def score_pairs(
     try:
         for batch in plan_batches(pairs, batch_size, ctx_len):
             chunk = [pairs[i] for i in batch]
-            score = _score_shared if _cheaper_shared(chunk) else _score_whole
-            for i, result in zip(batch, score(model, chunk, greedy_too)):
-                scored[i] = result
+            shared = _cheaper_shared(chunk)
+            for run in [batch] if shared else _even_rows(pairs, batch):
+                score = _score_shared if shared else _score_whole
+                for i, result in zip(run, score(model, [pairs[i] for i in run], greedy_too)):
+                    scored[i] = result
             if on_batch is not None:
                 on_batch(len(batch))
     finally:
