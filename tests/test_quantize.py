@@ -96,6 +96,38 @@ def test_every_linear_and_the_embedding_become_int8_the_rest_stays_float(tied):
     assert quantize_model(model) is model  # quantized already: left as it is
 
 
+def test_an_untuned_int8_layer_multiplies_few_rows_without_converting_its_weight(monkeypatch):
+    """A prompt's first token comes before any tuning: its few rows go to the int8 loop, which
+    reads the int8 weight as it is, rather than to the reference, which makes an fp32 copy of
+    it at every call; with autograd, or more rows than the loop takes, the reference runs."""
+    import gptkiln.quantize as quantize
+    from gptkiln.native import int8_rows_library
+
+    if int8_rows_library() is None:
+        pytest.skip("no C compiler or no AVX-512 here: the reference is the only product")
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(torch.nn.Linear(64, 48))
+    reference = kernels.dequantize_linear
+    converted: list[int] = []
+
+    def spy(x, *rest):
+        converted.append(x.numel() // x.size(-1))
+        return reference(x, *rest)
+
+    monkeypatch.setattr(kernels, "dequantize_linear", spy)
+    monkeypatch.setattr(quantize, "dequantize_linear", spy)
+    x = torch.randn(1, 3, 64)
+    with torch.no_grad():
+        got = layer(x)
+        assert not converted
+        layer(torch.randn(kernels.FEW_ROWS + 1, 64))
+    assert converted == [kernels.FEW_ROWS + 1]
+    layer(x)  # with autograd
+    assert converted == [kernels.FEW_ROWS + 1, 3]
+    want = reference(x, layer.weight, layer.scale, layer.bias)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_the_head_and_embedding_can_stay_float():
     model = quantize_model(tiny_model(), embedding_and_head=False)
     assert isinstance(model.h[1].mlp.c_fc, Int8Linear)
