@@ -126,6 +126,10 @@ def test_an_untuned_int8_layer_multiplies_few_rows_without_converting_its_weight
     assert converted == [kernels.FEW_ROWS + 1, 3]
     want = reference(x, layer.weight, layer.scale, layer.bias)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    # torch.compile cannot trace the loop's ctypes call: a compiled layer keeps the reference
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.allclose(compiled(x), want, atol=1e-5, rtol=1e-5)
 
 
 def test_the_head_and_embedding_can_stay_float():

@@ -97,7 +97,8 @@ class Int8Linear(nn.Module):
     State dict: ``weight`` (int8), ``scale`` (float) and ``bias``, under the float layer's
     names. Like `gptkiln.model.Linear`, ``few_row_kernels`` maps a number of rows to the kernel
     `gptkiln.kernels.tune_decoding` timed fastest (``(x, weight, scale, bias) -> y``), used only
-    without autograd, on the CPU, in fp32. An untuned product without autograd goes to
+    without autograd, on the CPU, in fp32. An untuned product without autograd (outside
+    ``torch.compile``, which cannot trace a ctypes call) goes to
     `kernels.int8_rows_linear`, which multiplies up to ``kernels.FEW_ROWS`` fp32 rows on the CPU
     without converting the weight (a prompt's first token comes before any tuning) and hands
     everything else to `kernels.dequantize_linear`, the product every other case takes.
@@ -126,8 +127,8 @@ class Int8Linear(nn.Module):
             kernel = self.few_row_kernels.get(x.numel() // self.in_features)
             if kernel is not None:
                 return kernel(x, self.weight, self.scale, self.bias)
-        if not torch.is_grad_enabled():  # few rows: the loop that converts no weight
-            return int8_rows_linear(x, self.weight, self.scale, self.bias)
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            return int8_rows_linear(x, self.weight, self.scale, self.bias)  # few rows: no copy
         return dequantize_linear(x, self.weight, self.scale, self.bias)
 
     def extra_repr(self) -> str:
