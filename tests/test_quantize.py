@@ -130,6 +130,15 @@ def test_an_untuned_int8_layer_multiplies_few_rows_without_converting_its_weight
     compiled = torch.compile(layer, backend="eager", fullgraph=True)
     with torch.no_grad():
         assert torch.allclose(compiled(x), want, atol=1e-5, rtol=1e-5)
+    # off the CPU (as on CUDA) the reference, and the C library is not even built or loaded
+    import copy
+
+    import gptkiln.native as native
+
+    monkeypatch.setattr(native, "int8_rows_library", lambda: pytest.fail("library asked for"))
+    elsewhere = copy.deepcopy(layer).to("meta")
+    with torch.no_grad():
+        assert elsewhere(x.to("meta")).shape == (1, 3, 48)
 
 
 def test_the_head_and_embedding_can_stay_float():

@@ -221,9 +221,10 @@ def int8_rows_linear(
     """
     from gptkiln.native import int8_rows_library
 
-    lib = int8_rows_library()
     y = None
-    if scale.dtype == torch.float32 and scale.is_contiguous() and scale.device.type == "cpu":
+    cpu = x.device.type == scale.device.type == "cpu"  # an untuned Int8Linear on CUDA comes here
+    if cpu and scale.dtype == torch.float32 and scale.is_contiguous():  # only then: the library
+        lib = int8_rows_library()
         y = _by_row_loop(lib and lib.int8_rows_linear, x, qweight, (scale,), bias, torch.int8)
     return dequantize_linear(x, qweight, scale, bias) if y is None else y
 
