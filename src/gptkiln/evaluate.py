@@ -293,10 +293,11 @@ def score_pairs(
     model.eval()
     try:
         for batch in plan_batches(pairs, batch_size, ctx_len):
-            chunk = [pairs[i] for i in batch]
-            shared = _cheaper_shared(chunk)
-            for run in [batch] if shared else _even_rows(pairs, batch):
-                score = _score_shared if shared else _score_whole
+            if _cheaper_shared([pairs[i] for i in batch]):
+                score, runs = _score_shared, [batch]
+            else:
+                score, runs = _score_whole, _even_rows(pairs, batch)
+            for run in runs:
                 for i, result in zip(run, score(model, [pairs[i] for i in run], greedy_too)):
                     scored[i] = result
             if on_batch is not None:
