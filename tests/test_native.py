@@ -30,6 +30,7 @@ LIBRARIES = (
     native.target_log_probs_library,
     native.gelu_library,
     native.decode_attention_library,
+    native.decode_blocks_library,
 )
 
 
@@ -514,3 +515,147 @@ def test_an_edited_header_builds_a_new_library(fresh_build, monkeypatch, tmp_pat
     assert native.load_built("gelu") is not None
     second = [p.name for p in fresh_build.glob("gelu-*.so")]
     assert len(first) == len(second) == 1 and first != second  # rebuilt, the old one removed
+
+
+# -- decode_blocks: a GPT-2 decode step's blocks and final norm in one call ---------------------
+needs_blocks_library = pytest.mark.skipif(
+    native.decode_blocks_library() is None,
+    reason="no C compiler with OpenMP, or no AVX-512 on this machine: the layers run from Python",
+)
+
+
+def _gpt2(quantized: bool = False, **overrides):
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.quantize import quantize_model
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("baby", vocab_size=97, context_length=48, **overrides)).eval()
+    with torch.no_grad():  # no zero biases or unit norms: a term left out would show
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return quantize_model(model) if quantized else model
+
+
+def _step_logits(model, prompts, steps: int):
+    """Prefill ``prompts`` (left-padded), then ``steps`` greedy decode steps through
+    ``model.forward``; the logits of every step (steps, B, V)."""
+    from gptkiln.sampling import left_pad
+
+    idx, pad = left_pad(prompts, 0, "cpu")
+    model.setup_cache(idx.size(0), 40, pad)
+    out = []
+    with torch.no_grad():
+        logits = model(idx, start_pos=0, last_only=True)[:, -1]
+        pos = idx.size(1)
+        for _ in range(steps):
+            token = logits.argmax(-1)
+            logits = model(token[:, None], start_pos=pos, last_only=True)[:, -1]
+            out.append(logits)
+            pos += 1
+    return torch.stack(out)
+
+
+def _counting(blocks):
+    """``blocks`` (a `DecodeBlocks`) wrapped to count the steps it computed (not declined)."""
+    done = []
+
+    def call(*args):
+        y = blocks(*args)
+        if y is not None:
+            done.append(1)
+        return y
+
+    return call, done
+
+
+@needs_blocks_library
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("prompts", [[[5, 6, 7]], [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6]]])
+def test_the_one_call_decode_step_is_the_layers_step(quantized, prompts):
+    model = _gpt2(quantized)
+    rows = len(prompts)
+    layers = [m for m in model.modules() if hasattr(m, "few_row_kernels")]
+    loop = kernels.int8_rows_linear if quantized else kernels.few_rows_linear
+    for layer in layers:  # the loops the one call runs, on every product
+        layer.few_row_kernels[rows] = loop
+    kernels.use_compiled_loops(model)
+    reference = _step_logits(model, prompts, steps=8)
+    assert kernels.use_native_blocks(model, rows)
+    model.decode_blocks, done = _counting(model.decode_blocks)
+    got = _step_logits(model, prompts, steps=8)
+    assert len(done) == 8  # every decode step went through the one call (not the prefill)
+    torch.testing.assert_close(got, reference, atol=2e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+
+@needs_blocks_library
+def test_the_one_call_step_is_given_only_where_the_tuner_chose_the_loops():
+    model = _gpt2()
+    assert not kernels.use_native_blocks(model, 1)  # untuned: F.linear on every product
+    assert model.decode_blocks is None
+    for m in model.modules():
+        if hasattr(m, "few_row_kernels"):
+            m.few_row_kernels[1] = kernels.few_rows_linear
+    assert kernels.use_native_blocks(model, 1) and model.decode_blocks.rows == {1}
+    model.h[1].mlp.c_fc.few_row_kernels[1] = kernels.onednn  # one product timed faster elsewhere
+    assert not kernels.use_native_blocks(model, 1)
+    assert model.decode_blocks.rows == set()  # taken away: every step runs the layers
+    llama = GPT_of("llama3-baby")
+    assert not kernels.use_native_blocks(llama, 1)
+
+
+def GPT_of(name):
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+
+    return GPT(GPTConfig.from_name(name, vocab_size=97, context_length=48)).eval()
+
+
+@needs_blocks_library
+def test_the_tuner_gives_the_one_call_step_and_generation_runs_it(monkeypatch):
+    import gptkiln.sampling as sampling
+    from gptkiln.config import SampleConfig
+
+    model = _gpt2()
+    greedy = SampleConfig(max_new_tokens=12, temperature=0, stop_at_eos=False)
+    monkeypatch.setattr(kernels, "use_native_blocks", lambda model, rows: False)
+    reference = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
+    assert model.decode_blocks is None
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "_fastest", lambda kernels, layers, rows, repeats: "few_rows")
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    calls = []
+    blocks = native.DecodeBlocks.__call__
+    monkeypatch.setattr(
+        native.DecodeBlocks, "__call__", lambda *a: calls.append(1) or blocks(*a)
+    )
+    got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
+    assert model.decode_blocks.rows == {1} and len(calls) == 11  # every step after the first
+    assert torch.equal(got, reference)
+
+
+@needs_blocks_library
+def test_the_one_call_step_declines_what_it_does_not_take_and_the_layers_run():
+    def another_kind(model):  # a layer the step does not know (a LoRA wrapper, say)
+        old = model.h[1].attn.c_proj
+        model.h[1].attn.c_proj = torch.nn.Linear(old.in_features, old.out_features)
+
+    cases = {
+        "dropout while training": lambda m: m.train(),
+        "a layer of another kind": another_kind,
+        "bf16 weights": lambda m: m.to(torch.bfloat16),
+        "the explicit attention": lambda m: [setattr(b.attn, "use_sdpa", False) for b in m.h],
+        "the exact GELU": lambda m: [setattr(b.mlp, "approximate", "none") for b in m.h],
+        "steps of another number of rows": lambda m: m.decode_blocks.rows.discard(1),
+    }
+    for what, change in cases.items():
+        model = _gpt2(dropout=0.1)
+        for m in model.modules():
+            if hasattr(m, "few_row_kernels"):
+                m.few_row_kernels[1] = kernels.few_rows_linear
+        assert kernels.use_native_blocks(model, 1), what
+        change(model)
+        model.decode_blocks, done = _counting(model.decode_blocks)
+        logits = _step_logits(model, [[5, 6, 7]], steps=3)
+        assert not done and torch.isfinite(logits).all(), what

@@ -544,7 +544,43 @@ def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[i
             for layer in layers:
                 layer.few_row_kernels[rows] = kernels[_CHOSEN[key]]
                 _drop_unused_copies(layer)
+    use_native_blocks(model, rows)
     return picked
+
+
+def use_native_blocks(model: nn.Module, rows: int) -> bool:
+    """Give a GPT-2 ``model`` the one-call decode step of ``csrc/decode_blocks.c``
+    (`gptkiln.native.DecodeBlocks`: every block and the final norm of a step; the head keeps
+    its tuned kernel) for steps of ``rows`` rows, where the tuner gave every block product this
+    project's own loop for that many rows (`few_rows_linear`, `int8_rows_linear`): the step runs
+    those loops from C instead of from Python one layer at a time, so it is offered only where
+    they were timed fastest. Takes it away for ``rows`` otherwise. Returns whether the model
+    has it for ``rows``.
+
+    Measured on the 2-core Xeon, GPT-2 124M int8 at batch 1: 15.6 ms a step through the layers,
+    ~6 ms of it outside the products (the interpreter, small ATen calls); figures with the one
+    call in bench/README.md."""
+    from gptkiln.native import DecodeBlocks, decode_blocks_library
+
+    if getattr(getattr(model, "config", None), "family", None) != "gpt2":
+        return False
+    loops = (few_rows_linear, int8_rows_linear)
+    products = [
+        layer
+        for block in model.h
+        for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+    ]
+    native = all(
+        getattr(layer, "few_row_kernels", {}).get(rows) in loops for layer in products
+    ) and (decode_blocks_library() is not None)
+    blocks = model.decode_blocks
+    if native:
+        if blocks is None:
+            blocks = model.decode_blocks = DecodeBlocks()
+        blocks.rows.add(rows)
+    elif blocks is not None:
+        blocks.rows.discard(rows)
+    return native
 
 
 _QUANTIZING_KERNELS = {"bf16": (bf16_linear, _BF16), "dynamic": (dynamic_int8, _PACKED)}

@@ -653,6 +653,10 @@ class GPT(nn.Module):
             self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.tie_weights()
         self.pad_lens: torch.Tensor | None = None  # (B,) left-padding per row, set with the cache
+        # The blocks and final norm of a decode step in one compiled call, given from outside
+        # (`gptkiln.kernels.use_native_blocks`), used without autograd on the CPU:
+        # (model, x, start_pos, mask) -> ln_f's output, or None where it does not take them.
+        self.decode_blocks = None
         self.init_buffers()
 
     @torch.no_grad()
@@ -887,6 +891,19 @@ class GPT(nn.Module):
         rope = None
         if self.config.positions == "learned":
             x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+            # grad mode first: a compiled training step then never reads (or guards on) the hook
+            if (
+                not torch.is_grad_enabled()
+                and T == 1
+                and self.decode_blocks is not None
+                and isinstance(start_pos, int)
+                and rows is None
+                and attentions is None
+                and not torch.compiler.is_compiling()
+            ):
+                y = self.decode_blocks(self, x, start_pos, mask)
+                if y is not None:
+                    return y
         else:
             x = self.drop(self.wte(idx))  # (B, T, C); positions enter as rotations of q and k
             rope = self.rope_at(pos)  # 2 x (1 or B, 1, T, hs)

@@ -12,7 +12,8 @@ for it, into the cache directory
 built file. The sources include no Python or torch headers, so building takes well under a
 second and needs only a C compiler with OpenMP (gcc, clang), as inductor's own CPU kernels do.
 
-A library is named by a digest of its source, the headers beside it (``vexp.h``), the
+A library is named by a digest of its source, the other sources beside it (a file may include
+them: ``vexp.h``; ``decode_blocks.c`` includes the product, attention and GELU loops), the
 compiler (its resolved path, size and time) and the flags, so an edited source or header or a
 new compiler builds a new one (and the old is removed).
 Two processes may build at once: each writes its own temporary file and renames it into place
@@ -78,6 +79,19 @@ def decode_attention_library() -> ctypes.CDLL | None:
     where it cannot be, as `few_rows_library`."""
     argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_int]
     return _typed("decode_attention", "decode_attention", argtypes)
+
+
+@functools.cache
+def decode_blocks_library() -> ctypes.CDLL | None:
+    """``csrc/decode_blocks.c`` built and loaded (its ``gpt2_decode_blocks`` typed), or None
+    where it cannot be, as `few_rows_library`."""
+    argtypes = (
+        [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        + [ctypes.c_int] * 5
+        + [ctypes.c_int64] * 2
+        + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    )
+    return _typed("decode_blocks", "gpt2_decode_blocks", argtypes)
 
 
 @functools.cache
@@ -237,6 +251,154 @@ def decode_attention(q, k, v, mask):
     return None if refused else out
 
 
+class DecodeBlocks:
+    """A GPT-2 model's blocks and final norm for one decode step, in one call of
+    ``csrc/decode_blocks.c`` (`decode_blocks_library`): `gptkiln.model.GPT.hidden` hands it the
+    embedded tokens and takes ``ln_f``'s output, which the head turns into logits as before.
+
+    Given to a model (its ``decode_blocks``) by `gptkiln.kernels.use_native_blocks` for the row
+    counts ``rows`` whose block products the tuner timed fastest as this project's own loops
+    (``few_rows``, ``int8_rows``): the step is those loops, the decode attention and the GELU in
+    the order the model runs them, without the interpreter between them. Each call reads the
+    model's layers as they are then (a replaced or moved layer is seen), and declines (None:
+    the model runs its torch path) anything else: another family or layer kind, autograd,
+    dropout that applies, tensors that are not fp32 on the CPU, a cache that does not fit."""
+
+    def __init__(self, rows=()):
+        self.rows = set(rows)
+
+    def __call__(self, model, x, start_pos: int, mask):
+        """ln_f(blocks(x)) for x (B, 1, C), the embedded new tokens at position ``start_pos``;
+        ``mask`` None or the (B, 1, 1, S) bool mask of the keys each row may see. None where
+        it does not take these."""
+        import torch
+
+        B = x.size(0)
+        lib = decode_blocks_library() if B in self.rows else None
+        c = model.config
+        if (
+            lib is None
+            or c.family != "gpt2"
+            or (model.training and c.dropout > 0)
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.shape != (B, 1, c.n_embd)
+        ):
+            return None
+        table = _blocks_table(model, B, start_pos)
+        if table is None:
+            return None
+        if mask is not None:
+            S = start_pos + 1
+            try:
+                mask = mask.expand(B, 1, 1, S).reshape(B, S).contiguous()
+            except RuntimeError:
+                return None
+            if mask.dtype != torch.bool or mask.device.type != "cpu":
+                return None
+        ln_f = model.ln_f
+        cache = model.h[0].attn.kv_cache.k
+        x = x.reshape(B, c.n_embd).contiguous()  # written in place: the caller's fresh sum
+        out = torch.empty(B, 1, c.n_embd, dtype=torch.float32)
+        refused = lib.gpt2_decode_blocks(
+            table.buffer_info()[0],
+            len(model.h),
+            x.data_ptr(),
+            out.data_ptr(),
+            B,
+            c.n_embd,
+            c.n_head,
+            c.head_size,
+            c.mlp_size,
+            cache.size(2),
+            start_pos,
+            None if mask is None else mask.data_ptr(),
+            ln_f.eps,
+            ln_f.weight.data_ptr(),
+            None if ln_f.bias is None else ln_f.bias.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return None if refused else out
+
+
+def _blocks_table(model, B: int, start_pos: int):
+    """The addresses `DecodeBlocks` passes, 18 a block (``csrc/decode_blocks.c``'s order), as
+    an ``array`` of int64; None where a layer is not of a kind the step takes."""
+    import array
+
+    import torch
+    from torch import nn
+
+    from gptkiln.model import MLP, CausalSelfAttention, Linear
+    from gptkiln.quantize import Int8Linear
+
+    c = model.config
+    C, F = c.n_embd, c.mlp_size
+    if (
+        C % 16
+        or F % 16
+        or c.head_size % 16
+        or c.head_size > 256
+        or not isinstance(model.ln_f, nn.LayerNorm)
+        or not _fp32_cpu(model.ln_f.weight, model.ln_f.bias)
+    ):
+        return None
+    eps = model.ln_f.eps
+    table = array.array("q")
+    for block in model.h:
+        attn, mlp = block.attn, block.mlp
+        if (
+            type(attn) is not CausalSelfAttention
+            or not attn.use_sdpa
+            or type(mlp) is not MLP
+            or mlp.approximate != "tanh"
+        ):
+            return None
+        cache = attn.kv_cache
+        if (
+            cache is None
+            or not _fp32_cpu(cache.k, cache.v)
+            or cache.k.shape != cache.v.shape
+            or cache.k.size(0) < B
+            or cache.k.shape[1:] != (c.n_head, cache.k.size(2), c.head_size)
+            or start_pos >= cache.k.size(2)
+        ):
+            return None
+        for norm, products in ((block.ln_1, (attn.c_attn, attn.c_proj)), (block.ln_2, (mlp.c_fc, mlp.c_proj))):
+            if not isinstance(norm, nn.LayerNorm) or norm.eps != eps or not _fp32_cpu(norm.weight, norm.bias):
+                return None
+            table.append(norm.weight.data_ptr())
+            table.append(0 if norm.bias is None else norm.bias.data_ptr())
+            for layer in products:
+                w, b = layer.weight, layer.bias
+                if type(layer) is Linear and w.dtype == torch.float32:
+                    s = None
+                elif type(layer) is Int8Linear and w.dtype == torch.int8:
+                    s = layer.scale
+                    if not _fp32_cpu(s):
+                        return None
+                else:
+                    return None
+                if w.device.type != "cpu" or not w.is_contiguous() or not _fp32_cpu(b):
+                    return None
+                table.append(w.data_ptr())
+                table.append(0 if s is None else s.data_ptr())
+                table.append(0 if b is None else b.data_ptr())
+        table.append(cache.k.data_ptr())
+        table.append(cache.v.data_ptr())
+    return table
+
+
+def _fp32_cpu(*tensors) -> bool:
+    """Every tensor given (None counts as absent) fp32, on the CPU and contiguous."""
+    import torch
+
+    return all(
+        t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+        for t in tensors
+    )
+
+
 def _avx512_on_linux() -> bool:
     import torch
 
@@ -268,8 +430,11 @@ def load_built(name: str) -> ctypes.CDLL | None:
     except OSError:
         return None
     compiled_by = f"{real} {stat.st_size} {stat.st_mtime_ns} {' '.join(FLAGS)}"
-    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))  # vexp.h
-    digest = hashlib.sha256(source.read_bytes() + headers + compiled_by.encode()).hexdigest()[:16]
+    # the other sources too: a file may include them (vexp.h; decode_blocks.c the loops)
+    others = b"".join(
+        f.read_bytes() for f in sorted(SOURCES.iterdir()) if f.suffix in (".c", ".h") and f != source
+    )
+    digest = hashlib.sha256(source.read_bytes() + others + compiled_by.encode()).hexdigest()[:16]
     path = built_dir() / f"{name}-{digest}.so"
     if path.exists():
         try:

@@ -1,0 +1,120 @@
+/* One decode step through all of GPT-2's blocks and its final norm, in one call: for a few rows
+   of one new token each, x (B, C) -> ln_f(block_L(... block_1(x))), writing each layer's new
+   keys and values into its KV cache on the way.
+
+   Used by gptkiln.native.DecodeBlocks (built and loaded by gptkiln.native, given to a model by
+   gptkiln.kernels.use_native_blocks once the tuner has chosen this project's own loops for every
+   block product at that many rows). The torch path it replaces runs the same loops one layer
+   at a time from Python: at batch 1 on a 2-core Xeon that spent ~0.5 ms a block in the
+   interpreter and in small ATen calls (views, norms, adds, the cache write) around ~0.6 ms of
+   products; llama.cpp runs the whole step as one graph in C, and so does this.
+
+   A block, as gptkiln.model.Block computes it (GPT-2, pre-norm, no dropout: eval or p = 0):
+       h = LN_1(x); qkv = h W_attn^T + b; keys and values to the cache at `pos`;
+       a = softmax(q k^T / sqrt(D)) v over the S = pos + 1 cached positions (a row's mask: the
+       keys it may see, left padding); x += a W_proj^T + b;
+       h = LN_2(x); f = gelu_tanh(h W_fc^T + b); x += f W_mproj^T + b.
+   The products are few_rows.c's (fp32 weights, or int8 ones with a scale per output row), the
+   attention decode_attention.c's and the GELU gelu.c's: this file includes the three, so the
+   step is exactly their sequence, without the interpreter between them. LayerNorm is here: the
+   mean, then the mean of the squared deviations (biased, as torch's), in fp32.
+
+   Nothing here includes Python's or torch's headers. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "decode_attention.c"
+#include "few_rows.c"
+#include "gelu.c"
+
+/* A layer's table: 18 addresses (see TABLE_* below); a product's scale is NULL for fp32
+   weights, its bias NULL for none, a norm's bias NULL for none. */
+enum {
+    LN1_W, LN1_B, ATTN_W, ATTN_S, ATTN_B, PROJ_W, PROJ_S, PROJ_B, LN2_W, LN2_B,
+    FC_W, FC_S, FC_B, MPROJ_W, MPROJ_S, MPROJ_B, K_CACHE, V_CACHE, TABLE_SIZE
+};
+
+/* y (B, N) = x (B, K) W^T (* scale) + b, by few_rows.c's loops. */
+static int product(const float *x, const void *w, const float *s, const float *b, float *y,
+                   int B, int N, int K, int threads) {
+    if (s) return i8_all(x, (const int8_t *)w, s, b, y, B, N, K, threads);
+    return f32_all(x, (const float *)w, 0, b, y, B, N, K, threads);
+}
+
+/* y (B, C) = LayerNorm(x) with weight w and bias b (or none). */
+static AVX512 void layer_norm(const float *x, const float *w, const float *b, float *y, int B,
+                              int C, float eps) {
+    for (int r = 0; r < B; r++) {
+        const float *xr = x + (size_t)r * C;
+        float *yr = y + (size_t)r * C;
+        __m512 sum = _mm512_setzero_ps();
+        for (int i = 0; i < C; i += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(xr + i));
+        __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / (float)C);
+        __m512 sq = _mm512_setzero_ps();
+        for (int i = 0; i < C; i += 16) {
+            __m512 d = _mm512_sub_ps(_mm512_loadu_ps(xr + i), mean);
+            sq = _mm512_fmadd_ps(d, d, sq);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)C + eps));
+        for (int i = 0; i < C; i += 16) {
+            __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(xr + i), mean), inv);
+            v = _mm512_mul_ps(v, _mm512_loadu_ps(w + i));
+            if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + i));
+            _mm512_storeu_ps(yr + i, v);
+        }
+    }
+}
+
+static AVX512 void add_into(float *x, const float *y, size_t n) {
+    for (size_t i = 0; i < n; i += 16)
+        _mm512_storeu_ps(x + i, _mm512_add_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+}
+
+/* x (B, C): each row's embedded token, updated in place through the blocks; out (B, C):
+   ln_f(x). table: n_layer * TABLE_SIZE addresses. H heads of D (C = H * D), F the MLP's width.
+   Caches (B, H, S_max, D) contiguous; the new token goes to position pos (< S_max), and the
+   attention reads positions 0..pos; mask (B, pos + 1) bytes (nonzero: may attend) or NULL.
+   C, D and F multiples of 16, D <= 256, 1 <= B <= MAX_ROWS (the caller checks; refused: -1).
+   Returns 0, -1 for arguments refused, -2 when scratch memory cannot be had. */
+AVX512 int gpt2_decode_blocks(const int64_t *table, int n_layer, float *x, float *out, int B,
+                              int C, int H, int D, int F, int64_t S_max, int64_t pos,
+                              const uint8_t *mask, float eps, const float *lnf_w,
+                              const float *lnf_b, int threads) {
+    if (n_layer < 1 || B < 1 || B > MAX_ROWS || C % 16 || F % 16 || D % 16 || D > MAX_D ||
+        H * D != C || pos < 0 || pos >= S_max)
+        return -1;
+    size_t bc = (size_t)B * C;
+    float *scratch = (float *)malloc(sizeof(float) * (bc * 6 + (size_t)B * F));
+    if (!scratch) return -2;
+    float *h = scratch, *qkv = h + bc, *att = qkv + 3 * bc, *y = att + bc, *f = y + bc;
+    int64_t S = pos + 1;
+    int status = 0;
+    for (int l = 0; l < n_layer && status == 0; l++) {
+        const int64_t *t = table + (size_t)l * TABLE_SIZE;
+#define P(i) ((const float *)(intptr_t)t[i])
+        layer_norm(x, P(LN1_W), P(LN1_B), h, B, C, eps);
+        status |= product(h, P(ATTN_W), P(ATTN_S), P(ATTN_B), qkv, B, 3 * C, C, threads);
+        float *kc = (float *)(intptr_t)t[K_CACHE], *vc = (float *)(intptr_t)t[V_CACHE];
+        for (int r = 0; r < B; r++)
+            for (int hd = 0; hd < H; hd++) {
+                size_t at = (((size_t)r * H + hd) * S_max + pos) * D;
+                memcpy(kc + at, qkv + (size_t)r * 3 * C + C + hd * D, sizeof(float) * D);
+                memcpy(vc + at, qkv + (size_t)r * 3 * C + 2 * C + hd * D, sizeof(float) * D);
+            }
+        status |= decode_attention(qkv, kc, vc, mask, att, B, H, H, S, D, 3 * C, D,
+                                   H * S_max * D, S_max * D, D, S, 1.0f / sqrtf((float)D),
+                                   threads);
+        status |= product(att, P(PROJ_W), P(PROJ_S), P(PROJ_B), y, B, C, C, threads);
+        add_into(x, y, bc);
+        layer_norm(x, P(LN2_W), P(LN2_B), h, B, C, eps);
+        status |= product(h, P(FC_W), P(FC_S), 0, f, B, F, C, threads);
+        gelu_tanh(f, P(FC_B), B, F, F, threads);
+        status |= product(f, P(MPROJ_W), P(MPROJ_S), P(MPROJ_B), y, B, C, F, threads);
+        add_into(x, y, bc);
+#undef P
+    }
+    if (status == 0) layer_norm(x, lnf_w, lnf_b, out, B, C, eps);
+    free(scratch);
+    return status ? (status == -2 ? -2 : -1) : 0;
+}
