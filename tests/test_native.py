@@ -659,3 +659,23 @@ def test_the_one_call_step_declines_what_it_does_not_take_and_the_layers_run():
         model.decode_blocks, done = _counting(model.decode_blocks)
         logits = _step_logits(model, [[5, 6, 7]], steps=3)
         assert not done and torch.isfinite(logits).all(), what
+
+
+@needs_blocks_library
+def test_the_one_call_step_sees_the_model_as_it_is_at_each_step():
+    model = _gpt2()
+    for m in model.modules():
+        if hasattr(m, "few_row_kernels"):
+            m.few_row_kernels[1] = kernels.few_rows_linear
+    kernels.use_compiled_loops(model)
+    assert kernels.use_native_blocks(model, 1)
+    model.decode_blocks, done = _counting(model.decode_blocks)
+    _step_logits(model, [[5, 6, 7]], steps=2)  # the addresses gathered and kept
+    proj = model.h[0].attn.c_proj
+    with torch.no_grad():  # a new parameter, and another tensor under an old one
+        proj.weight = torch.nn.Parameter(torch.randn_like(proj.weight) * 0.05)
+        model.h[1].mlp.c_fc.bias.data = torch.randn_like(model.h[1].mlp.c_fc.bias)
+    got = _step_logits(model, [[5, 6, 7]], steps=3)
+    assert len(done) == 5
+    blocks, model.decode_blocks = model.decode_blocks, None
+    torch.testing.assert_close(got, _step_logits(model, [[5, 6, 7]], steps=3), atol=2e-5, rtol=1e-5)

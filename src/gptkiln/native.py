@@ -259,13 +259,18 @@ class DecodeBlocks:
     Given to a model (its ``decode_blocks``) by `gptkiln.kernels.use_native_blocks` for the row
     counts ``rows`` whose block products the tuner timed fastest as this project's own loops
     (``few_rows``, ``int8_rows``): the step is those loops, the decode attention and the GELU in
-    the order the model runs them, without the interpreter between them. Each call reads the
-    model's layers as they are then (a replaced or moved layer is seen), and declines (None:
+    the order the model runs them, without the interpreter between them. It declines (None:
     the model runs its torch path) anything else: another family or layer kind, autograd,
-    dropout that applies, tensors that are not fp32 on the CPU, a cache that does not fit."""
+    dropout that applies, tensors that are not fp32 on the CPU, a cache that does not fit.
+
+    The addresses it passes (`_BlocksTable`) are gathered once and kept while the model stays
+    as it was: every call checks that each layer, parameter, buffer and cache is still the
+    object it was and still at the address it was (a replaced layer, ``param.data = ...``, a
+    model moved or cast, a new cache: gathered again): ~60 us a step against ~1.7 ms to gather."""
 
     def __init__(self, rows=()):
         self.rows = set(rows)
+        self._table: _BlocksTable | None = None
 
     def __call__(self, model, x, start_pos: int, mask):
         """ln_f(blocks(x)) for x (B, 1, C), the embedded new tokens at position ``start_pos``;
@@ -285,8 +290,12 @@ class DecodeBlocks:
             or x.shape != (B, 1, c.n_embd)
         ):
             return None
-        table = _blocks_table(model, B, start_pos)
-        if table is None:
+        table = self._table
+        if table is None or not table.still(model):
+            table = self._table = _BlocksTable.of(model)
+            if table is None:
+                return None
+        if B > table.cache_rows or start_pos >= table.cache_len:
             return None
         if mask is not None:
             S = start_pos + 1
@@ -297,11 +306,10 @@ class DecodeBlocks:
             if mask.dtype != torch.bool or mask.device.type != "cpu":
                 return None
         ln_f = model.ln_f
-        cache = model.h[0].attn.kv_cache.k
         x = x.reshape(B, c.n_embd).contiguous()  # written in place: the caller's fresh sum
         out = torch.empty(B, 1, c.n_embd, dtype=torch.float32)
         refused = lib.gpt2_decode_blocks(
-            table.buffer_info()[0],
+            table.addresses.buffer_info()[0],
             len(model.h),
             x.data_ptr(),
             out.data_ptr(),
@@ -310,7 +318,7 @@ class DecodeBlocks:
             c.n_head,
             c.head_size,
             c.mlp_size,
-            cache.size(2),
+            table.cache_len,
             start_pos,
             None if mask is None else mask.data_ptr(),
             ln_f.eps,
@@ -321,72 +329,126 @@ class DecodeBlocks:
         return None if refused else out
 
 
-def _blocks_table(model, B: int, start_pos: int):
-    """The addresses `DecodeBlocks` passes, 18 a block (``csrc/decode_blocks.c``'s order), as
-    an ``array`` of int64; None where a layer is not of a kind the step takes."""
-    import array
+class _BlocksTable:
+    """The addresses `DecodeBlocks` passes, 18 a block (``csrc/decode_blocks.c``'s order), and
+    what `still` checks them by: the dict, key and object of every layer, parameter, buffer
+    and cache they came from (``module._modules``, ``_parameters``, ``_buffers``), and the tensors
+    with the addresses they had."""
 
-    import torch
-    from torch import nn
+    def __init__(self):
+        import array
 
-    from gptkiln.model import MLP, CausalSelfAttention, Linear
-    from gptkiln.quantize import Int8Linear
+        self.addresses = array.array("q")
+        self.slots: tuple[list[dict], list[str], list] = ([], [], [])  # dict, key, object
+        self.tensors: list = []
+        self.pointers: list[int] = []
+        self.cache_rows = self.cache_len = 0
 
-    c = model.config
-    C, F = c.n_embd, c.mlp_size
-    if (
-        C % 16
-        or F % 16
-        or c.head_size % 16
-        or c.head_size > 256
-        or not isinstance(model.ln_f, nn.LayerNorm)
-        or not _fp32_cpu(model.ln_f.weight, model.ln_f.bias)
-    ):
-        return None
-    eps = model.ln_f.eps
-    table = array.array("q")
-    for block in model.h:
-        attn, mlp = block.attn, block.mlp
+    def still(self, model) -> bool:
+        """Whether the model is as it was when these addresses were gathered."""
+        import operator
+
+        import torch
+
+        dicts, keys, objects = self.slots
+        return all(map(operator.is_, map(dict.get, dicts, keys), objects)) and (
+            list(map(torch.Tensor.data_ptr, self.tensors)) == self.pointers
+        )
+
+    def _module(self, parent, name: str):
+        module = parent._modules.get(name)
+        self._watch(parent._modules, name, module)
+        return module
+
+    def _watch(self, where: dict, name: str, value) -> None:
+        self.slots[0].append(where)
+        self.slots[1].append(name)
+        self.slots[2].append(value)
+
+    def _tensor(self, module, name: str, store: bool = True):
+        """``module``'s parameter or buffer ``name`` (None where it has none), watched."""
+        where = module._parameters if name in module._parameters else module._buffers
+        t = where.get(name)
+        self._watch(where, name, t)
+        if t is not None:
+            self.tensors.append(t)
+            self.pointers.append(t.data_ptr())
+        if store:
+            self.addresses.append(0 if t is None else t.data_ptr())
+        return t
+
+    @classmethod
+    def of(cls, model) -> _BlocksTable | None:
+        """The table of ``model`` as it is; None where a layer is not of a kind the step takes."""
+        import torch
+        from torch import nn
+
+        from gptkiln.model import MLP, CausalSelfAttention, Linear
+        from gptkiln.quantize import Int8Linear
+
+        c = model.config
+        self = cls()
+        ln_f = self._module(model, "ln_f")
         if (
-            type(attn) is not CausalSelfAttention
-            or not attn.use_sdpa
-            or type(mlp) is not MLP
-            or mlp.approximate != "tanh"
+            c.n_embd % 16
+            or c.mlp_size % 16
+            or c.head_size % 16
+            or c.head_size > 256
+            or not isinstance(ln_f, nn.LayerNorm)
+            or not _fp32_cpu(self._tensor(ln_f, "weight", False), self._tensor(ln_f, "bias", False))
         ):
             return None
-        cache = attn.kv_cache
-        if (
-            cache is None
-            or not _fp32_cpu(cache.k, cache.v)
-            or cache.k.shape != cache.v.shape
-            or cache.k.size(0) < B
-            or cache.k.shape[1:] != (c.n_head, cache.k.size(2), c.head_size)
-            or start_pos >= cache.k.size(2)
-        ):
-            return None
-        for norm, products in ((block.ln_1, (attn.c_attn, attn.c_proj)), (block.ln_2, (mlp.c_fc, mlp.c_proj))):
-            if not isinstance(norm, nn.LayerNorm) or norm.eps != eps or not _fp32_cpu(norm.weight, norm.bias):
+        blocks = self._module(model, "h")
+        caches = []
+        for i in range(len(blocks)):
+            block = self._module(blocks, str(i))
+            attn, mlp = self._module(block, "attn"), self._module(block, "mlp")
+            if (
+                type(attn) is not CausalSelfAttention
+                or not attn.use_sdpa
+                or type(mlp) is not MLP
+                or mlp.approximate != "tanh"
+            ):
                 return None
-            table.append(norm.weight.data_ptr())
-            table.append(0 if norm.bias is None else norm.bias.data_ptr())
-            for layer in products:
-                w, b = layer.weight, layer.bias
-                if type(layer) is Linear and w.dtype == torch.float32:
-                    s = None
-                elif type(layer) is Int8Linear and w.dtype == torch.int8:
-                    s = layer.scale
-                    if not _fp32_cpu(s):
+            for norm, parent, products in (
+                ("ln_1", attn, ("c_attn", "c_proj")),
+                ("ln_2", mlp, ("c_fc", "c_proj")),
+            ):
+                norm = self._module(block, norm)
+                if not isinstance(norm, nn.LayerNorm) or norm.eps != ln_f.eps:
+                    return None
+                if not _fp32_cpu(self._tensor(norm, "weight"), self._tensor(norm, "bias")):
+                    return None
+                for name in products:
+                    layer = self._module(parent, name)
+                    if type(layer) is Linear:
+                        w, s = self._tensor(layer, "weight"), self.addresses.append(0)
+                        if w.dtype != torch.float32:
+                            return None
+                    elif type(layer) is Int8Linear:
+                        w, s = self._tensor(layer, "weight"), self._tensor(layer, "scale")
+                        if w.dtype != torch.int8 or not _fp32_cpu(s):
+                            return None
+                    else:
                         return None
-                else:
-                    return None
-                if w.device.type != "cpu" or not w.is_contiguous() or not _fp32_cpu(b):
-                    return None
-                table.append(w.data_ptr())
-                table.append(0 if s is None else s.data_ptr())
-                table.append(0 if b is None else b.data_ptr())
-        table.append(cache.k.data_ptr())
-        table.append(cache.v.data_ptr())
-    return table
+                    b = self._tensor(layer, "bias")
+                    if w.device.type != "cpu" or not w.is_contiguous() or not _fp32_cpu(b):
+                        return None
+            cache = self._module(attn, "kv_cache")
+            if cache is None:
+                return None
+            k, v = self._tensor(cache, "k"), self._tensor(cache, "v")
+            if (
+                not _fp32_cpu(k, v)
+                or k.shape != v.shape
+                or k.shape[1:] != (c.n_head, k.size(2), c.head_size)
+            ):
+                return None
+            caches.append(k.shape[:3:2])
+        if len(set(caches)) != 1:  # every layer's cache alike: one number of rows and positions
+            return None
+        self.cache_rows, self.cache_len = caches[0]
+        return self
 
 
 def _fp32_cpu(*tensors) -> bool:
