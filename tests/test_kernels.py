@@ -158,6 +158,25 @@ def test_only_cpu_fp32_plain_weights_are_tuned():
     assert kernels.tune_decoding(model, rows=1) == {}
 
 
+def force(monkeypatch, name: str) -> None:
+    """Make the tuner choose ``name`` wherever it is offered (the first candidate elsewhere),
+    and, if it copies the weights, take it whatever the number of steps."""
+
+    def fastest(found, *args):
+        return name if name in found else next(iter(found))
+
+    def copies_pay(found, chosen, *args):
+        return {
+            "kernel": chosen,
+            "without_copies": next(n for n in found if n not in kernels._QUANTIZING_KERNELS),
+            "copy_seconds": 0.0,
+            "step_seconds_saved": 1.0,
+        }
+
+    monkeypatch.setattr(kernels, "_fastest", fastest)
+    monkeypatch.setattr(kernels, "_copy_costs", copies_pay)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_generation_tunes_and_gives_the_untuned_tokens(batch, monkeypatch, tmp_path):
     model = tiny_model()
@@ -168,11 +187,11 @@ def test_generation_tunes_and_gives_the_untuned_tokens(batch, monkeypatch, tmp_p
     for name in kernels.candidates():
         monkeypatch.setattr(kernels, "_CHOSEN", {})
         monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / name))  # nor the last one's, on disk
-        monkeypatch.setattr(kernels, "_fastest", lambda found, *a, name=name: name)
+        force(monkeypatch, name)
         tokens = generate(model, prompts, cfg)
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         assert all(m.few_row_kernels[batch] is not None for m in linears)
-        assert set(kernels._CHOSEN.values()) == {name}
+        assert set(kernels.chosen().values()) == {name}
         reference = reference or tokens
         assert tokens == reference, name
     monkeypatch.setattr(kernels, "_CHOSEN", {})
@@ -193,7 +212,7 @@ def test_a_tuned_model_can_still_be_sent_to_another_process(name, monkeypatch):
     import pickle  # what multiprocessing does with a module handed to a spawned worker
 
     model = tiny_model()
-    monkeypatch.setattr(kernels, "_fastest", lambda *a: name)
+    force(monkeypatch, name)
     generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=3, temperature=0)  # 2 rows, as above
     again = pickle.loads(pickle.dumps(model))
     x = torch.randn(2, model.config.n_embd)
@@ -261,7 +280,7 @@ def test_quantized_generation_gives_the_same_tokens_with_every_int8_kernel(monke
     for name in [n for n in kernels.int8_candidates() if n in EXACT_INT8]:
         monkeypatch.setattr(kernels, "_CHOSEN", {})
         monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / name))  # nor the last one's, on disk
-        monkeypatch.setattr(kernels, "_fastest", lambda found, *a, name=name: name)
+        force(monkeypatch, name)
         tokens = generate(model, prompts, cfg)
         int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
         assert all(m.few_row_kernels[batch] is kernels.int8_candidates()[name] for m in int8)
@@ -358,7 +377,7 @@ def test_the_copies_timing_made_are_freed_unless_a_chosen_kernel_reads_them(monk
 
     def timed_then(found, layers, rows, repeats):
         real(found, layers, rows, repeats)  # times them all: every copy is made
-        return choice[rows]
+        return choice[rows] if choice[rows] in found else next(iter(found))
 
     monkeypatch.setattr(kernels, "_fastest", timed_then)
     choice.update({1: "dynamic", 2: "dequantize"})
@@ -381,7 +400,7 @@ def test_a_model_tuned_to_the_dynamic_int8_kernel_gives_nearly_the_reference_log
     x = torch.randint(0, model.config.vocab_size, (1, 1))
     with torch.no_grad():
         expected = model(x)[0]
-        monkeypatch.setattr(kernels, "_fastest", lambda *a: "dynamic")
+        force(monkeypatch, "dynamic")
         kernels.tune_decoding(model, rows=1)
         int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
         assert all(m.few_row_kernels[1] is kernels.dynamic_int8 for m in int8)
@@ -439,3 +458,70 @@ def test_the_bf16_kernel_is_a_candidate_only_with_bf16_instructions_and_not_exac
     assert "bf16" not in kernels.candidates()
     monkeypatch.setattr(kernels, "_has_bf16", lambda: True)
     assert kernels.candidates()["bf16"] is kernels.bf16_linear
+
+
+def test_copy_costs_weigh_the_copies_a_kernel_makes_against_the_time_it_saves(monkeypatch):
+    from gptkiln.quantize import Int8Linear, quantize_model
+
+    model = quantize_model(tiny_model())
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)][:3]
+    clock = [0.0]
+
+    def on_the_clock(fn):
+        start = clock[0]
+        fn()
+        return clock[0] - start
+
+    def packing(x, w, s, b):  # 0.5 a call, and 3.0 more the first time it sees a weight
+        clock[0] += 0.5 + (3.0 if id(w) not in kernels._PACKED else 0.0)
+        kernels._PACKED[id(w)] = None
+        return kernels.dequantize_linear(x, w, s, b)
+
+    def plain(x, w, s, b):
+        clock[0] += 1.0
+        return kernels.dequantize_linear(x, w, s, b)
+
+    monkeypatch.setattr(kernels, "_seconds", on_the_clock)
+    monkeypatch.setattr(kernels, "_PACKED", {})
+    monkeypatch.setitem(kernels._QUANTIZING_KERNELS, "dynamic", (packing, kernels._PACKED))
+    found = {"dequantize": plain, "dynamic": packing}
+    record = kernels._copy_costs(found, "dynamic", layers, rows=1, repeats=2)
+    assert record == {
+        "kernel": "dynamic",
+        "without_copies": "dequantize",
+        "copy_seconds": 9.0,  # three weights packed
+        "step_seconds_saved": 1.5,  # three products a step, 0.5 s faster each
+    }
+    assert kernels._for_steps(record, None, layers) == "dynamic"  # a server: unbounded
+    assert kernels._for_steps(record, 5, layers) == "dynamic"  # the copies are made already
+    kernels._PACKED.clear()
+    assert kernels._for_steps(record, 5, layers) == "dequantize"  # 7.5 s saved < 9 s to copy
+    assert kernels._for_steps(record, 6, layers) == "dynamic"  # 9 s saved pays for them
+
+
+def test_a_short_generation_takes_the_kernel_without_copies_and_makes_none(monkeypatch):
+    from gptkiln.quantize import Int8Linear, quantize_model
+
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # "dynamic" on offer
+    model = quantize_model(tiny_model())
+    weights = [m.weight for m in model.modules() if isinstance(m, Int8Linear)]
+    costly = {"copy_seconds": 0.5, "step_seconds_saved": 0.001}  # 500 steps to pay
+    monkeypatch.setattr(
+        kernels, "_fastest", lambda found, *a: "dynamic" if "dynamic" in found else "int8_rows"
+        if "int8_rows" in found else "dequantize"
+    )
+    monkeypatch.setattr(
+        kernels,
+        "_copy_costs",
+        lambda found, name, *a: {"kernel": name, "without_copies": "dequantize", **costly},
+    )
+    chosen = kernels.tune_decoding(model, rows=1, steps=100)
+    assert set(chosen.values()) == {"dequantize"}
+    assert not any(id(w) in kernels._PACKED for w in weights)  # nothing packed
+    monkeypatch.setattr(kernels, "_CHOSEN", {})  # another process: the record from the disk
+    monkeypatch.setattr(kernels, "_fastest", lambda *a: pytest.fail("timed again"))
+    assert set(kernels.tune_decoding(model, rows=1, steps=1000).values()) == {"dynamic"}
+    with torch.no_grad():
+        model(torch.tensor([[1]]))  # one row: every layer packs its weight
+    assert all(id(w) in kernels._PACKED for w in weights)
+    assert set(kernels.tune_decoding(model, rows=1, steps=10).values()) == {"dynamic"}  # made

@@ -391,7 +391,7 @@ def test_an_int8_model_given_the_loop_decodes_the_reference_tokens(monkeypatch):
     from gptkiln.model import GPT
     from gptkiln.quantize import quantize_model
 
-    monkeypatch.setattr(sampling, "tune_decoding", lambda model, rows: {})  # the kernels below
+    monkeypatch.setattr(sampling, "tune_decoding", lambda model, rows, **kw: {})  # the kernels below
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=96, context_length=32, n_layer=2, n_head=2, n_embd=64)
     model = quantize_model(GPT(cfg).eval())
@@ -482,7 +482,7 @@ def test_a_model_given_the_compiled_loops_decodes_the_same_tokens(family, monkey
     from gptkiln.model import GPT
 
     monkeypatch.setattr(sampling, "use_compiled_loops", lambda model: None)  # given below
-    monkeypatch.setattr(sampling, "tune_decoding", lambda model, rows: {})
+    monkeypatch.setattr(sampling, "tune_decoding", lambda model, rows, **kw: {})
     name = "baby" if family == "gpt2" else f"{family}-baby"
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_name(name, vocab_size=97, context_length=48)).eval()

@@ -432,7 +432,7 @@ def test_the_first_token_is_out_before_the_decoding_kernels_are_tuned(model, mon
     import gptkiln.sampling as sampling
 
     tuned = []
-    monkeypatch.setattr(sampling, "tune_decoding", lambda m, rows: tuned.append(rows))
+    monkeypatch.setattr(sampling, "tune_decoding", lambda m, rows, **kw: tuned.append(rows))
     cfg = SampleConfig(max_new_tokens=3, temperature=0, stop_at_eos=False)
     stream = generate_stream(model, [[1, 2, 3], [4, 5]], cfg)
     next(stream)  # the prefill's token: no timing stood before it

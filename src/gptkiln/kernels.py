@@ -477,7 +477,7 @@ def int8_candidates() -> dict[str, Callable]:
 QUANTIZING_ACTIVATIONS = frozenset({"dynamic", "bf16"})
 """The candidates whose numbers differ from the reference by more than rounding (by design)."""
 
-CHOICE_RULES = "rules=3"
+CHOICE_RULES = "rules=4"
 """Part of every choice's key on disk: a change to `_fastest`'s rules bumps it, so that choices
 made by the old rules are made again."""
 
@@ -487,13 +487,15 @@ def _candidates_of(family: str) -> dict[str, Callable]:
     return int8_candidates() if family == "int8" else candidates()
 
 
-_CHOSEN: dict[tuple[int, int, int, int, str, str], str] = {}
+_CHOSEN: dict[tuple[int, int, int, int, str, str], str | dict] = {}
 """(out, in, rows, threads, weight dtype, the candidates' names) -> the kernel name tuned in this
-process, so it is timed once (and again inside or outside `exact_kernels`, whose candidates
-differ)."""
+process (or `_copy_costs`'s record of one that copies the weights), so it is timed once (and
+again inside or outside `exact_kernels`, whose candidates differ)."""
 
 
-def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[int, int], str]:
+def tune_decoding(
+    model: nn.Module, rows: int, repeats: int = 2, steps: int | None = None
+) -> dict[tuple[int, int], str]:
     """Give every eligible layer of ``model`` (a `gptkiln.model.Linear`, or a
     `gptkiln.quantize.Int8Linear`) the fastest kernel of its family for ``rows``, and its
     MLPs and attention layers the compiled loops (`use_compiled_loops`, whatever ``rows``).
@@ -506,8 +508,15 @@ def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[i
     this process for this many rows and threads takes the earlier choice without timing, and
     so does one tuned by an earlier process on this machine (`gptkiln.cache`: keyed by torch
     version, CPU and its flags, weight dtype and shape, rows, threads and the candidates' names),
-    once it still equals the reference on the first layer (which also warms it up).
-    The global random state is left alone. Returns {(out, in): kernel name}.
+    once it still equals the reference on the first layer's first rows (which also warms it up).
+
+    ``steps``: how many decode steps the caller will run at most (None: as many as come, a
+    server's). A kernel that first makes a copy of each weight (`dynamic_int8`'s packed one,
+    `bf16_linear`'s) is taken only where the copies are made already or the time it saves over
+    ``steps`` pays for making them; else the fastest kernel that needs none
+    (`_copy_costs`, measured once per machine with the choice): packing GPT-2's int8 head for
+    fbgemm took 0.44 s on the 2-core Xeon to save ~1 ms a step, a loss for a 200-token
+    ``generate``. The global random state is left alone. Returns {(out, in): kernel name}.
     """
     use_compiled_loops(model)
     if rows > FEW_ROWS:
@@ -532,17 +541,21 @@ def tune_decoding(model: nn.Module, rows: int, repeats: int = 2) -> dict[tuple[i
             if key not in _CHOSEN:
                 entry = f"{family} {shape[0]}x{shape[1]} rows={rows} threads={threads} {names}"
                 entry += f" {CHOICE_RULES}"
-                name = known.get(entry)
+                choice = known.get(entry)
+                name = _for_steps(choice, steps, layers) if _valid(choice, kernels) else None
                 reference = next(iter(kernels))  # needs no check against itself
-                if name not in kernels or (
+                if name is None or (
                     name != reference and not _still_equal(kernels, name, layers[0], rows)
                 ):
-                    name = _fastest(kernels, layers, rows, repeats)
-                    stored.put(entry, name)
-                _CHOSEN[key] = name
-            picked[shape] = _CHOSEN[key]
+                    choice = _fastest(kernels, layers, rows, repeats)
+                    if choice in _QUANTIZING_KERNELS:
+                        choice = _copy_costs(kernels, choice, layers, rows, repeats)
+                    stored.put(entry, choice)
+                _CHOSEN[key] = choice
+            name = _for_steps(_CHOSEN[key], steps, layers)
+            picked[shape] = name
             for layer in layers:
-                layer.few_row_kernels[rows] = kernels[_CHOSEN[key]]
+                layer.few_row_kernels[rows] = kernels[name]
                 _drop_unused_copies(layer)
     use_native_blocks(model, rows)
     return picked
@@ -664,7 +677,10 @@ def keep_exact(model: nn.Module) -> None:
 def chosen() -> dict[tuple[int, int, int, int, str], str]:
     """Every choice made in this process: {(out, in, rows, threads, weight dtype): kernel name}
     (the latest, where one was made both inside and outside `exact_kernels`)."""
-    return {key[:5]: name for key, name in _CHOSEN.items()}
+    return {
+        key[:5]: choice if isinstance(choice, str) else choice["kernel"]
+        for key, choice in _CHOSEN.items()
+    }
 
 
 def _family(module: nn.Module) -> str | None:
@@ -741,15 +757,86 @@ COMPILED = frozenset({"fused"})
 compiled loop, ~6 s on a 2-core Xeon even from inductor's on-disk cache (`bench/README.md`)."""
 
 
+def _copy_costs(
+    kernels: dict[str, Callable], name: str, layers: list[nn.Module], rows: int, repeats: int
+) -> dict:
+    """For ``name``, a kernel that keeps a copy of each weight (`_QUANTIZING_KERNELS`), chosen
+    by `_fastest`: the choice as `tune_decoding` keeps it, with what `_for_steps` weighs.
+    ``without_copies``: the fastest of the kernels that keep none; ``copy_seconds``: a pass
+    over ``layers`` that makes the copies less one that has them; ``step_seconds_saved``: the
+    time a pass (a decode step's products of this shape) takes less than without copies."""
+    x = torch.randn(rows, layers[0].weight.size(1), generator=torch.Generator().manual_seed(0))
+
+    def run(kernel=kernels[name]):
+        for layer in layers:
+            kernel(x, *_operands(layer))
+
+    cache = _QUANTIZING_KERNELS[name][1]
+    for layer in layers:
+        cache.pop(id(layer.weight), None)
+    making = _seconds(run)
+    having = min(_seconds(run) for _ in range(repeats))
+    others = {n: k for n, k in kernels.items() if n not in _QUANTIZING_KERNELS}
+    fallback = _fastest(others, layers, rows, repeats)
+    without = min(_seconds(lambda: run(others[fallback])) for _ in range(repeats))
+    return {
+        "kernel": name,
+        "without_copies": fallback,
+        "copy_seconds": max(making - having, 0.0),
+        "step_seconds_saved": max(without - having, 0.0),
+    }
+
+
+def _valid(choice, kernels: dict[str, Callable]) -> bool:
+    """Whether a choice read from the disk cache names kernels on offer here: a name, or
+    `_copy_costs`'s record."""
+    if isinstance(choice, str):
+        return choice in kernels
+    return (
+        isinstance(choice, dict)
+        and choice.get("kernel") in kernels
+        and choice.get("without_copies") in kernels
+        and all(
+            isinstance(choice.get(k), (int, float)) for k in ("copy_seconds", "step_seconds_saved")
+        )
+    )
+
+
+def _for_steps(choice: str | dict, steps: int | None, layers: list[nn.Module]) -> str:
+    """The kernel a choice gives for at most ``steps`` decode steps (None: unbounded): a
+    name as it is; of `_copy_costs`'s record, the kernel that makes copies where they are made
+    already (for every layer) or where ``steps`` times the time it saves pays for making them,
+    else the fastest kernel without copies."""
+    if isinstance(choice, str):
+        return choice
+    name = choice["kernel"]
+    if steps is None or steps * choice["step_seconds_saved"] >= choice["copy_seconds"]:
+        return name
+    cache = _QUANTIZING_KERNELS[name][1]
+    if all(id(layer.weight) in cache for layer in layers):
+        return name
+    return choice["without_copies"]
+
+
 def _still_equal(kernels: dict[str, Callable], name: str, layer: nn.Module, rows: int) -> bool:
     """Whether ``kernels[name]`` (a choice read from the disk cache) still gives the reference's
     result on ``layer`` for ``rows`` rows (`_agrees`), as `_fastest` asks of every candidate."""
     x = torch.randn(rows, layer.weight.size(1), generator=torch.Generator().manual_seed(0))
-    expected = next(iter(kernels.values()))(x, *_operands(layer))
+    # the first CHECK_ROWS outputs only: the reference converts the whole weight (60 ms for
+    # GPT-2's int8 head) and a kernel that copies weights would pack it (0.44 s)
+    operands = tuple(None if t is None else t[:CHECK_ROWS] for t in _operands(layer))
+    expected = next(iter(kernels.values()))(x, *operands)
     try:
-        return _agrees(name, kernels[name](x, *_operands(layer)), expected)
+        return _agrees(name, kernels[name](x, *operands), expected)
     except RuntimeError:
         return False
+    finally:
+        for _, cache in _QUANTIZING_KERNELS.values():  # the slice's copy, if one was made
+            cache.pop(id(operands[0]), None)
+
+
+CHECK_ROWS = 256
+"""How many of a layer's outputs `_still_equal` checks a choice read from the disk cache on."""
 
 
 QUANTIZING_MARGIN = 0.8

@@ -292,7 +292,7 @@ def generate_stream(
         if step + 1 == cfg.max_new_tokens or bool(finished.all()):
             return
         if untuned:
-            tune_decoding(model, rows=B)
+            tune_decoding(model, rows=B, steps=cfg.max_new_tokens - 1)
             untuned = False
         idx = torch.cat([idx, token[:, None]], dim=1)
         if not use_cache:
