@@ -175,6 +175,7 @@ def force(monkeypatch, name: str) -> None:
 
     monkeypatch.setattr(kernels, "_fastest", fastest)
     monkeypatch.setattr(kernels, "_copy_costs", copies_pay)
+    monkeypatch.setattr(kernels, "_time_step", lambda *a: "layers")  # nor the one-call step
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -525,3 +526,44 @@ def test_a_short_generation_takes_the_kernel_without_copies_and_makes_none(monke
         model(torch.tensor([[1]]))  # one row: every layer packs its weight
     assert all(id(w) in kernels._PACKED for w in weights)
     assert set(kernels.tune_decoding(model, rows=1, steps=10).values()) == {"dynamic"}  # made
+
+
+@pytest.mark.skipif(
+    __import__("gptkiln.native").native.decode_blocks_library() is None,
+    reason="no C compiler with OpenMP, or no AVX-512: no one-call step to choose",
+)
+def test_the_tuner_times_a_whole_step_where_the_products_chose_other_kernels(
+    monkeypatch, tmp_path
+):
+    """Where the products alone were timed fastest with another kernel, the one-call step
+    (which needs the loops) may still win: a whole step is timed both ways, once per machine."""
+    import gptkiln.sampling as sampling
+
+    greedy = SampleConfig(max_new_tokens=6, temperature=0, stop_at_eos=False)
+    with monkeypatch.context() as untuned:
+        untuned.setattr(sampling, "tune_decoding", lambda *a, **kw: {})
+        reference = generate(tiny_model(), [[1, 2, 3]], greedy)
+    model = tiny_model()
+    monkeypatch.setattr(kernels, "_fastest", lambda found, *a: next(iter(found)))  # F.linear
+    timed = []
+    monkeypatch.setattr(kernels, "_time_step", lambda *a: timed.append(1) or "layers")
+    assert generate(model, [[1, 2, 3]], greedy) == reference
+    assert timed and (model.decode_blocks is None or not model.decode_blocks.rows)
+    assert model.h[0].mlp.c_fc.few_row_kernels[1] is F.linear
+
+    model = tiny_model()
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / "another-machine"))
+    real = kernels._time_step
+    monkeypatch.setattr(kernels, "_time_step", lambda *a: real(*a) and "native")
+    assert generate(model, [[1, 2, 3]], greedy) == reference
+    assert model.decode_blocks.rows == {1}
+    blocks = [m for b in model.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+    assert all(m.few_row_kernels[1] is kernels.few_rows_linear for m in blocks)
+    assert model.lm_head.few_row_kernels[1] is F.linear  # the head keeps its own choice
+
+    model = tiny_model()
+    monkeypatch.setattr(kernels, "_CHOSEN", {})  # another process: the choice from the disk
+    monkeypatch.setattr(kernels, "_time_step", lambda *a: pytest.fail("timed again"))
+    assert generate(model, [[1, 2, 3]], greedy) == reference
+    assert model.decode_blocks.rows == {1}

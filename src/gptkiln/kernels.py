@@ -487,10 +487,11 @@ def _candidates_of(family: str) -> dict[str, Callable]:
     return int8_candidates() if family == "int8" else candidates()
 
 
-_CHOSEN: dict[tuple[int, int, int, int, str, str], str | dict] = {}
+_CHOSEN: dict[tuple[int, int, int, int, str, str] | str, str | dict] = {}
 """(out, in, rows, threads, weight dtype, the candidates' names) -> the kernel name tuned in this
 process (or `_copy_costs`'s record of one that copies the weights), so it is timed once (and
-again inside or outside `exact_kernels`, whose candidates differ)."""
+again inside or outside `exact_kernels`, whose candidates differ); and a decode step's entry
+(`_tune_step`) -> "native" or "layers"."""
 
 
 def tune_decoding(
@@ -557,8 +558,84 @@ def tune_decoding(
             for layer in layers:
                 layer.few_row_kernels[rows] = kernels[name]
                 _drop_unused_copies(layer)
-    use_native_blocks(model, rows)
+        _tune_step(model, rows, repeats, stored, known)
+    for (family, shape), layers in groups.items():  # as the step's choice left them
+        names = {kernel: name for name, kernel in _candidates_of(family).items()}
+        picked[shape] = names.get(layers[0].few_row_kernels.get(rows), picked[shape])
     return picked
+
+
+def _tune_step(model: nn.Module, rows: int, repeats: int, stored, known: dict) -> None:
+    """`use_native_blocks` where the tuner chose the loops for every block product; where it
+    chose other kernels for some, and the model is a GPT-2 with a KV cache of ``rows`` rows,
+    time a whole decode step both ways and keep the faster: the layers with their tuned
+    kernels, against the loops for every block product in one call (which saves the time
+    between the products, ~0.2 ms a block, that timing the products alone does not see).
+    The step is timed at the cache's last position (written before it is read: decoding
+    writes each position's keys first). The choice is kept as the products' are (in this
+    process, and on disk, keyed by the shapes, rows, threads and the kernels the layers had)."""
+    from gptkiln.native import decode_blocks_library
+
+    if getattr(getattr(model, "config", None), "family", None) != "gpt2":
+        return
+    if use_native_blocks(model, rows) or decode_blocks_library() is None:
+        return
+    cache = model.h[0].attn.kv_cache
+    if cache is None or cache.k.size(0) != rows:
+        return
+    products = [
+        layer
+        for block in model.h
+        for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+    ]
+    families = [_family(layer) for layer in products]
+    if None in families:
+        return
+    names = {k: n for f in set(families) for n, k in _candidates_of(f).items()}
+    had = sorted({names.get(layer.few_row_kernels.get(rows), "?") for layer in products})
+    c = model.config
+    entry = (
+        f"gpt2 step {c.n_layer}x{c.n_embd} heads={c.n_head} mlp={c.mlp_size} rows={rows} "
+        f"threads={torch.get_num_threads()} layers={','.join(had)} {CHOICE_RULES}"
+    )
+    if entry not in _CHOSEN:
+        choice = known.get(entry)
+        if choice not in ("native", "layers"):
+            choice = _time_step(model, products, families, rows, repeats)
+            stored.put(entry, choice)
+        _CHOSEN[entry] = choice
+    if _CHOSEN[entry] == "native":
+        loop = {"float32": few_rows_linear, "int8": int8_rows_linear}
+        for layer, family in zip(products, families):
+            layer.few_row_kernels[rows] = loop[family]
+            _drop_unused_copies(layer)
+        use_native_blocks(model, rows)
+
+
+def _time_step(model, products, families, rows: int, repeats: int) -> str:
+    """"native" or "layers": which decode step of ``model`` ran faster (best of ``repeats``
+    after one to warm up), the one call with the loops on every block product, or the layers
+    with the kernels they have; the layers' kernels are left as they were."""
+    token = torch.zeros(rows, 1, dtype=torch.long, device=model.wte.weight.device)
+    pos = model.cache_len - 1
+
+    def step():
+        model(token, start_pos=pos, last_only=True)
+
+    def best():
+        return min(_seconds(step) for _ in range(repeats + 1))
+
+    kept = [layer.few_row_kernels.get(rows) for layer in products]
+    layers_time = best()
+    loop = {"float32": few_rows_linear, "int8": int8_rows_linear}
+    for layer, family in zip(products, families):
+        layer.few_row_kernels[rows] = loop[family]
+    native = use_native_blocks(model, rows)
+    native_time = best() if native else math.inf
+    for layer, kernel in zip(products, kept):
+        layer.few_row_kernels[rows] = kernel
+    use_native_blocks(model, rows)  # taken away again: the layers have other kernels
+    return "native" if native_time < layers_time else "layers"
 
 
 def use_native_blocks(model: nn.Module, rows: int) -> bool:
@@ -675,11 +752,12 @@ def keep_exact(model: nn.Module) -> None:
 
 
 def chosen() -> dict[tuple[int, int, int, int, str], str]:
-    """Every choice made in this process: {(out, in, rows, threads, weight dtype): kernel name}
-    (the latest, where one was made both inside and outside `exact_kernels`)."""
+    """Every product's choice made in this process: {(out, in, rows, threads, weight dtype):
+    kernel name} (the latest, where one was made both inside and outside `exact_kernels`)."""
     return {
         key[:5]: choice if isinstance(choice, str) else choice["kernel"]
         for key, choice in _CHOSEN.items()
+        if isinstance(key, tuple)  # not a step's (`_tune_step`)
     }
 
 
