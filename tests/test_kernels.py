@@ -567,3 +567,12 @@ def test_the_tuner_times_a_whole_step_where_the_products_chose_other_kernels(
     monkeypatch.setattr(kernels, "_time_step", lambda *a: pytest.fail("timed again"))
     assert generate(model, [[1, 2, 3]], greedy) == reference
     assert model.decode_blocks.rows == {1}
+
+
+def test_a_server_tuning_rows_at_their_own_positions_times_no_whole_step(monkeypatch):
+    model = tiny_model()
+    model.setup_cache(1, 16)
+    monkeypatch.setattr(kernels, "_fastest", lambda found, *a: next(iter(found)))  # F.linear
+    monkeypatch.setattr(kernels, "_time_step", lambda *a: pytest.fail("timed a whole step"))
+    kernels.tune_decoding(model, rows=1, one_call=False)
+    assert model.h[0].mlp.c_fc.few_row_kernels[1] is F.linear  # the products' own choice

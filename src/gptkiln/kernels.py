@@ -495,7 +495,11 @@ again inside or outside `exact_kernels`, whose candidates differ); and a decode 
 
 
 def tune_decoding(
-    model: nn.Module, rows: int, repeats: int = 2, steps: int | None = None
+    model: nn.Module,
+    rows: int,
+    repeats: int = 2,
+    steps: int | None = None,
+    one_call: bool = True,
 ) -> dict[tuple[int, int], str]:
     """Give every eligible layer of ``model`` (a `gptkiln.model.Linear`, or a
     `gptkiln.quantize.Int8Linear`) the fastest kernel of its family for ``rows``, and its
@@ -517,7 +521,12 @@ def tune_decoding(
     ``steps`` pays for making them; else the fastest kernel that needs none
     (`_copy_costs`, measured once per machine with the choice): packing GPT-2's int8 head for
     fbgemm took 0.44 s on the 2-core Xeon to save ~1 ms a step, a loss for a 200-token
-    ``generate``. The global random state is left alone. Returns {(out, in): kernel name}.
+    ``generate``.
+
+    ``one_call``: whether the caller's steps put every row at one position, so that a GPT-2's
+    blocks may run in one call (`_tune_step`); a server's rows, each at its own position, run
+    the layers, and its products keep their own fastest kernels. The global random state is
+    left alone. Returns {(out, in): kernel name}.
     """
     use_compiled_loops(model)
     if rows > FEW_ROWS:
@@ -558,7 +567,8 @@ def tune_decoding(
             for layer in layers:
                 layer.few_row_kernels[rows] = kernels[name]
                 _drop_unused_copies(layer)
-        _tune_step(model, rows, repeats, stored, known)
+        if one_call:
+            _tune_step(model, rows, repeats, stored, known)
     for (family, shape), layers in groups.items():  # as the step's choice left them
         names = {kernel: name for name, kernel in _candidates_of(family).items()}
         picked[shape] = names.get(layers[0].few_row_kernels.get(rows), picked[shape])

@@ -39,6 +39,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -384,7 +385,10 @@ class _BlocksTable:
         from torch import nn
 
         from gptkiln.model import MLP, CausalSelfAttention, Linear
-        from gptkiln.quantize import Int8Linear
+
+        # int8 layers exist only once gptkiln.quantize is loaded (which imports this module's
+        # users: importing it here would close a cycle)
+        Int8Linear = getattr(sys.modules.get("gptkiln.quantize"), "Int8Linear", None)
 
         c = model.config
         self = cls()
@@ -425,7 +429,7 @@ class _BlocksTable:
                         w, s = self._tensor(layer, "weight"), self.addresses.append(0)
                         if w.dtype != torch.float32:
                             return None
-                    elif type(layer) is Int8Linear:
+                    elif Int8Linear is not None and type(layer) is Int8Linear:
                         w, s = self._tensor(layer, "weight"), self._tensor(layer, "scale")
                         if w.dtype != torch.int8 or not _fp32_cpu(s):
                             return None

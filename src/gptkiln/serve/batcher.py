@@ -312,7 +312,7 @@ class Batcher:
     def _prepare(self) -> None:
         self.model.setup_cache(self.max_batch, self.context_length)
         for rows in self._buckets:
-            tune_decoding(self.model, rows=rows)
+            tune_decoding(self.model, rows=rows, one_call=False)  # rows at their own positions
 
     @torch.inference_mode()
     def _step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
