@@ -262,7 +262,7 @@ def table(figures: dict[str, dict[str, list[float]]]) -> list[dict]:
             row["decode_ratio"] = common.ratio(b["decode_tok_s"], peer["decode_tok_s"])
             row["first_ratio"] = common.ratio(peer["first_token_s"], b["first_token_s"])
             row["whole_ratio"] = common.ratio(peer["whole_s"], b["whole_s"])
-            row["over_torch"] = f"+{b['first_token_s'] - floor:.2f} s"
+            row["over_torch"] = f"{b['first_token_s'] - floor:+.2f} s"
         rows.append(row)
     rows.append({"side": IMPORT_TORCH, "whole_s": floor})
     return rows
