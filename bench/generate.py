@@ -138,14 +138,19 @@ def worker(job: dict) -> None:
     assert out.shape == (job["batch"], 2), out.shape
     sec = statistics.median(times)
     result = {"tokens_per_s": job["batch"] * n / sec, "seconds": sec, "ms_per_token": 1e3 * sec / n}
-    if impl.startswith("gptkiln"):  # what gptkiln.kernels.tune_decoding picked for the decode
-        from gptkiln.kernels import chosen
+    if impl.startswith("gptkiln"):  # what the decode ran, as gptkiln.kernels.tune_decoding left it
+        from gptkiln import kernels
 
-        result["kernels"] = {
-            f"{o}x{i} {dtype}": name
-            for (o, i, rows, _, dtype), name in chosen().items()
-            if rows == job["batch"]
-        }
+        names = {k: n for c in (kernels.candidates(), kernels.int8_candidates()) for n, k in c.items()}
+        ran = {}
+        for m in model.modules():
+            kernel = getattr(m, "few_row_kernels", {}).get(job["batch"])
+            if kernel is not None:
+                shape = "x".join(map(str, m.weight.shape))
+                ran[f"{shape} {str(m.weight.dtype).removeprefix('torch.')}"] = names.get(kernel, "?")
+        blocks = getattr(model, "decode_blocks", None)
+        ran["blocks in one call"] = bool(blocks and job["batch"] in blocks.rows)
+        result["kernels"] = ran
     common.emit(result)
 
 
