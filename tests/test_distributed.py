@@ -707,3 +707,28 @@ if __name__ == "__main__":
     if sys.argv[1] == "--uneven-clock":  # rank r's clock: r + 1 seconds a reading
         sys.exit(_train_on_a_clock(sys.argv[2:], int(os.environ["RANK"]) + 1))
     _worker_main(Path(sys.argv[1]))
+
+
+@pytest.mark.parametrize("stop", ["peer", "sigterm", "bug"])
+def test_a_run_leaving_on_a_stop_is_not_killed_before_it_says_where_to_resume(stop):
+    """torchrun SIGTERMs the surviving ranks as soon as one dies; rank 0, already leaving on the
+    lost peer, must live to print the last checkpoint (it was once killed on the way out)."""
+    from gptkiln.distributed import TerminationGuard, WorkerStopped
+
+    before = signal.getsignal(signal.SIGTERM)
+    error = {
+        "peer": RuntimeError("Connection closed by peer"),
+        "sigterm": WorkerStopped("stopped by SIGTERM"),
+        "bug": ValueError("a bug is not a stop"),
+    }[stop]
+    try:
+        with pytest.raises(type(error)), TerminationGuard():
+            raise error
+        if stop == "bug":
+            assert signal.getsignal(signal.SIGTERM) == before  # restored as it was
+        else:
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGTERM)  # torchrun's: this process lives on
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -287,7 +287,9 @@ class TerminationGuard:
     When a worker fails, torchrun sends SIGTERM to the others (and SIGKILL 30 s later). Left at
     its default, SIGTERM kills a process on the spot, possibly between the files of a
     checkpoint, which would then not load. Inside `hold()` SIGTERM and SIGINT wait until the
-    block ends, then take effect. Usable only from the main thread (elsewhere it does nothing).
+    block ends, then take effect. Left by a stop (`is_peer_failure`), the guard leaves SIGTERM
+    ignored: the process is on its way out and says why. Usable only from the main thread
+    (elsewhere it does nothing).
     """
 
     def __init__(self) -> None:
@@ -304,9 +306,13 @@ class TerminationGuard:
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # A run leaving on a stop (a peer died, or SIGTERM came) ignores SIGTERM from here on:
+        # torchrun sends it to the survivors as soon as one rank fails, and, at its default, it
+        # killed rank 0 between here and its message saying where the last checkpoint is.
+        stopping = exc is not None and is_peer_failure(exc)
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if stopping else handler)
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame) -> None:
