@@ -1,6 +1,7 @@
 """Few-row decoding kernels: each equals F.linear, and the tuner picks the fastest correct one."""
 
 import time
+import weakref
 
 import pytest
 import torch
@@ -475,7 +476,7 @@ def test_copy_costs_weigh_the_copies_a_kernel_makes_against_the_time_it_saves(mo
 
     def packing(x, w, s, b):  # 0.5 a call, and 3.0 more the first time it sees a weight
         clock[0] += 0.5 + (3.0 if id(w) not in kernels._PACKED else 0.0)
-        kernels._PACKED[id(w)] = None
+        kernels._PACKED[id(w)] = (weakref.ref(w), None, None)  # as `_kept` keeps one
         return kernels.dequantize_linear(x, w, s, b)
 
     def plain(x, w, s, b):
@@ -576,3 +577,18 @@ def test_a_server_tuning_rows_at_their_own_positions_times_no_whole_step(monkeyp
     monkeypatch.setattr(kernels, "_time_step", lambda *a: pytest.fail("timed a whole step"))
     kernels.tune_decoding(model, rows=1, one_call=False)
     assert model.h[0].mlp.c_fc.few_row_kernels[1] is F.linear  # the products' own choice
+
+
+def test_a_stale_copy_under_a_reused_id_is_not_taken_for_the_weights():
+    from gptkiln.quantize import Int8Linear, quantize_model
+
+    layers = [m for m in quantize_model(tiny_model()).modules() if isinstance(m, Int8Linear)]
+    record = {"kernel": "dynamic", "without_copies": "dequantize"}
+    record.update(copy_seconds=1.0, step_seconds_saved=0.001)
+    gone = torch.zeros(1)
+    stale = {id(layer.weight): (weakref.ref(gone), (), None) for layer in layers}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(kernels._QUANTIZING_KERNELS, "dynamic", (kernels.dynamic_int8, stale))
+        assert kernels._for_steps(record, 10, layers) == "dequantize"  # another tensor's copies
+        stale.update({id(layer.weight): (weakref.ref(layer.weight), (), None) for layer in layers})
+        assert kernels._for_steps(record, 10, layers) == "dynamic"  # these weights' own

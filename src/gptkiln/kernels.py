@@ -901,9 +901,16 @@ def _for_steps(choice: str | dict, steps: int | None, layers: list[nn.Module]) -
     if steps is None or steps * choice["step_seconds_saved"] >= choice["copy_seconds"]:
         return name
     cache = _QUANTIZING_KERNELS[name][1]
-    if all(id(layer.weight) in cache for layer in layers):
+    if all(_has_copy(cache, layer.weight) for layer in layers):
         return name
     return choice["without_copies"]
+
+
+def _has_copy(cache: dict[int, tuple], weight: torch.Tensor) -> bool:
+    """Whether ``cache`` (`_kept`'s) holds a copy made from ``weight`` itself: not a stale
+    entry of a freed tensor whose id went to this one."""
+    entry = cache.get(id(weight))
+    return entry is not None and entry[0]() is weight
 
 
 def _still_equal(kernels: dict[str, Callable], name: str, layer: nn.Module, rows: int) -> bool:

@@ -307,7 +307,8 @@ class DecodeBlocks:
             if mask.dtype != torch.bool or mask.device.type != "cpu":
                 return None
         ln_f = model.ln_f
-        x = x.reshape(B, c.n_embd).contiguous()  # written in place: the caller's fresh sum
+        # written in place: a copy, so that a step refused half-way leaves the caller's x as it was
+        x = x.reshape(B, c.n_embd).clone(memory_format=torch.contiguous_format)
         out = torch.empty(B, 1, c.n_embd, dtype=torch.float32)
         refused = lib.gpt2_decode_blocks(
             table.addresses.buffer_info()[0],
