@@ -593,11 +593,7 @@ def _tune_step(model: nn.Module, rows: int, repeats: int, stored, known: dict) -
     cache = model.h[0].attn.kv_cache
     if cache is None or cache.k.size(0) != rows:
         return
-    products = [
-        layer
-        for block in model.h
-        for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
-    ]
+    products = _block_products(model)
     families = [_family(layer) for layer in products]
     if None in families:
         return
@@ -615,11 +611,23 @@ def _tune_step(model: nn.Module, rows: int, repeats: int, stored, known: dict) -
             stored.put(entry, choice)
         _CHOSEN[entry] = choice
     if _CHOSEN[entry] == "native":
-        loop = {"float32": few_rows_linear, "int8": int8_rows_linear}
         for layer, family in zip(products, families):
-            layer.few_row_kernels[rows] = loop[family]
+            layer.few_row_kernels[rows] = _LOOPS[family]
             _drop_unused_copies(layer)
         use_native_blocks(model, rows)
+
+
+_LOOPS = {"float32": few_rows_linear, "int8": int8_rows_linear}
+"""The project's own loop for each weight family: what ``csrc/decode_blocks.c`` runs."""
+
+
+def _block_products(model: nn.Module) -> list[nn.Module]:
+    """A GPT-2 model's block products, in the order ``csrc/decode_blocks.c`` runs them."""
+    return [
+        layer
+        for block in model.h
+        for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+    ]
 
 
 def _time_step(model, products, families, rows: int, repeats: int) -> str:
@@ -637,9 +645,8 @@ def _time_step(model, products, families, rows: int, repeats: int) -> str:
 
     kept = [layer.few_row_kernels.get(rows) for layer in products]
     layers_time = best()
-    loop = {"float32": few_rows_linear, "int8": int8_rows_linear}
     for layer, family in zip(products, families):
-        layer.few_row_kernels[rows] = loop[family]
+        layer.few_row_kernels[rows] = _LOOPS[family]
     native = use_native_blocks(model, rows)
     native_time = best() if native else math.inf
     for layer, kernel in zip(products, kept):
@@ -664,14 +671,9 @@ def use_native_blocks(model: nn.Module, rows: int) -> bool:
 
     if getattr(getattr(model, "config", None), "family", None) != "gpt2":
         return False
-    loops = (few_rows_linear, int8_rows_linear)
-    products = [
-        layer
-        for block in model.h
-        for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
-    ]
     native = all(
-        getattr(layer, "few_row_kernels", {}).get(rows) in loops for layer in products
+        getattr(layer, "few_row_kernels", {}).get(rows) in _LOOPS.values()
+        for layer in _block_products(model)
     ) and (decode_blocks_library() is not None)
     blocks = model.decode_blocks
     if native:
