@@ -554,7 +554,7 @@ def test_scores_and_generations_leave_out_the_kernels_that_change_the_sums(setup
     assert "dynamic" in kernels.int8_candidates()  # outside the block: offered again
     kernels.tune_decoding(lm._model, rows=3)  # a model tuned before, as a trainer's that sampled
     assert {m.few_row_kernels[3] for m in layers} == {kernels.dynamic_int8}
-    assert set(kernels.QUANTIZING_ACTIVATIONS) == set(kernels._QUANTIZING_KERNELS)
+    assert set(kernels.QUANTIZING_ACTIVATIONS) == set(kernels._INEXACT)
     manager, built = load_tasks("kiln_mc", setup["tasks"])
     run_harness(lm, manager, built, bootstrap_iters=0)  # scoring takes them off first
     assert not any(kernels.dynamic_int8 in m.few_row_kernels.values() for m in layers)

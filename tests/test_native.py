@@ -31,6 +31,7 @@ LIBRARIES = (
     native.gelu_library,
     native.decode_attention_library,
     native.decode_blocks_library,
+    native.q8_rows_library,
 )
 
 
@@ -143,7 +144,7 @@ def test_a_compiler_that_fails_leaves_no_file_behind(fresh_build, monkeypatch, t
     assert not list(fresh_build.iterdir())
 
 
-def test_the_library_builds_wherever_it_can(fresh_build):
+def test_the_library_builds_wherever_it_can(fresh_build, monkeypatch):
     # so that a source that no longer compiles fails here, instead of every test above skipping
     if native.compiler() is None or not native._avx512_on_linux():
         pytest.skip("no C compiler, or no AVX-512: nothing to build on this machine")
@@ -154,6 +155,19 @@ def test_the_library_builds_wherever_it_can(fresh_build):
     assert native.int8_rows_library() is not None
     assert "int8_rows" in kernels.int8_candidates()
     assert native.decode_attention_library() is not None
+    if _cpu_has_vnni():  # q8_rows needs AVX-512 VNNI besides
+        assert native.q8_rows_library() is not None
+        monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
+        assert "q8_rows" in kernels.int8_candidates()
+
+
+def _cpu_has_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512_vnni"))
 
 
 # -- target_log_probs: one token's log-probability a row, for scoring ---------------------------
@@ -409,6 +423,91 @@ def test_an_int8_model_given_the_loop_decodes_the_reference_tokens(monkeypatch):
     assert torch.equal(got, reference)
 
 
+# -- q8_rows_linear: int8 weights, activations rounded to 8 bits in blocks of 32 ---------------
+needs_q8_library = pytest.mark.skipif(
+    native.q8_rows_library() is None,
+    reason="no C compiler with OpenMP, or no AVX-512 VNNI on this machine: not offered",
+)
+
+
+def _q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as q8_0 rounds it: each block of 32 values to 8 bits on its own scale
+    (max |x| / 127), given back in float64."""
+    blocks = x.double().view(x.size(0), -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    a = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1.0)), 0.0)
+    return (a * d).view_as(x)
+
+
+@needs_q8_library
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 64])
+@pytest.mark.parametrize("n_out, n_in", [(4, 64), (7, 128), (97, 768), (50, 1088)])
+def test_the_q8_rows_kernel_is_q8_0s_product(rows, n_out, n_in):
+    # remainders as the other loops'; 1088 = 1024 + 64: an input wider than one chunk of k
+    from gptkiln.quantize import quantize_per_channel
+
+    torch.manual_seed(rows * 1000 + n_out)
+    q, scale = quantize_per_channel(torch.randn(n_out, n_in))
+    x, b = torch.randn(rows, n_in), torch.randn(n_out)
+    x[:, 3] *= 40  # an outlier: only its own block of 32 is rounded on its scale
+    w = q.double() * scale.double()[:, None]
+    for bias in (b, None):
+        got = kernels.q8_rows_linear(x, q, scale, bias)
+        assert got.shape == (rows, n_out) and got.is_contiguous()
+        expected = F.linear(_q8_0(x), w, None if bias is None else bias.double())
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+        # against the activations unrounded: within the tolerance the tuner holds it to
+        reference = kernels.dequantize_linear(x, q, scale, bias)
+        error = ((got - reference).norm() / reference.norm()).item()
+        assert error <= kernels.ACTIVATION_TOLERANCE
+    many = torch.randn(2, 3, n_in)  # leading dimensions are kept
+    assert kernels.q8_rows_linear(many, q, scale, b).shape == (2, 3, n_out)
+
+
+@needs_q8_library
+def test_the_q8_rows_kernel_leaves_to_the_reference_what_it_does_not_take():
+    from gptkiln.quantize import quantize_per_channel
+
+    torch.manual_seed(0)
+    q, scale = quantize_per_channel(torch.randn(8, 64))
+    q48, scale48 = quantize_per_channel(torch.randn(8, 48))
+    cases = {
+        "a width that is not a multiple of 64": (torch.randn(3, 48), q48, scale48),
+        "more rows than it keeps sums for": (torch.randn(kernels.FEW_ROWS + 1, 64), q, scale),
+        "float64": (torch.randn(3, 64, dtype=torch.float64), q, scale.double()),
+        "a transposed weight": (torch.randn(3, 8), q.t(), torch.ones(64)),
+    }
+    for what, (x, weight, s) in cases.items():
+        torch.testing.assert_close(
+            kernels.q8_rows_linear(x, weight, s, None),
+            kernels.dequantize_linear(x, weight, s, None),
+            msg=what,
+        )
+
+
+def test_q8_rows_is_not_offered_on_a_cpu_without_vnni(monkeypatch):
+    class WithoutVnni:  # the library as it loads on an AVX-512 CPU that lacks VNNI
+        def q8_supported(self):
+            return 0
+
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
+    monkeypatch.setattr(native, "_typed", lambda *a: WithoutVnni())
+    native.q8_rows_library.cache_clear()
+    try:
+        assert native.q8_rows_library() is None
+        assert "q8_rows" not in kernels.int8_candidates()
+    finally:
+        native.q8_rows_library.cache_clear()
+
+
+@needs_q8_library
+def test_q8_rows_is_left_out_where_the_kernels_must_be_exact(monkeypatch):
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
+    assert "q8_rows" in kernels.int8_candidates() and "q8_rows" in kernels.QUANTIZING_ACTIVATIONS
+    with kernels.exact_kernels():
+        assert "q8_rows" not in kernels.int8_candidates()
+
+
 # -- decode_attention: one new token a row over the KV cache -----------------------------------
 needs_attention_library = pytest.mark.skipif(
     native.decode_attention_library() is None,
@@ -590,6 +689,58 @@ def test_the_one_call_decode_step_is_the_layers_step(quantized, prompts):
 
 
 @needs_blocks_library
+@needs_q8_library
+@pytest.mark.parametrize("mixed", [False, True], ids=["q8", "q8-and-int8"])
+def test_the_one_call_step_runs_each_product_by_its_layers_loop(mixed):
+    # q8_rows rounds the activations: the one call must run it where the layer has it (and
+    # the exact int8 loop where that layer has that), so that the step is the layers' step
+    model = _gpt2(quantized=True)
+    products = kernels._block_products(model)
+    for i, layer in enumerate(products):
+        exact = mixed and i % 3 == 1
+        layer.few_row_kernels[1] = kernels.int8_rows_linear if exact else kernels.q8_rows_linear
+    kernels.use_compiled_loops(model)
+    reference = _step_logits(model, [[5, 6, 7]], steps=6)
+    exact = _step_logits_with(model, kernels.int8_rows_linear, [[5, 6, 7]], steps=6)
+    assert not torch.allclose(reference, exact, atol=1e-4)  # the rounding shows in the logits
+    assert kernels.use_native_blocks(model, 1)
+    model.decode_blocks, done = _counting(model.decode_blocks)
+    got = _step_logits(model, [[5, 6, 7]], steps=6)
+    assert len(done) == 6
+    torch.testing.assert_close(got, reference, atol=2e-5, rtol=1e-5)
+
+
+def _step_logits_with(model, kernel, prompts, steps: int):
+    """`_step_logits` with ``kernel`` on every block product for the step (then as before)."""
+    products = kernels._block_products(model)
+    kept = [layer.few_row_kernels.get(1) for layer in products]
+    for layer in products:
+        layer.few_row_kernels[1] = kernel
+    try:
+        return _step_logits(model, prompts, steps)
+    finally:
+        for layer, k in zip(products, kept):
+            layer.few_row_kernels[1] = k
+
+
+@needs_blocks_library
+@needs_q8_library
+def test_keep_exact_takes_q8_off_the_one_call_step_too():
+    model = _gpt2(quantized=True)
+    for layer in kernels._block_products(model):
+        layer.few_row_kernels[1] = kernels.q8_rows_linear
+    kernels.use_compiled_loops(model)
+    assert kernels.use_native_blocks(model, 1)
+    kernels.keep_exact(model)  # as an evaluation does before it scores
+    model.decode_blocks, done = _counting(model.decode_blocks)
+    got = _step_logits(model, [[5, 6, 7]], steps=3)
+    assert not done  # declined: the layers run, on the reference product
+    blocks, model.decode_blocks = model.decode_blocks, None
+    exact = _step_logits_with(model, kernels.dequantize_linear, [[5, 6, 7]], steps=3)
+    torch.testing.assert_close(got, exact, atol=2e-5, rtol=1e-5)
+
+
+@needs_blocks_library
 def test_the_one_call_step_is_given_only_where_the_tuner_chose_the_loops():
     model = _gpt2()
     assert not kernels.use_native_blocks(model, 1)  # untuned: F.linear on every product
@@ -632,6 +783,32 @@ def test_the_tuner_gives_the_one_call_step_and_generation_runs_it(monkeypatch):
     )
     got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
     assert model.decode_blocks.rows == {1} and len(calls) == 11  # every step after the first
+    assert torch.equal(got, reference)
+
+
+@needs_blocks_library
+@needs_q8_library
+def test_where_the_tuner_chose_q8_the_one_call_step_runs_it(monkeypatch):
+    import gptkiln.sampling as sampling
+    from gptkiln.config import SampleConfig
+
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(kernels, "_fastest", lambda found, *a: "q8_rows")  # as on a VNNI Xeon
+    model = _gpt2(quantized=True)
+    greedy = SampleConfig(max_new_tokens=12, temperature=0, stop_at_eos=False)
+    with monkeypatch.context() as m:  # the layers, each with the kernel the tuner chose
+        m.setattr(kernels, "use_native_blocks", lambda model, rows: False)
+        reference = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
+    products = kernels._block_products(model)
+    assert {layer.few_row_kernels[1] for layer in products} == {kernels.q8_rows_linear}
+    calls = []
+    blocks = native.DecodeBlocks.__call__
+    monkeypatch.setattr(
+        native.DecodeBlocks, "__call__", lambda *a: calls.append(1) or blocks(*a)
+    )
+    got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
+    assert model.decode_blocks.rows == {1} and len(calls) == 11
     assert torch.equal(got, reference)
 
 

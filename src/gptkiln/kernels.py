@@ -36,15 +36,17 @@ that ranking is this machine's, not a law. Where a C compiler and AVX-512 are, `
 (in ``csrc/few_rows.c``) joins them: the int8 weights widened to fp32 in registers as they stream
 from memory, the activations left in fp32.
 
-Two candidates compute other sums on purpose (`QUANTIZING_ACTIVATIONS`). For int8,
+Three candidates compute other sums on purpose (`QUANTIZING_ACTIVATIONS`). For int8,
 `dynamic_int8` quantizes each activation row to 8 bits too and multiplies int8 by int8 (fbgemm's
-dynamic quantized linear), as llama.cpp's q8_0 does while decoding; on an Intel Xeon with
-AVX-512 it ran 768x3072 in 53 us against fp32's 214 and `int8pack_mm`'s 992. For fp32, on a CPU
+dynamic quantized linear); on an Intel Xeon with AVX-512 it ran 768x3072 in 53 us against fp32's
+214 and `int8pack_mm`'s 992. `q8_rows_linear` (``csrc/q8_rows.c``, on CPUs with AVX-512 VNNI)
+rounds the activations to 8 bits in blocks of 32 as llama.cpp's q8_0 does while decoding, and
+multiplies in int8 in `int8_rows_linear`'s loop, with no copy of the weights. For fp32, on a CPU
 with bf16 instructions, `bf16_linear` multiplies in bf16 (half the bytes of the weight read).
-Both are held to a looser check (`ACTIVATION_TOLERANCE`) than the others and chosen only when
+All three are held to a looser check (`ACTIVATION_TOLERANCE`) than the others and chosen only when
 clearly faster (`QUANTIZING_MARGIN`); ``GPTKILN_EXACT_KERNELS=1`` in the environment, or the
 `exact_kernels` block (``gptkiln evaluate`` generates in one, and scores after `keep_exact`),
-leaves both out, and what they cost in perplexity is measured in ``bench/README.md``.
+leaves them out, and what they cost in perplexity is measured in ``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -226,6 +228,35 @@ def int8_rows_linear(
     if cpu and scale.dtype == torch.float32 and scale.is_contiguous():  # only then: the library
         lib = int8_rows_library()
         y = _by_row_loop(lib and lib.int8_rows_linear, x, qweight, (scale,), bias, torch.int8)
+    return dequantize_linear(x, qweight, scale, bias) if y is None else y
+
+
+def q8_rows_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The int8 product with 8-bit *activations*, by the project's own AVX-512 VNNI loop
+    (``csrc/q8_rows.c``, built once per machine by `gptkiln.native`): each row of x is rounded
+    to 8 bits in blocks of 32 values, each block with its own scale (llama.cpp's q8_0), and
+    multiplied by the int8 weights in int8 (``vpdpbusd``: 64 products an instruction), in
+    `int8_rows_linear`'s streaming of 4-row weight blocks; each output's weight scale once at
+    the end. It changes the numbers as q8_0 does (one of `QUANTIZING_ACTIVATIONS`): ~1% of the
+    output's norm against `dequantize_linear` over N(0, 1) rows; a block of 32 holding an
+    outlier rounds only its own 31 others coarsely. It needs no copy of the weights (unlike
+    `dynamic_int8`, whose per-call scale is one per row and whose weights fbgemm repacks).
+
+    Measured on the 2-core Xeon over GPT-2 124M's 48 block products and head at batch 1 (a C
+    benchmark of both loops, one process): 2.9-3.0 ms a step against `int8_rows_linear`'s
+    5.2-5.5. For fp32 x of 1 to ``FEW_ROWS`` rows, an input width that is a multiple of 64,
+    contiguous int8 weight and fp32 scales, on a CPU with AVX-512 VNNI; anything else goes to
+    `dequantize_linear`. Offered by `int8_candidates` only where the library loads
+    (`gptkiln.native.q8_rows_library`) and `exact_only` is false."""
+    from gptkiln.native import q8_rows_library
+
+    y = None
+    cpu = x.device.type == scale.device.type == "cpu"
+    if cpu and scale.dtype == torch.float32 and scale.is_contiguous():
+        lib = q8_rows_library()
+        y = _by_row_loop(lib and lib.q8_rows_linear, x, qweight, (scale,), bias, torch.int8)
     return dequantize_linear(x, qweight, scale, bias) if y is None else y
 
 
@@ -455,26 +486,30 @@ def _kept(cache: dict[int, tuple], tensors: tuple, make: Callable[[], object]):
 def int8_candidates() -> dict[str, Callable]:
     """The int8 products: name -> kernel ``(x, qweight, scale, bias) -> y``; the first,
     `dequantize_linear`, is the reference. Module-level functions, so a tuned model pickles.
-    ``dynamic`` quantizes the activations too (see `dynamic_int8`, `ACTIVATION_TOLERANCE`); where
-    `exact_only` it is left out, so that every choice gives the reference's numbers up to
-    rounding (the same tokens whatever the tuner's timings). ``int8_rows`` (`int8_rows_linear`)
-    only where its library builds."""
+    ``dynamic`` and ``q8_rows`` quantize the activations too (see `dynamic_int8`,
+    `q8_rows_linear`, `ACTIVATION_TOLERANCE`); where `exact_only` they are left out, so that
+    every choice gives the reference's numbers up to rounding (the same tokens whatever the
+    tuner's timings). ``int8_rows`` (`int8_rows_linear`) and ``q8_rows`` only where their
+    libraries build (``q8_rows``: and the CPU has AVX-512 VNNI)."""
     found = {
         "dequantize": dequantize_linear,
         "int8pack_mm": int8pack_mm,
         "fused": fused_int8,
         "dynamic": dynamic_int8,
     }
-    from gptkiln.native import int8_rows_library
+    from gptkiln.native import int8_rows_library, q8_rows_library
 
     if int8_rows_library() is not None:
         found["int8_rows"] = int8_rows_linear
+    if q8_rows_library() is not None:
+        found["q8_rows"] = q8_rows_linear
     if exact_only():
         del found["dynamic"]
+        found.pop("q8_rows", None)
     return found
 
 
-QUANTIZING_ACTIVATIONS = frozenset({"dynamic", "bf16"})
+QUANTIZING_ACTIVATIONS = frozenset({"dynamic", "bf16", "q8_rows"})
 """The candidates whose numbers differ from the reference by more than rounding (by design)."""
 
 CHOICE_RULES = "rules=4"
@@ -612,13 +647,23 @@ def _tune_step(model: nn.Module, rows: int, repeats: int, stored, known: dict) -
         _CHOSEN[entry] = choice
     if _CHOSEN[entry] == "native":
         for layer, family in zip(products, families):
-            layer.few_row_kernels[rows] = _LOOPS[family]
+            layer.few_row_kernels[rows] = _loop_for(layer, rows, family)
             _drop_unused_copies(layer)
         use_native_blocks(model, rows)
 
 
 _LOOPS = {"float32": few_rows_linear, "int8": int8_rows_linear}
-"""The project's own loop for each weight family: what ``csrc/decode_blocks.c`` runs."""
+"""The project's own exact loop for each weight family."""
+
+LOOP_KINDS = {few_rows_linear: 0, int8_rows_linear: 1, q8_rows_linear: 2}
+"""The loops ``csrc/decode_blocks.c`` runs, each by its number there (``KIND_*``)."""
+
+
+def _loop_for(layer: nn.Module, rows: int, family: str) -> Callable:
+    """The loop a block product runs in the one-call step: its kernel where that is one of
+    `LOOP_KINDS` (``q8_rows`` stays ``q8_rows``), else its family's exact loop."""
+    kernel = layer.few_row_kernels.get(rows)
+    return kernel if kernel in LOOP_KINDS else _LOOPS[family]
 
 
 def _block_products(model: nn.Module) -> list[nn.Module]:
@@ -646,7 +691,7 @@ def _time_step(model, products, families, rows: int, repeats: int) -> str:
     kept = [layer.few_row_kernels.get(rows) for layer in products]
     layers_time = best()
     for layer, family in zip(products, families):
-        layer.few_row_kernels[rows] = _LOOPS[family]
+        layer.few_row_kernels[rows] = _loop_for(layer, rows, family)
     native = use_native_blocks(model, rows)
     native_time = best() if native else math.inf
     for layer, kernel in zip(products, kept):
@@ -659,9 +704,9 @@ def use_native_blocks(model: nn.Module, rows: int) -> bool:
     """Give a GPT-2 ``model`` the one-call decode step of ``csrc/decode_blocks.c``
     (`gptkiln.native.DecodeBlocks`: every block and the final norm of a step; the head keeps
     its tuned kernel) for steps of ``rows`` rows, where the tuner gave every block product this
-    project's own loop for that many rows (`few_rows_linear`, `int8_rows_linear`): the step runs
-    those loops from C instead of from Python one layer at a time, so it is offered only where
-    they were timed fastest. Takes it away for ``rows`` otherwise. Returns whether the model
+    project's own loop for that many rows (`LOOP_KINDS`: `few_rows_linear`, `int8_rows_linear`,
+    `q8_rows_linear`): the step runs those loops from C instead of from Python one layer at a
+    time, so it is offered only where they were timed fastest. Takes it away for ``rows`` otherwise. Returns whether the model
     has it for ``rows``.
 
     Measured on the 2-core Xeon, GPT-2 124M int8 at batch 1: 15.6 ms a step through the layers,
@@ -672,13 +717,13 @@ def use_native_blocks(model: nn.Module, rows: int) -> bool:
     if getattr(getattr(model, "config", None), "family", None) != "gpt2":
         return False
     native = all(
-        getattr(layer, "few_row_kernels", {}).get(rows) in _LOOPS.values()
+        getattr(layer, "few_row_kernels", {}).get(rows) in LOOP_KINDS
         for layer in _block_products(model)
     ) and (decode_blocks_library() is not None)
     blocks = model.decode_blocks
     if native:
         if blocks is None:
-            blocks = model.decode_blocks = DecodeBlocks()
+            blocks = model.decode_blocks = DecodeBlocks(LOOP_KINDS)
         blocks.rows.add(rows)
     elif blocks is not None:
         blocks.rows.discard(rows)
@@ -686,7 +731,11 @@ def use_native_blocks(model: nn.Module, rows: int) -> bool:
 
 
 _QUANTIZING_KERNELS = {"bf16": (bf16_linear, _BF16), "dynamic": (dynamic_int8, _PACKED)}
-"""`QUANTIZING_ACTIVATIONS` by name: the kernel, and the cache of weight copies it keeps."""
+"""The `QUANTIZING_ACTIVATIONS` that keep a copy of each weight, by name: the kernel, and the
+cache of the copies."""
+
+_INEXACT = {"bf16": bf16_linear, "dynamic": dynamic_int8, "q8_rows": q8_rows_linear}
+"""`QUANTIZING_ACTIVATIONS` by name: the kernels `keep_exact` takes off."""
 
 
 def _drop_unused_copies(layer: nn.Module) -> None:
@@ -754,7 +803,7 @@ def keep_exact(model: nn.Module) -> None:
     weight copies): the row counts they served go back to the reference product.
     `exact_kernels` decides what a tuning offers; a model tuned before (a trainer's, which
     samples text between evaluations) keeps what it was given until this."""
-    inexact = {kernel for kernel, _ in _QUANTIZING_KERNELS.values()}
+    inexact = set(_INEXACT.values())
     for module in model.modules():
         kernels = getattr(module, "few_row_kernels", None)
         if kernels and inexact & set(kernels.values()):

@@ -2,7 +2,9 @@
 
 `few_rows_library` compiles ``csrc/few_rows.c`` (`gptkiln.kernels.few_rows_linear`: fp32
 products of a few rows with AVX-512; `int8_rows_library` types its int8-weight twin,
-`gptkiln.kernels.int8_rows_linear`), `target_log_probs_library`
+`gptkiln.kernels.int8_rows_linear`), `q8_rows_library` ``csrc/q8_rows.c``
+(`gptkiln.kernels.q8_rows_linear`: int8 weights times 8-bit activations, by VNNI),
+`target_log_probs_library`
 ``csrc/target_log_probs.c`` (`target_log_probs`: the log-probability of one token a row, for
 scoring), `gelu_library` ``csrc/gelu.c`` (`gelu_tanh_`: GPT-2's MLP activation with its bias,
 in place) and `decode_attention_library` ``csrc/decode_attention.c`` (`decode_attention`: one
@@ -75,6 +77,15 @@ def int8_rows_library() -> ctypes.CDLL | None:
 
 
 @functools.cache
+def q8_rows_library() -> ctypes.CDLL | None:
+    """``csrc/q8_rows.c`` built and loaded (its ``q8_rows_linear`` typed: int8 weights times
+    activations rounded to 8 bits, by AVX-512 VNNI), or None where it cannot be, as
+    `few_rows_library`, or where the CPU lacks VNNI (the library's ``q8_supported``)."""
+    lib = _typed("q8_rows", "q8_rows_linear", [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4)
+    return lib if lib is not None and lib.q8_supported() else None
+
+
+@functools.cache
 def decode_attention_library() -> ctypes.CDLL | None:
     """``csrc/decode_attention.c`` built and loaded (its ``decode_attention`` typed), or None
     where it cannot be, as `few_rows_library`."""
@@ -87,7 +98,7 @@ def decode_blocks_library() -> ctypes.CDLL | None:
     """``csrc/decode_blocks.c`` built and loaded (its ``gpt2_decode_blocks`` typed), or None
     where it cannot be, as `few_rows_library`."""
     argtypes = (
-        [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         + [ctypes.c_int] * 5
         + [ctypes.c_int64] * 2
         + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -259,17 +270,22 @@ class DecodeBlocks:
 
     Given to a model (its ``decode_blocks``) by `gptkiln.kernels.use_native_blocks` for the row
     counts ``rows`` whose block products the tuner timed fastest as this project's own loops
-    (``few_rows``, ``int8_rows``): the step is those loops, the decode attention and the GELU in
-    the order the model runs them, without the interpreter between them. It declines (None:
-    the model runs its torch path) anything else: another family or layer kind, autograd,
-    dropout that applies, tensors that are not fp32 on the CPU, a cache that does not fit.
+    (``few_rows``, ``int8_rows``, ``q8_rows``): the step is those loops, the decode attention
+    and the GELU in the order the model runs them, without the interpreter between them; each
+    product by the loop its layer has at that moment (``loops``). It declines (None: the model
+    runs its torch path) anything else: another family or layer kind, a layer whose kernel is
+    not one of ``loops``, autograd, dropout that applies, tensors that are not fp32 on the CPU,
+    a cache that does not fit.
 
     The addresses it passes (`_BlocksTable`) are gathered once and kept while the model stays
     as it was: every call checks that each layer, parameter, buffer and cache is still the
     object it was and still at the address it was (a replaced layer, ``param.data = ...``, a
     model moved or cast, a new cache: gathered again): ~60 us a step against ~1.7 ms to gather."""
 
-    def __init__(self, rows=()):
+    def __init__(self, loops: dict, rows=()):
+        self.loops = loops
+        """kernel -> the number ``csrc/decode_blocks.c`` runs it by (its ``KIND_*``): the
+        products it takes are the layers whose kernel for the step's rows is one of these."""
         self.rows = set(rows)
         self._table: _BlocksTable | None = None
 
@@ -298,6 +314,10 @@ class DecodeBlocks:
                 return None
         if B > table.cache_rows or start_pos >= table.cache_len:
             return None
+        try:  # each product by the loop its layer has now (none of them: the layers run)
+            kinds = bytes([self.loops[layer.few_row_kernels.get(B)] for layer in table.products])
+        except (KeyError, TypeError):
+            return None
         if mask is not None:
             S = start_pos + 1
             try:
@@ -312,6 +332,7 @@ class DecodeBlocks:
         out = torch.empty(B, 1, c.n_embd, dtype=torch.float32)
         refused = lib.gpt2_decode_blocks(
             table.addresses.buffer_info()[0],
+            kinds,
             len(model.h),
             x.data_ptr(),
             out.data_ptr(),
@@ -344,6 +365,7 @@ class _BlocksTable:
         self.slots: tuple[list[dict], list[str], list] = ([], [], [])  # dict, key, object
         self.tensors: list = []
         self.pointers: list[int] = []
+        self.products: list = []  # the block products, in the order of the table
         self.cache_rows = self.cache_len = 0
 
     def still(self, model) -> bool:
@@ -439,6 +461,7 @@ class _BlocksTable:
                     b = self._tensor(layer, "bias")
                     if w.device.type != "cpu" or not w.is_contiguous() or not _fp32_cpu(b):
                         return None
+                    self.products.append(layer)
             cache = self._module(attn, "kv_cache")
             if cache is None:
                 return None

@@ -14,8 +14,9 @@
        a = softmax(q k^T / sqrt(D)) v over the S = pos + 1 cached positions (a row's mask: the
        keys it may see, left padding); x += a W_proj^T + b;
        h = LN_2(x); f = gelu_tanh(h W_fc^T + b); x += f W_mproj^T + b.
-   The products are few_rows.c's (fp32 weights, or int8 ones with a scale per output row), the
-   attention decode_attention.c's and the GELU gelu.c's: this file includes the three, so the
+   The products are few_rows.c's (fp32 weights, or int8 ones with a scale per output row) or
+   q8_rows.c's (int8 weights, 8-bit activations), each the one the tuner gave its layer, the
+   attention decode_attention.c's and the GELU gelu.c's: this file includes the four, so the
    step is exactly their sequence, without the interpreter between them. LayerNorm is here: the
    mean, then the mean of the squared deviations (biased, as torch's), in fp32.
 
@@ -27,6 +28,7 @@
 #include "decode_attention.c"
 #include "few_rows.c"
 #include "gelu.c"
+#include "q8_rows.c"
 
 /* A layer's table: 18 addresses (see TABLE_* below); a product's scale is NULL for fp32
    weights, its bias NULL for none, a norm's bias NULL for none. */
@@ -35,11 +37,18 @@ enum {
     FC_W, FC_S, FC_B, MPROJ_W, MPROJ_S, MPROJ_B, K_CACHE, V_CACHE, TABLE_SIZE
 };
 
-/* y (B, N) = x (B, K) W^T (* scale) + b, by few_rows.c's loops. */
-static int product(const float *x, const void *w, const float *s, const float *b, float *y,
-                   int B, int N, int K, int threads) {
-    if (s) return i8_all(x, (const int8_t *)w, s, b, y, B, N, K, threads);
-    return f32_all(x, (const float *)w, 0, b, y, B, N, K, threads);
+/* How a product runs (a layer's kernel, as the tuner chose it): few_rows.c's fp32 loop, its
+   int8 loop (fp32 activations), or q8_rows.c's (activations rounded to 8 bits). */
+enum { KIND_F32, KIND_INT8, KIND_Q8 };
+
+/* y (B, N) = x (B, K) W^T (* scale) + b, by the loop of its kind; -1 for a kind that does not
+   fit the weight (fp32 weights have no scale, int8 ones have one). */
+static int product(int kind, const float *x, const void *w, const float *s, const float *b,
+                   float *y, int B, int N, int K, int threads) {
+    if (kind == KIND_F32 && !s) return f32_all(x, (const float *)w, 0, b, y, B, N, K, threads);
+    if (kind == KIND_INT8 && s) return i8_all(x, (const int8_t *)w, s, b, y, B, N, K, threads);
+    if (kind == KIND_Q8 && s) return q8_rows_linear(x, (const int8_t *)w, s, b, y, B, N, K, threads);
+    return -1;
 }
 
 /* y (B, C) = LayerNorm(x) with weight w and bias b (or none). */
@@ -72,12 +81,13 @@ static AVX512 void add_into(float *x, const float *y, size_t n) {
 }
 
 /* x (B, C): each row's embedded token, updated in place through the blocks; out (B, C):
-   ln_f(x). table: n_layer * TABLE_SIZE addresses. H heads of D (C = H * D), F the MLP's width.
+   ln_f(x). table: n_layer * TABLE_SIZE addresses; kinds: n_layer * 4 product kinds (KIND_*:
+   c_attn, attention c_proj, c_fc, MLP c_proj). H heads of D (C = H * D), F the MLP's width.
    Caches (B, H, S_max, D) contiguous; the new token goes to position pos (< S_max), and the
    attention reads positions 0..pos; mask (B, pos + 1) bytes (nonzero: may attend) or NULL.
    C, D and F multiples of 16, D <= 256, 1 <= B <= MAX_ROWS (the caller checks; refused: -1).
    Returns 0, -1 for arguments refused, -2 when scratch memory cannot be had. */
-AVX512 int gpt2_decode_blocks(const int64_t *table, int n_layer, float *x, float *out, int B,
+AVX512 int gpt2_decode_blocks(const int64_t *table, const char *kinds, int n_layer, float *x, float *out, int B,
                               int C, int H, int D, int F, int64_t S_max, int64_t pos,
                               const uint8_t *mask, float eps, const float *lnf_w,
                               const float *lnf_b, int threads) {
@@ -92,9 +102,10 @@ AVX512 int gpt2_decode_blocks(const int64_t *table, int n_layer, float *x, float
     int status = 0;
     for (int l = 0; l < n_layer && status == 0; l++) {
         const int64_t *t = table + (size_t)l * TABLE_SIZE;
+        const char *kind = kinds + (size_t)l * 4;
 #define P(i) ((const float *)(intptr_t)t[i])
         layer_norm(x, P(LN1_W), P(LN1_B), h, B, C, eps);
-        status |= product(h, P(ATTN_W), P(ATTN_S), P(ATTN_B), qkv, B, 3 * C, C, threads);
+        status |= product(kind[0], h, P(ATTN_W), P(ATTN_S), P(ATTN_B), qkv, B, 3 * C, C, threads);
         float *kc = (float *)(intptr_t)t[K_CACHE], *vc = (float *)(intptr_t)t[V_CACHE];
         for (int r = 0; r < B; r++)
             for (int hd = 0; hd < H; hd++) {
@@ -105,12 +116,12 @@ AVX512 int gpt2_decode_blocks(const int64_t *table, int n_layer, float *x, float
         status |= decode_attention(qkv, kc, vc, mask, att, B, H, H, S, D, 3 * C, D,
                                    H * S_max * D, S_max * D, D, S, 1.0f / sqrtf((float)D),
                                    threads);
-        status |= product(att, P(PROJ_W), P(PROJ_S), P(PROJ_B), y, B, C, C, threads);
+        status |= product(kind[1], att, P(PROJ_W), P(PROJ_S), P(PROJ_B), y, B, C, C, threads);
         add_into(x, y, bc);
         layer_norm(x, P(LN2_W), P(LN2_B), h, B, C, eps);
-        status |= product(h, P(FC_W), P(FC_S), 0, f, B, F, C, threads);
+        status |= product(kind[2], h, P(FC_W), P(FC_S), 0, f, B, F, C, threads);
         gelu_tanh(f, P(FC_B), B, F, F, threads);
-        status |= product(f, P(MPROJ_W), P(MPROJ_S), P(MPROJ_B), y, B, C, F, threads);
+        status |= product(kind[3], f, P(MPROJ_W), P(MPROJ_S), P(MPROJ_B), y, B, C, F, threads);
         add_into(x, y, bc);
 #undef P
     }

@@ -1,0 +1,197 @@
+/* y (M, N) = x (M, K) . (q * scale) (N, K)^T + b for the few rows of decoding, with the
+   activations rounded to 8 bits in blocks of 32 (llama.cpp's q8_0) and multiplied by the int8
+   weights in int8 (AVX-512 VNNI's vpdpbusd: 64 products a vector into 16 int32 sums).
+
+   Used by gptkiln.kernels.q8_rows_linear, an int8 tuner candidate that quantizes its
+   activations (kernels.QUANTIZING_ACTIVATIONS: held to kernels.ACTIVATION_TOLERANCE against the
+   reference, left out by exact_kernels), and by decode_blocks.c for the products the tuner gave
+   it. Nothing here includes Python's or torch's headers.
+
+   Why: few_rows.c's int8 loop widens each int8 weight to fp32 (vpmovsxbd, vcvtdq2ps) and runs
+   one fp32 FMA a weight: four instructions per 16 weights, so at batch 1 on the 2-core Xeon it
+   ran GPT-2 124M's 49 int8 products in 5.2-5.5 ms a step, under the speed the memory gives.
+   Here a 64-byte load of weights is one vpdpbusd: the same products took 2.9-3.0 ms (a C
+   benchmark of both loops over the same weights, one process). llama.cpp's q8_0 decodes so.
+
+   The numbers, per row of x and block of 32 values (x_b):
+       d = max |x_b| / 127;  a = round(x_b / d) in [-127, 127]  (a = 0 where d = 0)
+       y[n] = scale[n] * sum_b d_b * sum_{i in b} a_i q[n, i] + b[n]
+   vpdpbusd multiplies unsigned by signed bytes, so |a| goes in as the unsigned side and each
+   weight's sign is flipped where a is negative (a masked saturating subtract from 0: -(-128)
+   would be 127, and quantize.py's weights are in [-127, 127]). The int32 sums of a block
+   cannot overflow (32 * 127 * 127). Each 64-byte chunk holds two blocks: lanes 0-7 of the sums
+   are the first block's, 8-15 the second's, so one vector of their two d's (8 lanes each)
+   scales both in one FMA into fp32 partial sums.
+
+   The loop is few_rows.c's: 4 weight rows at a time, shared by every row of x, the next block
+   of weight rows prefetched into L1 while this one is multiplied, the blocks shared among the
+   threads. */
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#ifndef MAX_ROWS
+#define MAX_ROWS 64
+#endif
+
+#define Q8 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+/* Whether this CPU runs the loops below (AVX-512 F, BW and VNNI): 1 or 0. */
+int q8_supported(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vnni");
+    }
+    return known;
+}
+
+/* The activations of M rows of K (K % 64 == 0) as the loops take them: |a| (M, K) bytes, the
+   sign of a (M, K / 64) masks of 64 bits, and the d's (M, K / 64) vectors of 16 floats. */
+typedef struct {
+    uint8_t *mag;
+    __mmask64 *neg;
+    float *d;
+} q8_acts;
+
+static Q8 void q8_quantize(const float *x, q8_acts *a, int M, int K) {
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < K; k += 64) {
+            size_t c = ((size_t)m * K + k) / 64; /* the chunk */
+            __mmask64 neg = 0;
+            for (int half = 0; half < 2; half++) { /* the chunk's two blocks of 32 */
+                const float *xb = x + (size_t)m * K + k + 32 * half;
+                __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+                __m512 top = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+                float amax = _mm512_reduce_max_ps(top);
+                float d = amax / 127.0f;
+                __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+                __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+                __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+                __m512i zero = _mm512_setzero_si512();
+                neg |= (__mmask64)_mm512_cmplt_epi32_mask(q0, zero) << (32 * half);
+                neg |= (__mmask64)_mm512_cmplt_epi32_mask(q1, zero) << (32 * half + 16);
+                uint8_t *mag = a->mag + (size_t)m * K + k + 32 * half;
+                _mm_storeu_si128((__m128i *)mag, _mm512_cvtepi32_epi8(_mm512_abs_epi32(q0)));
+                _mm_storeu_si128((__m128i *)(mag + 16), _mm512_cvtepi32_epi8(_mm512_abs_epi32(q1)));
+                _mm256_storeu_ps(a->d + c * 16 + 8 * half, _mm256_set1_ps(d));
+            }
+            a->neg[c] = neg;
+        }
+}
+
+/* One 64-byte chunk of weights w (4 rows) times one row's chunk of activations, into 4 fp32
+   partial sums. */
+#define Q8_CHUNK(MAG, NEG, D, W, F)                                                           \
+    {                                                                                         \
+        __m512i signed_w = _mm512_mask_subs_epi8(W, NEG, zero, W);                            \
+        F = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, MAG, signed_w)), D, F); \
+    }
+
+/* R rows of activations times the 4 weight rows at w, over k in [k0, k1), added into part
+   (R x 4 vectors); prefetching as few_rows.c's loops do. */
+#define Q8_ROWS_TIMES_4(R)                                                                    \
+    static inline __attribute__((always_inline)) Q8 void q8_rows##R##_times_4(                \
+        const q8_acts *a, int m0, const int8_t *w, __m512 *part, int K, int k0, int k1,       \
+        const char **pf, const char *pf_end, int per) {                                       \
+        const int8_t *w0 = w, *w1 = w + K, *w2 = w + 2 * (size_t)K, *w3 = w + 3 * (size_t)K;  \
+        const __m512i zero = _mm512_setzero_si512();                                          \
+        __m512 acc[R][4];                                                                     \
+        for (int r = 0; r < R; r++)                                                           \
+            for (int c = 0; c < 4; c++) acc[r][c] = part[r * 4 + c];                          \
+        const char *p = *pf;                                                                  \
+        for (int k = k0; k < k1; k += 64) {                                                   \
+            for (int i = 0; i < per; i++, p += 64)                                            \
+                if (p < pf_end) _mm_prefetch(p, _MM_HINT_T0);                                 \
+            __m512i a0 = _mm512_loadu_si512(w0 + k), a1 = _mm512_loadu_si512(w1 + k);         \
+            __m512i a2 = _mm512_loadu_si512(w2 + k), a3 = _mm512_loadu_si512(w3 + k);         \
+            for (int r = 0; r < R; r++) {                                                     \
+                size_t c = ((size_t)(m0 + r) * K + k) / 64;                                   \
+                __m512i mag = _mm512_loadu_si512(a->mag + (size_t)(m0 + r) * K + k);          \
+                __mmask64 neg = a->neg[c];                                                    \
+                __m512 d = _mm512_loadu_ps(a->d + c * 16);                                    \
+                Q8_CHUNK(mag, neg, d, a0, acc[r][0])                                          \
+                Q8_CHUNK(mag, neg, d, a1, acc[r][1])                                          \
+                Q8_CHUNK(mag, neg, d, a2, acc[r][2])                                          \
+                Q8_CHUNK(mag, neg, d, a3, acc[r][3])                                          \
+            }                                                                                 \
+        }                                                                                     \
+        *pf = p;                                                                              \
+        for (int r = 0; r < R; r++)                                                           \
+            for (int c = 0; c < 4; c++) part[r * 4 + c] = acc[r][c];                          \
+    }
+
+Q8_ROWS_TIMES_4(1)
+Q8_ROWS_TIMES_4(2)
+Q8_ROWS_TIMES_4(3)
+Q8_ROWS_TIMES_4(4)
+
+#define Q8_KC 1024 /* k per chunk: 4 rows of weights, 4 KB, and 4 rows of |a| stay in L1 */
+
+/* Outputs n..n+3 of every row: weight rows n..n+3 times all M rows. */
+static Q8 void q8_block_of_4(const q8_acts *a, const int8_t *w, const float *s, const float *b,
+                             float *y, int M, int N, int K, int n, int blocks_end) {
+    __m512 part[MAX_ROWS * 4];
+    for (int i = 0; i < M * 4; i++) part[i] = _mm512_setzero_ps();
+    const int8_t *wb = w + (size_t)n * K;
+    int lines = (int)(4 * (size_t)K / 64); /* the next block, in lines */
+    int steps = ((M + 3) / 4) * (K / 64);
+    int per = (lines + steps - 1) / steps;
+    const char *pf = (const char *)(wb + 4 * (size_t)K);
+    const char *pf_end = n + 4 < blocks_end ? pf + (size_t)lines * 64 : pf;
+    for (int k0 = 0; k0 < K; k0 += Q8_KC) {
+        int k1 = k0 + Q8_KC < K ? k0 + Q8_KC : K;
+        int m = 0;
+        for (; m + 4 <= M; m += 4) q8_rows4_times_4(a, m, wb, part + m * 4, K, k0, k1, &pf, pf_end, per);
+        __m512 *pm = part + m * 4;
+        switch (M - m) {
+            case 3: q8_rows3_times_4(a, m, wb, pm, K, k0, k1, &pf, pf_end, per); break;
+            case 2: q8_rows2_times_4(a, m, wb, pm, K, k0, k1, &pf, pf_end, per); break;
+            case 1: q8_rows1_times_4(a, m, wb, pm, K, k0, k1, &pf, pf_end, per); break;
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int c = 0; c < 4; c++)
+            y[(size_t)m * N + n + c] =
+                _mm512_reduce_add_ps(part[m * 4 + c]) * s[n + c] + (b ? b[n + c] : 0.f);
+}
+
+/* Output n (one of the last N % 4 weight rows) of every row. */
+static Q8 void q8_single_output(const q8_acts *a, const int8_t *w, const float *s, const float *b,
+                                float *y, int M, int N, int K, int n) {
+    const int8_t *wn = w + (size_t)n * K;
+    const __m512i zero = _mm512_setzero_si512();
+    for (int m = 0; m < M; m++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 64) {
+            size_t c = ((size_t)m * K + k) / 64;
+            __m512i wv = _mm512_loadu_si512(wn + k);
+            __m512i mag = _mm512_loadu_si512(a->mag + (size_t)m * K + k);
+            Q8_CHUNK(mag, a->neg[c], _mm512_loadu_ps(a->d + c * 16), wv, acc)
+        }
+        y[(size_t)m * N + n] = _mm512_reduce_add_ps(acc) * s[n] + (b ? b[n] : 0.f);
+    }
+}
+
+/* The entry point. x (M, K), q (N, K) int8, y (M, N) contiguous; scale (N,) fp32; b (N,) or
+   NULL; 1 <= M <= MAX_ROWS, K % 64 == 0; `threads` OpenMP threads. Returns 0, -1 for
+   arguments it refuses (or a CPU without VNNI), -2 when scratch memory cannot be had. */
+int q8_rows_linear(const float *x, const int8_t *q, const float *scale, const float *b, float *y,
+                   int M, int N, int K, int threads) {
+    if (M < 1 || M > MAX_ROWS || K < 64 || K % 64 != 0 || N < 1 || !q8_supported()) return -1;
+    size_t chunks = (size_t)M * K / 64;
+    size_t bytes = (size_t)M * K + chunks * (sizeof(__mmask64) + 64);
+    char *scratch = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!scratch) return -2;
+    q8_acts a = {(uint8_t *)scratch, (__mmask64 *)(scratch + (size_t)M * K),
+                 (float *)(scratch + (size_t)M * K + chunks * sizeof(__mmask64))};
+    q8_quantize(x, &a, M, K);
+    int blocks = N / 4;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int j = 0; j < blocks; j++) q8_block_of_4(&a, q, scale, b, y, M, N, K, 4 * j, 4 * blocks);
+    for (int n = 4 * blocks; n < N; n++) q8_single_output(&a, q, scale, b, y, M, N, K, n);
+    free(scratch);
+    return 0;
+}
