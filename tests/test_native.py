@@ -32,6 +32,7 @@ LIBRARIES = (
     native.decode_attention_library,
     native.decode_blocks_library,
     native.q8_rows_library,
+    native.bf16_rows_library,
 )
 
 
@@ -421,6 +422,57 @@ def test_an_int8_model_given_the_loop_decodes_the_reference_tokens(monkeypatch):
     got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
     assert called  # the loop ran: every decode step's products went through it
     assert torch.equal(got, reference)
+
+
+# -- bf16_rows_linear: fp32 weights rounded to bf16, fp32 activations, a few rows --------------
+needs_bf16_rows_library = pytest.mark.skipif(
+    native.bf16_rows_library() is None,
+    reason="no C compiler with OpenMP, or no AVX-512 on this machine: the kernel is not offered",
+)
+
+
+@needs_bf16_rows_library
+@pytest.mark.parametrize("rows", [1, 3, 5, 64])
+@pytest.mark.parametrize("n_out, n_in", [(4, 16), (97, 768), (50, 528)])
+def test_the_bf16_rows_kernel_is_f_linear_on_the_weights_rounded_to_bf16(rows, n_out, n_in):
+    torch.manual_seed(rows * 1000 + n_out)
+    x, w, b = torch.randn(rows, n_in), torch.randn(n_out, n_in), torch.randn(n_out)
+    rounded = w.to(torch.bfloat16).double()  # the only rounding: the weights' own
+    for bias in (b, None):
+        got = kernels.bf16_rows_linear(x, w, bias)
+        assert got.shape == (rows, n_out) and got.is_contiguous()
+        expected = F.linear(x.double(), rounded, None if bias is None else bias.double())
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+        reference = F.linear(x, w, bias)  # and within the tuner's tolerance of fp32's
+        assert ((got - reference).norm() / reference.norm()).item() <= kernels.ACTIVATION_TOLERANCE
+    assert id(w) in kernels._BF16_ROWS  # its copy, made once and kept with the weight
+    copy = kernels._BF16_ROWS[id(w)][2]
+    kernels.bf16_rows_linear(x, w, b)
+    assert kernels._BF16_ROWS[id(w)][2] is copy
+    with torch.no_grad():
+        w.mul_(2)  # changed in place: copied again
+    torch.testing.assert_close(
+        kernels.bf16_rows_linear(x, w, None).double(),
+        F.linear(x.double(), w.to(torch.bfloat16).double()),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+
+
+@needs_bf16_rows_library
+def test_bf16_rows_is_offered_only_where_the_kernels_need_not_be_exact(monkeypatch):
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
+    assert "bf16_rows" in kernels.candidates() and "bf16_rows" in kernels.QUANTIZING_ACTIVATIONS
+    with kernels.exact_kernels():
+        assert "bf16_rows" not in kernels.candidates()
+    layer = torch.nn.Linear(64, 32)
+    kernels_of = {1: kernels.bf16_rows_linear}
+    layer.few_row_kernels = kernels_of
+    kernels.bf16_rows_linear(torch.randn(1, 64), layer.weight, layer.bias)
+    assert id(layer.weight) in kernels._BF16_ROWS
+    model = torch.nn.Sequential(layer)
+    kernels.keep_exact(model)  # as an evaluation does: taken off, and its copy freed
+    assert kernels_of == {} and id(layer.weight) not in kernels._BF16_ROWS
 
 
 # -- q8_rows_linear: int8 weights, activations rounded to 8 bits in blocks of 32 ---------------

@@ -285,6 +285,10 @@ def candidates() -> dict[str, Kernel]:
         found["few_rows"] = few_rows_linear
     if not exact_only() and _has_bf16():
         found["bf16"] = bf16_linear
+    from gptkiln.native import bf16_rows_library
+
+    if not exact_only() and bf16_rows_library() is not None:
+        found["bf16_rows"] = bf16_rows_linear
     return found
 
 
@@ -309,6 +313,32 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 _BF16: dict[int, tuple] = {}
 """id(weight) -> (weakref of the weight, its version, its bf16 copy)."""
+
+
+def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` with the weight rounded to bf16 and nothing else: `few_rows_linear`'s loop
+    (``csrc/few_rows.c``) over a bf16 copy of the weight (made once per weight and kept while
+    it lives unchanged, as `bf16_linear`'s), each weight widened back to fp32 exactly in
+    registers, the activations and the sums in fp32. At batch 1 a decode step streams its
+    weights from memory, so half the bytes is up to half the time, on any CPU with AVX-512
+    (no bf16 instructions needed). The weights' rounding moves the output by ~0.2-0.3% of its
+    norm: one of `QUANTIZING_ACTIVATIONS` (held to `ACTIVATION_TOLERANCE` and
+    `QUANTIZING_MARGIN`, left out by `exact_kernels`), and its copy is weighed against the steps
+    a caller will run (`_copy_costs`). Measured on the 2-core Xeon, GPT-2's 50,257x768 head at
+    batch 1: see ``bench/README.md``. For what the loop does not take (`_by_row_loop`),
+    ``F.linear`` on the fp32 weight."""
+    from gptkiln.native import bf16_rows_library
+
+    lib = bf16_rows_library()
+    y = None
+    if lib is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        w16 = _kept(_BF16_ROWS, (weight,), lambda: weight.detach().to(torch.bfloat16))
+        y = _by_row_loop(lib.bf16_rows_linear, x, w16, (), bias, torch.bfloat16)
+    return F.linear(x, weight, bias) if y is None else y
+
+
+_BF16_ROWS: dict[int, tuple] = {}
+"""id(weight) -> (weakref of the weight, its version, the bf16 copy `bf16_rows_linear` reads)."""
 
 
 # -- int8 weight-only products ------------------------------------------------------------------
@@ -509,7 +539,7 @@ def int8_candidates() -> dict[str, Callable]:
     return found
 
 
-QUANTIZING_ACTIVATIONS = frozenset({"dynamic", "bf16", "q8_rows"})
+QUANTIZING_ACTIVATIONS = frozenset({"dynamic", "bf16", "q8_rows", "bf16_rows"})
 """The candidates whose numbers differ from the reference by more than rounding (by design)."""
 
 CHOICE_RULES = "rules=4"
@@ -730,11 +760,20 @@ def use_native_blocks(model: nn.Module, rows: int) -> bool:
     return native
 
 
-_QUANTIZING_KERNELS = {"bf16": (bf16_linear, _BF16), "dynamic": (dynamic_int8, _PACKED)}
+_QUANTIZING_KERNELS = {
+    "bf16": (bf16_linear, _BF16),
+    "dynamic": (dynamic_int8, _PACKED),
+    "bf16_rows": (bf16_rows_linear, _BF16_ROWS),
+}
 """The `QUANTIZING_ACTIVATIONS` that keep a copy of each weight, by name: the kernel, and the
 cache of the copies."""
 
-_INEXACT = {"bf16": bf16_linear, "dynamic": dynamic_int8, "q8_rows": q8_rows_linear}
+_INEXACT = {
+    "bf16": bf16_linear,
+    "dynamic": dynamic_int8,
+    "q8_rows": q8_rows_linear,
+    "bf16_rows": bf16_rows_linear,
+}
 """`QUANTIZING_ACTIVATIONS` by name: the kernels `keep_exact` takes off."""
 
 

@@ -2,7 +2,8 @@
 
 `few_rows_library` compiles ``csrc/few_rows.c`` (`gptkiln.kernels.few_rows_linear`: fp32
 products of a few rows with AVX-512; `int8_rows_library` types its int8-weight twin,
-`gptkiln.kernels.int8_rows_linear`), `q8_rows_library` ``csrc/q8_rows.c``
+`gptkiln.kernels.int8_rows_linear`, and `bf16_rows_library` the one for bf16 copies of fp32
+weights, `gptkiln.kernels.bf16_rows_linear`), `q8_rows_library` ``csrc/q8_rows.c``
 (`gptkiln.kernels.q8_rows_linear`: int8 weights times 8-bit activations, by VNNI),
 `target_log_probs_library`
 ``csrc/target_log_probs.c`` (`target_log_probs`: the log-probability of one token a row, for
@@ -74,6 +75,13 @@ def int8_rows_library() -> ctypes.CDLL | None:
     """``csrc/few_rows.c`` built and loaded with its ``int8_rows_linear`` typed (the same loop
     for int8 weights), or None where it cannot be, as `few_rows_library`."""
     return _typed("few_rows", "int8_rows_linear", [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4)
+
+
+@functools.cache
+def bf16_rows_library() -> ctypes.CDLL | None:
+    """``csrc/few_rows.c`` built and loaded with its ``bf16_rows_linear`` typed (the same loop
+    for a bf16 copy of fp32 weights), or None where it cannot be, as `few_rows_library`."""
+    return _typed("few_rows", "bf16_rows_linear", [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4)
 
 
 @functools.cache

@@ -20,6 +20,11 @@
      chunks) and are added up once, at the end.
    The sums are F.linear's in another order: they differ by float rounding only.
 
+   bf16_rows_linear is the same loop over a bf16 copy of an fp32 weight (used by
+   gptkiln.kernels.bf16_rows_linear, an fp32 tuner candidate that rounds the weights to bf16 on
+   purpose: half the bytes to stream at batch 1, the activations and the sums left in fp32;
+   each bf16 weight is widened exactly, by a shift).
+
    int8_rows_linear is the same loop over an int8 weight q with per-output scales (used by
    gptkiln.kernels.int8_rows_linear, an int8 tuner candidate): each int8 weight is widened to
    fp32 in registers as it streams, the activations stay fp32 (unlike fbgemm's dynamic product
@@ -42,6 +47,11 @@ static inline __attribute__((always_inline)) AVX512 __m512 load_f32(const float 
 }
 static inline __attribute__((always_inline)) AVX512 __m512 load_i8(const int8_t *q) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+}
+/* bf16 is the top half of an fp32: widened by a shift, exactly (vpmovzxwd, vpslld). */
+static inline __attribute__((always_inline)) AVX512 __m512 load_bf16(const uint16_t *h) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 /* R rows of x times the 4 weight rows at w (of type T, loaded by LOAD), over k in [k0, k1),
@@ -143,6 +153,7 @@ static inline __attribute__((always_inline)) AVX512 __m512 load_i8(const int8_t 
    same at 4 and 8 rows), fp32 18-20 ms into L2 against 20-22 into L1. */
 ROWS_LOOP(f32, float, load_f32, 256, _MM_HINT_T1) /* 4 rows of w: 4 KB a chunk */
 ROWS_LOOP(i8, int8_t, load_i8, 512, _MM_HINT_T0)  /* 4 rows of q: 2 KB; 4 of x: 8 KB */
+ROWS_LOOP(bf, uint16_t, load_bf16, 512, _MM_HINT_T0) /* 4 rows of w: 4 KB; 4 of x: 8 KB */
 
 /* The entry points. x (M, K), w or q (N, K), y (M, N) contiguous fp32 (q int8); scale (N,)
    fp32; b (N,) or NULL; 1 <= M <= MAX_ROWS, K % 16 == 0 (the callers check both); `threads`
@@ -156,4 +167,9 @@ AVX512 int few_rows_linear(const float *x, const float *w, const float *b, float
 AVX512 int int8_rows_linear(const float *x, const int8_t *q, const float *scale, const float *b,
                             float *y, int M, int N, int K, int threads) {
     return i8_all(x, q, scale, b, y, M, N, K, threads);
+}
+
+AVX512 int bf16_rows_linear(const float *x, const uint16_t *w, const float *b, float *y, int M,
+                            int N, int K, int threads) {
+    return bf_all(x, w, 0, b, y, M, N, K, threads);
 }
