@@ -377,25 +377,34 @@ def test_the_int8_rows_kernel_is_the_dequantizing_product(rows, n_out, n_in):
     assert kernels.int8_rows_linear(many, q, scale, b).shape == (2, 3, n_out)
 
 
-@needs_int8_library
-def test_the_int8_rows_kernel_leaves_to_the_reference_what_it_does_not_take():
+@pytest.mark.parametrize(
+    "name, width, odd",
+    [
+        pytest.param("int8_rows", 48, 24, marks=needs_int8_library),
+        pytest.param("q8_rows", 64, 48, marks=pytest.mark.skipif(
+            native.q8_rows_library() is None, reason="no AVX-512 VNNI here: not offered"
+        )),
+    ],
+)
+def test_an_int8_loop_leaves_to_the_reference_what_it_does_not_take(name, width, odd):
+    # width: a multiple of what the loop takes; odd: a width it refuses
     from gptkiln.quantize import quantize_per_channel
 
+    kernel = {"int8_rows": kernels.int8_rows_linear, "q8_rows": kernels.q8_rows_linear}[name]
     torch.manual_seed(0)
-    q, scale = quantize_per_channel(torch.randn(8, 48))
-    q24, scale24 = quantize_per_channel(torch.randn(8, 24))
+    q, scale = quantize_per_channel(torch.randn(8, width))
+    q_odd, scale_odd = quantize_per_channel(torch.randn(8, odd))
     cases = {
-        "a width that is not a multiple of 16": (torch.randn(3, 24), q24, scale24),
-        "more rows than it keeps sums for": (torch.randn(kernels.FEW_ROWS + 1, 48), q, scale),
-        "float64": (torch.randn(3, 48, dtype=torch.float64), q, scale.double()),
-        "a transposed weight": (torch.randn(3, 8), q.t(), torch.ones(48)),
-        "a strided input": (torch.randn(3, 96)[:, ::2], q, scale),
+        "a width it does not take": (torch.randn(3, odd), q_odd, scale_odd),
+        "more rows than it keeps sums for": (torch.randn(kernels.FEW_ROWS + 1, width), q, scale),
+        "float64": (torch.randn(3, width, dtype=torch.float64), q, scale.double()),
+        "a transposed weight": (torch.randn(3, 8), q.t(), torch.ones(width)),
     }
+    if name == "int8_rows":  # taken (made contiguous), and exact: the reference's numbers
+        cases["a strided input"] = (torch.randn(3, 2 * width)[:, ::2], q, scale)
     for what, (x, weight, s) in cases.items():
         torch.testing.assert_close(
-            kernels.int8_rows_linear(x, weight, s, None),
-            kernels.dequantize_linear(x, weight, s, None),
-            msg=what,
+            kernel(x, weight, s, None), kernels.dequantize_linear(x, weight, s, None), msg=what
         )
 
 
@@ -514,27 +523,6 @@ def test_the_q8_rows_kernel_is_q8_0s_product(rows, n_out, n_in):
         assert error <= kernels.ACTIVATION_TOLERANCE
     many = torch.randn(2, 3, n_in)  # leading dimensions are kept
     assert kernels.q8_rows_linear(many, q, scale, b).shape == (2, 3, n_out)
-
-
-@needs_q8_library
-def test_the_q8_rows_kernel_leaves_to_the_reference_what_it_does_not_take():
-    from gptkiln.quantize import quantize_per_channel
-
-    torch.manual_seed(0)
-    q, scale = quantize_per_channel(torch.randn(8, 64))
-    q48, scale48 = quantize_per_channel(torch.randn(8, 48))
-    cases = {
-        "a width that is not a multiple of 64": (torch.randn(3, 48), q48, scale48),
-        "more rows than it keeps sums for": (torch.randn(kernels.FEW_ROWS + 1, 64), q, scale),
-        "float64": (torch.randn(3, 64, dtype=torch.float64), q, scale.double()),
-        "a transposed weight": (torch.randn(3, 8), q.t(), torch.ones(64)),
-    }
-    for what, (x, weight, s) in cases.items():
-        torch.testing.assert_close(
-            kernels.q8_rows_linear(x, weight, s, None),
-            kernels.dequantize_linear(x, weight, s, None),
-            msg=what,
-        )
 
 
 def test_q8_rows_is_not_offered_on_a_cpu_without_vnni(monkeypatch):
@@ -787,7 +775,7 @@ def test_keep_exact_takes_q8_off_the_one_call_step_too():
     model.decode_blocks, done = _counting(model.decode_blocks)
     got = _step_logits(model, [[5, 6, 7]], steps=3)
     assert not done  # declined: the layers run, on the reference product
-    blocks, model.decode_blocks = model.decode_blocks, None
+    model.decode_blocks = None
     exact = _step_logits_with(model, kernels.dequantize_linear, [[5, 6, 7]], steps=3)
     torch.testing.assert_close(got, exact, atol=2e-5, rtol=1e-5)
 

@@ -315,7 +315,9 @@ _BF16: dict[int, tuple] = {}
 """id(weight) -> (weakref of the weight, its version, its bf16 copy)."""
 
 
-def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def bf16_rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """``F.linear`` with the weight rounded to bf16 and nothing else: `few_rows_linear`'s loop
     (``csrc/few_rows.c``) over a bf16 copy of the weight (made once per weight and kept while
     it lives unchanged, as `bf16_linear`'s), each weight widened back to fp32 exactly in
@@ -737,8 +739,8 @@ def use_native_blocks(model: nn.Module, rows: int) -> bool:
     its tuned kernel) for steps of ``rows`` rows, where the tuner gave every block product this
     project's own loop for that many rows (`LOOP_KINDS`: `few_rows_linear`, `int8_rows_linear`,
     `q8_rows_linear`): the step runs those loops from C instead of from Python one layer at a
-    time, so it is offered only where they were timed fastest. Takes it away for ``rows`` otherwise. Returns whether the model
-    has it for ``rows``.
+    time, so it is offered only where they were timed fastest. Takes it away for ``rows``
+    otherwise. Returns whether the model has it for ``rows``.
 
     Measured on the 2-core Xeon, GPT-2 124M int8 at batch 1: 15.6 ms a step through the layers,
     ~6 ms of it outside the products (the interpreter, small ATen calls); figures with the one
