@@ -44,8 +44,9 @@ rounds the activations to 8 bits in blocks of 32 as llama.cpp's q8_0 does while 
 multiplies in int8 in `int8_rows_linear`'s loop, with no copy of the weights. For fp32, on a CPU
 with bf16 instructions, `bf16_linear` multiplies in bf16 (half the bytes of the weight read),
 and on any with AVX-512 `bf16_rows_linear` rounds only the weights to bf16 (a copy read by
-`few_rows_linear`'s loop, the activations and sums fp32). All four are held to a looser check (`ACTIVATION_TOLERANCE`) than the others and chosen only when
-clearly faster (`QUANTIZING_MARGIN`); ``GPTKILN_EXACT_KERNELS=1`` in the environment, or the
+`few_rows_linear`'s loop, the activations and sums fp32). All four are held to a looser check
+(`ACTIVATION_TOLERANCE`) than the others and chosen only when clearly faster
+(`QUANTIZING_MARGIN`); ``GPTKILN_EXACT_KERNELS=1`` in the environment, or the
 `exact_kernels` block (``gptkiln evaluate`` generates in one, and scores after `keep_exact`),
 leaves them out, and what they cost in perplexity is measured in ``bench/README.md``.
 """
@@ -328,8 +329,8 @@ def bf16_rows_linear(
     norm: one of `QUANTIZING_ACTIVATIONS` (held to `ACTIVATION_TOLERANCE` and
     `QUANTIZING_MARGIN`, left out by `exact_kernels`), and its copy is weighed against the steps
     a caller will run (`_copy_costs`). Measured on the 2-core Xeon, GPT-2's 50,257x768 head at
-    batch 1 in one process: 1.9 ms against ``F.linear``'s 4.2 (`bf16_linear` 4.5). For what the loop does not take (`_by_row_loop`),
-    ``F.linear`` on the fp32 weight."""
+    batch 1 in one process: 1.9 ms against ``F.linear``'s 4.2 (`bf16_linear` 4.5). For what
+    the loop does not take (`_by_row_loop`), ``F.linear`` on the fp32 weight."""
     from gptkiln.native import bf16_rows_library
 
     lib = bf16_rows_library()
