@@ -141,13 +141,17 @@ def worker(job: dict) -> None:
     if impl.startswith("gptkiln"):  # what the decode ran, as gptkiln.kernels.tune_decoding left it
         from gptkiln import kernels
 
-        names = {k: n for c in (kernels.candidates(), kernels.int8_candidates()) for n, k in c.items()}
+        names = {
+            k: n for c in (kernels.candidates(), kernels.int8_candidates()) for n, k in c.items()
+        }
         ran = {}
         for m in model.modules():
             kernel = getattr(m, "few_row_kernels", {}).get(job["batch"])
             if kernel is not None:
                 shape = "x".join(map(str, m.weight.shape))
-                ran[f"{shape} {str(m.weight.dtype).removeprefix('torch.')}"] = names.get(kernel, "?")
+                ran[f"{shape} {str(m.weight.dtype).removeprefix('torch.')}"] = names.get(
+                    kernel, "?"
+                )
         blocks = getattr(model, "decode_blocks", None)
         ran["blocks in one call"] = bool(blocks and job["batch"] in blocks.rows)
         result["kernels"] = ran

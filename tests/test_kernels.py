@@ -509,8 +509,15 @@ def test_a_short_generation_takes_the_kernel_without_copies_and_makes_none(monke
     weights = [m.weight for m in model.modules() if isinstance(m, Int8Linear)]
     costly = {"copy_seconds": 0.5, "step_seconds_saved": 0.001}  # 500 steps to pay
     monkeypatch.setattr(
-        kernels, "_fastest", lambda found, *a: "dynamic" if "dynamic" in found else "int8_rows"
-        if "int8_rows" in found else "dequantize"
+        kernels,
+        "_fastest",
+        lambda found, *a: (
+            "dynamic"
+            if "dynamic" in found
+            else "int8_rows"
+            if "int8_rows" in found
+            else "dequantize"
+        ),
     )
     monkeypatch.setattr(
         kernels,
@@ -533,9 +540,7 @@ def test_a_short_generation_takes_the_kernel_without_copies_and_makes_none(monke
     __import__("gptkiln.native").native.decode_blocks_library() is None,
     reason="no C compiler with OpenMP, or no AVX-512: no one-call step to choose",
 )
-def test_the_tuner_times_a_whole_step_where_the_products_chose_other_kernels(
-    monkeypatch, tmp_path
-):
+def test_the_tuner_times_a_whole_step_where_the_products_chose_other_kernels(monkeypatch, tmp_path):
     """Where the products alone were timed fastest with another kernel, the one-call step
     (which needs the loops) may still win: a whole step is timed both ways, once per machine."""
     import gptkiln.sampling as sampling

@@ -381,9 +381,14 @@ def test_the_int8_rows_kernel_is_the_dequantizing_product(rows, n_out, n_in):
     "name, width, odd",
     [
         pytest.param("int8_rows", 48, 24, marks=needs_int8_library),
-        pytest.param("q8_rows", 64, 48, marks=pytest.mark.skipif(
-            native.q8_rows_library() is None, reason="no AVX-512 VNNI here: not offered"
-        )),
+        pytest.param(
+            "q8_rows",
+            64,
+            48,
+            marks=pytest.mark.skipif(
+                native.q8_rows_library() is None, reason="no AVX-512 VNNI here: not offered"
+            ),
+        ),
     ],
 )
 def test_an_int8_loop_leaves_to_the_reference_what_it_does_not_take(name, width, odd):
@@ -415,7 +420,9 @@ def test_an_int8_model_given_the_loop_decodes_the_reference_tokens(monkeypatch):
     from gptkiln.model import GPT
     from gptkiln.quantize import quantize_model
 
-    monkeypatch.setattr(sampling, "tune_decoding", lambda model, rows, **kw: {})  # the kernels below
+    monkeypatch.setattr(
+        sampling, "tune_decoding", lambda model, rows, **kw: {}
+    )  # the kernels below
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=96, context_length=32, n_layer=2, n_head=2, n_embd=64)
     model = quantize_model(GPT(cfg).eval())
@@ -818,9 +825,7 @@ def test_the_tuner_gives_the_one_call_step_and_generation_runs_it(monkeypatch):
     monkeypatch.setattr(kernels, "_CHOSEN", {})
     calls = []
     blocks = native.DecodeBlocks.__call__
-    monkeypatch.setattr(
-        native.DecodeBlocks, "__call__", lambda *a: calls.append(1) or blocks(*a)
-    )
+    monkeypatch.setattr(native.DecodeBlocks, "__call__", lambda *a: calls.append(1) or blocks(*a))
     got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
     assert model.decode_blocks.rows == {1} and len(calls) == 11  # every step after the first
     assert torch.equal(got, reference)
@@ -844,9 +849,7 @@ def test_where_the_tuner_chose_q8_the_one_call_step_runs_it(monkeypatch):
     assert {layer.few_row_kernels[1] for layer in products} == {kernels.q8_rows_linear}
     calls = []
     blocks = native.DecodeBlocks.__call__
-    monkeypatch.setattr(
-        native.DecodeBlocks, "__call__", lambda *a: calls.append(1) or blocks(*a)
-    )
+    monkeypatch.setattr(native.DecodeBlocks, "__call__", lambda *a: calls.append(1) or blocks(*a))
     got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
     assert model.decode_blocks.rows == {1} and len(calls) == 11
     assert torch.equal(got, reference)
@@ -894,5 +897,5 @@ def test_the_one_call_step_sees_the_model_as_it_is_at_each_step():
         model.h[1].mlp.c_fc.bias.data = torch.randn_like(model.h[1].mlp.c_fc.bias)
     got = _step_logits(model, [[5, 6, 7]], steps=3)
     assert len(done) == 5
-    blocks, model.decode_blocks = model.decode_blocks, None
+    model.decode_blocks = None  # the layers step: the reference for the one call above
     torch.testing.assert_close(got, _step_logits(model, [[5, 6, 7]], steps=3), atol=2e-5, rtol=1e-5)

@@ -711,8 +711,8 @@ def _block_products(model: nn.Module) -> list[nn.Module]:
 
 
 def _time_step(model, products, families, rows: int, repeats: int) -> str:
-    """"native" or "layers": which decode step of ``model`` ran faster (best of ``repeats``
-    after one to warm up), the one call with the loops on every block product, or the layers
+    """Which decode step of ``model`` ran faster, "native" or "layers" (best of ``repeats``
+    after one to warm up): the one call with the loops on every block product, or the layers
     with the kernels they have; the layers' kernels are left as they were."""
     token = torch.zeros(rows, 1, dtype=torch.long, device=model.wte.weight.device)
     pos = model.cache_len - 1

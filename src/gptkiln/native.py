@@ -530,7 +530,9 @@ def load_built(name: str) -> ctypes.CDLL | None:
     compiled_by = f"{real} {stat.st_size} {stat.st_mtime_ns} {' '.join(FLAGS)}"
     # the other sources too: a file may include them (vexp.h; decode_blocks.c the loops)
     others = b"".join(
-        f.read_bytes() for f in sorted(SOURCES.iterdir()) if f.suffix in (".c", ".h") and f != source
+        f.read_bytes()
+        for f in sorted(SOURCES.iterdir())
+        if f.suffix in (".c", ".h") and f != source
     )
     digest = hashlib.sha256(source.read_bytes() + others + compiled_by.encode()).hexdigest()[:16]
     path = built_dir() / f"{name}-{digest}.so"
