@@ -194,9 +194,9 @@ def main() -> None:
                 "median": f"{median:.2f} s",
                 "range": f"{min(seconds):.2f}-{max(seconds):.2f}",
                 "whole": f"{statistics.median(whole):.2f} s" if whole else None,
-                "margin": None if name == "import torch" else f"+{median - floor:.2f} s",
+                "margin": None if name == "import torch" else f"{median - floor:+.2f} s",
                 "cpu": f"{cpu:.2f} s"
-                + ("" if name == "import torch" else f" (+{cpu - cpu_floor:.2f})"),
+                + ("" if name == "import torch" else f" ({cpu - cpu_floor:+.2f})"),
                 "target": None
                 if name == "import torch" or "cold" in name
                 else f"+{target:.1f} s: {'met' if median - floor <= target else 'missed'}",
