@@ -476,7 +476,7 @@ def test_copy_costs_weigh_the_copies_a_kernel_makes_against_the_time_it_saves(mo
 
     def packing(x, w, s, b):  # 0.5 a call, and 3.0 more the first time it sees a weight
         clock[0] += 0.5 + (3.0 if id(w) not in kernels._PACKED else 0.0)
-        kernels._PACKED[id(w)] = (weakref.ref(w), None, None)  # as `_kept` keeps one
+        kernels._PACKED[id(w)] = (weakref.ref(w), (kernels._stamp(w),), None)  # as `_kept` does
         return kernels.dequantize_linear(x, w, s, b)
 
     def plain(x, w, s, b):
@@ -595,5 +595,12 @@ def test_a_stale_copy_under_a_reused_id_is_not_taken_for_the_weights():
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(kernels._QUANTIZING_KERNELS, "dynamic", (kernels.dynamic_int8, stale))
         assert kernels._for_steps(record, 10, layers) == "dequantize"  # another tensor's copies
-        stale.update({id(layer.weight): (weakref.ref(layer.weight), (), None) for layer in layers})
+        stale.update(
+            {
+                id(layer.weight): (weakref.ref(layer.weight), (kernels._stamp(layer.weight),), None)
+                for layer in layers
+            }
+        )
         assert kernels._for_steps(record, 10, layers) == "dynamic"  # these weights' own
+        layers[0].weight.data = layers[0].weight.data.clone()  # new storage: its copy is stale
+        assert kernels._for_steps(record, 10, layers) == "dequantize"

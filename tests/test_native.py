@@ -1,6 +1,7 @@
 """The project's compiled kernels (`gptkiln.native`): built once per machine, equal to torch's
 own, and never in the way where they cannot be built."""
 
+import math
 import os
 import subprocess
 import sys
@@ -473,6 +474,17 @@ def test_the_bf16_rows_kernel_is_f_linear_on_the_weights_rounded_to_bf16(rows, n
         rtol=1e-5,
         atol=1e-4,
     )
+    layer = torch.nn.Linear(n_in, n_out)
+    kernels.bf16_rows_linear(x, layer.weight, None)
+    version = layer.weight._version
+    layer.weight.data = torch.randn(n_out, n_in)  # the same object, its version as it was
+    assert layer.weight._version == version
+    torch.testing.assert_close(  # copied again all the same
+        kernels.bf16_rows_linear(x, layer.weight, None).double(),
+        F.linear(x.double(), layer.weight.detach().to(torch.bfloat16).double()),
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
 
 @needs_bf16_rows_library
@@ -500,11 +512,14 @@ needs_q8_library = pytest.mark.skipif(
 
 def _q8_0(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) as q8_0 rounds it: each block of 32 values to 8 bits on its own scale
-    (max |x| / 127), given back in float64."""
-    blocks = x.double().view(x.size(0), -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    a = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1.0)), 0.0)
-    return (a * d).view_as(x)
+    d = max |x| / 127, as ``csrc/q8_rows.c`` computes it in fp32 (x * (127 / max |x|), rounded
+    half to even: a tie rounded otherwise would be off by one unit, d |w|), in float64."""
+    blocks = x.float().view(x.size(0), -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    k = torch.full_like(amax, 127.0)  # tensor by tensor: IEEE division, as the C's
+    inv = torch.where(amax > 0, k / torch.where(amax > 0, amax, 1.0), 0.0)
+    a = torch.round(blocks * inv)
+    return (a.double() * (amax / k).double()).view_as(x)
 
 
 @needs_q8_library
@@ -516,6 +531,7 @@ def test_the_q8_rows_kernel_is_q8_0s_product(rows, n_out, n_in):
 
     torch.manual_seed(rows * 1000 + n_out)
     q, scale = quantize_per_channel(torch.randn(n_out, n_in))
+    q[:, -1], q[::3, -2] = -128, -128  # quantize.py's stop at -127; a loaded int8 file's need not
     x, b = torch.randn(rows, n_in), torch.randn(n_out)
     x[:, 3] *= 40  # an outlier: only its own block of 32 is rounded on its scale
     w = q.double() * scale.double()[:, None]
@@ -530,6 +546,20 @@ def test_the_q8_rows_kernel_is_q8_0s_product(rows, n_out, n_in):
         assert error <= kernels.ACTIVATION_TOLERANCE
     many = torch.randn(2, 3, n_in)  # leading dimensions are kept
     assert kernels.q8_rows_linear(many, q, scale, b).shape == (2, 3, n_out)
+
+
+@needs_q8_library
+def test_q8_rows_keeps_what_is_not_finite_not_finite():
+    from gptkiln.quantize import quantize_per_channel
+
+    torch.manual_seed(0)
+    q, scale = quantize_per_channel(torch.randn(9, 128))
+    x = torch.randn(4, 128)
+    x[0, 5], x[1, 70], x[2, 127] = math.nan, math.inf, -math.inf  # each in one block of 32
+    got = kernels.q8_rows_linear(x, q, scale, None)
+    assert got[0].isnan().all()  # not rounded away to a finite number
+    assert not got[1].isfinite().any() and not got[2].isfinite().any()
+    assert torch.equal(got[3], kernels.q8_rows_linear(x[3:], q, scale, None)[0])
 
 
 def test_q8_rows_is_not_offered_on_a_cpu_without_vnni(monkeypatch):
@@ -715,6 +745,22 @@ def _counting(blocks):
     return call, done
 
 
+def _steps_computed(monkeypatch) -> list:
+    """Every `DecodeBlocks` from now on counting, into the list returned, the steps it computed
+    (not those it declined)."""
+    done = []
+    call = native.DecodeBlocks.__call__
+
+    def counted(*args):
+        y = call(*args)
+        if y is not None:
+            done.append(1)
+        return y
+
+    monkeypatch.setattr(native.DecodeBlocks, "__call__", counted)
+    return done
+
+
 @needs_blocks_library
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
 @pytest.mark.parametrize("prompts", [[[5, 6, 7]], [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6]]])
@@ -772,6 +818,21 @@ def _step_logits_with(model, kernel, prompts, steps: int):
 
 @needs_blocks_library
 @needs_q8_library
+def test_q8_on_a_width_that_is_no_multiple_of_64_keeps_the_layers_step():
+    model = _gpt2(quantized=True, n_embd=80, n_head=2)  # q8_rows.c refuses k = 80
+    for layer in kernels._block_products(model):
+        layer.few_row_kernels[1] = kernels.q8_rows_linear
+    kernels.use_compiled_loops(model)
+    assert not kernels.use_native_blocks(model, 1)
+    wide = _gpt2(quantized=True)  # 128 and 512: taken
+    for layer in kernels._block_products(wide):
+        layer.few_row_kernels[1] = kernels.q8_rows_linear
+    kernels.use_compiled_loops(wide)
+    assert kernels.use_native_blocks(wide, 1)
+
+
+@needs_blocks_library
+@needs_q8_library
 def test_keep_exact_takes_q8_off_the_one_call_step_too():
     model = _gpt2(quantized=True)
     for layer in kernels._block_products(model):
@@ -823,11 +884,9 @@ def test_the_tuner_gives_the_one_call_step_and_generation_runs_it(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(kernels, "_fastest", lambda kernels, layers, rows, repeats: "few_rows")
     monkeypatch.setattr(kernels, "_CHOSEN", {})
-    calls = []
-    blocks = native.DecodeBlocks.__call__
-    monkeypatch.setattr(native.DecodeBlocks, "__call__", lambda *a: calls.append(1) or blocks(*a))
+    done = _steps_computed(monkeypatch)
     got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
-    assert model.decode_blocks.rows == {1} and len(calls) == 11  # every step after the first
+    assert model.decode_blocks.rows == {1} and len(done) == 11  # every step after the first
     assert torch.equal(got, reference)
 
 
@@ -847,11 +906,9 @@ def test_where_the_tuner_chose_q8_the_one_call_step_runs_it(monkeypatch):
         reference = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
     products = kernels._block_products(model)
     assert {layer.few_row_kernels[1] for layer in products} == {kernels.q8_rows_linear}
-    calls = []
-    blocks = native.DecodeBlocks.__call__
-    monkeypatch.setattr(native.DecodeBlocks, "__call__", lambda *a: calls.append(1) or blocks(*a))
+    done = _steps_computed(monkeypatch)
     got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
-    assert model.decode_blocks.rows == {1} and len(calls) == 11
+    assert model.decode_blocks.rows == {1} and len(done) == 11
     assert torch.equal(got, reference)
 
 

@@ -505,11 +505,18 @@ def _packed(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | Non
     return _kept(_PACKED, (qweight, scale, bias), pack)
 
 
+def _stamp(t: torch.Tensor) -> tuple:
+    """What a copy made from ``t`` was made from: its version (bumped by in-place changes), its
+    storage and shape (``param.data = ...`` changes them and leaves the version)."""
+    return t._version, t.data_ptr(), t.shape
+
+
 def _kept(cache: dict[int, tuple], tensors: tuple, make: Callable[[], object]):
     """``make()``, made once for ``tensors`` (the first one the key) and kept in ``cache``: made
-    again if any of them changed in place, or if the first was freed and its id went to another
+    again if any of them changed in place or was given other storage (``param.data = ...``
+    keeps the object and its version), or if the first was freed and its id went to another
     tensor."""
-    versions = tuple(None if t is None else t._version for t in tensors)
+    versions = tuple(None if t is None else _stamp(t) for t in tensors)
     entry = cache.get(id(tensors[0]))
     if entry is not None and entry[0]() is tensors[0] and entry[1] == versions:
         return entry[2]
@@ -694,11 +701,18 @@ LOOP_KINDS = {few_rows_linear: 0, int8_rows_linear: 1, q8_rows_linear: 2}
 """The loops ``csrc/decode_blocks.c`` runs, each by its number there (``KIND_*``)."""
 
 
+def _in_one_call(layer: nn.Module, kernel) -> bool:
+    """Whether the one-call step runs ``layer`` by ``kernel``: one of `LOOP_KINDS`, and
+    ``q8_rows`` only where the layer's input is a multiple of 64 wide (elsewhere
+    ``csrc/q8_rows.c`` refuses it, and a step refused half-way is run again by the layers)."""
+    return kernel in LOOP_KINDS and (kernel is not q8_rows_linear or layer.weight.size(1) % 64 == 0)
+
+
 def _loop_for(layer: nn.Module, rows: int, family: str) -> Callable:
-    """The loop a block product runs in the one-call step: its kernel where that is one of
-    `LOOP_KINDS` (``q8_rows`` stays ``q8_rows``), else its family's exact loop."""
+    """The loop a block product runs in the one-call step: its kernel where the step runs it
+    (`_in_one_call`: ``q8_rows`` stays ``q8_rows``), else its family's exact loop."""
     kernel = layer.few_row_kernels.get(rows)
-    return kernel if kernel in LOOP_KINDS else _LOOPS[family]
+    return kernel if _in_one_call(layer, kernel) else _LOOPS[family]
 
 
 def _block_products(model: nn.Module) -> list[nn.Module]:
@@ -740,9 +754,10 @@ def use_native_blocks(model: nn.Module, rows: int) -> bool:
     (`gptkiln.native.DecodeBlocks`: every block and the final norm of a step; the head keeps
     its tuned kernel) for steps of ``rows`` rows, where the tuner gave every block product this
     project's own loop for that many rows (`LOOP_KINDS`: `few_rows_linear`, `int8_rows_linear`,
-    `q8_rows_linear`): the step runs those loops from C instead of from Python one layer at a
-    time, so it is offered only where they were timed fastest. Takes it away for ``rows``
-    otherwise. Returns whether the model has it for ``rows``.
+    `q8_rows_linear` where the layer's input is a multiple of 64 wide; `_in_one_call`): the
+    step runs those loops from C instead of from Python one layer at a time, so it is offered
+    only where they were timed fastest. Takes it away for ``rows`` otherwise. Returns whether
+    the model has it for ``rows``.
 
     Measured on the 2-core Xeon, GPT-2 124M int8 at batch 1: 15.6 ms a step through the layers,
     ~6 ms of it outside the products (the interpreter, small ATen calls); figures with the one
@@ -752,7 +767,7 @@ def use_native_blocks(model: nn.Module, rows: int) -> bool:
     if getattr(getattr(model, "config", None), "family", None) != "gpt2":
         return False
     native = all(
-        getattr(layer, "few_row_kernels", {}).get(rows) in LOOP_KINDS
+        _in_one_call(layer, getattr(layer, "few_row_kernels", {}).get(rows))
         for layer in _block_products(model)
     ) and (decode_blocks_library() is not None)
     blocks = model.decode_blocks
@@ -1005,7 +1020,7 @@ def _has_copy(cache: dict[int, tuple], weight: torch.Tensor) -> bool:
     """Whether ``cache`` (`_kept`'s) holds a copy made from ``weight`` itself: not a stale
     entry of a freed tensor whose id went to this one."""
     entry = cache.get(id(weight))
-    return entry is not None and entry[0]() is weight
+    return entry is not None and entry[0]() is weight and entry[1][0] == _stamp(weight)
 
 
 def _still_equal(kernels: dict[str, Callable], name: str, layer: nn.Module, rows: int) -> bool:

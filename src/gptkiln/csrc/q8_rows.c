@@ -16,17 +16,20 @@
    The numbers, per row of x and block of 32 values (x_b):
        d = max |x_b| / 127;  a = round(x_b / d) in [-127, 127]  (a = 0 where d = 0)
        y[n] = scale[n] * sum_b d_b * sum_{i in b} a_i q[n, i] + b[n]
-   vpdpbusd multiplies unsigned by signed bytes, so |a| goes in as the unsigned side and each
-   weight's sign is flipped where a is negative (a masked saturating subtract from 0: -(-128)
-   would be 127, and quantize.py's weights are in [-127, 127]). The int32 sums of a block
-   cannot overflow (32 * 127 * 127). Each 64-byte chunk holds two blocks: lanes 0-7 of the sums
-   are the first block's, 8-15 the second's, so one vector of their two d's (8 lanes each)
-   scales both in one FMA into fp32 partial sums.
+   A block holding a NaN or an infinity gets d = NaN, so that what is not finite stays so in
+   every output of its row (as the reference's sums are), not rounded away to a finite number.
+   vpdpbusd multiplies unsigned by signed bytes, so each weight goes in as |q| (0-128: -128 is
+   128, exact) and a takes q's sign (a masked subtract from 0; a is never -128, so it cannot
+   overflow): |q| * (a * sign q) = a q for every int8 q. The int32 sums of a block cannot
+   overflow (32 * 128 * 127). Each 64-byte chunk holds two blocks: lanes 0-7 of the sums are
+   the first block's, 8-15 the second's, so one vector of their two d's (8 lanes each) scales
+   both in one FMA into fp32 partial sums.
 
    The loop is few_rows.c's: 4 weight rows at a time, shared by every row of x, the next block
    of weight rows prefetched into L1 while this one is multiplied, the blocks shared among the
    threads. */
 #include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -48,11 +51,10 @@ int q8_supported(void) {
     return known;
 }
 
-/* The activations of M rows of K (K % 64 == 0) as the loops take them: |a| (M, K) bytes, the
-   sign of a (M, K / 64) masks of 64 bits, and the d's (M, K / 64) vectors of 16 floats. */
+/* The activations of M rows of K (K % 64 == 0) as the loops take them: a (M, K) signed bytes
+   and the d's (M, K / 64) vectors of 16 floats. */
 typedef struct {
-    uint8_t *mag;
-    __mmask64 *neg;
+    int8_t *a;
     float *d;
 } q8_acts;
 
@@ -60,34 +62,32 @@ static Q8 void q8_quantize(const float *x, q8_acts *a, int M, int K) {
     for (int m = 0; m < M; m++)
         for (int k = 0; k < K; k += 64) {
             size_t c = ((size_t)m * K + k) / 64; /* the chunk */
-            __mmask64 neg = 0;
             for (int half = 0; half < 2; half++) { /* the chunk's two blocks of 32 */
                 const float *xb = x + (size_t)m * K + k + 32 * half;
                 __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
                 __m512 top = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
                 float amax = _mm512_reduce_max_ps(top);
-                float d = amax / 127.0f;
-                __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+                /* x - x is 0 for finite x, NaN for NaN and infinities (max_ps skips a NaN) */
+                int finite = !(_mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), v0, _CMP_UNORD_Q) |
+                               _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), v1, _CMP_UNORD_Q));
+                float d = finite ? amax / 127.0f : NAN;
+                __m512 inv = _mm512_set1_ps(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
                 __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
                 __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-                __m512i zero = _mm512_setzero_si512();
-                neg |= (__mmask64)_mm512_cmplt_epi32_mask(q0, zero) << (32 * half);
-                neg |= (__mmask64)_mm512_cmplt_epi32_mask(q1, zero) << (32 * half + 16);
-                uint8_t *mag = a->mag + (size_t)m * K + k + 32 * half;
-                _mm_storeu_si128((__m128i *)mag, _mm512_cvtepi32_epi8(_mm512_abs_epi32(q0)));
-                _mm_storeu_si128((__m128i *)(mag + 16), _mm512_cvtepi32_epi8(_mm512_abs_epi32(q1)));
+                int8_t *ab = a->a + (size_t)m * K + k + 32 * half;
+                _mm_storeu_si128((__m128i *)ab, _mm512_cvtepi32_epi8(q0));
+                _mm_storeu_si128((__m128i *)(ab + 16), _mm512_cvtepi32_epi8(q1));
                 _mm256_storeu_ps(a->d + c * 16 + 8 * half, _mm256_set1_ps(d));
             }
-            a->neg[c] = neg;
         }
 }
 
-/* One 64-byte chunk of weights w (4 rows) times one row's chunk of activations, into 4 fp32
-   partial sums. */
-#define Q8_CHUNK(MAG, NEG, D, W, F)                                                           \
+/* One 64-byte chunk of weights (|q| in ABS_W, the lanes where q < 0 in NEG_W) times one row's
+   chunk of activations A with its scales D, into fp32 partial sums F. */
+#define Q8_CHUNK(A, D, ABS_W, NEG_W, F)                                                       \
     {                                                                                         \
-        __m512i signed_w = _mm512_mask_subs_epi8(W, NEG, zero, W);                            \
-        F = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, MAG, signed_w)), D, F); \
+        __m512i a_signed = _mm512_mask_sub_epi8(A, NEG_W, zero, A);                           \
+        F = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, ABS_W, a_signed)), D, F); \
     }
 
 /* R rows of activations times the 4 weight rows at w, over k in [k0, k1), added into part
@@ -105,17 +105,20 @@ static Q8 void q8_quantize(const float *x, q8_acts *a, int M, int K) {
         for (int k = k0; k < k1; k += 64) {                                                   \
             for (int i = 0; i < per; i++, p += 64)                                            \
                 if (p < pf_end) _mm_prefetch(p, _MM_HINT_T0);                                 \
-            __m512i a0 = _mm512_loadu_si512(w0 + k), a1 = _mm512_loadu_si512(w1 + k);         \
-            __m512i a2 = _mm512_loadu_si512(w2 + k), a3 = _mm512_loadu_si512(w3 + k);         \
+            __m512i q0 = _mm512_loadu_si512(w0 + k), q1 = _mm512_loadu_si512(w1 + k);         \
+            __m512i q2 = _mm512_loadu_si512(w2 + k), q3 = _mm512_loadu_si512(w3 + k);         \
+            __mmask64 n0 = _mm512_movepi8_mask(q0), n1 = _mm512_movepi8_mask(q1);             \
+            __mmask64 n2 = _mm512_movepi8_mask(q2), n3 = _mm512_movepi8_mask(q3);             \
+            q0 = _mm512_abs_epi8(q0), q1 = _mm512_abs_epi8(q1);                               \
+            q2 = _mm512_abs_epi8(q2), q3 = _mm512_abs_epi8(q3);                               \
             for (int r = 0; r < R; r++) {                                                     \
                 size_t c = ((size_t)(m0 + r) * K + k) / 64;                                   \
-                __m512i mag = _mm512_loadu_si512(a->mag + (size_t)(m0 + r) * K + k);          \
-                __mmask64 neg = a->neg[c];                                                    \
+                __m512i av = _mm512_loadu_si512(a->a + (size_t)(m0 + r) * K + k);             \
                 __m512 d = _mm512_loadu_ps(a->d + c * 16);                                    \
-                Q8_CHUNK(mag, neg, d, a0, acc[r][0])                                          \
-                Q8_CHUNK(mag, neg, d, a1, acc[r][1])                                          \
-                Q8_CHUNK(mag, neg, d, a2, acc[r][2])                                          \
-                Q8_CHUNK(mag, neg, d, a3, acc[r][3])                                          \
+                Q8_CHUNK(av, d, q0, n0, acc[r][0])                                            \
+                Q8_CHUNK(av, d, q1, n1, acc[r][1])                                            \
+                Q8_CHUNK(av, d, q2, n2, acc[r][2])                                            \
+                Q8_CHUNK(av, d, q3, n3, acc[r][3])                                            \
             }                                                                                 \
         }                                                                                     \
         *pf = p;                                                                              \
@@ -168,8 +171,9 @@ static Q8 void q8_single_output(const q8_acts *a, const int8_t *w, const float *
         for (int k = 0; k < K; k += 64) {
             size_t c = ((size_t)m * K + k) / 64;
             __m512i wv = _mm512_loadu_si512(wn + k);
-            __m512i mag = _mm512_loadu_si512(a->mag + (size_t)m * K + k);
-            Q8_CHUNK(mag, a->neg[c], _mm512_loadu_ps(a->d + c * 16), wv, acc)
+            __m512i av = _mm512_loadu_si512(a->a + (size_t)m * K + k);
+            __m512 d = _mm512_loadu_ps(a->d + c * 16);
+            Q8_CHUNK(av, d, _mm512_abs_epi8(wv), _mm512_movepi8_mask(wv), acc)
         }
         y[(size_t)m * N + n] = _mm512_reduce_add_ps(acc) * s[n] + (b ? b[n] : 0.f);
     }
@@ -182,11 +186,10 @@ int q8_rows_linear(const float *x, const int8_t *q, const float *scale, const fl
                    int M, int N, int K, int threads) {
     if (M < 1 || M > MAX_ROWS || K < 64 || K % 64 != 0 || N < 1 || !q8_supported()) return -1;
     size_t chunks = (size_t)M * K / 64;
-    size_t bytes = (size_t)M * K + chunks * (sizeof(__mmask64) + 64);
-    char *scratch = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
+    size_t bytes = (size_t)M * K + chunks * 64; /* a, then the d's: 16 floats a chunk */
+    char *scratch = (char *)aligned_alloc(64, bytes);
     if (!scratch) return -2;
-    q8_acts a = {(uint8_t *)scratch, (__mmask64 *)(scratch + (size_t)M * K),
-                 (float *)(scratch + (size_t)M * K + chunks * sizeof(__mmask64))};
+    q8_acts a = {(int8_t *)scratch, (float *)(scratch + (size_t)M * K)};
     q8_quantize(x, &a, M, K);
     int blocks = N / 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
