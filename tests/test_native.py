@@ -748,15 +748,7 @@ def _counting(blocks):
 def _steps_computed(monkeypatch) -> list:
     """Every `DecodeBlocks` from now on counting, into the list returned, the steps it computed
     (not those it declined)."""
-    done = []
-    call = native.DecodeBlocks.__call__
-
-    def counted(*args):
-        y = call(*args)
-        if y is not None:
-            done.append(1)
-        return y
-
+    counted, done = _counting(native.DecodeBlocks.__call__)
     monkeypatch.setattr(native.DecodeBlocks, "__call__", counted)
     return done
 
