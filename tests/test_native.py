@@ -421,9 +421,8 @@ def test_an_int8_model_given_the_loop_decodes_the_reference_tokens(monkeypatch):
     from gptkiln.model import GPT
     from gptkiln.quantize import quantize_model
 
-    monkeypatch.setattr(
-        sampling, "tune_decoding", lambda model, rows, **kw: {}
-    )  # the kernels below
+    # the kernels set below, not the tuner's
+    monkeypatch.setattr(sampling, "tune_decoding", lambda model, rows, **kw: {})
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=96, context_length=32, n_layer=2, n_head=2, n_embd=64)
     model = quantize_model(GPT(cfg).eval())
@@ -733,7 +732,8 @@ def _step_logits(model, prompts, steps: int):
 
 
 def _counting(blocks):
-    """``blocks`` (a `DecodeBlocks`) wrapped to count the steps it computed (not declined)."""
+    """``blocks`` (a `DecodeBlocks`, or its class's ``__call__``) wrapped to count the steps it
+    computed (not declined)."""
     done = []
 
     def call(*args):
