@@ -49,7 +49,7 @@ load_steps.register("finetune", _finetuned)
 
 
 # Loaded on first use: torch (model, sampling) and tiktoken/tokenizers take seconds to import, and
-# the `gptkiln` command parses and checks its flags (config.py) before it needs any of them.
+# the `gptkiln` command parses and checks its flags (config/) before it needs any of them.
 _LAZY = {
     "GPT": "gptkiln.model",
     "generate": "gptkiln.sampling",

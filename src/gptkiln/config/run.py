@@ -1,0 +1,480 @@
+"""Run settings: training (`TrainConfig`, each field a `setting` with its help), sampling
+(`SampleConfig`) and fine-tuning (`FinetuneConfig`). The model's own shape is `GPTConfig`
+(`gptkiln.config.model`), as litgpt keeps `Config` apart from its `args.py`.
+
+No torch import here, so the CLI can parse and validate flags before torch loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gptkiln.config.checks import _check_seed, _check_types, _from_dict, _positive_int
+from gptkiln.config.model import PRESETS
+from gptkiln.errors import GptkilnError
+
+
+@dataclass
+class SampleConfig:
+    """How to pick each next token, and when a sequence ends.
+
+    temperature 0 means greedy (argmax); top_k keeps the k most likely tokens; top_p keeps the
+    smallest set whose probability reaches p (nucleus sampling). ``stop_at_eos`` ends a sequence
+    at the tokenizer's end-of-text id; ``stop`` ends it where one of these strings appears in the
+    generated text (the text returned stops right before it). ``presence_penalty`` and
+    ``frequency_penalty`` are OpenAI's: each logit is lowered by ``frequency_penalty`` times the
+    number of times its token was generated so far, and by ``presence_penalty`` once if it was
+    generated at all (in [-2, 2]; negative values favour repeats).
+    """
+
+    max_new_tokens: int = 100
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_at_eos: bool = True
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_types(self, "sampling config")
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.seed is not None:
+            _check_seed(self.seed)
+        if self.max_new_tokens < 0:
+            raise GptkilnError(
+                f"max_new_tokens must be >= 0, got {self.max_new_tokens}; pass e.g. 100"
+            )
+        self.stop = check_stop(self.stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise GptkilnError(
+                    f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}"
+                )
+
+
+def check_stop(stop: Any) -> tuple[str, ...]:
+    """Stop strings as a tuple: one string or a list of them, each non-empty."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise GptkilnError(f"stop must be a list of non-empty strings, got {stop!r}")
+    return tuple(stop)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise `GptkilnError` for sampling settings that have no meaning."""
+    if not 0 <= temperature < math.inf:
+        raise GptkilnError(
+            f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
+        )
+    if top_k is not None and top_k < 1:
+        raise GptkilnError(f"top_k must be >= 1 (or unset to keep all tokens), got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise GptkilnError(f"top_p must be in (0, 1] (1 keeps all tokens), got {top_p}")
+
+
+# The groups of `TrainConfig`'s settings, in the order `gptkiln train --help` shows them.
+TRAIN_GROUPS = (
+    "data",
+    "model",
+    "optimisation",
+    "evaluation and samples",
+    "checkpoints",
+    "hardware",
+)
+
+
+def setting(default: Any, group: str, help: str, *, unset: str | None = None) -> Any:
+    """A `TrainConfig` field that carries what ``gptkiln train --help`` says of it.
+
+    Args:
+        default: the field's default.
+        group: one of `TRAIN_GROUPS`.
+        help: one line: what it is, and its range or choices (the default is added).
+        unset: what a default of None means (e.g. "the preset's"); required for one.
+    """
+    return dataclasses.field(
+        default=default, metadata={"group": group, "help": help, "unset": unset}
+    )
+
+
+@dataclass
+class TrainConfig:
+    """Everything about a training run except the model's shape.
+
+    Sampling of training data: ``"windows"`` walks the book's sliding windows (``stride``) in
+    seeded-shuffled epochs; ``"random"`` draws windows at seeded random offsets (nanoGPT style,
+    for corpora far larger than one pass). The run length is ``max_steps`` optimizer steps, or
+    ``epochs`` passes over the windows when ``max_steps`` is 0 (windows sampling only); with
+    ``max_time`` (minutes), the run also ends at the first step after that much training wall
+    time (steps, evaluations, samples and checkpoints; not data preparation), and the cosine
+    schedule decays over whichever of the two ends first.
+
+    Each field carries its group and one line of help (`setting`), which ``gptkiln train
+    --help`` shows; every field is also a key of a YAML recipe.
+    """
+
+    data: str | None = setting(
+        None,
+        "data",
+        "text to train on: a .txt/.jsonl/.json/.parquet file (.gz, .zst), a folder of them, "
+        "hf:NAME, a .yaml mixture (prepared into OUT/data/), or a folder made by `gptkiln prepare`",
+        unset="the bundled Shakespeare plays",
+    )
+    out: str = setting(
+        "runs/default",
+        "checkpoints",
+        "the run directory: weights, tokenizer, trainer state, metrics.csv, loss.png",
+    )
+    model: str = setting(
+        "qwen3-baby",  # learned most in 3 minutes (bench/first_run.py; GPT-2's baby: --model baby)
+        "model",
+        f"model preset, which names its architecture too (llama3-*, qwen3-*; the others gpt2): "
+        f"{' | '.join(PRESETS)}",
+    )
+    text_field: str = setting(
+        "text",
+        "data",
+        "the JSON key, or Parquet or dataset column, of --data that holds the text",
+    )
+    tokenizer: str = setting(
+        "bpe:16384",  # trained on the corpus; "gpt2" for GPT-2's weights and export
+        "data",
+        "gpt2 (OpenAI's BPE) | char | bpe:N (a byte-level BPE of N ids trained on the text; "
+        "bpe alone: 8192); prepared data keeps its own",
+    )
+    val_fraction: float = setting(
+        0.1, "data", "share of the text, taken from its end, held out for validation, in (0, 1)"
+    )
+    context_length: int | None = setting(
+        None, "model", "tokens the model sees at once (>= 1)", unset="the preset's"
+    )
+    dropout: float | None = setting(None, "model", "dropout rate, in [0, 1)", unset="the preset's")
+    tie_embeddings: bool | None = setting(
+        None, "model", "share the token embedding with the output head", unset="the preset's"
+    )
+    gelu: str | None = setting(
+        None,
+        "model",
+        "the MLP's activation: tanh (GPT-2's approximation) | exact (the erf form)",
+        unset="the preset's",
+    )
+    sampling: Literal["windows", "random"] = setting(
+        "random",
+        "data",
+        "how training windows are drawn: random = at seeded random offsets (nanoGPT); "
+        "windows = the book's sliding windows, each epoch in a seeded shuffle",
+    )
+    stride: int | None = setting(
+        None,
+        "data",
+        "tokens between window starts with --sampling windows (>= 1)",
+        unset="the context length",
+    )
+    batch_size: int = setting(8, "optimisation", "windows per micro-batch, per process (>= 1)")
+    grad_accum: int = setting(1, "optimisation", "micro-batches per optimizer step (>= 1)")
+    max_steps: int = setting(
+        1800, "optimisation", "optimizer steps to train (>= 0; 0: --epochs decides)"
+    )
+    epochs: int = setting(
+        0,
+        "optimisation",
+        "passes over the windows when --max-steps is 0 (>= 0; needs --sampling windows)",
+    )
+    max_time: float | None = setting(
+        None,
+        "optimisation",
+        "also end at the first step past this many minutes of training (> 0); the cosine "
+        "follows whichever of steps and time is further along",
+        unset="no time limit",
+    )
+    lr: float = setting(1e-3, "optimisation", "peak learning rate, reached after warm-up (> 0)")
+    min_lr: float = setting(
+        1e-4, "optimisation", "learning rate at the end of the cosine decay, in [0, lr]"
+    )
+    warmup_steps: int = setting(30, "optimisation", "steps of linear warm-up from 0 to --lr (>= 0)")
+    decay_lr: bool = setting(
+        True, "optimisation", "decay the learning rate to --min-lr on a cosine after warm-up"
+    )
+    weight_decay: float = setting(
+        0.1, "optimisation", "AdamW's weight decay, on matrices only (>= 0)"
+    )
+    beta1: float = setting(0.9, "optimisation", "AdamW's first-moment decay, in [0, 1)")
+    beta2: float = setting(0.95, "optimisation", "AdamW's second-moment decay, in [0, 1)")
+    grad_clip: float = setting(
+        1.0, "optimisation", "clip the gradients' norm to this (>= 0; 0: no clipping)"
+    )
+    eval_interval: int = setting(
+        100,
+        "evaluation and samples",
+        "evaluate every N steps and at the end, one row of OUT/metrics.csv each (>= 1)",
+    )
+    eval_batches: int = setting(
+        10, "evaluation and samples", "batches of each split per evaluation (>= 1)"
+    )
+    eval_train: bool = setting(
+        True,
+        "evaluation and samples",
+        "evaluate on fixed training batches too (off: the train loss is the last step's)",
+    )
+    sample_interval: int = setting(
+        600, "evaluation and samples", "print a sample every N steps, and one at the end (>= 1)"
+    )
+    sample_prompt: str = setting("ROMEO:", "evaluation and samples", "the samples' prompt")
+    sample_tokens: int = setting(60, "evaluation and samples", "tokens per sample (>= 0)")
+    tensorboard: bool = setting(
+        False,
+        "evaluation and samples",
+        "also log every metric and the samples for TensorBoard, into OUT/tensorboard/ "
+        "(view: tensorboard --logdir OUT)",
+    )
+    eval_tasks: str | None = setting(
+        None,
+        "evaluation and samples",
+        "lm-evaluation-harness tasks, comma-separated, run on the final weights: the results "
+        "JSON into OUT/eval/, the table printed, the metrics into metrics.csv (needs the eval "
+        "extra)",
+        unset="none",
+    )
+    eval_tasks_interval: int | None = setting(
+        None,
+        "evaluation and samples",
+        "also run --eval-tasks every N steps: a metrics.csv column per task metric "
+        "(eval/TASK/METRIC), drawn beside the loss in loss.png (>= 1)",
+        unset="at the end only",
+    )
+    eval_tasks_limit: float | None = setting(
+        None,
+        "evaluation and samples",
+        "documents per task at most in each run of --eval-tasks, or a fraction of them below 1",
+        unset="all",
+    )
+    eval_tasks_include_path: str | None = setting(
+        None,
+        "evaluation and samples",
+        "a folder of task YAML files of your own for --eval-tasks",
+        unset="the harness's tasks only",
+    )
+    checkpoint_interval: int = setting(
+        100, "checkpoints", "save a checkpoint every N steps, and at the end (>= 1)"
+    )
+    seed: int = setting(
+        1337, "data", "seed of the initial weights, the data order and the samples, in [0, 2**63)"
+    )
+    device: str = setting(
+        "auto", "hardware", "auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N | mps"
+    )
+    compile: bool = setting(
+        False, "hardware", "run the model under torch.compile (the first step compiles it)"
+    )
+    # On CPUs with AMX (e.g. Xeon Sapphire Rapids) "bf16" makes a 124M step ~1.7x faster; on
+    # small models the casts cost more than they save: auto measures (gptkiln.train.precision).
+    precision: Literal["auto", "fp32", "bf16"] = setting(
+        "auto",
+        "hardware",
+        "auto = bf16 autocast on CUDA, and on a CPU with AMX or AVX512-BF16 when a short "
+        "measurement of this model's step finds it faster (a resume keeps the run's choice), "
+        "fp32 elsewhere; bf16 = autocast on any device (weights and optimizer stay fp32); "
+        "fp32 = no autocast",
+    )
+    parallel: Literal["ddp", "fsdp"] = setting(
+        "ddp",
+        "hardware",
+        "with several processes (--nproc, torchrun): ddp = a whole model each; fsdp = each "
+        "holds a shard (FSDP2)",
+    )
+    progress: bool = setting(True, "evaluation and samples", "show a progress bar")
+
+    def __post_init__(self) -> None:
+        _check_types(self, "training config")
+        # Names first: a wrong preset or tokenizer must fail before any data is prepared.
+        from gptkiln.tokenizers import parse_tokenizer_spec
+
+        if self.model not in PRESETS:
+            raise GptkilnError(
+                f"unknown model preset {self.model!r}; choose one of: {', '.join(PRESETS)}"
+            )
+        parse_tokenizer_spec(self.tokenizer)
+        positive = ["batch_size", "grad_accum", "eval_interval", "eval_batches"]
+        positive += ["sample_interval", "checkpoint_interval"]
+        for name in positive:
+            _positive_int(name, getattr(self, name))
+        for name in ("max_steps", "epochs", "warmup_steps", "sample_tokens"):
+            value = getattr(self, name)
+            if value < 0:
+                raise GptkilnError(f"{name} must be a whole number >= 0, got {value!r}")
+        for name in ("context_length", "stride"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.max_steps == 0 and self.epochs == 0:
+            raise GptkilnError("set max_steps > 0, or epochs > 0 with sampling 'windows'")
+        if self.max_steps == 0 and self.sampling != "windows":
+            raise GptkilnError("epochs need sampling 'windows'; with 'random' set max_steps")
+        if self.sampling not in ("windows", "random"):
+            raise GptkilnError(f"sampling must be 'windows' or 'random', got {self.sampling!r}")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise GptkilnError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        if self.max_time is not None and not 0 < self.max_time < math.inf:
+            raise GptkilnError(
+                f"max_time must be a number of minutes > 0 (or unset for no time limit), "
+                f"got {self.max_time!r}"
+            )
+        if not 0 < self.lr < math.inf:
+            raise GptkilnError(f"lr must be a finite number > 0, got {self.lr!r}")
+        _check_seed(self.seed)
+        if not 0 <= self.grad_clip < math.inf:
+            raise GptkilnError(
+                f"grad_clip must be a finite number >= 0 (0 turns clipping off), "
+                f"got {self.grad_clip!r}"
+            )
+        if not 0 <= self.min_lr <= self.lr:
+            raise GptkilnError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise GptkilnError(
+                f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}"
+            )
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise GptkilnError(
+                    f"{name} must be in [0, 1) (Adam's moment decay), got {getattr(self, name)!r}"
+                )
+        if not 0.0 < self.val_fraction < 1.0:
+            raise GptkilnError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise GptkilnError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise GptkilnError(
+                f"precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}"
+            )
+        self._check_eval_tasks()
+        if self.gelu not in (None, "tanh", "exact"):
+            raise GptkilnError(f"gelu must be 'tanh' or 'exact', got {self.gelu!r}")
+
+    def _check_eval_tasks(self) -> None:
+        """The settings of harness tasks while training: each needs ``eval_tasks``."""
+        if self.eval_tasks is not None and not self.eval_tasks.strip(" ,"):
+            raise GptkilnError(
+                "eval_tasks is empty; name tasks (hellaswag,arc_easy) or leave it out"
+            )
+        for name in ("eval_tasks_interval", "eval_tasks_limit", "eval_tasks_include_path"):
+            if getattr(self, name) is not None and self.eval_tasks is None:
+                flag = "--" + name.replace("_", "-")
+                raise GptkilnError(f"{flag} needs --eval-tasks, the tasks to run; add it")
+        if self.eval_tasks_interval is not None:
+            _positive_int("eval_tasks_interval", self.eval_tasks_interval)
+        limit = self.eval_tasks_limit
+        if limit is not None and not (0 < limit < math.inf and (limit < 1 or limit.is_integer())):
+            raise GptkilnError(
+                f"eval_tasks_limit must be a whole number of documents >= 1 or a fraction in "
+                f"(0, 1), got {limit!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        return _from_dict(cls, values, "training config")
+
+
+FINETUNE_TASKS = ("instruct", "classify")
+# Per task: (val_fraction, test_fraction, train_layers): the book's chapters 7 and 6.
+FINETUNE_DEFAULTS = {"instruct": (0.05, 0.1, "all"), "classify": (0.1, 0.2, "last-1")}
+
+
+@dataclass
+class FinetuneConfig:
+    """What a fine-tuning run starts from, learns and trains; the loop's own settings (steps,
+    learning rate, evaluation, ...) are a `TrainConfig`.
+
+    Tasks: ``"instruct"`` (the book's chapter 7: instruction entries in a prompt template,
+    next-token loss on the whole example or, with ``mask_prompt``, on the response alone) and
+    ``"classify"`` (chapter 6: texts with labels, a new head on the last position).
+
+    ``train_layers``: ``"all"``; ``"last-N"``, the last N blocks, the final norm and the head
+    (the rest frozen); or ``"lora"``, LoRA adapters of ``lora_rank`` on the linear layers (base
+    frozen; see `gptkiln.finetune.lora`). ``"default"`` is the task's: all (instruct), last-1
+    (classify); a ``lora_rank`` > 0 means ``"lora"``. Fractions left as None are the task's:
+    0.05 / 0.1 of the entries for validation / test (instruct, in the book's order: train, test,
+    val), 0.1 / 0.2 after a seeded shuffle (classify: train, val, test).
+    """
+
+    base: str  # a run directory, or a Hugging Face GPT-2 directory
+    data: str  # instruct: .json / .jsonl; classify: .csv / .tsv / .jsonl
+    task: Literal["instruct", "classify"] = "instruct"
+    template: str = "alpaca"  # a bundled name or a JSON file (instruct)
+    mask_prompt: bool = False  # instruct: no loss on the prompt's tokens
+    text_column: str = "text"  # classify
+    label_column: str = "label"  # classify
+    max_length: int | None = None  # classify: tokens a text is cut / padded to; None = longest
+    val_fraction: float | None = None
+    test_fraction: float | None = None
+    train_layers: str = "default"
+    lora_rank: int = 0
+    lora_alpha: float | None = None  # None = 2 x lora_rank
+    lora_qkv: Literal["split", "fused"] = "split"
+    lora_head: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(self, "fine-tuning config")
+        if self.task not in FINETUNE_TASKS:
+            raise GptkilnError(
+                f"task must be one of {', '.join(FINETUNE_TASKS)}, got {self.task!r}"
+            )
+        val, test, layers = FINETUNE_DEFAULTS[self.task]
+        self.val_fraction = val if self.val_fraction is None else self.val_fraction
+        self.test_fraction = test if self.test_fraction is None else self.test_fraction
+        if not 0 < self.val_fraction < 1 or not 0 <= self.test_fraction < 1:
+            raise GptkilnError(
+                f"val_fraction must be in (0, 1) and test_fraction in [0, 1), got "
+                f"{self.val_fraction!r} and {self.test_fraction!r}"
+            )
+        if self.val_fraction + self.test_fraction >= 1:
+            raise GptkilnError(
+                f"val_fraction + test_fraction must leave entries to train on, got "
+                f"{self.val_fraction} + {self.test_fraction}"
+            )
+        if self.lora_rank < 0:
+            raise GptkilnError(f"lora_rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
+        if self.lora_rank and self.train_layers not in ("default", "lora"):
+            raise GptkilnError(
+                f"--lora-rank {self.lora_rank} trains LoRA adapters, but --train-layers "
+                f"{self.train_layers} asks for other layers; drop one of them"
+            )
+        if self.train_layers == "default":
+            self.train_layers = "lora" if self.lora_rank else layers
+        if self.train_layers == "lora" and not self.lora_rank:
+            self.lora_rank = 16
+        if self.lora_alpha is None and self.train_layers == "lora":
+            self.lora_alpha = 2.0 * self.lora_rank
+        if self.train_layers not in ("all", "lora") and not re.fullmatch(
+            r"last-[1-9]\d*", self.train_layers
+        ):
+            raise GptkilnError(
+                f"train_layers must be all, last-N (N >= 1) or lora, got {self.train_layers!r}"
+            )
+        if self.lora_alpha is not None and not 0 < self.lora_alpha < math.inf:
+            raise GptkilnError(f"lora_alpha must be a number > 0, got {self.lora_alpha!r}")
+        if self.lora_qkv not in ("split", "fused"):
+            raise GptkilnError(f"lora_qkv must be 'split' or 'fused', got {self.lora_qkv!r}")
+        if self.max_length is not None:
+            _positive_int("max_length", self.max_length)
+        if self.lora_head and self.train_layers != "lora":
+            raise GptkilnError("--lora-head puts an adapter on the head: it needs --lora-rank")
+
+    @property
+    def lora(self) -> bool:
+        return self.train_layers == "lora"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> FinetuneConfig:
+        return _from_dict(cls, values, "fine-tuning config")
