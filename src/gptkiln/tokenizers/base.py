@@ -114,6 +114,13 @@ class Tokenizer(ABC):
         """The text a fingerprint is made of; every kind with state of its own extends it."""
         return f"{self.vocab_size} {self.eot_id}"
 
+    def hf_json(self) -> str:
+        """This tokenizer as a Hugging Face ``tokenizers`` file (the text of a tokenizer.json):
+        the same ids for every text this tokenizer encodes, and the same text back; what an
+        export writes for ``transformers`` (and what `gptkiln.tokenizers.HFTokenizer` reads).
+        ``<|endoftext|>`` is a special added token."""
+        raise NotImplementedError(f"the {self.kind} tokenizer has no Hugging Face form")
+
     def save(self, directory: str | os.PathLike) -> None:
         """Write ``tokenizer_meta.json`` and this kind's files into ``directory`` (created)."""
         directory = Path(directory)

@@ -101,6 +101,10 @@ class BPETokenizer(Tokenizer):
     def _identity(self) -> str:
         return self._hf.to_str()
 
+    def hf_json(self) -> str:
+        """Its own tokenizer.json: a ``bpe`` tokenizer is a Hugging Face one already."""
+        return self._hf.to_str()
+
     def _save_files(self, directory: Path) -> None:
         self._hf.save(str(directory / BPE_FILE))
 

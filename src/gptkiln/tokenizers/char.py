@@ -86,6 +86,21 @@ class CharTokenizer(Tokenizer):
     def _count_chars(self) -> np.ndarray:
         return np.ones(self.vocab_size, dtype=np.int64)
 
+    def hf_json(self) -> str:
+        """A BPE with one token per character and no merges (``tokenizers`` splits a word into
+        its characters and merges none), no pre-tokenizer, and a decoder that joins the tokens
+        as they are (``Fuse``); ``<|endoftext|>`` a special added token. A character outside the
+        vocabulary is dropped where gptkiln refuses it."""
+        from tokenizers import AddedToken, decoders, models
+        from tokenizers import Tokenizer as HFTokenizer
+
+        vocab = {c: i for i, c in enumerate(self.chars)}
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+        hf.decoder = decoders.Fuse()
+        if self.eot_id is not None:
+            hf.add_special_tokens([AddedToken(EOT, special=True, normalized=False)])
+        return hf.to_str()
+
     def _identity(self) -> str:
         return json.dumps({"chars": list(self.chars), "eot": self.eot_id}, ensure_ascii=True)
 

@@ -130,6 +130,24 @@ class GPT2Tokenizer(Tokenizer):
     def token_bytes(self, token_id: int) -> bytes:
         return self._encoding.decode_single_token_bytes(int(token_id))
 
+    def hf_json(self) -> str:
+        """GPT-2's BPE as ``transformers``' ``GPT2TokenizerFast`` builds it from vocab.json and
+        merges.txt: byte-level pre-tokenizer (GPT-2's regex, no prefix space) and decoder,
+        ``<|endoftext|>`` (50256) special."""
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+        from tokenizers import Tokenizer as HFTokenizer
+
+        encoder_path, merges_path = _gpt2_files()
+        vocab = json.loads(encoder_path.read_text(encoding="utf-8"))
+        lines = merges_path.read_text(encoding="utf-8").split("\n")[1:]
+        merges = [tuple(line.split()) for line in lines if line]
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        hf.post_processor = processors.ByteLevel(trim_offsets=False)
+        hf.add_special_tokens([AddedToken(EOT, special=True, normalized=False)])
+        return hf.to_str()
+
     def _count_chars(self) -> np.ndarray:
         pieces = [self.token_bytes(i) for i in range(GPT2_EOT_ID)]
         return _lead_bytes_per_piece([*pieces, b""])

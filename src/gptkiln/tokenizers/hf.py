@@ -110,6 +110,10 @@ class HFTokenizer(Tokenizer):
                 text = text.replace(spaced, joined)
         return text
 
+    def hf_json(self) -> str:
+        """Its own tokenizer.json, as it came."""
+        return self._source
+
     def _identity(self) -> str:
         config = self.files.get(HF_CONFIG_FILE) or {}
         kept = {k: v for k, v in config.items() if k != "chat_template"}
