@@ -5,7 +5,8 @@ the answer (`answers`).
 ``POST /v1/chat/completions`` (an instruction-tuned run's: the messages in its stored template),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /`` (the
 playground page) and gptkiln's own ``POST /v1/inspect`` (a prompt's attention weights and
-next-token probabilities, `gptkiln.inspect`, for the page's Inspect view). Every error is
+next-token probabilities, `gptkiln.inspect`, for the page's Inspect view) and ``POST
+/v1/tokenize`` (a prompt's token count, by which the page sizes Max tokens). Every error is
 OpenAI-shaped JSON (`schemas.OpenAIError`). The ASGI guard in front checks the API key and the
 body size before a route sees the request. No route reads or writes a file: the page is read
 from the package once, when the app is made.
@@ -44,12 +45,14 @@ from gptkiln.serve.parsing import (
     unknown_model,
 )
 from gptkiln.serve.schemas import (
+    MAX_INSPECT_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     InspectRequest,
     ModelCard,
     ModelList,
     OpenAIError,
+    TokenizeRequest,
     parse_request,
 )
 
@@ -100,6 +103,7 @@ def create_app(
     _add_error_handlers(app)
     _add_info_routes(app, served, api_key_required=api_key is not None)
     _add_generation_routes(app, served)
+    _add_tokenize_route(app, served)
     return app
 
 
@@ -213,6 +217,9 @@ def _add_info_routes(app: FastAPI, served: Served, *, api_key_required: bool) ->
             "model": served.model_name,
             "api_key_required": api_key_required,
             "chat": served.template is not None,  # POST /v1/chat/completions answers
+            # what the page sizes its fields by: a prompt and its new tokens fit the context
+            "context_length": served.context,
+            "inspect_max_tokens": min(MAX_INSPECT_TOKENS, served.context),
             "max_batch": served.max_batch,
             "active": served.batcher.active,
             "waiting": served.batcher.waiting,
@@ -304,6 +311,35 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
         except GptkilnError as e:
             raise OpenAIError(400, f"prompt: {e}", "prompt") from None
         return JSONResponse({"model": model_name, **found.to_dict(decimals=4)})
+
+
+def _add_tokenize_route(app: FastAPI, served: Served) -> None:
+    """``POST /v1/tokenize``: a prompt's (or chat messages') token count and the context, as
+    vLLM's ``/tokenize`` answers them (``count``, ``max_model_len``)."""
+
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req: TokenizeRequest = parse_request(TokenizeRequest, await request.body())
+        served.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError(400, "give a prompt or messages (one of them) to count", "prompt")
+        if req.messages is None:
+            prompts = await asyncio.to_thread(
+                prompt_ids, req.prompt, served.tokenizer, served.vocab
+            )
+        elif served.template is None:
+            raise OpenAIError(
+                400,
+                f"model {served.model_name!r} is not instruction-tuned, so it has no template "
+                "to put messages in: count a prompt instead",
+                "messages",
+                code="not_instruction_tuned",
+            )
+        else:
+            prompts = await asyncio.to_thread(
+                chat_prompt, served.template, req.messages, served.tokenizer
+            )
+        return {"count": len(prompts[0][1]), "max_model_len": served.context}
 
 
 # -- the guard in front: key, body size, request counts ---------------------------------------
