@@ -234,7 +234,7 @@ def evaluate_run(
     write the harness's results JSON.
 
     Args:
-        run_dir: a run directory, an imported Hugging Face GPT-2 directory, or a quantized run.
+        run_dir: a run directory, a Hugging Face model directory, or a quantized run.
         tasks: task names (``"hellaswag,arc_easy"`` or a list), glob patterns or YAML files.
         num_fewshot: examples put before each question (None: each task's own, else 0).
         limit: documents per task at most (a fraction of them when below 1); for a quick look.
