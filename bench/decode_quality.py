@@ -2,7 +2,7 @@
 
     python bench/decode_quality.py RUN --text FILE [--max-tokens 2048]
 
-`bench/quantize_quality.py` measures int8 weights through ``gptkiln eval``, whose forwards
+`bench/quantize_quality.py` measures int8 weights through ``gptkiln perplexity``, whose forwards
 multiply hundreds of rows at once and so never reach the few-row kernels the tuner hands out
 for decoding (`gptkiln.kernels`). Here every token goes through the static KV cache one at a
 time (`gptkiln.sampling.decode_one_token`, batch 1, the kernels tuned for one row), over

@@ -13,7 +13,7 @@ validation split is the same text (the last 10% of the characters, 478,357 of th
 ``gptkiln train`` in a fresh process (``OMP_NUM_THREADS=2``; for ``--compile`` runs an empty
 inductor cache, as on a new user's machine, so compiling counts as it would there), evaluating
 only at its last step. Then, in the same process, the model is scored on the whole validation
-split (`gptkiln.api.evaluate_run`: bits per character, the ranking) and samples 250 characters
+split (`gptkiln.api.perplexity_of_run`: bits per character, the ranking) and samples 250 characters
 from "ROMEO:" (seed 1, temperature 0.8, top-k 50).
 
 - ``speed``: ``--max-time MINUTES`` runs; from the steps done and the first (compiling) step's
@@ -181,7 +181,7 @@ def worker(job: dict) -> None:
 
     from gptkiln import cli, config, optim
     from gptkiln import train as train_module
-    from gptkiln.api import evaluate_run, generate_text
+    from gptkiln.api import generate_text, perplexity_of_run
     from gptkiln.config import SampleConfig
     from gptkiln.data.prepare import read_meta
     from gptkiln.train import optimizer_step
@@ -208,7 +208,7 @@ def worker(job: dict) -> None:
     compiled = re.search(r"compiled: step 1 took ([0-9.]+) s", output)
     scored = {}
     if job["score"]:
-        full = evaluate_run(run_dir, data, progress=False)
+        full = perplexity_of_run(run_dir, data, progress=False)
         meta = read_meta(data)
         chars_per_token = meta["val_characters"] / meta["val_tokens"]
         sample = SampleConfig(

@@ -11,10 +11,10 @@ Three models from the same weights of RUN (a run directory or a Hugging Face GPT
 - ``int8, head fp32``: the blocks' linear layers in int8, the head and the token embedding
   kept in fp32 (``quantize_model(..., embedding_and_head=False)``), for the comparison.
 
-Perplexity: `gptkiln.api.evaluate_model` (what ``gptkiln eval`` computes) over the validation
-split of DATA (a prepared data directory; default RUN/data, where ``gptkiln train`` prepares
-its corpus) or a text file, the first ``--max-tokens`` of it, in non-overlapping windows of the
-model's context; the change against fp32 in percent (the target: within 1%). Greedy text:
+Perplexity: `gptkiln.api.perplexity_of_model` (what ``gptkiln perplexity`` computes) over the
+validation split of DATA (a prepared data directory; default RUN/data, where ``gptkiln train``
+prepares its corpus) or a text file, the first ``--max-tokens`` of it, in non-overlapping windows
+of the model's context; the change against fp32 in percent (the target: within 1%). Greedy text:
 ``--new-tokens`` tokens from ``--prompt`` with each model (`gptkiln.sampling.generate`); the
 first position where a model's tokens differ from fp32's is reported, not asserted: a near tie
 between two tokens can flip under any change to the weights, and from there the texts part.
@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=100)
     args = p.parse_args()
     torch = common.setup_torch()
-    from gptkiln.api import eval_tokens, evaluate_model
+    from gptkiln.api import eval_tokens, perplexity_of_model
     from gptkiln.loading import load_model, load_run
     from gptkiln.quantize import quantize_model
     from gptkiln.sampling import generate
@@ -66,7 +66,7 @@ def main() -> None:
     prompt = tokenizer.encode(args.prompt)
     rows, texts = [], {}
     for name, model in models.items():
-        result = evaluate_model(model, tokens, tokenizer, batch_size=args.batch_size)
+        result = perplexity_of_model(model, tokens, tokenizer, batch_size=args.batch_size)
         with torch.inference_mode():
             new = generate(model, prompt, max_new_tokens=args.new_tokens, temperature=0)
         texts[name] = new

@@ -198,8 +198,8 @@ def test_generating_past_the_context_slides_the_window_and_says_so(run_dir, caps
     assert "prompt 2" not in err  # 1 + 30 fits
 
 
-def test_eval_prints_loss_and_perplexity(run_dir, play_path, capsys):
-    code, out, _ = cli("eval", run_dir, "--data", play_path, "--quiet", capsys=capsys)
+def test_perplexity_prints_loss_and_perplexity(run_dir, play_path, capsys):
+    code, out, _ = cli("perplexity", run_dir, "--data", play_path, "--quiet", capsys=capsys)
     assert code == 0
     loss = float(out.split("loss ")[1].split()[0])
     ppl = float(out.split("perplexity ")[1].split()[0])
@@ -208,18 +208,24 @@ def test_eval_prints_loss_and_perplexity(run_dir, play_path, capsys):
     assert bits == pytest.approx(loss / math.log(2), abs=1e-4)
 
 
-def test_eval_keeps_freed_memory_on_the_cpu(run_dir, play_path, capsys, monkeypatch):
+def test_the_old_name_eval_says_the_new_one(run_dir, play_path, capsys):
+    code, out, err = cli("eval", run_dir, "--data", play_path, capsys=capsys)
+    assert_one_line_error(code, err, "gptkiln eval", "renamed", "gptkiln perplexity")
+    assert out == ""
+
+
+def test_perplexity_keeps_freed_memory_on_the_cpu(run_dir, play_path, capsys, monkeypatch):
     import gptkiln.allocator
 
     calls = []
     monkeypatch.setattr(gptkiln.allocator, "keep_freed_memory", lambda: calls.append(1) or True)
-    code, _, err = cli("eval", run_dir, "--data", play_path, "--device", "cpu", "--quiet",
+    code, _, err = cli("perplexity", run_dir, "--data", play_path, "--device", "cpu", "--quiet",
                        capsys=capsys)  # fmt: skip
     assert code == 0, err
     assert calls == [1]
 
 
-def test_convert_quantize_then_generate_and_eval(run_dir, tmp_path, play_path, capsys):
+def test_convert_quantize_then_generate_and_perplexity(run_dir, tmp_path, play_path, capsys):
     q = tmp_path / "q"
     code, out, _ = cli("convert", "quantize", run_dir, "--out", q, capsys=capsys)
     assert code == 0 and out.strip() == f"wrote {q}"
@@ -231,7 +237,7 @@ def test_convert_quantize_then_generate_and_eval(run_dir, tmp_path, play_path, c
     assert code == 0 and on_load == from_run  # the saved int8 run is the float run quantized
 
     def loss(*argv):
-        code, out, _ = cli("eval", *argv, "--data", play_path, "--quiet", capsys=capsys)
+        code, out, _ = cli("perplexity", *argv, "--data", play_path, "--quiet", capsys=capsys)
         assert code == 0
         return float(out.split("loss ")[1].split()[0])
 
@@ -282,20 +288,20 @@ def test_quantized_runs_refuse_what_they_cannot_do(run_dir, tmp_path, capsys):
     weights = (q / "model.safetensors").read_bytes()
     mismatched = Path(shutil.copytree(run_dir, tmp_path / "mismatched"))
     (mismatched / "model.safetensors").write_bytes(weights)  # int8 weights, a float config.json
-    code, _, err = cli("eval", mismatched, "--data", run_dir / "config.json", capsys=capsys)
+    code, _, err = cli("perplexity", mismatched, "--data", run_dir / "config.json", capsys=capsys)
     assert_one_line_error(code, err, "records no quantization: wrong dtype", "int8")
     (q / "model.safetensors").write_bytes(weights[: len(weights) - 64])
     code, _, err = cli("generate", q, "--prompt", "x", capsys=capsys)
     assert_one_line_error(code, err, "model.safetensors", "truncated or corrupt")
 
 
-@pytest.mark.parametrize("command", ["generate", "generate-batch", "eval"])
+@pytest.mark.parametrize("command", ["generate", "generate-batch", "perplexity"])
 @pytest.mark.parametrize("value", ["int4", "INT8", "none"])
 def test_a_bad_quantize_value_is_refused_in_one_line(command, value, run_dir, capsys):
     rest = {
         "generate": ["--prompt", "x"],
         "generate-batch": ["--prompt", "x", "--prompt", "y"],
-        "eval": ["--data", run_dir / "config.json"],
+        "perplexity": ["--data", run_dir / "config.json"],
     }[command]
     command = command.removesuffix("-batch")
     code, out, err = cli(command, run_dir, *rest, "--quantize", value, capsys=capsys)
@@ -321,7 +327,7 @@ def test_bad_run_directories(run_dir, tmp_path, capsys):
     from safetensors.torch import save_file
 
     save_file({"encoder.weight": torch.zeros(2, 2)}, broken / "model.safetensors")
-    code, _, err = cli("eval", broken, "--data", run_dir / "config.json", capsys=capsys)
+    code, _, err = cli("perplexity", broken, "--data", run_dir / "config.json", capsys=capsys)
     assert_one_line_error(code, err, "model.safetensors")
 
 
@@ -568,7 +574,7 @@ def test_a_run_whose_tokenizer_was_replaced_is_one_line(run_dir, tmp_path, capsy
     assert_one_line_error(code, err, "do not belong to this model")
     assert out == ""  # the prompt is echoed only once the run loaded and took it
     (tmp_path / "text.txt").write_text("I had always thought Jack Gisburn rather a cheap genius")
-    code, _, err = cli("eval", run, "--data", tmp_path / "text.txt", "--quiet", capsys=capsys)
+    code, _, err = cli("perplexity", run, "--data", tmp_path / "text.txt", "--quiet", capsys=capsys)
     assert_one_line_error(code, err, "do not belong to this model")
 
 

@@ -43,7 +43,7 @@ def test_every_command_that_loads_a_model_names_it_run_dir_and_defaults_to_the_c
     parser = build_parser()
     for argv in (
         ["generate", "r", "--prompt", "x"],
-        ["eval", "r", "--data", "d"],
+        ["perplexity", "r", "--data", "d"],
         ["inspect", "r", "--prompt", "x"],
         ["serve", "r"],
         ["classify", "r", "--text", "x"],

@@ -118,7 +118,7 @@ def test_the_flags_people_ask_about_say_their_choices():
     assert "OUT/tensorboard/" in flag_help("gptkiln train", "--tensorboard")
 
 
-@pytest.mark.parametrize("command", ["", "train", "generate", "info", "prepare", "eval"])
+@pytest.mark.parametrize("command", ["", "train", "generate", "info", "prepare", "perplexity"])
 def test_help_prints_and_exits_0(command, capsys):
     with pytest.raises(SystemExit) as exit:
         build_parser().parse_args([*command.split(), "--help"])

@@ -246,7 +246,7 @@ def test_without_the_harness_evaluate_says_how_to_install_it(monkeypatch, tmp_pa
         monkeypatch.delitem(sys.modules, name)
     ev = importlib.import_module("gptkiln.evaluate")  # imports all the same
     with pytest.raises(GptkilnError) as e:
-        ev.evaluate(tmp_path, "hellaswag")
+        ev.evaluate_run(tmp_path, "hellaswag")
     message = str(e.value)
     assert "\n" not in message and "lm-eval" in message
     assert "pip install 'lm-eval>=0.4.13,<0.5'" in message and ".[eval]" in message
@@ -470,10 +470,10 @@ def test_the_families_scores_generations_and_metrics_equal_the_hf_backends(famil
 
 # -- the library function ----------------------------------------------------------------------
 def test_evaluate_writes_the_harness_json_into_the_run_and_returns_its_table(setup, both):
-    from gptkiln.evaluate import evaluate
+    from gptkiln.evaluate import evaluate_run
 
     run = setup["root"] / "run"
-    report = evaluate(run, "kiln_mc,kiln_roll", include_path=setup["tasks"], log_samples=True,
+    report = evaluate_run(run, "kiln_mc,kiln_roll", include_path=setup["tasks"], log_samples=True,
                       batch_size=4, progress=False)  # fmt: skip
     assert report.path.parent == run / "eval" and report.path.name.startswith("results_")
     written = json.loads(report.path.read_text())
@@ -497,15 +497,15 @@ def test_evaluate_writes_the_harness_json_into_the_run_and_returns_its_table(set
 
 
 def test_evaluate_reads_an_hf_directory_and_a_quantized_run(setup, both, tmp_path):
-    from gptkiln.evaluate import evaluate
+    from gptkiln.evaluate import evaluate_run
 
-    hf = evaluate(setup["root"] / "hf", "kiln_roll", include_path=setup["tasks"],
+    hf = evaluate_run(setup["root"] / "hf", "kiln_roll", include_path=setup["tasks"],
                   output_path=tmp_path / "hf.json", progress=False)  # fmt: skip
     assert hf.path == tmp_path / "hf.json" and hf.path.is_file()
     want = both["gptkiln"]["results"]["kiln_roll"]["bits_per_byte,none"]
     assert hf.metrics()["kiln_roll/bits_per_byte"] == pytest.approx(want, rel=1e-5)
 
-    int8 = evaluate(setup["root"] / "run", "kiln_roll", include_path=setup["tasks"],
+    int8 = evaluate_run(setup["root"] / "run", "kiln_roll", include_path=setup["tasks"],
                     quantize="int8", output_path=tmp_path / "q", progress=False)  # fmt: skip
     assert int8.results["config"]["model_args"]["quantize"] == "int8"
     got = int8.metrics()["kiln_roll/bits_per_byte"]
@@ -563,9 +563,9 @@ def test_scores_and_generations_leave_out_the_kernels_that_change_the_sums(setup
 
 
 def test_limit_num_fewshot_and_seed_reach_the_harness(setup, tmp_path):
-    from gptkiln.evaluate import evaluate
+    from gptkiln.evaluate import evaluate_run
 
-    report = evaluate(setup["root"] / "run", "kiln_mc", include_path=setup["tasks"], limit=2,
+    report = evaluate_run(setup["root"] / "run", "kiln_mc", include_path=setup["tasks"], limit=2,
                       num_fewshot=1, seed=7, output_path=tmp_path, progress=False)  # fmt: skip
     config = report.results["config"]
     assert report.results["n-samples"]["kiln_mc"]["effective"] == 2
@@ -590,13 +590,13 @@ def test_an_unknown_task_is_one_line_with_close_names(setup, monkeypatch):
 
 
 def test_a_task_file_that_does_not_parse_is_one_line(tmp_path, setup):
-    from gptkiln.evaluate import evaluate
+    from gptkiln.evaluate import evaluate_run
 
     bad = tmp_path / "tasks"
     bad.mkdir()
     (bad / "broken.yaml").write_text("task: broken\ndataset_path: [unclosed\n")
     with pytest.raises(GptkilnError) as e:
-        evaluate(setup["root"] / "run", "broken", include_path=bad)
+        evaluate_run(setup["root"] / "run", "broken", include_path=bad)
     assert "\n" not in str(e.value)
     assert str(e.value).startswith(f"{bad / 'broken.yaml'}: the task file does not parse (")
 
@@ -612,13 +612,13 @@ def test_a_task_that_cannot_be_built_is_one_line(tmp_path, setup):
 
 
 def test_a_classifier_run_is_refused_in_one_line(tmp_path, setup):
-    from gptkiln.evaluate import evaluate
+    from gptkiln.evaluate import evaluate_run
 
     classifier = GPT(GPTConfig(vocab_size=50257, context_length=CONTEXT, n_layer=1, n_head=2,
                                n_embd=16, num_classes=2, tie_embeddings=False))  # fmt: skip
     save_model(classifier, tmp_path / "clf", tokenizer=setup["tokenizer"])
     with pytest.raises(GptkilnError, match=r"is a classifier of 2 classes") as e:
-        evaluate(tmp_path / "clf", "kiln_mc", include_path=setup["tasks"])
+        evaluate_run(tmp_path / "clf", "kiln_mc", include_path=setup["tasks"])
     assert "\n" not in str(e.value)
     assert not (tmp_path / "clf" / "eval").exists()  # refused before anything was written
 

@@ -1,5 +1,5 @@
 """Every gptkiln command on a tiny Llama 3 and a tiny Qwen3 model: train from a family preset and
-resume exactly, DDP and FSDP2, generate, eval, inspect (one map per query head, its key/value
+resume exactly, DDP and FSDP2, generate, perplexity, inspect (one map per query head, its key/value
 head named), the serving batcher, int8, fine-tuning (instruction, classification, LoRA on every
 block linear) and info.
 
@@ -20,7 +20,7 @@ from instruction_data import WORDS, instructions
 from test_cli import assert_one_line_error, cli
 from test_finetune import CHARS, quick
 
-from gptkiln.api import complete, evaluate_run
+from gptkiln.api import complete, perplexity_of_run
 from gptkiln.checkpoint import save_model
 from gptkiln.config import FinetuneConfig, GPTConfig, SampleConfig
 from gptkiln.finetune import finetune
@@ -112,7 +112,7 @@ def test_a_gpt2_only_setting_on_a_family_preset_is_one_line(play_path, tmp_path,
     assert_one_line_error(code, err, "gelu 'exact'", "swiglu")
 
 
-# -- generate, eval, inspect, int8 ------------------------------------------------------------
+# -- generate, perplexity, inspect, int8 ---------------------------------------------------------
 def test_generate_batched_sampled_and_stopped_equal_each_prompt_alone(runs):
     run = runs[0]
     prompts = ["ROMEO:", "a", "What say you", "I "]  # unequal lengths: left padding
@@ -145,12 +145,12 @@ def test_the_kv_cache_generates_what_the_full_forward_does(runs):
 
 def test_eval_gives_bits_per_character_of_the_models_loss(runs, play_path, capsys):
     run = runs[0]
-    result = evaluate_run(run, play_path)
+    result = perplexity_of_run(run, play_path)
     assert result.bits_per_char == pytest.approx(
         result.loss * result.tokens / result.characters / math.log(2)
     )
     assert result.loss < math.log(load_model(run).config.vocab_size)
-    code, out, err = cli("eval", run, "--data", play_path, capsys=capsys)
+    code, out, err = cli("perplexity", run, "--data", play_path, capsys=capsys)
     assert code == 0, err
     assert f"{result.bits_per_char:.4f} bits/char" in out
 

@@ -21,7 +21,7 @@ import torch
 from instruction_data import WORDS, instructions
 from safetensors.torch import load_file
 
-from gptkiln.api import evaluate_run
+from gptkiln.api import perplexity_of_run
 from gptkiln.checkpoint import save_model
 from gptkiln.cli import main
 from gptkiln.config import FinetuneConfig, GPTConfig
@@ -634,7 +634,7 @@ def test_classify_prints_the_label_and_probabilities(classifier, capsys):
         code, _, err = cli(*argv, capsys=capsys)
         assert_one_line_error(code, err, "classifier", "gptkiln classify")
     with pytest.raises(GptkilnError, match="classifier"):
-        evaluate_run(run, run.parent / "labelled.csv")
+        perplexity_of_run(run, run.parent / "labelled.csv")
     code, _, err = cli("convert", "to-hf", run, "--out", run.parent / "hf-cls", capsys=capsys)
     assert_one_line_error(code, err, "classifier")
 

@@ -430,7 +430,7 @@ def test_generate_and_eval_cli_take_an_hf_directory_directly(tmp_path, capsys):
     assert out.rstrip("\n") == prompt + load_tokenizer("gpt2").decode(expected[0, 7:].tolist())
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
-    assert main(["eval", str(tmp_path / "hf"), "--data", str(text), "--quiet"]) == 0
+    assert main(["perplexity", str(tmp_path / "hf"), "--data", str(text), "--quiet"]) == 0
     assert "perplexity" in capsys.readouterr().out
 
 

@@ -138,7 +138,7 @@ def test_the_first_click_on_a_64_token_model_generates(browser, default_url, def
     assert state(browser) == "done"
     room = 64 - count["count"]
     assert browser.find_element("id", "max-tokens").get_attribute("value") == str(room)
-    assert browser.find_element("id", "max-tokens-room").text == f"(at most {room})"
+    assert browser.find_element("id", "max-tokens-room").text == f"≤ {room}"
     assert int(browser.find_element("id", "tokens").text) > 0  # tokens arrived
     assert browser.find_element("id", "completion").get_property("textContent")
 

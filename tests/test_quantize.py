@@ -346,13 +346,13 @@ def test_an_unknown_recorded_quantization_is_refused(tmp_path, recorded):
         load_model(run)
 
 
-def test_eval_quantized_on_load_is_close_to_fp32_and_not_equal(float_run, tmp_path):
-    from gptkiln.api import evaluate_run
+def test_perplexity_quantized_on_load_is_close_to_fp32_and_not_equal(float_run, tmp_path):
+    from gptkiln.api import perplexity_of_run
 
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-    fp32 = evaluate_run(float_run, text, progress=False)
-    int8 = evaluate_run(float_run, text, progress=False, quantize="int8")
+    fp32 = perplexity_of_run(float_run, text, progress=False)
+    int8 = perplexity_of_run(float_run, text, progress=False, quantize="int8")
     assert int8.tokens == fp32.tokens
     assert int8.loss != fp32.loss and int8.loss == pytest.approx(fp32.loss, rel=0.01)
 

@@ -135,7 +135,7 @@ def test_tour_runs_as_written(tmp_path, background):
                 assert len(proc.stdout) > sum(len(p) + 5 for p in prompts)
             if line.startswith("gptkiln info"):
                 assert "resumable" in proc.stdout
-            if line.startswith("gptkiln eval"):
+            if line.startswith("gptkiln perplexity"):
                 assert "perplexity" in proc.stdout
     assert (work / "runs" / "char" / "loss.png").exists()
     assert any((work / "runs" / "char" / "tensorboard").glob("events.out.tfevents.*"))

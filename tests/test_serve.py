@@ -247,7 +247,9 @@ def test_health_and_tokenize_size_the_pages_fields(url, run_dir):
     got = httpx.post(f"{url}/v1/tokenize", json={"prompt": prompt, "model": NAME}).json()
     assert got == {"count": len(tokenizer.encode(prompt)), "max_model_len": 64}
     room = 64 - got["count"]
-    fits = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": room})
+    fits = httpx.post(
+        f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": room}, timeout=120
+    )  # a first decode may tune its kernels: seconds on a busy machine
     assert fits.status_code == 200
     over = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": room + 1})
     assert over.json()["error"]["code"] == "context_length_exceeded"
@@ -358,6 +360,11 @@ def test_the_api_key_is_required_when_set(run_dir):
         r = httpx.get(f"{url}/v1/models")
         assert r.status_code == 401
         assert httpx.post(f"{url}/v1/inspect", json={"prompt": "Hi"}).status_code == 401
+        assert httpx.post(f"{url}/v1/tokenize", json={"prompt": "Hi"}).status_code == 401
+        keyed_count = httpx.post(
+            f"{url}/v1/tokenize", json={"prompt": "Hi"}, headers={"Authorization": "Bearer s3cret"}
+        )
+        assert keyed_count.json()["count"] == 1
         keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         assert keyed.completions.create(model=NAME, prompt="Hi", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):

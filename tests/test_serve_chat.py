@@ -380,3 +380,29 @@ def test_the_page_drops_the_oldest_turns_that_no_longer_fit_as_gptkiln_chat_does
     bubbles = browser.find_elements("css selector", ".msg")
     forgotten = ["forgotten" in b.get_attribute("class") for b in bubbles]
     assert forgotten == [True, True, False, False, False, False]  # the first question and answer
+
+
+def test_a_message_that_cannot_fit_is_refused_on_the_page_before_it_is_sent(browser, url, runs):
+    """The conversation is counted in the template first (POST /v1/tokenize): a message that
+    leaves no room for Max tokens is refused with the server's words, and given back."""
+    _, tokenizer, _ = load_run(runs[1])
+    count = len(tokenizer.encode(format_conversation(ALPACA, [], "Repeat sun.")))
+
+    def chats_answered() -> float:
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in httpx.get(f"{url}/metrics").text.splitlines()
+            if line.startswith("gptkiln_requests_total") and 'route="/v1/chat/completions"' in line
+        )
+
+    sent = chats_answered()
+    chat_page(browser, url, max_tokens="250", temperature="0")  # context 256
+    fill(browser, "chat-input", "Repeat sun.")
+    browser.find_element("id", "chat-send").click()
+    status = browser.find_element("id", "chat-status")
+    wait_for(lambda: status.get_attribute("data-state") == "error")
+    error = browser.find_element("id", "chat-error").text
+    assert f"the message's {count} tokens plus Max tokens 250 exceed" in error
+    assert f"at most {256 - count}" in error
+    assert browser.find_element("id", "chat-input").get_attribute("value") == "Repeat sun."
+    assert chats_answered() == sent  # the page said it; the server never heard

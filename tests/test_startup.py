@@ -124,7 +124,7 @@ def the_program(argv: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_a_command_that_only_prints_skips_the_interpreters_teardown(gpt2_run):
-    """torch's teardown is ~0.4 s of every process; `generate`, `eval`, `info` and `inspect`
+    """torch's teardown is ~0.4 s of every process; `generate`, `perplexity`, `info` and `inspect`
     end without it, their output and the atexit handlers intact."""
     proc = the_program(["generate", str(gpt2_run), "--prompt", "The", "--max-new-tokens", "3"])
     assert proc.returncode == 0, proc.stderr

@@ -135,8 +135,8 @@ def test_compile_says_so_and_keeps_its_first_step_out_of_tokens_per_second(
 
 def test_a_char_models_bits_per_character_are_its_loss_over_ln2(play_path, tmp_path, capsys):
     """One character a token: bits per character are exactly the loss in bits, in metrics.csv,
-    the training log, the run's result and `gptkiln eval`."""
-    from gptkiln.api import evaluate_run
+    the training log, the run's result and `gptkiln perplexity`."""
+    from gptkiln.api import perplexity_of_run
 
     cfg = tiny_config(play_path, tmp_path / "run", max_steps=8, sample_prompt="RO", progress=True)
     result = train(cfg)
@@ -150,7 +150,7 @@ def test_a_char_models_bits_per_character_are_its_loss_over_ln2(play_path, tmp_p
         f"val {rows[-1]['val_loss']:.3f} (ppl {math.exp(rows[-1]['val_loss']):.1f}, "
         f"{rows[-1]['val_bpc']:.3f} bits/char)"
     )
-    r = evaluate_run(tmp_path / "run", tmp_path / "run" / "data", progress=False)
+    r = perplexity_of_run(tmp_path / "run", tmp_path / "run" / "data", progress=False)
     assert r.characters == r.tokens and r.bits_per_char == r.loss / math.log(2)
 
 
@@ -453,9 +453,9 @@ def test_windows_sampling_refuses_a_resume_with_another_step_size(play_path, tmp
     assert read_checkpoint(run)[1]["step"] == 8
 
 
-def test_another_alphabet_of_the_same_size_is_refused_by_resume_and_eval(tmp_path):
+def test_another_alphabet_of_the_same_size_is_refused_by_resume_and_perplexity(tmp_path):
     # Two char tokenizers of 9 ids each: their ids mean different letters.
-    from gptkiln.api import evaluate_run
+    from gptkiln.api import perplexity_of_run
     from gptkiln.data.prepare import prepare
 
     (tmp_path / "a.txt").write_text("abcdefgh " * 300)
@@ -467,11 +467,12 @@ def test_another_alphabet_of_the_same_size_is_refused_by_resume_and_eval(tmp_pat
     with pytest.raises(GptkilnError, match="another 'char' tokenizer than the one of --data"):
         train(tiny_config(tmp_path / "b", run, **{**cfg, "max_steps": 4}), resume=True)
     with pytest.raises(GptkilnError, match="a 'char' tokenizer of another vocabulary, not the"):
-        evaluate_run(run, tmp_path / "b", progress=False)
+        perplexity_of_run(run, tmp_path / "b", progress=False)
     prepare(tmp_path / "b.txt", tmp_path / "b-bpe", tokenizer="bpe:300", progress=False)
     with pytest.raises(GptkilnError, match="a 'bpe' tokenizer, not the run's 'char' one"):
-        evaluate_run(run, tmp_path / "b-bpe", progress=False)
-    assert evaluate_run(run, tmp_path / "a.txt", progress=False).tokens > 0  # text: encoded here
+        perplexity_of_run(run, tmp_path / "b-bpe", progress=False)
+    text = perplexity_of_run(run, tmp_path / "a.txt", progress=False)  # text: encoded here
+    assert text.tokens > 0
 
 
 def test_several_processes_on_one_machine_need_a_gpu_each():

@@ -1,5 +1,5 @@
-"""Library functions behind the CLI subcommands that work on a trained model: generate, eval
-and info.
+"""Library functions behind the CLI subcommands that work on a trained model: generate,
+perplexity and info.
 
 `prepare` is `gptkiln.data.prepare.prepare`, `train` is `gptkiln.train.train`, `convert` and
 `download` live in `gptkiln.convert`.
@@ -286,8 +286,8 @@ def generate_text(
 
 
 @dataclass
-class EvalResult:
-    """A model's loss on text.
+class PerplexityResult:
+    """A model's loss on text, and its perplexity and bits per character (`perplexity_of_run`).
 
     Attributes:
         loss: mean cross-entropy per token, in nats.
@@ -306,7 +306,7 @@ class EvalResult:
     bits_per_char: float
 
 
-def evaluate_run(
+def perplexity_of_run(
     run_dir: str | os.PathLike,
     data: str | os.PathLike,
     *,
@@ -314,7 +314,7 @@ def evaluate_run(
     device: str = "cpu",
     progress: bool = True,
     quantize: str | None = None,
-) -> EvalResult:
+) -> PerplexityResult:
     """Cross-entropy, perplexity and bits per character of a model on text.
 
     Args:
@@ -335,12 +335,12 @@ def evaluate_run(
     tokens = eval_tokens(data, tokenizer)
     if len(tokens):
         check_ids_fit(int(np.max(tokens)), model, tokenizer, run_dir)
-    return evaluate_model(model, tokens, tokenizer, batch_size=batch_size, progress=progress)
+    return perplexity_of_model(model, tokens, tokenizer, batch_size=batch_size, progress=progress)
 
 
-def evaluate_model(
+def perplexity_of_model(
     model: torch.nn.Module, tokens, tokenizer, *, batch_size: int = 8, progress: bool = False
-) -> EvalResult:
+) -> PerplexityResult:
     """Cross-entropy, perplexity and bits per character of a built model over token ids (a
     sequence or a 1-D array) of ``tokenizer``, cut into non-overlapping context windows, on the
     model's device."""
@@ -367,7 +367,7 @@ def evaluate_model(
             count += y.numel()
             chars += int(char_counts[y].sum())
     loss = total / count
-    return EvalResult(
+    return PerplexityResult(
         loss=loss,
         perplexity=math.exp(min(loss, 50)),
         tokens=count,
@@ -377,7 +377,7 @@ def evaluate_model(
 
 
 def eval_tokens(data: str | os.PathLike, tokenizer):
-    """The ids `evaluate_run` scores: a prepared directory's validation split (its tokenizer
+    """The ids `perplexity_of_run` scores: a prepared directory's validation split (its tokenizer
     must be ``tokenizer``), or a text/jsonl file's documents encoded and joined as `prepare`
     joins them."""
     from gptkiln.data.prepare import is_prepared, load_prepared

@@ -184,7 +184,7 @@ def quantize_model(model: GPT, method: str = "int8", *, embedding_and_head: bool
     if getattr(model.config, "num_classes", None):
         raise GptkilnError(
             f"this run is a classifier ({model.config.num_classes} classes); int8 quantization "
-            "is for language models (generate, eval, inspect): use the float run"
+            "is for language models (generate, perplexity, inspect): use the float run"
         )
     for name in int8_modules(model.config, embedding_and_head=False):
         parent, _, attr = name.rpartition(".")

@@ -7,7 +7,7 @@ One module per command, or per close group, each holding its parser and what run
     common.py    the parser class, help layout, one-line error, and the flags several commands
                  share (--device, --quantize, --out, --overwrite, the sampling flags, RUN, ...)
     prepare.py   prepare                    train.py     train (flags from TrainConfig; --nproc)
-    generate.py  generate                   eval.py      eval
+    generate.py  generate                   perplexity.py perplexity (loss on text)
     evaluate.py  evaluate (lm-eval tasks)   inspect.py   inspect
     info.py      info
     serve.py     serve                      convert.py   convert, download
@@ -32,12 +32,12 @@ from typing import NoReturn
 from gptkiln import __version__
 from gptkiln.cli import (
     convert,
-    eval,
     evaluate,
     finetune,
     generate,
     info,
     inspect,
+    perplexity,
     prepare,
     serve,
     train,
@@ -87,7 +87,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     prepare.add_parser,
     train.add_parser,
     generate.add_parser,
-    eval.add_parser,
+    perplexity.add_parser,
     evaluate.add_parser,
     inspect.add_parser,
     info.add_parser,
@@ -124,11 +124,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RENAMED = {"eval": "perplexity"}
+"""Commands renamed, their old word -> the new one: the old word is one line naming the new
+(``eval`` and ``evaluate`` were two commands with close names: loss on text, and the
+lm-evaluation-harness tasks)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one ``gptkiln`` command line (``argv``; None: this process's); the exit code: 0, 2
     for bad input, 1 for a run stopped from outside, 130 for Ctrl-C."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words and words[0] in RENAMED:
+        return fail(
+            f"gptkiln {words[0]}: error: renamed; run 'gptkiln {RENAMED[words[0]]}' (same flags)"
+        )
     args = build_parser().parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)  # what `train --nproc` reruns
+    args.argv = words  # what `train --nproc` reruns
     try:
         args.func(args)
     except GptkilnError as e:
@@ -151,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-QUICK_EXIT = frozenset({"generate", "eval", "info", "inspect"})
+QUICK_EXIT = frozenset({"generate", "perplexity", "info", "inspect"})
 """Commands that leave nothing open or running when they return (their output printed, any
 file they write, `inspect`'s PNG and JSON, written and closed). Once one returns, `run` ends
 the process at once (`os._exit`, after the atexit handlers and flushing the streams) instead of

@@ -25,6 +25,17 @@ class HelpFormatter(argparse.HelpFormatter):
     def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=32)
 
+    def add_argument(self, action: argparse.Action) -> None:
+        """argparse measures a command's name in a list of commands without the list's own
+        indent, so a name longer than the flags (``perplexity``) would wrap under its help."""
+        super().add_argument(action)
+        if action.help is not argparse.SUPPRESS and hasattr(action, "_get_subactions"):
+            names = [self._format_action_invocation(a) for a in action._get_subactions()]
+            indent = self._current_indent + self._indent_increment
+            self._action_max_length = max(
+                self._action_max_length, max(map(len, names), default=0) + indent
+            )
+
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         lines = [
             indent + line

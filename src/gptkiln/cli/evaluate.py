@@ -1,6 +1,6 @@
 """``gptkiln evaluate``: EleutherAI's lm-evaluation-harness tasks (HellaSwag, ARC, LAMBADA,
 WikiText, ... or YAML tasks of one's own) on a run, through gptkiln's own model
-(`gptkiln.evaluate.evaluate`); prints the harness's results table and writes its JSON."""
+(`gptkiln.evaluate.evaluate_run`); prints the harness's results table and writes its JSON."""
 
 from __future__ import annotations
 
@@ -106,10 +106,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from gptkiln.evaluate import evaluate
+    from gptkiln.evaluate import evaluate_run
 
     keep_freed_memory_on_cpu(args.device)  # each batch's logits: no page faults to map again
-    report = evaluate(
+    report = evaluate_run(
         args.run_dir,
         args.tasks,
         num_fewshot=args.num_fewshot,

@@ -20,13 +20,13 @@ activations, a bf16 product on a CPU with AMX): generation tunes inside
 gave the model (`kernels.keep_exact`: a trainer's model samples text between evaluations). So
 the scores and tokens are the weights' own whatever the CPU, and equal the ``hf`` backend's.
 
-`evaluate` runs tasks on a run and writes the harness's results JSON (by default into
-``RUN/eval/``); `run_tasks` runs them on a model in hand (a trainer's) and returns the metrics
-as flat columns. The class is registered as the harness's model ``gptkiln``: with the harness
-installed, ``python -m gptkiln.evaluate --model gptkiln --model_args run=RUN --tasks ...`` is
-the harness's own command line (``lm_eval ...``) with this package imported, and a harness with
-plugin discovery finds it through the ``lm_eval.models`` entry point in pyproject.toml
-(``gptkiln.evaluate:GptkilnLM``).
+`evaluate_run` runs tasks on a run and writes the harness's results JSON (by default into
+``RUN/eval/``); `evaluate_model` runs them on a model in hand (a trainer's), and `run_tasks`
+returns its metrics as flat columns. The class is registered as the harness's model
+``gptkiln``: with the harness installed, ``python -m gptkiln.evaluate --model gptkiln
+--model_args run=RUN --tasks ...`` is the harness's own command line (``lm_eval ...``) with
+this package imported, and a harness with plugin discovery finds it through the
+``lm_eval.models`` entry point in pyproject.toml (``gptkiln.evaluate:GptkilnLM``).
 
 The package, bottom up: `scoring` (context-continuation pairs scored with the model: the
 batches, the shared-context cache, the head only where a token is scored), `lm` (`GptkilnLM`,
@@ -34,7 +34,7 @@ the harness's model, and the harness's generation settings as a `SampleConfig`),
 (loading the harness's tasks, running them, the results table and the files written).
 
 lm-eval is an optional dependency (the ``eval`` extra): without it this package imports, and
-`evaluate` says in one line how to install it.
+`evaluate_run` says in one line how to install it.
 """
 
 from gptkiln.evaluate.lm import (
@@ -49,8 +49,8 @@ from gptkiln.evaluate.tasks import (
     HarnessResults,
     check_settings,
     check_task_files,
-    evaluate,
     evaluate_model,
+    evaluate_run,
     flat_metrics,
     load_tasks,
     main,
@@ -70,8 +70,8 @@ __all__ = [
     "Pair",
     "check_settings",
     "check_task_files",
-    "evaluate",
     "evaluate_model",
+    "evaluate_run",
     "fit_window",
     "flat_metrics",
     "harness",

@@ -47,8 +47,8 @@ def harness():
 # after importing it; the harness's registry refuses a second class under the same name).
 @register_model("gptkiln")
 class GptkilnLM(TemplateLM):
-    """The lm-evaluation-harness model ``gptkiln``: a run (or an imported Hugging Face GPT-2
-    directory, or a quantized run) behind the harness's `LM` interface.
+    """The lm-evaluation-harness model ``gptkiln``: a run (or a Hugging Face model directory,
+    or a quantized run) behind the harness's `LM` interface.
 
     ``lm_eval --model gptkiln --model_args run=RUN[,quantize=int8][,dtype=bfloat16]`` builds
     it from the harness's command line (see the module docstring for how the harness finds it);

@@ -1,4 +1,4 @@
-"""Running the harness's tasks on a run (`evaluate`, what ``gptkiln evaluate`` calls) or on a
+"""Running the harness's tasks on a run (`evaluate_run`, what ``gptkiln evaluate`` calls) or on a
 model in hand (`evaluate_model`, `run_tasks`: a trainer's): loading the tasks (names, patterns,
 YAML files of one's own), the harness's run, its results table, and the results JSON and the
 samples written."""
@@ -193,7 +193,7 @@ def results_table(results: dict[str, Any]) -> str:
 
 @dataclass
 class HarnessResults:
-    """What `evaluate` did.
+    """What `evaluate_run` (or `evaluate_model`) did.
 
     Attributes:
         results: the harness's results dict (``results``, ``groups``, ``configs``, ``versions``,
@@ -213,7 +213,7 @@ class HarnessResults:
         return flat_metrics(self.results)
 
 
-def evaluate(
+def evaluate_run(
     run_dir: str | os.PathLike,
     tasks: str | Sequence[str],
     *,
@@ -234,7 +234,7 @@ def evaluate(
     write the harness's results JSON.
 
     Args:
-        run_dir: a run directory, an imported Hugging Face GPT-2 directory, or a quantized run.
+        run_dir: a run directory, a Hugging Face model directory, or a quantized run.
         tasks: task names (``"hellaswag,arc_easy"`` or a list), glob patterns or YAML files.
         num_fewshot: examples put before each question (None: each task's own, else 0).
         limit: documents per task at most (a fraction of them when below 1); for a quick look.

@@ -218,7 +218,7 @@ def _names(items: list[str]) -> str:
 # -- a built model against its use -----------------------------------------------------------
 def check_language_model(model: GPT, run_dir: str | os.PathLike) -> None:
     """Refuse a classifier (`gptkiln finetune --task classify`) where text is read or written
-    token by token (generate, eval, inspect): its head scores classes, not next tokens."""
+    token by token (generate, perplexity, inspect): its head scores classes, not next tokens."""
     if model.config.num_classes:
         raise GptkilnError(
             f"{run_dir} is a classifier of {model.config.num_classes} classes, which reads no "

@@ -1,5 +1,5 @@
-"""``gptkiln eval``: a run's loss, perplexity and bits per character on text
-(`gptkiln.api.evaluate_run`)."""
+"""``gptkiln perplexity``: a run's loss, perplexity and bits per character on text
+(`gptkiln.api.perplexity_of_run`). (Called ``eval`` before; `cli.RENAMED` says so.)"""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from gptkiln.cli.common import (
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "eval",
-        help="loss and perplexity of a run on text",
+        "perplexity",
+        help="loss, perplexity and bits per character of a run on text",
         description="Cross-entropy loss and perplexity of a run on text, over the text's "
         "non-overlapping context windows.",
-        epilog=example("gptkiln eval runs/char --data data/plays-char"),
+        epilog=example("gptkiln perplexity runs/char --data data/plays-char"),
     )
     add_run_argument(p)
     p.add_argument(
@@ -45,11 +45,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from gptkiln.api import evaluate_run
+    from gptkiln.api import perplexity_of_run
     from gptkiln.devices import resolve_device
 
     keep_freed_memory_on_cpu(args.device)  # each batch's logits: no page faults to map again
-    r = evaluate_run(
+    r = perplexity_of_run(
         args.run_dir,
         args.data,
         batch_size=args.batch_size,
