@@ -28,7 +28,10 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
         "safetensors file or its shards; its tokenizer's files kept), a GGUF file or the book's "
         "model.pth into a run directory, or a run into a directory Hugging Face transformers "
         "loads or a GGUF file llama.cpp and Ollama run.",
-        epilog=example("gptkiln convert to-hf runs/tiny-gpt2 --out exported/tiny-gpt2"),
+        epilog=example(
+            "gptkiln convert to-hf runs/tiny-gpt2 --out exported/tiny-gpt2",
+            "gptkiln convert to-gguf runs/mine --out exported/mine.gguf --type q8_0",
+        ),
     )
     p.add_argument(
         "direction",
@@ -91,8 +94,12 @@ def run_convert(args: argparse.Namespace) -> None:
         )
     elif args.direction == "to-gguf":
         from gptkiln.export.gguf import export_gguf
+        from gptkiln.export.ollama import modelfile_path
 
-        export_gguf(args.path, args.out, type=args.type, overwrite=args.overwrite, on_note=print)
+        out = export_gguf(
+            args.path, args.out, type=args.type, overwrite=args.overwrite, on_note=print
+        )
+        print(f"wrote {modelfile_path(out)} (Ollama: ollama create NAME -f {modelfile_path(out)})")
     elif args.direction == "gguf":
         from gptkiln.export.gguf_import import import_gguf
 

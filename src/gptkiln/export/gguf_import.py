@@ -12,7 +12,8 @@ layouts); a q8_0 file's run holds its q8_0 values exactly, as float32 (``gptkiln
 quantize`` makes an int8 run of it, rounding once more to one scale per row). Llama 3's
 ``rope_freqs`` goes back to the RoPE scaling that gives it. The tokenizer (GGUF's ``gpt2``
 byte-level BPE, `gptkiln.export.gguf_vocab`) becomes the run's Hugging Face tokenizer (kind
-``hf``), with the chat template and the BOS / EOS ids.
+``hf``), with the chat template and the BOS / EOS ids; a char vocabulary (as gptkiln writes one)
+comes back as the ``char`` tokenizer it was.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.export.files import drop_files
 from gptkiln.export.gguf import FAMILY_OF_ARCH, HF_TO_GGUF, ROPE_FREQS, rename, unpermute_rope
-from gptkiln.export.gguf_vocab import GGUFVocab, hf_tokenizer_json
+from gptkiln.export.gguf_vocab import (
+    CONTROL,
+    GPT2_PRE,
+    NORMAL,
+    UNUSED,
+    GGUFVocab,
+    hf_tokenizer_json,
+)
 from gptkiln.loading import build_model
 from gptkiln.loading.hf_gpt2 import CONV1D
 
@@ -281,10 +289,38 @@ def _vocab(meta: dict[str, Any], path: Path) -> GGUFVocab:
     )
 
 
+def _char_tokenizer(vocab: GGUFVocab) -> Any:
+    """The `gptkiln.tokenizers.CharTokenizer` of a vocabulary that is one (each token one
+    character's bytes, in code-point order, ``<|endoftext|>`` last: what `gguf_vocab` writes for
+    a char run), else None."""
+    from gptkiln.tokenizers import EOT, CharTokenizer
+    from gptkiln.tokenizers.base import _unicode_to_bytes
+
+    byte_of = _unicode_to_bytes()
+    used = [(t, k) for t, k in zip(vocab.tokens, vocab.types) if k != UNUSED]
+    with_eot = bool(used) and used[-1] == (EOT, CONTROL)
+    chars = []
+    for token, kind in used[: len(used) - with_eot]:
+        try:
+            char = bytes(byte_of[c] for c in token).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            return None
+        if kind != NORMAL or len(char) != 1:
+            return None
+        chars.append(char)
+    if not chars or chars != sorted(set(chars)) or vocab.pre != GPT2_PRE:
+        return None
+    return CharTokenizer(chars, with_eot=with_eot)
+
+
 def _tokenizer(vocab: GGUFVocab, meta: dict[str, Any], hf_config: dict, path: Path) -> Any:
-    """The run's Hugging Face tokenizer (`gptkiln.tokenizers.HFTokenizer`) of the vocabulary."""
+    """The run's tokenizer: a char vocabulary's `CharTokenizer`, else a Hugging Face one
+    (`gptkiln.tokenizers.HFTokenizer`) of the vocabulary."""
     from gptkiln.tokenizers import HFTokenizer
 
+    char = _char_tokenizer(vocab)
+    if char is not None:
+        return char
     source = hf_tokenizer_json(vocab, str(path))
     named = {}
     if vocab.bos_id is not None:
