@@ -33,7 +33,7 @@ CORPUS = (
     "Whether 'tis nobler in the mind to suffer\n"
     "The slings and arrows of outrageous fortune, 1234 ... don't stop!\n"
 )
-MIXED = "The question, 42 times: don't  stop!\n\n  whether\tor not <|endoftext|> To be."
+MIXED = "The question, 42 times: don't  stop!\n\n  whether\tor not <|endoftext|> To be, café 日本."
 
 
 def tokenizer_of(kind: str):
@@ -133,3 +133,19 @@ def test_a_classifier_is_refused_in_one_line(tmp_path):
     with pytest.raises(GptkilnError, match="is a classifier"):
         export_hf(tmp_path / "run", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_info_says_what_a_run_exports_to(tmp_path):
+    from gptkiln.api import run_info
+
+    _, _, run = tiny_run(tmp_path, "qwen3", "char")
+    info = run_info(run)
+    assert "Hugging Face (convert to-hf)" in info.exports and "GGUF" in info.exports
+    assert "exports to" in info.summary()
+    model = GPT(
+        GPTConfig.from_name(
+            "tiny", vocab_size=60, context_length=8, num_classes=2, tie_embeddings=False
+        )
+    )
+    save_model(model, tmp_path / "classifier")
+    assert run_info(tmp_path / "classifier").exports.startswith("nothing: a classifier")

@@ -29,7 +29,7 @@ LOW = ("gptkiln.loading", "gptkiln.model", "gptkiln.config", "gptkiln.tokenizers
        "gptkiln.devices", "gptkiln.load_steps", "gptkiln.cache")  # fmt: skip
 ABOVE = ("gptkiln.finetune", "gptkiln.serve", "gptkiln.cli", "gptkiln.api", "gptkiln.inspect",
          "gptkiln.chat", "gptkiln.train", "gptkiln.convert", "gptkiln.checkpoint",
-         "gptkiln.interop")  # fmt: skip
+         "gptkiln.interop", "gptkiln.export")  # fmt: skip
 
 Edge = tuple[str, int]  # (imported module, line of the import)
 

@@ -457,6 +457,7 @@ class RunInfo:
     resume_note: str
     history: str | None
     quantization: dict[str, Any] | None = None
+    exports: str | None = None  # what `gptkiln convert` can write it as
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -515,10 +516,23 @@ class RunInfo:
         sizes = ", ".join(f"{name} {_size(n)}" for name, n in self.files.items())
         lines.append(("checkpoint", sizes))
         lines.append(("resumable", f"{'yes' if self.resumable else 'no'}: {self.resume_note}"))
+        if self.exports:
+            lines.append(("exports to", self.exports))
         width = max(len(line[0]) for line in lines[1:])
         return "\n".join(
             line if isinstance(line, str) else f"  {line[0]:<{width}}  {line[1]}" for line in lines
         )
+
+
+def _exports(config: Any, tokenizer: str | None) -> str:
+    """What ``gptkiln convert`` can write a run as: Hugging Face always (a classifier not); GGUF
+    with a tokenizer (a char vocabulary where it has a newline: `gptkiln.export.gguf_vocab`)."""
+    if config.num_classes:
+        return "nothing: a classifier (convert writes language models)"
+    hf = "Hugging Face (convert to-hf)"
+    if tokenizer is None:
+        return f"{hf}; not GGUF: it records no tokenizer"
+    return f"{hf}, GGUF + Ollama Modelfile (convert to-gguf)"
 
 
 def _size(n: int) -> str:
@@ -571,6 +585,7 @@ def run_info(path: str | os.PathLike) -> RunInfo:
         resumable=False,
         history=None,
         quantization=quantization,
+        exports=_exports(config, tokenizer_name(run_dir)),
     )
     if hf:
         info["history"] = "none: an imported Hugging Face model has no training history"

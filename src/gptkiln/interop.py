@@ -4,7 +4,8 @@
 The reverse direction (reading Hugging Face and book checkpoints) is `gptkiln.loading`'s, the
 one way in; the names and layouts differ as its modules say (`gptkiln.loading.hf_gpt2`,
 `gptkiln.loading.hf_llama`, whose name table both directions use). Writing an exported directory
-and importing into a run directory are the ``convert`` commands (`gptkiln.convert`).
+is `gptkiln.export.hf`'s; GGUF's names go through these (`gptkiln.export.gguf`); importing into a
+run directory is the ``convert`` commands' (`gptkiln.convert`).
 """
 
 from __future__ import annotations

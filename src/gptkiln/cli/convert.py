@@ -13,6 +13,8 @@ DIRECTIONS = {
     "hf": "HF GPT-2 / Llama / Qwen3 dir -> run",
     "book": "the book's model.pth -> run",
     "to-hf": "run -> HF dir of its family (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM)",
+    "to-gguf": "run -> one .gguf file (llama.cpp, Ollama, LM Studio) and an Ollama Modelfile",
+    "gguf": "a GPT-2 / Llama / Qwen3 .gguf file -> run",
     "merge-lora": "a LoRA run -> a run with the adapters in its weights",
     "quantize": "run -> int8 run (loads directly)",
 }
@@ -21,11 +23,15 @@ DIRECTIONS = {
 def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="Hugging Face / book checkpoints in, Hugging Face out",
+        help="Hugging Face / GGUF / book checkpoints in, Hugging Face / GGUF out",
         description="Convert models: a Hugging Face GPT-2, Llama or Qwen3 directory (one "
-        "safetensors file or its shards; its tokenizer's files kept) or the book's model.pth "
-        "into a run directory, or a run into a directory Hugging Face transformers loads.",
-        epilog=example("gptkiln convert to-hf runs/tiny-gpt2 --out exported/tiny-gpt2"),
+        "safetensors file or its shards; its tokenizer's files kept), a GGUF file or the book's "
+        "model.pth into a run directory, or a run into a directory Hugging Face transformers "
+        "loads or a GGUF file llama.cpp and Ollama run.",
+        epilog=example(
+            "gptkiln convert to-hf runs/tiny-gpt2 --out exported/tiny-gpt2",
+            "gptkiln convert to-gguf runs/mine --out exported/mine.gguf --type q8_0",
+        ),
     )
     p.add_argument(
         "direction",
@@ -60,6 +66,13 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
         help="to-hf: weights larger than this are written as shards with an index, as "
         "transformers' save_pretrained does (e.g. 5GB, 500MB) (default: %(default)s)",
     )
+    p.add_argument(
+        "--type",
+        default="f32",
+        choices=["f32", "f16", "bf16", "q8_0"],
+        help="to-gguf: the weights' type in the file (q8_0: llama.cpp's 8-bit blocks) "
+        "(default: %(default)s)",
+    )
     add_overwrite_flag(p)
     p.set_defaults(func=run_convert)
 
@@ -79,6 +92,18 @@ def run_convert(args: argparse.Namespace) -> None:
             max_shard_size=args.max_shard_size,
             on_note=print,
         )
+    elif args.direction == "to-gguf":
+        from gptkiln.export.gguf import export_gguf
+        from gptkiln.export.ollama import modelfile_path
+
+        out = export_gguf(
+            args.path, args.out, type=args.type, overwrite=args.overwrite, on_note=print
+        )
+        print(f"wrote {modelfile_path(out)} (Ollama: ollama create NAME -f {modelfile_path(out)})")
+    elif args.direction == "gguf":
+        from gptkiln.export.gguf_import import import_gguf
+
+        import_gguf(args.path, args.out, overwrite=args.overwrite)
     elif args.direction == "merge-lora":
         convert.merge_lora(args.path, args.out, overwrite=args.overwrite)
     elif args.direction == "quantize":

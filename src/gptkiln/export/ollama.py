@@ -22,8 +22,9 @@ from gptkiln.export.gguf_vocab import GGUFVocab
 
 
 def go(text: str) -> str:
-    """``text`` printed by a Go template: a string literal action (JSON's escapes are Go's)."""
-    return "{{ " + json.dumps(text) + " }}"
+    """``text`` printed by a Go template: a string literal action (JSON's escapes are Go's);
+    nothing for no text."""
+    return "{{ " + json.dumps(text) + " }}" if text else ""
 
 
 CHATML = (

@@ -1,0 +1,344 @@
+"""GGUF files into runs: ``gptkiln convert gguf FILE.gguf --out RUN``.
+
+A GGUF of llama.cpp's ``gpt2``, ``llama`` or ``qwen3`` architecture (as its own converter,
+``convert_hf_to_gguf.py``, and quantizer write them, or as `gptkiln.export.gguf` does) becomes
+the Hugging Face config and state dict of its family (the one name table of
+`gptkiln.export.gguf`, read backwards; Llama's q/k rows back to rotate-half, GPT-2's Conv1D
+layouts), which `gptkiln.loading`'s own readers turn into gptkiln's: a GGUF is read the way a
+Hugging Face directory is, past its own format.
+
+Tensor types: f32, f16, bf16 and q8_0, each dequantized to float32 (`gguf.quants`, ggml's own
+layouts); a q8_0 file's run holds its q8_0 values exactly, as float32 (``gptkiln convert
+quantize`` makes an int8 run of it, rounding once more to one scale per row). Llama 3's
+``rope_freqs`` goes back to the RoPE scaling that gives it. The tokenizer (GGUF's ``gpt2``
+byte-level BPE, `gptkiln.export.gguf_vocab`) becomes the run's Hugging Face tokenizer (kind
+``hf``), with the chat template and the BOS / EOS ids; a char vocabulary (as gptkiln writes one)
+comes back as the ``char`` tokenizer it was.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gptkiln.checkpoint import check_out_dir, save_model
+from gptkiln.config import GPTConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.export.files import drop_files
+from gptkiln.export.gguf import FAMILY_OF_ARCH, HF_TO_GGUF, ROPE_FREQS, rename, unpermute_rope
+from gptkiln.export.gguf_vocab import (
+    CONTROL,
+    GPT2_PRE,
+    NORMAL,
+    UNUSED,
+    GGUFVocab,
+    hf_tokenizer_json,
+)
+from gptkiln.loading import build_model
+from gptkiln.loading.hf_gpt2 import CONV1D
+
+READ_TYPES = ("F32", "F16", "BF16", "Q8_0")
+
+
+def import_gguf(
+    gguf_file: str | os.PathLike, out_run_dir: str | os.PathLike, *, overwrite: bool = False
+) -> Path:
+    """Write the model and tokenizer of a GGUF file as a run (see the module docstring).
+
+    Raises:
+        GptkilnError: a file that is truncated or not a GGUF, an architecture, tensor type or
+            tokenizer not handled, in one line naming the file; nothing is written then.
+    """
+    path, out = Path(gguf_file), Path(out_run_dir)
+    reader = open_gguf(path)
+    meta = {f.name: f for f in reader.fields.values()}
+    arch = _value(meta, "general.architecture", path)
+    if arch not in FAMILY_OF_ARCH:
+        raise GptkilnError(
+            f"{path}: a GGUF of the {arch!r} architecture; gptkiln reads "
+            f"{', '.join(FAMILY_OF_ARCH)} (GPT-2, Llama 3, Qwen3)"
+        )
+    hf_sd, rope_freqs = _hf_state_dict(reader, arch, path)
+    hf_config = _hf_config(meta, arch, hf_sd, rope_freqs, path)
+    vocab = _vocab(meta, path)
+    tokenizer = _tokenizer(vocab, meta, hf_config, path)
+    stale = check_out_dir(out, overwrite=overwrite)
+    module = _family_module(arch)
+    config = module.config_from_hf(hf_config, str(path))
+    model = build_model(
+        config, module.hf_state_dict_to_gptkiln(hf_sd, config, str(path)), str(path)
+    )
+    save_model(model, out, tokenizer=tokenizer)
+    drop_files(stale)
+    return out
+
+
+def open_gguf(path: Path) -> Any:
+    """A `gguf.GGUFReader` of ``path``, or one line saying why it cannot be read."""
+    import gguf
+
+    if not path.is_file():
+        raise GptkilnError(f"{path}: no such file; give the path of a .gguf file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError, IndexError, ... on a cut or foreign file
+        raise GptkilnError(
+            f"{path}: not a readable GGUF file, truncated or of another format ({e}); "
+            "download or convert it again"
+        ) from None
+
+
+def _value(meta: dict[str, Any], key: str, path: Path, default: Any = ...) -> Any:
+    field = meta.get(key)
+    if field is None:
+        if default is ...:
+            raise GptkilnError(f"{path}: the GGUF has no {key}; it is incomplete, convert it again")
+        return default
+    return field.contents()
+
+
+def _family_module(arch: str) -> Any:
+    from gptkiln.loading import hf_gpt2, hf_llama
+
+    return hf_gpt2 if arch == "gpt2" else hf_llama
+
+
+def _hf_state_dict(
+    reader: Any, arch: str, path: Path
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The file's tensors, dequantized to float32, under Hugging Face's names and layouts; and
+    Llama 3's rope_freqs (None without)."""
+    import gguf
+
+    back = {gguf_name: hf for hf, gguf_name in HF_TO_GGUF[arch].items()}
+    heads = {}
+    for f in reader.fields.values():
+        if f.name in (f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"):
+            heads[f.name.rsplit(".", 1)[-1]] = int(f.contents())
+    out, rope_freqs = {}, None
+    for t in reader.tensors:
+        if t.tensor_type.name not in READ_TYPES:
+            raise GptkilnError(
+                f"{path}: tensor {t.name} is of type {t.tensor_type.name}; gptkiln reads "
+                f"{', '.join(READ_TYPES)} (requantize with llama.cpp's llama-quantize, or convert "
+                "with --outtype f16 / q8_0)"
+            )
+        array = gguf.quants.dequantize(t.data, t.tensor_type)
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32).reshape(t.shape[::-1].tolist()))
+        if t.name == ROPE_FREQS:
+            rope_freqs = tensor
+            continue
+        name = rename(t.name, back)
+        if name is None:
+            raise GptkilnError(
+                f"{path}: tensor {t.name} is not one of a {arch} model gptkiln reads; the file "
+                "is of a variant gptkiln does not handle"
+            )
+        if arch == "gpt2" and CONV1D.match(name.removeprefix("transformer.")):
+            tensor = tensor.t()
+        elif arch == "llama" and ".q_proj." in name:
+            tensor = unpermute_rope(tensor, heads["head_count"])
+        elif arch == "llama" and ".k_proj." in name:
+            tensor = unpermute_rope(tensor, heads.get("head_count_kv", heads["head_count"]))
+        out[name] = tensor.contiguous()
+    return out, rope_freqs
+
+
+def _hf_config(
+    meta: dict[str, Any],
+    arch: str,
+    sd: dict[str, torch.Tensor],
+    rope_freqs: torch.Tensor | None,
+    path: Path,
+) -> dict[str, Any]:
+    """The Hugging Face config.json of the file's model (what `gptkiln.loading` reads)."""
+
+    def get(key: str, default: Any = ...) -> Any:
+        return _value(meta, f"{arch}.{key}", path, default)
+
+    embed = "transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
+    if embed not in sd:
+        raise GptkilnError(f"{path}: no token_embd.weight; the file is incomplete")
+    vocab_size, n_embd = sd[embed].shape
+    tied = "lm_head.weight" not in sd
+    if arch == "gpt2":
+        return {
+            "model_type": "gpt2",
+            "vocab_size": vocab_size,
+            "n_positions": get("context_length"),
+            "n_embd": n_embd,
+            "n_layer": get("block_count"),
+            "n_head": get("attention.head_count"),
+            "layer_norm_epsilon": _f32(get("attention.layer_norm_epsilon", 1e-5)),
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": tied,
+        }
+    n_head = get("attention.head_count")
+    head_dim = get("attention.key_length", n_embd // n_head)
+    theta = float(get("rope.freq_base", 10000.0))
+    attn_bias = any(k.endswith("proj.bias") and "self_attn" in k for k in sd)
+    mlp_bias = any(k.endswith("proj.bias") and ".mlp." in k for k in sd)
+    if attn_bias or mlp_bias:
+        _zero_missing_biases(sd, attn_bias, mlp_bias)
+    return {
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": n_embd,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": get("attention.head_count_kv", n_head),
+        "head_dim": head_dim,
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(rope_freqs, theta, head_dim, path),
+        "attention_bias": attn_bias or mlp_bias,
+        "mlp_bias": mlp_bias,
+        "hidden_act": "silu",
+        "tie_word_embeddings": tied,
+    }
+
+
+def _f32(value: float) -> float:
+    """A float32 value of the file as the decimal it was written from (1e-5, not 9.9999997e-6)."""
+    return float(f"{float(value):.7g}")
+
+
+def _zero_missing_biases(sd: dict[str, torch.Tensor], attn: bool, mlp: bool) -> None:
+    """Hugging Face's Llama has biases on all of q/k/v/o (and the MLP) or none: zeros where a
+    GGUF holds some (Qwen2-style q/k/v biases without o's), which compute the same."""
+    parts = [*(["q", "k", "v", "o"] if attn else []), *(["gate", "up", "down"] if mlp else [])]
+    for name in [n for n in sd if n.endswith("_proj.weight")]:
+        part = name.rsplit(".", 2)[-2].removesuffix("_proj")
+        if part in parts:
+            sd.setdefault(name.removesuffix(".weight") + ".bias", torch.zeros(sd[name].shape[0]))
+
+
+def _rope_scaling(
+    factors: torch.Tensor | None, theta: float, head_dim: int, path: Path
+) -> dict[str, Any] | None:
+    """Llama 3's RoPE scaling from the per-frequency factors llama.cpp stores (`rope_freqs`):
+    ``factor`` is the largest; the blend between is linear in 1 / wavelength, which gives its
+    bounds (any bounds in the gaps give the same frequencies when there is no blend)."""
+    from gptkiln.export.gguf import rope_factors
+
+    if factors is None or torch.allclose(factors, torch.ones_like(factors)):
+        return None
+    factor = float(factors.max())
+    i = torch.arange(0, head_dim, 2, dtype=torch.float64)
+    wavelen = 2 * math.pi * theta ** (i / head_dim)  # (hs/2,)
+    f = factors.double()
+    blend = (f > 1 + 1e-6) & (f < factor - 1e-6)
+    if int(blend.sum()) >= 2:  # s = (1/f - 1/factor) / (1 - 1/factor) = A / wavelen - B
+        s = (1 / f[blend] - 1 / factor) / (1 - 1 / factor)
+        x = 1 / wavelen[blend]
+        a = float((s[-1] - s[0]) / (x[-1] - x[0]))
+        b = float(a * x[0] - s[0])
+        low, high, original = 1.0, round(1.0 + 1.0 / b, 4), float(round(a / b))
+    else:  # no blend: the bounds anywhere in the gap between kept and divided frequencies
+        kept, divided = wavelen[f <= 1 + 1e-6], wavelen[f >= factor - 1e-6]
+        low_wavelen = float(divided.min()) * 0.999
+        high_wavelen = float(kept.max()) * 1.001 if len(kept) else low_wavelen / 2
+        low, original = 1.0, float(math.ceil(low_wavelen))
+        high = round(original / min(high_wavelen, low_wavelen), 4)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
+    ours = {"factor": factor, "low_freq_factor": low, "high_freq_factor": high}
+    ours["original_context_length"] = original
+    config = GPTConfig.from_name(
+        "llama3-baby", head_dim=head_dim, rope_theta=theta, rope_scaling=ours
+    )
+    if not torch.allclose(rope_factors(config).double(), f, rtol=1e-4, atol=1e-5):
+        raise GptkilnError(
+            f"{path}: its rope_freqs are not Llama 3's frequency scaling, the one gptkiln "
+            "computes; the file is of a RoPE variant gptkiln does not handle"
+        )
+    return scaling
+
+
+def _vocab(meta: dict[str, Any], path: Path) -> GGUFVocab:
+    model = _value(meta, "tokenizer.ggml.model", path)
+    if model != "gpt2":
+        raise GptkilnError(
+            f"{path}: its tokenizer is llama.cpp's {model!r} model; gptkiln reads the byte-level "
+            "BPE ('gpt2') that GPT-2, Llama 3 and Qwen3 use"
+        )
+    bos = _value(meta, "tokenizer.ggml.bos_token_id", path, None)
+    eos = _value(meta, "tokenizer.ggml.eos_token_id", path, None)
+    eot = _value(meta, "tokenizer.ggml.eot_token_id", path, None)
+    return GGUFVocab(
+        tokens=list(_value(meta, "tokenizer.ggml.tokens", path)),
+        types=[int(t) for t in _value(meta, "tokenizer.ggml.token_type", path)],
+        merges=list(_value(meta, "tokenizer.ggml.merges", path)),
+        pre=_value(meta, "tokenizer.ggml.pre", path, "default"),
+        bos_id=None if bos is None else int(bos),
+        eos_id=None if eos is None else int(eos),
+        add_bos=bool(_value(meta, "tokenizer.ggml.add_bos_token", path, False)),
+        stop_ids=[int(i) for i in dict.fromkeys(x for x in (eos, eot) if x is not None)],
+    )
+
+
+def _char_tokenizer(vocab: GGUFVocab) -> Any:
+    """The `gptkiln.tokenizers.CharTokenizer` of a vocabulary that is one (each token one
+    character's bytes, in code-point order, ``<|endoftext|>`` last: what `gguf_vocab` writes for
+    a char run), else None."""
+    from gptkiln.tokenizers import EOT, CharTokenizer
+    from gptkiln.tokenizers.base import _unicode_to_bytes
+
+    byte_of = _unicode_to_bytes()
+    used = [(t, k) for t, k in zip(vocab.tokens, vocab.types) if k != UNUSED]
+    with_eot = bool(used) and used[-1] == (EOT, CONTROL)
+    chars = []
+    for token, kind in used[: len(used) - with_eot]:
+        try:
+            char = bytes(byte_of[c] for c in token).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            return None
+        if kind != NORMAL or len(char) != 1:
+            return None
+        chars.append(char)
+    if not chars or chars != sorted(set(chars)) or vocab.pre != GPT2_PRE:
+        return None
+    return CharTokenizer(chars, with_eot=with_eot)
+
+
+def _tokenizer(vocab: GGUFVocab, meta: dict[str, Any], hf_config: dict, path: Path) -> Any:
+    """The run's tokenizer: a char vocabulary's `CharTokenizer`, else a Hugging Face one
+    (`gptkiln.tokenizers.HFTokenizer`) of the vocabulary."""
+    from gptkiln.tokenizers import HFTokenizer
+
+    char = _char_tokenizer(vocab)
+    if char is not None:
+        return char
+    source = hf_tokenizer_json(vocab, str(path))
+    named = {}
+    if vocab.bos_id is not None:
+        named["bos_token"] = vocab.tokens[vocab.bos_id]
+    if vocab.eos_id is not None:
+        named["eos_token"] = vocab.tokens[vocab.eos_id]
+    chat = _value(meta, "tokenizer.chat_template", path, None)
+    tokenizer_config = {
+        **named,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": hf_config.get("max_position_embeddings") or hf_config["n_positions"],
+        **({"chat_template": chat} if chat else {}),
+    }
+    ids = {"bos_token_id": vocab.bos_id, "eos_token_id": vocab.stop_ids or None}
+    files = {
+        "tokenizer_config.json": tokenizer_config,
+        "generation_config.json": {k: v for k, v in ids.items() if v is not None},
+        "config.json": {k: v for k, v in ids.items() if v is not None},
+    }
+    return HFTokenizer(source, files)

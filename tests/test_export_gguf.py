@@ -1,0 +1,238 @@
+"""`gptkiln convert to-gguf` / `convert gguf`: runs out to GGUF (run by llama.cpp with gptkiln's
+greedy ids and tokenizer ids), GGUF files in (ours and those llama.cpp's own converter writes),
+the Ollama Modelfile beside each, and bad files refused in one line.
+
+llama.cpp (``llama-cpp-python``) and its ``convert_hf_to_gguf.py`` are optional peers: the tests
+that need them skip with a message where they are missing. Every model is tiny and random.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_export_hf import MIXED, tiny_run
+
+from gptkiln.cli import main
+from gptkiln.errors import GptkilnError
+from gptkiln.export.gguf import export_gguf
+from gptkiln.export.gguf_import import import_gguf
+from gptkiln.loading import load_run
+from gptkiln.sampling import generate
+
+PROMPT = "To be, or not"
+CASES = [("qwen3", "bpe"), ("llama3", "gpt2"), ("gpt2", "char"), ("qwen3", "char")]
+# llama.cpp's q8_0 (weights, and activations in its products): max |difference| / std of fp32's
+Q8_TOLERANCE = 0.15
+
+
+def llama_cpp_or_skip():
+    return pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python)"
+    )
+
+
+def llama_logits(path: Path, ids: list[int], greedy: int = 0) -> tuple[np.ndarray, list[int]]:
+    """llama.cpp's logits for ``ids`` (T, V) and ``greedy`` greedy ids after them."""
+    llama_cpp = llama_cpp_or_skip()
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(ids)
+    logits = np.array(llm.scores[: len(ids)])
+    out = []
+    for _ in range(greedy):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([out[-1]])
+    return logits, out
+
+
+@pytest.mark.parametrize(("family", "kind"), CASES)
+def test_llama_cpp_runs_the_export_with_gptkilns_ids(tmp_path, family, kind):
+    llama_cpp = llama_cpp_or_skip()
+    model, tokenizer, run = tiny_run(tmp_path, family, kind)
+    out = export_gguf(run, tmp_path / "m.gguf")
+    vocab_only = llama_cpp.Llama(str(out), vocab_only=True, verbose=False)
+    assert vocab_only.tokenize(MIXED.encode(), add_bos=False, special=True) == tokenizer.encode(
+        MIXED
+    )
+    prompt = tokenizer.encode(PROMPT)
+    ours = generate(model, prompt, max_new_tokens=12, temperature=0, stop_at_eos=False)
+    logits, theirs = llama_logits(out, prompt, greedy=12)
+    assert theirs == ours
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt]))[0].numpy()
+    np.testing.assert_allclose(logits, expected, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("type", ["q8_0", "bf16", "f16"])
+def test_llama_cpp_runs_the_smaller_types_within_a_tolerance(tmp_path, type):
+    model, tokenizer, run = tiny_run(tmp_path, "qwen3", "bpe")
+    out = export_gguf(run, tmp_path / f"m-{type}.gguf", type=type)
+    prompt = tokenizer.encode(PROMPT)
+    logits, _ = llama_logits(out, prompt)
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt]))[0].numpy()
+    assert np.abs(logits - expected).max() / expected.std() < Q8_TOLERANCE
+    assert (logits.argmax(-1) == expected.argmax(-1)).mean() >= 0.8
+
+
+@pytest.mark.parametrize(("family", "kind"), CASES[:3])
+def test_a_gguf_comes_back_as_the_same_run(tmp_path, family, kind):
+    model, tokenizer, run = tiny_run(tmp_path, family, kind)
+    for type in ("f32", "q8_0"):
+        out = export_gguf(run, tmp_path / f"m-{type}.gguf", type=type)
+        import_gguf(out, tmp_path / f"back-{type}")
+        back, back_tokenizer, _ = load_run(tmp_path / f"back-{type}")
+        assert back_tokenizer.kind == ("char" if kind == "char" else "hf")
+        assert back_tokenizer.encode(MIXED) == tokenizer.encode(MIXED)
+        assert back_tokenizer.stop_ids == tokenizer.stop_ids
+        idx = torch.tensor([tokenizer.encode(PROMPT)])
+        with torch.no_grad():
+            difference = (back(idx) - model(idx)).abs().max().item()
+        assert difference == 0 if type == "f32" else difference < 0.05
+
+
+def test_llama3_rope_scaling_goes_out_as_rope_freqs_and_back(tmp_path):
+    from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.tokenizers import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["to be or not to be\n" * 30], 280)
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    config = GPTConfig.from_name(
+        "llama3-baby",
+        vocab_size=tokenizer.vocab_size,
+        n_embd=256,
+        rope_theta=500000.0,
+        rope_scaling={**scaling, "original_context_length": 8192},
+    )
+    save_model(GPT(config), tmp_path / "run", tokenizer=tokenizer)
+    import_gguf(export_gguf(tmp_path / "run", tmp_path / "m.gguf"), tmp_path / "back")
+    back, _, _ = load_run(tmp_path / "back")
+    torch.testing.assert_close(back.rope_cos, GPT(config).rope_cos, rtol=0, atol=1e-6)
+
+
+def converter() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py: $LLAMA_CPP_CONVERT, else skip."""
+    path = Path(os.environ.get("LLAMA_CPP_CONVERT", "/tmp/llsrc/convert_hf_to_gguf.py"))
+    if not path.is_file():
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py not found (set LLAMA_CPP_CONVERT)")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "gpt2"])
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_a_gguf_made_by_llama_cpps_converter_imports(tmp_path, family, outtype):
+    """A Hugging Face directory → llama.cpp's converter → GGUF → gptkiln: transformers' greedy
+    ids on the original (q8_0: logits within the tolerance), and its tokenizer's ids."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece")
+    from gptkiln.convert import export_hf
+
+    _, tokenizer, run = tiny_run(tmp_path, family, "gpt2")  # a tokenizer llama.cpp recognizes
+    hf_dir = export_hf(run, tmp_path / "hf")
+    out = tmp_path / "llama.gguf"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(converter()),
+            str(hf_dir),
+            "--outfile",
+            str(out),
+            "--outtype",
+            outtype,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(converter().parent / "gguf-py")},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    import_gguf(out, tmp_path / "run-back")
+    back, back_tokenizer, _ = load_run(tmp_path / "run-back")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert back_tokenizer.encode(MIXED) == hf_tok(MIXED)["input_ids"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    prompt = tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        theirs = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )[0, len(prompt) :].tolist()
+        expected, got = hf(torch.tensor([prompt])).logits, back(torch.tensor([prompt]))
+    if outtype == "f32":
+        assert generate(back, prompt, max_new_tokens=12, temperature=0, stop_at_eos=False) == theirs
+    assert (got - expected).abs().max() / expected.std() < (
+        1e-5 if outtype == "f32" else Q8_TOLERANCE
+    )
+
+
+def test_the_modelfile_beside_the_gguf(tmp_path):
+    from gptkiln.finetune.templates import ALPACA
+
+    _, _, run = tiny_run(
+        tmp_path, "qwen3", "bpe", finetune={"task": "instruct", "template": ALPACA.to_dict()}
+    )
+    export_gguf(run, tmp_path / "mine.gguf")
+    text = (tmp_path / "mine.Modelfile").read_text()
+    lines = text.splitlines()
+    assert "FROM ./mine.gguf" in lines
+    assert 'PARAMETER stop "<|endoftext|>"' in lines
+    assert 'PARAMETER stop "### Instruction:"' in lines
+    template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    assert template.count("{{") == template.count("}}")
+    assert '{{ "\\n\\n### Response:\\n" }}' in template and "{{ .Content }}" in template
+    _, _, base = tiny_run(tmp_path, "llama3", "gpt2")
+    export_gguf(base, tmp_path / "base.gguf")
+    assert 'TEMPLATE """{{ .Prompt }}"""' in (tmp_path / "base.Modelfile").read_text()
+
+
+def test_bad_files_are_refused_in_one_line_and_nothing_is_written(tmp_path, capsys):
+    import gguf
+
+    _, _, run = tiny_run(tmp_path, "qwen3", "bpe")
+    good = export_gguf(run, tmp_path / "good.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    assert main(["convert", "gguf", str(cut), "--out", str(tmp_path / "r1")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cut.gguf: not a readable GGUF file" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "r1").exists()
+
+    other = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(other), "falcon")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GptkilnError, match="falcon.gguf: a GGUF of the 'falcon' architecture"):
+        import_gguf(other, tmp_path / "r2")
+
+    q4 = tmp_path / "q4.gguf"
+    writer = gguf.GGUFWriter(str(q4), "qwen3")
+    data = gguf.quants.quantize(np.zeros((4, 32), np.float32), gguf.GGMLQuantizationType.Q4_0)
+    writer.add_tensor("token_embd.weight", data, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GptkilnError, match="token_embd.weight is of type Q4_0"):
+        import_gguf(q4, tmp_path / "r3")
+    assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
+
+    assert main(["convert", "to-gguf", str(run), "--out", str(good)]) == 2  # no --overwrite
+    assert "already exists" in capsys.readouterr().err
+    from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.tokenizers import build_char_tokenizer
+
+    one_line = build_char_tokenizer(["to be or not to be"], with_eot=True)
+    config = GPTConfig.from_name("qwen3-baby", vocab_size=one_line.vocab_size, n_layer=1)
+    nolines = tmp_path / "one-line"
+    save_model(GPT(config), nolines, tokenizer=one_line)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["convert", "to-gguf", str(nolines), "--out", str(tmp_path / "x.gguf")]) == 2
+    assert "has no newline" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
