@@ -260,11 +260,11 @@ BAD = [
     ("no messages", {"max_tokens": 3}, "messages", "required"),
     (
         "an unknown message field",
-        {"messages": [{**USER, "tool_calls": []}]},
-        "messages[0].tool_calls",
+        {"messages": [{**USER, "weight": 1}]},
+        "messages[0].weight",
         "role, content, name",
     ),
-    ("an unknown field", {"messages": [USER], "logprobs": True}, "logprobs", "unknown"),
+    ("an unknown field", {"messages": [USER], "functions": []}, "functions", "unknown"),
     (
         "two budgets that disagree",
         {"messages": [USER], "max_tokens": 3, "max_completion_tokens": 4},
