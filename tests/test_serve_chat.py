@@ -334,6 +334,16 @@ def test_the_page_chats_as_gptkiln_chat_does_and_new_chat_forgets(browser, url, 
     assert say(browser, "Repeat the input.") == alone
 
 
+def test_the_json_switch_makes_the_answer_a_json_object(browser, url):
+    chat_page(browser, url, max_tokens="100", temperature="0")
+    browser.find_element("id", "chat-json").click()
+    answer = say(browser, "Repeat sun.")
+    assert isinstance(json.loads(answer), dict), answer
+    browser.find_element("id", "chat-json").click()  # off again: free text
+    with pytest.raises(ValueError):
+        json.loads(say(browser, "Repeat sun."))
+
+
 def test_a_chat_error_is_shown_and_the_message_given_back(browser, url):
     chat_page(browser, url, max_tokens="24", temperature="5")  # above OpenAI's 2
     fill(browser, "chat-input", "Repeat sun.")

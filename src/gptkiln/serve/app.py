@@ -49,6 +49,7 @@ from gptkiln.serve.parsing import (
     sample_config,
     unknown_model,
 )
+from gptkiln.serve.prefix_cache import DEFAULT_MAX_BYTES as DEFAULT_PREFIX_CACHE_BYTES
 from gptkiln.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -73,6 +74,7 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     prefill_tokens: int = 512,
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
 ) -> FastAPI:
     """The server for one loaded model; uvicorn (or any ASGI server) runs it.
 
@@ -87,8 +89,19 @@ def create_app(
         api_key: when set, every ``/v1/`` request needs ``Authorization: Bearer KEY`` (401).
         max_body_bytes: larger request bodies get 413.
         prefill_tokens: prompt tokens prefilled per decode step (see `Batcher`).
+        prefix_cache_bytes: the most the prefix cache holds (`prefix_cache.PrefixCache`); 0
+            turns it off.
     """
-    served = Served(model, tokenizer, model_name, template, max_batch, max_queue, prefill_tokens)
+    served = Served(
+        model,
+        tokenizer,
+        model_name,
+        template,
+        max_batch,
+        max_queue,
+        prefill_tokens,
+        prefix_cache_bytes,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -123,6 +136,7 @@ class Served:
         max_batch: int,
         max_queue: int,
         prefill_tokens: int,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.model_name, self.template = model_name, template
@@ -133,6 +147,7 @@ class Served:
             max_batch=max_batch,
             max_queue=max_queue,
             prefill_tokens=prefill_tokens,
+            prefix_cache_bytes=prefix_cache_bytes,
             on_token=lambda first, seconds: self.metrics.token(first, seconds),
         )
         self.metrics = ServeMetrics(

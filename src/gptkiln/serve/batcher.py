@@ -13,18 +13,23 @@ Each iteration of the loop:
 2. admits waiting sequences into free slots, oldest first, while the prompts to prefill stay
    within ``prefill_tokens`` (at least one a step, so a long prompt is never starved);
 3. in the worker: prefills the admitted prompts into their own cache rows (the other rows keep
-   what they hold), prompts of similar length together in one forward (padded on the right:
-   the padding's keys sit past each row's end, where its later tokens overwrite them before
-   anything attends to them), and samples each one's first token; then one decode step feeds
-   every active row its last token at its own position (`GPT.forward` with a (B,)
+   what they hold): a prompt whose beginning the `PrefixCache` holds gets those keys and values
+   copied in and prefills only the rest; the others go by similar length together in one
+   forward (padded on the right: the padding's keys sit past each row's end, where its later
+   tokens overwrite them before anything attends to them); each one's first token is sampled
+   and handed out at once;
+4. in the worker: keeps the new prompts' blocks in the prefix cache, then one decode step
+   feeds every active row its last token at its own position (`GPT.forward` with a (B,)
    ``start_pos``) and samples each row's next token;
-4. hands each sequence its events: a token (the text it made final, its log-probabilities),
+5. hands each sequence its events: a token (the text it made final, its log-probabilities),
    and at the end the reason (``stop`` or ``length``).
 
 A row's next token comes from `gptkiln.sampling`'s functions (`apply_penalties`,
 `sample_rows`) on that row's logits with that row's own generator, and its text from a
 `TextStream`, exactly as `generate_stream` does for a batch of one: what a request gets does not
-depend on what else is in the batch, and equals what ``gptkiln generate`` prints.
+depend on what else is in the batch, and equals what ``gptkiln generate`` prints. A row with a
+grammar (`constrain.Constraint`: a JSON schema, a tool call it must make) has its logits masked
+to what the grammar allows first; the mask is the row's own, so the other rows are untouched.
 """
 
 from __future__ import annotations
@@ -264,7 +269,12 @@ class Batcher:
                 continue
             try:
                 admitted = self._admit()
-                events = await loop.run_in_executor(self._executor, self._step, admitted)
+                if admitted:  # their first tokens go out before the next decode step
+                    events = await loop.run_in_executor(
+                        self._executor, self._prefill_step, admitted
+                    )
+                    self._deliver(events)
+                events = await loop.run_in_executor(self._executor, self._decode_step, admitted)
                 self._deliver(events)
             except Exception as e:  # a failed step ends the sequences in it, not the server
                 for slot in self._slots.values():
@@ -331,7 +341,9 @@ class Batcher:
             tune_decoding(self.model, rows=rows, one_call=False)  # rows at their own positions
 
     @torch.inference_mode()
-    def _step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
+    def _prefill_step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
+        """Prefill the admitted prompts (a cached prefix copied in first, the rest prefilled;
+        the others grouped by length) and choose each one's first token."""
         events: list[tuple[Sequence, Event]] = []
         scored = [s for s in admitted if s.seq.prompt_logprobs]  # need every position's logits
         fresh = []
@@ -346,9 +358,19 @@ class Batcher:
             events += self._prefill_together(group)
         for slot in scored:
             events += self._isolated(slot, self._prefill, slot)
+        return events
+
+    @torch.inference_mode()
+    def _decode_step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
+        """Keep the blocks of the prompts just prefilled (after their first tokens went out),
+        then one decode step for every active row."""
         for slot in admitted:
-            if slot.pos:  # prefilled: its blocks are kept for the next prompt like it
-                self.prefix_cache.store(slot.row, slot.seq.prompt)
+            if slot.pos:
+                try:
+                    self.prefix_cache.store(slot.row, slot.seq.prompt)
+                except Exception:  # not kept: a later prompt like it prefills it all
+                    pass
+        events: list[tuple[Sequence, Event]] = []
         going = [s for s in self._slots.values() if not s.done]
         if going:
             events += self._decode(going)

@@ -98,10 +98,12 @@ class PrefixCache:
             return 0
         for key, _ in reversed(chain):  # the parents end up the most recent
             self._blocks.move_to_end(key)
-        length = len(chain) * self.block_tokens
+        n = self.block_tokens
         for layer, cache in enumerate(self._caches()):
-            cache.k[row, :, :length] = torch.cat([b.k[layer] for _, b in chain], dim=1)
-            cache.v[row, :, :length] = torch.cat([b.v[layer] for _, b in chain], dim=1)
+            for i, (_, block) in enumerate(chain):  # straight into the row: one copy
+                cache.k[row, :, i * n : (i + 1) * n] = block.k[layer]
+                cache.v[row, :, i * n : (i + 1) * n] = block.v[layer]
+        length = len(chain) * n
         self.hits += 1
         self.hit_tokens += length
         return length
