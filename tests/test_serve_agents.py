@@ -455,3 +455,15 @@ def _plain_qwen():
     from hf_tokenizer_dirs import QWEN3_TEMPLATE
 
     return QWEN3_TEMPLATE
+
+
+def test_a_llama_template_call_is_read_back_from_its_json(tmp_path):
+    run, _ = make_run(tmp_path, write_llama3_dir, LLAMA31_TOOLS_TEMPLATE)
+    with ServerThread(served(run)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(
+            **ask(messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=170)
+        )
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city", "days"}

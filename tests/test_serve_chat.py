@@ -13,9 +13,11 @@ import dataclasses
 import json
 import shutil
 import string
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import torch
 import uvicorn
@@ -114,6 +116,22 @@ def test_a_chat_answer_is_what_generate_and_chat_answer(client, runs):
     )
     assert r.choices[0].message.content == second
     assert r.usage.prompt_tokens == len(chat.tokenizer.encode(prompt))
+
+
+class Colour(pydantic.BaseModel):
+    colour: Literal["red", "green", "blue"]
+    count: int = pydantic.Field(ge=0, le=9)
+
+
+def test_a_trained_run_answers_in_a_pydantic_schema(client):
+    r = client.chat.completions.parse(
+        model=NAME,
+        messages=[{"role": "user", "content": "Repeat sun."}],
+        response_format=Colour,
+        max_tokens=80,
+        temperature=0,
+    )
+    assert isinstance(r.choices[0].message.parsed, Colour), r.choices[0].message.content
 
 
 def test_a_system_message_replaces_the_templates_system_text(client, runs):

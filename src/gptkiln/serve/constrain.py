@@ -157,7 +157,8 @@ class _Vocabulary:
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tokenizer.encode(text)
+        # no BOS added: llguidance tokenizes the text a grammar forces, which must stay text
+        return self._tokenizer.encode_templated(text)
 
 
 @functools.cache
