@@ -54,7 +54,10 @@ async def measure(lengths: list[int], n: int, rounds: int) -> list[dict]:
     def alone(slots):
         return [[slot] for slot in slots]
 
-    batcher = batching.Batcher(model, load_tokenizer("gpt2"), max_batch=max(8, n))
+    # no prefix cache: the same prompt each round would be a hit, not a prefill
+    batcher = batching.Batcher(
+        model, load_tokenizer("gpt2"), max_batch=max(8, n), prefix_cache_bytes=0
+    )
     await batcher.start()
     rows = []
     try:

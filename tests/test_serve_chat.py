@@ -13,9 +13,11 @@ import dataclasses
 import json
 import shutil
 import string
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import torch
 import uvicorn
@@ -123,6 +125,22 @@ def test_tokenize_counts_messages_in_the_runs_template(url, runs):
     text = format_conversation(ALPACA, [], "Repeat sun.")
     assert got == {"count": len(load_run(runs[1])[1].encode(text)), "max_model_len": 256}
     assert httpx.get(f"{url}/health").json()["context_length"] == 256
+
+
+class Colour(pydantic.BaseModel):
+    colour: Literal["red", "green", "blue"]
+    count: int = pydantic.Field(ge=0, le=9)
+
+
+def test_a_trained_run_answers_in_a_pydantic_schema(client):
+    r = client.chat.completions.parse(
+        model=NAME,
+        messages=[{"role": "user", "content": "Repeat sun."}],
+        response_format=Colour,
+        max_tokens=80,
+        temperature=0,
+    )
+    assert isinstance(r.choices[0].message.parsed, Colour), r.choices[0].message.content
 
 
 def test_a_system_message_replaces_the_templates_system_text(client, runs):
@@ -269,11 +287,11 @@ BAD = [
     ("no messages", {"max_tokens": 3}, "messages", "required"),
     (
         "an unknown message field",
-        {"messages": [{**USER, "tool_calls": []}]},
-        "messages[0].tool_calls",
+        {"messages": [{**USER, "weight": 1}]},
+        "messages[0].weight",
         "role, content, name",
     ),
-    ("an unknown field", {"messages": [USER], "logprobs": True}, "logprobs", "unknown"),
+    ("an unknown field", {"messages": [USER], "functions": []}, "functions", "unknown"),
     (
         "two budgets that disagree",
         {"messages": [USER], "max_tokens": 3, "max_completion_tokens": 4},
@@ -341,6 +359,16 @@ def test_the_page_chats_as_gptkiln_chat_does_and_new_chat_forgets(browser, url, 
     browser.find_element("id", "chat-reset").click()
     assert browser.find_elements("css selector", ".msg") == []
     assert say(browser, "Repeat the input.") == alone
+
+
+def test_the_json_switch_makes_the_answer_a_json_object(browser, url):
+    chat_page(browser, url, max_tokens="100", temperature="0")
+    browser.find_element("id", "chat-json").click()
+    answer = say(browser, "Repeat sun.")
+    assert isinstance(json.loads(answer), dict), answer
+    browser.find_element("id", "chat-json").click()  # off again: free text
+    with pytest.raises(ValueError):
+        json.loads(say(browser, "Repeat sun."))
 
 
 def test_a_chat_error_is_shown_and_the_message_given_back(browser, url):

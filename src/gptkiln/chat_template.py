@@ -8,9 +8,10 @@ What makes the text equal to ``transformers``' (its ``utils/chat_template_utils.
   ``trim_blocks`` and ``lstrip_blocks`` and the ``loopcontrols`` extension;
 - ``tojson`` replaced by a plain ``json.dumps`` (jinja2's own escapes ``<``, ``>``, ``&``, ``'``
   for HTML, which would change the prompt), ``raise_exception(message)``, ``strftime_now(fmt)``;
-- the variables: ``messages``, ``add_generation_prompt``, ``tools`` and ``documents`` (None
-  here), and the named special tokens (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``,
-  ...) as strings.
+- the variables: ``messages``, ``add_generation_prompt``, ``tools`` (OpenAI's tool objects,
+  ``{"type": "function", "function": {...}}``, as ``apply_chat_template(tools=...)`` passes
+  them; None without) and ``documents`` (None here), and the named special tokens
+  (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``, ...) as strings.
 
 A `ChatTemplate` stands where a fine-tuned run's `finetune.templates.PromptTemplate` stands
 (``gptkiln chat``, ``generate`` on an instruction-tuned run, serve's ``/v1/chat/completions``):
@@ -133,18 +134,23 @@ class ChatTemplate:
     where: str = "chat_template"
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The text of ``messages`` (``[{"role": ..., "content": ...}, ...]``), ending with the
         assistant's header when ``add_generation_prompt``: what ``transformers``'
-        ``apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`` returns."""
+        ``apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...)``
+        returns. ``tools`` (JSON-schema tool objects) reach the template's tool section."""
         import jinja2
 
         template = compile_template(self.source, self.where)
         try:
             return template.render(
                 messages=[dict(m) for m in messages],
-                tools=None,
+                tools=None if tools is None else [dict(t) for t in tools],
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
@@ -153,6 +159,14 @@ class ChatTemplate:
             raise GptkilnError(
                 f"{self.where}: the chat template refused the messages: {e}"
             ) from None
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template has a tool section (it reads the ``tools`` variable)."""
+        import jinja2.meta
+
+        env = compile_template(self.source, self.where).environment
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.source))
 
     def stop_strings(self) -> tuple[str, ...]:
         """None: a chat model ends its turn with a stop id (the tokenizer's), not a header."""

@@ -84,6 +84,20 @@ def apply_penalties(
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Forbid, in place, the tokens a grammar does not allow: logits (B, V) get -inf where the
+    token's bit in ``bitmask`` (B, ceil(V'/32)) int32, bit ``i % 32`` of word ``i // 32``, is 0
+    (the layout llguidance, xgrammar and outlines-core fill). Ids past the mask's V' (a model's
+    vocabulary padded beyond its tokenizer's) are forbidden too. Returns ``logits``."""
+    rows, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # (B, W, 32)
+    allowed = bits.reshape(rows, -1)[:, :vocab].bool()  # (B, min(32W, V))
+    logits[:, allowed.shape[1] :] = float("-inf")
+    logits[:, : allowed.shape[1]].masked_fill_(~allowed.to(logits.device), float("-inf"))
+    return logits
+
+
 def sample_rows(
     logits: torch.Tensor,
     temperature: float,

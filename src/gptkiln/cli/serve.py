@@ -17,7 +17,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "API (POST /v1/completions, GET /v1/models; POST /v1/chat/completions for an "
         "instruction-tuned run, its messages in the run's template), GET /health, GET /metrics "
         "(Prometheus) and a playground page at /. Concurrent requests are batched together as "
-        "they come.",
+        "they come; a prompt that starts as an earlier one did reuses its keys and values "
+        "(prefix caching). The API supports: streaming, n, seed, stop, temperature, top_p, "
+        "top_k, presence and frequency penalties, logprobs (both endpoints), echo; "
+        "response_format json_object and json_schema (always enforced, on both endpoints); "
+        "tools, tool_choice (auto, none, required, a named function) and tool messages, for a "
+        "model whose own chat template has a tool section (Qwen3/Hermes <tool_call> or Llama "
+        "3.x JSON calls). It refuses with HTTP 400: suffix, logit_bias, best_of other than n, "
+        "a schema keyword it cannot enforce, tools for a template without a tool section, "
+        "image or audio content.",
         epilog=example("gptkiln serve runs/default --port 8000")
         + "then open http://127.0.0.1:8000/ or point an OpenAI client at "
         "http://127.0.0.1:8000/v1\n",
@@ -67,6 +75,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the model id clients send and /v1/models lists (default: the directory's name)",
     )
+    p.add_argument(
+        "--prefix-cache-mb",
+        metavar="MIB",
+        type=int,
+        default=256,
+        help="memory for the keys and values of prompt prefixes kept for later prompts that "
+        "start the same way, >= 0 (default: 256; 0 turns prefix caching off)",
+    )
     add_device_flag(p, devices="cpu | cuda | mps | auto")
     add_quantize_flag(p)
     p.set_defaults(func=run)
@@ -87,4 +103,5 @@ def run(args: argparse.Namespace) -> None:
         model_name=args.model_name,
         device=resolve_device(args.device),
         quantize=args.quantize,
+        prefix_cache_mb=args.prefix_cache_mb,
     )

@@ -1,8 +1,12 @@
 """``gptkiln serve``: an OpenAI-compatible HTTP server with continuous batching, and a playground.
 
 - `app.create_app`: the routes (FastAPI) for one loaded model (chat too, for an
-  instruction-tuned run: its stored template formats the messages);
+  instruction-tuned run: its stored template formats the messages); `parsing` checks a
+  request's values, `answers` shapes its answer, `tools` reads tool calls back per template
+  family;
 - `batcher.Batcher`: the one decode loop that owns the model, slots over a static KV cache;
+  `constrain` gives a row its grammar mask (JSON schemas, forced tool calls), `prefix_cache`
+  the keys and values of prompt prefixes it has seen;
 - `schemas`: OpenAI's request and response shapes, and its error shape;
 - `metrics`: Prometheus metrics;
 - ``static/index.html``: the playground page, shipped in the package (no CDN, no build step).
@@ -39,6 +43,7 @@ def check_serve_options(
     max_queue: int,
     api_key: str | None,
     max_body_bytes: int,
+    prefix_cache_mb: int = 256,
 ) -> None:
     """Refuse, in one line each, what would make a server that cannot start or is unsafe."""
     if not is_loopback(host) and not api_key:
@@ -54,6 +59,10 @@ def check_serve_options(
         raise GptkilnError(f"--max-queue must be >= 0, got {max_queue}; try 64")
     if max_body_bytes < 1024:
         raise GptkilnError(f"--max-body-bytes must be >= 1024, got {max_body_bytes}")
+    if prefix_cache_mb < 0:
+        raise GptkilnError(
+            f"--prefix-cache-mb must be >= 0 (0 turns it off), got {prefix_cache_mb}"
+        )
 
 
 def serve(
@@ -69,6 +78,7 @@ def serve(
     device: str = "cpu",
     quantize: str | None = None,
     log_level: str = "info",
+    prefix_cache_mb: int = 256,
 ) -> None:
     """Load the model of ``run_dir`` once and serve it until interrupted.
 
@@ -84,6 +94,8 @@ def serve(
         quantize: "int8" quantizes the weights as they load (`gptkiln.loading.load_model`);
             None serves them as stored (a quantized run is served quantized either way).
         log_level: uvicorn's; requests are not logged one by one (see ``/metrics``).
+        prefix_cache_mb: MiB of prompt-prefix keys and values kept for later prompts that
+            start the same way (`serve.prefix_cache`); 0 turns prefix caching off.
     """
     check_serve_options(
         host=host,
@@ -92,6 +104,7 @@ def serve(
         max_queue=max_queue,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
+        prefix_cache_mb=prefix_cache_mb,
     )
     import uvicorn
 
@@ -113,6 +126,7 @@ def serve(
         max_queue=max_queue,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
+        prefix_cache_bytes=prefix_cache_mb << 20,
     )
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(

@@ -20,14 +20,19 @@ from gptkiln.serve.schemas import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatLogprobs,
     ChatReply,
     Choice,
     Completion,
     CompletionRequest,
     Logprobs,
     OpenAIError,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
     Usage,
 )
+from gptkiln.serve.tools import parse_tool_calls
 
 
 async def respond(
@@ -232,17 +237,31 @@ class Answer:
 class ChatAnswer(Answer):
     """The same events in OpenAI's chat shapes: a ``chat.completion`` whose choices hold an
     assistant ``message``, or ``chat.completion.chunk`` events whose ``delta`` is the role
-    first, then content pieces, then ``{}`` with the finish_reason."""
+    first, then content pieces, then ``{}`` with the finish_reason. Each token's
+    log-probabilities in OpenAI's chat shape when asked (``logprobs.content``). With tools in
+    play (``tool_family``), the answer's tool calls are read back into ``tool_calls``
+    (`tools.parse_tool_calls`); a stream then holds its text until the end, when it sends the
+    content left and each call (its id and name, then its arguments)."""
 
     prefix = "chatcmpl"
 
+    def __init__(self, req, prompts, tokenizer: Any, model_name: str, *, tool_family=None):
+        super().__init__(req, prompts, tokenizer, model_name)
+        self.tool_family = tool_family
+        self.held: dict[int, str] = {}  # a streamed choice's text, while it may be a call
+        self.held_scores: dict[int, list[TokenLogprob]] = {}
+
     def _shape(self, got: Collected, indexes: list[int]) -> dict[str, Any]:
-        choices = [
-            ChatChoice(
-                index=i, message=ChatReply(content=got.texts[i]), finish_reason=got.reasons[i]
+        choices = []
+        for i in indexes:
+            content, calls, reason = self._read_calls(got.texts[i], got.reasons[i])
+            logprobs = None
+            if self.req.logprobs:
+                logprobs = ChatLogprobs(content=[self._scored(t, lp) for t, lp in got.tokens[i]])
+            reply = ChatReply(content=content, tool_calls=calls or None)
+            choices.append(
+                ChatChoice(index=i, message=reply, logprobs=logprobs, finish_reason=reason)
             )
-            for i in indexes
-        ]
         return ChatCompletion(
             id=self.id,
             created=self.created,
@@ -251,19 +270,76 @@ class ChatAnswer(Answer):
             usage=self._usage(got.used),
         ).model_dump()
 
+    def _read_calls(self, text: str, reason: str) -> tuple[str | None, list[ToolCall], str]:
+        """(content, tool calls, finish_reason) of a choice's whole text."""
+        if self.tool_family is None:
+            return text, [], reason
+        content, calls = parse_tool_calls(self.tool_family, text)
+        return content, calls, "tool_calls" if calls and reason == "stop" else reason
+
+    def _scored(self, token: int, entry: TokenLogprobs | None) -> TokenLogprob:
+        """One token in OpenAI's chat logprobs shape: its text, bytes and alternatives."""
+        assert entry is not None  # a generated token is always scored when asked
+        top = [
+            TopLogprob(
+                token=self.tokenizer.decode([alt]),
+                logprob=lp,
+                bytes=list(self.tokenizer.token_bytes(alt)),
+            )
+            for alt, lp in entry.top
+        ]
+        return TokenLogprob(
+            token=self.tokenizer.decode([token]),
+            logprob=entry.logprob,
+            bytes=list(self.tokenizer.token_bytes(token)),
+            top_logprobs=top,
+        )
+
     def _opening(self, seqs: list[Sequence]) -> Iterator[str]:
         for seq in seqs:
             yield self._delta(ChatChunkChoice(index=seq.index, delta={"role": "assistant"}))
 
     def _chunks(self, event: PromptLogprobs | Token | Done) -> Iterator[str]:
-        """A content piece a token whose text is out (none while a stop string may begin);
-        at the end, the text held back until then and the finish_reason."""
-        if isinstance(event, Token | Done) and event.text:
-            yield self._delta(ChatChunkChoice(index=event.index, delta={"content": event.text}))
+        """A content piece a token whose text is out (none while a stop string may begin;
+        with logprobs, one a token, its scores with it); at the end, the text held back until
+        then and the finish_reason."""
+        if self.tool_family is not None:
+            yield from self._tool_chunks(event)
+            return
+        scored = None
+        if isinstance(event, Token) and event.logprobs is not None:
+            scored = ChatLogprobs(content=[self._scored(event.id, event.logprobs)])
+        if isinstance(event, Token | Done) and (event.text or scored is not None):
+            delta = {"content": event.text}
+            yield self._delta(ChatChunkChoice(index=event.index, delta=delta, logprobs=scored))
         if isinstance(event, Done):
             yield self._delta(
                 ChatChunkChoice(index=event.index, delta={}, finish_reason=event.reason)
             )
+
+    def _tool_chunks(self, event: PromptLogprobs | Token | Done) -> Iterator[str]:
+        """With tools: the text held until the end, then its content, its calls, the end."""
+        if not isinstance(event, Token | Done):
+            return
+        i = event.index
+        self.held[i] = self.held.get(i, "") + event.text
+        if isinstance(event, Token) and event.logprobs is not None:
+            self.held_scores.setdefault(i, []).append(self._scored(event.id, event.logprobs))
+        if not isinstance(event, Done):
+            return
+        content, calls, reason = self._read_calls(self.held.pop(i), event.reason)
+        scores = self.held_scores.pop(i, None)
+        logprobs = None if scores is None else ChatLogprobs(content=scores)
+        if content or logprobs is not None:
+            delta = {"content": content or ""}
+            yield self._delta(ChatChunkChoice(index=i, delta=delta, logprobs=logprobs))
+        for k, call in enumerate(calls):
+            head = {"index": k, "id": call.id, "type": "function"}
+            named = {**head, "function": {"name": call.function.name, "arguments": ""}}
+            args = {"index": k, "function": {"arguments": call.function.arguments}}
+            yield self._delta(ChatChunkChoice(index=i, delta={"tool_calls": [named]}))
+            yield self._delta(ChatChunkChoice(index=i, delta={"tool_calls": [args]}))
+        yield self._delta(ChatChunkChoice(index=i, delta={}, finish_reason=reason))
 
     def _usage_chunk(self, usage: Usage) -> str:
         return self._delta(None, usage)

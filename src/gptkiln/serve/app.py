@@ -34,16 +34,23 @@ from gptkiln.inspect import inspect_prompt
 from gptkiln.model import GPT
 from gptkiln.serve.answers import Answer, ChatAnswer, respond
 from gptkiln.serve.batcher import Batcher, QueueFull, Sequence
+from gptkiln.serve.constrain import Grammars
 from gptkiln.serve.metrics import CONTENT_TYPE, ServeMetrics
 from gptkiln.serve.parsing import (
+    chat_grammar,
     chat_max_tokens,
     chat_prompt,
+    check_messages,
+    check_tools,
+    compile_grammar,
     nth_sample,
     prompt_ids,
     refuse_unsupported,
+    response_grammar,
     sample_config,
     unknown_model,
 )
+from gptkiln.serve.prefix_cache import DEFAULT_MAX_BYTES as DEFAULT_PREFIX_CACHE_BYTES
 from gptkiln.serve.schemas import (
     MAX_INSPECT_TOKENS,
     ChatCompletionRequest,
@@ -70,6 +77,7 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     prefill_tokens: int = 512,
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
 ) -> FastAPI:
     """The server for one loaded model; uvicorn (or any ASGI server) runs it.
 
@@ -84,8 +92,19 @@ def create_app(
         api_key: when set, every ``/v1/`` request needs ``Authorization: Bearer KEY`` (401).
         max_body_bytes: larger request bodies get 413.
         prefill_tokens: prompt tokens prefilled per decode step (see `Batcher`).
+        prefix_cache_bytes: the most the prefix cache holds (`prefix_cache.PrefixCache`); 0
+            turns it off.
     """
-    served = Served(model, tokenizer, model_name, template, max_batch, max_queue, prefill_tokens)
+    served = Served(
+        model,
+        tokenizer,
+        model_name,
+        template,
+        max_batch,
+        max_queue,
+        prefill_tokens,
+        prefix_cache_bytes,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -121,6 +140,7 @@ class Served:
         max_batch: int,
         max_queue: int,
         prefill_tokens: int,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.model_name, self.template = model_name, template
@@ -131,11 +151,17 @@ class Served:
             max_batch=max_batch,
             max_queue=max_queue,
             prefill_tokens=prefill_tokens,
+            prefix_cache_bytes=prefix_cache_bytes,
             on_token=lambda first, seconds: self.metrics.token(first, seconds),
         )
-        self.metrics = ServeMetrics(lambda: self.batcher.waiting, lambda: self.batcher.active)
+        self.metrics = ServeMetrics(
+            lambda: self.batcher.waiting,
+            lambda: self.batcher.active,
+            self.batcher.prefix_cache,
+        )
         self.context = model.config.context_length
         self.vocab = min(model.config.vocab_size, tokenizer.vocab_size)  # ids both know
+        self.grammars = Grammars(tokenizer) if Grammars.available() else None
 
     def check_model(self, name: str | None) -> None:
         """A request's ``model``, when it names one, must be this one (404 otherwise)."""
@@ -150,8 +176,10 @@ class Served:
         *,
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        grammar: str | None = None,
     ) -> tuple[asyncio.Queue, list[Sequence]]:
-        """One `Sequence` a prompt x n (sample j draws with seed + j), handed to the batcher."""
+        """One `Sequence` a prompt x n (sample j draws with seed + j), handed to the batcher;
+        with ``grammar`` (compiled already, `parsing.compile_grammar`), each its own matcher."""
         queue: asyncio.Queue = asyncio.Queue()
         seqs = [
             Sequence(
@@ -161,6 +189,7 @@ class Served:
                 index=i * n + j,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                constraint=None if grammar is None else self.grammars.constraint(grammar),
             )
             for i, (_, ids) in enumerate(prompts)
             for j in range(n)
@@ -251,12 +280,16 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
         # a long prompt takes a while to encode: off the event loop, which keeps streaming
         prompts = await asyncio.to_thread(prompt_ids, req.prompt, tokenizer, served.vocab)
         cfg = sample_config(req, [ids for _, ids in prompts], served.context)
+        grammar = response_grammar(req.response_format, served.grammars)
+        if grammar is not None:  # the first use of a schema compiles it: off the event loop
+            await asyncio.to_thread(compile_grammar, grammar, served.grammars, "response_format")
         queue, seqs = served.submit(
             prompts,
             cfg,
             req.n,
             logprobs=req.logprobs,
             prompt_logprobs=req.echo and req.logprobs is not None,
+            grammar=grammar,
         )
         return await respond(Answer(req, prompts, tokenizer, model_name), queue, seqs, request)
 
@@ -274,7 +307,10 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
                 code="not_instruction_tuned",
             )
         req = req.model_copy(update={"max_tokens": chat_max_tokens(req)})
-        prompts = await asyncio.to_thread(chat_prompt, template, req.messages, tokenizer)
+        check_messages(req.messages)
+        family = check_tools(req, template)  # None: no tool calls to read back
+        tools = req.tools if req.tool_choice != "none" else None
+        prompts = await asyncio.to_thread(chat_prompt, template, req.messages, tokenizer, tools)
         cfg = sample_config(
             req,
             [ids for _, ids in prompts],
@@ -282,8 +318,15 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
             extra_stop=template.stop_strings(),
             source="messages",
         )
-        queue, seqs = served.submit(prompts, cfg, req.n)
-        answer = ChatAnswer(req, prompts, tokenizer, model_name)
+        grammar = chat_grammar(req, family, served.grammars)
+        if grammar is not None:
+            param = "response_format" if req.response_format is not None else "tools"
+            await asyncio.to_thread(compile_grammar, grammar, served.grammars, param)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true; send both", "top_logprobs")
+        queue, seqs = served.submit(prompts, cfg, req.n, logprobs=top, grammar=grammar)
+        answer = ChatAnswer(req, prompts, tokenizer, model_name, tool_family=family)
         return await respond(answer, queue, seqs, request)
 
     @app.post("/v1/inspect")

@@ -13,18 +13,23 @@ Each iteration of the loop:
 2. admits waiting sequences into free slots, oldest first, while the prompts to prefill stay
    within ``prefill_tokens`` (at least one a step, so a long prompt is never starved);
 3. in the worker: prefills the admitted prompts into their own cache rows (the other rows keep
-   what they hold), prompts of similar length together in one forward (padded on the right:
-   the padding's keys sit past each row's end, where its later tokens overwrite them before
-   anything attends to them), and samples each one's first token; then one decode step feeds
-   every active row its last token at its own position (`GPT.forward` with a (B,)
+   what they hold): a prompt whose beginning the `PrefixCache` holds gets those keys and values
+   copied in and prefills only the rest; the others go by similar length together in one
+   forward (padded on the right: the padding's keys sit past each row's end, where its later
+   tokens overwrite them before anything attends to them); each one's first token is sampled
+   and handed out at once;
+4. in the worker: keeps the new prompts' blocks in the prefix cache, then one decode step
+   feeds every active row its last token at its own position (`GPT.forward` with a (B,)
    ``start_pos``) and samples each row's next token;
-4. hands each sequence its events: a token (the text it made final, its log-probabilities),
+5. hands each sequence its events: a token (the text it made final, its log-probabilities),
    and at the end the reason (``stop`` or ``length``).
 
 A row's next token comes from `gptkiln.sampling`'s functions (`apply_penalties`,
 `sample_rows`) on that row's logits with that row's own generator, and its text from a
 `TextStream`, exactly as `generate_stream` does for a batch of one: what a request gets does not
-depend on what else is in the batch, and equals what ``gptkiln generate`` prints.
+depend on what else is in the batch, and equals what ``gptkiln generate`` prints. A row with a
+grammar (`constrain.Constraint`: a JSON schema, a tool call it must make) has its logits masked
+to what the grammar allows first; the mask is the row's own, so the other rows are untouched.
 """
 
 from __future__ import annotations
@@ -42,7 +47,15 @@ from gptkiln.config import SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.kernels import tune_decoding
 from gptkiln.model import GPT
-from gptkiln.sampling import TextStream, apply_penalties, sample_rows, stop_ids_of
+from gptkiln.sampling import (
+    TextStream,
+    apply_penalties,
+    apply_token_bitmask,
+    sample_rows,
+    stop_ids_of,
+)
+from gptkiln.serve.constrain import Constraint, fill_masks
+from gptkiln.serve.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
 
 
 class QueueFull(Exception):
@@ -112,6 +125,9 @@ class Sequence:
         index: the choice's index in its request.
         logprobs: how many alternatives to report with each token (None: no log-probabilities).
         prompt_logprobs: also score the prompt's tokens.
+        constraint: the grammar its tokens must follow (`constrain.Constraint`), a mask on its
+            row's logits at each step; None: free text. It ends (``stop``) when the grammar is
+            complete.
         cancelled: set by the handler when its client went away; the slot is freed at the next
             step.
     """
@@ -122,6 +138,7 @@ class Sequence:
     index: int = 0
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    constraint: Constraint | None = None
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -150,6 +167,7 @@ class Batcher:
         max_batch: cache rows: how many sequences decode together.
         max_queue: sequences that may wait for a slot; `submit` refuses more (`QueueFull`).
         prefill_tokens: prompt tokens prefilled per step (at least one prompt a step).
+        prefix_cache_bytes: the most the prefix cache (`PrefixCache`) holds; 0 turns it off.
         on_token: called on the event loop for each token handed out, with (whether it is its
             sequence's first, seconds since the previous one or since the sequence was
             submitted), for metrics.
@@ -163,6 +181,7 @@ class Batcher:
         max_batch: int = 8,
         max_queue: int = 64,
         prefill_tokens: int = 512,
+        prefix_cache_bytes: int = DEFAULT_MAX_BYTES,
         on_token=None,
     ) -> None:
         if max_batch < 1 or max_queue < 0 or prefill_tokens < 1:
@@ -175,6 +194,7 @@ class Batcher:
         self.context_length = model.config.context_length
         self.device = model.wte.weight.device
         self.on_token = on_token
+        self.prefix_cache = PrefixCache(model, max_bytes=prefix_cache_bytes)
         self.steps = 0  # decode steps run, for tests and metrics
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._slots: dict[int, _Slot] = {}  # row -> slot
@@ -235,6 +255,7 @@ class Batcher:
             self._fail(self._waiting.popleft(), "the server is shutting down")
         self._slots.clear()
         self._executor.shutdown(wait=True)
+        self.prefix_cache.clear()
         self.model.clear_cache()
 
     # -- the decode loop (event loop) ------------------------------------------------------------
@@ -248,7 +269,12 @@ class Batcher:
                 continue
             try:
                 admitted = self._admit()
-                events = await loop.run_in_executor(self._executor, self._step, admitted)
+                if admitted:  # their first tokens go out before the next decode step
+                    events = await loop.run_in_executor(
+                        self._executor, self._prefill_step, admitted
+                    )
+                    self._deliver(events)
+                events = await loop.run_in_executor(self._executor, self._decode_step, admitted)
                 self._deliver(events)
             except Exception as e:  # a failed step ends the sequences in it, not the server
                 for slot in self._slots.values():
@@ -315,24 +341,56 @@ class Batcher:
             tune_decoding(self.model, rows=rows, one_call=False)  # rows at their own positions
 
     @torch.inference_mode()
-    def _step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
+    def _prefill_step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
+        """Prefill the admitted prompts (a cached prefix copied in first, the rest prefilled;
+        the others grouped by length) and choose each one's first token."""
         events: list[tuple[Sequence, Event]] = []
         scored = [s for s in admitted if s.seq.prompt_logprobs]  # need every position's logits
-        for group in prefill_groups([s for s in admitted if not s.seq.prompt_logprobs]):
+        fresh = []
+        for slot in admitted:  # a prompt whose prefix is cached prefills only the rest
+            if not slot.seq.prompt_logprobs:
+                cached = self._cached_prefix(slot)
+                if cached:
+                    events += self._isolated(slot, self._prefill, slot, cached)
+                else:
+                    fresh.append(slot)
+        for group in prefill_groups(fresh):
             events += self._prefill_together(group)
         for slot in scored:
             events += self._isolated(slot, self._prefill, slot)
+        return events
+
+    @torch.inference_mode()
+    def _decode_step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
+        """Keep the blocks of the prompts just prefilled (after their first tokens went out),
+        then one decode step for every active row."""
+        for slot in admitted:
+            if slot.pos:
+                try:
+                    self.prefix_cache.store(slot.row, slot.seq.prompt)
+                except Exception:  # not kept: a later prompt like it prefills it all
+                    pass
+        events: list[tuple[Sequence, Event]] = []
         going = [s for s in self._slots.values() if not s.done]
         if going:
             events += self._decode(going)
         self.steps += 1
         return events
 
-    def _prefill(self, slot: _Slot) -> list[tuple[Sequence, Event]]:
+    def _cached_prefix(self, slot: _Slot) -> int:
+        """The prompt tokens whose keys and values the prefix cache put in the slot's row."""
+        try:
+            return self.prefix_cache.load(slot.row, slot.seq.prompt)
+        except Exception:  # a failed copy only costs the prefill it would have saved
+            return 0
+
+    def _prefill(self, slot: _Slot, cached: int = 0) -> list[tuple[Sequence, Event]]:
+        """Prefill one prompt into its row from position ``cached`` on (the positions before
+        hold its prefix's keys and values already, `PrefixCache.load`)."""
         seq = slot.seq
-        idx = torch.tensor([seq.prompt], device=self.device)  # (1, T)
+        idx = torch.tensor([seq.prompt[cached:]], device=self.device)  # (1, T - cached)
         rows = slice(slot.row, slot.row + 1)
-        logits = self.model(idx, start_pos=0, last_only=not seq.prompt_logprobs, rows=rows)
+        logits = self.model(idx, start_pos=cached, last_only=not seq.prompt_logprobs, rows=rows)
         slot.pos = len(seq.prompt)
         events: list[tuple[Sequence, Event]] = []
         if seq.prompt_logprobs:
@@ -378,11 +436,29 @@ class Batcher:
             tokens[slot.row, 0] = slot.token
             positions[slot.row] = slot.pos
         logits = self.model(tokens.to(self.device), start_pos=positions, last_only=True)
+        masks = self._masks([s for s in slots if s.seq.constraint is not None])
         events: list[tuple[Sequence, Event]] = []
         for slot in slots:
             slot.pos += 1
-            events += self._isolated(slot, self._choose, slot, logits[slot.row : slot.row + 1, -1])
+            row = logits[slot.row : slot.row + 1, -1]
+            events += self._isolated(slot, self._choose, slot, row, masks.get(slot.row))
         return events
+
+    def _masks(self, slots: list[_Slot]) -> dict[int, torch.Tensor]:
+        """The grammar masks of the constrained rows, (1, ceil(V/32)) int32 each, filled
+        together (llguidance spreads the rows over its threads); a row whose grammar fails
+        gets none here and fails alone in `_choose`."""
+        if len(slots) < 2:
+            return {}  # `_choose` fills a lone row's own
+        bitmask = torch.full((len(slots), self._mask_words()), -1, dtype=torch.int32)
+        try:
+            fill_masks([s.seq.constraint for s in slots], bitmask)
+        except Exception:
+            return {}
+        return {s.row: bitmask[i : i + 1] for i, s in enumerate(slots)}
+
+    def _mask_words(self) -> int:
+        return (self.tokenizer.vocab_size + 31) // 32
 
     def _isolated(self, slot: _Slot, work, *args) -> list[tuple[Sequence, Event]]:
         """A row's own work (its prefill; its sampling and text): if it fails, that row ends
@@ -395,27 +471,39 @@ class Batcher:
                 (slot.seq, Failed(slot.seq.index, f"generation failed: {type(e).__name__}: {e}"))
             ]
 
-    def _choose(self, slot: _Slot, logits: torch.Tensor) -> list[tuple[Sequence, Event]]:
-        """The next token of one row from its logits (1, V), as `generate_stream` picks it."""
+    def _choose(
+        self, slot: _Slot, logits: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> list[tuple[Sequence, Event]]:
+        """The next token of one row from its logits (1, V), as `generate_stream` picks it;
+        a constrained row's logits first masked to what its grammar allows (``mask``, when
+        `_masks` filled it with the batch's others)."""
         cfg, seq = slot.seq.cfg, slot.seq
         raw = logits
         if slot.counts is not None:
             presence, frequency = cfg.presence_penalty, cfg.frequency_penalty
             logits = apply_penalties(logits, slot.counts, presence, frequency)
+        if seq.constraint is not None:
+            if mask is None:
+                mask = torch.full((1, self._mask_words()), -1, dtype=torch.int32)
+                seq.constraint.fill(mask[0])
+            logits = apply_token_bitmask(logits.clone(), mask.to(logits.device))
         generators = None if slot.generator is None else [slot.generator]
         token = int(sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, generators)[0])
         if slot.counts is not None:
             slot.counts[0, token] += 1
+        if seq.constraint is not None:
+            seq.constraint.consume(token)
         slot.token = token
         slot.generated += 1
         scored = _logprobs(raw[0], token, seq.logprobs) if seq.logprobs is not None else None
         events: list[tuple[Sequence, Event]] = [
             (seq, Token(seq.index, token, slot.stream.push(token), scored))
         ]
-        if slot.stream.done or slot.generated == cfg.max_new_tokens:
+        complete = seq.constraint is not None and seq.constraint.finished
+        if slot.stream.done or complete or slot.generated == cfg.max_new_tokens:
             slot.done = True
             tail = slot.stream.flush()
-            reason = slot.stream.finish_reason
+            reason = "stop" if complete else slot.stream.finish_reason
             events.append((seq, Done(seq.index, reason, tail, slot.generated)))
         return events
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 (re-exported)
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 ROUTES = (
     "/",
@@ -27,11 +28,15 @@ class ServeMetrics:
     Args:
         waiting: returns how many sequences wait for a slot (read at each scrape).
         active: returns how many slots are decoding.
+        prefix_cache: the batcher's `PrefixCache` (its lookups, hits and bytes, read at each
+            scrape), or None.
     """
 
-    def __init__(self, waiting, active) -> None:
+    def __init__(self, waiting, active, prefix_cache=None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        if prefix_cache is not None:
+            r.register(_PrefixCacheCollector(prefix_cache))
         self.requests = Counter(
             "gptkiln_requests",
             "HTTP requests answered, by route and status",
@@ -81,3 +86,26 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's own counts, read when scraped (the batcher's thread keeps them)."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        c = self.cache
+        for name, doc, value in (
+            ("gptkiln_prefix_cache_lookups", "Prompts looked up in the prefix cache", c.lookups),
+            ("gptkiln_prefix_cache_hits", "Prompts that reused a cached prefix", c.hits),
+            (
+                "gptkiln_prefix_cache_hit_tokens",
+                "Prompt tokens not prefilled: their keys and values came from the cache",
+                c.hit_tokens,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily(
+            "gptkiln_prefix_cache_bytes", "Bytes the prefix cache's blocks hold", value=c.bytes
+        )

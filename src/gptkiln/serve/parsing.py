@@ -12,6 +12,7 @@ from gptkiln.chat_template import ChatTemplate, is_chat_template
 from gptkiln.config import SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.templates import PromptTemplate, format_messages
+from gptkiln.serve.constrain import GrammarError, Grammars
 from gptkiln.serve.schemas import (
     MAX_SEED,
     MAX_STOP_STRINGS,
@@ -19,7 +20,10 @@ from gptkiln.serve.schemas import (
     ChatMessage,
     CompletionRequest,
     OpenAIError,
+    ResponseFormat,
+    Tool,
 )
+from gptkiln.serve.tools import forced_call_grammar, template_messages, tool_family
 from gptkiln.tokenizers import encode_prompt
 
 
@@ -67,12 +71,23 @@ def prompt_ids(prompt: Any, tokenizer: Any, vocab_size: int) -> list[tuple[str, 
 
 
 def chat_prompt(
-    template: PromptTemplate | ChatTemplate, messages: list[ChatMessage], tokenizer: Any
+    template: PromptTemplate | ChatTemplate,
+    messages: list[ChatMessage],
+    tokenizer: Any,
+    tools: list[Tool] | None = None,
 ) -> list[tuple[str, list[int]]]:
     """The one prompt of a chat request, as (its text, its ids): the messages in the run's
-    template (`finetune.templates.format_messages`, as ``gptkiln chat`` formats them)."""
+    template (`finetune.templates.format_messages`, as ``gptkiln chat`` formats them); with
+    ``tools``, or tool calls and results in the messages, the model's own template renders
+    them all (as ``apply_chat_template(messages, tools=...)`` does)."""
+    dumped = [m.model_dump() for m in messages]
     try:
-        text = format_messages(template, [m.model_dump() for m in messages])
+        if tools or any(m.role == "tool" or m.tool_calls for m in messages):
+            assert isinstance(template, ChatTemplate)  # checked by `check_tools`
+            shown = None if not tools else [t.model_dump(exclude_none=True) for t in tools]
+            text = template.render(template_messages(dumped), tools=shown)
+        else:
+            text = format_messages(template, dumped)
     except GptkilnError as e:
         raise OpenAIError(400, str(e), "messages") from None
     try:
@@ -179,3 +194,146 @@ def nth_sample(cfg: SampleConfig, j: int) -> SampleConfig:
     if cfg.seed is None or j == 0:
         return cfg
     return SampleConfig(**{**cfg.__dict__, "seed": (cfg.seed + j) % (MAX_SEED + 1)})
+
+
+# -- structured output and tools -----------------------------------------------------------------
+def check_messages(messages: list[ChatMessage]) -> None:
+    """Each message's content and tool fields fit its role: a ``tool`` message answers a call
+    an earlier assistant message made (``tool_call_id``), only an assistant message may hold
+    ``tool_calls`` and then may have no content."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.tool_calls and m.role != "assistant":
+            raise OpenAIError(
+                400,
+                f"messages[{i}]: only an assistant message holds tool_calls, not a {m.role!r} one",
+                f"messages[{i}].tool_calls",
+            )
+        called |= {call.id for call in m.tool_calls or []}
+        if m.role == "tool" and m.tool_call_id is None:
+            raise OpenAIError(
+                400,
+                f"messages[{i}] is a tool result without tool_call_id; give the id of the "
+                "assistant's tool call it answers",
+                f"messages[{i}].tool_call_id",
+            )
+        if m.role == "tool" and m.tool_call_id not in called:
+            raise OpenAIError(
+                400,
+                f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no tool call of an "
+                f"earlier assistant message (their ids: {', '.join(sorted(called)) or 'none'})",
+                f"messages[{i}].tool_call_id",
+            )
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise OpenAIError(
+                400,
+                f"messages[{i}].content is required: give text (only an assistant message "
+                "with tool_calls may have none)",
+                f"messages[{i}].content",
+            )
+
+
+def check_tools(req: ChatCompletionRequest, template: PromptTemplate | ChatTemplate) -> str | None:
+    """The tool-call family the answer is read with (None: no tools in play), once ``tools``,
+    ``tool_choice`` and the template agree; each disagreement a 400 naming the field."""
+    tools, choice = req.tools or [], req.tool_choice
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):
+        raise OpenAIError(400, f"tools: two tools share a name ({names}); name each once", "tools")
+    if choice is not None and not tools and choice != "none":
+        raise OpenAIError(
+            400,
+            "tool_choice is set but tools is empty; give the tools to choose from",
+            "tool_choice",
+        )
+    if not isinstance(choice, str) and choice is not None and choice.function.name not in names:
+        raise OpenAIError(
+            400,
+            f"tool_choice names the function {choice.function.name!r}, which is not in tools "
+            f"({', '.join(names)})",
+            "tool_choice",
+        )
+    history = any(m.role == "tool" or m.tool_calls for m in req.messages)
+    if not tools and not history:
+        return None
+    family = tool_family(template) if isinstance(template, ChatTemplate) else None
+    if family is None:
+        raise OpenAIError(
+            400,
+            "this model's chat template has no tool section gptkiln can use (a fine-tuned "
+            "run's prompt template, or a model template without tools), so it cannot be given "
+            "tools, tool calls or tool results: leave them out",
+            "tools" if tools else "messages",
+            code="tools_not_supported",
+        )
+    return None if choice == "none" or not tools else family
+
+
+def chat_grammar(
+    req: ChatCompletionRequest, family: str | None, grammars: Grammars | None
+) -> str | None:
+    """The grammar of a chat answer: its ``response_format`` or the tool call it must make."""
+    choice = req.tool_choice
+    forced = family is not None and (choice == "required" or not isinstance(choice, str | None))
+    if forced and req.response_format is not None and req.response_format.type != "text":
+        raise OpenAIError(
+            400,
+            "response_format and a tool_choice that forces a call both constrain the answer; "
+            "send one of them",
+            "response_format",
+        )
+    if not forced:
+        return response_grammar(req.response_format, grammars)
+    tools = req.tools or []
+    if not isinstance(choice, str):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+    try:
+        return forced_call_grammar(_engine(grammars, "tool_choice"), family, tools)
+    except GrammarError as e:
+        raise OpenAIError(400, f"tools: a function's parameters: {e}", "tools") from None
+
+
+def response_grammar(fmt: ResponseFormat | None, grammars: Grammars | None) -> str | None:
+    """The grammar of ``response_format``: None for text, any object for ``json_object``,
+    the schema for ``json_schema``."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        schema: Any = {"type": "object"}
+    elif fmt.json_schema is None:
+        raise OpenAIError(
+            400,
+            'response_format {"type": "json_schema"} needs "json_schema": {"name", "schema"}',
+            "response_format.json_schema",
+        )
+    else:
+        schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
+    try:
+        return _engine(grammars, "response_format").json_schema(schema)
+    except GrammarError as e:
+        raise OpenAIError(400, f"response_format: {e}", "response_format") from None
+
+
+def compile_grammar(grammar: str, grammars: Grammars, param: str) -> None:
+    """Compile (and cache) a grammar once before its rows are queued: what the engine cannot
+    enforce is a 400 naming it (``param``), never a row decoding free text."""
+    try:
+        grammars.constraint(grammar)
+    except GrammarError as e:
+        raise OpenAIError(
+            400,
+            f"{param}: the schema cannot be enforced: {e}; change or leave out that part",
+            param,
+            code="unsupported_schema",
+        ) from None
+
+
+def _engine(grammars: Grammars | None, param: str) -> Grammars:
+    if grammars is None:
+        raise OpenAIError(
+            400,
+            f"{param}: constrained decoding needs the llguidance package, which is not "
+            "installed here: pip install llguidance",
+            param,
+        )
+    return grammars

@@ -65,6 +65,28 @@ def _finite(default: float, low: float, high: float, *, gt: bool = False) -> Any
     return Field(default, le=high, allow_inf_nan=False, **bounds)
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema an answer must follow. ``strict`` is taken
+    and the schema is always enforced (a keyword the engine cannot enforce is a 400)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text`` (free), ``json_object`` (any JSON object) or
+    ``json_schema`` (JSON valid against ``json_schema.schema``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class CompletionRequest(BaseModel):
     """``POST /v1/completions``: OpenAI's fields, their defaults and ranges; ``top_k`` added."""
 
@@ -89,17 +111,72 @@ class CompletionRequest(BaseModel):
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None  # gptkiln's: OpenAI's chat field, here too
+
+
+class FunctionCall(BaseModel):
+    """A tool call's function: its name and its arguments, a JSON object as text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
     """One of a chat request's ``messages``; its role and order are checked by
-    `finetune.templates.format_messages`. ``name`` (OpenAI's participant name) is not used."""
+    `finetune.templates.format_messages` (a fine-tuned run's template) or by the model's own
+    template. ``name`` (OpenAI's participant name) is not used. An assistant message may hold
+    ``tool_calls`` (and no content); a ``tool`` message answers the call ``tool_call_id``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: str
-    content: str
+    content: str | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(BaseModel):
+    """A tool's function: its name, what it does, its parameters' JSON schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the one function the answer must call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(BaseModel):
@@ -124,6 +201,12 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class InspectRequest(BaseModel):
@@ -170,12 +253,22 @@ FIELD_KINDS = {
     "suffix": "null (not supported)",
     "logit_bias": "null (not supported)",
     "user": "a string",
+    "response_format": 'an object {"type": "text" | "json_object" | "json_schema", '
+    '"json_schema": {"name", "schema", "strict"}}',
 }
 CHAT_FIELD_KINDS = {
     "messages": "a list of objects {role, content}",
-    "messages.role": "one of system, user, assistant",
-    "messages.content": "text (a string)",
+    "messages.role": "one of system, user, assistant, tool",
+    "messages.content": "text (a string) or null",
     "messages.name": "a string",
+    "messages.tool_calls": 'a list of {"id", "type": "function", "function": {"name", '
+    '"arguments"}}',
+    "messages.tool_call_id": "the id of the tool call this message answers",
+    "tools": 'a list of {"type": "function", "function": {"name", "description", "parameters"}}',
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name"}}',
+    "parallel_tool_calls": "true or false",
+    "logprobs": "true or false",
+    "top_logprobs": f"a whole number in [0, {MAX_LOGPROBS}]",
     "model": "a string",
     "max_tokens": "a whole number >= 0",
     "max_completion_tokens": "a whole number >= 0",
@@ -193,6 +286,7 @@ CHAT_FIELD_KINDS = {
             "stream",
             "stream_options",
             "user",
+            "response_format",
         )
     },
 }
@@ -245,6 +339,8 @@ def validation_error(error: ValidationError, kinds: dict[str, str] = FIELD_KINDS
     if len(loc) >= 3 and loc[1].isdigit():  # a field of a list's object: messages[1].content
         where = f"{field}[{loc[1]}].{'.'.join(loc[2:])}"
         kind_of = f"{field}.{loc[2]}"
+    elif field == "response_format" and len(loc) >= 2:  # response_format.json_schema.name
+        where = ".".join(part.replace("schema_", "schema") for part in loc)
     if kind == "extra_forbidden":
         path = ".".join(loc) if where == field else where
         known = [k for k in kinds if "." not in k]
@@ -310,16 +406,39 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(BaseModel):
+    """A chat answer's token: its text, its log-probability, its bytes, its alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class ChatReply(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+ChatFinish = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatReply
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"]
+    logprobs: ChatLogprobs | None = None
+    finish_reason: ChatFinish
 
 
 class ChatCompletion(BaseModel):
@@ -338,9 +457,9 @@ class ChatChunkChoice(BaseModel):
     ``{"content": text}`` pieces, then ``{}`` with the finish_reason."""
 
     index: int
-    delta: dict[str, str]
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    delta: dict[str, Any]
+    logprobs: ChatLogprobs | None = None
+    finish_reason: ChatFinish | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -1,0 +1,178 @@
+"""Constrained decoding: a grammar per row of the batch, applied as a mask over the logits.
+
+A request that asks for JSON (``response_format``) or for a tool call it must make
+(``tool_choice`` ``required`` or a named function) gets a `Constraint`: an llguidance matcher
+over the model's own vocabulary. At each of the row's steps the batcher asks it for the tokens
+the grammar allows next (a bitmask, `fill`), forbids the others in that row's logits
+(`gptkiln.sampling.apply_token_bitmask`), samples as usual and hands it the token (`consume`).
+The other rows of the batch are untouched: a mask is a row's own, so constrained and free rows
+decode together. When the grammar is complete the matcher stops and the row ends (``stop``).
+
+Why llguidance (bench/README.md has the figures): its per-token cost at batch 1 and 8 on this
+CPU is that of xgrammar and well under outlines-core's at batch 8, it compiles a schema lazily
+(no seconds-long ahead-of-time build per schema), it refuses the JSON-schema keywords it cannot
+enforce by name (so an unenforceable schema is a 400, never unconstrained text), it takes Lark
+grammars that wrap a schema in a template's tool-call tags, and it is one 8 MB wheel with no
+dependencies (xgrammar pulls in triton and transformers).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+from typing import Any
+
+from gptkiln.errors import GptkilnError
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How a constrained answer lays out its JSON: OpenAI's ``{"a": 1, "b": [2, 3]}``, with no other
+whitespace (a free choice of whitespace lets a weak model pad forever)."""
+
+MAX_CACHED_GRAMMARS = 64
+
+
+class GrammarError(GptkilnError):
+    """A schema or grammar the engine cannot enforce; the message says which part and why."""
+
+
+class Constraint:
+    """One row's grammar state (an llguidance matcher of its own)."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def fill(self, bitmask_row) -> None:
+        """Write the allowed next tokens into ``bitmask_row`` (ceil(V/32),) int32, CPU."""
+        import llguidance.torch as llt
+
+        llt.fill_next_token_bitmask(self.matcher, bitmask_row.unsqueeze(0), 0)
+
+    def consume(self, token: int) -> None:
+        """Advance past the chosen token (it was allowed, so this cannot fail)."""
+        if not self.matcher.consume_token(token):
+            raise GptkilnError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: nothing but the end may follow."""
+        return self.matcher.is_stopped()
+
+
+class Grammars:
+    """The grammar engine for one tokenizer: its vocabulary read once (lazily: the first
+    constrained request pays ~0.3 s for GPT-2's), and compiled grammars cached by their text,
+    so a schema sent again costs a copy of its matcher.
+
+    Args:
+        tokenizer: gptkiln's tokenizer (``token_bytes``, ``stop_ids``, ``vocab_size``).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._lltok = None
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            import llguidance  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def _vocabulary(self):
+        """llguidance's view of the vocabulary: each id's bytes, the stop ids as its end."""
+        import llguidance
+
+        with self._lock:
+            if self._lltok is None:
+                stops = list(self.tokenizer.stop_ids)
+                if not stops:
+                    raise GrammarError(
+                        "this model's tokenizer has no end-of-text token, so a constrained "
+                        "answer could not end; serve a run whose tokenizer has one"
+                    )
+                wrapped = llguidance.TokenizerWrapper(_Vocabulary(self.tokenizer, stops))
+                self._lltok = llguidance.LLTokenizer(
+                    wrapped, n_vocab=self.tokenizer.vocab_size, eos_token=stops
+                )
+            return self._lltok
+
+    def json_schema(self, schema: Any) -> str:
+        """The grammar text of a JSON schema (``{"type": "object"}`` for any object)."""
+        import llguidance
+
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        except ValueError as e:
+            raise GrammarError(f"not a JSON schema: {e}") from None
+
+    def lark(self, source: str) -> str:
+        """The grammar text of a Lark grammar (``%json {...}`` embeds a schema)."""
+        import llguidance
+
+        return llguidance.LLMatcher.grammar_from_lark(source)
+
+    def constraint(self, grammar: str) -> Constraint:
+        """A fresh row state for ``grammar``; the first use of a grammar compiles and checks
+        it (`GrammarError` naming what the engine cannot enforce), later ones copy it."""
+        import llguidance
+
+        with self._lock:
+            proto = self._cache.get(grammar)
+            if proto is not None:
+                self._cache.move_to_end(grammar)
+                return Constraint(proto.deep_copy())
+        vocabulary = self._vocabulary()
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, vocabulary)
+        if failed:
+            raise GrammarError(messages[0].strip().replace("\n", " "))
+        proto = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
+        if proto.is_error():
+            raise GrammarError(proto.get_error().strip().replace("\n", " "))
+        with self._lock:
+            self._cache[grammar] = proto
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return Constraint(proto.deep_copy())
+
+
+class _Vocabulary:
+    """llguidance's tokenizer protocol (``TokenizerWrapper``'s) over gptkiln's tokenizer: every
+    id's bytes; the stop ids and the added special tokens marked special, so no grammar spells
+    ``<|im_start|>`` as text."""
+
+    def __init__(self, tokenizer: Any, stops: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        self.eos_token_id, self.bos_token_id = stops[0], None
+        special = set(stops)
+        hf = getattr(tokenizer, "_hf", None)  # a Hugging Face tokenizers.Tokenizer (bpe, hf)
+        if hf is not None:
+            special |= {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        self.special_token_ids = sorted(i for i in special if i < len(self.tokens))
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        # no BOS added: llguidance tokenizes the text a grammar forces, which must stay text
+        return self._tokenizer.encode_templated(text)
+
+
+@functools.cache
+def _executor():
+    """llguidance's thread pool for filling many rows' masks at once, made at first use."""
+    import llguidance
+
+    return llguidance.LLExecutor()
+
+
+def fill_masks(constraints: list[Constraint], bitmask) -> None:
+    """Each constraint's allowed tokens into its row of ``bitmask`` (N, ceil(V/32)) int32,
+    the rows in parallel on llguidance's threads."""
+    import llguidance.torch as llt
+
+    matchers = [(c.matcher, i) for i, c in enumerate(constraints)]
+    llt.fill_next_token_bitmask_par(_executor(), matchers, bitmask)

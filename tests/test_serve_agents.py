@@ -1,0 +1,469 @@
+# ruff: noqa: E501 - the templates keep the long lines of the real ones they copy the shape of
+"""Serve for agents and apps, through the official openai client: JSON-schema output
+(``chat.completions.parse`` with a Pydantic model, ``json_object``, completions'
+``response_format``), tool calls (a round trip: call → ``tool`` message → answer; ``tool_choice``
+``required`` and a named function), chat logprobs equal to the completions endpoint's, eight
+concurrent requests mixing constrained and free rows, and bad input as 400s naming the field.
+
+The models are tiny and random: their free text is noise, so only the constraint can make an
+answer parse. Their tokenizers are the Qwen3- and Llama 3.1-shaped ones of `hf_tokenizer_dirs`
+with templates that have a tool section, written in the shape of theirs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import warnings
+
+import httpx
+import openai
+import pydantic
+import pytest
+import torch
+import uvicorn
+from hf_tokenizer_dirs import write_llama3_dir, write_qwen3_dir
+from serving import ServerThread
+
+from gptkiln.chat_template import load_chat_template
+from gptkiln.checkpoint import save_model
+from gptkiln.config import GPTConfig
+from gptkiln.model import GPT
+from gptkiln.serve import serve
+from gptkiln.serve.tools import HERMES, LLAMA3_JSON, parse_tool_calls, tool_family
+from gptkiln.tokenizers import load_tokenizer
+
+pytest.importorskip("llguidance")
+
+QWEN3_TOOLS_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- set call = tool_call.function if tool_call.function else tool_call %}
+            {{- '\\n<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
+            {%- if call.arguments is string %}
+                {{- call.arguments }}
+            {%- else %}
+                {{- call.arguments | tojson }}
+            {%- endif %}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or messages[loop.index0 - 1].role != "tool" %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+LLAMA31_TOOLS_TEMPLATE = """{{- bos_token }}
+{%- if messages[0].role == 'system' %}
+    {%- set system_message = messages[0].content | trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- if tools is not none %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' }}
+    {{- 'Given the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.\\n\\n' }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.\\n\\n' }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+    {{- "<|eot_id|>" }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role in ['user', 'system'] or (message.role == 'assistant' and not message.tool_calls) %}
+        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+        {{- '{"name": "' + call.name + '", "parameters": ' }}
+        {{- call.arguments | tojson }}
+        {{- "}<|eot_id|>" }}
+    {%- elif message.role == 'tool' %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {{- message.content }}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 6},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now.",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+NAME = "agent-run"
+
+
+class Person(pydantic.BaseModel):
+    """A schema whose every value is bounded, so noise must close it within max_tokens."""
+
+    name: str = pydantic.Field(max_length=6)
+    age: int = pydantic.Field(ge=0, le=120)
+    admin: bool
+
+
+def make_run(directory, write, template):
+    hf_dir = write(directory / "tokenizer", template=template)
+    tokenizer = load_tokenizer(hf_dir)
+    torch.manual_seed(0)
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=1024)
+    return save_model(GPT(config), directory / NAME, tokenizer=tokenizer), hf_dir
+
+
+def served(run_dir):
+    got = {}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("app", app))
+        serve(run_dir, model_name=NAME, max_batch=8, max_queue=16, log_level="warning")
+    return got["app"]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    run, hf_dir = make_run(tmp_path_factory.mktemp("qwen"), write_qwen3_dir, QWEN3_TOOLS_TEMPLATE)
+    with ServerThread(served(run)) as url:
+        yield url, hf_dir
+
+
+@pytest.fixture(scope="module")
+def client(qwen):
+    return openai.OpenAI(base_url=f"{qwen[0]}/v1", api_key="unused", max_retries=0)
+
+
+def ask(**kw):
+    return {"model": NAME, "temperature": 0, "max_tokens": 60, **kw}
+
+
+USER = [{"role": "user", "content": "Who is it?"}]
+
+
+# -- structured output -------------------------------------------------------------------------
+def test_parse_with_a_pydantic_model_gives_a_valid_object(client):
+    r = client.chat.completions.parse(**ask(messages=USER, response_format=Person))
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person), r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    free = client.chat.completions.create(**ask(messages=USER))  # the same model, unconstrained
+    with pytest.raises(ValueError):
+        Person.model_validate_json(free.choices[0].message.content)
+
+
+def test_json_object_and_a_stream_parse(client):
+    r = client.chat.completions.create(
+        **ask(messages=USER, response_format={"type": "json_object"}, temperature=1, seed=3)
+    )
+    if r.choices[0].finish_reason == "stop":  # noise may fill max_tokens inside a string
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    schema = {"name": "p", "schema": Person.model_json_schema(), "strict": True}
+    stream = client.chat.completions.create(
+        **ask(messages=USER, response_format={"type": "json_schema", "json_schema": schema}),
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    Person.model_validate_json(text)
+
+
+def test_a_cut_answer_says_length(client):
+    schema = {"name": "p", "schema": Person.model_json_schema()}
+    r = client.chat.completions.create(
+        **{**ask(messages=USER), "max_tokens": 3},
+        response_format={"type": "json_schema", "json_schema": schema},
+    )
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_completions_take_a_response_format_too(qwen):
+    body = {
+        "model": NAME,
+        "prompt": "A person:",
+        "max_tokens": 60,
+        "temperature": 0,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "p", "schema": Person.model_json_schema()},
+        },
+    }
+    r = httpx.post(f"{qwen[0]}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    Person.model_validate_json(r.json()["choices"][0]["text"])
+
+
+def test_eight_concurrent_requests_mix_constrained_and_free_rows(client):
+    schema = {"name": "p", "schema": Person.model_json_schema()}
+
+    def one(i):
+        if i % 2:
+            return client.chat.completions.create(**ask(messages=USER))
+        return client.chat.completions.create(
+            **ask(messages=USER, response_format={"type": "json_schema", "json_schema": schema})
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(8)))
+    alone = client.chat.completions.create(**ask(messages=USER)).choices[0].message.content
+    for i, r in enumerate(answers):
+        if i % 2:
+            assert r.choices[0].message.content == alone  # a free row is what it is alone
+        else:
+            Person.model_validate_json(r.choices[0].message.content)
+
+
+# -- tools -------------------------------------------------------------------------------------
+def test_a_tool_round_trip_with_required_and_a_named_function(client):
+    r = client.chat.completions.create(
+        **ask(messages=USER, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=200)
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
+    if call.function.name == "get_weather":
+        args = json.loads(call.function.arguments)
+        assert set(args) == {"city", "days"} and 1 <= args["days"] <= 7
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        **ask(messages=USER, tools=[WEATHER, CLOCK], tool_choice=named, max_tokens=200)
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    json.loads(call.function.arguments)
+
+    history = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "blue"}'},
+    ]
+    r = client.chat.completions.create(**ask(messages=history, tools=[WEATHER]))
+    assert r.choices[0].message.role == "assistant"  # auto: noise, read as text or a call
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_streamed_tool_call_reads_as_openais(client):
+    stream = client.chat.completions.create(
+        **ask(messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=200), stream=True
+    )
+    chunks = [c for c in stream if c.choices]
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert set(json.loads(arguments)) == {"city", "days"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"parameters": {}}}]},
+            "tools[0].function.name",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"messages": [*USER, {"role": "tool", "content": "1"}]}, "messages[1].tool_call_id"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(qwen, body, param):
+    r = httpx.post(
+        f"{qwen[0]}/v1/chat/completions", json={**ask(messages=USER), **body}, timeout=60
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+# -- chat logprobs -----------------------------------------------------------------------------
+def test_chat_logprobs_equal_the_completions_figures(client, qwen):
+    r = client.chat.completions.create(
+        **ask(messages=USER, max_tokens=6, logprobs=True, top_logprobs=3)
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and len(content[0].top_logprobs) == 3
+    prompt = load_chat_template(qwen[1]).render(USER)
+    ids = load_tokenizer(qwen[1]).encode_templated(prompt)
+    c = httpx.post(
+        f"{qwen[0]}/v1/completions",
+        json={"model": NAME, "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 3},
+        timeout=60,
+    ).json()["choices"][0]["logprobs"]
+    assert [t.logprob for t in content] == pytest.approx(c["token_logprobs"], abs=1e-6)
+    assert [t.token for t in content] == c["tokens"]
+    assert bytes(content[0].bytes).decode("utf-8", "replace") == content[0].token
+    assert [a.logprob for a in content[0].top_logprobs] == pytest.approx(
+        sorted(c["top_logprobs"][0].values(), reverse=True), abs=1e-6
+    )
+
+
+# -- the template's tools, and reading calls back ----------------------------------------------
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You help."},
+    *USER,
+    {
+        "role": "assistant",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "blue"}'},
+]
+
+
+@pytest.mark.parametrize(
+    "write, template",
+    [(write_qwen3_dir, QWEN3_TOOLS_TEMPLATE), (write_llama3_dir, LLAMA31_TOOLS_TEMPLATE)],
+)
+def test_tools_render_as_apply_chat_template_renders_them(tmp_path, write, template):
+    transformers = pytest.importorskip("transformers")
+    hf_dir = write(tmp_path / "tok", template=template)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    ours = load_chat_template(hf_dir)
+    for messages in (USER, TOOL_CONVERSATION):
+        want = hf.apply_chat_template(
+            messages, tools=[WEATHER, CLOCK], tokenize=False, add_generation_prompt=True
+        )
+        got = ours.render(messages, tools=[WEATHER, CLOCK])
+        assert got == want and "get_weather" in got
+    assert ours.render(USER) == hf.apply_chat_template(
+        USER, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_each_family_reads_its_calls_back(tmp_path):
+    assert (
+        tool_family(
+            load_chat_template(write_qwen3_dir(tmp_path / "q", template=QWEN3_TOOLS_TEMPLATE))
+        )
+        == HERMES
+    )
+    assert (
+        tool_family(
+            load_chat_template(write_llama3_dir(tmp_path / "l", template=LLAMA31_TOOLS_TEMPLATE))
+        )
+        == LLAMA3_JSON
+    )
+    assert tool_family(load_chat_template(write_qwen3_dir(tmp_path / "plain"))) is None
+    content, calls = parse_tool_calls(
+        HERMES,
+        'Let me see.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+    )
+    assert content == "Let me see." and [c.function.name for c in calls] == ["f", "g"]
+    assert json.loads(calls[0].function.arguments) == {"a": 1}
+    content, calls = parse_tool_calls(
+        LLAMA3_JSON, '<|python_tag|>{"name": "f", "parameters": {"a": 1}}'
+    )
+    assert content is None and json.loads(calls[0].function.arguments) == {"a": 1}
+    assert parse_tool_calls(LLAMA3_JSON, "Just text.") == ("Just text.", [])
+    assert parse_tool_calls(HERMES, "<tool_call>\n{broken") == ("<tool_call>\n{broken", [])
+
+
+def test_a_template_without_tools_refuses_them(tmp_path):
+    run, _ = make_run(tmp_path, write_qwen3_dir, None or _plain_qwen())
+    with ServerThread(served(run)) as url:
+        r = httpx.post(
+            f"{url}/v1/chat/completions", json=ask(messages=USER, tools=[WEATHER]), timeout=60
+        )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "no tool section" in r.json()["error"]["message"]
+
+
+def _plain_qwen():
+    from hf_tokenizer_dirs import QWEN3_TEMPLATE
+
+    return QWEN3_TEMPLATE
+
+
+def test_a_llama_template_call_is_read_back_from_its_json(tmp_path):
+    run, _ = make_run(tmp_path, write_llama3_dir, LLAMA31_TOOLS_TEMPLATE)
+    with ServerThread(served(run)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(
+            **ask(messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=170)
+        )
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city", "days"}

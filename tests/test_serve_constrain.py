@@ -1,0 +1,117 @@
+"""Constrained decoding's pieces: the bitmask applied to logits as llguidance lays it out, a
+grammar compiled once and copied after, what the engine cannot enforce refused by name, and a
+grammar's row beside a free row in one batch (the free row's tokens as when alone)."""
+
+import asyncio
+import copy
+import json
+
+import pytest
+import torch
+
+from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.model import GPT
+from gptkiln.sampling import apply_token_bitmask
+from gptkiln.serve.batcher import Batcher, Done, Sequence, Token
+from gptkiln.serve.constrain import GrammarError, Grammars
+from gptkiln.tokenizers import load_tokenizer
+
+pytest.importorskip("llguidance")
+
+
+def test_the_bitmask_forbids_exactly_the_tokens_whose_bit_is_0():
+    torch.manual_seed(0)
+    vocab = 70  # three 32-bit words cover 96 ids; the model's vocabulary may be padded beyond
+    allowed = [torch.rand(vocab) < 0.3 for _ in range(2)]
+    bitmask = torch.zeros(2, 3, dtype=torch.int32)
+    for r, row in enumerate(allowed):
+        for i in row.nonzero().flatten().tolist():
+            word, bit = divmod(i, 32)
+            value = int(bitmask[r, word]) & 0xFFFFFFFF | (1 << bit)
+            bitmask[r, word] = value - (1 << 32) if value >= 1 << 31 else value
+    logits = torch.randn(2, vocab + 8)  # 8 ids past what the mask covers: forbidden too
+    out = apply_token_bitmask(logits.clone(), bitmask)
+    for r, row in enumerate(allowed):
+        want = torch.where(row, logits[r, :vocab], torch.tensor(float("-inf")))
+        assert torch.equal(out[r, :vocab], want)
+        assert torch.isinf(out[r, vocab:]).all()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer)
+
+
+def test_a_grammar_is_compiled_once_and_unenforceable_schemas_are_refused(grammars):
+    grammar = grammars.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    one, two = grammars.constraint(grammar), grammars.constraint(grammar)
+    assert one.matcher is not two.matcher and len(grammars._cache) == 1
+    with pytest.raises(GrammarError, match="not"):
+        grammars.constraint(grammars.json_schema({"not": {"type": "string"}}))
+    with pytest.raises(GrammarError, match="objekt"):
+        grammars.constraint(grammars.json_schema({"type": "objekt"}))
+
+
+def test_a_constrained_row_beside_a_free_row(tokenizer, grammars):
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(
+        "tiny", vocab_size=tokenizer.vocab_size, context_length=128, tie_embeddings=False
+    )
+    model = GPT(config).eval()
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
+    grammar = grammars.json_schema(schema)
+    cfg = SampleConfig(max_new_tokens=40, temperature=0)
+
+    def run(with_constrained: bool):
+        batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=4)
+
+        async def main():
+            await batcher.start()
+            try:
+                free = Sequence([11, 12, 13], cfg, asyncio.Queue())
+                seqs = [free]
+                if with_constrained:
+                    seqs += [
+                        Sequence(
+                            [11, 12, 13],
+                            cfg,
+                            asyncio.Queue(),
+                            constraint=grammars.constraint(grammar),
+                        )
+                        for _ in range(2)  # two: their masks are filled together
+                    ]
+                batcher.submit(seqs)
+                out = []
+                for seq in seqs:
+                    ids, text = [], ""
+                    while not isinstance(event := await seq.events.get(), Done):
+                        assert isinstance(event, Token), event
+                        ids.append(event.id)
+                        text += event.text
+                    out.append((ids, text + event.text, event.reason))
+                return out
+            finally:
+                await batcher.stop()
+
+        return asyncio.run(main())
+
+    together = run(True)
+    (alone,) = run(False)
+    assert together[0] == alone  # the free row is untouched by its constrained neighbours
+    for _, text, reason in together[1:]:
+        assert reason == "stop" and set(json.loads(text)) == {"n", "ok"}, text
+    with pytest.raises(ValueError):
+        json.loads(alone[1])  # the same model unconstrained: noise
