@@ -131,11 +131,11 @@ class FineTuning:
     # -- the model ---------------------------------------------------------------------------
     def build_model(self, num_classes: int | None = None) -> None:
         """Load the base, give it a classifier head when asked, choose what trains."""
-        from gptkiln.finetune.data import file_sha256
+        from gptkiln.finetune.data import data_digest
         from gptkiln.loading import load_model
 
         ctx, ft = self.ctx, self.ft
-        self.data_sha256 = file_sha256(ft.data)  # the data is read and checked by now
+        self.data_sha256 = data_digest(ft.data)  # the data is read and checked by now
         if ctx.resume and self.lora is not None:  # the frozen base stored with the run
             model = load_model(ctx.run_dir, adapters=False)
         else:
