@@ -141,7 +141,11 @@ def test_the_loss_equals_trls_dpo_trainer_on_the_same_model_batch_and_beta(work,
         start = c.trained.index(True)
         assert c.ids[:start] == r.ids[:start]  # one prompt, two answers
         examples.append(
-            {"prompt_ids": c.ids[:start], "chosen_ids": c.ids[start:], "rejected_ids": r.ids[start:]}
+            {
+                "prompt_ids": c.ids[:start],
+                "chosen_ids": c.ids[start:],
+                "rejected_ids": r.ids[start:],
+            }
         )
     batch = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)(examples)
     with torch.no_grad():
@@ -242,13 +246,25 @@ def test_a_lora_dpo_run_keeps_its_base_by_reference_and_chats(dpo_runs, capsys, 
     [
         ([{"prompt": "q", "chosen": "a"}], "no chosen and rejected"),
         ([{"prompt": "q", "chosen": "", "rejected": "b"}], '"chosen" is empty'),
-        ([{"prompt": [{"role": "oracle", "content": "q"}], "chosen": "a", "rejected": "b"}], "role"),
+        (
+            [{"prompt": [{"role": "oracle", "content": "q"}], "chosen": "a", "rejected": "b"}],
+            "role",
+        ),
     ],
 )
 def test_bad_pairs_are_one_line(work, tmp_path, capsys, records, needle):
     data = tmp_path / "bad.json"
     data.write_text(json.dumps(records), encoding="utf-8")
-    argv = ["finetune", work / "reference", "--task", "dpo", "--data", data, "--out", tmp_path / "o"]
+    argv = [
+        "finetune",
+        work / "reference",
+        "--task",
+        "dpo",
+        "--data",
+        data,
+        "--out",
+        tmp_path / "o",
+    ]
     try:
         code = main([str(a) for a in argv])
     except SystemExit as e:
