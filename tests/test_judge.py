@@ -28,6 +28,7 @@ from gptkiln.tokenizers import build_char_tokenizer
 
 CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
 ANSWERS = ["90", "70", "I would rather not say.", "85/100", " 42 ", "101"]
+SCORES = [90, 70, None, 85, 42, None]  # what each answer counts as: 101 is out of range
 
 
 def fake_answer(output: str) -> str:
@@ -93,25 +94,31 @@ def fake():
 
 
 def test_the_mean_is_that_of_the_numbers_and_other_answers_are_counted_and_kept(
-    run, fake, capsys, monkeypatch
+    run, fake, capsys, monkeypatch, tmp_path
 ):
     url, app = fake
     monkeypatch.setenv("JUDGE_KEY", "sesame")
+    test_split = [  # outputs of 1 to 6 letters: each of the fake judge's answers once
+        {"instruction": f"Say {w}.", "input": "" if i % 2 else "loud", "output": w}
+        for i, w in enumerate(["a", "bb", "ccc", "dddd", "eeeee", "ffffff"])
+    ]
+    data = tmp_path / "test.json"
+    data.write_text(json.dumps(test_split))
     code, out, err = cli(
-        "judge", run, "--judge-url", f"{url}/v1", "--judge-model", "fake",
+        "judge", run, "--data", data, "--judge-url", f"{url}/v1", "--judge-model", "fake",
         "--judge-key-env", "JUDGE_KEY", "--max-new-tokens", 6, "--json", capsys=capsys,
     )  # fmt: skip
     assert code == 0, err
-    test_split = instructions(40)[34:38]  # the book's split of 40: 34 train, 4 test, 2 val
-    expected = [parse_score(fake_answer(e["output"])) for e in test_split]
+    expected = [SCORES[ANSWERS.index(fake_answer(e["output"]))] for e in test_split]
     scores = [s for s in expected if s is not None]
     last = json.loads(out.strip().splitlines()[-1])
     assert last == {
         "mean": sum(scores) / len(scores),
         "scored": len(scores),
         "unparsed": len(expected) - len(scores),
-        "entries": 4,
+        "entries": 6,
     }
+    assert last["scored"] == 4 and last["unparsed"] == 2 and last["mean"] == 71.75
     saved = json.loads((run / "judgements.json").read_text())
     assert [e["output"] for e in saved["per_entry"]] == [e["output"] for e in test_split]
     assert [e["answer"] for e in saved["per_entry"]] == [
@@ -125,7 +132,7 @@ def test_the_mean_is_that_of_the_numbers_and_other_answers_are_counted_and_kept(
 
 
 def test_scores_parse_numbers_in_range_only():
-    assert [parse_score(a) for a in ANSWERS] == [90, 70, None, 85, 42, None]
+    assert [parse_score(a) for a in ANSWERS] == SCORES
     assert parse_score("85.5") == 85.5 and parse_score("Score: 85") is None
 
 
