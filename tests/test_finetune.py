@@ -541,6 +541,40 @@ def test_merged_gpt2_run_exports_to_hugging_face(tmp_path, capsys):
         torch.testing.assert_close(hf(x).logits, merged(x), atol=1e-4, rtol=1e-4)
 
 
+def test_a_lora_run_finds_its_moved_base_and_refuses_a_changed_or_missing_one(
+    work, lora_runs, tmp_path, capsys
+):
+    """The base is found at its recorded path, else beside the run as it was (both moved
+    together); a base changed in content is one line, and so is one that is gone. A base
+    touched but unchanged loads (its checksum is read again)."""
+    from safetensors.torch import save_file
+
+    run = lora_runs[0]
+    x = torch.randint(0, 60, (1, 16))
+    with torch.no_grad():
+        expected = load_model(run)(x)
+    moved = tmp_path / "moved"
+    shutil.copytree(work / "base", moved / "base")
+    shutil.copytree(run, moved / "lora")
+    config = json.loads((moved / "lora" / "config.json").read_text())
+    config["base_weights"]["path"] = str(tmp_path / "gone")  # only ../base finds it now
+    (moved / "lora" / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        assert torch.equal(load_model(moved / "lora")(x), expected)
+    weights = moved / "base" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # touched: a new time, the same bytes
+    with torch.no_grad():
+        assert torch.equal(load_model(moved / "lora")(x), expected)
+    sd = load_file(weights)
+    sd["wte.weight"][0, 0] += 1
+    save_file(sd, weights, metadata={"format": "pt"})
+    code, _, err = cli("generate", moved / "lora", "--prompt", "a", capsys=capsys)
+    assert_one_line_error(code, err, "has changed since the run was trained")
+    shutil.rmtree(moved / "base")
+    code, _, err = cli("generate", moved / "lora", "--prompt", "a", capsys=capsys)
+    assert_one_line_error(code, err, "gone (moved or deleted)", "base_weights.path")
+
+
 def test_a_resumed_lora_run_ends_where_an_uninterrupted_one_does(lora_runs):
     whole, resumed, _ = lora_runs
     a, b = load_file(whole / "adapter.safetensors"), load_file(resumed / "adapter.safetensors")
