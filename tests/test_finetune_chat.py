@@ -311,3 +311,13 @@ def test_a_template_that_refuses_the_conversation_is_one_line(work, tmp_path, ca
         "--template", strict, "--show-examples", 1, capsys=capsys,
     )  # fmt: skip
     assert_one_line_error(code, err, "only one message, please")
+
+
+def test_an_hf_dataset_folder_reads_as_its_file_does(tmp_path):
+    pytest.importorskip("datasets")
+    from gptkiln.finetune.data import read_conversations
+
+    (tmp_path / "ds").mkdir()
+    write_jsonl(tmp_path / "ds" / "train.jsonl", conversations(3))
+    ours, fmt = read_conversations(f"hf:{tmp_path / 'ds'}")
+    assert fmt == "messages" and ours == [r["messages"] for r in conversations(3)]

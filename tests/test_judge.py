@@ -201,3 +201,33 @@ def test_gptkiln_serve_of_another_run_judges_and_its_noise_is_counted(run, tmp_p
     saved = json.loads((run / "judgements-served.json").read_text())
     assert all(isinstance(e["answer"], str) for e in saved["per_entry"])  # kept as it came
     assert sum(e["score"] is None for e in saved["per_entry"]) == last["unparsed"]
+
+
+def ollama_model() -> str | None:
+    """A model of an Ollama running here (``GPTKILN_TEST_OLLAMA_MODEL``, else its first), or
+    None when none runs."""
+    import os
+
+    import httpx
+
+    try:
+        tags = httpx.get("http://127.0.0.1:11434/api/tags", timeout=1).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    models = [m.get("name") for m in tags.get("models") or []]
+    return os.environ.get("GPTKILN_TEST_OLLAMA_MODEL") or (models[0] if models else None)
+
+
+def test_the_books_ollama_judges_where_one_runs(run, capsys):
+    model = ollama_model()
+    if model is None:
+        pytest.skip(
+            "no Ollama at 127.0.0.1:11434 with a model (the book's judge: ollama pull llama3)"
+        )
+    code, out, err = cli(
+        "judge", run, "--judge-url", "http://127.0.0.1:11434/v1", "--judge-model", model,
+        "--max-new-tokens", 8, "--name", "ollama", "--json", capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["entries"] == 4 and last["scored"] + last["unparsed"] == 4
