@@ -86,7 +86,9 @@ def work(tmp_path_factory) -> Path:
 
 
 def quick(ft: FinetuneConfig, out: Path, **settings):
+    # fp32: "auto" measures bf16 against fp32, and on a busy machine two runs may choose apart
     base = dict(out=str(out), batch_size=4, lr=3e-3, progress=False, sample_tokens=12)
+    base["precision"] = "fp32"
     return train_config(ft, **{**base, **settings})
 
 
@@ -401,9 +403,13 @@ def lora_runs(work):
 def test_lora_keeps_the_base_bit_for_bit_and_saves_small_adapters(work, lora_runs):
     run, _, result = lora_runs
     base = load_file(work / "base" / "model.safetensors")
-    assert load_file(run / "model.safetensors").keys() == base.keys()
-    for name, tensor in load_file(run / "model.safetensors").items():
-        assert torch.equal(tensor, base[name]), name  # the frozen base, unchanged
+    assert not (run / "model.safetensors").exists()  # no copy of the base: a reference to it
+    ref = json.loads((run / "config.json").read_text())["base_weights"]
+    assert ref["path"] == str((work / "base").resolve()) and ref["relative"] == "../base"
+    assert [f["name"] for f in ref["files"]] == ["model.safetensors"]
+    frozen = load_model(run, adapters=False).state_dict()
+    for name, tensor in base.items():
+        assert torch.equal(frozen[name], tensor), name  # the frozen base, unchanged
     adapters = load_file(run / "adapter.safetensors")
     assert adapters and all("lora_" in name for name in adapters)
     assert any(t.abs().sum() > 0 for n, t in adapters.items() if "lora_B" in n)  # it trained
@@ -533,6 +539,40 @@ def test_merged_gpt2_run_exports_to_hugging_face(tmp_path, capsys):
     x = torch.randint(0, 50257, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, merged(x), atol=1e-4, rtol=1e-4)
+
+
+def test_a_lora_run_finds_its_moved_base_and_refuses_a_changed_or_missing_one(
+    work, lora_runs, tmp_path, capsys
+):
+    """The base is found at its recorded path, else beside the run as it was (both moved
+    together); a base changed in content is one line, and so is one that is gone. A base
+    touched but unchanged loads (its checksum is read again)."""
+    from safetensors.torch import save_file
+
+    run = lora_runs[0]
+    x = torch.randint(0, 60, (1, 16))
+    with torch.no_grad():
+        expected = load_model(run)(x)
+    moved = tmp_path / "moved"
+    shutil.copytree(work / "base", moved / "base")
+    shutil.copytree(run, moved / "lora")
+    config = json.loads((moved / "lora" / "config.json").read_text())
+    config["base_weights"]["path"] = str(tmp_path / "gone")  # only ../base finds it now
+    (moved / "lora" / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        assert torch.equal(load_model(moved / "lora")(x), expected)
+    weights = moved / "base" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # touched: a new time, the same bytes
+    with torch.no_grad():
+        assert torch.equal(load_model(moved / "lora")(x), expected)
+    sd = load_file(weights)
+    sd["wte.weight"][0, 0] += 1
+    save_file(sd, weights, metadata={"format": "pt"})
+    code, _, err = cli("generate", moved / "lora", "--prompt", "a", capsys=capsys)
+    assert_one_line_error(code, err, "has changed since the run was trained")
+    shutil.rmtree(moved / "base")
+    code, _, err = cli("generate", moved / "lora", "--prompt", "a", capsys=capsys)
+    assert_one_line_error(code, err, "gone (moved or deleted)", "base_weights.path")
 
 
 def test_a_resumed_lora_run_ends_where_an_uninterrupted_one_does(lora_runs):

@@ -551,7 +551,12 @@ def run_info(path: str | os.PathLike) -> RunInfo:
     state, memory-mapped), the best and last validation loss (metrics.csv), file sizes, and
     whether it can be resumed (a trainer state that matches the weights' step).
     """
-    from gptkiln.checkpoint import PREVIOUS_STATE_FILE, TRAINER_STATE_FILE, matching_trainer_state
+    from gptkiln.checkpoint import (
+        ADAPTER_FILE,
+        PREVIOUS_STATE_FILE,
+        TRAINER_STATE_FILE,
+        matching_trainer_state,
+    )
     from gptkiln.loading import describe_weights, read_config, safetensors_metadata, tokenizer_name
     from gptkiln.quantize import read_quantization
 
@@ -562,8 +567,14 @@ def run_info(path: str | os.PathLike) -> RunInfo:
     quantization = None if hf else read_quantization(cfg.get("quantization"), str(run_dir))
     scales = {f"{n[: -len('.weight')]}.scale" for n, t in sd.items() if t.dtype == torch.int8}
     train = cfg.get("train") if isinstance(cfg.get("train"), dict) else None
-    files = {f.name: f.stat().st_size for f in weights_files}
-    states = [run_dir / n for n in (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)]
+    # a LoRA run's base is another directory's (config.json's base_weights): named so
+    files = {
+        (
+            f.name if f.parent.resolve() == run_dir.resolve() else f"base's {f.name}"
+        ): f.stat().st_size
+        for f in weights_files
+    }
+    states = [run_dir / n for n in (ADAPTER_FILE, TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)]
     files.update({f.name: f.stat().st_size for f in states if f.is_file()})
     preset, changes = _preset_of(config, train)
     info = dict(

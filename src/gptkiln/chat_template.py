@@ -104,8 +104,24 @@ def compile_template(source: str, where: str = "chat_template"):
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)  # Llama 3's templates print today's date
 
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``, which some templates (SmolLM3's) put
+        around the assistant's turns for training masks: rendered as its body, as
+        ``transformers`` renders it."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body", [])
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller) -> str:
+            return caller()
+
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, Generation]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception

@@ -10,7 +10,10 @@ A run directory holds::
     model.safetensors    the weights; a tied head is stored once, as ``wte.weight`` (and, when
                          quantized, ``wte.scale``)
     adapter.safetensors  a LoRA run only: the parameters that train (adapters, a head trained
-                         in full); model.safetensors then holds the frozen base, written once
+                         in full); the frozen base is not copied: config.json's "base_weights"
+                         refers to the base's directory (path and checksums, see
+                         `gptkiln.loading.base`), and model.safetensors holds only what the
+                         base lacks (a classifier's new head), written once
     <tokenizer files>    written by the tokenizer's own ``save(dir)``
     trainer_state.pt     optimizer / scheduler / RNG / step (the trainer's; no model weights),
                          read with ``torch.load(weights_only=True)``
@@ -180,6 +183,7 @@ def write_checkpoint(
     tokenizer: Any = None,
     extra: dict | None = None,
     adapter_sd: Mapping[str, torch.Tensor] | None = None,
+    base_ref: dict[str, Any] | None = None,
 ) -> Path:
     """A training checkpoint: what `save_model` writes, plus ``trainer_state.pt``.
 
@@ -192,6 +196,9 @@ def write_checkpoint(
         extra: more entries for config.json (a fine-tuned run's ``"finetune"``).
         adapter_sd: a LoRA run's trained parameters, written to ``adapter.safetensors``,
             which is then the checkpoint's weights file.
+        base_ref: with ``adapter_sd``, the reference to the base whose weights the run uses
+            (`gptkiln.loading.base.base_reference`, config.json's ``"base_weights"``): then
+            ``model_sd`` holds only the tensors the base lacks (none: no model.safetensors).
 
     A save is several files, and no rename covers them all, so a crash midway must leave a
     resumable pair. The step (``state["step"]``) is recorded in both the trainer state and the
@@ -216,7 +223,11 @@ def write_checkpoint(
         step = state.get("step")
         _write_run(run_dir, model_config, model_sd, train_config, tokenizer, step, extra)
     else:
-        if model_sd is not None:  # the frozen base: once
+        if model_sd is not None and base_ref is not None:  # the base by reference: once
+            _write_referencing_run(
+                run_dir, model_config, model_sd, train_config, tokenizer, extra, base_ref
+            )
+        elif model_sd is not None:  # the frozen base: once
             _write_run(run_dir, model_config, model_sd, train_config, tokenizer, extra=extra)
         metadata = {"format": "pt", "step": str(state.get("step"))}
         write_safetensors(weights, adapter_sd, metadata)
@@ -260,6 +271,39 @@ def _write_run(
         recorded["quantization"] = quantization
     write_json(run_dir / CONFIG_FILE, recorded)
     return run_dir
+
+
+def _write_referencing_run(
+    run_dir: Path,
+    config: GPTConfig,
+    own_sd: Mapping[str, torch.Tensor],
+    train_config: dict | None,
+    tokenizer: Any,
+    extra: dict | None,
+    base_ref: dict[str, Any],
+) -> None:
+    """A run whose weights are its base's (``base_ref``) plus ``own_sd``: model.safetensors
+    holds ``own_sd`` alone (and is absent when it is empty); config.json records the base."""
+    from gptkiln.loading.base import BASE_ENTRY
+    from gptkiln.version import __version__
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if own_sd:
+        metadata = {"format": "pt", "gptkiln_version": __version__}
+        write_safetensors(run_dir / WEIGHTS_FILE, own_sd, metadata)
+    else:
+        (run_dir / WEIGHTS_FILE).unlink(missing_ok=True)  # a replaced run's full weights
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, run_dir)
+    recorded = {
+        "format": FLOAT_FORMAT,
+        "model": config.to_dict(),
+        "train": train_config,
+        "tokenizer": getattr(tokenizer, "kind", None),
+        **(extra or {}),
+        BASE_ENTRY: base_ref,
+    }
+    write_json(run_dir / CONFIG_FILE, recorded)
 
 
 def save_tokenizer(tokenizer: Any, run_dir: Path) -> None:

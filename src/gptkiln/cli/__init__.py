@@ -11,7 +11,7 @@ One module per command, or per close group, each holding its parser and what run
     evaluate.py  evaluate (lm-eval tasks)   inspect.py   inspect
     info.py      info
     serve.py     serve                      convert.py   convert, download
-    finetune.py  finetune, classify, chat
+    finetune.py  finetune, classify, chat   judge.py     judge
 
 A command's ``add_parser(sub)`` adds its subparser and sets ``func`` to the function that runs
 it, so `main` calls ``args.func(args)``; `run` is the program (``gptkiln``, ``python -m
@@ -37,6 +37,7 @@ from gptkiln.cli import (
     generate,
     info,
     inspect,
+    judge,
     perplexity,
     prepare,
     serve,
@@ -96,6 +97,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     finetune.add_finetune_parser,
     finetune.add_classify_parser,
     finetune.add_chat_parser,
+    judge.add_parser,
     convert.add_download_parser,
 )
 

@@ -10,7 +10,6 @@ import sys
 
 from gptkiln.cli.common import (
     add_device_flag,
-    add_out_flag,
     add_overwrite_flag,
     add_run_argument,
     add_sampling_flags,
@@ -24,14 +23,18 @@ from gptkiln.config import FinetuneConfig, TrainConfig
 def add_finetune_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "finetune",
-        help="fine-tune a model to follow instructions or to classify texts (full or LoRA)",
+        help="fine-tune a model to follow instructions, classify, chat or prefer (full or LoRA)",
         description="Fine-tune a run or a Hugging Face model (GPT-2, Llama 3 or Qwen3) with the "
-        "loop of `gptkiln train`: instruction following (the book's chapter 7) or "
-        "classification (chapter 6), all layers, the last N, or LoRA adapters (appendix E).",
+        "loop of `gptkiln train`: instruction following (the book's chapter 7), classification (chapter 6), "
+        "chat on conversations in the model's own template, or preference tuning (DPO, the "
+        "chapter's bonus); all layers, the last N, or LoRA adapters (appendix E), which a LoRA "
+        "run stores with a reference to its base.",
         epilog=example(
             "gptkiln finetune runs/gpt2 --data instructions.json --out runs/instruct",
             "gptkiln finetune runs/gpt2 --task classify --data sms.csv --lora-rank 16 "
             "--out runs/spam",
+            "gptkiln finetune Qwen3-0.6B --task chat --data chats.jsonl --show-examples 2",
+            "gptkiln finetune runs/instruct --task dpo --data pairs.json --beta 0.1 --out runs/dpo",
         ),
     )
     add_finetune_flags(p)
@@ -71,6 +74,18 @@ def add_finetune_flags(p: argparse.ArgumentParser) -> None:
     loop's (`FINETUNE_LOOP_FLAGS`)."""
     _add_data_flags(p)
     _add_trainable_flags(p)
+    p.add_argument(
+        "--show-examples",
+        type=int,
+        metavar="N",
+        help="chat: print the first N training examples with the trained text between « and », "
+        "then exit without training (default: none, train)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='with --show-examples: one JSON object a line, {"ids": [...], "trained": [...]}',
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     add_overwrite_flag(p, help="replace a run already in --out")
     _add_loop_flags(p)
@@ -88,22 +103,30 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
         required=True,
         metavar="FILE",
         help="instruct: a .json list or .jsonl of {instruction, input, output}; "
-        "classify: a .csv, .tsv (with a header row) or .jsonl of texts and labels",
+        "classify: a .csv, .tsv (with a header row) or .jsonl of texts and labels; chat: "
+        ".json, .jsonl, .parquet or hf:NAME[:CONFIG][@SPLIT] of {messages} or ShareGPT "
+        "{conversations}; dpo: the same of {prompt, chosen, rejected}",
     )
-    add_out_flag(p, help="the run directory to write")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="the run directory to write (default: none; required unless --show-examples)",
+    )
     p.add_argument(
         "--task",
-        choices=["instruct", "classify"],
+        choices=["instruct", "classify", "chat", "dpo"],
         default="instruct",
         help="instruct: follow instructions (the book's ch. 7); classify: a label "
-        "per text (ch. 6) (default: instruct)",
+        "per text (ch. 6); chat: conversations, loss on the assistant's turns; dpo: "
+        "preference pairs (default: instruct)",
     )
     p.add_argument(
         "--template",
         default="alpaca",
         metavar="NAME|FILE",
         help="instruct: the prompt template, 'alpaca' (the book's) or a JSON file "
-        "with system, instruction, input, response (default: alpaca)",
+        "with system, instruction, input, response (default: alpaca); chat, dpo: a .jinja "
+        "chat template (default: the model's own, else ChatML)",
     )
     p.add_argument(
         "--mask-prompt",
@@ -127,7 +150,21 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="classify: tokens each text is cut or padded to, 1 to the context "
-        "(default: the longest training text's, at most the context)",
+        "(default: the longest training text's, at most the context); chat, dpo: the longest "
+        "example (longer ones are cut after a turn, or dropped) (default: the context)",
+    )
+    p.add_argument(
+        "--beta",
+        type=float,
+        default=0.1,
+        metavar="B",
+        help="dpo: how strongly the model is held to the reference, > 0 (default: 0.1)",
+    )
+    p.add_argument(
+        "--dpo-loss",
+        choices=["sigmoid", "ipo"],
+        default="sigmoid",
+        help="dpo: sigmoid (the DPO paper's) or ipo (default: sigmoid)",
     )
     p.add_argument(
         "--val-fraction",
@@ -214,17 +251,23 @@ def finetune_configs_from_args(
     args: argparse.Namespace,
 ) -> tuple[FinetuneConfig, TrainConfig]:
     """(`FinetuneConfig`, the loop's `TrainConfig`) of a ``gptkiln finetune`` command line."""
+    from gptkiln.errors import GptkilnError
     from gptkiln.finetune import train_config
 
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
     ft = FinetuneConfig.from_dict({k: v for k, v in vars(args).items() if k in names})
     loop = {k: v for k, v in vars(args).items() if k in FINETUNE_LOOP_FLAGS}
+    if not args.out:
+        raise GptkilnError("gptkiln finetune: --out DIR is required (the run directory to write)")
     return ft, train_config(ft, out=args.out, **loop)
 
 
 def run_finetune(args: argparse.Namespace) -> None:
     from gptkiln.finetune import finetune
 
+    if args.show_examples is not None:
+        _show_examples(args)
+        return
     ft, cfg = finetune_configs_from_args(args)
     keep_freed_memory_on_cpu(cfg.device)
     result = finetune(ft, cfg, resume=args.resume, overwrite=args.overwrite)
@@ -237,6 +280,18 @@ def run_finetune(args: argparse.Namespace) -> None:
         if k.endswith(("loss", "accuracy")) and v is not None
     )
     print(f"done: {result.steps} steps; {scores}; run saved in {result.run_dir}")
+
+
+def _show_examples(args: argparse.Namespace) -> None:
+    from gptkiln.errors import GptkilnError
+    from gptkiln.finetune.chat import show_examples
+
+    if args.show_examples < 1:
+        raise GptkilnError(f"--show-examples {args.show_examples}: give N >= 1 examples to show")
+    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    ft = FinetuneConfig.from_dict({k: v for k, v in vars(args).items() if k in names})
+    for text in show_examples(ft, args.show_examples, as_json=args.json):
+        print(text)
 
 
 def add_classify_parser(sub: argparse._SubParsersAction) -> None:

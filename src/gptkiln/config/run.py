@@ -383,9 +383,16 @@ class TrainConfig:
         return _from_dict(cls, values, "training config")
 
 
-FINETUNE_TASKS = ("instruct", "classify")
-# Per task: (val_fraction, test_fraction, train_layers): the book's chapters 7 and 6.
-FINETUNE_DEFAULTS = {"instruct": (0.05, 0.1, "all"), "classify": (0.1, 0.2, "last-1")}
+FINETUNE_TASKS = ("instruct", "classify", "chat", "dpo")
+# Per task: (val_fraction, test_fraction, train_layers): the book's chapters 7 and 6 (chat and
+# DPO split as instruct does).
+FINETUNE_DEFAULTS = {
+    "instruct": (0.05, 0.1, "all"),
+    "classify": (0.1, 0.2, "last-1"),
+    "chat": (0.05, 0.1, "all"),
+    "dpo": (0.05, 0.1, "all"),
+}
+DPO_LOSSES = ("sigmoid", "ipo")
 
 
 @dataclass
@@ -395,7 +402,9 @@ class FinetuneConfig:
 
     Tasks: ``"instruct"`` (the book's chapter 7: instruction entries in a prompt template,
     next-token loss on the whole example or, with ``mask_prompt``, on the response alone) and
-    ``"classify"`` (chapter 6: texts with labels, a new head on the last position).
+    ``"classify"`` (chapter 6: texts with labels, a new head on the last position); ``"chat"``
+    (conversations in the model's chat template, loss on the assistant's turns) and ``"dpo"``
+    (preference pairs, Direct Preference Optimization with ``beta`` and ``dpo_loss``).
 
     ``train_layers``: ``"all"``; ``"last-N"``, the last N blocks, the final norm and the head
     (the rest frozen); or ``"lora"``, LoRA adapters of ``lora_rank`` on the linear layers (base
@@ -406,13 +415,14 @@ class FinetuneConfig:
     """
 
     base: str  # a run directory, or a Hugging Face GPT-2 / Llama 3 / Qwen3 directory
-    data: str  # instruct: .json / .jsonl; classify: .csv / .tsv / .jsonl
-    task: Literal["instruct", "classify"] = "instruct"
-    template: str = "alpaca"  # a bundled name or a JSON file (instruct)
+    data: str  # .json / .jsonl; classify: .csv / .tsv too; chat, dpo: .parquet and hf: too
+    task: Literal["instruct", "classify", "chat", "dpo"] = "instruct"
+    template: str = "alpaca"  # instruct: a bundled name or a JSON file; chat, dpo: a .jinja file
     mask_prompt: bool = False  # instruct: no loss on the prompt's tokens
     text_column: str = "text"  # classify
     label_column: str = "label"  # classify
-    max_length: int | None = None  # classify: tokens a text is cut / padded to; None = longest
+    max_length: int | None = None  # classify: tokens a text is cut / padded to; chat, dpo: the
+    # longest example in tokens (longer ones are cut at a turn boundary or dropped); None: context
     val_fraction: float | None = None
     test_fraction: float | None = None
     train_layers: str = "default"
@@ -420,6 +430,8 @@ class FinetuneConfig:
     lora_alpha: float | None = None  # None = 2 x lora_rank
     lora_qkv: Literal["split", "fused"] = "split"
     lora_head: bool = False
+    beta: float = 0.1  # dpo: the strength of the pull towards the reference model
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
 
     def __post_init__(self) -> None:
         _check_types(self, "fine-tuning config")
@@ -467,6 +479,12 @@ class FinetuneConfig:
             _positive_int("max_length", self.max_length)
         if self.lora_head and self.train_layers != "lora":
             raise GptkilnError("--lora-head puts an adapter on the head: it needs --lora-rank")
+        if not 0 < self.beta < math.inf:
+            raise GptkilnError(f"beta must be a number > 0, got {self.beta!r}")
+        if self.dpo_loss not in DPO_LOSSES:
+            raise GptkilnError(
+                f"dpo_loss must be one of {', '.join(DPO_LOSSES)}, got {self.dpo_loss!r}"
+            )
 
     @property
     def lora(self) -> bool:

@@ -1,4 +1,5 @@
-"""Fine-tuning a trained model: instruction following and classification, in full or with LoRA.
+"""Fine-tuning a trained model: instruction following, classification, chat and preference
+tuning (DPO), in full or with LoRA; and judging the result (`judge`).
 
 ``finetune(FinetuneConfig(base=..., data=...), train_config)`` trains with the loop of
 pretraining, `gptkiln.train.Trainer`, over a task from this package:
@@ -7,6 +8,10 @@ pretraining, `gptkiln.train.Trainer`, over a task from this package:
   `templates`, batches `instruct.collate_instructions`);
 - `classify.Classification`: the book's chapter 6 (data `data.read_labelled`, a ``score`` head,
   `classify.classify` to ask the result);
+- `chat.ChatTuning`: conversations in the model's own chat template, loss on the assistant's
+  turns (data `data.read_conversations`);
+- `dpo.PreferenceTuning`: Direct Preference Optimization on preference pairs (the book's
+  chapter 7 bonus; data `data.read_preferences`), the reference being the starting model;
 - either with LoRA adapters (`lora`, on the `peft` library; the book's appendix E).
 
 A fine-tuned run is a run directory like any other, with a ``"finetune"`` entry in its
@@ -61,13 +66,27 @@ def finetune(
     Returns:
         The loop's `gptkiln.train.TrainResult` (its ``history`` holds each evaluation's row).
     """
-    from gptkiln.finetune.classify import Classification
-    from gptkiln.finetune.instruct import InstructionTuning
     from gptkiln.train import Trainer
 
-    task = InstructionTuning if ft.task == "instruct" else Classification
+    task = task_class(ft.task)
     trainer = Trainer(train, resume=resume, overwrite=overwrite, task=lambda ctx: task(ctx, ft))
     # As `gptkiln.train.train`: not closed on a failure (another rank may be in a collective).
     result = trainer.fit()
     trainer.close()
     return result
+
+
+def task_class(name: str):
+    """The `Task` class of a fine-tuning task's name."""
+    from gptkiln.finetune.chat import ChatTuning
+    from gptkiln.finetune.classify import Classification
+    from gptkiln.finetune.dpo import PreferenceTuning
+    from gptkiln.finetune.instruct import InstructionTuning
+
+    tasks = {
+        "instruct": InstructionTuning,
+        "classify": Classification,
+        "chat": ChatTuning,
+        "dpo": PreferenceTuning,
+    }
+    return tasks[name]

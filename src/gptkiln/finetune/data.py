@@ -225,3 +225,170 @@ def check_splits(path: str | Path, n: int, sizes: tuple[int, int, int], val_frac
             f"--data {path}: --val-fraction and --test-fraction leave no training entry of {n}; "
             "lower them, or give more data"
         )
+
+
+# -- conversations and preference pairs -----------------------------------------------------------
+RECORD_SUFFIXES = (".json", ".jsonl", ".parquet")
+MESSAGE_ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant"}
+SHAREGPT_ROLES["assistant"] = "assistant"
+_CHAT_HELP = (
+    'each record is {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, '
+    '...]} or ShareGPT\'s {"conversations": [{"from": "human" | "gpt" | "system", "value": '
+    '"..."}, ...]}'
+)
+_PAIR_HELP = (
+    'each record is {"prompt": "...", "chosen": "...", "rejected": "..."} (or messages lists '
+    "for each; or chosen and rejected whole conversations that share their start)"
+)
+
+
+def data_digest(source: str | Path) -> str:
+    """A digest of a data file, or of an ``hf:`` dataset's files (or Hub revision)."""
+    from gptkiln.data import hub
+
+    if hub.is_hf_spec(str(source)):
+        sums = hub.dataset_checksums(hub.parse_hf_spec(str(source)))
+        return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
+    return file_sha256(source)
+
+
+def read_records(source: str | Path, what: str) -> list[tuple[str, Any]]:
+    """(where, record) for each record of a .json / .jsonl / .parquet file or an ``hf:``
+    dataset (``hf:NAME[:CONFIG][@SPLIT]``, loaded with ``datasets``: a local folder, or the Hub's
+    cache)."""
+    from gptkiln.data import hub
+
+    if hub.is_hf_spec(str(source)):
+        spec = hub.parse_hf_spec(str(source))
+        datasets = hub._datasets(spec)
+        name = str(spec.path) if spec.path is not None else spec.name
+        try:
+            rows = datasets.load_dataset(name, spec.config, split=spec.split or hub.DEFAULT_SPLIT)
+        except Exception as e:  # datasets raises many kinds
+            raise hub._load_error(spec, e) from None
+        return [(f"{spec} row {i}", row) for i, row in enumerate(rows, start=1)]
+    path = _readable(source, RECORD_SUFFIXES, what)
+    if path.suffix.lower() != ".parquet":
+        return _json_records(path, what)
+    from gptkiln.data.parquet import _open
+
+    rows = _open(path).read().to_pylist()
+    return [(f"{path} row {i}", row) for i, row in enumerate(rows, start=1)]
+
+
+def conversation_of(where: str, record: Any) -> tuple[list[dict[str, str]], str]:
+    """A record's messages (``[{"role", "content"}, ...]``) and its format, ``"messages"`` or
+    ``"sharegpt"``; one line naming the record for anything else."""
+    if not isinstance(record, dict):
+        raise GptkilnError(f"{where}: a {type(record).__name__}, not an object; {_CHAT_HELP}")
+    if "messages" in record:
+        return checked_messages(where, record["messages"], "messages"), "messages"
+    if "conversations" in record:
+        turns = record["conversations"]
+        if not isinstance(turns, list):
+            raise GptkilnError(f'{where}: "conversations" is not a list; {_CHAT_HELP}')
+        messages = []
+        for i, turn in enumerate(turns):
+            if not isinstance(turn, dict) or turn.get("from") not in SHAREGPT_ROLES:
+                got = turn.get("from") if isinstance(turn, dict) else turn
+                raise GptkilnError(
+                    f"{where}: conversations[{i}] is from {got!r}; ShareGPT turns are from "
+                    f"{', '.join(SHAREGPT_ROLES)}"
+                )
+            messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")})
+        return checked_messages(where, messages, "conversations"), "sharegpt"
+    keys = ", ".join(record) or "none"
+    raise GptkilnError(f"{where}: no messages or conversations (keys: {keys}); {_CHAT_HELP}")
+
+
+def checked_messages(where: str, messages: Any, field: str) -> list[dict[str, str]]:
+    """``messages`` as ``[{"role", "content"}]`` (other keys dropped), each checked."""
+    if not isinstance(messages, list) or not messages:
+        raise GptkilnError(f'{where}: "{field}" is not a list of messages; {_CHAT_HELP}')
+    checked = []
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if role not in MESSAGE_ROLES:
+            raise GptkilnError(
+                f"{where}: {field}[{i}] has role {role!r}; roles are "
+                f"{', '.join(MESSAGE_ROLES)} (fix or remove the record)"
+            )
+        if not isinstance(content, str):
+            raise GptkilnError(
+                f"{where}: {field}[{i}] content is a {type(content).__name__}, not text; "
+                "give each message its text"
+            )
+        checked.append({"role": role, "content": content})
+    return checked
+
+
+def read_conversations(source: str | Path) -> tuple[list[list[dict[str, str]]], str]:
+    """The conversations of a chat data source, each with an assistant turn at least, and the
+    format found (``"messages"``, ``"sharegpt"``, or both, ``"messages+sharegpt"``)."""
+    conversations, formats = [], []
+    for where, record in read_records(source, "conversations"):
+        messages, fmt = conversation_of(where, record)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise GptkilnError(
+                f"{where}: no assistant message, nothing to learn; give each conversation an "
+                "answer, or remove it"
+            )
+        conversations.append(messages)
+        formats.append(fmt)
+    if not conversations:
+        raise GptkilnError(f"--data {source} holds no conversations; {_CHAT_HELP}")
+    return conversations, "+".join(dict.fromkeys(formats))
+
+
+@dataclass
+class Preference:
+    """A preference pair: the conversation so far and two answers to it, the better first."""
+
+    prompt: list[dict[str, str]]
+    chosen: str
+    rejected: str
+
+
+def read_preferences(source: str | Path) -> list[Preference]:
+    """The pairs of a preference source: ``{prompt, chosen, rejected}`` records, each text or
+    messages (TRL's conversational form: a messages prompt, one assistant message each); or
+    ``{chosen, rejected}`` whole conversations that differ in their last assistant message."""
+    pairs = []
+    for where, record in read_records(source, "preference pairs"):
+        if not isinstance(record, dict) or "chosen" not in record or "rejected" not in record:
+            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+            raise GptkilnError(f"{where}: no chosen and rejected (has: {keys}); {_PAIR_HELP}")
+        prompt = record.get("prompt")
+        if prompt is None:
+            chosen = checked_messages(where, record["chosen"], "chosen")
+            rejected = checked_messages(where, record["rejected"], "rejected")
+            if chosen[:-1] != rejected[:-1] or "assistant" != chosen[-1]["role"]:
+                raise GptkilnError(
+                    f"{where}: chosen and rejected conversations must share all but their last "
+                    f"message, an assistant's; {_PAIR_HELP}"
+                )
+            if rejected[-1]["role"] != "assistant" or len(chosen) < 2:
+                raise GptkilnError(f"{where}: the last message must be the assistant's")
+            pairs.append(Preference(chosen[:-1], chosen[-1]["content"], rejected[-1]["content"]))
+            continue
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        messages = checked_messages(where, prompt, "prompt")
+        answers = [_answer(where, record[k], k) for k in ("chosen", "rejected")]
+        pairs.append(Preference(messages, *answers))
+    if not pairs:
+        raise GptkilnError(f"--data {source} holds no preference pairs; {_PAIR_HELP}")
+    return pairs
+
+
+def _answer(where: str, value: Any, field: str) -> str:
+    if isinstance(value, list):
+        messages = checked_messages(where, value, field)
+        if len(messages) != 1 or messages[0]["role"] != "assistant":
+            raise GptkilnError(f'{where}: "{field}" must be one assistant message; {_PAIR_HELP}')
+        value = messages[0]["content"]
+    if not isinstance(value, str) or not value.strip():
+        raise GptkilnError(f'{where}: "{field}" is empty or not text; {_PAIR_HELP}')
+    return value

@@ -2,15 +2,18 @@
 
 ``config.json["finetune"]`` holds::
 
-    task          "instruct" | "classify"
+    task          "instruct" | "classify" | "chat" | "dpo"
     config        the `FinetuneConfig` it was trained with (base, data, train_layers, ...)
     data_sha256   a digest of the data file (a resume reads the same data)
     split         entries in train / val / test
-    template      instruct: the `PromptTemplate` (what generate, chat and serve format with)
+    template      instruct: the `PromptTemplate` (what generate, chat and serve format with);
+                  chat, dpo: null when the run keeps a chat template (chat_template.jinja, read
+                  by `run_template` through `gptkiln.chat_template.load_chat_template`)
     classes       classify: the class names by id
     max_length    classify: the tokens every text is cut or padded to
     pad_id        the id batches are padded with
-    lora          a LoRA run: its `LoraSpec` (adapter.safetensors holds the adapters)
+    lora          a LoRA run: its `LoraSpec` (adapter.safetensors holds the adapters; the
+                  base is config.json's "base_weights", `gptkiln.loading.base`)
 """
 
 from __future__ import annotations

@@ -124,16 +124,18 @@ class FineTuning:
             else None
         )
         self.base_sd: dict[str, torch.Tensor] | None = None  # a LoRA run's frozen base
+        self.tuner = None  # peft's LoraModel around the model, for a LoRA run
+        self.base_ref: dict | None = None  # a LoRA run's reference to its base's weights
         self.split: dict[str, int] = {}
 
     # -- the model ---------------------------------------------------------------------------
     def build_model(self, num_classes: int | None = None) -> None:
         """Load the base, give it a classifier head when asked, choose what trains."""
-        from gptkiln.finetune.data import file_sha256
+        from gptkiln.finetune.data import data_digest
         from gptkiln.loading import load_model
 
         ctx, ft = self.ctx, self.ft
-        self.data_sha256 = file_sha256(ft.data)  # the data is read and checked by now
+        self.data_sha256 = data_digest(ft.data)  # the data is read and checked by now
         if ctx.resume and self.lora is not None:  # the frozen base stored with the run
             model = load_model(ctx.run_dir, adapters=False)
         else:
@@ -149,9 +151,9 @@ class FineTuning:
         if self.lora is None:
             train_only(model, ft.train_layers)
         else:
-            self.base_sd = dict(model.state_dict())
+            self.base_sd, self.base_ref = self._base_weights(model)
             torch.manual_seed(self.cfg.seed)  # the adapters' A matrices
-            add_lora(model, self.lora)
+            self.tuner = add_lora(model, self.lora)  # DPO's reference: the adapters off
             if num_classes is not None and not self.lora.head:
                 model.score.requires_grad_(True)  # a new head trains in full
         self.model = model.to(ctx.device)
@@ -159,6 +161,31 @@ class FineTuning:
         self.trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
         if ctx.resume:
             self._check_same_run()
+
+    def _base_weights(self, model: GPT) -> tuple[dict[str, torch.Tensor], dict | None]:
+        """(what a LoRA run writes of its frozen model, the reference to its base): the tensors
+        the base directory lacks (a classifier's new head) and the base by reference; or, for a
+        base that is not plain weights (a LoRA run itself, a quantized run) or a resumed run
+        (which has them already), its whole state dict and None."""
+        from gptkiln.loading import describe_weights, read_config
+        from gptkiln.loading.base import BASE_ENTRY, base_directory, base_reference
+
+        sd = dict(model.state_dict())
+        if model.config.tie_embeddings:
+            sd.pop("lm_head.weight", None)  # stored once, as wte.weight
+        if self.ctx.resume:
+            ref = read_config(self.run_dir).get(BASE_ENTRY)
+            if ref is None:  # a run that keeps a copy of its base
+                return sd, None
+            base = base_directory(self.run_dir, ref)
+        else:
+            base_cfg = read_config(self.ft.base)
+            if (base_cfg.get("finetune") or {}).get("lora") or base_cfg.get("quantization"):
+                return sd, None
+            base, ref = Path(self.ft.base), None
+        _, stored, files = describe_weights(base)
+        ref = ref or base_reference(base, files, self.run_dir)
+        return {k: v for k, v in sd.items() if k not in stored}, ref
 
     def say_what_trains(self) -> None:
         """One line on stderr (rank 0), once the task is built: what fine-tunes on what."""
@@ -244,6 +271,7 @@ class FineTuning:
             tokenizer=self.tokenizer,
             extra=extra,
             adapter_sd=adapters,
+            base_ref=self.base_ref,
         )
         self.base_sd = None
 

@@ -213,3 +213,86 @@ def _checked_message(index: int, message: Any) -> tuple[str, str]:
             f"role is one of {', '.join(ROLES)} and content is text"
         )
     return role, content
+
+
+# -- conversations for training ----------------------------------------------------------------
+CHATML_SOURCE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + END_OF_TURN + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``) for a model without a chat template, each
+turn ended by ``END_OF_TURN``: the tokenizer's own end-of-text token (`chatml_template`), so that
+generation stops where a turn ends."""
+
+
+def chatml_template(end_of_turn: str) -> ChatTemplate:
+    """The ChatML template gptkiln gives a model without one; a turn ends with ``end_of_turn``
+    (the tokenizer's end-of-text token, e.g. GPT-2's ``<|endoftext|>``)."""
+    source = CHATML_SOURCE.replace("END_OF_TURN", json.dumps(end_of_turn).replace('"', "'"))
+    return ChatTemplate(source, {"eos_token": end_of_turn}, "gptkiln's ChatML template")
+
+
+Piece = tuple[str, bool]  # (text, trained)
+
+
+def conversation_pieces(
+    template: PromptTemplate | ChatTemplate, messages: Sequence[Mapping[str, Any]], end: str
+) -> list[Piece]:
+    """A conversation as its template writes it, in pieces of text that alternate between the
+    template's and the assistant's: each assistant turn's text, from the end of its header to its
+    end-of-turn token ``end`` included, is a trained piece.
+
+    A chat template is rendered whole, once, and each assistant turn is found by rendering the
+    messages before it with ``add_generation_prompt`` (the prompt a server would send): the turn
+    starts where that prompt ends, which must be a prefix of the whole, and ends after the first
+    ``end`` that follows (TRL's assistant-only loss for templates without generation markers
+    finds its spans the same way). A `PromptTemplate` (the book's Alpaca) writes the turns with
+    `format_messages`; its last response is followed by ``end``.
+    """
+    if isinstance(template, ChatTemplate):
+        return _chat_pieces(template, messages, end)
+    messages = [dict(m) for m in messages]
+    pieces: list[Piece] = []
+    done = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = format_messages(template, messages[:i])
+        pieces += [(prompt[done:], False), (message["content"], True)]
+        done = len(prompt) + len(message["content"])
+    if not pieces:
+        return [(format_messages(template, messages), False)]
+    pieces[-1] = (pieces[-1][0] + end, True)
+    return [p for p in pieces if p[0]]
+
+
+def _chat_pieces(
+    template: ChatTemplate, messages: Sequence[Mapping[str, Any]], end: str
+) -> list[Piece]:
+    whole = template.render(messages, add_generation_prompt=False)
+    pieces: list[Piece] = []
+    done = 0
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prompt = template.render(messages[:i], add_generation_prompt=True) if i else ""
+        if not whole.startswith(prompt) or len(prompt) < done:
+            raise GptkilnError(
+                f"{template.where}: the template writes the conversation before assistant turn "
+                f"{i} (message {i + 1}) otherwise than inside the whole conversation, so the "
+                "turn's text cannot be found; give a template (--template FILE.jinja) whose "
+                "prompt for each turn is the start of the conversation"
+            )
+        stop = whole.find(end, len(prompt))
+        if stop < 0:
+            raise GptkilnError(
+                f"{template.where}: assistant turn at message {i + 1} does not end with the "
+                f"end-of-turn token {end!r}; give a template (--template FILE.jinja) that ends "
+                "each turn with the tokenizer's end-of-turn token"
+            )
+        pieces += [(whole[done : len(prompt)], False), (whole[len(prompt) : stop + len(end)], True)]
+        done = stop + len(end)
+    pieces.append((whole[done:], False))
+    return [p for p in pieces if p[0]]

@@ -21,7 +21,7 @@ import torch
 from gptkiln import load_steps
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.loading import hf_gpt2, hf_llama, run
+from gptkiln.loading import base, hf_gpt2, hf_llama, run
 from gptkiln.loading.book import read_book
 from gptkiln.loading.build import StoredModel, build_model, quantized_on_load
 from gptkiln.loading.checks import check_state_dict
@@ -72,6 +72,17 @@ def format_of(cfg: Mapping[str, Any], directory: str | os.PathLike) -> Format:
             "checkpoints); only those Hugging Face models can be loaded or converted"
         )
     return family
+
+
+def read_stored(
+    directory: Path, cfg: dict[str, Any], weights: Path | None = None, *, headers_only=False
+) -> StoredModel:
+    """What the directory's format reads (`format_of`); for a run that keeps its weights by
+    reference (config.json's ``"base_weights"``, a LoRA run), its base's read this way too,
+    completed by the run's own tensors (`gptkiln.loading.base`)."""
+    if weights is None and "model_type" not in cfg and cfg.get(base.BASE_ENTRY) is not None:
+        return base.read_with_base(directory, cfg, headers_only, read_stored)
+    return format_of(cfg, directory).read(directory, cfg, weights, headers_only=headers_only)
 
 
 def load_run(
@@ -132,7 +143,7 @@ def load_model(
     check_quantize(quantize)
     directory, weights = _resolve(run_dir_or_file)
     cfg = read_config(directory)
-    stored = format_of(cfg, directory).read(directory, cfg, weights)
+    stored = read_stored(directory, cfg, weights)
     return _build(stored, directory, device=device, dtype=dtype, steps=adapters, quantize=quantize)
 
 
@@ -219,6 +230,6 @@ def describe_weights(
     files. Only the files' headers are read (a pytorch_model.bin is memory-mapped)."""
     run_dir = Path(run_dir)
     cfg = read_config(run_dir)
-    stored = format_of(cfg, run_dir).read(run_dir, cfg, headers_only=True)
+    stored = read_stored(run_dir, cfg, headers_only=True)
     check_state_dict(stored.state_dict, stored.config, stored.source, stored.quantization)
     return stored.config, stored.state_dict, stored.files

@@ -6,7 +6,8 @@ stores int8 weights with their scales; it is written as format 2, so that a gptk
 quantization refuses it in one line. The entries the features write into config.json
 (``"train"``, ``"finetune"``, ...) are theirs: those that change the model the weights build are
 completed by the features' load steps (`gptkiln.load_steps`), which `gptkiln.loading.load`
-runs on the model built from what this module reads.
+runs on the model built from what this module reads. A run that records ``"base_weights"`` (a
+LoRA run) keeps its weights by reference to another directory (`gptkiln.loading.base`).
 """
 
 from __future__ import annotations

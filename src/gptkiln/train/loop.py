@@ -154,6 +154,7 @@ class Trainer:
             self.model, self.forward, self.optimizer, self.batches, cfg, self.device
         )
         self.optimizer_step.precision = self.precision.precision
+        self.optimizer_step.loss = getattr(self.task, "training_loss", None)
         if self.world.is_main:
             print(self.precision.line(), flush=True)
         if cfg.tensorboard and self.world.is_main:

@@ -38,7 +38,8 @@ class OptimizerStep:
         device: where the batches go.
 
     ``precision``: what the steps run in, ``"fp32"`` or ``"bf16"`` autocast (`Trainer` sets
-    the one it resolved; ``cfg.precision`` until then).
+    the one it resolved; ``cfg.precision`` until then). ``loss``: a task's own
+    ``training_loss(forward, x, y)`` (DPO's), set by `Trainer`; None: the model's own loss.
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class OptimizerStep:
         self.model, self.forward, self.optimizer = model, forward, optimizer
         self.batches, self.cfg, self.device = batches, cfg, device
         self.precision = cfg.precision
+        self.loss: Callable | None = None
 
     def __call__(self, step: int, total: int, time_used: float) -> tuple[float, float]:
         """Step ``step`` of ``total`` (``time_used``: the fraction of a time budget spent, 0.0
@@ -75,7 +77,10 @@ class OptimizerStep:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with dist_utils.gradient_sync(self.model, micro == cfg.grad_accum - 1):
                 with autocast_for(self.device, self.precision):
-                    _, loss = self.forward(x, y)
+                    if self.loss is None:
+                        _, loss = self.forward(x, y)
+                    else:
+                        loss = self.loss(self.forward, x, y)
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
         if cfg.grad_clip > 0:

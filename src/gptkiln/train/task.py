@@ -63,7 +63,9 @@ class Task(Protocol):
     """What a kind of training gives `Trainer`: a model, its batches, how to evaluate and
     sample it, and how its checkpoint is written and read back.
 
-    The loss is the model's own: ``model(x, y)`` returns ``(logits, loss)``.
+    The loss is the model's own: ``model(x, y)`` returns ``(logits, loss)``; a task may define
+    ``training_loss(forward, x, y) -> loss`` instead (preference tuning's, `gptkiln.finetune.dpo`),
+    which the optimizer step then calls with the (wrapped) model's forward.
     """
 
     model: GPT  # built on the device; the parameters that train have requires_grad

@@ -1,0 +1,145 @@
+"""``gptkiln judge``: a run's answers to test entries, scored 0-100 by a larger model behind an
+OpenAI-compatible endpoint (the book's section 7.8); `gptkiln.finetune.judge` does the work."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from gptkiln.cli.common import add_device_flag, add_run_argument, example
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "judge",
+        help="score a fine-tuned run's answers 0-100 with a judge model (OpenAI-compatible API)",
+        description="The book's section 7.8: the run answers each test entry (greedy, batched), "
+        "then a judge model behind an OpenAI-compatible endpoint (Ollama's /v1, vLLM, OpenAI, "
+        "another gptkiln serve) scores each answer from 0 to 100 against the correct output. "
+        "An answer that is not a number is counted as unparsed and kept. Prints the mean of "
+        "the scores; every entry goes to RUN/judgements.json.",
+        epilog=example(
+            "gptkiln judge runs/instruct --judge-url http://localhost:11434/v1 "
+            "--judge-model llama3",
+            "gptkiln judge runs/chat --data test.jsonl --judge-url https://api.openai.com/v1 "
+            "--judge-model gpt-4o-mini --json",
+        ),
+    )
+    add_run_argument(p, help="a fine-tuned run (instruct or chat) whose answers are judged")
+    p.add_argument(
+        "--data",
+        metavar="FILE",
+        help="test entries: instruction entries {instruction, input, output} or conversations "
+        "whose last message is the answer (default: the test split of an instruct run's data)",
+    )
+    p.add_argument("--judge-url", required=True, metavar="URL", help="the endpoint's base URL")
+    p.add_argument("--judge-model", required=True, metavar="NAME", help="the judge model's name")
+    p.add_argument(
+        "--judge-key-env",
+        default="OPENAI_API_KEY",
+        metavar="VAR",
+        help="the environment variable holding the API key, sent when set "
+        "(default: OPENAI_API_KEY)",
+    )
+    p.add_argument(
+        "--prompt-file",
+        metavar="FILE",
+        help="the judge's question with {input}, {output} and {response} (default: the book's)",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=256, metavar="N", help="longest answer (default: 256)"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        metavar="N",
+        help="answers generated at once (default: 8)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        metavar="N",
+        help="judge requests at once (default: 4)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a request may take (default: 60)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=3,
+        metavar="N",
+        help="attempts after a failed request, with exponential backoff (default: 3)",
+    )
+    p.add_argument(
+        "--judge-max-tokens",
+        type=int,
+        metavar="N",
+        help="the longest answer asked of the judge (default: the endpoint's)",
+    )
+    p.add_argument(
+        "--name", metavar="NAME", help="write RUN/judgements-NAME.json (default: judgements.json)"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='end with one JSON line {"mean", "scored", "unparsed", "entries"}',
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a progress bar of the judged entries, at a terminal (default: on)",
+    )
+    add_device_flag(p, devices="cpu | cuda | cuda:N | mps")
+    p.set_defaults(func=run_judge)
+
+
+def run_judge(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from gptkiln.devices import resolve_device
+    from gptkiln.errors import GptkilnError
+    from gptkiln.finetune.judge import BOOK_PROMPT, Judge, judge_run
+
+    prompt = BOOK_PROMPT
+    if args.prompt_file is not None:
+        try:
+            prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise GptkilnError(f"--prompt-file {args.prompt_file}: unreadable ({e})") from None
+    judge = Judge(
+        url=args.judge_url,
+        model=args.judge_model,
+        prompt=prompt,
+        key=os.environ.get(args.judge_key_env) or None,
+        timeout=args.timeout,
+        retries=args.retries,
+        concurrency=args.concurrency,
+        max_tokens=args.judge_max_tokens,
+    )
+    verdict = judge_run(
+        args.run_dir,
+        judge,
+        data=args.data,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        device=resolve_device(args.device),
+        progress=args.progress and sys.stderr.isatty(),
+        name=args.name,
+    )
+    mean = "-" if verdict.mean is None else f"{verdict.mean:.2f}"
+    print(
+        f"judged {len(verdict.entries)} entries: mean score {mean} over {verdict.scored} "
+        f"scored ({verdict.unparsed} unparsed answers kept)"
+    )
+    if args.json:
+        print(json.dumps(verdict.summary()))

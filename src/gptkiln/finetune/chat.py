@@ -1,0 +1,324 @@
+"""Chat fine-tuning: conversations (``messages``, or ShareGPT's ``conversations``) rendered by the
+model's own chat template, next-token loss on the assistant's turns only.
+
+Each conversation is written by the template (`templates.conversation_pieces`) into pieces that
+are the template's (headers, the system and user turns) or the assistant's (each answer with its
+end-of-turn token), encoded piece by piece (an answer's first token is the one the model writes
+after the prompt a server sends it), and learnt where the assistant speaks. A model without a
+chat template gets gptkiln's ChatML one, which the run keeps (``chat_template.jinja``), so that
+``chat``, ``serve`` and the export speak to it as it was trained.
+
+A conversation longer than ``max_length`` tokens (default: the context) is cut after its last
+assistant turn that fits, or dropped when its first answer does not fit; both are counted in
+the lines the run starts with.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gptkiln.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate
+from gptkiln.config import FinetuneConfig, SampleConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.finetune.instruct import IGNORE_INDEX
+from gptkiln.finetune.task import ExampleBatches, FineTuning, fixed_batches, loss_summary
+from gptkiln.finetune.templates import (
+    Piece,
+    PromptTemplate,
+    chatml_template,
+    conversation_pieces,
+    format_messages,
+)
+from gptkiln.train.evaluation import evaluate
+from gptkiln.train.task import RunContext
+
+MARK_START, MARK_END = "«", "»"  # around the trained text in --show-examples
+
+
+@dataclass
+class Example:
+    """A conversation's token ids and, for each, whether it is learnt (a target of the loss)."""
+
+    ids: list[int]
+    trained: list[bool]
+
+    def to_json(self) -> str:
+        return json.dumps({"ids": self.ids, "trained": self.trained})
+
+
+def conversation_template(ft: FinetuneConfig, base: Path, base_cfg: dict, tokenizer):
+    """The template a chat (or DPO) run renders with: ``--template FILE.jinja``; else the base's
+    (the prompt template of an instruction-tuned run, or the model's chat template); else
+    gptkiln's ChatML, each turn ended by the tokenizer's end-of-text token."""
+    from gptkiln.finetune.runs import run_template
+
+    if ft.template.endswith(".jinja"):
+        path = Path(ft.template)
+        if not path.is_file():
+            raise GptkilnError(f"--template {path}: no such file; give a jinja2 chat template")
+        template = ChatTemplate(
+            path.read_text(encoding="utf-8"), dict(tokenizer_special_tokens(tokenizer)), str(path)
+        )
+    elif ft.template != "alpaca":
+        raise GptkilnError(
+            f"--template {ft.template}: --task {ft.task} renders with the model's chat template; "
+            "give a .jinja file to use another"
+        )
+    else:
+        template = run_template(base_cfg, base)
+    if template is None:
+        if tokenizer.eot_id is None:
+            raise GptkilnError(
+                f"{base} has no chat template and its {tokenizer.kind} tokenizer no end-of-text "
+                "token to end turns with; give one with --template FILE.jinja"
+            )
+        template = chatml_template(tokenizer.decode([tokenizer.eot_id]))
+    return template
+
+
+def tokenizer_special_tokens(tokenizer) -> dict[str, str]:
+    """The named special tokens (``eos_token`` ...) a template sees, from a Hugging Face
+    tokenizer; for another kind, its end-of-text token as ``eos_token``."""
+    named = dict(getattr(tokenizer, "special_tokens", {}) or {})
+    if "eos_token" not in named and tokenizer.eot_id is not None:
+        named["eos_token"] = tokenizer.decode([tokenizer.eot_id])
+    return named
+
+
+class ConversationEncoder:
+    """Conversations into `Example`s: rendered by ``template``, each piece encoded on its own."""
+
+    def __init__(self, template: PromptTemplate | ChatTemplate, tokenizer):
+        self.template, self.tokenizer = template, tokenizer
+        self.chat = isinstance(template, ChatTemplate)
+        if self.chat:
+            self.end = template.special_tokens.get("eos_token") or ""
+            if not self.end:
+                raise GptkilnError(
+                    f"{template.where}: the tokenizer names no eos_token, which ends the "
+                    "assistant's turns; add it to tokenizer_config.json"
+                )
+        elif tokenizer.eot_id is None:
+            raise GptkilnError(
+                f"the {tokenizer.kind} tokenizer has no end-of-text token to end answers with"
+            )
+
+    def pieces(self, messages: Sequence[dict]) -> list[Piece]:
+        return conversation_pieces(self.template, messages, self.end if self.chat else "")
+
+    def encode(self, messages: Sequence[dict]) -> Example:
+        ids: list[int] = []
+        trained: list[bool] = []
+        pieces = self.pieces(messages)
+        for number, (text, learnt) in enumerate(pieces):
+            piece_ids = self._encode(text)
+            if not self.chat and learnt and number == len(pieces) - 1:
+                piece_ids.append(self.tokenizer.eot_id)  # the answer ends: the model stops
+            ids += piece_ids
+            trained += [learnt] * len(piece_ids)
+        return Example(ids, trained)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.chat:
+            return self.tokenizer.encode_templated(text)
+        return self.tokenizer.encode_ordinary_batch([text])[0]
+
+    def prompt(self, messages: Sequence[dict]) -> str:
+        """The text a model answers ``messages`` (ending with a user turn) after."""
+        if self.chat:
+            return self.template.render(messages, add_generation_prompt=True)
+        return format_messages(self.template, messages)
+
+
+def fit_length(example: Example, max_tokens: int) -> Example | None:
+    """``example`` if it holds at most ``max_tokens`` ids; else cut after its last trained run
+    that ends within them (a turn boundary), or None when none does."""
+    if len(example.ids) <= max_tokens:
+        return example
+    cut = 0
+    for i in range(1, max_tokens + 1):
+        if example.trained[i - 1] and (i == len(example.ids) or not example.trained[i]):
+            cut = i
+    if cut == 0:
+        return None
+    return Example(example.ids[:cut], example.trained[:cut])
+
+
+def collate_examples(batch: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (B, T): T is the longest example's length - 1; a target is the
+    next id where that id is learnt, else -100 (padding too)."""
+    longest = max(len(e.ids) for e in batch) - 1
+    inputs = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+    targets = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)
+    for row, e in enumerate(batch):
+        ids = torch.as_tensor(e.ids, dtype=torch.long)
+        n = len(e.ids) - 1
+        inputs[row, :n] = ids[:-1]
+        learnt = torch.as_tensor(e.trained[1:], dtype=torch.bool)
+        targets[row, :n] = torch.where(learnt, ids[1:], IGNORE_INDEX)
+    return inputs, targets
+
+
+def read_chat_examples(ft: FinetuneConfig, base: Path, base_cfg: dict, tokenizer):
+    """(encoder, conversations, their examples, the data's format) of ``ft.data``."""
+    from gptkiln.finetune.data import read_conversations
+
+    conversations, fmt = read_conversations(ft.data)
+    encoder = ConversationEncoder(conversation_template(ft, base, base_cfg, tokenizer), tokenizer)
+    return encoder, conversations, [encoder.encode(m) for m in conversations], fmt
+
+
+def show_examples(ft: FinetuneConfig, n: int, as_json: bool = False) -> Iterator[str]:
+    """The first ``n`` training examples of ``ft`` (``--show-examples N``): each as its text
+    with the learnt parts between « and », or with ``as_json`` one JSON object a line,
+    ``{"ids": [...], "trained": [true, false, ...]}``. Nothing is trained."""
+    from gptkiln.loading import load_run_tokenizer, read_config
+
+    if ft.task != "chat":
+        raise GptkilnError(f"--show-examples shows chat examples; pass --task chat (not {ft.task})")
+    base = Path(ft.base)
+    base_cfg = read_config(base)
+    tokenizer = load_run_tokenizer(base, base_cfg)
+    encoder, conversations, examples, _ = read_chat_examples(ft, base, base_cfg, tokenizer)
+    for number, (messages, example) in enumerate(zip(conversations, examples, strict=True)):
+        if number == n:
+            return
+        if as_json:
+            yield example.to_json()
+            continue
+        pieces = encoder.pieces(messages)
+        text = "".join(f"{MARK_START}{t}{MARK_END}" if learnt else t for t, learnt in pieces)
+        learnt = sum(example.trained)
+        yield (f"--- example {number + 1}: {len(example.ids)} tokens, {learnt} trained ---\n{text}")
+
+
+class ChatTuning(FineTuning):
+    """`Task` of chat fine-tuning; the split is instruct's (train, test, validation)."""
+
+    columns = ("train_loss", "val_loss")
+    plots = ("loss",)
+
+    def __init__(self, ctx: RunContext, ft: FinetuneConfig):
+        from gptkiln.finetune.data import check_splits, split_sizes
+        from gptkiln.loading import read_config
+
+        super().__init__(ctx, ft)
+        base = Path(ft.base)
+        self.encoder, conversations, examples, fmt = read_chat_examples(
+            ft, base, read_config(base), self.tokenizer
+        )
+        self.pad_id = self.tokenizer.eot_id if self.tokenizer.eot_id is not None else 0
+        self.build_model()
+        max_tokens = (ft.max_length or self.model_config.context_length) + 1
+        fitted = [fit_length(e, max_tokens) for e in examples]
+        cut = sum(f is not None and f is not e for f, e in zip(fitted, examples, strict=True))
+        kept = [(c, f) for c, f in zip(conversations, fitted, strict=True) if f is not None]
+        if not kept:
+            raise GptkilnError(
+                f"--data {ft.data}: no conversation's first answer fits in {max_tokens - 1} "
+                "tokens; raise --max-length (at most the context) or give shorter conversations"
+            )
+        self.conversations = [c for c, _ in kept]
+        self.examples = [f for _, f in kept]
+        sizes = split_sizes(len(kept), ft.val_fraction, ft.test_fraction)
+        check_splits(ft.data, len(kept), sizes, ft.val_fraction)
+        n_train, n_val, n_test = sizes
+        self.split = {"train": n_train, "val": n_val, "test": n_test}
+        self.note = (
+            f"chat data: {len(examples):,} conversations ({fmt} format), rendered by "
+            f"{self._template_name()}; {cut:,} cut at a turn boundary and "
+            f"{len(examples) - len(kept):,} dropped (first answer too long) to fit "
+            f"{max_tokens - 1} tokens"
+        )
+        self._set_batches(n_train, n_test)
+        if ctx.world.is_main:
+            print(self.note, file=sys.stderr, flush=True)
+        self.say_what_trains()
+
+    def _template_name(self) -> str:
+        t = self.encoder.template
+        return t.where if isinstance(t, ChatTemplate) else "the run's prompt template"
+
+    def _set_batches(self, n_train: int, n_test: int) -> None:
+        cfg, world = self.ctx.cfg, self.ctx.world
+        self.train_ids = list(range(n_train))
+        self.test_ids = list(range(n_train, n_train + n_test))
+        self.val_ids = list(range(n_train + n_test, len(self.examples)))
+        collate = functools.partial(self.collate)
+        self.batches = ExampleBatches(
+            n_train,
+            lambda ids: collate([self.train_ids[i] for i in ids]),
+            lambda ids: max(len(self.examples[self.train_ids[i]].ids) - 1 for i in ids),
+            cfg,
+            world,
+        )
+        wanted = cfg.eval_batches * cfg.batch_size * world.world_size
+        self.val_batches = fixed_batches(self.val_ids, cfg.batch_size, wanted, collate)
+        self.train_eval_batches = (
+            fixed_batches(self.train_ids, cfg.batch_size, wanted, collate) if cfg.eval_train else []
+        )
+
+    def collate(self, ids: Sequence[int]):
+        return collate_examples([self.examples[i] for i in ids], self.pad_id)
+
+    def task_info(self) -> dict:
+        t = self.encoder.template
+        template = t.to_dict() if isinstance(t, PromptTemplate) else None
+        return {"template": template, "pad_id": self.pad_id, "chat_template": self._jinja()}
+
+    def _jinja(self) -> str | None:
+        """The chat template's file in the run (None: the run keeps a prompt template)."""
+        return CHAT_TEMPLATE_FILE if isinstance(self.encoder.template, ChatTemplate) else None
+
+    def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
+        save_chat_template(self.run_dir, self.encoder.template)
+        super().save(model_sd, state, train_config)
+
+    # -- what the loop asks --------------------------------------------------------------------
+    def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
+        """Loss per assistant token on the fixed training and validation batches."""
+        device, world = self.ctx.device, self.ctx.world
+        sets = (("train", self.train_eval_batches), ("val", self.val_batches))
+        return {
+            f"{split}_loss": evaluate(model, batches, device, world, autocast) if batches else None
+            for split, batches in sets
+        }
+
+    def summary(self, row: dict) -> str:
+        return loss_summary(row)
+
+    def sample(self, model, use_cache: bool) -> str:
+        """The greedy first answer to the first validation conversation (held out)."""
+        from gptkiln.api import stream_from_model
+
+        messages = self.conversations[self.val_ids[0]]
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = self.encoder.prompt(messages[:first])
+        cfg = SampleConfig(max_new_tokens=self.cfg.sample_tokens, temperature=0)
+        templated = self.encoder.chat
+        response = "".join(
+            stream_from_model(model, self.tokenizer, prompt, cfg, templated=templated)
+        )
+        return f"{messages[first - 1]['content']}\n-> {response}"
+
+
+def save_chat_template(run_dir: Path, template: PromptTemplate | ChatTemplate) -> None:
+    """Keep the chat template a run was trained with as its own chat_template.jinja (which
+    `chat`, `serve` and the export read first); written before the checkpoint's config.json."""
+    from gptkiln import checkpoint
+
+    path = run_dir / CHAT_TEMPLATE_FILE
+    if not isinstance(template, ChatTemplate):
+        return
+    if path.is_file() and path.read_text(encoding="utf-8") == template.source:
+        return
+    checkpoint.atomic_write(
+        path, lambda tmp: Path(tmp).write_text(template.source, encoding="utf-8")
+    )

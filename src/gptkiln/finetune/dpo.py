@@ -1,0 +1,277 @@
+"""Preference tuning: Direct Preference Optimization (Rafailov et al. 2023,
+https://arxiv.org/abs/2305.18290; the book's chapter 7 bonus, "DPO from scratch").
+
+Each pair is a prompt (a conversation so far) and two answers, ``chosen`` better than
+``rejected``. Both are rendered by the model's chat template as chat fine-tuning renders them
+(`chat.ConversationEncoder`), and only the answer's tokens count: a batch of B pairs is one
+(2B, T) batch, the chosen rows first. With ``pi`` the model's summed log-probability of an
+answer and ``ref`` the reference's (the starting model, frozen; with LoRA, the same model with
+its adapters off, so no second copy is held), the loss is::
+
+    logits = (pi(chosen) - pi(rejected)) - (ref(chosen) - ref(rejected))
+    sigmoid:  -log sigmoid(beta * logits)          (the paper's; ln 2 while pi = ref)
+    ipo:      (logits - 1 / (2 beta))^2            (Azar et al. 2023, on mean log-probabilities,
+                                                    as TRL computes it)
+
+and the rewards are ``beta * (pi - ref)`` of each answer; accuracy is the share of pairs whose
+chosen reward is the larger. These are TRL's ``DPOTrainer`` definitions (its ``sigmoid`` and
+``ipo`` loss types, no label smoothing), which the tests check the loss against.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gptkiln.config import FinetuneConfig, SampleConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.finetune.chat import (
+    ConversationEncoder,
+    Example,
+    collate_examples,
+    conversation_template,
+    save_chat_template,
+)
+from gptkiln.finetune.instruct import IGNORE_INDEX
+from gptkiln.finetune.task import ExampleBatches, FineTuning, fixed_batches
+from gptkiln.train.task import RunContext
+
+METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+
+
+def sequence_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, average: bool = False
+) -> torch.Tensor:
+    """Each row's summed (``average``: mean) log-probability of its targets, (B,), from logits
+    (B, T, V) and targets (B, T) whose -100 positions do not count."""
+    mask = targets != IGNORE_INDEX
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T)
+    summed = (picked * mask).sum(-1)
+    return summed / mask.sum(-1).clamp(min=1) if average else summed
+
+
+@dataclass
+class DPOStats:
+    """One batch's loss (mean over pairs) and each pair's rewards, (B,) each."""
+
+    loss: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    kind: str = "sigmoid",
+) -> DPOStats:
+    """The DPO loss of pairs from their log-probabilities (B,) under the policy and the
+    reference (see the module's docstring)."""
+    logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if kind == "sigmoid":
+        losses = -F.logsigmoid(beta * logits)
+    elif kind == "ipo":
+        losses = (logits - 1 / (2 * beta)) ** 2
+    else:
+        raise GptkilnError(f"dpo loss must be sigmoid or ipo, got {kind!r}")
+    chosen = beta * (policy_chosen - ref_chosen).detach()
+    rejected = beta * (policy_rejected - ref_rejected).detach()
+    return DPOStats(losses.mean(), chosen, rejected)
+
+
+def answer_only(example: Example) -> Example:
+    """``example`` up to the end of its last assistant turn, learning that turn only (the
+    answer of a pair: what the template writes after it is no part of it)."""
+    trained = list(example.trained)
+    end = max(i for i, t in enumerate(trained) if t) + 1
+    start = end
+    while start > 0 and trained[start - 1]:
+        start -= 1
+    return Example(example.ids[:end], [start <= i for i in range(end)])
+
+
+class PreferenceTuning(FineTuning):
+    """`Task` of DPO; the split is instruct's (train, test, validation)."""
+
+    columns = tuple(f"{split}_{m}" for split in ("train", "val") for m in METRICS)
+    plots = ("loss",)
+
+    def __init__(self, ctx: RunContext, ft: FinetuneConfig):
+        from gptkiln.finetune.data import check_splits, read_preferences, split_sizes
+        from gptkiln.loading import read_config
+
+        super().__init__(ctx, ft)
+        base = Path(ft.base)
+        pairs = read_preferences(ft.data)
+        template = conversation_template(ft, base, read_config(base), self.tokenizer)
+        self.encoder = ConversationEncoder(template, self.tokenizer)
+        self.pad_id = self.tokenizer.eot_id if self.tokenizer.eot_id is not None else 0
+        self.build_model()
+        limit = (ft.max_length or self.model_config.context_length) + 1
+        encoded = []
+        for pair in pairs:
+            chosen, rejected = (
+                answer_only(
+                    self.encoder.encode([*pair.prompt, {"role": "assistant", "content": a}])
+                )
+                for a in (pair.chosen, pair.rejected)
+            )
+            if max(len(chosen.ids), len(rejected.ids)) <= limit:
+                encoded.append((pair, chosen, rejected))
+        if not encoded:
+            raise GptkilnError(
+                f"--data {ft.data}: no pair fits in {limit - 1} tokens; raise --max-length (at "
+                "most the context) or give shorter pairs"
+            )
+        self.pairs = [p for p, _, _ in encoded]
+        self.chosen = [c for _, c, _ in encoded]
+        self.rejected = [r for _, _, r in encoded]
+        sizes = split_sizes(len(encoded), ft.val_fraction, ft.test_fraction)
+        check_splits(ft.data, len(encoded), sizes, ft.val_fraction)
+        n_train, n_val, n_test = sizes
+        self.split = {"train": n_train, "val": n_val, "test": n_test}
+        self.reference = None if self.tuner is not None else self._frozen_copy()
+        self._set_batches(n_train, n_test)
+        if ctx.world.is_main:
+            print(
+                f"dpo data: {len(pairs):,} pairs, {len(pairs) - len(encoded):,} dropped (longer "
+                f"than {limit - 1} tokens); beta {ft.beta:g}, {ft.dpo_loss} loss, reference: "
+                + ("the base, adapters off" if self.tuner is not None else "a frozen copy"),
+                file=sys.stderr,
+                flush=True,
+            )
+        self.say_what_trains()
+
+    def _answer(self, prompt: list[dict], answer: str) -> Example:
+        return answer_only(self.encoder.encode([*prompt, {"role": "assistant", "content": answer}]))
+
+    def _frozen_copy(self):
+        """The reference of full DPO: the starting model, frozen (on a resume, the base again)."""
+        from gptkiln.loading import load_model
+
+        model = load_model(self.ft.base) if self.ctx.resume else copy.deepcopy(self.model)
+        return model.to(self.ctx.device).eval().requires_grad_(False)
+
+    def _set_batches(self, n_train: int, n_test: int) -> None:
+        cfg, world = self.ctx.cfg, self.ctx.world
+        self.train_ids = list(range(n_train))
+        self.test_ids = list(range(n_train, n_train + n_test))
+        self.val_ids = list(range(n_train + n_test, len(self.pairs)))
+        collate = functools.partial(self.collate)
+        self.batches = ExampleBatches(
+            n_train,
+            lambda ids: collate([self.train_ids[i] for i in ids]),
+            lambda ids: 2 * self._width([self.train_ids[i] for i in ids]),
+            cfg,
+            world,
+        )
+        wanted = cfg.eval_batches * cfg.batch_size * world.world_size
+        self.val_batches = fixed_batches(self.val_ids, cfg.batch_size, wanted, collate)
+        self.train_eval_batches = (
+            fixed_batches(self.train_ids, cfg.batch_size, wanted, collate) if cfg.eval_train else []
+        )
+
+    def _width(self, ids: Sequence[int]) -> int:
+        return max(len(e.ids) - 1 for i in ids for e in (self.chosen[i], self.rejected[i]))
+
+    def collate(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), (2B, T): the chosen answers' rows, then the rejected ones'."""
+        examples = [self.chosen[i] for i in ids] + [self.rejected[i] for i in ids]
+        return collate_examples(examples, self.pad_id)
+
+    # -- the loss ------------------------------------------------------------------------------
+    def reference_log_probs(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        average = self.ft.dpo_loss == "ipo"
+        with torch.no_grad():
+            if self.reference is not None:
+                return sequence_log_probs(self.reference(x), y, average)
+            self.tuner.disable_adapter_layers()
+            try:
+                return sequence_log_probs(self.model(x), y, average)
+            finally:
+                self.tuner.enable_adapter_layers()
+
+    def stats(self, forward, x: torch.Tensor, y: torch.Tensor) -> DPOStats:
+        """The DPO loss and rewards of one (2B, T) batch, the policy run by ``forward``."""
+        half = x.size(0) // 2
+        policy = sequence_log_probs(forward(x), y, average=self.ft.dpo_loss == "ipo")
+        ref = self.reference_log_probs(x, y)
+        return dpo_loss(
+            policy[:half], policy[half:], ref[:half], ref[half:], self.ft.beta, self.ft.dpo_loss
+        )
+
+    def training_loss(self, forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.stats(forward, x, y).loss
+
+    # -- what the loop asks --------------------------------------------------------------------
+    def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
+        """The loss, mean rewards, margin and accuracy of the fixed validation batches, and of
+        the training batches with --eval-train (None without)."""
+        values: dict[str, float | None] = dict.fromkeys(self.columns)
+        was_training = model.training
+        model.eval()
+        for split, batches in (("train", self.train_eval_batches), ("val", self.val_batches)):
+            if batches:
+                values.update(self._measure(model, batches, autocast, split))
+        model.train(was_training)
+        return values
+
+    def _measure(self, model, batches, autocast, split: str) -> dict[str, float]:
+        losses, chosen, rejected = [], [], []
+        for x, y in batches:
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            with torch.no_grad(), autocast:
+                stats = self.stats(model, x, y)
+            losses.append(stats.loss.float().item() * len(stats.chosen_rewards))
+            chosen.append(stats.chosen_rewards.float().cpu())
+            rejected.append(stats.rejected_rewards.float().cpu())
+        c, r = torch.cat(chosen), torch.cat(rejected)
+        return {
+            f"{split}_loss": sum(losses) / len(c),
+            f"{split}_rewards_chosen": c.mean().item(),
+            f"{split}_rewards_rejected": r.mean().item(),
+            f"{split}_reward_margin": (c - r).mean().item(),
+            f"{split}_reward_accuracy": (c > r).float().mean().item(),
+        }
+
+    def summary(self, row: dict) -> str:
+        train = row.get("train_reward_accuracy")
+        train_text = "" if train is None else f" (train {100 * train:.1f}%)"
+        return (
+            f"train {row['train_loss']:.4f} | val {row['val_loss']:.4f} | rewards chosen "
+            f"{row['val_rewards_chosen']:+.3f} rejected {row['val_rewards_rejected']:+.3f} "
+            f"margin {row['val_reward_margin']:+.3f} | accuracy "
+            f"{100 * row['val_reward_accuracy']:.1f}%{train_text}"
+        )
+
+    def sample(self, model, use_cache: bool) -> str:
+        """The greedy answer to the first validation prompt (held out)."""
+        from gptkiln.api import stream_from_model
+
+        prompt = self.pairs[self.val_ids[0]].prompt
+        text = self.encoder.prompt(prompt)
+        cfg = SampleConfig(max_new_tokens=self.cfg.sample_tokens, temperature=0)
+        templated = self.encoder.chat
+        answer = "".join(stream_from_model(model, self.tokenizer, text, cfg, templated=templated))
+        return f"{prompt[-1]['content']}\n-> {answer}"
+
+    def task_info(self) -> dict:
+        from gptkiln.finetune.templates import PromptTemplate
+
+        t = self.encoder.template
+        template = t.to_dict() if isinstance(t, PromptTemplate) else None
+        return {"template": template, "pad_id": self.pad_id}
+
+    def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
+        save_chat_template(self.run_dir, self.encoder.template)
+        super().save(model_sd, state, train_config)

@@ -1,0 +1,359 @@
+"""Scoring a fine-tuned run's answers with a larger model as the judge: the book's section 7.8
+(there Llama 3 through Ollama), against any OpenAI-compatible endpoint (``POST
+{url}/chat/completions``: OpenAI, vLLM, Ollama's ``/v1``, another ``gptkiln serve``).
+
+For each test entry the run answers (greedy, all entries batched through gptkiln's own
+generation, `gptkiln.api.complete`), then the judge is asked the book's question: given the
+input, the correct output and the model's response, a score from 0 to 100, "the integer number
+only". An answer that is a number in [0, 100] is the entry's score; any other answer is counted
+as unparsed and kept as it came (never fatal). The run's score is the mean of the scores.
+
+The judge is a client, not a model: requests run concurrently, each retried with exponential
+backoff on a connection error, a timeout, a 429 or a 5xx; a judge that never answers is one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gptkiln.errors import GptkilnError
+
+BOOK_PROMPT = (
+    "Given the input `{input}` and correct output `{output}`, score the model response "
+    "`{response}` on a scale from 0 to 100, where 100 is the best score. Respond with the "
+    "integer number only."
+)
+"""The book's question to the judge (section 7.8), with ``{input}`` (the entry's prompt as the
+run's template writes it, without the response header), ``{output}`` and ``{response}``."""
+
+PLACEHOLDERS = ("{input}", "{output}", "{response}")
+JUDGEMENTS_FILE = "judgements.json"
+_SCORE = re.compile(r"\s*(\d{1,3}(?:\.\d+)?)\s*(?:/\s*100)?\s*\.?\s*")
+
+
+@dataclass
+class Judge:
+    """Where and how to ask the judge.
+
+    Attributes:
+        url: the endpoint's base URL (``http://localhost:11434/v1``): requests go to
+            ``{url}/chat/completions``.
+        model: the judge model's name at that endpoint.
+        prompt: the question, with ``{input}``, ``{output}`` and ``{response}``.
+        key: sent as ``Authorization: Bearer KEY`` when given.
+        timeout: seconds a request may take.
+        retries: further attempts after a failed one, waiting 1, 2, 4, ... x ``backoff`` s.
+        backoff: the first wait, in seconds.
+        concurrency: requests in flight at once.
+        max_tokens: the longest answer asked for (None: the endpoint's default).
+    """
+
+    url: str
+    model: str
+    prompt: str = BOOK_PROMPT
+    key: str | None = field(default=None, repr=False)
+    timeout: float = 60.0
+    retries: int = 3
+    backoff: float = 1.0
+    concurrency: int = 4
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise GptkilnError(f"--judge-url {self.url}: give an http:// or https:// URL")
+        missing = [p for p in PLACEHOLDERS if p not in self.prompt]
+        if missing:
+            raise GptkilnError(
+                f"the judge's prompt lacks {', '.join(missing)}; write each of "
+                f"{', '.join(PLACEHOLDERS)} in it once"
+            )
+        if self.concurrency < 1 or self.retries < 0 or self.timeout <= 0:
+            raise GptkilnError(
+                "--concurrency must be >= 1, --retries >= 0 and --timeout > 0, got "
+                f"{self.concurrency}, {self.retries} and {self.timeout}"
+            )
+
+    def question(self, input: str, output: str, response: str) -> str:
+        # filled one by one: braces in the texts are never taken for placeholders
+        text = self.prompt
+        for name, value in (("{input}", input), ("{output}", output), ("{response}", response)):
+            text = text.replace(name, value)
+        return text
+
+
+def parse_score(answer: str) -> float | None:
+    """The score of a judge's answer: a number in [0, 100] (``85``, ``85.5``, ``85/100``),
+    else None (unparsed)."""
+    match = _SCORE.fullmatch(answer)
+    if match is None:
+        return None
+    score = float(match.group(1))
+    return score if 0 <= score <= 100 else None
+
+
+@dataclass
+class Entry:
+    """One judged test entry."""
+
+    input: str
+    output: str
+    response: str
+    answer: str | None = None  # the judge's, as it came
+    score: float | None = None  # None: the answer was not a number in [0, 100]
+
+
+@dataclass
+class Verdict:
+    """The judged entries, and their mean score over those the judge scored."""
+
+    entries: list[Entry]
+
+    @property
+    def scored(self) -> int:
+        return sum(e.score is not None for e in self.entries)
+
+    @property
+    def unparsed(self) -> int:
+        return len(self.entries) - self.scored
+
+    @property
+    def mean(self) -> float | None:
+        scores = [e.score for e in self.entries if e.score is not None]
+        return sum(scores) / len(scores) if scores else None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "mean": self.mean,
+            "scored": self.scored,
+            "unparsed": self.unparsed,
+            "entries": len(self.entries),
+        }
+
+
+def ask(judge: Judge, question: str, client) -> str:
+    """The judge's answer to ``question``, retried with backoff; one line when it never comes."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {judge.key}"} if judge.key else {}
+    body = {
+        "model": judge.model,
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+    }
+    if judge.max_tokens is not None:
+        body["max_tokens"] = judge.max_tokens
+    url = judge.url.rstrip("/") + "/chat/completions"
+    why = ""
+    for attempt in range(judge.retries + 1):
+        if attempt:
+            time.sleep(judge.backoff * 2 ** (attempt - 1))
+        try:
+            reply = client.post(url, json=body, headers=headers, timeout=judge.timeout)
+        except httpx.HTTPError as e:
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            continue
+        if reply.status_code == 429 or reply.status_code >= 500:
+            why = f"HTTP {reply.status_code}"
+            continue
+        if reply.status_code != 200:
+            raise GptkilnError(
+                f"the judge at {url} refused the request (HTTP {reply.status_code}: "
+                f"{reply.text[:200]!r}); check --judge-model and the key"
+            )
+        return _content(reply, url)
+    raise GptkilnError(
+        f"the judge at {url} did not answer after {judge.retries + 1} attempts ({why}); check "
+        "--judge-url and that the server runs"
+    )
+
+
+def _content(reply, url: str) -> str:
+    """The text of an OpenAI chat completion; a reply of another shape is one line."""
+    try:
+        content = reply.json()["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise GptkilnError(
+            f"the judge at {url} answered {reply.text[:200]!r}, not an OpenAI chat completion; "
+            "give the URL of an OpenAI-compatible endpoint (ending in /v1)"
+        ) from None
+    return content if isinstance(content, str) else json.dumps(content)
+
+
+def judge_entries(
+    judge: Judge, entries: Sequence[Entry], progress: bool = True, client=None
+) -> Verdict:
+    """Each entry's answer and score from the judge, ``judge.concurrency`` at a time."""
+    import httpx
+    from tqdm.auto import tqdm
+
+    own = client is None
+    client = client or httpx.Client()
+    bar = tqdm(total=len(entries), desc="judging", unit="entry", disable=not progress)
+    try:
+
+        def one(entry: Entry) -> Entry:
+            answer = ask(judge, judge.question(entry.input, entry.output, entry.response), client)
+            entry.answer, entry.score = answer, parse_score(answer)
+            bar.update(1)
+            return entry
+
+        with ThreadPoolExecutor(max_workers=judge.concurrency) as pool:
+            judged = list(pool.map(one, entries))
+    finally:
+        bar.close()
+        if own:
+            client.close()
+    return Verdict(judged)
+
+
+# -- the run's answers ---------------------------------------------------------------------------
+def test_entries(run_dir: Path, data: str | None) -> list[tuple[list[dict], str]]:
+    """(the messages to answer, the correct output) of each test entry: ``data`` (instruction
+    entries, or conversations whose last message is the assistant's answer), else the test
+    split of the instruction file the run was fine-tuned on."""
+    from gptkiln.finetune.data import read_instructions, read_records
+    from gptkiln.finetune.runs import finetune_info
+    from gptkiln.loading import read_config
+
+    if data is None:
+        info = finetune_info(read_config(run_dir)) or {}
+        split, source = info.get("split") or {}, (info.get("config") or {}).get("data")
+        if info.get("task") != "instruct" or not split.get("test") or source is None:
+            raise GptkilnError(
+                f"{run_dir} records no test split of instructions to judge; give the test "
+                "entries with --data FILE"
+            )
+        entries = read_instructions(source)[split["train"] : split["train"] + split["test"]]
+        return [(_instruction_messages(e), e["output"]) for e in entries]
+    if str(data).endswith((".json", ".jsonl")) and _first_is_instruction(data):
+        return [(_instruction_messages(e), e["output"]) for e in read_instructions(data)]
+    out = []
+    for where, record in read_records(data, "test entries"):
+        from gptkiln.finetune.data import conversation_of
+
+        messages, _ = conversation_of(where, record)
+        if messages[-1]["role"] != "assistant" or len(messages) < 2:
+            raise GptkilnError(f"{where}: the last message must be the assistant's (the answer)")
+        out.append((messages[:-1], messages[-1]["content"]))
+    return out
+
+
+def _first_is_instruction(path: str) -> bool:
+    from gptkiln.finetune.data import read_records
+
+    records = read_records(path, "test entries")
+    return bool(records) and isinstance(records[0][1], dict) and "instruction" in records[0][1]
+
+
+def _instruction_messages(entry: dict) -> list[dict]:
+    content = f"{entry['instruction']}\n\n{entry['input']}" if entry.get("input") else None
+    return [{"role": "user", "content": content or entry["instruction"]}]
+
+
+def _instruction_entry(messages: list[dict]) -> tuple[str, str]:
+    """(instruction, input) back from `_instruction_messages`."""
+    instruction, _, input = messages[-1]["content"].partition("\n\n")
+    return instruction, input
+
+
+def answers(
+    run_dir: Path,
+    items: Sequence[tuple[list[dict], str]],
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    device: str = "cpu",
+) -> list[Entry]:
+    """The run's greedy answer to each item, batched; the entries to judge (``input`` is each
+    prompt as the run's template writes it, without the trailing response header)."""
+    from gptkiln.api import complete
+    from gptkiln.chat_template import is_chat_template
+    from gptkiln.config import SampleConfig
+    from gptkiln.finetune.runs import require_template
+    from gptkiln.finetune.templates import format_messages, format_prompt
+    from gptkiln.loading import load_run
+
+    model, tokenizer, cfg = load_run(run_dir, device=device)
+    template = require_template(cfg, run_dir)
+    chat = is_chat_template(template)
+    prompts = []
+    for messages, _ in items:
+        if chat or len(messages) > 1:
+            prompts.append(format_messages(template, messages))
+        else:
+            prompts.append(format_prompt(template, *_instruction_entry(messages)))
+    sample = SampleConfig(
+        max_new_tokens=max_new_tokens, temperature=0, stop=template.stop_strings()
+    )
+    done = complete(
+        model, prompts, sample, tokenizer=tokenizer, batch_size=batch_size, templated=chat
+    )
+    shown = [
+        _shown_input(template, p, messages, chat)
+        for p, (messages, _) in zip(prompts, items, strict=True)
+    ]
+    return [
+        Entry(input=s, output=output, response=c.text.strip())
+        for s, (_, output), c in zip(shown, items, done, strict=True)
+    ]
+
+
+def _shown_input(template, prompt: str, messages: list[dict], chat: bool) -> str:
+    """The prompt as the judge sees it: the book's ``format_input`` (the prompt template's
+    text without its response header); with a chat template, the messages as plain lines."""
+    if chat:
+        return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return prompt.removesuffix(template.response).rstrip()
+
+
+def judge_run(
+    run_dir: str | os.PathLike,
+    judge: Judge,
+    *,
+    data: str | None = None,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    device: str = "cpu",
+    progress: bool = True,
+    name: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> Verdict:
+    """`gptkiln judge`: the run's answers to the test entries, scored by ``judge``; the
+    verdict written into the run (``judgements.json``, or ``judgements-NAME.json``).
+
+    Returns:
+        The `Verdict` (entries with their answers and scores; mean, scored, unparsed).
+    """
+    from gptkiln.checkpoint import write_json
+
+    run_dir = Path(run_dir)
+    items = test_entries(run_dir, data)
+    if not items:
+        raise GptkilnError(f"--data {data}: no test entries to judge")
+    say = on_line or (lambda text: print(text, file=sys.stderr, flush=True))
+    say(f"answering {len(items):,} test entries with {run_dir} ...")
+    entries = answers(
+        run_dir, items, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device
+    )
+    verdict = judge_entries(judge, entries, progress=progress)
+    settings = {k: v for k, v in asdict(judge).items() if k != "key"}
+    path = run_dir / (f"judgements-{name}.json" if name else JUDGEMENTS_FILE)
+    write_json(
+        path,
+        {
+            "judge": settings,
+            "data": data,
+            **verdict.summary(),
+            "per_entry": [asdict(e) for e in verdict.entries],
+        },
+    )
+    return verdict

@@ -1,0 +1,274 @@
+"""Preference tuning (DPO): the loss equals TRL's ``DPOTrainer`` on the same model, batch and
+beta; it is ln 2 while the policy is the reference; training raises the reward accuracy on the
+training pairs above 0.5, in full and with LoRA (whose reference is the base, adapters off); a
+resumed run ends where an uninterrupted one does; bad pairs are one line.
+
+The models are tiny and random, built here (a Hugging Face Qwen3 with the real Qwen3-0.6B
+template for the comparison with TRL)."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hf_tokenizer_dirs import write_qwen3_dir
+
+from gptkiln.chat_template import load_chat_template
+from gptkiln.cli import main
+from gptkiln.config import FinetuneConfig
+from gptkiln.finetune import finetune, train_config
+from gptkiln.finetune.chat import ConversationEncoder, collate_examples
+from gptkiln.finetune.dpo import answer_only, dpo_loss, sequence_log_probs
+from gptkiln.loading import load_model
+from gptkiln.tokenizers import load_tokenizer
+from gptkiln.train import read_metrics
+
+QWEN3 = (Path(__file__).parent / "chat_templates" / "qwen3-0.6b.jinja").read_text("utf-8")
+
+
+def pairs(n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        a, b = i % 7, i % 5
+        rows.append(
+            {
+                "prompt": f"What is {a} plus {b}?",
+                "chosen": f"It is {a + b}.",
+                "rejected": f"I do not know, maybe {a * b + 3}?",
+            }
+        )
+    return rows
+
+
+def hf_qwen3(path: Path, vocab_size: int, seed: int):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A tiny Hugging Face Qwen3 (random; its tokenizer with the real Qwen3-0.6B template), the
+    reference, and preference pairs."""
+    root = tmp_path_factory.mktemp("dpo")
+    tokenizer_dir = write_qwen3_dir(root / "tokenizer", template=QWEN3)
+    hf_qwen3(root / "reference", load_tokenizer(tokenizer_dir).vocab_size, seed=0)
+    for f in tokenizer_dir.iterdir():
+        if f.name != "config.json":
+            (root / "reference" / f.name).write_bytes(f.read_bytes())
+    (root / "pairs.json").write_text(json.dumps(pairs(40)), encoding="utf-8")
+    return root
+
+
+def our_batch(directory: Path, rows: list[dict]):
+    """(encoder, chosen and rejected examples, the (2B, T) batch) as PreferenceTuning makes."""
+    tokenizer = load_tokenizer(directory)
+    encoder = ConversationEncoder(load_chat_template(directory), tokenizer)
+    chosen, rejected = [], []
+    for row in rows:
+        prompt = [{"role": "user", "content": row["prompt"]}]
+        for answers, key in ((chosen, "chosen"), (rejected, "rejected")):
+            answer = {"role": "assistant", "content": row[key]}
+            answers.append(answer_only(encoder.encode([*prompt, answer])))
+    return encoder, chosen, rejected, collate_examples(chosen + rejected, tokenizer.eot_id)
+
+
+def nudged(path: Path):
+    """The policy: the model of ``path`` nudged (seeded) away from it."""
+    model = load_model(path)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo"])
+def test_the_loss_equals_trls_dpo_trainer_on_the_same_model_batch_and_beta(work, tmp_path, kind):
+    trl = pytest.importorskip("trl", reason="TRL (a test-only peer: pip install trl)")
+    transformers = pytest.importorskip("transformers")
+    from datasets import Dataset
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    beta, rows = 0.3, pairs(4)
+    _, chosen, rejected, (x, y) = our_batch(work / "reference", rows)
+    reference, policy = load_model(work / "reference"), nudged(work / "reference")
+    average = kind == "ipo"
+    with torch.no_grad():
+        pi = sequence_log_probs(policy(x), y, average)
+        ref = sequence_log_probs(reference(x), y, average)
+        ours = dpo_loss(pi[:4], pi[4:], ref[:4], ref[4:], beta, kind)
+
+    hf_policy = transformers.Qwen3ForCausalLM.from_pretrained(work / "reference").eval()
+    hf_policy.load_state_dict(_hf_state_dict(policy, hf_policy))
+    hf_reference = transformers.Qwen3ForCausalLM.from_pretrained(work / "reference").eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(work / "reference")
+        trainer = trl.DPOTrainer(
+            model=hf_policy,
+            ref_model=hf_reference,
+            args=trl.DPOConfig(
+                output_dir=str(tmp_path),
+                beta=beta,
+                loss_type=[kind],
+                report_to=[],
+                use_cpu=True,
+                bf16=False,  # TRL's default autocasts to bf16; gptkiln's side is fp32
+            ),
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+        )
+    examples = []
+    for c, r in zip(chosen, rejected, strict=True):
+        start = c.trained.index(True)
+        assert c.ids[:start] == r.ids[:start]  # one prompt, two answers
+        examples.append(
+            {
+                "prompt_ids": c.ids[:start],
+                "chosen_ids": c.ids[start:],
+                "rejected_ids": r.ids[start:],
+            }
+        )
+    batch = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)(examples)
+    with torch.no_grad():
+        theirs = trainer.compute_loss(hf_policy, batch)
+    assert abs(ours.loss.item() - theirs.item()) < 1e-5, (ours.loss.item(), theirs.item())
+    if kind == "sigmoid":  # TRL's logged rewards: beta * (policy - reference) of each answer
+        logged = trainer._metrics["train"]
+        chosen_reward = logged["rewards/chosen"][-1] if "rewards/chosen" in logged else None
+        if chosen_reward is not None:
+            assert abs(ours.chosen_rewards.mean().item() - chosen_reward) < 1e-5
+
+
+def _hf_state_dict(model, hf_model) -> dict:
+    """``model``'s weights under transformers' names (gptkiln's export mapping)."""
+    from gptkiln.interop import gptkiln_state_dict_to_hf
+
+    sd = gptkiln_state_dict_to_hf(model.state_dict(), model.config)
+    return {k: v for k, v in sd.items() if k in hf_model.state_dict()}
+
+
+# -- training ------------------------------------------------------------------------------------
+def quick(ft: FinetuneConfig, out: Path, **settings):
+    base = dict(out=str(out), batch_size=4, progress=False, precision="fp32", sample_interval=100)
+    return train_config(ft, **{**base, **settings})
+
+
+def step_zero(ft: FinetuneConfig, out: Path) -> dict:
+    """The task's evaluation before any step: the policy is the reference."""
+    from gptkiln.finetune.dpo import PreferenceTuning
+    from gptkiln.train import Trainer
+    from gptkiln.train.optimizer_step import autocast_for
+
+    trainer = Trainer(quick(ft, out, max_steps=1), task=lambda ctx: PreferenceTuning(ctx, ft))
+    trainer.close()
+    return trainer.task.evaluate(trainer.task.model, autocast_for("cpu", "fp32"))
+
+
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
+def test_the_loss_is_ln_2_while_the_policy_is_the_reference(work, tmp_path, lora):
+    ft = FinetuneConfig(
+        base=str(work / "reference"), data=str(work / "pairs.json"), task="dpo", lora_rank=lora
+    )
+    values = step_zero(ft, tmp_path / "run")
+    assert values["val_loss"] == pytest.approx(math.log(2), abs=1e-7)
+    assert values["val_reward_margin"] == 0 and values["val_reward_accuracy"] == 0
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(work):
+    """Full DPO trained 8 steps at once, and 4 steps then resumed to 8; LoRA DPO 8 steps."""
+    data, base = str(work / "pairs.json"), str(work / "reference")
+    ft = FinetuneConfig(base=base, data=data, task="dpo", beta=0.5)
+    settings = dict(max_steps=8, eval_interval=4, checkpoint_interval=4, eval_train=True, lr=2e-3)
+    finetune(ft, quick(ft, work / "dpo", **settings))
+    finetune(ft, quick(ft, work / "dpo-resumed", **{**settings, "max_steps": 4}))
+    finetune(ft, quick(ft, work / "dpo-resumed", **settings), resume=True)
+    lora = FinetuneConfig(base=base, data=data, task="dpo", beta=0.5, lora_rank=4)
+    finetune(lora, quick(lora, work / "dpo-lora", **{**settings, "lr": 1e-2}))
+    return work / "dpo", work / "dpo-resumed", work / "dpo-lora"
+
+
+def test_dpo_raises_the_reward_accuracy_on_its_training_pairs(dpo_runs):
+    for run in (dpo_runs[0], dpo_runs[2]):
+        rows = read_metrics(run / "metrics.csv")
+        assert rows[-1]["train_reward_accuracy"] > 0.5, rows[-1]
+        assert rows[-1]["train_reward_margin"] > 0 and rows[-1]["train_loss"] < math.log(2)
+        header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
+        for column in ("val_rewards_chosen", "val_rewards_rejected", "val_reward_margin"):
+            assert column in header
+
+
+def test_a_resumed_dpo_run_ends_where_an_uninterrupted_one_does(dpo_runs):
+    whole, resumed, _ = dpo_runs
+
+    def rows(run):
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in read_metrics(run)]
+
+    assert rows(whole / "metrics.csv") == rows(resumed / "metrics.csv")
+    x = torch.randint(0, 300, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(load_model(whole)(x), load_model(resumed)(x))
+
+
+def test_a_lora_dpo_run_keeps_its_base_by_reference_and_chats(dpo_runs, capsys, monkeypatch):
+    run = dpo_runs[2]
+    assert not (run / "model.safetensors").exists() and (run / "adapter.safetensors").is_file()
+    assert load_chat_template(run).source == QWEN3
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("What is 1 plus 1?\n"))
+    try:
+        code = main(["chat", str(run), "--plain", "--max-new-tokens", "3"])
+    except SystemExit as e:
+        code = e.code
+    assert code in (0, None), capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "records, needle",
+    [
+        ([{"prompt": "q", "chosen": "a"}], "no chosen and rejected"),
+        ([{"prompt": "q", "chosen": "", "rejected": "b"}], '"chosen" is empty'),
+        (
+            [{"prompt": [{"role": "oracle", "content": "q"}], "chosen": "a", "rejected": "b"}],
+            "role",
+        ),
+    ],
+)
+def test_bad_pairs_are_one_line(work, tmp_path, capsys, records, needle):
+    data = tmp_path / "bad.json"
+    data.write_text(json.dumps(records), encoding="utf-8")
+    argv = [
+        "finetune",
+        work / "reference",
+        "--task",
+        "dpo",
+        "--data",
+        data,
+        "--out",
+        tmp_path / "o",
+    ]
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,233 @@
+"""``gptkiln judge`` (the book's section 7.8): a run's answers scored by a judge behind an
+OpenAI-compatible endpoint. A fake endpoint that answers known numbers checks the mean exactly,
+the unparsed answers counted and kept, the retries and the one-line failures; ``gptkiln serve``
+of another run as the judge (a tiny model: its answers are noise) shows that noise is counted,
+kept and never fatal."""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from instruction_data import instructions
+from serving import ServerThread, free_port
+
+from gptkiln.checkpoint import save_model
+from gptkiln.cli import main
+from gptkiln.config import FinetuneConfig, GPTConfig
+from gptkiln.finetune import finetune, train_config
+from gptkiln.finetune.judge import BOOK_PROMPT, Judge, judge_run, parse_score
+from gptkiln.model import GPT
+from gptkiln.tokenizers import build_char_tokenizer
+
+CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
+ANSWERS = ["90", "70", "I would rather not say.", "85/100", " 42 ", "101"]
+SCORES = [90, 70, None, 85, 42, None]  # what each answer counts as: 101 is out of range
+
+
+def fake_answer(output: str) -> str:
+    """What the fake judge answers for an entry, from its correct output."""
+    return ANSWERS[len(output) % len(ANSWERS)]
+
+
+def fake_judge(failures: dict[str, int] | None = None):
+    """An OpenAI-compatible app whose answer is `fake_answer` of the question's correct output;
+    ``failures``: how many 503s each output gets before its answer."""
+    app = FastAPI()
+    app.state.questions = []
+    left = dict(failures or {})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        question = body["messages"][0]["content"]
+        app.state.questions.append((question, request.headers.get("authorization")))
+        output = re.search(r"correct output `(.*?)`, score", question, re.S).group(1)
+        if left.get(output, 0) > 0:
+            left[output] -= 1
+            return JSONResponse({"error": "busy"}, status_code=503)
+        message = {"role": "assistant", "content": fake_answer(output)}
+        return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+
+    @app.post("/nonsense/chat/completions")
+    async def nonsense():
+        return {"hello": "world"}
+
+    return app
+
+
+def cli(*argv, capsys):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A tiny instruction-tuned run (a few steps: its answers are noise) with a test split."""
+    root = tmp_path_factory.mktemp("judge")
+    tokenizer = build_char_tokenizer([CHARS], with_eot=True)
+    torch.manual_seed(0)
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=512)
+    save_model(GPT(config), root / "base", tokenizer=tokenizer)
+    (root / "instructions.json").write_text(json.dumps(instructions(40)))
+    ft = FinetuneConfig(base=str(root / "base"), data=str(root / "instructions.json"))
+    settings = dict(batch_size=4, progress=False, precision="fp32", sample_interval=100)
+    finetune(ft, train_config(ft, out=str(root / "run"), max_steps=2, **settings))
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def fake():
+    app = fake_judge()
+    with ServerThread(app) as url:
+        yield url, app
+
+
+def test_the_mean_is_that_of_the_numbers_and_other_answers_are_counted_and_kept(
+    run, fake, capsys, monkeypatch, tmp_path
+):
+    url, app = fake
+    monkeypatch.setenv("JUDGE_KEY", "sesame")
+    test_split = [  # outputs of 1 to 6 letters: each of the fake judge's answers once
+        {"instruction": f"Say {w}.", "input": "" if i % 2 else "loud", "output": w}
+        for i, w in enumerate(["a", "bb", "ccc", "dddd", "eeeee", "ffffff"])
+    ]
+    data = tmp_path / "test.json"
+    data.write_text(json.dumps(test_split))
+    code, out, err = cli(
+        "judge", run, "--data", data, "--judge-url", f"{url}/v1", "--judge-model", "fake",
+        "--judge-key-env", "JUDGE_KEY", "--max-new-tokens", 6, "--json", capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    expected = [SCORES[ANSWERS.index(fake_answer(e["output"]))] for e in test_split]
+    scores = [s for s in expected if s is not None]
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last == {
+        "mean": sum(scores) / len(scores),
+        "scored": len(scores),
+        "unparsed": len(expected) - len(scores),
+        "entries": 6,
+    }
+    assert last["scored"] == 4 and last["unparsed"] == 2 and last["mean"] == 71.75
+    saved = json.loads((run / "judgements.json").read_text())
+    assert [e["output"] for e in saved["per_entry"]] == [e["output"] for e in test_split]
+    assert [e["answer"] for e in saved["per_entry"]] == [
+        fake_answer(e["output"]) for e in test_split
+    ]
+    assert saved["mean"] == last["mean"] and "key" not in saved["judge"]
+    question, auth = app.state.questions[-1]
+    assert auth == "Bearer sesame"
+    assert question.startswith("Given the input `Below is an instruction")  # the book's input
+    assert "### Response:" not in question  # format_input: no response header
+
+
+def test_scores_parse_numbers_in_range_only():
+    assert [parse_score(a) for a in ANSWERS] == SCORES
+    assert parse_score("85.5") == 85.5 and parse_score("Score: 85") is None
+
+
+def test_a_busy_judge_is_retried_with_backoff(run, tmp_path):
+    outputs = [e["output"] for e in instructions(40)[34:38]]
+    app = fake_judge(failures={outputs[0]: 2})
+    data = tmp_path / "test.json"
+    data.write_text(json.dumps(instructions(40)[34:38]))
+    with ServerThread(app) as url:
+        judge = Judge(url=f"{url}/v1", model="fake", backoff=0.01, retries=2, concurrency=2)
+        verdict = judge_run(run, judge, data=str(data), max_new_tokens=4, progress=False)
+    assert len(app.state.questions) == 4 + 2 and len(verdict.entries) == 4
+    assert verdict.entries[0].answer == fake_answer(outputs[0])
+
+
+def test_an_unreachable_or_nonsense_judge_is_one_line_and_writes_nothing(run, fake, capsys):
+    url, _ = fake
+    (run / "judgements-x.json").unlink(missing_ok=True)
+    for judge_url, needle in (
+        (f"http://127.0.0.1:{free_port()}/v1", "did not answer after 1 attempts"),
+        (f"{url}/nonsense", "not an OpenAI chat completion"),
+        ("localhost:1/v1", "http:// or https://"),
+    ):
+        code, _, err = cli(
+            "judge", run, "--judge-url", judge_url, "--judge-model", "m", "--retries", 0,
+            "--max-new-tokens", 2, "--name", "x", capsys=capsys,
+        )  # fmt: skip
+        assert code == 2 and "Traceback" not in err, err
+        assert needle in err.strip().splitlines()[-1], err  # after "answering ... entries"
+        assert not (run / "judgements-x.json").exists()
+
+
+def test_a_prompt_file_without_the_placeholders_is_one_line(run, fake, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Score {response} please.")
+    code, _, err = cli(
+        "judge", run, "--judge-url", f"{fake[0]}/v1", "--judge-model", "m",
+        "--prompt-file", prompt, capsys=capsys,
+    )  # fmt: skip
+    assert code == 2 and "{input}, {output}" in err
+    assert BOOK_PROMPT.count("{") == 3
+
+
+def test_gptkiln_serve_of_another_run_judges_and_its_noise_is_counted(run, tmp_path, capsys):
+    """Another run served by `gptkiln serve` as the judge: a tiny model answers noise, which
+    is counted as unparsed and kept, and the command still succeeds."""
+    import uvicorn
+
+    from gptkiln.serve import serve
+
+    got = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("app", app))
+        serve(run, model_name="judge", max_batch=4, max_queue=16, log_level="warning")
+    prompt = tmp_path / "short.txt"
+    prompt.write_text("In {input}, {output} vs {response}: score 0-100?")
+    with ServerThread(got["app"]) as url:
+        code, out, err = cli(
+            "judge", run, "--judge-url", f"{url}/v1", "--judge-model", "judge",
+            "--prompt-file", prompt, "--judge-max-tokens", 4, "--max-new-tokens", 4,
+            "--name", "served", "--json", capsys=capsys,
+        )  # fmt: skip
+    assert code == 0, err
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["entries"] == 4 and last["scored"] + last["unparsed"] == 4
+    saved = json.loads((run / "judgements-served.json").read_text())
+    assert all(isinstance(e["answer"], str) for e in saved["per_entry"])  # kept as it came
+    assert sum(e["score"] is None for e in saved["per_entry"]) == last["unparsed"]
+
+
+def ollama_model() -> str | None:
+    """A model of an Ollama running here (``GPTKILN_TEST_OLLAMA_MODEL``, else its first), or
+    None when none runs."""
+    import os
+
+    import httpx
+
+    try:
+        tags = httpx.get("http://127.0.0.1:11434/api/tags", timeout=1).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    models = [m.get("name") for m in tags.get("models") or []]
+    return os.environ.get("GPTKILN_TEST_OLLAMA_MODEL") or (models[0] if models else None)
+
+
+def test_the_books_ollama_judges_where_one_runs(run, capsys):
+    model = ollama_model()
+    if model is None:
+        pytest.skip(
+            "no Ollama at 127.0.0.1:11434 with a model (the book's judge: ollama pull llama3)"
+        )
+    code, out, err = cli(
+        "judge", run, "--judge-url", "http://127.0.0.1:11434/v1", "--judge-model", model,
+        "--max-new-tokens", 8, "--name", "ollama", "--json", capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["entries"] == 4 and last["scored"] + last["unparsed"] == 4
