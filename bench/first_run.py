@@ -103,6 +103,16 @@ SUFFIXES: dict[str, list[str]] = {
     "fp32": ["--precision", "fp32"],
     "bf16": ["--precision", "bf16"],
     "auto": ["--precision", "auto"],
+    # the speedrun recipe's choices (issue 47), each alone or together: bpe16k-qwen3-baby+muon+wsd
+    "adamw": ["--optimizer", "adamw"],
+    "muon": ["--optimizer", "muon"],
+    "relu2": ["--relu2"],
+    "softcap": ["--logit-softcap", "15"],
+    "zero": ["--zero-init-out"],
+    "wsd": ["--schedule", "wsd"],
+    "cosine": ["--schedule", "cosine"],
+    "lr2x": ["--lr", "2e-3"],
+    "lr3x": ["--lr", "3e-3"],
 }
 """``NAME+SUFFIX[+SUFFIX]``: e.g. ``bpe16k-baby+fp32`` against ``bpe16k-baby+bf16``."""
 
@@ -147,16 +157,21 @@ def run_one(
     cut_schedule: bool = False,
     score: bool = True,
     train: bool = True,
+    threads: int = common.THREADS,
+    seed: int | None = None,
 ) -> dict:
     """Train, score and sample one configuration in a fresh process; its RESULT."""
     tokenizer, config_flags = config(name)
     data = prepared(work, tokenizer)
-    run_dir = work / "runs" / re.sub(r"[^\w.-]", "_", name)
+    label = name if seed is None else f"{name}@{seed}"
+    run_dir = work / "runs" / re.sub(r"[^\w.-]", "_", label)
+    if seed is not None:
+        flags = [*flags, "--seed", str(seed)]
     argv = ["train", "--data", str(data), "--out", str(run_dir), "--overwrite", "--no-progress"]
     argv += [*config_flags, *ONLY_AT_THE_END, *flags]
     job = {"argv": argv, "run_dir": str(run_dir), "cut_schedule": cut_schedule, "score": score}
     job["train"] = train
-    env = dict(os.environ, OMP_NUM_THREADS=str(common.THREADS))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     with tempfile.TemporaryDirectory(prefix="gptkiln-inductor-") as cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache  # compiling from nothing, as a new user does
         proc = subprocess.run(
@@ -170,7 +185,7 @@ def run_one(
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(lines[-1][len(common.RESULT_PREFIX) :])
-    result.update(name=name, command="gptkiln " + shlex.join(argv))
+    result.update(name=name, seed=seed, command="gptkiln " + shlex.join(argv))
     print(proc.stdout, end="", flush=True)
     return result
 
@@ -267,6 +282,15 @@ def main() -> None:
     p.add_argument("--flags", default="", help="more train flags for every run, e.g. '--lr 2e-3'")
     p.add_argument("--tag", default="", help="a label for this batch of runs")
     p.add_argument("--cut-schedule", action="store_true", help="budget: ignore the clock")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="budget: train exactly N steps instead of --minutes (configurations of the same "
+        "step cost compared at equal steps, which a shared machine's load cannot skew)",
+    )
+    p.add_argument("--seeds", type=int, nargs="+", help="run each configuration with each seed")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (with --steps only)")
+    p.add_argument("--threads", type=int, default=common.THREADS, help="threads of each run")
     args = p.parse_args()
     names = args.names or list(CONFIGS)
     for name in names:
@@ -277,22 +301,42 @@ def main() -> None:
     extra = shlex.split(args.flags)
     common.print_machine()
     speeds = json.loads(args.speeds.read_text()) if args.speeds.is_file() else {}
-    rows = []
+    if args.jobs > 1 and not (args.mode == "budget" and args.steps):
+        raise SystemExit("--jobs needs budget --steps: timed runs must run alone")
     for name in names:
+        prepared(args.work, config(name)[0])  # once, before any run in parallel
+
+    def one(job: tuple[str, int | None]) -> dict:
+        name, seed = job
         if args.mode == "speed":
             flags = ["--max-time", str(args.minutes or 0.75), "--max-steps", "1000000"]
         elif args.mode in ("steps", "score"):
             flags = ["--max-steps", str(speeds[name]["steps_in_budget"])]
+        elif args.steps:
+            flags = ["--max-steps", str(args.steps)]
         else:
             flags = ["--max-time", str(args.minutes or 3.0), "--max-steps", "1000000"]
-        r = run_one(
+        return run_one(
             name,
             args.work,
             flags + extra,
             cut_schedule=args.cut_schedule,
             score=args.mode != "speed",
             train=args.mode != "score",
+            threads=args.threads,
+            seed=seed,
         )
+
+    # seeds outermost: each round holds every configuration once, so a drifting machine
+    # touches them alike
+    jobs = [(name, seed) for seed in (args.seeds or [None]) for name in names]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(one, jobs))
+    rows = []
+    for r in results:
+        name = r["name"]
         r["tag"] = args.tag
         if args.mode == "speed":
             r["steps_in_budget"] = steps_in_budget(r, args.budget * 60)
@@ -308,6 +352,7 @@ def main() -> None:
         rows,
         [
             ("name", "config"),
+            ("seed", "seed"),
             ("tag", "tag"),
             ("precision", "precision"),
             ("steps", "steps"),

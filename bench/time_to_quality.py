@@ -1,6 +1,15 @@
 """Time to quality: wall seconds until the char-level baby GPT first reaches val loss <= 1.88.
 
     python bench/time_to_quality.py --data TINY_SHAKESPEARE [--target 1.88] [-- extra flags]
+    python bench/time_to_quality.py --data TEXT --against "--optimizer adamw" --rounds 2 \
+        --config RECIPE --target LOSS -- --optimizer muon --schedule wsd   # a recipe vs AdamW
+
+With ``--against FLAGS`` each round runs the recipe (the flags after ``--``) and the same
+``--config`` with ``FLAGS`` instead (today's AdamW recipe: ``--optimizer adamw --schedule
+cosine``), alternating, and prints both rows: seconds, steps and tokens to the target, and the
+ratio. ``--config`` names the recipe both start from (``shakespeare-char``; on a GPU,
+``gpt2-124m`` with ``--data`` a corpus of your own and its ``--target``). Record the machine, the
+data and the target with the figures so that a later run compares.
 
 ``--data`` is nanoGPT's tiny Shakespeare (its ``input.txt``, 1,115,394 characters; in the
 workplace these figures were taken in, ``../shared/data/tinyshakespeare.txt``): the target and
@@ -48,7 +57,14 @@ def read_rows(path: Path) -> list[dict]:
     ]
 
 
-def run(data: Path, target: float, extra: list[str], run_dir: Path, poll_s: float = 0.05) -> dict:
+def run(
+    data: Path,
+    target: float,
+    extra: list[str],
+    run_dir: Path,
+    poll_s: float = 0.05,
+    recipe: str = "shakespeare-char",
+) -> dict:
     """Train once, watching metrics.csv; the figures of the run."""
     cmd = [
         sys.executable,
@@ -56,7 +72,7 @@ def run(data: Path, target: float, extra: list[str], run_dir: Path, poll_s: floa
         "gptkiln",
         "train",
         "--config",
-        "shakespeare-char",
+        recipe,
         "--data",
         str(data),
         "--out",
@@ -104,6 +120,7 @@ def run(data: Path, target: float, extra: list[str], run_dir: Path, poll_s: floa
         "reached_s": reached[0] if reached else None,
         "reached_step": int(reached[1]["step"]) if reached else None,
         "reached_val": reached[1]["val_loss"] if reached else None,
+        "reached_tokens": int(reached[1]["tokens"]) if reached else None,
         "final_step": int(final["step"]),
         "final_val": final["val_loss"],
         "tokens_per_s": final["tokens_per_s"],
@@ -122,8 +139,17 @@ def main() -> None:
     )
     p.add_argument("--target", type=float, default=1.88)
     p.add_argument("--keep", help="keep the run directory here instead of a temporary one")
+    p.add_argument("--config", default="shakespeare-char", help="the recipe both runs start from")
+    p.add_argument(
+        "--against",
+        help="flags of a run to compare with, e.g. '--optimizer adamw --schedule cosine' "
+        "(default: no comparison)",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="with --against: rounds, alternating")
     p.add_argument("extra", nargs="*", help="more `gptkiln train` flags (after --)")
     args = p.parse_args()
+    if args.against is not None:
+        return compare(args)
     if not args.data.is_file():
         sys.exit(f"--data {args.data}: no such file; give tiny Shakespeare's input.txt")
     data = args.data.resolve()  # the trainer runs from the repository's root
@@ -161,6 +187,47 @@ def main() -> None:
         f"2000 steps, final 1.886; load average now {common.machine()['loadavg_1m']:.2f} "
         f"(at start {info['loadavg_1m']:.2f})"
     )
+
+
+def compare(args: argparse.Namespace) -> None:
+    """The recipe (``args.extra``) against ``args.against``, alternating for ``args.rounds``."""
+    import shlex
+
+    if not args.data.is_file():
+        sys.exit(f"--data {args.data}: no such file")
+    data = args.data.resolve()
+    info = common.print_machine()
+    print(f"# recipe --config {args.config} {shlex.join(args.extra)}; against: {args.against}; "
+          f"data {args.data}; target val loss <= {args.target}")  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gptkiln-bench-ttq-") as tmp:
+        for round_ in range(args.rounds):
+            for name, flags in (("recipe", args.extra), ("against", shlex.split(args.against))):
+                r = run(data, args.target, flags, Path(tmp) / name, recipe=args.config)
+                r.update(name=name, round=round_ + 1, load=common.machine()["loadavg_1m"])
+                rows.append(r)
+                where = f"{r['reached_s']} s at step {r['reached_step']}"
+                print(f"{name} round {round_ + 1}: reached {where}, final val "
+                      f"{r['final_val']:.4f}", flush=True)  # fmt: skip
+    print()
+    common.print_table(
+        rows,
+        [
+            ("name", "run"),
+            ("round", "round"),
+            ("reached_s", "seconds to target"),
+            ("reached_step", "steps"),
+            ("reached_tokens", "tokens"),
+            ("final_val", "final val"),
+            ("wall_s", "total wall s"),
+            ("load", "load average after"),
+        ],
+    )
+    for name in ("recipe", "against"):
+        times = [r["reached_s"] for r in rows if r["name"] == name and r["reached_s"]]
+        print(f"# {name}: reached the target in {len(times)} of {args.rounds} rounds"
+              + (f", median {sorted(times)[len(times) // 2]:.1f} s" if times else ""))  # fmt: skip
+    print(f"# load average at start {info['loadavg_1m']:.2f}")
 
 
 if __name__ == "__main__":

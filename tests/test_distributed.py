@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from gptkiln.checkpoint import read_checkpoint
 from gptkiln.config import TrainConfig
+from gptkiln.errors import GptkilnError
 from gptkiln.loading import load_model
 from gptkiln.train import read_metrics, train
 
@@ -488,6 +489,29 @@ def test_ddp_two_processes_match_one_process_with_twice_the_batch(
     torch.testing.assert_close(
         model.wte.weight, load_model(reference).wte.weight, rtol=1e-4, atol=1e-5
     )
+
+
+def test_ddp_with_muon_matches_one_process_and_fsdp_refuses_it(prepared, tmp_path, launches):
+    """Muon orthogonalises each whole matrix: under DDP every rank holds it, with gradients
+    all-reduced before the step, so two processes train as one does with twice the batch (within
+    the bf16 of Newton-Schulz: a summation order apart, not a rank's own gradient apart)."""
+    muon = dict(optimizer="muon", relu2=True, max_steps=8, model="qwen3-baby")
+    ref = tmp_path / "one"
+    train(TrainConfig(**settings(prepared, ref, **{**muon, "batch_size": 2 * B})))
+    out = tmp_path / "ddp"
+    launches.run(gptkiln_train(2, settings(prepared, out, **muon)))
+    rows, ref_rows = read_metrics(out / "metrics.csv"), read_metrics(ref / "metrics.csv")
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [4, 8]
+    for row, ref_row in zip(rows, ref_rows, strict=True):
+        assert row["val_loss"] == pytest.approx(ref_row["val_loss"], rel=2e-3)
+    weights = load_file(out / "model.safetensors")
+    ref_weights = load_file(ref / "model.safetensors")
+    for name in weights:
+        torch.testing.assert_close(weights[name], ref_weights[name], rtol=0, atol=2e-3)
+    _, state = read_checkpoint(out)
+    assert state["optimizer_kind"] == "muon" and state["world_size"] == 2
+    with pytest.raises(GptkilnError, match="--parallel ddp"):
+        TrainConfig(**settings(prepared, out, **muon, parallel="fsdp"))
 
 
 def test_nproc_says_a_workers_bad_input_once_and_exits_2(prepared, tmp_path, launches):

@@ -460,10 +460,13 @@ class SwiGLU(nn.Module):
         self.up_proj = Linear(C, H, bias=config.bias)
         self.down_proj = Linear(H, C, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.relu2 = config.relu2  # the gate: relu(x)**2 in place of SiLU (a speedrun choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C), through (B, T, intermediate_size)."""
-        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate = self.gate_proj(x)  # (B, T, H)
+        gate = F.relu(gate).square() if self.relu2 else F.silu(gate)
+        return self.dropout(self.down_proj(gate * self.up_proj(x)))
 
 
 class RMSNorm(nn.RMSNorm):
@@ -701,8 +704,8 @@ class GPT(nn.Module):
         ``"gpt2"``: N(0, 0.02) weights, zero biases, unit norms, and residual projections
         (``c_proj``; ``o_proj`` and ``down_proj`` for Llama and Qwen) scaled by
         1/sqrt(2 * n_layer) (GPT-2 paper, section 2.3; 0.02 is also Hugging Face's
-        ``initializer_range`` for Llama and Qwen). ``"pytorch"``: every layer's own default
-        (the book's ``GPTModel``).
+        ``initializer_range`` for Llama and Qwen), or zero with ``config.zero_init_out``.
+        ``"pytorch"``: every layer's own default (the book's ``GPTModel``).
         """
         if self.config.init == "pytorch":
             for module in self.modules():
@@ -710,7 +713,9 @@ class GPT(nn.Module):
                     module.reset_parameters()
             self.tie_weights()
             return
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        residual_std = (
+            0.0 if self.config.zero_init_out else 0.02 / math.sqrt(2 * self.config.n_layer)
+        )
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else 0.02
@@ -857,7 +862,7 @@ class GPT(nn.Module):
             x = x[torch.arange(B, device=x.device), last_only][:, None]  # (B, 1, C)
         elif last_only:
             x = x[:, -1:, :]  # (B, 1, C)
-        logits = self.head(x)  # (B, T, V)
+        logits = self.logits(x)  # (B, T, V)
         if targets is None:
             return logits
         if self.config.num_classes:
@@ -867,6 +872,13 @@ class GPT(nn.Module):
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
             )
         return logits, loss
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's output for final-norm states x (..., C) -> (..., V), soft-capped to
+        ``c * tanh(logits / c)`` when ``config.logit_softcap`` is c."""
+        logits = self.head(x)
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def hidden(
         self,

@@ -1,35 +1,125 @@
-"""The optimizer and the learning-rate schedule."""
+"""The optimizers (AdamW, or Muon with AdamW beside it) and the learning-rate schedules."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn as nn
+
+_BLOCK_PARAM = re.compile(r"(^|\.)h\.\d+\.")  # a parameter of a transformer block: h.3.mlp...
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices and embeddings (>= 2-D) only, never on biases or LayerNorms."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    return _decay_groups(params, weight_decay)
+
+
+def _decay_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def hidden_matrices(model: nn.Module) -> list[torch.Tensor]:
+    """The matrices inside the transformer blocks (attention and MLP projections, LoRA
+    adapters): what Muon trains. The embeddings, the head (tied or not), norms and biases are
+    left to AdamW, as modded-nanogpt and nanochat split them."""
+    return [
+        p
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.dim() == 2 and _BLOCK_PARAM.search(name)
     ]
 
 
 def make_optimizer(
-    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]
-) -> torch.optim.AdamW:
-    """AdamW over `param_groups`, with the fused kernel where this torch build and device have one
-    (one kernel for all parameters instead of a Python loop), else the multi-tensor one."""
-    groups = param_groups(model, weight_decay)
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    kind: str = "adamw",
+    momentum: float = 0.95,
+) -> torch.optim.Optimizer:
+    """The optimizer of ``model``'s trainable parameters: ``"adamw"``, AdamW over
+    `param_groups`; ``"muon"``, `MuonAdamW` (Muon for `hidden_matrices`, AdamW with ``betas``
+    for the rest). AdamW takes the fused kernel where this torch build and device have one (one
+    kernel for all parameters instead of a Python loop), else the multi-tensor one."""
     device = next(model.parameters()).device.type
     fused = device in ("cuda", "cpu") and _is_plain_tensor(model)
-    return torch.optim.AdamW(
-        groups, lr=lr, betas=betas, fused=fused or None, foreach=None if fused else True
-    )
+    adamw = dict(lr=lr, betas=betas, fused=fused or None, foreach=None if fused else True)
+    if kind == "adamw":
+        return torch.optim.AdamW(param_groups(model, weight_decay), **adamw)
+    matrices = hidden_matrices(model)
+    chosen = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
+    return MuonAdamW(matrices, _decay_groups(rest, weight_decay), lr, weight_decay, momentum, adamw)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; torch's
+    ``torch.optim.Muon``) for the hidden matrices and AdamW for every other parameter, as one
+    optimizer: one list of param groups (Muon's first), one state, one ``state_dict``, so the
+    trainer sets the learning rate, checkpoints and resumes it as it does AdamW.
+
+    Muon's step is momentum (Nesterov), then the update orthogonalised by 5 Newton-Schulz
+    iterations (in bf16), scaled by ``0.2 * sqrt(max(rows, cols))`` (Moonshot's
+    ``match_rms_adamw``: its RMS is AdamW's, so one learning rate serves both), with AdamW's
+    decoupled weight decay. The orthogonalisation needs each whole matrix: under DDP every rank
+    holds it (the gradients are all-reduced first, each rank computes the same update); FSDP2's
+    shards are not whole matrices (see `gptkiln.train`, which refuses the pair).
+
+    Args:
+        matrices: the 2-D parameters Muon trains.
+        adamw_groups: AdamW's param groups (each with its ``weight_decay``).
+        lr, weight_decay, momentum: Muon's; ``adamw``: AdamW's keyword arguments.
+    """
+
+    def __init__(
+        self,
+        matrices: list[torch.Tensor],
+        adamw_groups: list[dict],
+        lr: float,
+        weight_decay: float,
+        momentum: float,
+        adamw: dict,
+    ) -> None:
+        self.muon = torch.optim.Muon(
+            matrices,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            adjust_lr_fn="match_rms_adamw",
+        )
+        self.adamw = torch.optim.AdamW([g for g in adamw_groups if g["params"]], **adamw)
+        super().__init__([*self.muon.param_groups, *self.adamw.param_groups], defaults={})
+        self._share()
+
+    def _share(self) -> None:
+        """Point the two optimizers at this one's groups and state (after a load replaced
+        them)."""
+        n = len(self.muon.param_groups)
+        self.muon.param_groups, self.adamw.param_groups = (
+            self.param_groups[:n],
+            self.param_groups[n:],
+        )
+        self.muon.state = self.adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 (Optimizer's)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102 (Optimizer's)
+        super().load_state_dict(state_dict)
+        self._share()
 
 
 def _is_plain_tensor(model: nn.Module) -> bool:
@@ -46,13 +136,18 @@ def lr_at(
     total_steps: int,
     decay: bool = True,
     time_used: float = 0.0,
+    schedule: str = "cosine",
+    cooldown: float = 0.3,
 ) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warm-up from lr/warmup to lr over
-    ``warmup_steps``, then cosine decay to ``min_lr`` at ``total_steps`` (constant lr when
-    ``decay`` is False, as in the book's chapter 5).
+    ``warmup_steps``, then (``schedule``) ``"cosine"`` decay to ``min_lr`` at ``total_steps``,
+    or ``"wsd"``, warm-up-stable-decay: ``lr`` until the last ``cooldown`` share of the steps
+    after warm-up, then a straight line down to ``min_lr`` (Hägele et al. 2024,
+    https://arxiv.org/abs/2405.18392; modded-nanogpt's schedule). Constant lr when ``decay``
+    is False, as in the book's chapter 5.
 
     ``time_used`` is the share of a time budget spent before this step (0 without one): the
-    cosine follows whichever of the steps and the time is further along, so a run cut by its
+    decay follows whichever of the steps and the time is further along, so a run cut by its
     time budget still ends at ``min_lr``.
     """
     if step < warmup_steps:
@@ -62,4 +157,7 @@ def lr_at(
     progress = max((step - warmup_steps) / max(1, total_steps - warmup_steps), time_used)
     if step >= total_steps or progress >= 1.0:
         return min_lr
+    if schedule == "wsd":
+        into_cooldown = (progress - (1.0 - cooldown)) / cooldown
+        return lr if into_cooldown <= 0 else lr + into_cooldown * (min_lr - lr)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)

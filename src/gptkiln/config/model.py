@@ -77,6 +77,19 @@ class GPTConfig:
         qk_norm: an RMSNorm over each head's queries and keys before RoPE (Qwen3).
         bias: biases in the other linear layers (attention output, MLP): GPT-2 has them,
             Llama and Qwen do not. The query/key/value projections follow ``qkv_bias``.
+
+    Three choices from the public speedruns (modded-nanogpt), off by default and in every
+    published model's config (no Hugging Face class has them, so a model with one does not
+    export to transformers):
+
+    Attributes:
+        relu2: the gate of a swiglu MLP is ReLU squared (``relu(x)**2``; So et al. 2021,
+            "Primer", https://arxiv.org/abs/2109.08668) in place of SiLU.
+        logit_softcap: None, or c: the logits are ``c * tanh(logits / c)``, bounded in
+            (-c, c) (Gemma 2's ``final_logit_softcapping``; modded-nanogpt's record 12).
+        zero_init_out: a fresh model's residual projections (``c_proj``, ``o_proj``,
+            ``down_proj``) start at zero, so each block starts as the identity (modded-nanogpt's
+            record 5); with ``init`` "gpt2" only.
     """
 
     vocab_size: int = GPT2_VOCAB_SIZE
@@ -103,6 +116,9 @@ class GPTConfig:
     head_dim: int | None = None
     qk_norm: bool = False
     bias: bool = True
+    relu2: bool = False
+    logit_softcap: float | None = None
+    zero_init_out: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self, "model config")  # kinds first; the ranges below
@@ -179,6 +195,7 @@ class GPTConfig:
                 f"model config: gelu {self.gelu!r} is the activation of a gelu MLP; this model's "
                 "MLP is swiglu (SiLU-gated): leave gelu out"
             )
+        self._check_recipe_choices()
         if self.rope_scaling is not None:
             if self.positions != "rope":
                 raise GptkilnError(
@@ -203,6 +220,34 @@ class GPTConfig:
                 "them, or set family to the architecture these choices make "
                 f"({', '.join(FAMILIES)})"
             )
+
+    def _check_recipe_choices(self) -> None:
+        """The speedruns' choices (``relu2``, ``logit_softcap``, ``zero_init_out``): each
+        where this model has what it changes."""
+        if self.relu2 and self.mlp != "swiglu":
+            raise GptkilnError(
+                "model config: relu2 replaces the SiLU gate of a swiglu MLP; this model's MLP "
+                f"is {self.mlp!r} (GPT-2's GELU); use a llama3 or qwen3 model, or leave relu2 out"
+            )
+        cap = self.logit_softcap
+        if cap is not None and not 0 < cap < math.inf:
+            raise GptkilnError(
+                f"model config: logit_softcap must be a number > 0 (or null: no cap), got {cap!r}"
+            )
+        if self.zero_init_out and self.init != "gpt2":
+            raise GptkilnError(
+                "model config: zero_init_out starts the residual projections at zero under "
+                f"init 'gpt2'; this model's init is {self.init!r}: leave zero_init_out out"
+            )
+
+    def recipe_choices(self) -> list[str]:
+        """The speedruns' choices this config makes (``relu2``, ...), which no Hugging Face
+        class has: empty for every published model."""
+        return [
+            name
+            for name in ("relu2", "logit_softcap", "zero_init_out")
+            if getattr(self, name) not in (None, False)
+        ]
 
     @property
     def head_size(self) -> int:

@@ -165,6 +165,24 @@ class TrainConfig:
         "the MLP's activation: tanh (GPT-2's approximation) | exact (the erf form)",
         unset="the preset's",
     )
+    relu2: bool | None = setting(
+        None,
+        "model",
+        "gate a swiglu MLP (llama3, qwen3) with ReLU squared in place of SiLU",
+        unset="the preset's",
+    )
+    logit_softcap: float | None = setting(
+        None,
+        "model",
+        "cap the logits to c * tanh(logits / c) with this c (> 0; 0: no cap)",
+        unset="the preset's",
+    )
+    zero_init_out: bool | None = setting(
+        None,
+        "model",
+        "start the residual projections (attention and MLP outputs) at zero",
+        unset="the preset's",
+    )
     sampling: Literal["windows", "random"] = setting(
         "random",
         "data",
@@ -209,6 +227,25 @@ class TrainConfig:
     beta2: float = setting(0.95, "optimisation", "AdamW's second-moment decay, in [0, 1)")
     grad_clip: float = setting(
         1.0, "optimisation", "clip the gradients' norm to this (>= 0; 0: no clipping)"
+    )
+    optimizer: Literal["adamw", "muon"] = setting(
+        "adamw",
+        "optimisation",
+        "adamw | muon = Muon (orthogonalised momentum) for the blocks' matrices, AdamW for "
+        "the embeddings, head, norms and biases, both at --lr (Muon's update scaled to AdamW's "
+        "size)",
+    )
+    muon_momentum: float = setting(
+        0.95, "optimisation", "Muon's (Nesterov) momentum with --optimizer muon, in [0, 1)"
+    )
+    schedule: Literal["cosine", "wsd"] = setting(
+        "cosine",
+        "optimisation",
+        "the decay after warm-up: cosine to --min-lr | wsd = warm-up, stable at --lr, then a "
+        "straight line to --min-lr over the last --cooldown of the run",
+    )
+    cooldown: float = setting(
+        0.3, "optimisation", "with --schedule wsd: the share of the run that decays, in (0, 1]"
     )
     eval_interval: int = setting(
         100,
@@ -346,6 +383,7 @@ class TrainConfig:
                 )
         if not 0.0 < self.val_fraction < 1.0:
             raise GptkilnError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        self._check_recipe()
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise GptkilnError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
@@ -355,6 +393,25 @@ class TrainConfig:
         self._check_eval_tasks()
         if self.gelu not in (None, "tanh", "exact"):
             raise GptkilnError(f"gelu must be 'tanh' or 'exact', got {self.gelu!r}")
+
+    def _check_recipe(self) -> None:
+        """The optimizer, schedule and model choices of the speedrun recipe."""
+        if self.optimizer not in ("adamw", "muon"):
+            raise GptkilnError(f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        if self.schedule not in ("cosine", "wsd"):
+            raise GptkilnError(f"schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise GptkilnError(f"muon_momentum must be in [0, 1), got {self.muon_momentum!r}")
+        if not 0.0 < self.cooldown <= 1.0:
+            raise GptkilnError(f"cooldown must be in (0, 1], got {self.cooldown!r}")
+        cap = self.logit_softcap
+        if cap is not None and not 0 <= cap < math.inf:
+            raise GptkilnError(f"logit_softcap must be a number >= 0 (0: no cap), got {cap!r}")
+        if self.optimizer == "muon" and self.parallel == "fsdp":
+            raise GptkilnError(
+                "--optimizer muon orthogonalises each whole matrix, and --parallel fsdp gives "
+                "each process a shard of it; use --parallel ddp (or --optimizer adamw)"
+            )
 
     def _check_eval_tasks(self) -> None:
         """The settings of harness tasks while training: each needs ``eval_tasks``."""

@@ -92,7 +92,7 @@ def _score_positions(
     hits = torch.zeros(len(targets), dtype=torch.bool, device=hidden.device)
     for a in range(0, len(targets), SCORE_ROWS):
         b = min(a + SCORE_ROWS, len(targets))
-        logits = model.head(hidden[a:b])  # (n, V)
+        logits = model.logits(hidden[a:b])  # (n, V)
         native = target_log_probs(logits, target[a:b], with_argmax=greedy_too)
         if native is not None:  # the same figures, without writing the log-softmax
             picked[a:b], top = native

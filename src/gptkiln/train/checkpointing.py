@@ -84,6 +84,7 @@ class Checkpoints:
                 "global_batch": batches.global_batch,
                 "world_size": self.world.world_size,
                 "optimizer": optim_sd,
+                "optimizer_kind": self.cfg.optimizer,  # adamw | muon: what optimizer holds
                 "rng": rng,
                 "cuda_rng": cuda_rng,  # each rank's own device's generator
                 "scheduler": {"step": step, "total_steps": batches.total_steps},
@@ -107,6 +108,13 @@ class Checkpoints:
         generators; where the run stands. Raises when this resume's global batch would change
         the order of an epoch-walking run."""
         model_sd, state = self.task.load()
+        saved_kind = state.get("optimizer_kind", "adamw")  # before Muon: AdamW's
+        if saved_kind != self.cfg.optimizer:
+            raise GptkilnError(
+                f"{self.run_dir} was trained with --optimizer {saved_kind} and this resume asks "
+                f"for {self.cfg.optimizer}: the saved optimizer state is {saved_kind}'s. Resume "
+                f"with --optimizer {saved_kind}, or start a new run"
+            )
         dist_utils.load_full_state(model, optimizer, model_sd, state["optimizer"])
         step = self.saved_step = int(state["step"])
         progress = Progress(

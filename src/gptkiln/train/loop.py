@@ -132,7 +132,9 @@ class Trainer:
         self.model = dist_utils.parallelize(self.task.model, self.world, cfg.parallel)
         self.forward = torch.compile(self.model) if cfg.compile else self.model
         betas = (cfg.beta1, cfg.beta2)
-        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay, betas)
+        self.optimizer = make_optimizer(
+            self.model, cfg.lr, cfg.weight_decay, betas, cfg.optimizer, cfg.muon_momentum
+        )
         self.log = RunLog(self.task, self.run_dir, self.world, self.guard)
         self.log.benchmarks = benchmarks
         self.checkpoints = Checkpoints(

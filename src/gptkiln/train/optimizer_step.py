@@ -68,6 +68,8 @@ class OptimizerStep:
             total_steps=total,
             decay=cfg.decay_lr,
             time_used=time_used,
+            schedule=cfg.schedule,
+            cooldown=cfg.cooldown,
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr

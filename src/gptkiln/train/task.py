@@ -258,6 +258,11 @@ def model_config_for(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
         overrides["tie_embeddings"] = cfg.tie_embeddings
     if cfg.gelu is not None:
         overrides["gelu"] = cfg.gelu
+    for name in ("relu2", "zero_init_out"):
+        if getattr(cfg, name) is not None:
+            overrides[name] = getattr(cfg, name)
+    if cfg.logit_softcap is not None:
+        overrides["logit_softcap"] = cfg.logit_softcap or None  # 0: no cap
     return GPTConfig.from_name(cfg.model, **overrides)
 
 

@@ -1,0 +1,95 @@
+"""The cost of a training step under each recipe choice, paired: the default run's model and batch
+(qwen3-baby, a 16,384-id vocabulary, 8 windows of 64 tokens), one process, the choices' steps
+taken in turn, round after round, so that a shared machine's load falls on each alike.
+
+    python bench/recipe_steps.py [--rounds 5] [--steps 3] [--threads 2]
+
+Prints each choice's median step time (forward, backward, optimizer) and its ratio to the
+default's (AdamW), the median of the ratios within each round: the figure to scale step counts
+by when recipes are compared at equal wall time (``bench/first_run.py budget --steps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+
+CHOICES: dict[str, tuple[str, dict]] = {
+    # name -> (optimizer, model config overrides)
+    "adamw (the default)": ("adamw", {}),
+    "muon": ("muon", {}),
+    "relu2": ("adamw", {"relu2": True}),
+    "softcap 15": ("adamw", {"logit_softcap": 15.0}),
+    "muon + relu2 + softcap + zero": (
+        "muon",
+        {"relu2": True, "logit_softcap": 15.0, "zero_init_out": True},
+    ),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3, help="steps of each choice a round")
+    p.add_argument("--threads", type=int, default=common.THREADS)
+    args = p.parse_args()
+    torch = common.setup_torch(args.threads)
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.optim import make_optimizer
+
+    info = common.print_machine()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 16384, (8, 64), generator=g)
+    y = torch.randint(0, 16384, (8, 64), generator=g)
+    built = {}
+    for name, (kind, overrides) in CHOICES.items():
+        model = GPT(GPTConfig.from_name("qwen3-baby", vocab_size=16384, **overrides))
+        built[name] = (model, make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), kind))
+
+    def step(model, optimizer) -> None:
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for model, optimizer in built.values():  # warm-up: the first steps allocate
+        step(model, optimizer)
+    times: dict[str, list[float]] = {name: [] for name in CHOICES}
+    for _ in range(args.rounds):
+        for name, (model, optimizer) in built.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(model, optimizer)
+            times[name].append((time.perf_counter() - start) / args.steps)
+    base = times["adamw (the default)"]
+    rows = [
+        {
+            "name": name,
+            "median_ms": statistics.median(t) * 1e3,
+            "range_ms": f"{min(t) * 1e3:.0f}-{max(t) * 1e3:.0f}",
+            "ratio": statistics.median(a / b for a, b in zip(t, base)),
+        }
+        for name, t in times.items()
+    ]
+    common.print_table(
+        rows,
+        [
+            ("name", "choice"),
+            ("median_ms", "step ms (median)"),
+            ("range_ms", "range"),
+            ("ratio", "x the default's step (paired)"),
+        ],
+    )
+    load = common.machine()["loadavg_1m"]
+    print(f"# load average at start {info['loadavg_1m']:.2f}, at end {load:.2f}")
+
+
+if __name__ == "__main__":
+    main()

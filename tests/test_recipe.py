@@ -1,0 +1,226 @@
+"""The speedrun recipe: Muon beside AdamW (split, state, exact resume), the warm-up-stable-decay
+schedule, and the model choices (ReLU², logit soft-cap, zero-initialised output projections),
+each off unless a config has it."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptkiln.config import PRESETS, GPTConfig, TrainConfig
+from gptkiln.errors import GptkilnError
+from gptkiln.interop import config_to_hf
+from gptkiln.model import GPT
+from gptkiln.optim import MuonAdamW, hidden_matrices, lr_at, make_optimizer
+from gptkiln.train import read_metrics
+
+
+def tiny_qwen(**choices) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.from_name("qwen3-baby", vocab_size=40, context_length=16, **choices))
+
+
+def a_step(model: GPT, optimizer: torch.optim.Optimizer, seed: int = 0) -> float:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 40, (2, 16), generator=g)
+    _, loss = model(x, x.roll(-1, 1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+# -- Muon ---------------------------------------------------------------------------------------
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    model = tiny_qwen()
+    opt = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), "muon", momentum=0.9)
+    assert isinstance(opt, MuonAdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = [names[id(p)] for p in opt.muon.param_groups[0]["params"]]
+    adamw = [names[id(p)] for g in opt.adamw.param_groups for p in g["params"]]
+    assert muon == [names[id(p)] for p in hidden_matrices(model)]
+    assert len(muon) == 4 * 7  # q, k, v, o, gate, up, down in each of 4 blocks
+    assert all(n.startswith("h.") and n.endswith("proj.weight") for n in muon)
+    assert "wte.weight" in adamw and "ln_f.weight" in adamw and "h.0.attn.q_norm.weight" in adamw
+    assert sorted(muon + adamw) == sorted(names.values())  # every parameter, once (head tied)
+    assert opt.muon.param_groups[0]["momentum"] == 0.9
+    assert opt.param_groups == [*opt.muon.param_groups, *opt.adamw.param_groups]
+    # the trainer sets the learning rate on the one list: both optimizers see it
+    for group in opt.param_groups:
+        group["lr"] = 0.5
+    assert {g["lr"] for g in opt.muon.param_groups + opt.adamw.param_groups} == {0.5}
+
+
+def test_a_muon_step_is_an_orthogonalised_update_of_the_matrices():
+    """One step from zero momentum: each matrix moves by lr x 0.2 sqrt(max(rows, cols)) x the
+    Newton-Schulz orthogonalisation of its gradient (singular values near 1), not by Adam's
+    sign-like step (whose largest singular value, at this scale, is about 17)."""
+    model = tiny_qwen()
+    opt = make_optimizer(model, 1e-2, 0.0, (0.9, 0.95), "muon")
+    w = model.h[0].mlp.gate_proj.weight  # (352, 128)
+    before = w.detach().clone()
+    x = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(x, x.roll(-1, 1))[1].backward()
+    opt.step()
+    update = (before - w.detach()) / (1e-2 * 0.2 * math.sqrt(352))
+    singular = torch.linalg.svdvals(update.float())  # descending
+    # 32 tokens make a gradient of rank <= 32: its directions all near 1, none far above
+    assert singular[:16].min() > 0.5 and singular.max() < 1.6
+
+
+def test_muon_state_round_trips_and_the_steps_after_it_are_the_same():
+    model = tiny_qwen()
+    opt = make_optimizer(model, 1e-2, 0.1, (0.9, 0.95), "muon")
+    for seed in range(2):
+        a_step(model, opt, seed)
+    saved = copy.deepcopy(opt.state_dict())  # as from disk: no tensor shared with opt's
+    kinds = {frozenset(s) for s in saved["state"].values()}
+    assert frozenset({"momentum_buffer"}) in kinds  # Muon's
+    assert frozenset({"step", "exp_avg", "exp_avg_sq"}) in kinds  # AdamW's
+    again = tiny_qwen()
+    again.load_state_dict(model.state_dict())
+    opt2 = make_optimizer(again, 1e-2, 0.1, (0.9, 0.95), "muon")
+    opt2.load_state_dict(saved)
+    assert opt2.muon.state is opt2.state and opt2.adamw.param_groups == opt2.param_groups[1:]
+    for seed in (2, 3):
+        assert a_step(model, opt, seed) == a_step(again, opt2, seed)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, again.state_dict()[name], rtol=0, atol=0)
+
+
+def test_muon_refuses_fsdp_and_settings_out_of_range():
+    with pytest.raises(GptkilnError, match="--optimizer muon .* --parallel ddp"):
+        TrainConfig(optimizer="muon", parallel="fsdp")
+    with pytest.raises(GptkilnError, match="muon_momentum must be in"):
+        TrainConfig(optimizer="muon", muon_momentum=1.0)
+    with pytest.raises(GptkilnError, match="optimizer must be"):
+        TrainConfig(optimizer="sgd")
+    with pytest.raises(GptkilnError, match="cooldown must be in"):
+        TrainConfig(schedule="wsd", cooldown=0.0)
+
+
+@pytest.fixture(scope="module")
+def muon_runs(play_path, tmp_path_factory):
+    """A Muon run of 6 steps at once, and one of 3 steps resumed to 6."""
+    from gptkiln.cli import main
+
+    root = tmp_path_factory.mktemp("muon")
+
+    def flags(out, steps):
+        values = dict(model="qwen3-baby", tokenizer="char", context_length=32, batch_size=4,
+                      max_steps=steps, eval_interval=3, eval_batches=1, checkpoint_interval=3,
+                      sample_interval=100, sample_tokens=4, warmup_steps=2, seed=3,
+                      optimizer="muon", precision="fp32", schedule="wsd", relu2=True,
+                      logit_softcap=10.0, zero_init_out=True)  # fmt: skip
+        out = ["train", "--data", str(play_path), "--out", str(root / out), "--no-progress"]
+        for key, value in values.items():
+            if value is True:
+                out.append("--" + key.replace("_", "-"))
+            else:
+                out += ["--" + key.replace("_", "-"), str(value)]
+        return out
+
+    assert main(flags("whole", 6)) == 0
+    assert main(flags("resumed", 3)) == 0
+    assert main([*flags("resumed", 6), "--resume"]) == 0
+    return root / "whole", root / "resumed", flags
+
+
+def test_a_resumed_muon_run_ends_where_an_uninterrupted_one_does(muon_runs):
+    from gptkiln.loading import load_model
+
+    whole, resumed, _ = muon_runs
+    state = torch.load(whole / "trainer_state.pt", weights_only=True)
+    assert state["optimizer_kind"] == "muon"
+    assert any("momentum_buffer" in s for s in state["optimizer"]["state"].values())
+    rows, again = read_metrics(whole / "metrics.csv"), read_metrics(resumed / "metrics.csv")
+    assert [r["step"] for r in rows] == [3, 6] == [r["step"] for r in again]
+    for row, other in zip(rows, again, strict=True):
+        assert row["train_loss"] == other["train_loss"] and row["val_loss"] == other["val_loss"]
+    a, b = load_model(whole), load_model(resumed)
+    assert a.config.recipe_choices() == ["relu2", "logit_softcap", "zero_init_out"]
+    for name, tensor in a.state_dict().items():
+        torch.testing.assert_close(tensor, b.state_dict()[name], rtol=0, atol=0)
+
+
+def test_a_resume_with_the_other_optimizer_is_one_line(muon_runs, capsys):
+    from gptkiln.cli import main
+
+    whole, _, flags = muon_runs
+    argv = [*flags("whole", 9), "--resume", "--optimizer", "adamw"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "trained with --optimizer muon and this resume asks for adamw" in err
+    assert "Traceback" not in err
+
+
+# -- the schedule -------------------------------------------------------------------------------
+def test_warmup_stable_decay_holds_the_peak_then_falls_straight_to_the_floor():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110, schedule="wsd", cooldown=0.3)
+    assert lr_at(0, **kw) == pytest.approx(0.1) and lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(10, **kw) == lr_at(50, **kw) == lr_at(80, **kw) == 1.0  # stable to 70%
+    assert lr_at(95, **kw) == pytest.approx(1.0 - 0.9 * 15 / 30)  # half-way down the line
+    assert lr_at(110, **kw) == pytest.approx(0.1)
+    lrs = [lr_at(s, **kw) for s in range(80, 111)]
+    steps = [a - b for a, b in zip(lrs, lrs[1:])]
+    assert all(s == pytest.approx(0.9 / 30) for s in steps)  # a straight line
+    assert lr_at(20, **kw, time_used=0.85) == pytest.approx(0.55)  # a time budget leads it too
+
+
+# -- the model choices --------------------------------------------------------------------------
+def test_relu2_gates_the_mlp_with_relu_squared():
+    model = tiny_qwen(relu2=True)
+    mlp = model.h[0].mlp
+    x = torch.randn(2, 3, 128)
+    want = mlp.down_proj(F.relu(mlp.gate_proj(x)) ** 2 * mlp.up_proj(x))
+    torch.testing.assert_close(mlp(x), want)
+    plain = tiny_qwen()
+    assert not torch.allclose(plain.h[0].mlp(x), mlp(x))  # SiLU otherwise (same weights)
+    with pytest.raises(GptkilnError, match="relu2 replaces the SiLU gate of a swiglu MLP"):
+        GPTConfig.from_name("baby", relu2=True)
+
+
+def test_the_logit_softcap_bounds_every_logit_and_scoring_sees_it():
+    model = tiny_qwen(logit_softcap=2.0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # logits far past the cap
+        x = torch.randint(0, 40, (2, 16))
+        logits = model(x)
+        raw = model.head(model.hidden(x))
+    assert logits.abs().max() <= 2.0 and raw.abs().max() > 4.0
+    torch.testing.assert_close(logits, 2.0 * torch.tanh(raw / 2.0))
+    torch.testing.assert_close(model.logits(model.hidden(x)), logits)  # what evaluate scores
+    with pytest.raises(GptkilnError, match="logit_softcap must be a number > 0"):
+        GPTConfig.from_name("qwen3-baby", logit_softcap=0.0)
+
+
+def test_zero_init_out_starts_every_block_as_the_identity():
+    model = tiny_qwen(zero_init_out=True)
+    for block in model.h:
+        assert not block.attn.o_proj.weight.any() and not block.mlp.down_proj.weight.any()
+        assert block.mlp.up_proj.weight.std() > 0.01
+        x = torch.randn(1, 4, 128)
+        torch.testing.assert_close(block(x), x)
+    with pytest.raises(GptkilnError, match="zero_init_out .* init 'gpt2'"):
+        GPTConfig.from_name("book-124m", zero_init_out=True)
+
+
+def test_the_choices_are_off_in_every_preset_and_block_an_export():
+    for name in PRESETS:
+        assert GPTConfig.from_name(name).recipe_choices() == [], name
+    config_to_hf(GPTConfig.from_name("qwen3-baby", zero_init_out=True))  # only the start differs
+    for choice in (dict(relu2=True), dict(logit_softcap=15.0)):
+        with pytest.raises(GptkilnError, match="Hugging Face's classes do not compute"):
+            config_to_hf(GPTConfig.from_name("qwen3-baby", **choice))
+
+
+def test_train_flags_set_the_choices_and_0_takes_the_cap_off():
+    from gptkiln.train.task import model_config_for
+
+    cfg = TrainConfig(relu2=True, logit_softcap=15.0, zero_init_out=True)
+    model = model_config_for(cfg, 100)
+    assert (model.relu2, model.logit_softcap, model.zero_init_out) == (True, 15.0, True)
+    assert model_config_for(TrainConfig(logit_softcap=0.0), 100).logit_softcap is None
+    assert model_config_for(TrainConfig(), 100).recipe_choices() == []
