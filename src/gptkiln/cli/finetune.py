@@ -25,10 +25,10 @@ def add_finetune_parser(sub: argparse._SubParsersAction) -> None:
         "finetune",
         help="fine-tune a model to follow instructions, classify, chat or prefer (full or LoRA)",
         description="Fine-tune a run or a Hugging Face model (GPT-2, Llama 3 or Qwen3) with the "
-        "loop of `gptkiln train`: instruction following (the book's chapter 7), classification (chapter 6), "
-        "chat on conversations in the model's own template, or preference tuning (DPO, the "
-        "chapter's bonus); all layers, the last N, or LoRA adapters (appendix E), which a LoRA "
-        "run stores with a reference to its base.",
+        "loop of `gptkiln train`: instruction following (the book's chapter 7), classification "
+        "(chapter 6), chat on conversations in the model's own template, or preference tuning "
+        "(DPO, the chapter's bonus); all layers, the last N, or LoRA adapters (appendix E), "
+        "which a LoRA run stores with a reference to its base.",
         epilog=example(
             "gptkiln finetune runs/gpt2 --data instructions.json --out runs/instruct",
             "gptkiln finetune runs/gpt2 --task classify --data sms.csv --lora-rank 16 "
