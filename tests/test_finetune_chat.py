@@ -303,6 +303,14 @@ def test_bad_conversations_are_one_line(work, tmp_path, capsys, records, needle)
     assert not (tmp_path / "o").exists()
 
 
+def test_a_max_length_past_the_context_is_one_line(work, tmp_path, capsys):
+    code, _, err = cli(
+        "finetune", work / "base", "--task", "chat", "--data", work / "chat.jsonl",
+        "--max-length", 65, "--out", tmp_path / "o", capsys=capsys,
+    )  # fmt: skip
+    assert_one_line_error(code, err, "--max-length 65", "context is 64 tokens")
+
+
 def test_a_template_that_refuses_the_conversation_is_one_line(work, tmp_path, capsys):
     strict = tmp_path / "strict.jinja"
     strict.write_text("{{ raise_exception('only one message, please') }}", encoding="utf-8")

@@ -151,6 +151,17 @@ def fit_length(example: Example, max_tokens: int) -> Example | None:
     return Example(example.ids[:cut], example.trained[:cut])
 
 
+def example_limit(ft: FinetuneConfig, context_length: int) -> int:
+    """The most ids an example may hold: ``--max-length`` (default: the context) input tokens,
+    plus the last target."""
+    if ft.max_length is not None and ft.max_length > context_length:
+        raise GptkilnError(
+            f"--max-length {ft.max_length}: the model's context is {context_length} tokens; "
+            f"pass at most {context_length}"
+        )
+    return (ft.max_length or context_length) + 1
+
+
 def collate_examples(batch: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), each (B, T): T is the longest example's length - 1; a target is the
     next id where that id is learnt, else -100 (padding too)."""
@@ -216,7 +227,7 @@ class ChatTuning(FineTuning):
         )
         self.pad_id = self.tokenizer.eot_id if self.tokenizer.eot_id is not None else 0
         self.build_model()
-        max_tokens = (ft.max_length or self.model_config.context_length) + 1
+        max_tokens = example_limit(ft, self.model_config.context_length)
         fitted = [fit_length(e, max_tokens) for e in examples]
         cut = sum(f is not None and f is not e for f, e in zip(fitted, examples, strict=True))
         kept = [(c, f) for c, f in zip(conversations, fitted, strict=True) if f is not None]

@@ -37,6 +37,7 @@ from gptkiln.finetune.chat import (
     Example,
     collate_examples,
     conversation_template,
+    example_limit,
     save_chat_template,
 )
 from gptkiln.finetune.instruct import IGNORE_INDEX
@@ -117,7 +118,7 @@ class PreferenceTuning(FineTuning):
         self.encoder = ConversationEncoder(template, self.tokenizer)
         self.pad_id = self.tokenizer.eot_id if self.tokenizer.eot_id is not None else 0
         self.build_model()
-        limit = (ft.max_length or self.model_config.context_length) + 1
+        limit = example_limit(ft, self.model_config.context_length)
         encoded = []
         for pair in pairs:
             chosen, rejected = (
