@@ -118,16 +118,18 @@ def test_llama3_rope_scaling_goes_out_as_rope_freqs_and_back(tmp_path):
 
 
 def converter() -> Path:
-    """llama.cpp's convert_hf_to_gguf.py: $LLAMA_CPP_CONVERT, else skip."""
-    path = Path(os.environ.get("LLAMA_CPP_CONVERT", "/tmp/llsrc/convert_hf_to_gguf.py"))
+    """llama.cpp's convert_hf_to_gguf.py (its source tree's, or llama-cpp-python's sdist's, with
+    gguf-py beside it): $LLAMA_CPP_CONVERT, else skip."""
+    path = Path(os.environ.get("LLAMA_CPP_CONVERT", "convert_hf_to_gguf.py"))
     if not path.is_file():
-        pytest.skip("llama.cpp's convert_hf_to_gguf.py not found (set LLAMA_CPP_CONVERT)")
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py not found: set LLAMA_CPP_CONVERT to it")
     return path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "llama3", "gpt2"])
-@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+@pytest.mark.parametrize(
+    ("family", "outtype"), [("qwen3", "f32"), ("llama3", "f32"), ("gpt2", "f32"), ("qwen3", "q8_0")]
+)
 def test_a_gguf_made_by_llama_cpps_converter_imports(tmp_path, family, outtype):
     """A Hugging Face directory → llama.cpp's converter → GGUF → gptkiln: transformers' greedy
     ids on the original (q8_0: logits within the tolerance), and its tokenizer's ids."""
