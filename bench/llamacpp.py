@@ -86,6 +86,7 @@ def worker(job: dict) -> None:
     import torch
 
     from gptkiln.config import SampleConfig
+    from gptkiln.cpu import prepare_for_decoding
     from gptkiln.loading import load_run
     from gptkiln.sampling import generate_stream
 
@@ -95,7 +96,9 @@ def worker(job: dict) -> None:
     ids = tokenizer.encode(PROMPT)
     times, first = [], None
     with torch.no_grad():
-        for _ in generate_stream(model, [ids], cfg, tokenizer.eot_id):
+        for _ in generate_stream(
+            model, [ids], cfg, tokenizer.eot_id, prepare=prepare_for_decoding
+        ):
             times.append(time.perf_counter())
             if first is None:
                 first = time.time() - job["launched"]

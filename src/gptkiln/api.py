@@ -80,6 +80,7 @@ def stream_from_model(
     on_notice: Callable[[str], None] | None = None,
     *,
     templated: bool = False,
+    precision: str | None = None,
 ) -> Iterator[str]:
     """`stream_text` for a model already loaded (``source`` names it in messages): the text
     of one sequence through `sampling.TextStream`, which `generate`, `chat` and the
@@ -93,7 +94,9 @@ def stream_from_model(
     ends = stop_ids_of(tokenizer)  # every id that ends a turn (Llama 3 Instruct has several)
     stream = TextStream(tokenizer.decode, cfg.stop, ends if cfg.stop_at_eos else None)
     try:
-        for _ in generate_stream(model, [ids], cfg, ends, streams=[stream]):
+        for _ in generate_stream(
+            model, [ids], cfg, ends, streams=[stream], prepare=_decoding(model, precision)
+        ):
             if piece := stream.take():
                 yield piece
         if tail := stream.flush():  # it ended inside a character, or by length: what is held back
@@ -168,6 +171,7 @@ def complete(
     on_notice: Callable[[str], None] | None = None,
     quantize: str | None = None,
     templated: bool = False,
+    precision: str | None = None,
 ) -> list[Completion]:
     """``num_samples`` samples for each prompt, generated together in batches.
 
@@ -222,6 +226,7 @@ def complete(
         tokenizer,
         batch_size=batch_size,
         row_seeds=None if cfg.seed is None else [cfg.seed + j for _, j in rows],
+        prepare=_decoding(model, precision),
     )
     return [
         Completion(
@@ -235,6 +240,20 @@ def complete(
         )
         for (i, j), stream in zip(rows, streams)
     ]
+
+
+def _decoding(model, precision: str | None):
+    """The decode backend's set-up `sampling.generate_stream` calls after a first token: on the
+    CPU, `gptkiln.cpu.prepare_for_decoding` at ``precision`` (None: the model's own); elsewhere
+    none."""
+    if model.wte.weight.device.type != "cpu":
+        return None
+    from gptkiln.cpu import prepare_for_decoding
+
+    def prepare(model, rows: int, steps: int):
+        return prepare_for_decoding(model, rows, steps, precision=precision)
+
+    return prepare
 
 
 def _model_and_tokenizer(

@@ -15,9 +15,9 @@
   as its ``generation_kwargs`` say.
 
 None of the three uses the decoding tuner's kernels that change the sums on purpose (int8
-activations, a bf16 product on a CPU with AMX): generation tunes inside
-`gptkiln.kernels.exact_kernels`, and scoring first takes off any such kernel an earlier tuning
-gave the model (`kernels.keep_exact`: a trainer's model samples text between evaluations). So
+activations, bf16 copies of the weights): generation decodes inside
+`gptkiln.cpu.exact_kernels`, and scoring first takes off any such kernel an earlier tuning gave
+the model (`gptkiln.cpu.tuner.keep_exact`: a trainer's model samples text between evaluations). So
 the scores and tokens are the weights' own whatever the CPU, and equal the ``hf`` backend's.
 
 `evaluate` runs tasks on a run and writes the harness's results JSON (by default into
@@ -47,8 +47,8 @@ from typing import Any
 import torch
 import yaml
 
+from gptkiln.cpu.loops import target_log_probs
 from gptkiln.errors import GptkilnError
-from gptkiln.native import target_log_probs
 from gptkiln.sampling import greedy
 
 try:  # the harness is an optional extra; `harness()` says how to install it where it is missing
@@ -150,7 +150,7 @@ def _score_positions(
     ``hidden`` (N, C) the final norm's output at the positions that predict its tokens, in
     order, ``targets`` the N tokens, ``counts`` how many of them each continuation has. The head
     runs on ``SCORE_ROWS`` positions at a time; log-softmax in float32, as the ``hf`` backend
-    takes it (by `gptkiln.native.target_log_probs`, which writes none of it, where that builds).
+    takes it (by `gptkiln.cpu.loops.target_log_probs`, which writes none of it, where that builds).
     Without ``greedy_too`` the second answer is False (not computed)."""
     target = torch.tensor(targets, device=hidden.device)
     picked = torch.empty(len(targets), device=hidden.device)  # float32
@@ -404,7 +404,7 @@ class GptkilnLM(TemplateLM):
         self._model, self._tokenizer, self._source = model, tokenizer, source
         self._batch_size, self._quantize, self._progress = batch_size, quantize, progress
         self._device = model.wte.weight.device
-        from gptkiln.kernels import use_compiled_loops
+        from gptkiln.cpu.loops import use_compiled_loops
 
         use_compiled_loops(model)  # their sums are torch's up to rounding, as the hf backend's
 
@@ -507,7 +507,7 @@ class GptkilnLM(TemplateLM):
         or after ``max_gen_toks`` tokens."""
         from tqdm.auto import tqdm
 
-        from gptkiln.kernels import exact_kernels
+        from gptkiln.cpu import exact_kernels, prepare_for_decoding
         from gptkiln.sampling import generate_batched
 
         groups: dict[str, list[int]] = {}
@@ -532,6 +532,7 @@ class GptkilnLM(TemplateLM):
                     cfg,
                     self._tokenizer,
                     batch_size=self.batch_size,
+                    prepare=prepare_for_decoding,
                 )
             for n, stream in zip(order, streams):
                 texts[n] = stream.text
@@ -544,7 +545,7 @@ class GptkilnLM(TemplateLM):
     def _score(self, pairs: Sequence[Pair], what: str, disable_tqdm: bool, greedy_too: bool):
         from tqdm.auto import tqdm
 
-        from gptkiln.kernels import keep_exact
+        from gptkiln.cpu.tuner import keep_exact
 
         keep_exact(self._model)  # scoring tunes nothing: what an earlier tuning gave goes
         with tqdm(
