@@ -95,7 +95,9 @@ def generator_for(impl: str, model):
 
         def run(idx, n):  # the CPU backend prepared as `gptkiln generate` prepares it
             ids = idx.tolist()
-            new = generate(model, ids, max_new_tokens=n, temperature=0, prepare=prepare_for_decoding)
+            new = generate(
+                model, ids, max_new_tokens=n, temperature=0, prepare=prepare_for_decoding
+            )
             return torch.tensor(new)
     elif impl == "transformers":
 

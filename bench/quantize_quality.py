@@ -50,9 +50,9 @@ def main() -> None:
     args = p.parse_args()
     torch = common.setup_torch()
     from gptkiln.api import eval_tokens, evaluate_model
+    from gptkiln.cpu import prepare_for_decoding as prepare
     from gptkiln.loading import load_model, load_run
     from gptkiln.quantize import quantize_model
-    from gptkiln.cpu import prepare_for_decoding as prepare
     from gptkiln.sampling import generate
 
     common.print_machine()

@@ -32,6 +32,7 @@ def stream_text(
     input: str = "",
     raw: bool = False,
     quantize: str | None = None,
+    precision: str | None = None,
 ) -> Iterator[str]:
     """Yield the generated text piece by piece as tokens are chosen.
 
@@ -39,7 +40,9 @@ def stream_text(
     starts from the end-of-text token (unconditional generation). A prompt longer than the
     model's context keeps its last ``context_length`` tokens; the ``on_notice`` callback (if
     given) is told so. ``quantize="int8"`` quantizes the weights on load
-    (`gptkiln.loading.load_model`).
+    (`gptkiln.loading.load_model`). ``precision`` (``fp32``, ``bf16``, ``int8``; None: the
+    run's own) is what a CPU decodes at (`gptkiln.cpu.ready_for_decoding`); ``on_notice`` is
+    told which, first.
 
     An instruction-tuned run (`gptkiln finetune`, or a model with its own chat template,
     `gptkiln.chat_template`) takes ``prompt`` as the instruction and ``input`` as its input,
@@ -50,10 +53,10 @@ def stream_text(
     from gptkiln.chat_template import is_chat_template
     from gptkiln.finetune.runs import run_template
     from gptkiln.finetune.templates import format_prompt
-    from gptkiln.loading import check_language_model, load_run
+    from gptkiln.loading import check_language_model
 
     cfg = cfg or SampleConfig()
-    model, tokenizer, run_cfg = load_run(run_dir, device=device, quantize=quantize)
+    model, tokenizer, run_cfg, precision = load_for_decoding(run_dir, device, quantize, precision)
     check_language_model(model, run_dir)
     template = None if raw else run_template(run_cfg, run_dir)
     if template is not None:
@@ -67,7 +70,7 @@ def stream_text(
         )
     templated = is_chat_template(template)
     yield from stream_from_model(
-        model, tokenizer, prompt, cfg, run_dir, on_notice, templated=templated
+        model, tokenizer, prompt, cfg, run_dir, on_notice, templated=templated, precision=precision
     )
 
 
@@ -91,6 +94,7 @@ def stream_from_model(
     was_training = model.training
     model.eval()
     ids = _prompt_ids(model, tokenizer, prompt, source, on_notice, templated=templated)
+    _say_precision(model, precision, on_notice)
     ends = stop_ids_of(tokenizer)  # every id that ends a turn (Llama 3 Instruct has several)
     stream = TextStream(tokenizer.decode, cfg.stop, ends if cfg.stop_at_eos else None)
     try:
@@ -192,6 +196,8 @@ def complete(
         on_notice: told when a prompt is longer than the model's context (its start is cut).
         quantize: "int8" quantizes a run's weights as it loads (`gptkiln.loading.load_model`);
             a `GPT` given is used as it is (quantize it with `gptkiln.quantize.quantize_model`).
+        precision: what a CPU decodes at, ``fp32``, ``bf16`` or ``int8`` (None: the weights'
+            own; `gptkiln.cpu.ready_for_decoding`).
         templated: the prompts were rendered by the model's chat template and hold their own
             special tokens (`gptkiln.tokenizers.encode_prompt`).
 
@@ -212,12 +218,15 @@ def complete(
             f"seed {cfg.seed} + num_samples - 1 is past 2**63 - 1, the largest seed; "
             "give a smaller seed"
         )
-    model, tokenizer = _model_and_tokenizer(run_or_model, tokenizer, device, quantize)
+    model, tokenizer, precision = _model_and_tokenizer(
+        run_or_model, tokenizer, device, quantize, precision
+    )
     source = "the model" if isinstance(run_or_model, GPT) else run_or_model
     ids = [
         _prompt_ids(model, tokenizer, p, source, on_notice, f"prompt {i + 1}", templated)
         for i, p in enumerate(prompts)
     ]
+    _say_precision(model, precision, on_notice)
     rows = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
     streams = generate_batched(
         model,
@@ -242,6 +251,42 @@ def complete(
     ]
 
 
+def load_for_decoding(
+    run_dir: str | os.PathLike,
+    device: str,
+    quantize: str | None = None,
+    precision: str | None = None,
+):
+    """`gptkiln.loading.load_run` for decoding at ``precision`` (None: the run's own; ``int8``
+    quantizes a float run as it loads): (model, tokenizer, run config, the precision)
+    (`gptkiln.cpu.ready_for_decoding`)."""
+    from gptkiln.cpu import loading_quantize, ready_for_decoding
+    from gptkiln.loading import load_run
+
+    model, tokenizer, run_cfg = load_run(
+        run_dir, device=device, quantize=loading_quantize(quantize, precision)
+    )
+    precision = ready_for_decoding(model, precision, device, run_dir)
+    return model, tokenizer, run_cfg, precision
+
+
+def _say_precision(model, precision: str | None, on_notice) -> None:
+    """Tell ``on_notice`` what a CPU decodes at, once the prompts are checked (an error stays
+    one line)."""
+    if on_notice is not None and precision is not None and model.wte.weight.device.type == "cpu":
+        on_notice(precision_notice(precision))
+
+
+def precision_notice(precision: str) -> str:
+    """The one line that says what a CPU decodes at, and how to choose another."""
+    what = {
+        "fp32": "fp32 (exact)",
+        "bf16": "bf16 (bf16 weights, fp32 activations)",
+        "int8": "int8 (int8 weights, 8-bit activations, as llama.cpp's q8_0)",
+    }[precision]
+    return f"decoding at {what}; --precision fp32, bf16 or int8 chooses"
+
+
 def _decoding(model, precision: str | None):
     """The decode backend's set-up `sampling.generate_stream` calls after a first token: on the
     CPU, `gptkiln.cpu.prepare_for_decoding` at ``precision`` (None: the model's own); elsewhere
@@ -257,8 +302,12 @@ def _decoding(model, precision: str | None):
 
 
 def _model_and_tokenizer(
-    run_or_model: Any, tokenizer: Any, device: str, quantize: str | None
-) -> tuple[GPT, Any]:
+    run_or_model: Any,
+    tokenizer: Any,
+    device: str,
+    quantize: str | None,
+    precision: str | None = None,
+) -> tuple[GPT, Any, str | None]:
     if isinstance(run_or_model, GPT):
         if tokenizer is None:
             raise GptkilnError("complete(model, ...) needs the model's tokenizer: tokenizer=...")
@@ -267,11 +316,9 @@ def _model_and_tokenizer(
                 f"complete(model, ..., quantize={quantize!r}): quantize= applies to a run as it "
                 "loads; quantize a built model with gptkiln.quantize.quantize_model first"
             )
-        return run_or_model, tokenizer
-    from gptkiln.loading import load_run
-
-    model, tokenizer, _ = load_run(run_or_model, device=device, quantize=quantize)
-    return model, tokenizer
+        return run_or_model, tokenizer, precision
+    model, tokenizer, _, precision = load_for_decoding(run_or_model, device, quantize, precision)
+    return model, tokenizer, precision
 
 
 def generate_text(
@@ -281,9 +328,13 @@ def generate_text(
     *,
     device: str = "cpu",
     quantize: str | None = None,
+    precision: str | None = None,
 ) -> str:
     """The prompt followed by the generated text."""
-    return prompt + "".join(stream_text(run_dir, prompt, cfg, device=device, quantize=quantize))
+    pieces = stream_text(
+        run_dir, prompt, cfg, device=device, quantize=quantize, precision=precision
+    )
+    return prompt + "".join(pieces)
 
 
 @dataclass
@@ -437,6 +488,8 @@ class RunInfo:
         history: what is known of its training, in words, when nothing is.
         quantization: what a quantized run's config.json records (``method``, ``scheme``,
             ``embedding_and_head``); None for float weights.
+        decodes_at: the precision `generate`, `chat` and `serve` decode at on a CPU unless
+            ``--precision`` says otherwise: its weights' own (int8, bf16 or fp32).
     """
 
     path: str
@@ -458,6 +511,7 @@ class RunInfo:
     resume_note: str
     history: str | None
     quantization: dict[str, Any] | None = None
+    decodes_at: str = "fp32"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -516,6 +570,7 @@ class RunInfo:
         sizes = ", ".join(f"{name} {_size(n)}" for name, n in self.files.items())
         lines.append(("checkpoint", sizes))
         lines.append(("resumable", f"{'yes' if self.resumable else 'no'}: {self.resume_note}"))
+        lines.append(("decodes at", f"{self.decodes_at} on a CPU (--precision fp32, bf16, int8)"))
         width = max(len(line[0]) for line in lines[1:])
         return "\n".join(
             line if isinstance(line, str) else f"  {line[0]:<{width}}  {line[1]}" for line in lines
@@ -572,6 +627,13 @@ def run_info(path: str | os.PathLike) -> RunInfo:
         resumable=False,
         history=None,
         quantization=quantization,
+        decodes_at=(
+            "int8"
+            if scales
+            else "bf16"
+            if any(t.dtype == torch.bfloat16 and t.dim() == 2 for t in sd.values())
+            else "fp32"
+        ),  # fmt: skip
     )
     if hf:
         info["history"] = "none: an imported Hugging Face model has no training history"

@@ -9,7 +9,13 @@ imports nothing of this package: whoever owns a decoding lifetime (`gptkiln.api`
 batcher, the evaluation harness) prepares the model and hands sampling the hook.
 """
 
-from gptkiln.cpu.plan import DecodePlan, default_precision, prepare_for_decoding
+from gptkiln.cpu.plan import (
+    DecodePlan,
+    default_precision,
+    loading_quantize,
+    prepare_for_decoding,
+    ready_for_decoding,
+)
 from gptkiln.cpu.specs import PRECISIONS, exact_kernels, exact_only
 
 __all__ = [
@@ -18,5 +24,7 @@ __all__ = [
     "default_precision",
     "exact_kernels",
     "exact_only",
+    "loading_quantize",
     "prepare_for_decoding",
+    "ready_for_decoding",
 ]

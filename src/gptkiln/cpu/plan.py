@@ -19,14 +19,45 @@ from gptkiln.cpu.tuner import Clock, drop_unused_copies, keep_exact, tune_decodi
 
 
 def default_precision(model: nn.Module) -> str:
-    """The precision a model decodes at unless another is asked: ``int8`` for a quantized model
-    (int8 weights), else ``fp32`` (a bf16 run is loaded for the CPU at fp32 and asks for
-    ``bf16`` itself: `gptkiln.api.decode_precision`)."""
+    """The precision a model decodes at unless another is asked: its weights' own. ``int8`` for
+    a quantized model (int8 weights), ``bf16`` where its products' weights are bf16 (a Hugging
+    Face checkpoint converted as it ships), else ``fp32``."""
+    kinds = set()
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dtype == torch.int8:
-            return "int8"
-    return "fp32"
+        if isinstance(w, torch.Tensor) and module.__class__.__name__.endswith("Linear"):
+            kinds.add(w.dtype)
+    if torch.int8 in kinds:
+        return "int8"
+    return "bf16" if torch.bfloat16 in kinds else "fp32"
+
+
+def ready_for_decoding(
+    model: nn.Module, precision: str | None, device: str, source: object = "the model"
+) -> str:
+    """Check ``precision`` (None: `default_precision`) against ``model`` and ready the model for
+    it: on the CPU a bf16 model is taken to fp32 (fp32 activations, as llama.cpp decodes a bf16
+    file; at ``bf16`` the tuner's bf16 copies are then its own weights exactly). Returns the
+    precision. A quantized model decodes at int8 only (one line says how to get the others)."""
+    from gptkiln.errors import GptkilnError
+
+    if precision is not None and precision not in specs.PRECISIONS:
+        raise GptkilnError(f"--precision {precision}: choose one of {', '.join(specs.PRECISIONS)}")
+    own = default_precision(model)
+    if own == "int8" and precision not in (None, "int8"):
+        raise GptkilnError(
+            f"{source} has int8 weights, so it decodes at int8; for {precision}, give the float "
+            "run it was quantized from"
+        )
+    if device == "cpu" and own == "bf16":
+        model.float()
+    return precision or own
+
+
+def loading_quantize(quantize: str | None, precision: str | None) -> str | None:
+    """What a run is quantized to as it loads: ``int8`` where asked by ``quantize`` or by
+    ``precision``, else None (as stored)."""
+    return "int8" if precision == "int8" else quantize
 
 
 @dataclass

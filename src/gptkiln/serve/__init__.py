@@ -69,6 +69,7 @@ def serve(
     device: str = "cpu",
     quantize: str | None = None,
     log_level: str = "info",
+    precision: str | None = None,
 ) -> None:
     """Load the model of ``run_dir`` once and serve it until interrupted.
 
@@ -84,6 +85,8 @@ def serve(
         quantize: "int8" quantizes the weights as they load (`gptkiln.loading.load_model`);
             None serves them as stored (a quantized run is served quantized either way).
         log_level: uvicorn's; requests are not logged one by one (see ``/metrics``).
+        precision: what a CPU decodes at, ``fp32``, ``bf16`` or ``int8`` (None: the run's
+            own; `gptkiln.cpu.ready_for_decoding`).
     """
     check_serve_options(
         host=host,
@@ -95,11 +98,12 @@ def serve(
     )
     import uvicorn
 
+    from gptkiln.api import load_for_decoding, precision_notice
     from gptkiln.finetune.runs import run_template
-    from gptkiln.loading import check_language_model, load_run
+    from gptkiln.loading import check_language_model
     from gptkiln.serve.app import create_app
 
-    model, tokenizer, run_cfg = load_run(run_dir, device=device, quantize=quantize)
+    model, tokenizer, run_cfg, precision = load_for_decoding(run_dir, device, quantize, precision)
     check_language_model(model, run_dir)  # a classifier's scores are not next tokens
     template = run_template(run_cfg, run_dir)  # an instruction-tuned run's: it can chat
     model.eval()
@@ -114,11 +118,13 @@ def serve(
         api_key=api_key,
         max_body_bytes=max_body_bytes,
     )
+    app.state.batcher.precision = precision  # read once, as the batcher prepares its model
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(
         f"gptkiln serve: {run_dir} as {name!r} (context {model.config.context_length}, "
         f"{max_batch} sequences at once); playground {url}/, API {url}/v1"
-        + (" (chat too: instruction-tuned)" if template is not None else ""),
+        + (" (chat too: instruction-tuned)" if template is not None else "")
+        + (f"; {precision_notice(precision)}" if device == "cpu" else ""),
         file=sys.stderr,
         flush=True,
     )
