@@ -812,6 +812,29 @@ def test_the_one_call_decode_step_is_the_layers_step(build, quantized, prompts):
 
 
 @needs_blocks_library
+def test_the_one_call_step_runs_bf16_layers_over_their_bf16_copies(build):
+    # bf16 decoding: the one call reads each layer's bf16 copy, as the layers' loop does
+    model = _gpt2(False)
+    layers = [m for m in model.modules() if hasattr(m, "few_row_kernels")]
+    for i, layer in enumerate(layers):  # bf16 on most products, fp32 on some: both in one step
+        layer.few_row_kernels[1] = (
+            products.few_rows_linear if i % 5 == 1 else products.bf16_rows_linear
+        )
+    loops.use_compiled_loops(model)
+    with pytest.MonkeyPatch.context() as m:  # the layers, each by its own loop
+        m.setattr(blocks, "library", lambda: None)
+        assert not blocks.use_native_blocks(model, 1)
+    reference = _step_logits(model, [[5, 6, 7]], steps=6)
+    assert blocks.use_native_blocks(model, 1)
+    model.decode_blocks, done = _counting(model.decode_blocks)
+    got = _step_logits(model, [[5, 6, 7]], steps=6)
+    assert len(done) == 6
+    torch.testing.assert_close(got, reference, atol=2e-5, rtol=1e-5)
+    exact = _step_logits_with(_gpt2(False), products.few_rows_linear, [[5, 6, 7]], steps=6)
+    assert not torch.allclose(got, exact, atol=1e-6, rtol=0)  # the weights were rounded
+
+
+@needs_blocks_library
 @needs_q8_library
 @pytest.mark.parametrize("mixed", [False, True], ids=["q8", "q8-and-int8"])
 def test_the_one_call_step_runs_each_product_by_its_layers_loop(build, mixed):
