@@ -235,7 +235,7 @@ def matmul_peak_gflops(threads: int = THREADS, n: int = 2048, repeats: int = 10)
 
 
 def _matmul_worker(job: dict) -> None:
-    from gptkiln.kernels import candidates
+    from gptkiln.cpu import specs
 
     torch = setup_torch(job["threads"])
     n = job["n"]
@@ -243,7 +243,7 @@ def _matmul_worker(job: dict) -> None:
     out = torch.empty(n, n)
     result = {}
     kernels = {"mkl": lambda: torch.mm(a, b, out=out)}
-    onednn = candidates().get("onednn")  # where this torch build has it
+    onednn = specs.offered("float32", "fp32").get("onednn")  # where this torch build has it
     if onednn is not None:
         bt = b.t().contiguous()  # linear takes the (out, in) weight: a @ bt.T == a @ b
         kernels["onednn"] = lambda: onednn(a, bt, None)

@@ -4,7 +4,7 @@
 
 `bench/quantize_quality.py` measures int8 weights through ``gptkiln perplexity``, whose forwards
 multiply hundreds of rows at once and so never reach the few-row kernels the tuner hands out
-for decoding (`gptkiln.kernels`). Here every token goes through the static KV cache one at a
+for decoding (`gptkiln.cpu`). Here every token goes through the static KV cache one at a
 time (`gptkiln.sampling.decode_one_token`, batch 1, the kernels tuned for one row), over
 windows of the model's context from the first ``--max-tokens`` tokens of FILE, and the
 perplexity of the next token is accumulated. Rows:
@@ -94,10 +94,11 @@ def main() -> None:
     model, tokenizer, _ = load_run(args.run)
     ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))[: args.max_tokens]
     rows = [{"model": "fp32", "ppl": decode_perplexity(with_float_kernel(model, "linear"), ids)}]
-    from gptkiln.kernels import candidates
+    from gptkiln.cpu import specs
 
     for name in args.float_kernels:
-        if name not in candidates():
+        spec = specs.BY_NAME.get(name)
+        if spec is None or spec.weight != "float32" or not specs.available(spec):
             print(f"# fp32 kernel {name}: not offered here (GPTKILN_EXACT_KERNELS, or the CPU)")
             continue
         again, _, _ = load_run(args.run)

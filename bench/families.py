@@ -29,7 +29,7 @@ Decoding (batch 1, an 8-token prompt, 200 new greedy tokens; one warm-up call ex
 also tunes gptkiln's kernels; median over ``--repeats`` calls):
 
 - gptkiln: ``gptkiln.sampling.generate(model, prompt, max_new_tokens=200, temperature=0)``: its
-  static KV cache and the decoding kernels ``gptkiln.kernels.tune_decoding`` picks.
+  static KV cache and the decoding kernels ``gptkiln.cpu.prepare_for_decoding`` picks.
 - gptkiln int8: the same model after ``gptkiln.quantize.quantize_model`` (int8 weights, per
   channel; head and embedding too), as ``gptkiln generate --quantize int8`` runs it.
 - transformers: ``model.generate(do_sample=False, use_cache=True, max_new_tokens=200,
@@ -189,7 +189,7 @@ def decode_worker(job: dict) -> None:
     sec = statistics.median(times)
     result = {"tokens_per_s": n / sec, "ms_per_token": 1e3 * sec / n}
     if impl.startswith("gptkiln"):
-        from gptkiln.kernels import chosen
+        from gptkiln.cpu.tuner import chosen
 
         picked = sorted({name for (_, _, rows, _, _), name in chosen().items() if rows == 1})
         result["kernels"] = ", ".join(picked)

@@ -90,10 +90,15 @@ def generator_for(impl: str, model):
     import torch
 
     if impl == "gptkiln":
+        from gptkiln.cpu import prepare_for_decoding
         from gptkiln.sampling import generate
 
-        def run(idx, n):
-            return torch.tensor(generate(model, idx.tolist(), max_new_tokens=n, temperature=0))
+        def run(idx, n):  # the CPU backend prepared as `gptkiln generate` prepares it
+            ids = idx.tolist()
+            new = generate(
+                model, ids, max_new_tokens=n, temperature=0, prepare=prepare_for_decoding
+            )
+            return torch.tensor(new)
     elif impl == "transformers":
 
         def run(idx, n):
@@ -138,7 +143,7 @@ def worker(job: dict) -> None:
     assert out.shape == (job["batch"], 2), out.shape
     sec = statistics.median(times)
     result = {"tokens_per_s": job["batch"] * n / sec, "seconds": sec, "ms_per_token": 1e3 * sec / n}
-    if impl.startswith("gptkiln"):  # what the decode ran, as gptkiln.kernels.tune_decoding left it
+    if impl.startswith("gptkiln"):  # what the decode ran, as gptkiln.cpu's tuner left it
         from gptkiln import kernels
 
         names = {

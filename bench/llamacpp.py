@@ -13,9 +13,12 @@ sdist's ``gguf-py`` first on its path.
 
 The same weights on both sides: ``--run`` (a GPT-2 run), or by default a GPT-2 124M-shaped run
 with random weights (as ``bench/generate.py`` makes one, gpt2 tokenizer), exported with
-``gptkiln convert to-hf`` and converted to f32 and q8_0 GGUF. gptkiln's int8 is
-``gptkiln convert quantize`` of the run (int8 weights per output channel, head included);
-llama.cpp's q8_0 quantizes weights in blocks of 32 and, while decoding, the activations too.
+``gptkiln convert to-hf`` and converted to f32, bf16 and q8_0 GGUF. Each gptkiln row decodes at
+one precision (``--precision``) and is compared with the llama.cpp file of that precision, as
+the ``vs`` column says: exact fp32 against f32, bf16 (bf16 weights, fp32 activations) against
+bf16, int8 (``gptkiln convert quantize`` of the run: int8 weights per output channel, head
+included, activations rounded to 8 bits in blocks of 32 while decoding) against q8_0 (weights
+in blocks of 32, and, while decoding, the activations too).
 
 Rows (every one its own fresh process, 2 threads, interleaved over ``--rounds``):
 
@@ -86,16 +89,26 @@ def worker(job: dict) -> None:
     import torch
 
     from gptkiln.config import SampleConfig
+    from gptkiln.cpu import prepare_for_decoding, ready_for_decoding
     from gptkiln.loading import load_run
     from gptkiln.sampling import generate_stream
 
     model, tokenizer, _ = load_run(job["run"], device="cpu")
+    precision = ready_for_decoding(model, job.get("precision"), "cpu")
     n = job["new_tokens"]
     cfg = SampleConfig(temperature=0.0, max_new_tokens=n, stop_at_eos=False)
     ids = tokenizer.encode(PROMPT)
     times, first = [], None
     with torch.no_grad():
-        for _ in generate_stream(model, [ids], cfg, tokenizer.eot_id):
+        for _ in generate_stream(
+            model,
+            [ids],
+            cfg,
+            tokenizer.eot_id,
+            prepare=lambda m, rows, steps: prepare_for_decoding(
+                m, rows, steps, precision=precision
+            ),
+        ):
             times.append(time.perf_counter())
             if first is None:
                 first = time.time() - job["launched"]
@@ -140,7 +153,7 @@ def _env(**extra: str) -> dict:
 
 
 def to_gguf(hf_dir: Path, sdist: Path, workdir: Path) -> dict[str, Path]:
-    """The f32 and q8_0 GGUF files of an HF GPT-2 directory, by llama.cpp's own converter."""
+    """The f32, bf16 and q8_0 GGUF files of an HF GPT-2 directory, by llama.cpp's own converter."""
     root = workdir / "llamacpp-src"
     if not root.exists():
         with tarfile.open(sdist) as tar:
@@ -153,7 +166,7 @@ def to_gguf(hf_dir: Path, sdist: Path, workdir: Path) -> dict[str, Path]:
             tar.extractall(root, members=members, filter="data")
     (llama_dir,) = root.glob("*/vendor/llama.cpp")
     out = {}
-    for kind in ("f32", "q8_0"):
+    for kind in ("f32", "bf16", "q8_0"):
         path = workdir / f"model-{kind}.gguf"
         if not path.exists():
             subprocess.run(
@@ -192,16 +205,20 @@ def run_timed(cmd: list[str], env: dict, timeout: float = 900) -> tuple[dict | N
     return None, wall
 
 
-def jobs(runs: dict[str, Path], ggufs: dict[str, Path], llama_python: str, n: int) -> list[dict]:
-    """(name, decode command, whole-process command, env) of every side."""
+def jobs(
+    runs: dict[str, tuple[Path, str]], ggufs: dict[str, Path], llama_python: str, n: int
+) -> list[dict]:
+    """(name, decode command, whole-process command, env) of every side; ``runs``: name ->
+    (run, the precision it decodes at)."""
     script = str(Path(__file__).resolve())
     out = []
-    for name, run in runs.items():
-        job = {"run": str(run), "new_tokens": n, "launched": "{launched}"}
+    for name, (run, precision) in runs.items():
+        job = {"run": str(run), "new_tokens": n, "launched": "{launched}", "precision": precision}
         job_text = json.dumps(job).replace('"{launched}"', "{launched}")  # a number, at launch
         decode = [sys.executable, script, "--worker", job_text]
         whole = [sys.executable, "-m", "gptkiln", "generate", str(run), "--prompt", PROMPT]
         whole += ["--temperature", "0", "--max-new-tokens", str(n), "--json"]
+        whole += ["--precision", precision]
         out.append({"name": name, "decode": decode, "whole": whole, "env": _env()})
     for name, path in ggufs.items():
         cmd = [llama_python, "-c", LLAMA_WORKER, str(path), str(n), "{launched}"]
@@ -250,7 +267,11 @@ def table(figures: dict[str, dict[str, list[float]]]) -> list[dict]:
         }
         for name, f in figures.items()
     }
-    peer_of = {"gptkiln fp32": "llama.cpp f32", "gptkiln int8": "llama.cpp q8_0"}
+    peer_of = {
+        "gptkiln fp32": "llama.cpp f32",
+        "gptkiln bf16": "llama.cpp bf16",
+        "gptkiln int8": "llama.cpp q8_0",
+    }
     rows = []
     for name, f in figures.items():
         b = best[name]
@@ -298,14 +319,19 @@ def main() -> None:
             gptkiln_cli("convert", "to-hf", str(run), "--out", str(hf_dir))
         ggufs = to_gguf(hf_dir, args.sdist, workdir)
         sides = jobs(
-            {"gptkiln fp32": run, "gptkiln int8": int8_run},
+            {
+                "gptkiln fp32": (run, "fp32"),
+                "gptkiln bf16": (run, "bf16"),
+                "gptkiln int8": (int8_run, "int8"),
+            },
             ggufs,
             args.llamacpp_python,
             args.new_tokens,
         )
         print(
             f"# run {run}; greedy, batch 1, {args.new_tokens} tokens from {PROMPT!r}, "
-            f"{args.rounds} rounds interleaved, each side a fresh process"
+            f"{args.rounds} rounds interleaved, each side a fresh process; each gptkiln row "
+            "against the llama.cpp file of its precision: fp32 vs f32, bf16 vs bf16, int8 vs q8_0"
         )
         rows = table(measure(sides, args.rounds))
     common.print_table(

@@ -50,6 +50,7 @@ def main() -> None:
     args = p.parse_args()
     torch = common.setup_torch()
     from gptkiln.api import eval_tokens, perplexity_of_model
+    from gptkiln.cpu import prepare_for_decoding as prepare
     from gptkiln.loading import load_model, load_run
     from gptkiln.quantize import quantize_model
     from gptkiln.sampling import generate
@@ -68,7 +69,9 @@ def main() -> None:
     for name, model in models.items():
         result = perplexity_of_model(model, tokens, tokenizer, batch_size=args.batch_size)
         with torch.inference_mode():
-            new = generate(model, prompt, max_new_tokens=args.new_tokens, temperature=0)
+            new = generate(
+                model, prompt, max_new_tokens=args.new_tokens, temperature=0, prepare=prepare
+            )
         texts[name] = new
         rows.append({"model": name, "loss": result.loss, "ppl": result.perplexity})
     base = rows[0]

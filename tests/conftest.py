@@ -49,11 +49,11 @@ os.environ["GPTKILN_CACHE"] = _SESSION_CACHE
 atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 
 
-# The int8 kernel that quantizes activations (kernels.dynamic_int8) gives other numbers than the
-# reference by design, and the tuner picks it by timing: tests that compare two generations
-# (cache or not, batched or alone, two processes) would depend on the runner's timings. The
-# suite, and every command it starts, tunes among the exact kernels; tests/test_kernels.py
-# tests the dynamic one on its own.
+# The int8 kernels that round the activations (q8_rows: q8_0's 8 bits in blocks of 32) give
+# other numbers than the dequantized reference by design: tests that compare two generations
+# (cache or not, batched or alone, two processes) compare the weights' own sums. The suite, and
+# every command it starts, decodes exactly (`gptkiln.cpu.exact_kernels`); tests/test_kernels.py
+# and tests/test_native.py test the rounding kernels on their own.
 os.environ["GPTKILN_EXACT_KERNELS"] = "1"
 
 
@@ -64,11 +64,12 @@ def _own_cache_dir(tmp_path_factory, monkeypatch):
     # tuned kernels.
     own = tmp_path_factory.mktemp("gptkiln-cache")
     monkeypatch.setenv("GPTKILN_CACHE", str(own))
-    # ...except the project's compiled kernels (`gptkiln.native`), which every process that
-    # tunes would otherwise build again (~0.5 s each): one build for the session, shared.
-    shared = Path(_SESSION_CACHE) / "native"
-    shared.mkdir(exist_ok=True)
-    (own / "native").symlink_to(shared, target_is_directory=True)
+    # ...except the project's compiled kernels (`gptkiln.cpu.library`), which every process
+    # that decodes would otherwise build again (seconds each): one build for the session,
+    # shared, in a directory of the user's own (0700), as the library asks of its directory.
+    shared = Path(_SESSION_CACHE) / "cpu"
+    shared.mkdir(mode=0o700, exist_ok=True)
+    (own / "cpu").symlink_to(shared, target_is_directory=True)
     # Decoding points inductor's caches into that directory unless the variable is set: the
     # suite keeps inductor's default instead, so that its compiled kernels carry over between
     # tests and runs as they did.

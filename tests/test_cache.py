@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gptkiln.kernels as kernels
 from gptkiln import cache
 from gptkiln.config import GPTConfig
+from gptkiln.cpu import specs, tuner
 from gptkiln.model import GPT
 
 SRC = str(Path(cache.__file__).resolve().parents[1])
@@ -25,7 +25,7 @@ KEY = {"torch": "1.0", "cpu": "a test CPU"}
 @pytest.fixture(autouse=True)
 def fresh_choices(monkeypatch):
     """Every test starts with no choices made in this process (only the disk's, if any)."""
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
 
 
 def test_the_directory_is_gptkiln_cache_else_xdg_else_home(monkeypatch, tmp_path):
@@ -41,7 +41,7 @@ def test_the_directory_is_gptkiln_cache_else_xdg_else_home(monkeypatch, tmp_path
 
 def test_gptkiln_cache_moves_the_tuners_file(monkeypatch, tmp_path):
     monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / "elsewhere"))
-    kernels.tune_decoding(tiny_model(), rows=2, repeats=1)
+    tuner.tune_decoding(tiny_model(), rows=2, repeats=1)
     data = json.loads((tmp_path / "elsewhere" / "decode-kernels.json").read_text())
     assert len(data["entries"]) == 5  # the tiny GPT's five weight shapes
     assert data["machine"] == cache.machine()
@@ -138,16 +138,16 @@ def test_a_second_process_takes_the_tuners_choices_without_timing(tmp_path):
         import json, sys
         sys.path.insert(0, sys.argv[1])
         import torch
-        import gptkiln.kernels as kernels
+        import gptkiln.cpu.tuner as tuner
         from gptkiln.config import GPTConfig
         from gptkiln.model import GPT
         if sys.argv[2] == "forbid":
             def timed(*args):
                 raise AssertionError("a timing run")
-            kernels._fastest = timed
+            tuner._fastest = timed
         torch.manual_seed(0)
         model = GPT(GPTConfig.from_name("tiny", vocab_size=61, context_length=32)).eval()
-        picked = kernels.tune_decoding(model, rows=2, repeats=1)
+        picked = tuner.tune_decoding(model, rows=2, repeats=1)
         print(json.dumps(sorted((list(k), v) for k, v in picked.items())))
         """
     )
@@ -168,35 +168,37 @@ def test_a_second_process_takes_the_tuners_choices_without_timing(tmp_path):
 def test_a_cached_choice_that_no_longer_equals_the_reference_is_timed_again(monkeypatch):
     model = tiny_model()
     found = {"linear": F.linear, "mine": F.linear}
-    monkeypatch.setattr(kernels, "candidates", lambda: found)
-    monkeypatch.setattr(kernels, "_fastest", lambda *a: "mine")
-    kernels.tune_decoding(model, rows=2)  # "mine" for every shape, on disk
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(specs, "offered", lambda weight, precision: found)
+    monkeypatch.setattr(tuner, "_fastest", lambda *a: "mine")
+    tuner.tune_decoding(model, rows=2)  # "mine" for every shape, on disk
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
     found["mine"] = lambda x, w, b: F.linear(x, w, b) + 1  # the same name, now wrong
     timed = []
-    monkeypatch.setattr(kernels, "_fastest", lambda *a: timed.append(1) or "linear")
-    assert set(kernels.tune_decoding(model, rows=2).values()) == {"linear"}
+    monkeypatch.setattr(tuner, "_fastest", lambda *a: timed.append(1) or "linear")
+    assert set(tuner.tune_decoding(model, rows=2).values()) == {"linear"}
     assert len(timed) == 5  # every shape timed again, and the disk now says "linear"
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
-    monkeypatch.setattr(kernels, "_fastest", lambda *a: pytest.fail("timed"))
-    assert set(kernels.tune_decoding(model, rows=2).values()) == {"linear"}
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
+    monkeypatch.setattr(tuner, "_fastest", lambda *a: pytest.fail("timed"))
+    assert set(tuner.tune_decoding(model, rows=2).values()) == {"linear"}
 
 
 def test_new_candidates_or_another_thread_count_are_timed_again(monkeypatch):
     model = tiny_model()
-    monkeypatch.setattr(kernels, "candidates", lambda: {"linear": F.linear})
-    kernels.tune_decoding(model, rows=2, repeats=1)
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(specs, "offered", lambda weight, precision: {"linear": F.linear})
+    tuner.tune_decoding(model, rows=2, repeats=1)
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
     timed = []
-    monkeypatch.setattr(kernels, "_fastest", lambda *a: timed.append(1) or "linear")
-    monkeypatch.setattr(kernels, "candidates", lambda: {"linear": F.linear, "new": F.linear})
-    kernels.tune_decoding(model, rows=2)
+    monkeypatch.setattr(tuner, "_fastest", lambda *a: timed.append(1) or "linear")
+    monkeypatch.setattr(
+        specs, "offered", lambda weight, precision: {"linear": F.linear, "new": F.linear}
+    )
+    tuner.tune_decoding(model, rows=2)
     assert len(timed) == 5  # a kernel that was not there when the choice was made
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        kernels.tune_decoding(model, rows=2)
+        tuner.tune_decoding(model, rows=2)
     finally:
         torch.set_num_threads(threads)
     assert len(timed) == 10
@@ -206,7 +208,7 @@ def test_tuning_points_inductors_cache_into_ours_unless_set(monkeypatch, tmp_pat
     monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # so that the next line is undone
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    kernels.tune_decoding(tiny_model(), rows=1, repeats=1)
+    tuner.tune_decoding(tiny_model(), rows=1, repeats=1)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "users"))
     cache.use_for_inductor()

@@ -144,10 +144,10 @@ def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(
 
 def test_the_compiled_scoring_gives_torchs_figures(monkeypatch):
     import gptkiln.evaluate.scoring as ev
-    from gptkiln.native import target_log_probs_library
+    from gptkiln.cpu.library import library
 
-    if target_log_probs_library() is None:
-        pytest.skip("no C compiler or no AVX-512 here: torch's path is the only one")
+    if library() is None:
+        pytest.skip("no C compiler here: torch's path is the only one")
     model = chain_model(n_embd=32)
     pairs = some_pairs(model)
     compiled = score_pairs(model, pairs, batch_size=4)
@@ -530,36 +530,38 @@ def test_run_tasks_gives_flat_columns_for_a_model_in_hand(setup, both):
 def test_scores_and_generations_leave_out_the_kernels_that_change_the_sums(setup, monkeypatch):
     """On a CPU where int8 activations (or a bf16 product) win the tuner's race, `gptkiln
     generate` takes them; an evaluation must not: its scores and tokens are the weights' own."""
-    from gptkiln import kernels
+    from gptkiln.cpu import products, specs, tuner
     from gptkiln.evaluate import GptkilnLM, load_tasks, run_harness
     from gptkiln.quantize import Int8Linear
 
-    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite decodes exactly
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
     offered = []
+    real = specs.offered
 
-    def quantizing_wins(found, layers, rows, repeats):  # a machine where they are fastest
+    def recording(weight, precision):  # what generation was offered, on any machine
+        found = real(weight, precision)
         offered.append(set(found))
-        return next((n for n in found if n in kernels.QUANTIZING_ACTIVATIONS), next(iter(found)))
+        return found
 
-    monkeypatch.setattr(kernels, "_fastest", quantizing_wins)
+    monkeypatch.setattr(specs, "offered", recording)
     lm = GptkilnLM(str(setup["root"] / "run"), batch_size=3, quantize="int8", progress=False)
     manager, built = load_tasks("kiln_gen", setup["tasks"])
     run_harness(lm, manager, built, bootstrap_iters=0)
-    assert offered and not any(names & kernels.QUANTIZING_ACTIVATIONS for names in offered)
+    assert offered and not any(names & specs.inexact() for names in offered)
     layers = [m for m in lm._model.modules() if isinstance(m, Int8Linear)]
     tuned = {k for m in layers for k in m.few_row_kernels.values()}
-    assert tuned and kernels.dynamic_int8 not in tuned
-    with kernels.exact_kernels():
-        assert "dynamic" not in kernels.int8_candidates()
-    assert "dynamic" in kernels.int8_candidates()  # outside the block: offered again
-    kernels.tune_decoding(lm._model, rows=3)  # a model tuned before, as a trainer's that sampled
-    assert {m.few_row_kernels[3] for m in layers} == {kernels.dynamic_int8}
-    assert set(kernels.QUANTIZING_ACTIVATIONS) == set(kernels._INEXACT)
+    rounding = {specs.BY_NAME[name].kernel for name in specs.inexact()}
+    assert tuned and not tuned & rounding
+    with specs.exact_kernels():
+        assert specs.precision_for("int8", "int8") == "exact"
+    for m in layers:  # a model given rounding kernels before, as a trainer's that sampled
+        m.few_row_kernels[3] = products.dynamic_int8
+        products._packed(m.weight, m.scale, m.bias)  # with its copies
     manager, built = load_tasks("kiln_mc", setup["tasks"])
     run_harness(lm, manager, built, bootstrap_iters=0)  # scoring takes them off first
-    assert not any(kernels.dynamic_int8 in m.few_row_kernels.values() for m in layers)
-    assert not any(id(m.weight) in kernels._PACKED for m in layers)  # and frees their copies
+    assert not any(products.dynamic_int8 in m.few_row_kernels.values() for m in layers)
+    assert not any(id(m.weight) in products._PACKED for m in layers)  # and frees their copies
 
 
 def test_limit_num_fewshot_and_seed_reach_the_harness(setup, tmp_path):

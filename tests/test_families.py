@@ -422,12 +422,12 @@ def test_bfloat16_weights_decode_as_the_full_forward(model):
 
 
 def test_int8_quantization_reaches_every_new_layer_and_decodes(model, monkeypatch):
-    import gptkiln.kernels as kernels
+    from gptkiln.cpu import prepare_for_decoding, products, specs
     from gptkiln.quantize import Int8Linear, dequantize, int8_modules, quantize_model
 
-    monkeypatch.setattr(
-        kernels, "int8_candidates", lambda: {"dequantize": kernels.dequantize_linear}
-    )
+    real = specs.offered
+    only = {"dequantize": products.dequantize_linear}
+    monkeypatch.setattr(specs, "offered", lambda w, p: only if w == "int8" else real(w, p))
     q = GPT(model.config).eval()
     q.load_state_dict(model.state_dict())
     quantize_model(q)
@@ -448,14 +448,15 @@ def test_int8_quantization_reaches_every_new_layer_and_decodes(model, monkeypatc
         torch.testing.assert_close(quantized, rounded(idx), rtol=1e-5, atol=1e-5)
     assert 0 < (quantized - full).abs().max() < 0.1 * full.abs().max()
     prompt = [1, 2, 3]
-    assert generate(q, prompt, max_new_tokens=8, temperature=0) == generate(
+    prepare = prepare_for_decoding
+    assert generate(q, prompt, max_new_tokens=8, temperature=0, prepare=prepare) == generate(
         q, prompt, max_new_tokens=8, temperature=0, use_cache=False
     )
     assert q.h[0].mlp.gate_proj.few_row_kernels  # the decode tuner reached the new layers
 
 
 def test_the_decode_tuner_reaches_every_new_linear_layer(model):
-    from gptkiln.kernels import tune_decoding
+    from gptkiln.cpu.tuner import tune_decoding
 
     m = GPT(model.config).eval()
     m.load_state_dict(model.state_dict())

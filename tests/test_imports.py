@@ -25,7 +25,7 @@ SOURCE = Path(gptkiln.__file__).parent
 # of imports, what is above it: a feature (a command's own code) or the modules that write runs
 # and other formats; they are what knows about the bottom, never the other way.
 LOW = ("gptkiln.loading", "gptkiln.model", "gptkiln.config", "gptkiln.tokenizers",
-       "gptkiln.quantize", "gptkiln.kernels", "gptkiln.sampling", "gptkiln.errors",
+       "gptkiln.quantize", "gptkiln.cpu", "gptkiln.sampling", "gptkiln.errors",
        "gptkiln.devices", "gptkiln.load_steps", "gptkiln.cache")  # fmt: skip
 ABOVE = ("gptkiln.finetune", "gptkiln.serve", "gptkiln.cli", "gptkiln.api", "gptkiln.inspect",
          "gptkiln.chat", "gptkiln.train", "gptkiln.convert", "gptkiln.checkpoint",
@@ -190,6 +190,21 @@ def test_low_layers_never_import_what_is_above_them():
         if _under(reached, ABOVE)
     ]
     assert not wrong, "a low layer imports what is above it:\n  " + "\n  ".join(wrong)
+
+
+def test_sampling_and_the_model_import_nothing_of_the_cpu_backend():
+    """Text generation is small pure functions and the model is plain: the CPU backend
+    (`gptkiln.cpu`) is applied from outside, by whoever owns a decoding (api, serve, evaluate),
+    never reached from them, not even lazily or through another module."""
+    graph = import_graph(SOURCE, PACKAGE)
+    assert "gptkiln.cpu.plan" in graph  # the backend is there, and is not what they import
+    for plain in ("gptkiln.sampling", "gptkiln.model"):
+        wrong = [
+            " -> ".join(chain)
+            for reached, chain in reachable(graph, plain).items()
+            if _under(reached, ("gptkiln.cpu",))
+        ]
+        assert not wrong, f"{plain} reaches the CPU backend:\n  " + "\n  ".join(wrong)
 
 
 # -- the walk itself, on packages made for it -----------------------------------------------------

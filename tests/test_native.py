@@ -1,8 +1,11 @@
-"""The project's compiled kernels (`gptkiln.native`): built once per machine, equal to torch's
-own, and never in the way where they cannot be built."""
+"""The CPU backend's C (`gptkiln.cpu.library`): one library built once per machine, loaded only
+from a directory of the user's own, every kernel equal to torch's in both builds (the AVX-512
+one and the plain-C reference, ``GPTKILN_CPU_KERNELS=generic``), and never in the way where it
+cannot be built."""
 
 import math
 import os
+import stat
 import subprocess
 import sys
 
@@ -10,49 +13,51 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gptkiln.kernels as kernels
-import gptkiln.native as native
+from gptkiln.cpu import blocks, library, loops, prepare_for_decoding, products, specs, tuner
 
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """A cache directory of this test's own (no shared build) and no library loaded yet."""
     monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / "cache"))
-    for library in LIBRARIES:
-        library.cache_clear()
-    yield tmp_path / "cache" / "native"
-    for library in LIBRARIES:
-        library.cache_clear()
+    library._load.cache_clear()
+    yield tmp_path / "cache" / "cpu"
+    library._load.cache_clear()
 
 
-LIBRARIES = (
-    native.few_rows_library,
-    native.int8_rows_library,
-    native.target_log_probs_library,
-    native.gelu_library,
-    native.decode_attention_library,
-    native.decode_blocks_library,
-    native.q8_rows_library,
-    native.bf16_rows_library,
-)
+@pytest.fixture(params=["x86", "generic"])
+def build(request, monkeypatch):
+    """Each kernel test runs in both builds: the AVX-512 one (where the CPU has AVX-512) and the
+    plain-C reference every machine builds (``GPTKILN_CPU_KERNELS=generic``)."""
+    if request.param == "x86":
+        if library.build() != "x86" or library.library() is None:
+            pytest.skip("not an x86-64 build here")
+        if not library.library().gk_avx512():
+            pytest.skip("no AVX-512 on this CPU: the x86 library runs the generic kernels")
+    else:
+        monkeypatch.setenv("GPTKILN_CPU_KERNELS", "generic")
+    if library.library() is None:
+        pytest.skip("no C compiler here: the kernels are not offered")
+    assert library.library().gk_avx512() == (request.param == "x86")
+    return request.param
 
 
 needs_library = pytest.mark.skipif(
-    native.few_rows_library() is None,
-    reason="no C compiler with OpenMP, or no AVX-512 on this machine: the kernel is not offered",
+    library.library() is None,
+    reason="no C compiler on this machine: the kernels are not offered",
 )
 
 
 @needs_library
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 64])
 @pytest.mark.parametrize("n_out, n_in", [(4, 16), (7, 48), (97, 768), (50, 272)])
-def test_the_few_rows_kernel_is_f_linear(rows, n_out, n_in):
+def test_the_few_rows_kernel_is_f_linear(build, rows, n_out, n_in):
     # every remainder: rows not a multiple of 4 (1, 3, 5), outputs not a multiple of 4 (7, 97,
     # 50), an input wider than one chunk of k (768, 272 = 256 + 16)
     torch.manual_seed(rows * 1000 + n_out)
     x, w, b = torch.randn(rows, n_in), torch.randn(n_out, n_in), torch.randn(n_out)
     for bias in (b, None):
-        got = kernels.few_rows_linear(x, w, bias)
+        got = products.few_rows_linear(x, w, bias)
         assert got.shape == (rows, n_out) and got.is_contiguous()
         # the same sums in another order: as close to the exact ones as torch's own
         exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
@@ -62,33 +67,67 @@ def test_the_few_rows_kernel_is_f_linear(rows, n_out, n_in):
 
 
 @needs_library
-def test_the_few_rows_kernel_leaves_to_f_linear_what_it_does_not_take():
+def test_the_few_rows_kernel_leaves_to_f_linear_what_it_does_not_take(build):
     torch.manual_seed(0)
     w = torch.randn(8, 48)
     cases = {
         "a width that is not a multiple of 16": (torch.randn(3, 24), torch.randn(8, 24)),
-        "more rows than it keeps sums for": (torch.randn(kernels.FEW_ROWS + 1, 48), w),
+        "more rows than it keeps sums for": (torch.randn(products.FEW_ROWS + 1, 48), w),
         "float64": (torch.randn(3, 48, dtype=torch.float64), w.double()),
         "a transposed weight": (torch.randn(3, 48), torch.randn(48, 8).t()),
         "a strided input": (torch.randn(3, 96)[:, ::2], w),
     }
     for what, (x, weight) in cases.items():
         torch.testing.assert_close(
-            kernels.few_rows_linear(x, weight, None), F.linear(x, weight), msg=what
+            products.few_rows_linear(x, weight, None), F.linear(x, weight), msg=what
         )
 
 
 @needs_library
 def test_the_library_is_built_once_and_later_processes_load_it(fresh_build, monkeypatch):
-    assert native.few_rows_library() is not None
-    built = list(fresh_build.glob("few_rows-*.so"))
+    assert library.library() is not None
+    built = list(fresh_build.glob("gptkiln-cpu-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     # a later process: nothing may be compiled, the file is loaded as it is
-    native.few_rows_library.cache_clear()
-    monkeypatch.setattr(native, "_build", lambda *a: pytest.fail("built again"))
-    assert native.few_rows_library() is not None
+    library._load.cache_clear()
+    monkeypatch.setattr(library, "_build", lambda *a: pytest.fail("built again"))
+    assert library.library() is not None
     assert built[0].stat().st_mtime_ns == stamp
+
+
+@needs_library
+def test_the_cache_directory_is_private_and_a_planted_library_is_never_loaded(
+    fresh_build, monkeypatch, capfd
+):
+    assert library.library() is not None
+    assert stat.S_IMODE(fresh_build.stat().st_mode) == 0o700  # made private
+    (built,) = fresh_build.glob("gptkiln-cpu-*.so")
+    # another user's library in its place: one that writes a file as it loads
+    marker = fresh_build.parent / "planted-ran"
+    planted = fresh_build.parent / "planted.c"
+    planted.write_text(
+        "#include <stdio.h>\n__attribute__((constructor)) static void run(void) "
+        f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n'
+    )
+    cc = library.compiler()
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(built), str(planted)], check=True)
+    built.chmod(0o666)  # writable by anyone: not this user's alone
+    library._load.cache_clear()
+    assert library.library() is not None  # built again, privately
+    assert not marker.exists()
+    assert built.stat().st_mode & stat.S_IWOTH == 0  # and the planted file replaced
+    # a directory others may write: never read, one line says so, a private build instead
+    fresh_build.chmod(0o777)
+    library._load.cache_clear()
+    library._private_temp.cache_clear()
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(built), str(planted)], check=True)
+    built.chmod(0o700)
+    assert library.library() is not None
+    assert not marker.exists()
+    err = capfd.readouterr().err
+    assert err.count("not loading compiled kernels") == 1 and str(fresh_build) in err
+    library._private_temp.cache_clear()
 
 
 @needs_library
@@ -96,13 +135,13 @@ def test_a_build_that_does_not_load_is_built_again(tmp_path):
     # in other processes: a library this one has loaded is never rewritten under it
     env = {**os.environ, "GPTKILN_CACHE": str(tmp_path / "cache")}
     check = (
-        "import torch; from gptkiln.native import few_rows_library as f; assert f() is not None; "
-        "from gptkiln.kernels import few_rows_linear as k; "
+        "import torch; from gptkiln.cpu.library import library as f; assert f() is not None; "
+        "from gptkiln.cpu.products import few_rows_linear as k; "
         "y = k(torch.ones(2, 16), torch.ones(5, 16), None); "
         "assert torch.equal(y, torch.full((2, 5), 16.0))"
     )
     subprocess.run([sys.executable, "-c", check], env=env, check=True)
-    (built,) = (tmp_path / "cache" / "native").glob("few_rows-*.so")
+    (built,) = (tmp_path / "cache" / "cpu").glob("gptkiln-cpu-*.so")
     built.write_bytes(b"not a library")  # truncated by a crash, say
     subprocess.run([sys.executable, "-c", check], env=env, check=True)
     assert built.read_bytes()[:4] == b"\x7fELF"
@@ -111,11 +150,11 @@ def test_a_build_that_does_not_load_is_built_again(tmp_path):
 @needs_library
 def test_two_processes_building_at_once_both_load_the_library(tmp_path):
     env = {**os.environ, "GPTKILN_CACHE": str(tmp_path / "cache")}
-    code = "from gptkiln.native import few_rows_library as f; assert f() is not None"
+    code = "from gptkiln.cpu.library import library as f; assert f() is not None"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(2)]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    assert len(list((tmp_path / "cache" / "native").glob("few_rows-*.so"))) == 1
-    assert not list((tmp_path / "cache" / "native").glob("*.tmp"))
+    assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    assert len(list((tmp_path / "cache" / "cpu").glob("gptkiln-cpu-*.so"))) == 1
+    assert [p.name for p in (tmp_path / "cache" / "cpu").iterdir() if ".so" != p.suffix] == []
 
 
 @pytest.mark.parametrize(
@@ -125,15 +164,15 @@ def test_where_it_cannot_be_built_the_kernel_is_not_offered_and_tuning_goes_on(
     setting, fresh_build, monkeypatch
 ):
     monkeypatch.setenv(*setting)
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
-    assert native.few_rows_library() is None
-    assert "few_rows" not in kernels.candidates()
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
+    assert library.library() is None
+    assert "few_rows" not in specs.offered("float32", "fp32")
     assert not fresh_build.exists() or not list(fresh_build.iterdir())
     from gptkiln.config import GPTConfig
     from gptkiln.model import GPT
 
     model = GPT(GPTConfig(vocab_size=64, context_length=16, n_layer=1, n_head=2, n_embd=32)).eval()
-    assert kernels.tune_decoding(model, rows=2)  # chosen among torch's own
+    assert tuner.tune_decoding(model, rows=2)  # chosen among torch's own
 
 
 def test_a_compiler_that_fails_leaves_no_file_behind(fresh_build, monkeypatch, tmp_path):
@@ -141,26 +180,30 @@ def test_a_compiler_that_fails_leaves_no_file_behind(fresh_build, monkeypatch, t
     failing.write_text("#!/bin/sh\necho 'cc: error' >&2\nexit 1\n")
     failing.chmod(0o755)
     monkeypatch.setenv("CC", str(failing))
-    monkeypatch.setattr(native, "_avx512_on_linux", lambda: True)
-    assert native.few_rows_library() is None
+    assert library.library() is None
     assert not list(fresh_build.iterdir())
 
 
-def test_the_library_builds_wherever_it_can(fresh_build, monkeypatch):
+@pytest.mark.parametrize("kind", ["x86", "generic"])
+def test_the_library_builds_wherever_it_can(fresh_build, monkeypatch, kind):
     # so that a source that no longer compiles fails here, instead of every test above skipping
-    if native.compiler() is None or not native._avx512_on_linux():
-        pytest.skip("no C compiler, or no AVX-512: nothing to build on this machine")
-    assert native.few_rows_library() is not None
-    assert "few_rows" in kernels.candidates()
-    assert native.target_log_probs_library() is not None
-    assert native.gelu_library() is not None
-    assert native.int8_rows_library() is not None
-    assert "int8_rows" in kernels.int8_candidates()
-    assert native.decode_attention_library() is not None
-    if _cpu_has_vnni():  # q8_rows needs AVX-512 VNNI besides
-        assert native.q8_rows_library() is not None
-        monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
-        assert "q8_rows" in kernels.int8_candidates()
+    if library.compiler() is None:
+        pytest.skip("no C compiler: nothing to build on this machine")
+    if kind == "x86" and library.build() != "x86":
+        pytest.skip("not x86-64: the AVX-512 sources are not built here")
+    if kind == "generic":
+        monkeypatch.setenv("GPTKILN_CPU_KERNELS", "generic")
+    lib = library.library()
+    assert lib is not None and library.build() == kind
+    for name in library.ENTRIES:  # every entry point typed
+        assert getattr(lib, name).restype is not None
+    assert "few_rows" in specs.offered("float32", "fp32")
+    assert "int8_rows" in specs.offered("int8", "exact")
+    monkeypatch.setenv("GPTKILN_EXACT_KERNELS", "0")  # conftest's: the suite decodes exactly
+    assert "bf16_rows" in specs.offered("float32", "bf16")
+    assert ("q8_rows" in specs.offered("int8", "int8")) == bool(lib.gk_q8_vnni())
+    if kind == "x86" and _cpu_has_vnni():  # q8_rows needs AVX-512 VNNI besides
+        assert lib.gk_q8_vnni()
 
 
 def _cpu_has_vnni() -> bool:
@@ -174,14 +217,14 @@ def _cpu_has_vnni() -> bool:
 
 # -- target_log_probs: one token's log-probability a row, for scoring ---------------------------
 needs_scoring_library = pytest.mark.skipif(
-    native.target_log_probs_library() is None,
+    library.library() is None,
     reason="no C compiler with OpenMP, or no AVX-512 on this machine: torch's path runs",
 )
 
 
 @needs_scoring_library
 @pytest.mark.parametrize("rows, width", [(1, 16), (5, 50257), (33, 1000), (3, 7)])
-def test_target_log_probs_are_log_softmax_gathered_and_argmax_the_first_largest(rows, width):
+def test_target_log_probs_are_log_softmax_gathered_and_argmax_the_first_largest(build, rows, width):
     # widths: a multiple of 16, GPT-2's 50,257 (a remainder of 1), one smaller than a vector
     torch.manual_seed(rows)
     logits = torch.randn(rows, width) * 8
@@ -189,40 +232,40 @@ def test_target_log_probs_are_log_softmax_gathered_and_argmax_the_first_largest(
     if rows > 1:
         logits[1, -1] = logits[1].max() + 1  # the largest in the remainder
     targets = torch.randint(0, width, (rows,))
-    got, top = native.target_log_probs(logits, targets, with_argmax=True)
+    got, top = loops.target_log_probs(logits, targets, with_argmax=True)
     exact = torch.log_softmax(logits.double(), -1).gather(-1, targets[:, None]).squeeze(-1)
     torch_error = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1) - exact
     assert (got.double() - exact).abs().max() <= torch_error.abs().max() + 2e-6
     assert torch.equal(top, logits.argmax(-1))
     assert top[0] == width // 2
-    again, none = native.target_log_probs(logits, targets, with_argmax=False)
+    again, none = loops.target_log_probs(logits, targets, with_argmax=False)
     assert none is None and torch.equal(again, got)
 
 
 @needs_scoring_library
-def test_target_log_probs_take_rows_apart_and_refuse_a_target_out_of_range():
+def test_target_log_probs_take_rows_apart_and_refuse_a_target_out_of_range(build):
     torch.manual_seed(0)
     wide = torch.randn(4, 80)
     logits = wide[:, :64]  # rows 80 floats apart
     targets = torch.tensor([0, 63, 5, 17])
-    got, _ = native.target_log_probs(logits, targets, with_argmax=False)
+    got, _ = loops.target_log_probs(logits, targets, with_argmax=False)
     torch.testing.assert_close(got, torch.log_softmax(logits, -1)[range(4), targets])
     with pytest.raises(IndexError, match="outside the 64 logits"):
-        native.target_log_probs(logits, torch.tensor([0, 64, 1, 2]), with_argmax=False)
+        loops.target_log_probs(logits, torch.tensor([0, 64, 1, 2]), with_argmax=False)
 
 
 def test_target_log_probs_leave_to_torch_what_they_do_not_take(fresh_build, monkeypatch):
     logits, targets = torch.randn(3, 20), torch.tensor([1, 2, 19])
-    assert native.target_log_probs(logits.double(), targets, with_argmax=True) is None
-    assert native.target_log_probs(logits.t().contiguous().t(), targets, False) is None
+    assert loops.target_log_probs(logits.double(), targets, with_argmax=True) is None
+    assert loops.target_log_probs(logits.t().contiguous().t(), targets, False) is None
     monkeypatch.setenv("GPTKILN_NATIVE", "0")
-    native.target_log_probs_library.cache_clear()  # a new process, as it were
-    assert native.target_log_probs(logits, targets, with_argmax=True) is None
+    library._load.cache_clear()  # a new process, as it were
+    assert loops.target_log_probs(logits, targets, with_argmax=True) is None
 
 
 # -- gelu_tanh_: GPT-2's MLP activation with its bias, in place --------------------------------
 needs_gelu_library = pytest.mark.skipif(
-    native.gelu_library() is None,
+    library.library() is None,
     reason="no C compiler with OpenMP, or no AVX-512 on this machine: F.gelu runs",
 )
 
@@ -230,7 +273,7 @@ needs_gelu_library = pytest.mark.skipif(
 @needs_gelu_library
 @pytest.mark.parametrize("shape", [(1, 16), (16, 3072), (2, 3, 50), (3, 7), (700, 3072)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_the_gelu_loop_is_the_tanh_gelu_of_y_plus_bias(shape, with_bias):
+def test_the_gelu_loop_is_the_tanh_gelu_of_y_plus_bias(build, shape, with_bias):
     # widths: whole vectors, a remainder, less than one vector; (700, 3072): many threads' chunks
     torch.manual_seed(len(shape) + shape[-1])
     y = torch.randn(shape) * 4
@@ -239,16 +282,16 @@ def test_the_gelu_loop_is_the_tanh_gelu_of_y_plus_bias(shape, with_bias):
     exact = F.gelu(before.double(), approximate="tanh")
     torch_error = (F.gelu(before, approximate="tanh").double() - exact).abs().max()
     out = y.clone()
-    assert native.gelu_tanh_(out, bias)
+    assert loops.gelu_tanh_(out, bias)
     assert (out.double() - exact).abs().max() <= torch_error + 1e-6
 
 
 @needs_gelu_library
-def test_the_gelu_loop_takes_the_far_ends_as_torch_does():
+def test_the_gelu_loop_takes_the_far_ends_as_torch_does(build):
     edge = torch.tensor([-1e4, -100.0, -20.0, -5.0, -1e-30, 0.0, 1e-30, 5.0, 100.0, 3e38])
     edge = torch.cat([edge, torch.tensor([float("inf"), float("-inf"), float("nan")])])
     out = edge.clone()[None]
-    assert native.gelu_tanh_(out, None)
+    assert loops.gelu_tanh_(out, None)
     torch.testing.assert_close(out[0], F.gelu(edge, approximate="tanh"), equal_nan=True)
 
 
@@ -262,12 +305,12 @@ def test_the_gelu_loop_leaves_to_torch_what_it_does_not_take(fresh_build, monkey
         (y[:0].clone(), None),
     ]:
         kept = other.clone()
-        assert not native.gelu_tanh_(other, bias)
+        assert not loops.gelu_tanh_(other, bias)
         assert torch.equal(other, kept)
     monkeypatch.setenv("GPTKILN_NATIVE", "0")
-    native.gelu_library.cache_clear()  # a new process, as it were
+    library._load.cache_clear()  # a new process, as it were
     kept = y.clone()
-    assert not native.gelu_tanh_(y, None) and torch.equal(y, kept)
+    assert not loops.gelu_tanh_(y, None) and torch.equal(y, kept)
 
 
 def _mlp(bias: float):
@@ -288,15 +331,15 @@ def _reference(mlp, x):
 
 @needs_gelu_library
 @pytest.mark.parametrize("rows", [1, 16, 300])
-def test_the_mlp_takes_the_loop_without_autograd_and_adds_the_bias_once(rows):
+def test_the_mlp_takes_the_loop_without_autograd_and_adds_the_bias_once(build, rows):
     mlp = _mlp(bias=2.5)
     x = torch.randn(1, rows, 32)
-    assert kernels.use_compiled_gelu(mlp) == 1
+    assert loops.use_compiled_gelu(mlp) == 1
     with torch.inference_mode():
         assert mlp._expand_in_place(x) is not None  # the loop's path is the one taken
         torch.testing.assert_close(mlp(x), _reference(mlp, x), atol=2e-6, rtol=1e-5)
-    if rows <= kernels.FEW_ROWS:
-        kernels.tune_decoding(mlp, rows=rows)
+    if rows <= products.FEW_ROWS:
+        tuner.tune_decoding(mlp, rows=rows)
         assert mlp.c_fc.few_row_kernels
     with torch.no_grad():  # a tuned few-row kernel, called without the bias
         torch.testing.assert_close(mlp(x), _reference(mlp, x), atol=2e-6, rtol=1e-5)
@@ -314,7 +357,7 @@ def test_an_int8_mlp_takes_the_loop_after_its_own_bias():
     mlp = _mlp(bias=-1.5)
     x = torch.randn(2, 5, 32)
     mlp.c_fc = quantized = Int8Linear.from_float(mlp.c_fc)
-    kernels.use_compiled_gelu(mlp)
+    loops.use_compiled_gelu(mlp)
     with torch.inference_mode():
         assert mlp._expand_in_place(x) is not None
         h = F.gelu(quantized(x), approximate="tanh")
@@ -335,22 +378,22 @@ def test_the_compiled_gelu_goes_where_it_builds_and_the_model_runs_without_it(
     idx = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         before = model(idx)
-    assert kernels.use_compiled_gelu(exact) == 0
-    if native.gelu_library() is not None:
-        kernels.tune_decoding(model, rows=2)  # decoding gives it, as evaluation does
-        assert all(block.mlp.gelu_in_place is native.gelu_tanh_ for block in model.h)
+    assert loops.use_compiled_gelu(exact) == 0
+    if library.library() is not None:
+        loops.use_compiled_loops(model)  # as `prepare_for_decoding` and evaluation give it
+        assert all(block.mlp.gelu_in_place is loops.gelu_tanh_ for block in model.h)
         with torch.no_grad():
             torch.testing.assert_close(model(idx), before, atol=1e-5, rtol=1e-5)
     monkeypatch.setenv("GPTKILN_NATIVE", "0")
-    native.gelu_library.cache_clear()
+    library._load.cache_clear()
     fresh = GPT(GPTConfig(**cfg)).eval()
-    assert kernels.use_compiled_gelu(fresh) == 0
+    assert loops.use_compiled_gelu(fresh) == 0
     assert all(block.mlp.gelu_in_place is None for block in fresh.h)
 
 
 # -- int8_rows_linear: int8 weights, fp32 activations, a few rows ------------------------------
 needs_int8_library = pytest.mark.skipif(
-    native.int8_rows_library() is None,
+    library.library() is None,
     reason="no C compiler with OpenMP, or no AVX-512 on this machine: the kernel is not offered",
 )
 
@@ -358,7 +401,7 @@ needs_int8_library = pytest.mark.skipif(
 @needs_int8_library
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 64])
 @pytest.mark.parametrize("n_out, n_in", [(4, 16), (7, 48), (97, 768), (50, 528)])
-def test_the_int8_rows_kernel_is_the_dequantizing_product(rows, n_out, n_in):
+def test_the_int8_rows_kernel_is_the_dequantizing_product(build, rows, n_out, n_in):
     # remainders as the fp32 loop's; 528 = 512 + 16: an input wider than one chunk of k
     from gptkiln.quantize import quantize_per_channel
 
@@ -366,16 +409,16 @@ def test_the_int8_rows_kernel_is_the_dequantizing_product(rows, n_out, n_in):
     q, scale = quantize_per_channel(torch.randn(n_out, n_in))
     x, b = torch.randn(rows, n_in), torch.randn(n_out)
     for bias in (b, None):
-        got = kernels.int8_rows_linear(x, q, scale, bias)
+        got = products.int8_rows_linear(x, q, scale, bias)
         assert got.shape == (rows, n_out) and got.is_contiguous()
         w = q.double() * scale.double()[:, None]  # the exact sums: activations never rounded
         exact = F.linear(x.double(), w, None if bias is None else bias.double())
-        reference = kernels.dequantize_linear(x, q, scale, bias)
+        reference = products.dequantize_linear(x, q, scale, bias)
         torch_error = (reference - exact).abs().max().item()
         assert (got - exact).abs().max().item() <= 4 * torch_error + 1e-6
         torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
     many = torch.randn(2, 3, n_in)  # leading dimensions are kept
-    assert kernels.int8_rows_linear(many, q, scale, b).shape == (2, 3, n_out)
+    assert products.int8_rows_linear(many, q, scale, b).shape == (2, 3, n_out)
 
 
 @pytest.mark.parametrize(
@@ -387,22 +430,22 @@ def test_the_int8_rows_kernel_is_the_dequantizing_product(rows, n_out, n_in):
             64,
             48,
             marks=pytest.mark.skipif(
-                native.q8_rows_library() is None, reason="no AVX-512 VNNI here: not offered"
+                library.library() is None, reason="no AVX-512 VNNI here: not offered"
             ),
         ),
     ],
 )
-def test_an_int8_loop_leaves_to_the_reference_what_it_does_not_take(name, width, odd):
+def test_an_int8_loop_leaves_to_the_reference_what_it_does_not_take(build, name, width, odd):
     # width: a multiple of what the loop takes; odd: a width it refuses
     from gptkiln.quantize import quantize_per_channel
 
-    kernel = {"int8_rows": kernels.int8_rows_linear, "q8_rows": kernels.q8_rows_linear}[name]
+    kernel = {"int8_rows": products.int8_rows_linear, "q8_rows": products.q8_rows_linear}[name]
     torch.manual_seed(0)
     q, scale = quantize_per_channel(torch.randn(8, width))
     q_odd, scale_odd = quantize_per_channel(torch.randn(8, odd))
     cases = {
         "a width it does not take": (torch.randn(3, odd), q_odd, scale_odd),
-        "more rows than it keeps sums for": (torch.randn(kernels.FEW_ROWS + 1, width), q, scale),
+        "more rows than it keeps sums for": (torch.randn(products.FEW_ROWS + 1, width), q, scale),
         "float64": (torch.randn(3, width, dtype=torch.float64), q, scale.double()),
         "a transposed weight": (torch.randn(3, 8), q.t(), torch.ones(width)),
     }
@@ -410,7 +453,7 @@ def test_an_int8_loop_leaves_to_the_reference_what_it_does_not_take(name, width,
         cases["a strided input"] = (torch.randn(3, 2 * width)[:, ::2], q, scale)
     for what, (x, weight, s) in cases.items():
         torch.testing.assert_close(
-            kernel(x, weight, s, None), kernels.dequantize_linear(x, weight, s, None), msg=what
+            kernel(x, weight, s, None), products.dequantize_linear(x, weight, s, None), msg=what
         )
 
 
@@ -421,8 +464,7 @@ def test_an_int8_model_given_the_loop_decodes_the_reference_tokens(monkeypatch):
     from gptkiln.model import GPT
     from gptkiln.quantize import quantize_model
 
-    # the kernels set below, not the tuner's
-    monkeypatch.setattr(sampling, "tune_decoding", lambda model, rows, **kw: {})
+    # the kernels set below (no backend prepares the model: sampling's own prepares nothing)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=96, context_length=32, n_layer=2, n_head=2, n_embd=64)
     model = quantize_model(GPT(cfg).eval())
@@ -431,10 +473,10 @@ def test_an_int8_model_given_the_loop_decodes_the_reference_tokens(monkeypatch):
     greedy = SampleConfig(max_new_tokens=12, temperature=0, stop_at_eos=False)
     reference = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
     for layer in layers:
-        layer.few_row_kernels = {1: kernels.int8_rows_linear}
+        layer.few_row_kernels = {1: products.int8_rows_linear}
     called = []
-    lib = native.int8_rows_library()
-    monkeypatch.setattr(native, "int8_rows_library", lambda: called.append(1) or lib)
+    lib = library.library()
+    monkeypatch.setattr(products, "library", lambda: called.append(1) or lib)
     got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
     assert called  # the loop ran: every decode step's products went through it
     assert torch.equal(got, reference)
@@ -442,7 +484,7 @@ def test_an_int8_model_given_the_loop_decodes_the_reference_tokens(monkeypatch):
 
 # -- bf16_rows_linear: fp32 weights rounded to bf16, fp32 activations, a few rows --------------
 needs_bf16_rows_library = pytest.mark.skipif(
-    native.bf16_rows_library() is None,
+    library.library() is None,
     reason="no C compiler with OpenMP, or no AVX-512 on this machine: the kernel is not offered",
 )
 
@@ -450,36 +492,36 @@ needs_bf16_rows_library = pytest.mark.skipif(
 @needs_bf16_rows_library
 @pytest.mark.parametrize("rows", [1, 3, 5, 64])
 @pytest.mark.parametrize("n_out, n_in", [(4, 16), (97, 768), (50, 528)])
-def test_the_bf16_rows_kernel_is_f_linear_on_the_weights_rounded_to_bf16(rows, n_out, n_in):
+def test_the_bf16_rows_kernel_is_f_linear_on_the_weights_rounded_to_bf16(build, rows, n_out, n_in):
     torch.manual_seed(rows * 1000 + n_out)
     x, w, b = torch.randn(rows, n_in), torch.randn(n_out, n_in), torch.randn(n_out)
     rounded = w.to(torch.bfloat16).double()  # the only rounding: the weights' own
     for bias in (b, None):
-        got = kernels.bf16_rows_linear(x, w, bias)
+        got = products.bf16_rows_linear(x, w, bias)
         assert got.shape == (rows, n_out) and got.is_contiguous()
         expected = F.linear(x.double(), rounded, None if bias is None else bias.double())
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
         reference = F.linear(x, w, bias)  # and within the tuner's tolerance of fp32's
-        assert ((got - reference).norm() / reference.norm()).item() <= kernels.ACTIVATION_TOLERANCE
-    assert id(w) in kernels._BF16_ROWS  # its copy, made once and kept with the weight
-    copy = kernels._BF16_ROWS[id(w)][2]
-    kernels.bf16_rows_linear(x, w, b)
-    assert kernels._BF16_ROWS[id(w)][2] is copy
+        assert ((got - reference).norm() / reference.norm()).item() <= tuner.ACTIVATION_TOLERANCE
+    assert id(w) in products._BF16_ROWS  # its copy, made once and kept with the weight
+    copy = products._BF16_ROWS[id(w)][2]
+    products.bf16_rows_linear(x, w, b)
+    assert products._BF16_ROWS[id(w)][2] is copy
     with torch.no_grad():
         w.mul_(2)  # changed in place: copied again
     torch.testing.assert_close(
-        kernels.bf16_rows_linear(x, w, None).double(),
+        products.bf16_rows_linear(x, w, None).double(),
         F.linear(x.double(), w.to(torch.bfloat16).double()),
         rtol=1e-5,
         atol=1e-4,
     )
     layer = torch.nn.Linear(n_in, n_out)
-    kernels.bf16_rows_linear(x, layer.weight, None)
+    products.bf16_rows_linear(x, layer.weight, None)
     version = layer.weight._version
     layer.weight.data = torch.randn(n_out, n_in)  # the same object, its version as it was
     assert layer.weight._version == version
     torch.testing.assert_close(  # copied again all the same
-        kernels.bf16_rows_linear(x, layer.weight, None).double(),
+        products.bf16_rows_linear(x, layer.weight, None).double(),
         F.linear(x.double(), layer.weight.detach().to(torch.bfloat16).double()),
         rtol=1e-5,
         atol=1e-4,
@@ -489,22 +531,23 @@ def test_the_bf16_rows_kernel_is_f_linear_on_the_weights_rounded_to_bf16(rows, n
 @needs_bf16_rows_library
 def test_bf16_rows_is_offered_only_where_the_kernels_need_not_be_exact(monkeypatch):
     monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
-    assert "bf16_rows" in kernels.candidates() and "bf16_rows" in kernels.QUANTIZING_ACTIVATIONS
-    with kernels.exact_kernels():
-        assert "bf16_rows" not in kernels.candidates()
+    assert "bf16_rows" in specs.offered("float32", "bf16") and "bf16_rows" in specs.inexact()
+    assert "bf16_rows" not in specs.offered("float32", "fp32")  # fp32 decoding never rounds
+    with specs.exact_kernels():
+        assert "bf16_rows" not in specs.offered("float32", "bf16")
     layer = torch.nn.Linear(64, 32)
-    kernels_of = {1: kernels.bf16_rows_linear}
+    kernels_of = {1: products.bf16_rows_linear}
     layer.few_row_kernels = kernels_of
-    kernels.bf16_rows_linear(torch.randn(1, 64), layer.weight, layer.bias)
-    assert id(layer.weight) in kernels._BF16_ROWS
+    products.bf16_rows_linear(torch.randn(1, 64), layer.weight, layer.bias)
+    assert id(layer.weight) in products._BF16_ROWS
     model = torch.nn.Sequential(layer)
-    kernels.keep_exact(model)  # as an evaluation does: taken off, and its copy freed
-    assert kernels_of == {} and id(layer.weight) not in kernels._BF16_ROWS
+    tuner.keep_exact(model)  # as an evaluation does: taken off, and its copy freed
+    assert kernels_of == {} and id(layer.weight) not in products._BF16_ROWS
 
 
 # -- q8_rows_linear: int8 weights, activations rounded to 8 bits in blocks of 32 ---------------
 needs_q8_library = pytest.mark.skipif(
-    native.q8_rows_library() is None,
+    library.library() is None,
     reason="no C compiler with OpenMP, or no AVX-512 VNNI on this machine: not offered",
 )
 
@@ -524,7 +567,7 @@ def _q8_0(x: torch.Tensor) -> torch.Tensor:
 @needs_q8_library
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 64])
 @pytest.mark.parametrize("n_out, n_in", [(4, 64), (7, 128), (97, 768), (50, 1088)])
-def test_the_q8_rows_kernel_is_q8_0s_product(rows, n_out, n_in):
+def test_the_q8_rows_kernel_is_q8_0s_product(build, rows, n_out, n_in):
     # remainders as the other loops'; 1088 = 1024 + 64: an input wider than one chunk of k
     from gptkiln.quantize import quantize_per_channel
 
@@ -535,58 +578,54 @@ def test_the_q8_rows_kernel_is_q8_0s_product(rows, n_out, n_in):
     x[:, 3] *= 40  # an outlier: only its own block of 32 is rounded on its scale
     w = q.double() * scale.double()[:, None]
     for bias in (b, None):
-        got = kernels.q8_rows_linear(x, q, scale, bias)
+        got = products.q8_rows_linear(x, q, scale, bias)
         assert got.shape == (rows, n_out) and got.is_contiguous()
         expected = F.linear(_q8_0(x), w, None if bias is None else bias.double())
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
         # against the activations unrounded: within the tolerance the tuner holds it to
-        reference = kernels.dequantize_linear(x, q, scale, bias)
+        reference = products.dequantize_linear(x, q, scale, bias)
         error = ((got - reference).norm() / reference.norm()).item()
-        assert error <= kernels.ACTIVATION_TOLERANCE
+        assert error <= tuner.ACTIVATION_TOLERANCE
     many = torch.randn(2, 3, n_in)  # leading dimensions are kept
-    assert kernels.q8_rows_linear(many, q, scale, b).shape == (2, 3, n_out)
+    assert products.q8_rows_linear(many, q, scale, b).shape == (2, 3, n_out)
 
 
 @needs_q8_library
-def test_q8_rows_keeps_what_is_not_finite_not_finite():
+def test_q8_rows_keeps_what_is_not_finite_not_finite(build):
     from gptkiln.quantize import quantize_per_channel
 
     torch.manual_seed(0)
     q, scale = quantize_per_channel(torch.randn(9, 128))
     x = torch.randn(4, 128)
     x[0, 5], x[1, 70], x[2, 127] = math.nan, math.inf, -math.inf  # each in one block of 32
-    got = kernels.q8_rows_linear(x, q, scale, None)
+    got = products.q8_rows_linear(x, q, scale, None)
     assert got[0].isnan().all()  # not rounded away to a finite number
     assert not got[1].isfinite().any() and not got[2].isfinite().any()
-    assert torch.equal(got[3], kernels.q8_rows_linear(x[3:], q, scale, None)[0])
+    assert torch.equal(got[3], products.q8_rows_linear(x[3:], q, scale, None)[0])
 
 
 def test_q8_rows_is_not_offered_on_a_cpu_without_vnni(monkeypatch):
-    class WithoutVnni:  # the library as it loads on an AVX-512 CPU that lacks VNNI
-        def q8_supported(self):
+    class WithoutVnni:  # the library as it loads on a CPU that lacks AVX-512 VNNI
+        def gk_q8_vnni(self):
             return 0
 
     monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
-    monkeypatch.setattr(native, "_typed", lambda *a: WithoutVnni())
-    native.q8_rows_library.cache_clear()
-    try:
-        assert native.q8_rows_library() is None
-        assert "q8_rows" not in kernels.int8_candidates()
-    finally:
-        native.q8_rows_library.cache_clear()
+    monkeypatch.setattr(specs, "library", lambda: WithoutVnni())
+    offered = specs.offered("int8", "int8")  # int8 asked: the exact int8 kernels instead
+    assert "q8_rows" not in offered and "dequantize" in offered
 
 
 @needs_q8_library
 def test_q8_rows_is_left_out_where_the_kernels_must_be_exact(monkeypatch):
     monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
-    assert "q8_rows" in kernels.int8_candidates() and "q8_rows" in kernels.QUANTIZING_ACTIVATIONS
-    with kernels.exact_kernels():
-        assert "q8_rows" not in kernels.int8_candidates()
+    assert "q8_rows" in specs.offered("int8", "int8") and "q8_rows" in specs.inexact()
+    with specs.exact_kernels():
+        assert "q8_rows" not in specs.offered("int8", "int8")
 
 
 # -- decode_attention: one new token a row over the KV cache -----------------------------------
 needs_attention_library = pytest.mark.skipif(
-    native.decode_attention_library() is None,
+    library.library() is None,
     reason="no C compiler with OpenMP, or no AVX-512 on this machine: SDPA runs",
 )
 
@@ -601,7 +640,7 @@ needs_attention_library = pytest.mark.skipif(
         (3, 4, 1, 5, 16, True),  # multi-query, fewer keys than one vector
     ],
 )
-def test_decode_attention_is_sdpa(B, H, G, S, D, masked):
+def test_decode_attention_is_sdpa(build, B, H, G, S, D, masked):
     torch.manual_seed(B * 100 + S)
     qkv = torch.randn(B, 1, (H + 2 * G) * D)
     q = qkv[..., : H * D].view(B, 1, H, D).transpose(1, 2)  # a strided view, as the model's
@@ -611,23 +650,23 @@ def test_decode_attention_is_sdpa(B, H, G, S, D, masked):
     if masked:
         mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
         mask[0, ..., : S // 3 + 1] = False  # row 0's left padding
-    got = native.decode_attention(q, k, v, mask)
+    got = loops.decode_attention(q, k, v, mask)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=G != H)
     assert got.shape == (B, H, 1, D)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
 
 
 @needs_attention_library
-def test_decode_attention_of_a_row_with_every_key_masked_is_sdpas():
+def test_decode_attention_of_a_row_with_every_key_masked_is_sdpas(build):
     q, k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16)
     mask = torch.tensor([[True, True, False, True], [False] * 4])[:, None, None]
-    got = native.decode_attention(q, k, v, mask)
+    got = loops.decode_attention(q, k, v, mask)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # zeros on the CPU
     torch.testing.assert_close(got, expected, equal_nan=True)
     assert got[0].abs().sum() > 0
     q[1, 0, 0, 3] = float("nan")  # a broken query: NaN out, as SDPA's (not zeros)
     mask[1] = True
-    got = native.decode_attention(q, k, v, mask)
+    got = loops.decode_attention(q, k, v, mask)
     assert got[1, 0].isnan().all() and not got[1, 1].isnan().any() and not got[0].isnan().any()
     assert F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[1, 0].isnan().all()
 
@@ -643,58 +682,57 @@ def test_decode_attention_leaves_to_sdpa_what_it_does_not_take(fresh_build, monk
         "heads that do not group": (torch.randn(1, 3, 1, 16), k[:, :2], v[:, :2], None),
     }
     for what, (a, b, c, mask) in cases.items():
-        assert native.decode_attention(a, b, c, mask) is None, what
+        assert loops.decode_attention(a, b, c, mask) is None, what
     monkeypatch.setenv("GPTKILN_NATIVE", "0")
-    native.decode_attention_library.cache_clear()
-    assert native.decode_attention(q, k, v, None) is None
+    library._load.cache_clear()
+    assert loops.decode_attention(q, k, v, None) is None
 
 
 @needs_attention_library
 @pytest.mark.parametrize("family", ["gpt2", "llama3"])
-def test_a_model_given_the_compiled_loops_decodes_the_same_tokens(family, monkeypatch):
+def test_a_model_given_the_compiled_loops_decodes_the_same_tokens(build, family, monkeypatch):
     import gptkiln.sampling as sampling
     from gptkiln.config import GPTConfig, SampleConfig
     from gptkiln.model import GPT
 
-    monkeypatch.setattr(sampling, "use_compiled_loops", lambda model: None)  # given below
-    monkeypatch.setattr(sampling, "tune_decoding", lambda model, rows, **kw: {})
+    # no backend prepares the model here: the loops are given below
     name = "baby" if family == "gpt2" else f"{family}-baby"
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_name(name, vocab_size=97, context_length=48)).eval()
     prompts = [[5, 6, 7, 8, 9], [1, 2]]  # unequal: the shorter row is left-padded (a mask)
     greedy = SampleConfig(max_new_tokens=10, temperature=0, stop_at_eos=False)
     reference = torch.stack(list(sampling.generate_stream(model, prompts, greedy)))
-    assert kernels.use_compiled_attention(model) == len(model.h)
+    assert loops.use_compiled_attention(model) == len(model.h)
     calls = []
     for block in model.h:
-        block.attn.decode_attention = lambda *a: calls.append(1) or native.decode_attention(*a)
+        block.attn.decode_attention = lambda *a: calls.append(1) or loops.decode_attention(*a)
     got = torch.stack(list(sampling.generate_stream(model, prompts, greedy)))
     assert len(calls) == 9 * len(model.h)  # every decode step, every layer (not the prefill)
     assert torch.equal(got, reference)
     spelled_out = GPT(GPTConfig.from_name(name, vocab_size=97, attention="math"))
-    assert kernels.use_compiled_attention(spelled_out) == 0  # the explicit product, as asked
+    assert loops.use_compiled_attention(spelled_out) == 0  # the explicit product, as asked
 
 
 def test_an_edited_header_builds_a_new_library(fresh_build, monkeypatch, tmp_path):
     import shutil
 
-    if native.compiler() is None or not native._avx512_on_linux():
-        pytest.skip("no C compiler, or no AVX-512: nothing to build on this machine")
+    if library.compiler() is None:
+        pytest.skip("no C compiler: nothing to build on this machine")
     sources = tmp_path / "csrc"
-    shutil.copytree(native.SOURCES, sources)
-    monkeypatch.setattr(native, "SOURCES", sources)
-    assert native.load_built("gelu") is not None
-    first = [p.name for p in fresh_build.glob("gelu-*.so")]
-    header = sources / "vexp.h"  # what gelu.c includes
+    shutil.copytree(library.SOURCES, sources)
+    monkeypatch.setattr(library, "SOURCES", sources)
+    assert library.load_built("generic") is not None
+    first = [p.name for p in fresh_build.glob("gptkiln-cpu-generic-*.so")]
+    header = sources / "gptkiln_cpu.h"  # what every source includes
     header.write_text(header.read_text() + "\n/* edited */\n")
-    assert native.load_built("gelu") is not None
-    second = [p.name for p in fresh_build.glob("gelu-*.so")]
+    assert library.load_built("generic") is not None
+    second = [p.name for p in fresh_build.glob("gptkiln-cpu-generic-*.so")]
     assert len(first) == len(second) == 1 and first != second  # rebuilt, the old one removed
 
 
 # -- decode_blocks: a GPT-2 decode step's blocks and final norm in one call ---------------------
 needs_blocks_library = pytest.mark.skipif(
-    native.decode_blocks_library() is None,
+    library.library() is None,
     reason="no C compiler with OpenMP, or no AVX-512 on this machine: the layers run from Python",
 )
 
@@ -748,24 +786,24 @@ def _counting(blocks):
 def _steps_computed(monkeypatch) -> list:
     """Every `DecodeBlocks` from now on counting, into the list returned, the steps it computed
     (not those it declined)."""
-    counted, done = _counting(native.DecodeBlocks.__call__)
-    monkeypatch.setattr(native.DecodeBlocks, "__call__", counted)
+    counted, done = _counting(blocks.DecodeBlocks.__call__)
+    monkeypatch.setattr(blocks.DecodeBlocks, "__call__", counted)
     return done
 
 
 @needs_blocks_library
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
 @pytest.mark.parametrize("prompts", [[[5, 6, 7]], [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6]]])
-def test_the_one_call_decode_step_is_the_layers_step(quantized, prompts):
+def test_the_one_call_decode_step_is_the_layers_step(build, quantized, prompts):
     model = _gpt2(quantized)
     rows = len(prompts)
     layers = [m for m in model.modules() if hasattr(m, "few_row_kernels")]
-    loop = kernels.int8_rows_linear if quantized else kernels.few_rows_linear
+    loop = products.int8_rows_linear if quantized else products.few_rows_linear
     for layer in layers:  # the loops the one call runs, on every product
         layer.few_row_kernels[rows] = loop
-    kernels.use_compiled_loops(model)
+    loops.use_compiled_loops(model)
     reference = _step_logits(model, prompts, steps=8)
-    assert kernels.use_native_blocks(model, rows)
+    assert blocks.use_native_blocks(model, rows)
     model.decode_blocks, done = _counting(model.decode_blocks)
     got = _step_logits(model, prompts, steps=8)
     assert len(done) == 8  # every decode step went through the one call (not the prefill)
@@ -774,21 +812,44 @@ def test_the_one_call_decode_step_is_the_layers_step(quantized, prompts):
 
 
 @needs_blocks_library
+def test_the_one_call_step_runs_bf16_layers_over_their_bf16_copies(build):
+    # bf16 decoding: the one call reads each layer's bf16 copy, as the layers' loop does
+    model = _gpt2(False)
+    layers = [m for m in model.modules() if hasattr(m, "few_row_kernels")]
+    for i, layer in enumerate(layers):  # bf16 on most products, fp32 on some: both in one step
+        layer.few_row_kernels[1] = (
+            products.few_rows_linear if i % 5 == 1 else products.bf16_rows_linear
+        )
+    loops.use_compiled_loops(model)
+    with pytest.MonkeyPatch.context() as m:  # the layers, each by its own loop
+        m.setattr(blocks, "library", lambda: None)
+        assert not blocks.use_native_blocks(model, 1)
+    reference = _step_logits(model, [[5, 6, 7]], steps=6)
+    assert blocks.use_native_blocks(model, 1)
+    model.decode_blocks, done = _counting(model.decode_blocks)
+    got = _step_logits(model, [[5, 6, 7]], steps=6)
+    assert len(done) == 6
+    torch.testing.assert_close(got, reference, atol=2e-5, rtol=1e-5)
+    exact = _step_logits_with(_gpt2(False), products.few_rows_linear, [[5, 6, 7]], steps=6)
+    assert not torch.allclose(got, exact, atol=1e-6, rtol=0)  # the weights were rounded
+
+
+@needs_blocks_library
 @needs_q8_library
 @pytest.mark.parametrize("mixed", [False, True], ids=["q8", "q8-and-int8"])
-def test_the_one_call_step_runs_each_product_by_its_layers_loop(mixed):
+def test_the_one_call_step_runs_each_product_by_its_layers_loop(build, mixed):
     # q8_rows rounds the activations: the one call must run it where the layer has it (and
     # the exact int8 loop where that layer has that), so that the step is the layers' step
     model = _gpt2(quantized=True)
-    products = kernels._block_products(model)
-    for i, layer in enumerate(products):
+    layers_ = blocks.block_products(model)
+    for i, layer in enumerate(layers_):
         exact = mixed and i % 3 == 1
-        layer.few_row_kernels[1] = kernels.int8_rows_linear if exact else kernels.q8_rows_linear
-    kernels.use_compiled_loops(model)
+        layer.few_row_kernels[1] = products.int8_rows_linear if exact else products.q8_rows_linear
+    loops.use_compiled_loops(model)
     reference = _step_logits(model, [[5, 6, 7]], steps=6)
-    exact = _step_logits_with(model, kernels.int8_rows_linear, [[5, 6, 7]], steps=6)
+    exact = _step_logits_with(model, products.int8_rows_linear, [[5, 6, 7]], steps=6)
     assert not torch.allclose(reference, exact, atol=1e-4)  # the rounding shows in the logits
-    assert kernels.use_native_blocks(model, 1)
+    assert blocks.use_native_blocks(model, 1)
     model.decode_blocks, done = _counting(model.decode_blocks)
     got = _step_logits(model, [[5, 6, 7]], steps=6)
     assert len(done) == 6
@@ -797,14 +858,14 @@ def test_the_one_call_step_runs_each_product_by_its_layers_loop(mixed):
 
 def _step_logits_with(model, kernel, prompts, steps: int):
     """`_step_logits` with ``kernel`` on every block product for the step (then as before)."""
-    products = kernels._block_products(model)
-    kept = [layer.few_row_kernels.get(1) for layer in products]
-    for layer in products:
+    layers_ = blocks.block_products(model)
+    kept = [layer.few_row_kernels.get(1) for layer in layers_]
+    for layer in layers_:
         layer.few_row_kernels[1] = kernel
     try:
         return _step_logits(model, prompts, steps)
     finally:
-        for layer, k in zip(products, kept):
+        for layer, k in zip(layers_, kept):
             layer.few_row_kernels[1] = k
 
 
@@ -812,48 +873,48 @@ def _step_logits_with(model, kernel, prompts, steps: int):
 @needs_q8_library
 def test_q8_on_a_width_that_is_no_multiple_of_64_keeps_the_layers_step():
     model = _gpt2(quantized=True, n_embd=80, n_head=2)  # q8_rows.c refuses k = 80
-    for layer in kernels._block_products(model):
-        layer.few_row_kernels[1] = kernels.q8_rows_linear
-    kernels.use_compiled_loops(model)
-    assert not kernels.use_native_blocks(model, 1)
+    for layer in blocks.block_products(model):
+        layer.few_row_kernels[1] = products.q8_rows_linear
+    loops.use_compiled_loops(model)
+    assert not blocks.use_native_blocks(model, 1)
     wide = _gpt2(quantized=True)  # 128 and 512: taken
-    for layer in kernels._block_products(wide):
-        layer.few_row_kernels[1] = kernels.q8_rows_linear
-    kernels.use_compiled_loops(wide)
-    assert kernels.use_native_blocks(wide, 1)
+    for layer in blocks.block_products(wide):
+        layer.few_row_kernels[1] = products.q8_rows_linear
+    loops.use_compiled_loops(wide)
+    assert blocks.use_native_blocks(wide, 1)
 
 
 @needs_blocks_library
 @needs_q8_library
 def test_keep_exact_takes_q8_off_the_one_call_step_too():
     model = _gpt2(quantized=True)
-    for layer in kernels._block_products(model):
-        layer.few_row_kernels[1] = kernels.q8_rows_linear
-    kernels.use_compiled_loops(model)
-    assert kernels.use_native_blocks(model, 1)
-    kernels.keep_exact(model)  # as an evaluation does before it scores
+    for layer in blocks.block_products(model):
+        layer.few_row_kernels[1] = products.q8_rows_linear
+    loops.use_compiled_loops(model)
+    assert blocks.use_native_blocks(model, 1)
+    tuner.keep_exact(model)  # as an evaluation does before it scores
     model.decode_blocks, done = _counting(model.decode_blocks)
     got = _step_logits(model, [[5, 6, 7]], steps=3)
     assert not done  # declined: the layers run, on the reference product
     model.decode_blocks = None
-    exact = _step_logits_with(model, kernels.dequantize_linear, [[5, 6, 7]], steps=3)
+    exact = _step_logits_with(model, products.dequantize_linear, [[5, 6, 7]], steps=3)
     torch.testing.assert_close(got, exact, atol=2e-5, rtol=1e-5)
 
 
 @needs_blocks_library
 def test_the_one_call_step_is_given_only_where_the_tuner_chose_the_loops():
     model = _gpt2()
-    assert not kernels.use_native_blocks(model, 1)  # untuned: F.linear on every product
+    assert not blocks.use_native_blocks(model, 1)  # untuned: F.linear on every product
     assert model.decode_blocks is None
     for m in model.modules():
         if hasattr(m, "few_row_kernels"):
-            m.few_row_kernels[1] = kernels.few_rows_linear
-    assert kernels.use_native_blocks(model, 1) and model.decode_blocks.rows == {1}
-    model.h[1].mlp.c_fc.few_row_kernels[1] = kernels.onednn  # one product timed faster elsewhere
-    assert not kernels.use_native_blocks(model, 1)
+            m.few_row_kernels[1] = products.few_rows_linear
+    assert blocks.use_native_blocks(model, 1) and model.decode_blocks.rows == {1}
+    model.h[1].mlp.c_fc.few_row_kernels[1] = products.onednn  # one product timed faster elsewhere
+    assert not blocks.use_native_blocks(model, 1)
     assert model.decode_blocks.rows == set()  # taken away: every step runs the layers
     llama = GPT_of("llama3-baby")
-    assert not kernels.use_native_blocks(llama, 1)
+    assert not blocks.use_native_blocks(llama, 1)
 
 
 def GPT_of(name):
@@ -870,14 +931,15 @@ def test_the_tuner_gives_the_one_call_step_and_generation_runs_it(monkeypatch):
 
     model = _gpt2()
     greedy = SampleConfig(max_new_tokens=12, temperature=0, stop_at_eos=False)
-    monkeypatch.setattr(kernels, "use_native_blocks", lambda model, rows: False)
+    monkeypatch.setattr(tuner, "use_native_blocks", lambda model, rows: False)
+    prepare = prepare_for_decoding
     reference = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
     assert model.decode_blocks is None
     monkeypatch.undo()
-    monkeypatch.setattr(kernels, "_fastest", lambda kernels, layers, rows, repeats: "few_rows")
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(tuner, "_fastest", lambda kernels, layers, rows, repeats, clock: "few_rows")
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
     done = _steps_computed(monkeypatch)
-    got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
+    got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy, prepare=prepare)))
     assert model.decode_blocks.rows == {1} and len(done) == 11  # every step after the first
     assert torch.equal(got, reference)
 
@@ -889,17 +951,19 @@ def test_where_the_tuner_chose_q8_the_one_call_step_runs_it(monkeypatch):
     from gptkiln.config import SampleConfig
 
     monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
-    monkeypatch.setattr(kernels, "_fastest", lambda found, *a: "q8_rows")  # as on a VNNI Xeon
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
     model = _gpt2(quantized=True)
     greedy = SampleConfig(max_new_tokens=12, temperature=0, stop_at_eos=False)
+    prepare = prepare_for_decoding  # at int8, a quantized model's own: q8_0's loop
     with monkeypatch.context() as m:  # the layers, each with the kernel the tuner chose
-        m.setattr(kernels, "use_native_blocks", lambda model, rows: False)
-        reference = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
-    products = kernels._block_products(model)
-    assert {layer.few_row_kernels[1] for layer in products} == {kernels.q8_rows_linear}
+        m.setattr(tuner, "use_native_blocks", lambda model, rows: False)
+        reference = torch.cat(
+            list(sampling.generate_stream(model, [[1, 2, 3]], greedy, prepare=prepare))
+        )
+    layers = blocks.block_products(model)
+    assert {layer.few_row_kernels[1] for layer in layers} == {products.q8_rows_linear}
     done = _steps_computed(monkeypatch)
-    got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
+    got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy, prepare=prepare)))
     assert model.decode_blocks.rows == {1} and len(done) == 11
     assert torch.equal(got, reference)
 
@@ -922,8 +986,8 @@ def test_the_one_call_step_declines_what_it_does_not_take_and_the_layers_run():
         model = _gpt2(dropout=0.1)
         for m in model.modules():
             if hasattr(m, "few_row_kernels"):
-                m.few_row_kernels[1] = kernels.few_rows_linear
-        assert kernels.use_native_blocks(model, 1), what
+                m.few_row_kernels[1] = products.few_rows_linear
+        assert blocks.use_native_blocks(model, 1), what
         change(model)
         model.decode_blocks, done = _counting(model.decode_blocks)
         logits = _step_logits(model, [[5, 6, 7]], steps=3)
@@ -935,9 +999,9 @@ def test_the_one_call_step_sees_the_model_as_it_is_at_each_step():
     model = _gpt2()
     for m in model.modules():
         if hasattr(m, "few_row_kernels"):
-            m.few_row_kernels[1] = kernels.few_rows_linear
-    kernels.use_compiled_loops(model)
-    assert kernels.use_native_blocks(model, 1)
+            m.few_row_kernels[1] = products.few_rows_linear
+    loops.use_compiled_loops(model)
+    assert blocks.use_native_blocks(model, 1)
     model.decode_blocks, done = _counting(model.decode_blocks)
     _step_logits(model, [[5, 6, 7]], steps=2)  # the addresses gathered and kept
     proj = model.h[0].attn.c_proj

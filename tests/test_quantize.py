@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import gptkiln.kernels as kernels
 from gptkiln.checkpoint import save_model
 from gptkiln.config import GPTConfig
+from gptkiln.cpu import prepare_for_decoding, products, specs, tuner
 from gptkiln.errors import GptkilnError
 from gptkiln.loading import CONFIG_FILE, WEIGHTS_FILE, load_model, load_run
 from gptkiln.model import GPT, Linear
@@ -38,11 +38,13 @@ LOGITS_TOLERANCE = 0.02
 def no_compiling(monkeypatch):
     """Generation here tunes among the int8 kernels that need no compiler (`fused_int8`, which
     compiles for a second or more per shape, has its own tests in test_kernels.py)."""
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
+    real = specs.offered
+    int8 = {"dequantize": products.dequantize_linear, "int8pack_mm": products.int8pack_mm}
     monkeypatch.setattr(
-        kernels,
-        "int8_candidates",
-        lambda: {"dequantize": kernels.dequantize_linear, "int8pack_mm": kernels.int8pack_mm},
+        specs,
+        "offered",
+        lambda weight, precision: int8 if weight == "int8" else real(weight, precision),
     )
 
 
@@ -101,29 +103,29 @@ def test_an_untuned_int8_layer_multiplies_few_rows_without_converting_its_weight
     reads the int8 weight as it is, rather than to the reference, which makes an fp32 copy of
     it at every call; with autograd, or more rows than the loop takes, the reference runs."""
     import gptkiln.quantize as quantize
-    from gptkiln.native import int8_rows_library
+    from gptkiln.cpu.library import library
 
-    if int8_rows_library() is None:
-        pytest.skip("no C compiler or no AVX-512 here: the reference is the only product")
+    if library() is None:
+        pytest.skip("no C compiler here: the reference is the only product")
     torch.manual_seed(0)
     layer = Int8Linear.from_float(torch.nn.Linear(64, 48))
-    reference = kernels.dequantize_linear
+    reference = products.dequantize_linear
     converted: list[int] = []
 
     def spy(x, *rest):
         converted.append(x.numel() // x.size(-1))
         return reference(x, *rest)
 
-    monkeypatch.setattr(kernels, "dequantize_linear", spy)
+    monkeypatch.setattr(products, "dequantize_linear", spy)
     monkeypatch.setattr(quantize, "dequantize_linear", spy)
     x = torch.randn(1, 3, 64)
     with torch.no_grad():
         got = layer(x)
         assert not converted
-        layer(torch.randn(kernels.FEW_ROWS + 1, 64))
-    assert converted == [kernels.FEW_ROWS + 1]
+        layer(torch.randn(products.FEW_ROWS + 1, 64))
+    assert converted == [products.FEW_ROWS + 1]
     layer(x)  # with autograd
-    assert converted == [kernels.FEW_ROWS + 1, 3]
+    assert converted == [products.FEW_ROWS + 1, 3]
     want = reference(x, layer.weight, layer.scale, layer.bias)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     # torch.compile cannot trace the loop's ctypes call: a compiled layer keeps the reference
@@ -133,9 +135,7 @@ def test_an_untuned_int8_layer_multiplies_few_rows_without_converting_its_weight
     # off the CPU (as on CUDA) the reference, and the C library is not even built or loaded
     import copy
 
-    import gptkiln.native as native
-
-    monkeypatch.setattr(native, "int8_rows_library", lambda: pytest.fail("library asked for"))
+    monkeypatch.setattr(products, "library", lambda: pytest.fail("library asked for"))
     elsewhere = copy.deepcopy(layer).to("meta")
     with torch.no_grad():
         assert elsewhere(x.to("meta")).shape == (1, 3, 48)
@@ -178,10 +178,11 @@ def test_int8_layers_compute_with_the_dequantized_weights():
 def test_a_quantized_model_generates_with_the_kv_cache_as_without(batch):
     model = quantize_model(tiny_model())
     prompts = [[1, 2, 3], [4, 5, 6]][:batch]
-    cached = generate(model, prompts, max_new_tokens=12, temperature=0)
+    prepare = prepare_for_decoding  # the CPU backend, as the commands decode
+    cached = generate(model, prompts, max_new_tokens=12, temperature=0, prepare=prepare)
     assert cached == generate(model, prompts, max_new_tokens=12, temperature=0, use_cache=False)
     assert model.h[0].attn.kv_cache is None  # cleared; it was float32 (ln_f's), not int8
-    assert set(kernels.chosen()) and all(key[4] == "int8" for key in kernels.chosen())
+    assert set(tuner.chosen()) and all(key[4] == "int8" for key in tuner.chosen())
 
 
 def test_a_bad_quantize_value_is_refused_in_one_line():

@@ -133,17 +133,18 @@ def test_padded_rows_with_the_explicit_attention_give_each_rows_own_tokens(model
 def test_kernels_tuned_for_fp32_step_aside_when_the_model_changes_dtype(model):
     import copy
 
-    from gptkiln.kernels import candidates
+    from gptkiln.cpu import prepare_for_decoding, specs
     from gptkiln.model import Linear
 
-    if "onednn" not in candidates():
+    if "onednn" not in specs.offered("float32", "fp32"):
         pytest.skip("this torch build has no oneDNN linear")
     tuned = copy.deepcopy(model)
     prompts = [[1, 2, 3]] * 8
-    expected = generate(tuned, prompts, max_new_tokens=4, temperature=0)  # tunes for 8 rows
+    prepare = prepare_for_decoding  # tunes for 8 rows
+    expected = generate(tuned, prompts, max_new_tokens=4, temperature=0, prepare=prepare)
     for layer in tuned.modules():  # oneDNN's linear, which takes no float64, for every layer
         if isinstance(layer, Linear):
-            layer.few_row_kernels[8] = candidates()["onednn"]
+            layer.few_row_kernels[8] = specs.BY_NAME["onednn"].kernel
     tuned.double()
     assert generate(tuned, prompts, max_new_tokens=4, temperature=0) == expected
 
@@ -428,17 +429,20 @@ def test_greedy_is_argmax_with_its_ties_and_nans(rows):
     assert torch.equal(greedy(w), logits.argmax(dim=-1))  # autograd: torch's own
 
 
-def test_the_first_token_is_out_before_the_decoding_kernels_are_tuned(model, monkeypatch):
-    import gptkiln.sampling as sampling
-
+def test_the_first_token_is_out_before_the_decoding_kernels_are_tuned(model):
     tuned = []
-    monkeypatch.setattr(sampling, "tune_decoding", lambda m, rows, **kw: tuned.append(rows))
+
+    def prepare(m, rows, steps):  # the backend's set-up, as the caller that owns decoding hands it
+        tuned.append(rows)
+
     cfg = SampleConfig(max_new_tokens=3, temperature=0, stop_at_eos=False)
-    stream = generate_stream(model, [[1, 2, 3], [4, 5]], cfg)
+    stream = generate_stream(model, [[1, 2, 3], [4, 5]], cfg, prepare=prepare)
     next(stream)  # the prefill's token: no timing stood before it
     assert tuned == []
     next(stream)  # the first decode step multiplies 2 rows: tuned for 2, once
     list(stream)
     assert tuned == [2]
-    one = generate_stream(model, [[1, 2, 3]], SampleConfig(max_new_tokens=1, temperature=0))
+    one = generate_stream(
+        model, [[1, 2, 3]], SampleConfig(max_new_tokens=1, temperature=0), prepare=prepare
+    )
     assert len(list(one)) == 1 and tuned == [2]  # no decode step, nothing to tune

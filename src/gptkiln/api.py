@@ -32,6 +32,7 @@ def stream_text(
     input: str = "",
     raw: bool = False,
     quantize: str | None = None,
+    precision: str | None = None,
 ) -> Iterator[str]:
     """Yield the generated text piece by piece as tokens are chosen.
 
@@ -40,7 +41,9 @@ def stream_text(
     model's context keeps its last ``context_length`` tokens, and past the context the window
     slides (each new token sees the last ``context_length``); the ``on_notice`` callback (if
     given) is told either. ``quantize="int8"`` quantizes the weights on load
-    (`gptkiln.loading.load_model`).
+    (`gptkiln.loading.load_model`). ``precision`` (``fp32``, ``bf16``, ``int8``; None: the
+    run's own) is what a CPU decodes at (`gptkiln.cpu.ready_for_decoding`); ``on_notice`` is
+    told which, first.
 
     An instruction-tuned run (`gptkiln finetune`, or a model with its own chat template,
     `gptkiln.chat_template`) takes ``prompt`` as the instruction and ``input`` as its input,
@@ -51,10 +54,10 @@ def stream_text(
     from gptkiln.chat_template import is_chat_template
     from gptkiln.finetune.runs import run_template
     from gptkiln.finetune.templates import format_prompt
-    from gptkiln.loading import check_language_model, load_run
+    from gptkiln.loading import check_language_model
 
     cfg = cfg or SampleConfig()
-    model, tokenizer, run_cfg = load_run(run_dir, device=device, quantize=quantize)
+    model, tokenizer, run_cfg, precision = load_for_decoding(run_dir, device, quantize, precision)
     check_language_model(model, run_dir)
     template = None if raw else run_template(run_cfg, run_dir)
     if template is not None:
@@ -68,7 +71,7 @@ def stream_text(
         )
     templated = is_chat_template(template)
     yield from stream_from_model(
-        model, tokenizer, prompt, cfg, run_dir, on_notice, templated=templated
+        model, tokenizer, prompt, cfg, run_dir, on_notice, templated=templated, precision=precision
     )
 
 
@@ -81,6 +84,7 @@ def stream_from_model(
     on_notice: Callable[[str], None] | None = None,
     *,
     templated: bool = False,
+    precision: str | None = None,
 ) -> Iterator[str]:
     """`stream_text` for a model already loaded (``source`` names it in messages): the text
     of one sequence through `sampling.TextStream`, which `generate`, `chat` and the
@@ -93,10 +97,13 @@ def stream_from_model(
     ids = _prompt_ids(
         model, tokenizer, prompt, source, on_notice, templated=templated, new=cfg.max_new_tokens
     )
+    _say_precision(model, precision, on_notice)
     ends = stop_ids_of(tokenizer)  # every id that ends a turn (Llama 3 Instruct has several)
     stream = TextStream(tokenizer.decode, cfg.stop, ends if cfg.stop_at_eos else None)
     try:
-        for _ in generate_stream(model, [ids], cfg, ends, streams=[stream]):
+        for _ in generate_stream(
+            model, [ids], cfg, ends, streams=[stream], prepare=_decoding(model, precision)
+        ):
             if piece := stream.take():
                 yield piece
         if tail := stream.flush():  # it ended inside a character, or by length: what is held back
@@ -183,6 +190,7 @@ def complete(
     on_notice: Callable[[str], None] | None = None,
     quantize: str | None = None,
     templated: bool = False,
+    precision: str | None = None,
 ) -> list[Completion]:
     """``num_samples`` samples for each prompt, generated together in batches.
 
@@ -204,6 +212,8 @@ def complete(
             or when it and ``cfg.max_new_tokens`` pass the context (the window slides).
         quantize: "int8" quantizes a run's weights as it loads (`gptkiln.loading.load_model`);
             a `GPT` given is used as it is (quantize it with `gptkiln.quantize.quantize_model`).
+        precision: what a CPU decodes at, ``fp32``, ``bf16`` or ``int8`` (None: the weights'
+            own; `gptkiln.cpu.ready_for_decoding`).
         templated: the prompts were rendered by the model's chat template and hold their own
             special tokens (`gptkiln.tokenizers.encode_prompt`).
 
@@ -224,7 +234,9 @@ def complete(
             f"seed {cfg.seed} + num_samples - 1 is past 2**63 - 1, the largest seed; "
             "give a smaller seed"
         )
-    model, tokenizer = _model_and_tokenizer(run_or_model, tokenizer, device, quantize)
+    model, tokenizer, precision = _model_and_tokenizer(
+        run_or_model, tokenizer, device, quantize, precision
+    )
     source = "the model" if isinstance(run_or_model, GPT) else run_or_model
     ids = [
         _prompt_ids(
@@ -232,6 +244,7 @@ def complete(
         )
         for i, p in enumerate(prompts)
     ]
+    _say_precision(model, precision, on_notice)
     rows = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
     streams = generate_batched(
         model,
@@ -240,6 +253,7 @@ def complete(
         tokenizer,
         batch_size=batch_size,
         row_seeds=None if cfg.seed is None else [cfg.seed + j for _, j in rows],
+        prepare=_decoding(model, precision),
     )
     return [
         Completion(
@@ -255,9 +269,63 @@ def complete(
     ]
 
 
+def load_for_decoding(
+    run_dir: str | os.PathLike,
+    device: str,
+    quantize: str | None = None,
+    precision: str | None = None,
+):
+    """`gptkiln.loading.load_run` for decoding at ``precision`` (None: the run's own; ``int8``
+    quantizes a float run as it loads): (model, tokenizer, run config, the precision)
+    (`gptkiln.cpu.ready_for_decoding`)."""
+    from gptkiln.cpu import loading_quantize, ready_for_decoding
+    from gptkiln.loading import load_run
+
+    model, tokenizer, run_cfg = load_run(
+        run_dir, device=device, quantize=loading_quantize(quantize, precision)
+    )
+    precision = ready_for_decoding(model, precision, device, run_dir)
+    return model, tokenizer, run_cfg, precision
+
+
+def _say_precision(model, precision: str | None, on_notice) -> None:
+    """Tell ``on_notice`` what a CPU decodes at, once the prompts are checked (an error stays
+    one line)."""
+    if on_notice is not None and precision is not None and model.wte.weight.device.type == "cpu":
+        on_notice(precision_notice(precision))
+
+
+def precision_notice(precision: str) -> str:
+    """The one line that says what a CPU decodes at, and how to choose another."""
+    what = {
+        "fp32": "fp32 (exact)",
+        "bf16": "bf16 (bf16 weights, fp32 activations)",
+        "int8": "int8 (int8 weights, 8-bit activations, as llama.cpp's q8_0)",
+    }[precision]
+    return f"decoding at {what}; --precision fp32, bf16 or int8 chooses"
+
+
+def _decoding(model, precision: str | None):
+    """The decode backend's set-up `sampling.generate_stream` calls after a first token: on the
+    CPU, `gptkiln.cpu.prepare_for_decoding` at ``precision`` (None: the model's own); elsewhere
+    none."""
+    if model.wte.weight.device.type != "cpu":
+        return None
+    from gptkiln.cpu import prepare_for_decoding
+
+    def prepare(model, rows: int, steps: int):
+        return prepare_for_decoding(model, rows, steps, precision=precision)
+
+    return prepare
+
+
 def _model_and_tokenizer(
-    run_or_model: Any, tokenizer: Any, device: str, quantize: str | None
-) -> tuple[GPT, Any]:
+    run_or_model: Any,
+    tokenizer: Any,
+    device: str,
+    quantize: str | None,
+    precision: str | None = None,
+) -> tuple[GPT, Any, str | None]:
     if isinstance(run_or_model, GPT):
         if tokenizer is None:
             raise GptkilnError("complete(model, ...) needs the model's tokenizer: tokenizer=...")
@@ -266,11 +334,9 @@ def _model_and_tokenizer(
                 f"complete(model, ..., quantize={quantize!r}): quantize= applies to a run as it "
                 "loads; quantize a built model with gptkiln.quantize.quantize_model first"
             )
-        return run_or_model, tokenizer
-    from gptkiln.loading import load_run
-
-    model, tokenizer, _ = load_run(run_or_model, device=device, quantize=quantize)
-    return model, tokenizer
+        return run_or_model, tokenizer, precision
+    model, tokenizer, _, precision = load_for_decoding(run_or_model, device, quantize, precision)
+    return model, tokenizer, precision
 
 
 def generate_text(
@@ -280,9 +346,13 @@ def generate_text(
     *,
     device: str = "cpu",
     quantize: str | None = None,
+    precision: str | None = None,
 ) -> str:
     """The prompt followed by the generated text."""
-    return prompt + "".join(stream_text(run_dir, prompt, cfg, device=device, quantize=quantize))
+    pieces = stream_text(
+        run_dir, prompt, cfg, device=device, quantize=quantize, precision=precision
+    )
+    return prompt + "".join(pieces)
 
 
 @dataclass
@@ -436,6 +506,8 @@ class RunInfo:
         history: what is known of its training, in words, when nothing is.
         quantization: what a quantized run's config.json records (``method``, ``scheme``,
             ``embedding_and_head``); None for float weights.
+        decodes_at: the precision `generate`, `chat` and `serve` decode at on a CPU unless
+            ``--precision`` says otherwise: its weights' own (int8, bf16 or fp32).
     """
 
     path: str
@@ -458,6 +530,7 @@ class RunInfo:
     history: str | None
     quantization: dict[str, Any] | None = None
     exports: str | None = None  # what `gptkiln convert` can write it as
+    decodes_at: str = "fp32"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -518,6 +591,7 @@ class RunInfo:
         lines.append(("resumable", f"{'yes' if self.resumable else 'no'}: {self.resume_note}"))
         if self.exports:
             lines.append(("exports to", self.exports))
+        lines.append(("decodes at", f"{self.decodes_at} on a CPU (--precision fp32, bf16, int8)"))
         width = max(len(line[0]) for line in lines[1:])
         return "\n".join(
             line if isinstance(line, str) else f"  {line[0]:<{width}}  {line[1]}" for line in lines
@@ -597,6 +671,13 @@ def run_info(path: str | os.PathLike) -> RunInfo:
         history=None,
         quantization=quantization,
         exports=_exports(config, tokenizer_name(run_dir)),
+        decodes_at=(
+            "int8"
+            if scales
+            else "bf16"
+            if any(t.dtype == torch.bfloat16 and t.dim() == 2 for t in sd.values())
+            else "fp32"
+        ),  # fmt: skip
     )
     if hf:
         info["history"] = "none: an imported Hugging Face model has no training history"

@@ -1,5 +1,5 @@
 """What a process learns about its machine, kept on disk for the next one: the decode tuner's
-kernel choices (`gptkiln.kernels.tune_decoding`) and inductor's compiled int8 kernels.
+kernel choices (`gptkiln.cpu.tuner`) and inductor's compiled int8 kernels.
 
 Timing every candidate kernel over a 124M model's weights takes seconds (3.9 s in fp32 on a
 2-core Xeon, more for int8, which compiles its fused kernel), and the answer is the same for every
@@ -17,7 +17,8 @@ Where: ``$GPTKILN_CACHE`` when set, else ``$XDG_CACHE_HOME/gptkiln``, else
   rewritten. A file that does not parse is ignored and rewritten too: the cache can make a
   process faster, never stop it.
 - ``inductor/``: inductor's own on-disk caches (``TORCHINDUCTOR_CACHE_DIR``, unless the user
-  set it), which hold the int8 kernels `gptkiln.kernels.fused_int8` compiles (`use_for_inductor`).
+  set it), which hold the int8 kernels `gptkiln.cpu.products.fused_int8` compiles
+  (`use_for_inductor`).
 
 Two processes may write at once (two ``generate`` commands started together, ``serve`` beside a
 ``generate``): each writes a temporary file in the same directory and renames it over the old one

@@ -29,13 +29,22 @@ class Chat:
     response was stopped early.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, cfg: SampleConfig, *, device: str = "cpu"):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        cfg: SampleConfig,
+        *,
+        device: str = "cpu",
+        precision: str | None = None,
+    ):
+        from gptkiln.api import load_for_decoding
         from gptkiln.chat_template import is_chat_template
         from gptkiln.finetune.runs import require_template
-        from gptkiln.loading import load_run
 
         self.run_dir, self.device = run_dir, device
-        self.model, self.tokenizer, run_cfg = load_run(run_dir, device=device)
+        self.model, self.tokenizer, run_cfg, self.precision = load_for_decoding(
+            run_dir, device, precision=precision
+        )
         self.template = require_template(run_cfg, run_dir)
         self.templated = is_chat_template(self.template)  # its text holds its special tokens
         stop = tuple(cfg.stop) + self.template.stop_strings()
@@ -73,6 +82,7 @@ class Chat:
             self.cfg,
             self.run_dir,
             templated=self.templated,
+            precision=self.precision,
         )
         try:
             with contextlib.closing(stream):  # a stopped response frees the KV cache at once

@@ -46,7 +46,7 @@ class Linear(nn.Linear):
     few rows of decoding.
 
     ``few_row_kernels`` maps a number of rows (batch x new tokens) to a function
-    ``(x, weight, bias) -> y`` equal to ``F.linear``; `gptkiln.kernels.tune_decoding` fills it
+    ``(x, weight, bias) -> y`` equal to ``F.linear``; `gptkiln.cpu.prepare_for_decoding` fills it
     from outside with the kernel it timed fastest on this machine (on some CPUs ``F.linear``
     streams a weight at a third of the memory bandwidth when it multiplies one row). Used only
     without autograd, on the CPU; everything else, and every untuned row count, is ``F.linear``.
@@ -147,7 +147,7 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None
         self.register_module("kv_cache", None)
         # A compiled attention for one new token a row, given from outside
-        # (`gptkiln.kernels.use_compiled_attention`), used without autograd on the CPU:
+        # (`gptkiln.cpu.loops.use_compiled_attention`), used without autograd on the CPU:
         # (q, k, v, mask) -> SDPA's output, or None where it does not take these tensors.
         self.decode_attention = None
 
@@ -360,7 +360,7 @@ class MLP(nn.Module):
         self.c_proj = Linear(config.mlp_size, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
         self.approximate = "tanh" if config.gelu == "tanh" else "none"
-        # A compiled tanh GELU given from outside (`gptkiln.kernels.use_compiled_gelu`), used
+        # A compiled tanh GELU given from outside (`gptkiln.cpu.loops.use_compiled_gelu`), used
         # without autograd on the CPU: (h, bias) -> whether it wrote gelu(h + bias) into h.
         self.gelu_in_place = None
 
@@ -657,7 +657,7 @@ class GPT(nn.Module):
         self.tie_weights()
         self.pad_lens: torch.Tensor | None = None  # (B,) left-padding per row, set with the cache
         # The blocks and final norm of a decode step in one compiled call, given from outside
-        # (`gptkiln.kernels.use_native_blocks`), used without autograd on the CPU:
+        # (`gptkiln.cpu.blocks.use_native_blocks`), used without autograd on the CPU:
         # (model, x, start_pos, mask) -> ln_f's output, or None where it does not take them.
         self.decode_blocks = None
         self.init_buffers()

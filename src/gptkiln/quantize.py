@@ -43,8 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptkiln.config import GPTConfig
+from gptkiln.cpu.products import dequantize_linear, int8_rows_linear
 from gptkiln.errors import GptkilnError
-from gptkiln.kernels import dequantize_linear, int8_rows_linear
 from gptkiln.model import GPT, block_linears
 
 METHODS = ("int8",)
@@ -96,12 +96,13 @@ class Int8Linear(nn.Module):
 
     State dict: ``weight`` (int8), ``scale`` (float) and ``bias``, under the float layer's
     names. Like `gptkiln.model.Linear`, ``few_row_kernels`` maps a number of rows to the kernel
-    `gptkiln.kernels.tune_decoding` timed fastest (``(x, weight, scale, bias) -> y``), used only
-    without autograd, on the CPU, in fp32. An untuned product without autograd (outside
-    ``torch.compile``, which cannot trace a ctypes call) goes to
-    `kernels.int8_rows_linear`, which multiplies up to ``kernels.FEW_ROWS`` fp32 rows on the CPU
-    without converting the weight (a prompt's first token comes before any tuning) and hands
-    everything else to `kernels.dequantize_linear`, the product every other case takes.
+    the CPU backend chose (`gptkiln.cpu.prepare_for_decoding`; ``(x, weight, scale, bias) ->
+    y``), used only without autograd, on the CPU, in fp32. An untuned product without autograd
+    (outside ``torch.compile``, which cannot trace a ctypes call) goes to
+    `gptkiln.cpu.products.int8_rows_linear`, which multiplies up to ``FEW_ROWS`` fp32 rows on
+    the CPU without converting the weight (a prompt's first token comes before any tuning) and
+    hands everything else to `gptkiln.cpu.products.dequantize_linear`, the product every other
+    case takes.
     """
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):

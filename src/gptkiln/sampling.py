@@ -5,6 +5,10 @@ KV cache (the default) the prompt is run once (prefill) and every later step fee
 without it every step re-runs the whole window, as the book's ``generate_text_simple`` does.
 Both give the same tokens. `TextStream` turns one sequence's tokens into text as they come and
 ends it at a stop string; `generate`, the CLI, the server and chat all read text through it.
+
+Nothing here knows a backend: the caller that owns a decoding (`gptkiln.api`, the evaluation
+harness) passes ``prepare``, e.g. `gptkiln.cpu.prepare_for_decoding`, which this calls once
+the cache is set and the first token is out, as ``prepare(model, rows, steps)``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import torch
 
 from gptkiln.config import SampleConfig, check_sampling
 from gptkiln.errors import GptkilnError
-from gptkiln.kernels import tune_decoding, use_compiled_loops
 from gptkiln.model import GPT
 
 
@@ -235,6 +238,12 @@ class TextStream:
         return piece
 
 
+Prepare = Callable[[GPT, int, int], object]
+"""A decode backend's set-up, ``prepare(model, rows, steps)``: given a model whose KV cache holds
+``rows`` rows, ready it for at most ``steps`` one-token steps
+(`gptkiln.cpu.prepare_for_decoding`)."""
+
+
 @torch.inference_mode()
 def generate_stream(
     model: GPT,
@@ -245,6 +254,7 @@ def generate_stream(
     *,
     streams: Sequence[TextStream] | None = None,
     row_seeds: Sequence[int | None] | None = None,
+    prepare: Prepare | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,) per step, until max_new_tokens or every row ended.
 
@@ -257,6 +267,10 @@ def generate_stream(
 
     With ``cfg.seed`` (or ``row_seeds``, one seed or None a row) every row draws from its own
     generator, so a row's tokens are those it gets alone with the same seed.
+
+    ``prepare(model, rows, steps)``: the decode backend's set-up (`Prepare`), called once the
+    KV cache is set and the first token is out (a first token waits for no tuning), where more
+    than one token is asked for; None decodes with the model as it is.
     """
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     if cfg.stop and streams is None:
@@ -278,10 +292,9 @@ def generate_stream(
     penalised = bool(cfg.presence_penalty or cfg.frequency_penalty)
     counts = torch.zeros(B, model.config.vocab_size, device=device) if penalised else None
     pos = idx.size(1)
-    # Each decode step multiplies B rows: the tuner gives every layer its fastest kernel for
-    # that, after the first token is out (a first token waits for no timing).
-    untuned = use_cache and cfg.max_new_tokens > 1
-    use_compiled_loops(model)
+    # Each decode step multiplies B rows: the caller's backend prepares for that after the
+    # first token is out (a first token waits for no timing).
+    untuned = prepare is not None and use_cache and cfg.max_new_tokens > 1
     if use_cache:  # room for the prompt and the new tokens only: 1024 slots are 600 MB at batch 8
         model.setup_cache(B, min(ctx, pos + cfg.max_new_tokens), pad_lens)
         logits = prefill(model, idx)
@@ -306,7 +319,7 @@ def generate_stream(
         if step + 1 == cfg.max_new_tokens or bool(finished.all()):
             return
         if untuned:
-            tune_decoding(model, rows=B, steps=cfg.max_new_tokens - 1)
+            prepare(model, B, cfg.max_new_tokens - 1)
             untuned = False
         idx = torch.cat([idx, token[:, None]], dim=1)
         if not use_cache:
@@ -327,12 +340,13 @@ def generate_batched(
     *,
     batch_size: int,
     row_seeds: Sequence[int | None] | None = None,
+    prepare: Prepare | None = None,
 ) -> list[TextStream]:
     """Generate from every prompt (token ids), ``batch_size`` rows at a time, each row into its
     own `TextStream`: the text ends before a stop string of ``cfg.stop`` or at end-of-text
     (with ``cfg.stop_at_eos``). ``row_seeds``: one seed (or None) a prompt, as
-    `generate_stream`'s. Returns the streams, in the prompts' order, each flushed (what a row
-    that ran out of tokens held back is given out).
+    `generate_stream`'s, and so is ``prepare``. Returns the streams, in the prompts' order, each
+    flushed (what a row that ran out of tokens held back is given out).
 
     `gptkiln.api.complete` and the harness backend (`gptkiln.evaluate`) both generate through
     this; the model is left in the mode it was in, without a cache.
@@ -351,6 +365,7 @@ def generate_batched(
                 stop_ids_of(tokenizer),
                 streams=[streams[r] for r in batch],
                 row_seeds=None if row_seeds is None else [row_seeds[r] for r in batch],
+                prepare=prepare,
             ):
                 pass
     finally:
@@ -384,6 +399,7 @@ def generate(
     use_cache: bool = True,
     *,
     tokenizer=None,
+    prepare: Prepare | None = None,
     **overrides,
 ) -> list[list[int]] | list[int]:
     """New token ids for one prompt (a list of ids, or a 1-D tensor or array) or a batch (a list
@@ -414,7 +430,9 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        for token in generate_stream(model, batch, cfg, eot_id, use_cache, streams=streams):
+        for token in generate_stream(
+            model, batch, cfg, eot_id, use_cache, streams=streams, prepare=prepare
+        ):
             for row, t in enumerate(token.tolist()):
                 if done[row]:
                     continue

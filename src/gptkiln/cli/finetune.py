@@ -11,6 +11,7 @@ import sys
 from gptkiln.cli.common import (
     add_device_flag,
     add_overwrite_flag,
+    add_precision_flag,
     add_run_argument,
     add_sampling_flags,
     example,
@@ -351,6 +352,7 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_sampling_flags(p, CHAT_SAMPLING_HELP, CHAT_SAMPLING_DEFAULTS, metavars=False)
     add_device_flag(p, devices="cpu | cuda | cuda:N | mps")
+    add_precision_flag(p)
     p.set_defaults(func=run_chat)
 
 
@@ -358,5 +360,6 @@ def run_chat(args: argparse.Namespace) -> None:
     from gptkiln import chat
     from gptkiln.devices import resolve_device
 
-    session = chat.Chat(args.run_dir, sample_config(args), device=resolve_device(args.device))
+    device = resolve_device(args.device)
+    session = chat.Chat(args.run_dir, sample_config(args), device=device, precision=args.precision)
     chat.run_chat(session, interactive=not args.plain and sys.stdin.isatty())

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from gptkiln.cli.common import (
     add_device_flag,
+    add_precision_flag,
     add_quantize_flag,
     add_run_argument,
     add_sampling_flags,
@@ -115,6 +116,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_device_flag(p)
     add_quantize_flag(p)
+    add_precision_flag(p)
     p.set_defaults(func=run)
 
 
@@ -149,6 +151,7 @@ def _stream(
         input=args.input,
         raw=args.raw,
         quantize=args.quantize,
+        precision=args.precision,
     )
     first = next(pieces, "")  # the run is loaded and the prompt checked before anything shows
     sys.stdout.write((prompt if echo else "") + first)
@@ -193,6 +196,7 @@ def _complete(
         on_notice=note,
         quantize=args.quantize,
         templated=templated,
+        precision=args.precision,
     )
     for s in samples:
         s = dataclasses.replace(s, prompt=prompts[s.prompt_index])  # as given, not formatted

@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from gptkiln.cli.common import add_device_flag, add_quantize_flag, add_run_argument, example
+from gptkiln.cli.common import (
+    add_device_flag,
+    add_precision_flag,
+    add_quantize_flag,
+    add_run_argument,
+    example,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -85,6 +91,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_device_flag(p, devices="cpu | cuda | mps | auto")
     add_quantize_flag(p)
+    add_precision_flag(p)
     p.set_defaults(func=run)
 
 
@@ -104,4 +111,5 @@ def run(args: argparse.Namespace) -> None:
         device=resolve_device(args.device),
         quantize=args.quantize,
         prefix_cache_mb=args.prefix_cache_mb,
+        precision=args.precision,
     )

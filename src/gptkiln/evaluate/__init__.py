@@ -15,9 +15,9 @@
   as its ``generation_kwargs`` say.
 
 None of the three uses the decoding tuner's kernels that change the sums on purpose (int8
-activations, a bf16 product on a CPU with AMX): generation tunes inside
-`gptkiln.kernels.exact_kernels`, and scoring first takes off any such kernel an earlier tuning
-gave the model (`kernels.keep_exact`: a trainer's model samples text between evaluations). So
+activations, bf16 copies of the weights): generation decodes inside
+`gptkiln.cpu.exact_kernels`, and scoring first takes off any such kernel an earlier tuning gave
+the model (`gptkiln.cpu.tuner.keep_exact`: a trainer's model samples text between evaluations). So
 the scores and tokens are the weights' own whatever the CPU, and equal the ``hf`` backend's.
 
 `evaluate_run` runs tasks on a run and writes the harness's results JSON (by default into

@@ -134,7 +134,7 @@ class GptkilnLM(TemplateLM):
         self._model, self._tokenizer, self._source = model, tokenizer, source
         self._batch_size, self._quantize, self._progress = batch_size, quantize, progress
         self._device = model.wte.weight.device
-        from gptkiln.kernels import use_compiled_loops
+        from gptkiln.cpu.loops import use_compiled_loops
 
         use_compiled_loops(model)  # their sums are torch's up to rounding, as the hf backend's
 
@@ -237,7 +237,7 @@ class GptkilnLM(TemplateLM):
         or after ``max_gen_toks`` tokens."""
         from tqdm.auto import tqdm
 
-        from gptkiln.kernels import exact_kernels
+        from gptkiln.cpu import exact_kernels, prepare_for_decoding
         from gptkiln.sampling import generate_batched
 
         groups: dict[str, list[int]] = {}
@@ -262,6 +262,7 @@ class GptkilnLM(TemplateLM):
                     cfg,
                     self._tokenizer,
                     batch_size=self.batch_size,
+                    prepare=prepare_for_decoding,
                 )
             for n, stream in zip(order, streams):
                 texts[n] = stream.text
@@ -274,7 +275,7 @@ class GptkilnLM(TemplateLM):
     def _score(self, pairs: Sequence[Pair], what: str, disable_tqdm: bool, greedy_too: bool):
         from tqdm.auto import tqdm
 
-        from gptkiln.kernels import keep_exact
+        from gptkiln.cpu.tuner import keep_exact
 
         keep_exact(self._model)  # scoring tunes nothing: what an earlier tuning gave goes
         with tqdm(

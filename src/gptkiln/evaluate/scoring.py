@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from gptkiln.cpu.loops import target_log_probs
 from gptkiln.errors import GptkilnError
-from gptkiln.native import target_log_probs
 from gptkiln.sampling import greedy
 
 DEFAULT_BATCH_SIZE = 16
@@ -85,7 +85,7 @@ def _score_positions(
     ``hidden`` (N, C) the final norm's output at the positions that predict its tokens, in
     order, ``targets`` the N tokens, ``counts`` how many of them each continuation has. The head
     runs on ``SCORE_ROWS`` positions at a time; log-softmax in float32, as the ``hf`` backend
-    takes it (by `gptkiln.native.target_log_probs`, which writes none of it, where that builds).
+    takes it (by `gptkiln.cpu.loops.target_log_probs`, which writes none of it, where that builds).
     Without ``greedy_too`` the second answer is False (not computed)."""
     target = torch.tensor(targets, device=hidden.device)
     picked = torch.empty(len(targets), device=hidden.device)  # float32

@@ -79,6 +79,7 @@ def serve(
     quantize: str | None = None,
     log_level: str = "info",
     prefix_cache_mb: int = 256,
+    precision: str | None = None,
 ) -> None:
     """Load the model of ``run_dir`` once and serve it until interrupted.
 
@@ -96,6 +97,8 @@ def serve(
         log_level: uvicorn's; requests are not logged one by one (see ``/metrics``).
         prefix_cache_mb: MiB of prompt-prefix keys and values kept for later prompts that
             start the same way (`serve.prefix_cache`); 0 turns prefix caching off.
+        precision: what a CPU decodes at, ``fp32``, ``bf16`` or ``int8`` (None: the run's
+            own; `gptkiln.cpu.ready_for_decoding`).
     """
     check_serve_options(
         host=host,
@@ -108,11 +111,12 @@ def serve(
     )
     import uvicorn
 
+    from gptkiln.api import load_for_decoding, precision_notice
     from gptkiln.finetune.runs import run_template
-    from gptkiln.loading import check_language_model, load_run
+    from gptkiln.loading import check_language_model
     from gptkiln.serve.app import create_app
 
-    model, tokenizer, run_cfg = load_run(run_dir, device=device, quantize=quantize)
+    model, tokenizer, run_cfg, precision = load_for_decoding(run_dir, device, quantize, precision)
     check_language_model(model, run_dir)  # a classifier's scores are not next tokens
     template = run_template(run_cfg, run_dir)  # an instruction-tuned run's: it can chat
     model.eval()
@@ -128,11 +132,13 @@ def serve(
         max_body_bytes=max_body_bytes,
         prefix_cache_bytes=prefix_cache_mb << 20,
     )
+    app.state.batcher.precision = precision  # read once, as the batcher prepares its model
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(
         f"gptkiln serve: {run_dir} as {name!r} (context {model.config.context_length}, "
         f"{max_batch} sequences at once); playground {url}/, API {url}/v1"
-        + (" (chat too: instruction-tuned)" if template is not None else ""),
+        + (" (chat too: instruction-tuned)" if template is not None else "")
+        + (f"; {precision_notice(precision)}" if device == "cpu" else ""),
         file=sys.stderr,
         flush=True,
     )

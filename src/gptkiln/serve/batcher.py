@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 from gptkiln.config import SampleConfig
+from gptkiln.cpu import prepare_for_decoding
 from gptkiln.errors import GptkilnError
-from gptkiln.kernels import tune_decoding
 from gptkiln.model import GPT
 from gptkiln.sampling import (
     TextStream,
@@ -335,10 +335,16 @@ class Batcher:
         seq.events.put_nowait(Failed(seq.index, message))
 
     # -- the worker thread: the only code that runs the model ----------------------------------
+    precision: str | None = None
+    """The decode precision (``fp32``, ``bf16``, ``int8``; None: the model's own), read once by
+    `_prepare`."""
+
     def _prepare(self) -> None:
         self.model.setup_cache(self.max_batch, self.context_length)
-        for rows in self._buckets:
-            tune_decoding(self.model, rows=rows, one_call=False)  # rows at their own positions
+        # the batcher owns this model's decoding: its plan lives as long as the server
+        self.plan = prepare_for_decoding(
+            self.model, self._buckets, precision=self.precision, one_call=False
+        )  # one_call=False: rows at their own positions
 
     @torch.inference_mode()
     def _prefill_step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:

@@ -1,7 +1,7 @@
 /* GPT-2's tanh GELU, in place, with the bias of the product before it: y = gelu(y + bias).
 
-   Used by gptkiln.model's MLP (gptkiln.native.gelu_tanh_, which builds and loads this file,
-   given to the model by gptkiln.kernels.use_compiled_gelu) when no gradient is wanted: the
+   Used by gptkiln.model's MLP (gptkiln.cpu.loops.gelu_tanh_, which builds and loads this file,
+   given to the model by gptkiln.cpu.loops.use_compiled_gelu) when no gradient is wanted: the
    expansion c_fc is then computed without its bias
    (torch's addmm would first copy the bias into every row of the output), and this one pass
    adds it and applies the activation. torch's own tanh GELU is slow on the CPU (its vectorised
@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "../gptkiln_cpu.h"
 #include "vexp.h"
 
 #define AVX512 __attribute__((target("avx512f")))
@@ -35,7 +36,7 @@ static inline __attribute__((always_inline)) AVX512 __m512 gelu16(__m512 x) {
 }
 
 /* y (rows, cols) fp32, rows `stride` floats apart, in place; bias (cols,) or NULL. */
-AVX512 int gelu_tanh(float *y, const float *bias, int64_t rows, int64_t cols, int64_t stride,
+AVX512 int gelu_tanh_x86(float *y, const float *bias, int64_t rows, int64_t cols, int64_t stride,
                      int threads) {
     if (rows <= 0 || cols <= 0) return 0;
     /* chunks of about 16K elements: a decode step's (16 x 3072) still runs on every thread */

@@ -1,6 +1,6 @@
 /* log softmax(logits)[target] of every row, without writing the log-softmax: for scoring.
 
-   Used by gptkiln.evaluate (through gptkiln.native, which compiles this file once per machine
+   Used by gptkiln.evaluate (through gptkiln.cpu.library, which compiles this file once per machine
    and loads it with ctypes), where the head's logits of up to a thousand positions (200 MB for
    GPT-2's 50,257 tokens) need one number a row: the target token's log-probability (and, when
    asked, whether the target is the row's argmax). torch's log_softmax writes a second 200 MB
@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "../gptkiln_cpu.h"
 #include "vexp.h"
 
 #define AVX512 __attribute__((target("avx512f")))
@@ -67,7 +68,7 @@ static AVX512 void one_row(const float *row, int64_t V, int64_t target, float *o
 /* logits (N, V) fp32, rows `stride` floats apart; targets (N,) int64 in [0, V); out (N,) fp32;
    argmax (N,) int64 or NULL. Returns 0, or -1 for a target out of range (nothing written for
    that row). */
-AVX512 int target_log_probs(const float *logits, const int64_t *targets, float *out,
+AVX512 int target_log_probs_x86(const float *logits, const int64_t *targets, float *out,
                             int64_t *argmax, int64_t N, int64_t V, int64_t stride, int threads) {
     int bad = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : bad)

@@ -1,7 +1,7 @@
 /* softmax(q k^T * scale) v for one new token a row (decoding), over the KV cache, in fp32.
 
-   Used by gptkiln.model's attention (gptkiln.native.decode_attention, which builds and loads
-   this file, given to the model by gptkiln.kernels.use_compiled_loops) at a decode step: one
+   Used by gptkiln.model's attention (gptkiln.cpu.loops.decode_attention, which builds and loads
+   this file, given to the model by gptkiln.cpu.loops.use_compiled_loops) at a decode step: one
    query a row and head, S cached keys and values, an optional mask of the keys each row may see
    (left padding), grouped-query heads (G key/value heads, each serving H / G query heads).
    torch's SDPA spends ~30-90 us a call there on a 2-core Xeon at batch 1 (its flash kernel is
@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "../gptkiln_cpu.h"
 #include "vexp.h"
 
 #define AVX512 __attribute__((target("avx512f")))
@@ -80,7 +81,7 @@ static AVX512 void one_head(const float *q, const float *k, const float *v, int6
    (v alike, same strides); mask: mask[b][s] at mask + b*m_sb (bytes, nonzero = may attend) or
    NULL; out (B, H, D) contiguous. D % 16 == 0 and D <= 256, H % G == 0 (the caller checks).
    Returns 0, -1 for arguments it refuses, -2 when scratch memory cannot be had. */
-AVX512 int decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask,
+AVX512 int decode_attention_x86(const float *q, const float *k, const float *v, const uint8_t *mask,
                             float *out, int64_t B, int64_t H, int64_t G, int64_t S, int64_t D,
                             int64_t q_sb, int64_t q_sh, int64_t kv_sb, int64_t kv_sh,
                             int64_t kv_ss, int64_t m_sb, float scale, int threads) {

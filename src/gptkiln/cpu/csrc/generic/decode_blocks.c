@@ -2,9 +2,8 @@
    of one new token each, x (B, C) -> ln_f(block_L(... block_1(x))), writing each layer's new
    keys and values into its KV cache on the way.
 
-   Used by gptkiln.native.DecodeBlocks (built and loaded by gptkiln.native, given to a model by
-   gptkiln.kernels.use_native_blocks once the tuner has chosen this project's own loops for every
-   block product at that many rows). The torch path it replaces runs the same loops one layer
+   Used by gptkiln.cpu.blocks.DecodeBlocks (the step a gptkiln.cpu.DecodePlan gives a GPT-2 once
+   the tuner has chosen this project's own loops for every block product at that many rows). The torch path it replaces runs the same loops one layer
    at a time from Python: at batch 1 on a 2-core Xeon that spent ~0.5 ms a block in the
    interpreter and in small ATen calls (views, norms, adds, the cache write) around ~0.6 ms of
    products; llama.cpp runs the whole step as one graph in C, and so does this.
@@ -14,21 +13,20 @@
        a = softmax(q k^T / sqrt(D)) v over the S = pos + 1 cached positions (a row's mask: the
        keys it may see, left padding); x += a W_proj^T + b;
        h = LN_2(x); f = gelu_tanh(h W_fc^T + b); x += f W_mproj^T + b.
-   The products are few_rows.c's (fp32 weights, or int8 ones with a scale per output row) or
-   q8_rows.c's (int8 weights, 8-bit activations), each the one the tuner gave its layer, the
-   attention decode_attention.c's and the GELU gelu.c's: this file includes the four, so the
-   step is exactly their sequence, without the interpreter between them. LayerNorm is here: the
-   mean, then the mean of the squared deviations (biased, as torch's), in fp32.
+   The products are the library's row loops (fp32 weights, bf16 ones, int8 ones with a scale
+   per output row, or int8 times 8-bit activations), each the one the tuner gave its layer, the
+   attention and the GELU the library's: this file calls their entry points (gptkiln_cpu.h,
+   which pick the AVX-512 or the generic version), so the step is exactly their sequence,
+   without the interpreter between them, and one source serves both builds. LayerNorm is here,
+   in plain C: the mean, then the mean of the squared deviations (biased, as torch's), in fp32.
 
    Nothing here includes Python's or torch's headers. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "decode_attention.c"
-#include "few_rows.c"
-#include "gelu.c"
-#include "q8_rows.c"
+#include "../gptkiln_cpu.h"
 
 /* A layer's table: 18 addresses (see TABLE_* below); a product's scale is NULL for fp32
    weights, its bias NULL for none, a norm's bias NULL for none. */
@@ -37,47 +35,49 @@ enum {
     FC_W, FC_S, FC_B, MPROJ_W, MPROJ_S, MPROJ_B, K_CACHE, V_CACHE, TABLE_SIZE
 };
 
-/* How a product runs (a layer's kernel, as the tuner chose it): few_rows.c's fp32 loop, its
-   int8 loop (fp32 activations), or q8_rows.c's (activations rounded to 8 bits). */
-enum { KIND_F32, KIND_INT8, KIND_Q8 };
+/* How a product runs (a layer's kernel, as the tuner chose it): the fp32 loop, the int8 loop
+   (fp32 activations), the q8 loop (activations rounded to 8 bits), or the bf16 loop (the
+   weight address is then a bf16 copy's). */
+enum { KIND_F32, KIND_INT8, KIND_Q8, KIND_BF16 };
 
 /* y (B, N) = x (B, K) W^T (* scale) + b, by the loop of its kind; -1 for a kind that does not
    fit the weight (fp32 weights have no scale, int8 ones have one). */
 static int product(int kind, const float *x, const void *w, const float *s, const float *b,
                    float *y, int B, int N, int K, int threads) {
-    if (kind == KIND_F32 && !s) return f32_all(x, (const float *)w, 0, b, y, B, N, K, threads);
-    if (kind == KIND_INT8 && s) return i8_all(x, (const int8_t *)w, s, b, y, B, N, K, threads);
+    if (kind == KIND_F32 && !s) return few_rows_linear(x, (const float *)w, b, y, B, N, K, threads);
+    if (kind == KIND_BF16 && !s)
+        return bf16_rows_linear(x, (const uint16_t *)w, b, y, B, N, K, threads);
+    if (kind == KIND_INT8 && s) return int8_rows_linear(x, (const int8_t *)w, s, b, y, B, N, K, threads);
     if (kind == KIND_Q8 && s) return q8_rows_linear(x, (const int8_t *)w, s, b, y, B, N, K, threads);
     return -1;
 }
 
-/* y (B, C) = LayerNorm(x) with weight w and bias b (or none). */
-static AVX512 void layer_norm(const float *x, const float *w, const float *b, float *y, int B,
-                              int C, float eps) {
+/* y (B, C) = LayerNorm(x) with weight w and bias b (or none); sums in 16 lanes, as vectors. */
+static void layer_norm(const float *x, const float *w, const float *b, float *y, int B, int C,
+                       float eps) {
     for (int r = 0; r < B; r++) {
         const float *xr = x + (size_t)r * C;
         float *yr = y + (size_t)r * C;
-        __m512 sum = _mm512_setzero_ps();
-        for (int i = 0; i < C; i += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(xr + i));
-        __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / (float)C);
-        __m512 sq = _mm512_setzero_ps();
-        for (int i = 0; i < C; i += 16) {
-            __m512 d = _mm512_sub_ps(_mm512_loadu_ps(xr + i), mean);
-            sq = _mm512_fmadd_ps(d, d, sq);
-        }
-        __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)C + eps));
-        for (int i = 0; i < C; i += 16) {
-            __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(xr + i), mean), inv);
-            v = _mm512_mul_ps(v, _mm512_loadu_ps(w + i));
-            if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + i));
-            _mm512_storeu_ps(yr + i, v);
-        }
+        float lanes[16] = {0}, sq[16] = {0};
+        for (int i = 0; i < C; i += 16)
+            for (int l = 0; l < 16; l++) lanes[l] += xr[i + l];
+        float sum = 0.f;
+        for (int l = 0; l < 16; l++) sum += lanes[l];
+        float mean = sum / (float)C;
+        for (int i = 0; i < C; i += 16)
+            for (int l = 0; l < 16; l++) {
+                float d = xr[i + l] - mean;
+                sq[l] += d * d;
+            }
+        float var = 0.f;
+        for (int l = 0; l < 16; l++) var += sq[l];
+        float inv = 1.0f / sqrtf(var / (float)C + eps);
+        for (int i = 0; i < C; i++) yr[i] = (xr[i] - mean) * inv * w[i] + (b ? b[i] : 0.f);
     }
 }
 
-static AVX512 void add_into(float *x, const float *y, size_t n) {
-    for (size_t i = 0; i < n; i += 16)
-        _mm512_storeu_ps(x + i, _mm512_add_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+static void add_into(float *x, const float *y, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] += y[i];
 }
 
 /* x (B, C): each row's embedded token, updated in place through the blocks; out (B, C):
@@ -85,13 +85,13 @@ static AVX512 void add_into(float *x, const float *y, size_t n) {
    c_attn, attention c_proj, c_fc, MLP c_proj). H heads of D (C = H * D), F the MLP's width.
    Caches (B, H, S_max, D) contiguous; the new token goes to position pos (< S_max), and the
    attention reads positions 0..pos; mask (B, pos + 1) bytes (nonzero: may attend) or NULL.
-   C, D and F multiples of 16, D <= 256, 1 <= B <= MAX_ROWS (the caller checks; refused: -1).
+   C, D and F multiples of 16, D <= 256, 1 <= B <= GK_MAX_ROWS (the caller checks; refused: -1).
    Returns 0, -1 for arguments refused, -2 when scratch memory cannot be had. */
-AVX512 int gpt2_decode_blocks(const int64_t *table, const char *kinds, int n_layer, float *x, float *out, int B,
-                              int C, int H, int D, int F, int64_t S_max, int64_t pos,
+int gpt2_decode_blocks(const int64_t *table, const char *kinds, int n_layer, float *x, float *out,
+                       int B, int C, int H, int D, int F, int64_t S_max, int64_t pos,
                               const uint8_t *mask, float eps, const float *lnf_w,
                               const float *lnf_b, int threads) {
-    if (n_layer < 1 || B < 1 || B > MAX_ROWS || C % 16 || F % 16 || D % 16 || D > MAX_D ||
+    if (n_layer < 1 || B < 1 || B > GK_MAX_ROWS || C % 16 || F % 16 || D % 16 || D > GK_MAX_D ||
         H * D != C || pos < 0 || pos >= S_max)
         return -1;
     size_t bc = (size_t)B * C;

@@ -2,12 +2,12 @@
    activations rounded to 8 bits in blocks of 32 (llama.cpp's q8_0) and multiplied by the int8
    weights in int8 (AVX-512 VNNI's vpdpbusd: 64 products a vector into 16 int32 sums).
 
-   Used by gptkiln.kernels.q8_rows_linear, an int8 tuner candidate that quantizes its
-   activations (kernels.QUANTIZING_ACTIVATIONS: held to kernels.ACTIVATION_TOLERANCE against the
+   Used by gptkiln.cpu.products.q8_rows_linear, an int8 tuner candidate that quantizes its
+   activations (the inexact kernels of gptkiln.cpu.specs: held to gptkiln.cpu.tuner.ACTIVATION_TOLERANCE against the
    reference, left out by exact_kernels), and by decode_blocks.c for the products the tuner gave
    it. Nothing here includes Python's or torch's headers.
 
-   Why: few_rows.c's int8 loop widens each int8 weight to fp32 (vpmovsxbd, vcvtdq2ps) and runs
+   Why: rows.c's int8 loop widens each int8 weight to fp32 (vpmovsxbd, vcvtdq2ps) and runs
    one fp32 FMA a weight: four instructions per 16 weights, so at batch 1 on the 2-core Xeon it
    ran GPT-2 124M's 49 int8 products in 5.2-5.5 ms a step, under the speed the memory gives.
    Here a 64-byte load of weights is one vpdpbusd: the same products took 2.9-3.0 ms (a C
@@ -25,7 +25,7 @@
    the first block's, 8-15 the second's, so one vector of their two d's (8 lanes each) scales
    both in one FMA into fp32 partial sums.
 
-   The loop is few_rows.c's: 4 weight rows at a time, shared by every row of x, the next block
+   The loop is rows.c's: 4 weight rows at a time, shared by every row of x, the next block
    of weight rows prefetched into L1 while this one is multiplied, the blocks shared among the
    threads. */
 #include <immintrin.h>
@@ -34,22 +34,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#ifndef MAX_ROWS
-#define MAX_ROWS 64
-#endif
+#include "../gptkiln_cpu.h"
+
+#define MAX_ROWS GK_MAX_ROWS
 
 #define Q8 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-
-/* Whether this CPU runs the loops below (AVX-512 F, BW and VNNI): 1 or 0. */
-int q8_supported(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vnni");
-    }
-    return known;
-}
 
 /* The activations of M rows of K (K % 64 == 0) as the loops take them: a (M, K) signed bytes
    and the d's (M, K / 64) vectors of 16 floats. */
@@ -91,7 +80,7 @@ static Q8 void q8_quantize(const float *x, q8_acts *a, int M, int K) {
     }
 
 /* R rows of activations times the 4 weight rows at w, over k in [k0, k1), added into part
-   (R x 4 vectors); prefetching as few_rows.c's loops do. */
+   (R x 4 vectors); prefetching as rows.c's loops do. */
 #define Q8_ROWS_TIMES_4(R)                                                                    \
     static inline __attribute__((always_inline)) Q8 void q8_rows##R##_times_4(                \
         const q8_acts *a, int m0, const int8_t *w, __m512 *part, int K, int k0, int k1,       \
@@ -182,9 +171,9 @@ static Q8 void q8_single_output(const q8_acts *a, const int8_t *w, const float *
 /* The entry point. x (M, K), q (N, K) int8, y (M, N) contiguous; scale (N,) fp32; b (N,) or
    NULL; 1 <= M <= MAX_ROWS, K % 64 == 0; `threads` OpenMP threads. Returns 0, -1 for
    arguments it refuses (or a CPU without VNNI), -2 when scratch memory cannot be had. */
-int q8_rows_linear(const float *x, const int8_t *q, const float *scale, const float *b, float *y,
+int q8_rows_linear_x86(const float *x, const int8_t *q, const float *scale, const float *b, float *y,
                    int M, int N, int K, int threads) {
-    if (M < 1 || M > MAX_ROWS || K < 64 || K % 64 != 0 || N < 1 || !q8_supported()) return -1;
+    if (M < 1 || M > MAX_ROWS || K < 64 || K % 64 != 0 || N < 1 || !gk_x86_avx512vnni()) return -1;
     size_t chunks = (size_t)M * K / 64;
     size_t bytes = (size_t)M * K + chunks * 64; /* a, then the d's: 16 floats a chunk */
     char *scratch = (char *)aligned_alloc(64, bytes);

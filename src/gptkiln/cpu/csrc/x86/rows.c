@@ -1,10 +1,11 @@
 /* y (M, N) = x (M, K) . w (N, K)^T + b in fp32, for the few rows of decoding, with AVX-512; and
    the same with int8 weights and one scale per output row (int8_rows_linear).
 
-   Used by gptkiln.kernels.few_rows_linear, which compiles this file once per machine with the
-   system's C compiler (gptkiln.native) and calls it through ctypes; the tuner
-   (gptkiln.kernels.tune_decoding) times it against F.linear and the other candidates and checks
-   it equal to F.linear. Nothing here includes Python's or torch's headers.
+   The AVX-512 version of generic/rows.c's three entry points (the dispatcher, ../dispatch.c,
+   calls these where the CPU runs AVX-512). Used by gptkiln.cpu.products.few_rows_linear, whose
+   library gptkiln.cpu.library builds once per machine with the system's C compiler and loads
+   through ctypes; the tuner (gptkiln.cpu.tuner) times it against F.linear and the other
+   candidates and checks it equal to F.linear. Nothing here includes Python's or torch's headers.
 
    Why: at 4-16 rows a library GEMM (MKL, oneDNN) runs these skinny products at ~10-12 GB/s of
    weight on a 2-core Xeon that reads 18.8 GB/s: it is neither at the memory's speed nor at the
@@ -21,15 +22,15 @@
    The sums are F.linear's in another order: they differ by float rounding only.
 
    bf16_rows_linear is the same loop over a bf16 copy of an fp32 weight (used by
-   gptkiln.kernels.bf16_rows_linear, an fp32 tuner candidate that rounds the weights to bf16 on
+   gptkiln.cpu.products.bf16_rows_linear, an fp32 tuner candidate that rounds the weights to bf16 on
    purpose: half the bytes to stream at batch 1, the activations and the sums left in fp32;
    each bf16 weight is widened exactly, by a shift).
 
    int8_rows_linear is the same loop over an int8 weight q with per-output scales (used by
-   gptkiln.kernels.int8_rows_linear, an int8 tuner candidate): each int8 weight is widened to
+   gptkiln.cpu.products.int8_rows_linear, an int8 tuner candidate): each int8 weight is widened to
    fp32 in registers as it streams, the activations stay fp32 (unlike fbgemm's dynamic product
    or llama.cpp's q8_0, which round them to 8 bits), and each output's scale multiplies its sum
-   once. So it equals kernels.dequantize_linear (F.linear on q * scale) up to rounding. At batch
+   once. So it equals gptkiln.cpu.products.dequantize_linear (F.linear on q * scale) up to rounding. At batch
    1 an int8 weight is a quarter of the fp32 one's bytes; torch's int8-weight products with
    fp32 activations ran far below the memory's speed (the reference writes a float copy of the
    weight; _weight_int8pack_mm took 992 us for 768x3072 against F.linear's 214). */
@@ -37,7 +38,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define MAX_ROWS 64
+#include "../gptkiln_cpu.h"
+
+#define MAX_ROWS GK_MAX_ROWS
 
 #define AVX512 __attribute__((target("avx512f")))
 
@@ -159,17 +162,37 @@ ROWS_LOOP(bf, uint16_t, load_bf16, 512, _MM_HINT_T0) /* 4 rows of w: 4 KB; 4 of 
    fp32; b (N,) or NULL; 1 <= M <= MAX_ROWS, K % 16 == 0 (the callers check both); `threads`
    OpenMP threads (torch's own runtime, libgomp, when torch is loaded first). Each returns 0,
    or -1 for arguments it refuses. */
-AVX512 int few_rows_linear(const float *x, const float *w, const float *b, float *y, int M, int N,
+AVX512 int few_rows_linear_x86(const float *x, const float *w, const float *b, float *y, int M, int N,
                            int K, int threads) {
     return f32_all(x, w, 0, b, y, M, N, K, threads);
 }
 
-AVX512 int int8_rows_linear(const float *x, const int8_t *q, const float *scale, const float *b,
+AVX512 int int8_rows_linear_x86(const float *x, const int8_t *q, const float *scale, const float *b,
                             float *y, int M, int N, int K, int threads) {
     return i8_all(x, q, scale, b, y, M, N, K, threads);
 }
 
-AVX512 int bf16_rows_linear(const float *x, const uint16_t *w, const float *b, float *y, int M,
+AVX512 int bf16_rows_linear_x86(const float *x, const uint16_t *w, const float *b, float *y, int M,
                             int N, int K, int threads) {
     return bf_all(x, w, 0, b, y, M, N, K, threads);
+}
+
+/* Whether this CPU runs the AVX-512 loops (F; the q8 loop also BW and VNNI): 1 or 0, asked once. */
+int gk_x86_avx512f(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") != 0;
+    }
+    return known;
+}
+
+int gk_x86_avx512vnni(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vnni");
+    }
+    return known;
 }

@@ -1,0 +1,147 @@
+"""`prepare_for_decoding`: the one entry point of the CPU decode backend, and the `DecodePlan` it
+returns to whoever owns the decoding (`gptkiln.api`'s generate and chat, serve's batcher, the
+evaluation harness): the kernels chosen for each number of rows at the chosen precision, the
+weight copies they read, the one-call step; `DecodePlan.drop_inexact` takes off what rounds
+on purpose, `DecodePlan.release` gives the model back as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from gptkiln.cpu import specs
+from gptkiln.cpu.loops import use_compiled_loops
+from gptkiln.cpu.tuner import Clock, drop_unused_copies, keep_exact, tune_decoding
+
+
+def default_precision(model: nn.Module) -> str:
+    """The precision a model decodes at unless another is asked: its weights' own. ``int8`` for
+    a quantized model (int8 weights), ``bf16`` where its products' weights are bf16 (a Hugging
+    Face checkpoint converted as it ships), else ``fp32``."""
+    kinds = set()
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and module.__class__.__name__.endswith("Linear"):
+            kinds.add(w.dtype)
+    if torch.int8 in kinds:
+        return "int8"
+    return "bf16" if torch.bfloat16 in kinds else "fp32"
+
+
+def ready_for_decoding(
+    model: nn.Module, precision: str | None, device: str, source: object = "the model"
+) -> str:
+    """Check ``precision`` (None: `default_precision`) against ``model`` and ready the model for
+    it: on the CPU a bf16 model is taken to fp32 (fp32 activations, as llama.cpp decodes a bf16
+    file; at ``bf16`` the tuner's bf16 copies are then its own weights exactly). Returns the
+    precision. A quantized model decodes at int8 only (one line says how to get the others)."""
+    from gptkiln.errors import GptkilnError
+
+    if precision is not None and precision not in specs.PRECISIONS:
+        raise GptkilnError(f"--precision {precision}: choose one of {', '.join(specs.PRECISIONS)}")
+    own = default_precision(model)
+    if own == "int8" and precision not in (None, "int8"):
+        raise GptkilnError(
+            f"{source} has int8 weights, so it decodes at int8; for {precision}, give the float "
+            "run it was quantized from"
+        )
+    if device == "cpu" and own == "bf16":
+        model.float()
+    return precision or own
+
+
+def loading_quantize(quantize: str | None, precision: str | None) -> str | None:
+    """What a run is quantized to as it loads: ``int8`` where asked by ``quantize`` or by
+    ``precision``, else None (as stored)."""
+    return "int8" if precision == "int8" else quantize
+
+
+@dataclass
+class DecodePlan:
+    """What `prepare_for_decoding` gave a model: for each number of rows, each layer shape's
+    kernel (``kernels``), at ``precision``. The model keeps it while it decodes; `release`
+    takes it off again."""
+
+    model: nn.Module
+    precision: str
+    kernels: dict[int, dict[tuple[int, int], str]] = field(default_factory=dict)
+
+    def add(
+        self, rows: int, *, one_call: bool = True, clock: Clock = time.perf_counter
+    ) -> dict[tuple[int, int], str]:
+        """Choose (or take from the cache) the kernels for ``rows`` more rows."""
+        picked = tune_decoding(
+            self.model, rows, precision=self.precision, one_call=one_call, clock=clock
+        )
+        self.kernels[rows] = picked
+        return picked
+
+    @property
+    def one_call_rows(self) -> set[int]:
+        """The row counts whose steps run a GPT-2's blocks in one call."""
+        blocks = getattr(self.model, "decode_blocks", None)
+        return set() if blocks is None else set(blocks.rows)
+
+    def drop_inexact(self) -> None:
+        """Take off the kernels that round on purpose (bf16 copies, 8-bit activations), and
+        their weight copies: what evaluation scores with (`gptkiln.cpu.specs.exact_kernels`)."""
+        keep_exact(self.model)
+        for rows in self.kernels:
+            self.kernels[rows] = {
+                shape: name
+                for shape, name in self.kernels[rows].items()
+                if name not in specs.inexact()
+            }
+
+    def release(self) -> None:
+        """Give the model back as it was: every layer's kernels, the one-call step and the weight
+        copies taken off (the compiled GELU and attention stay: they equal torch's)."""
+        for module in self.model.modules():
+            kernels = getattr(module, "few_row_kernels", None)
+            if kernels:
+                kernels.clear()
+                drop_unused_copies(module)
+        if getattr(self.model, "decode_blocks", None) is not None:
+            self.model.decode_blocks = None
+        self.kernels.clear()
+
+    def describe(self) -> str:
+        """One line: the precision and each row count's kernels."""
+        parts = []
+        for rows, picked in sorted(self.kernels.items()):
+            names = ",".join(sorted(set(picked.values()))) or "torch"
+            one = " one call" if rows in self.one_call_rows else ""
+            parts.append(f"{rows} rows: {names}{one}")
+        return f"{self.precision} decode ({'; '.join(parts) or 'untuned'})"
+
+
+def prepare_for_decoding(
+    model: nn.Module,
+    rows: int | list[int] = 1,
+    steps: int | None = None,
+    *,
+    precision: str | None = None,
+    one_call: bool = True,
+    clock: Clock = time.perf_counter,
+) -> DecodePlan:
+    """Prepare ``model`` to decode ``rows`` rows a step (several counts: a server's buckets) at
+    ``precision`` (``fp32``, ``bf16``, ``int8``; None: `default_precision`): the library's GELU
+    and decode attention given to its layers, each layer's product chosen for each row count
+    (`gptkiln.cpu.tuner`), and for a GPT-2 whose products all run the library's loops the
+    one-call step. ``steps``: how many decode steps the caller will run at most (None: as many
+    as come, a server's); a caller of one step needs no kernels. ``one_call``: whether every
+    row of a step is at one position (False for a server's rows, each at its own). Returns the
+    plan; the model decodes through it until `DecodePlan.release`."""
+    if precision is not None and precision not in specs.PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(specs.PRECISIONS)}")
+    plan = DecodePlan(model, precision or default_precision(model))
+    use_compiled_loops(model)
+    if steps is not None and steps < 1:
+        return plan
+    for count in [rows] if isinstance(rows, int) else rows:
+        plan.add(count, one_call=one_call, clock=clock)
+    return plan

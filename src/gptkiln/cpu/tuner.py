@@ -1,0 +1,363 @@
+"""The tuner: which product each layer runs for a number of rows, chosen among the kernels of the
+decode precision (`gptkiln.cpu.specs.offered`), once per shape and machine.
+
+At ``fp32`` (and for an int8 layer kept ``exact``) every kernel on offer gives the reference's
+numbers up to rounding, and the fastest over the model's own weights wins: each candidate is
+timed running over every layer of a shape (its best of ``repeats`` passes; the check against
+the reference on the first layer warms it up), so the weights stream from memory as they do
+while decoding; the reference wins a near tie, and a kernel that compiles (inductor: seconds in
+every process) must win clearly. At ``bf16`` and ``int8`` the precision has one kernel of its
+own (a bf16 copy of the weights; q8_0's 8-bit activations), taken wherever it agrees with the
+reference within `ACTIVATION_TOLERANCE`: no timing, so the tokens depend on the precision a
+person chose, never on a race between two timings.
+
+A choice is kept in this process (`_CHOSEN`) and on disk (`gptkiln.cache`:
+``decode-kernels.json``, keyed by torch version, CPU and its flags, weight dtype and shape, rows,
+threads and the candidates' names); a later process takes it without timing once it still
+equals the reference on the first layer's first rows. The clock is a parameter (``clock``:
+`time.perf_counter` unless a test gives another).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from gptkiln.cpu import specs
+from gptkiln.cpu.blocks import block_products, in_one_call, use_native_blocks
+from gptkiln.cpu.library import library
+from gptkiln.cpu.products import _BF16, _BF16_ROWS, _PACKED, FEW_ROWS
+
+Clock = Callable[[], float]
+
+ACTIVATION_TOLERANCE = 0.03
+"""The largest relative error (norm of the difference over the reference's norm) a kernel that
+rounds on purpose may show against its weight kind's reference and still run. q8_0's blocks of
+32 (`q8_rows_linear`) measured ~1% at GPT-2's shapes, bf16 weights (`bf16_rows_linear`) ~0.1%."""
+
+INDUCTOR_MARGIN = 0.8
+"""A kernel that compiles (inductor) is chosen only in at most this fraction of the time of the
+fastest one that does not: every process that uses it pays ~6.5 s of inductor (bench/README.md)."""
+
+CHOICE_RULES = "rules=5"
+"""Part of every choice's key on disk: a change to the rules bumps it, so that choices made by
+the old rules are made again."""
+
+CHECK_ROWS = 256
+"""How many of a layer's outputs `_still_equal` checks a choice read from the disk cache on."""
+
+_CHOSEN: dict[tuple | str, str] = {}
+"""(out, in, rows, threads, weight dtype, the candidates' names) -> the kernel tuned in this
+process, so it is timed once; and a decode step's entry (`_tune_step`) -> "native" or "layers"."""
+
+
+def tune_decoding(
+    model: nn.Module,
+    rows: int,
+    repeats: int = 2,
+    *,
+    precision: str = "fp32",
+    one_call: bool = True,
+    clock: Clock = time.perf_counter,
+) -> dict[tuple[int, int], str]:
+    """Give every eligible layer of ``model`` (a `gptkiln.model.Linear`, or a
+    `gptkiln.quantize.Int8Linear`) its kernel for ``rows`` rows at ``precision`` (see the
+    module's docstring). Eligible: a CPU, contiguous, plain (not sharded) weight, fp32, or int8
+    with fp32 scales, and ``rows <= FEW_ROWS``. ``one_call``: whether the caller's steps put
+    every row at one position, so that a GPT-2's blocks may run in one call (`_tune_step`); a
+    server's rows, each at its own position, run the layers. The global random state is left
+    alone. Returns {(out, in): kernel name}."""
+    if rows > FEW_ROWS:
+        return {}
+    from gptkiln.cache import decode_kernel_choices, use_for_inductor
+
+    use_for_inductor()  # `fused_int8`'s compiled loops, kept beside the choices
+    stored = decode_kernel_choices()
+    known = stored.entries()
+    groups: dict[tuple[str, tuple[int, int]], list[nn.Module]] = {}
+    for module in model.modules():
+        family = _family(module)
+        if family is not None:
+            groups.setdefault((family, tuple(module.weight.shape)), []).append(module)
+    threads = torch.get_num_threads()
+    picked = {}
+    with torch.no_grad():
+        for (family, shape), layers in groups.items():
+            kernels = specs.offered(family, precision)
+            names = ",".join(kernels)
+            key = (*shape, rows, threads, family, names)
+            if key not in _CHOSEN:
+                entry = f"{family} {shape[0]}x{shape[1]} rows={rows} threads={threads} {names}"
+                entry += f" {CHOICE_RULES}"
+                name = known.get(entry)
+                reference = next(iter(kernels))  # needs no check against itself
+                if name not in kernels or (
+                    name != reference and not _still_equal(kernels, name, layers[0], rows)
+                ):
+                    name = _choose(kernels, layers, rows, repeats, clock)
+                    stored.put(entry, name)
+                _CHOSEN[key] = name
+            name = _CHOSEN[key]
+            picked[shape] = name
+            for layer in layers:
+                layer.few_row_kernels[rows] = kernels[name]
+                drop_unused_copies(layer)
+        if one_call:
+            _tune_step(model, rows, repeats, stored, known, precision, clock)
+    for (family, shape), layers in groups.items():  # as the step's choice left them
+        names = {kernel: name for name, kernel in specs.offered(family, precision).items()}
+        picked[shape] = names.get(layers[0].few_row_kernels.get(rows), picked[shape])
+    return picked
+
+
+def _choose(kernels: dict[str, Callable], layers, rows: int, repeats: int, clock: Clock) -> str:
+    """`_own` where the kernels on offer round on purpose (a bf16 or int8 precision), else the
+    `_fastest`."""
+    if any(name in specs.inexact() for name in kernels):
+        return _own(kernels, layers, rows)
+    return _fastest(kernels, layers, rows, repeats, clock)
+
+
+def _own(kernels: dict[str, Callable], layers: list[nn.Module], rows: int) -> str:
+    """The precision's own kernel (the first after the reference) where it agrees with the
+    reference within `ACTIVATION_TOLERANCE` on the first layer; else the reference."""
+    first = layers[0]
+    x = torch.randn(rows, first.weight.size(1), generator=torch.Generator().manual_seed(0))
+    reference = next(iter(kernels))
+    expected = kernels[reference](x, *_operands(first))
+    for name, kernel in kernels.items():
+        if name == reference:
+            continue
+        try:
+            if _agrees(name, kernel(x, *_operands(first)), expected):
+                return name
+        except (RuntimeError, NotImplementedError):
+            continue
+    return reference
+
+
+def _fastest(
+    kernels: dict[str, Callable],
+    layers: list[nn.Module],
+    rows: int,
+    repeats: int,
+    clock: Clock = time.perf_counter,
+) -> str:
+    """The name of the kernel with the least time over ``layers``; the reference (the first
+    kernel) on a near tie (within 5%). A kernel whose result differs from the reference's beyond
+    float rounding, or that raises, is never chosen; one that compiles (inductor) must be
+    `INDUCTOR_MARGIN` of the fastest other's time."""
+    first = layers[0]
+    x = torch.randn(rows, first.weight.size(1), generator=torch.Generator().manual_seed(0))
+    reference = next(iter(kernels))
+    expected = kernels[reference](x, *_operands(first))
+    times: dict[str, float] = {}
+    for name, kernel in kernels.items():
+        try:
+            same = _agrees(name, kernel(x, *_operands(first)), expected)
+        except (RuntimeError, NotImplementedError):  # a kernel this build, CPU or shape lacks
+            continue
+        if not same:
+            continue
+
+        def run(kernel=kernel):
+            for layer in layers:
+                kernel(x, *_operands(layer))
+
+        times[name] = min(_seconds(run, clock) for _ in range(repeats))
+    best_name, best_time = reference, times.get(reference, math.inf)
+    for name, seconds in times.items():
+        if _inductor(name):
+            continue
+        margin = 0.95 if best_name == reference else 1.0  # no choice flips on noise alone
+        if seconds < best_time * margin:
+            best_name, best_time = name, seconds
+    for name, seconds in times.items():
+        if _inductor(name) and seconds <= best_time * INDUCTOR_MARGIN:
+            best_name, best_time = name, seconds
+    return best_name
+
+
+def _inductor(name: str) -> bool:
+    spec = specs.BY_NAME.get(name)
+    return spec is not None and spec.inductor
+
+
+def _still_equal(kernels: dict[str, Callable], name: str, layer: nn.Module, rows: int) -> bool:
+    """Whether ``kernels[name]`` (a choice read from the disk cache) still gives the reference's
+    result on ``layer`` for ``rows`` rows (`_agrees`), on its first `CHECK_ROWS` outputs (the
+    reference converts the whole weight: 60 ms for GPT-2's int8 head); a kernel that compiles on
+    the whole layer (its shape is what it compiles for: the check warms it up)."""
+    x = torch.randn(rows, layer.weight.size(1), generator=torch.Generator().manual_seed(0))
+    operands = _operands(layer)
+    spec = specs.BY_NAME.get(name)
+    if spec is None or not spec.inductor:
+        operands = tuple(None if t is None else t[:CHECK_ROWS] for t in operands)
+    expected = next(iter(kernels.values()))(x, *operands)
+    try:
+        return _agrees(name, kernels[name](x, *operands), expected)
+    except RuntimeError:
+        return False
+    finally:
+        for cache in (_BF16, _BF16_ROWS, _PACKED):  # the slice's copy, if one was made
+            cache.pop(id(operands[0]), None)
+
+
+def _agrees(name: str, y: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether kernel ``name``'s result may stand for the reference's: equal up to float
+    rounding, or, for a kernel that rounds on purpose, within `ACTIVATION_TOLERANCE`."""
+    if name in specs.inexact():
+        error = (y - expected).norm() / expected.norm().clamp_min(1e-30)
+        return bool(torch.isfinite(y).all()) and float(error) <= ACTIVATION_TOLERANCE
+    return torch.allclose(y, expected, rtol=1e-4, atol=1e-5)
+
+
+def _seconds(fn: Callable[[], object], clock: Clock = time.perf_counter) -> float:
+    start = clock()
+    fn()
+    return clock() - start
+
+
+COPIES = {"bf16_rows": _BF16_ROWS, "bf16": _BF16, "dynamic": _PACKED}
+"""The kernels that keep a copy of each weight (`gptkiln.cpu.specs`' ``copies``), by name: the
+cache of their copies."""
+assert set(COPIES) == {s.name for s in specs.SPECS if s.copies}
+
+
+def drop_unused_copies(layer: nn.Module) -> None:
+    """Free the copies of ``layer``'s weight (a bf16 one, a packed int8 one: as many bytes again
+    as the weight, or half) where none of the kernels the layer now uses reads them; a later
+    call of such a kernel makes its copy again."""
+    used = set(getattr(layer, "few_row_kernels", {}).values())
+    for name, cache in COPIES.items():
+        if specs.BY_NAME[name].kernel not in used:
+            cache.pop(id(layer.weight), None)
+
+
+def keep_exact(model: nn.Module) -> None:
+    """Take the kernels that round on purpose (`gptkiln.cpu.specs.inexact`) off every layer of
+    ``model`` (and free their weight copies): the row counts they served go back to the
+    reference product. A model tuned before (a trainer's, which samples text between
+    evaluations) keeps what it was given until this."""
+    rounding = {specs.BY_NAME[name].kernel for name in specs.inexact()}
+    for module in model.modules():
+        kernels = getattr(module, "few_row_kernels", None)
+        if kernels and rounding & set(kernels.values()):
+            for rows in [r for r, k in kernels.items() if k in rounding]:
+                del kernels[rows]
+            drop_unused_copies(module)
+    blocks = getattr(model, "decode_blocks", None)
+    if blocks is not None:
+        for rows in list(blocks.rows):
+            use_native_blocks(model, rows)
+
+
+def chosen() -> dict[tuple[int, int, int, int, str], str]:
+    """Every product's choice made in this process: {(out, in, rows, threads, weight dtype):
+    kernel name} (the latest, where several precisions were tuned)."""
+    return {key[:5]: choice for key, choice in _CHOSEN.items() if isinstance(key, tuple)}
+
+
+def _family(module: nn.Module) -> str | None:
+    """ "float32" or "int8": the candidates a layer takes; None when it is not tuned."""
+    w = getattr(module, "weight", None)
+    if not (
+        hasattr(module, "few_row_kernels")
+        and type(w) in (nn.Parameter, torch.Tensor)  # not a DTensor shard (FSDP)
+        and w.device.type == "cpu"
+        and w.is_contiguous()
+    ):
+        return None
+    if w.dtype == torch.float32:
+        return "float32"
+    scale = getattr(module, "scale", None)
+    if w.dtype == torch.int8 and scale is not None and scale.dtype == torch.float32:
+        return "int8"
+    return None
+
+
+def _operands(layer: nn.Module) -> tuple:
+    """What a kernel takes after x: (weight, bias), or (qweight, scale, bias) for int8."""
+    scale = getattr(layer, "scale", None)
+    if layer.weight.dtype == torch.int8 and scale is not None:
+        return layer.weight, scale, layer.bias
+    return layer.weight, layer.bias
+
+
+_LOOPS = {"float32": "few_rows", "int8": "int8_rows"}
+"""The project's own exact loop for each weight kind."""
+
+
+def _tune_step(model, rows: int, repeats: int, stored, known: dict, precision, clock) -> None:
+    """`use_native_blocks` where every block product has one of the library's loops; where the
+    tuner chose other kernels for some, and the model is a GPT-2 with a KV cache of ``rows``
+    rows, time a whole decode step both ways and keep the faster: the layers with their tuned
+    kernels, against the loops for every block product in one call (which saves the time
+    between the products, ~0.2 ms a block, that timing the products alone does not see). The
+    step is timed at the cache's last position (written before it is read). The choice is kept
+    as the products' are (in this process, and on disk)."""
+    if getattr(getattr(model, "config", None), "family", None) != "gpt2":
+        return
+    if use_native_blocks(model, rows) or library() is None:
+        return
+    cache = model.h[0].attn.kv_cache
+    if cache is None or cache.k.size(0) != rows:
+        return
+    products = block_products(model)
+    families = [_family(layer) for layer in products]
+    if None in families:
+        return
+    names = {k: n for f in set(families) for n, k in specs.offered(f, precision).items()}
+    had = sorted({names.get(layer.few_row_kernels.get(rows), "?") for layer in products})
+    c = model.config
+    entry = (
+        f"gpt2 step {c.n_layer}x{c.n_embd} heads={c.n_head} mlp={c.mlp_size} rows={rows} "
+        f"threads={torch.get_num_threads()} layers={','.join(had)} {CHOICE_RULES}"
+    )
+    if entry not in _CHOSEN:
+        choice = known.get(entry)
+        if choice not in ("native", "layers"):
+            choice = _time_step(model, products, families, rows, repeats, clock)
+            stored.put(entry, choice)
+        _CHOSEN[entry] = choice
+    if _CHOSEN[entry] == "native":
+        for layer, family in zip(products, families):
+            layer.few_row_kernels[rows] = _loop_for(layer, rows, family)
+            drop_unused_copies(layer)
+        use_native_blocks(model, rows)
+
+
+def _loop_for(layer: nn.Module, rows: int, family: str) -> Callable:
+    """The loop a block product runs in the one-call step: its kernel where the step runs it,
+    else its weight kind's exact loop."""
+    kernel = layer.few_row_kernels.get(rows)
+    return kernel if in_one_call(layer, kernel) else specs.BY_NAME[_LOOPS[family]].kernel
+
+
+def _time_step(model, products, families, rows: int, repeats: int, clock: Clock) -> str:
+    """Which decode step of ``model`` ran faster, "native" or "layers" (best of ``repeats``
+    after one to warm up): the one call with the loops on every block product, or the layers
+    with the kernels they have; the layers' kernels are left as they were."""
+    token = torch.zeros(rows, 1, dtype=torch.long, device=model.wte.weight.device)
+    pos = model.cache_len - 1
+
+    def step():
+        model(token, start_pos=pos, last_only=True)
+
+    def best():
+        return min(_seconds(step, clock) for _ in range(repeats + 1))
+
+    kept = [layer.few_row_kernels.get(rows) for layer in products]
+    layers_time = best()
+    for layer, family in zip(products, families):
+        layer.few_row_kernels[rows] = _loop_for(layer, rows, family)
+    native = use_native_blocks(model, rows)
+    native_time = best() if native else math.inf
+    for layer, kernel in zip(products, kept):
+        layer.few_row_kernels[rows] = kernel
+    use_native_blocks(model, rows)  # taken away again: the layers have other kernels
+    return "native" if native_time < layers_time else "layers"

@@ -1,0 +1,93 @@
+"""The decode precision is a person's choice (``--precision fp32 | bf16 | int8``), said before
+the text, in ``info``, and held: the kernels a precision runs are of that precision only, and a
+bf16 run decodes on the CPU over its own bf16 weights (fp32 activations)."""
+
+import pytest
+import torch
+from test_cli import assert_one_line_error, cli
+
+from gptkiln.api import run_info, stream_text
+from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.cpu import library, prepare_for_decoding, ready_for_decoding, specs
+from gptkiln.errors import GptkilnError
+from gptkiln.model import GPT, Linear
+from gptkiln.quantize import quantize_model
+from gptkiln.tokenizers import CharTokenizer
+
+GREEDY = SampleConfig(max_new_tokens=6, temperature=0, stop_at_eos=False)
+
+
+def tiny(dtype=torch.float32) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.from_name("tiny", vocab_size=64, context_length=24)).to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same tiny model saved in fp32 and in bf16 (as `convert hf` keeps a bf16 checkpoint)."""
+    from gptkiln.checkpoint import save_model
+
+    tokenizer = CharTokenizer([chr(c) for c in range(32, 95)], with_eot=True)
+    root = tmp_path_factory.mktemp("precision")
+    return {
+        name: save_model(tiny(dtype), root / name, tokenizer=tokenizer)
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    }
+
+
+def test_a_model_decodes_at_its_weights_own_precision_unless_told():
+    model = tiny()
+    assert ready_for_decoding(model, None, "cpu") == "fp32"
+    assert ready_for_decoding(tiny(), "bf16", "cpu") == "bf16"
+    half = tiny(torch.bfloat16)
+    assert ready_for_decoding(half, None, "cpu") == "bf16"
+    # on the CPU a bf16 model computes in fp32 over its own weights: the bf16 loop's copies are
+    # then exactly the weights it was given
+    assert all(p.dtype == torch.float32 for p in half.parameters())
+    quantized = quantize_model(tiny())
+    assert ready_for_decoding(quantized, None, "cpu") == "int8"
+    with pytest.raises(GptkilnError, match="int8 weights, so it decodes at int8"):
+        ready_for_decoding(quantized, "fp32", "cpu")
+    with pytest.raises(GptkilnError, match="choose one of fp32, bf16, int8"):
+        ready_for_decoding(tiny(), "fp16", "cpu")
+
+
+@pytest.mark.skipif(library.library() is None, reason="no C compiler: no bf16 loop here")
+def test_fp32_decoding_never_runs_bf16_copies_and_bf16_decoding_always_does(monkeypatch):
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite decodes exactly
+    bf16 = specs.BY_NAME["bf16_rows"].kernel
+    model = tiny()
+    plan = prepare_for_decoding(model, 1, precision="fp32")
+    used = {k for m in model.modules() if isinstance(m, Linear) for k in m.few_row_kernels.values()}
+    assert used and bf16 not in used and "bf16_rows" not in plan.kernels[1].values()
+    plan.release()
+    plan = prepare_for_decoding(model, 1, precision="bf16")
+    assert set(plan.kernels[1].values()) == {"bf16_rows"}  # no timing race: always its own
+
+
+def test_the_precision_is_said_first_and_in_info(runs):
+    notices = []
+    pieces = stream_text(runs["bf16"], "AB", GREEDY, on_notice=notices.append)
+    text = "".join(pieces)
+    assert len(text) > 0 and notices[0].startswith("decoding at bf16")
+    assert run_info(runs["bf16"]).decodes_at == "bf16"
+    assert run_info(runs["fp32"]).decodes_at == "fp32"
+    assert "decodes at  fp32 on a CPU" in run_info(runs["fp32"]).summary()
+
+
+def test_generate_takes_the_precision_flag(runs, capsys):
+    for precision in ("fp32", "bf16", "int8"):
+        args = ["generate", runs["fp32"], "--prompt", "AB", "--temperature", "0"]
+        code, out, err = cli(*args, "--max-new-tokens", 4, "--precision", precision, capsys=capsys)
+        assert code == 0 and out.startswith("AB")
+        assert err.splitlines()[0].startswith(f"note: decoding at {precision}")  # first
+    code, _, err = cli(
+        "generate", runs["fp32"], "--prompt", "AB", "--precision", "fp16", capsys=capsys
+    )
+    assert code == 2 and "invalid choice" in err
+    quantized = runs["fp32"].parent / "int8"
+    assert cli("convert", "quantize", runs["fp32"], "--out", quantized, capsys=capsys)[0] == 0
+    code, _, err = cli(
+        "generate", quantized, "--prompt", "AB", "--precision", "bf16", capsys=capsys
+    )
+    assert_one_line_error(code, err, "int8 weights, so it decodes at int8")
