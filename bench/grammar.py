@@ -62,13 +62,11 @@ class LLGuidance:
         assert not m.is_error(), m.get_error()
         return m
 
-    def fill(self, matchers, bitmask) -> None:
-        if len(matchers) == 1:
-            self.llt.fill_next_token_bitmask(matchers[0], bitmask, 0)
+    def fill(self, rows, bitmask) -> None:
+        if len(rows) == 1:
+            self.llt.fill_next_token_bitmask(rows[0][1], bitmask, rows[0][0])
         else:
-            self.llt.fill_next_token_bitmask_par(
-                self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask
-            )
+            self.llt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in rows], bitmask)
 
     def consume(self, m, token: int) -> bool:
         return m.consume_token(token) and not m.is_stopped()
@@ -92,8 +90,8 @@ class XGrammar:
     def matcher(self, grammar):
         return self.xgr.GrammarMatcher(grammar)
 
-    def fill(self, matchers, bitmask) -> None:
-        for i, m in enumerate(matchers):
+    def fill(self, rows, bitmask) -> None:
+        for i, m in rows:
             m.fill_next_token_bitmask(bitmask, i)
 
     def consume(self, m, token: int) -> bool:
@@ -122,8 +120,8 @@ class OutlinesCore:
     def matcher(self, index):
         return self.oc.Guide(index)
 
-    def fill(self, matchers, bitmask) -> None:
-        for i, g in enumerate(matchers):
+    def fill(self, rows, bitmask) -> None:
+        for i, g in rows:
             row = bitmask[i]
             g.write_mask_into(row.data_ptr(), row.numel(), row.element_size())
 
@@ -157,7 +155,7 @@ def run_engine(engine, grammar, batch: int, tokens: int, vocab: int, decode):
     t0 = time.perf_counter()
     for step in range(tokens):
         logits = noise[step].clone()
-        engine.fill(matchers, bitmask)
+        engine.fill([(i, m) for i, m in enumerate(matchers) if alive[i]], bitmask)
         apply_token_bitmask(logits, bitmask)
         chosen = logits.argmax(-1).tolist()
         for i, m in enumerate(matchers):

@@ -6,12 +6,14 @@
 A GPT-2 124M-shaped model with random weights (fp32; prefill time does not depend on what the
 weights say) is saved as a run and served by a real ``gptkiln serve`` process (bench/serve.py's
 helpers). After one warm-up request, each round sends a new random system prompt of
-``--system-tokens`` token ids followed by a 16-token question, streamed with ``max_tokens`` 4
+``--system-tokens`` token ids followed by a 16-token question, streamed with ``max_tokens`` 1
 (so nothing else runs beside it), then the same system prompt with another question: the first
 is a miss (its prompt is new), the second a hit. Time to first token is from the request sent
 to its first token's chunk. The same rounds run against a second server started with
 ``--prefix-cache-mb 0`` as the peer (there the second request prefills everything again). The
-server's /metrics hit counts are printed as a check that the hits happened.
+server's /metrics hit counts are printed as a check that the hits happened. Beside the wall
+time, the CPU seconds the server process spent on each request (from /proc): on a busy host,
+where wall time is mostly waiting for a core, that is the work the cache saved.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import serve as serve_bench  # noqa: E402
 async def first_token_seconds(url: str, prompt: list[int]) -> float:
     import httpx
 
-    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
     async with httpx.AsyncClient(timeout=600) as client:
         sent = time.perf_counter()
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -48,15 +50,23 @@ async def first_token_seconds(url: str, prompt: list[int]) -> float:
     raise RuntimeError("no token came")
 
 
-def rounds(url: str, n: int, system_tokens: int) -> list[tuple[float, float]]:
+def timed(url: str, prompt: list[int], pid: int) -> tuple[float, float]:
+    """(seconds to the first token, CPU seconds the server used for the whole request)."""
+    before = serve_bench.cpu_seconds(pid)
+    seconds = asyncio.run(first_token_seconds(url, prompt))
+    time.sleep(0.5)  # the request ends with its one token; its blocks are kept after it
+    return seconds, serve_bench.cpu_seconds(pid) - before
+
+
+def rounds(url: str, n: int, system_tokens: int, pid: int) -> list[tuple[float, ...]]:
     rng = random.Random(1)
     asyncio.run(first_token_seconds(url, [rng.randrange(50000) for _ in range(64)]))  # warm-up
     out = []
     for _ in range(n):
         system = [rng.randrange(50000) for _ in range(system_tokens)]
-        first = asyncio.run(first_token_seconds(url, system + [rng.randrange(50000)] * 16))
-        second = asyncio.run(first_token_seconds(url, system + [rng.randrange(50000)] * 16))
-        out.append((first, second))
+        first = timed(url, system + [rng.randrange(50000)] * 16, pid)
+        second = timed(url, system + [rng.randrange(50000)] * 16, pid)
+        out.append((*first, *second))
     return out
 
 
@@ -77,19 +87,24 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             try:
                 serve_bench.wait_until_up(url, server)
-                got = rounds(url, args.rounds, args.system_tokens)
+                got = rounds(url, args.rounds, args.system_tokens, server.pid)
                 metrics = httpx.get(f"{url}/metrics").text
             finally:
                 server.terminate()
                 server.wait()
             hits = [line for line in metrics.splitlines() if line.startswith("gptkiln_prefix")]
             print(f"## --prefix-cache-mb {cache_mb}")
-            print("| round | 1st request TTFT s | 2nd request TTFT s | 1st / 2nd |")
-            print("|-------|--------------------|--------------------|-----------|")
-            for i, (a, b) in enumerate(got, 1):
-                print(f"| {i} | {a:.3f} | {b:.3f} | {a / b:.1f} |")
-            ratios = [a / b for a, b in got]
-            print(f"median 1st / 2nd: {statistics.median(ratios):.1f}x; {' '.join(hits)}")
+            print(
+                "| round | 1st TTFT s | 2nd TTFT s | 1st / 2nd | 1st server CPU s | "
+                "2nd server CPU s | 1st / 2nd |"
+            )
+            print("|---|---|---|---|---|---|---|")
+            for i, (a, ca, b, cb) in enumerate(got, 1):
+                cells = [f"{a:.3f}", f"{b:.3f}", f"{a / b:.1f}", f"{ca:.2f}", f"{cb:.2f}"]
+                print(f"| {i} | {' | '.join(cells)} | {ca / cb:.1f} |")
+            wall = statistics.median(a / b for a, _, b, _ in got)
+            cpu = statistics.median(ca / cb for _, ca, _, cb in got)
+            print(f"median 1st / 2nd: TTFT {wall:.1f}x, server CPU {cpu:.1f}x; {' '.join(hits)}")
 
 
 def _start(run: Path, port: int, extra: list[str]):

@@ -311,14 +311,15 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
         family = check_tools(req, template)  # None: no tool calls to read back
         tools = req.tools if req.tool_choice != "none" else None
         prompts = await asyncio.to_thread(chat_prompt, template, req.messages, tokenizer, tools)
+        grammar = chat_grammar(req, family, served.grammars)
         cfg = sample_config(
             req,
             [ids for _, ids in prompts],
             served.context,
-            extra_stop=template.stop_strings(),
+            # a grammar's answer ends where the grammar does: no template header may cut it
+            extra_stop=template.stop_strings() if grammar is None else (),
             source="messages",
         )
-        grammar = chat_grammar(req, family, served.grammars)
         if grammar is not None:
             param = "response_format" if req.response_format is not None else "tools"
             await asyncio.to_thread(compile_grammar, grammar, served.grammars, param)
