@@ -11,11 +11,13 @@ perplexity of the next token is accumulated. Rows:
 
 - ``fp32``: the run as stored, every layer on ``F.linear`` (the reference);
 - ``int8, reference kernel``: int8 weights (`gptkiln.quantize`), every layer on
-  `kernels.dequantize_linear` (fp32 activations);
-- ``int8, kernel <name>``: the same weights with every layer on one int8 candidate, e.g.
-  ``dynamic`` (int8 activations too, `kernels.dynamic_int8`);
-- ``fp32 weights, kernel <name>``: the run with every float layer on one fp32 candidate, e.g.
-  ``bf16`` (`kernels.bf16_linear`, offered on CPUs with bf16 instructions);
+  `gptkiln.cpu.products.dequantize_linear` (fp32 activations);
+- ``int8, kernel <name>``: the same weights with every layer on one int8 kernel of the spec
+  table (`gptkiln.cpu.specs`), e.g. ``dynamic`` (int8 activations too,
+  `gptkiln.cpu.products.dynamic_int8`) or ``q8_rows`` (q8_0's 8-bit activations);
+- ``fp32 weights, kernel <name>``: the run with every float layer on one float kernel, e.g.
+  ``bf16`` (`gptkiln.cpu.products.bf16_linear`) or ``bf16_rows`` (bf16 weights, fp32
+  activations: the ``bf16`` precision); a kernel this machine does not offer is skipped;
 
 each with its change against fp32 in percent (the target: within 1%). 2 threads.
 """
@@ -53,12 +55,23 @@ def decode_perplexity(model, ids: list[int]) -> float:
     return math.exp(total / count)
 
 
+def kernel_of(name: str, weight: str):
+    """The spec table's kernel ``name`` for ``weight`` ("float32" or "int8") weights, or None
+    where this machine does not offer it (its library or CPU check)."""
+    from gptkiln.cpu import specs
+
+    spec = specs.BY_NAME.get(name)
+    if spec is None or spec.weight != weight:
+        kinds = sorted(s.name for s in specs.SPECS if s.weight == weight)
+        raise SystemExit(f"{name}: not a {weight} kernel; choose from {', '.join(kinds)}")
+    return spec.kernel if specs.available(spec) else None
+
+
 def with_kernel(model, name: str):
-    """Every int8 layer of ``model`` on the int8 candidate ``name`` for one row."""
-    from gptkiln import kernels
+    """Every int8 layer of ``model`` on the int8 kernel ``name`` for one row."""
     from gptkiln.quantize import Int8Linear
 
-    kernel = kernels.int8_candidates()[name]
+    kernel = kernel_of(name, "int8")
     for module in model.modules():
         if isinstance(module, Int8Linear):
             module.few_row_kernels = {1: kernel}
@@ -66,11 +79,10 @@ def with_kernel(model, name: str):
 
 
 def with_float_kernel(model, name: str):
-    """Every float layer of ``model`` on the fp32 candidate ``name`` for one row."""
-    from gptkiln import kernels
+    """Every float layer of ``model`` on the float kernel ``name`` for one row."""
     from gptkiln.model import Linear
 
-    kernel = kernels.candidates()[name]
+    kernel = kernel_of(name, "float32")
     for module in model.modules():
         if isinstance(module, Linear):
             module.few_row_kernels = {1: kernel}
@@ -82,9 +94,11 @@ def main() -> None:
     p.add_argument("run")
     p.add_argument("--text", required=True, help="a UTF-8 text file")
     p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--kernels", nargs="+", default=["dynamic"], help="int8 candidates")
     p.add_argument(
-        "--float-kernels", nargs="+", default=["bf16"], help="fp32 candidates (where offered)"
+        "--kernels", nargs="+", default=["dynamic"], help="int8 kernels (gptkiln.cpu.specs)"
+    )
+    p.add_argument(
+        "--float-kernels", nargs="+", default=["bf16"], help="float kernels (where offered)"
     )
     args = p.parse_args()
     common.setup_torch()
@@ -94,18 +108,18 @@ def main() -> None:
     model, tokenizer, _ = load_run(args.run)
     ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))[: args.max_tokens]
     rows = [{"model": "fp32", "ppl": decode_perplexity(with_float_kernel(model, "linear"), ids)}]
-    from gptkiln.cpu import specs
-
     for name in args.float_kernels:
-        spec = specs.BY_NAME.get(name)
-        if spec is None or spec.weight != "float32" or not specs.available(spec):
-            print(f"# fp32 kernel {name}: not offered here (GPTKILN_EXACT_KERNELS, or the CPU)")
+        if kernel_of(name, "float32") is None:
+            print(f"# float kernel {name}: not offered here (its library, or the CPU)")
             continue
         again, _, _ = load_run(args.run)
         label = f"fp32 weights, kernel {name}"
         rows.append({"model": label, "ppl": decode_perplexity(with_float_kernel(again, name), ids)})
     int8, _, _ = load_run(args.run, quantize="int8")
     for name in ["dequantize", *args.kernels]:
+        if kernel_of(name, "int8") is None:
+            print(f"# int8 kernel {name}: not offered here (its library, or the CPU)")
+            continue
         label = "int8, reference kernel" if name == "dequantize" else f"int8, kernel {name}"
         rows.append({"model": label, "ppl": decode_perplexity(with_kernel(int8, name), ids)})
     for row in rows:

@@ -144,11 +144,9 @@ def worker(job: dict) -> None:
     sec = statistics.median(times)
     result = {"tokens_per_s": job["batch"] * n / sec, "seconds": sec, "ms_per_token": 1e3 * sec / n}
     if impl.startswith("gptkiln"):  # what the decode ran, as gptkiln.cpu's tuner left it
-        from gptkiln import kernels
+        from gptkiln.cpu import specs
 
-        names = {
-            k: n for c in (kernels.candidates(), kernels.int8_candidates()) for n, k in c.items()
-        }
+        names = {kernel: spec.name for kernel, spec in specs.BY_KERNEL.items()}
         ran = {}
         for m in model.modules():
             kernel = getattr(m, "few_row_kernels", {}).get(job["batch"])

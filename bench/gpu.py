@@ -26,7 +26,7 @@ new greedy tokens at batch 1 and 8: ``gptkiln.sampling.generate`` (static KV cac
 ``GPT2LMHeadModel.generate(use_cache=True, min_new_tokens=200)``; tokens/s counts every row.
 ``gptkiln int8`` is the same model after ``gptkiln.quantize.quantize_model`` (int8 weights,
 per-channel scales, bf16 activations); on a GPU its products are the dequantized ones
-(`kernels.dequantize_linear`: the decoding tuner times kernels on the CPU only).
+(`gptkiln.cpu.products.dequantize_linear`: the decoding tuner times kernels on the CPU only).
 """
 
 from __future__ import annotations

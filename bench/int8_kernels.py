@@ -2,9 +2,10 @@
 
     python bench/int8_kernels.py [--rows 1 8] [--repeats 7] [--rounds 1]
 
-The research behind `gptkiln.kernels`' int8 family. Each product runs over all the layers of a
-weight shape that GPT-2 124M has (12 of 768x2304 ``c_attn``, 768x768 ``attn.c_proj``, 768x3072
-``c_fc``, 3072x768 ``mlp.c_proj``; one 768x50257 head), as decoding reads them, so the weights
+The research behind the int8 kernels of `gptkiln.cpu` (its spec table, `gptkiln.cpu.specs`).
+Each product runs over all the layers of a weight shape that GPT-2 124M has (12 of 768x2304
+``c_attn``, 768x768 ``attn.c_proj``, 768x3072 ``c_fc``, 3072x768 ``mlp.c_proj``; one 768x50257
+head), as decoding reads them, so the weights
 stream from memory and not from a warm cache; random N(0, 0.02) weights, int8 per output
 channel (`gptkiln.quantize.quantize_per_channel`), fp32 activations, 2 threads. The figure is
 the median of ``--repeats`` passes after two warm-up ones (and, for compiled kernels, after
@@ -13,11 +14,17 @@ one step of 8 rows.
 
 Implementations, each in a fresh process:
 
-- fp32: ``F.linear`` (MKL) and the others `kernels.candidates` offers (row blocks of the weight,
-  oneDNN's linear): what gptkiln decodes with before quantization.
-- int8, the tuner's candidates (`kernels.int8_candidates`): ``dequantize`` (the weight converted
-  to fp32, one product, the scales after), ``int8pack_mm`` (``aten._weight_int8pack_mm``),
-  ``fused`` (the loop inductor generates from `kernels._int8_rows`).
+- fp32: ``F.linear`` (MKL) and the other fp32 kernels of the spec table (row blocks of the
+  weight, oneDNN's linear, ``few_rows``: the project's own loop, `gptkiln.cpu.products.
+  few_rows_linear`): what gptkiln decodes with before quantization.
+- int8, the tuner's exact candidates (int8 weights, fp32 activations): ``dequantize`` (the
+  weight converted to fp32, one product, the scales after), ``int8pack_mm``
+  (``aten._weight_int8pack_mm``), ``fused`` (the loop inductor generates from
+  `gptkiln.cpu.products._int8_rows`), ``int8_rows`` (the project's own loop).
+- rounding on purpose, each its precision's kernel: ``q8_rows`` (int8 weights, activations
+  rounded to 8 bits in blocks of 32 as llama.cpp's q8_0; the ``int8`` precision, where the CPU
+  has VNNI) and ``bf16_rows`` (a bf16 copy of each fp32 weight; the ``bf16`` precision).
+  A kernel this machine does not offer (`gptkiln.cpu.specs.available`) is left out.
 - int8, looked at and not candidates: ``torchao`` (``quantize_(Int8WeightOnlyConfig())`` on an
   ``nn.Linear``, torchao 0.18, eager) and ``torchao+compile`` (the same under ``torch.compile``);
   ``int8pack_mm bf16`` (torch's kernel with the activations rounded to bf16: its vectorised
@@ -26,12 +33,14 @@ Implementations, each in a fresh process:
 
 "max rel err" is the largest difference from the reference (``F.linear`` for fp32, the
 dequantized weight's ``F.linear`` for int8) over the largest output; "tuner" says whether
-`kernels._fastest` would accept it (``allclose`` with rtol 1e-4, atol 1e-5).
+the tuner would accept it (`gptkiln.cpu.tuner._agrees`: ``allclose`` with rtol 1e-4, atol
+1e-5, or for a kernel that rounds on purpose a relative error of at most 3%).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -46,9 +55,11 @@ SHAPES = [  # (out, in), layers of that shape in GPT-2 124M
     ((768, 3072), 12),
     ((50257, 768), 1),
 ]
-FP32 = ["linear", "weight_rows", "input_rows", "onednn"]
-INT8 = ["dequantize", "int8pack_mm", "fused"]
+FP32 = ["linear", "weight_rows", "input_rows", "onednn", "few_rows"]
+INT8 = ["dequantize", "int8pack_mm", "fused", "int8_rows"]
+ROUNDING = ["q8_rows", "bf16_rows"]  # the spec table's kernels of the int8 and bf16 precisions
 OTHERS = ["torchao", "torchao+compile", "int8pack_mm bf16", "fbgemm dynamic"]
+BYTES = {"bf16_rows": 2, **{name: 4 for name in FP32}}  # per weight read; int8: 1
 
 
 def layers_of(torch, shape, count: int):
@@ -68,17 +79,19 @@ def kernel_for(torch, impl: str, layer):
     """A function x -> y for one layer, and the reference it is compared with."""
     import torch.nn.functional as F
 
-    from gptkiln import kernels
+    from gptkiln.cpu import specs
     from gptkiln.quantize import dequantize
 
     w, q, s, b = layer
-    if impl in FP32:
-        k = kernels.candidates()[impl]
-        return (lambda x: k(x, w, b)), (lambda x: F.linear(x, w, b))
+    if impl in specs.BY_NAME:
+        spec = specs.BY_NAME[impl]
+        if not specs.available(spec):
+            return None
+        k = spec.kernel
+        if spec.weight == "float32":
+            return (lambda x: k(x, w, b)), (lambda x: F.linear(x, w, b))
+        return (lambda x: k(x, q, s, b)), (lambda x: F.linear(x, dequantize(q, s), b))
     reference = lambda x: F.linear(x, dequantize(q, s), b)  # noqa: E731
-    if impl in INT8:
-        k = kernels.int8_candidates()[impl]
-        return (lambda x: k(x, q, s, b)), reference
     if impl.startswith("torchao"):
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
@@ -128,6 +141,8 @@ def _add(y, b):
 
 def worker(job: dict) -> None:
     torch = common.setup_torch(job.get("threads", common.THREADS))
+    from gptkiln.cpu.tuner import _agrees
+
     impl = job["impl"]
     results = {}
     with torch.no_grad():
@@ -135,16 +150,18 @@ def worker(job: dict) -> None:
             torch.manual_seed(seed)
             layers = layers_of(torch, shape, count)
             fns = [kernel_for(torch, impl, layer) for layer in layers]
+            if fns[0] is None:  # not offered on this machine
+                return common.emit({"shapes": {}})
             for rows in job["rows"]:
                 x = torch.randn(rows, shape[1])
                 got, ref = fns[0][0](x).float(), fns[0][1](x)
                 err = float((got - ref).abs().max() / ref.abs().max())
-                accepted = bool(torch.allclose(got, ref, rtol=1e-4, atol=1e-5))
+                accepted = _agrees(impl, got, ref)
                 times = common.time_calls(
                     lambda x=x, fns=fns: [fn(x) for fn, _ in fns], warmup=2, repeats=job["repeats"]
                 )
                 sec = statistics.median(times)
-                per_byte = 4 if impl in FP32 else 1
+                per_byte = BYTES.get(impl, 1)
                 results[f"{rows}:{shape[0]}x{shape[1]}"] = {
                     "ms": 1e3 * sec,
                     "gb_s": shape[0] * shape[1] * count * per_byte / sec / 1e9,
@@ -167,7 +184,7 @@ def main() -> None:
     p.add_argument("--rows", nargs="+", type=int, default=[1, 8])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rounds", type=int, default=1, help="interleaved repeats of every process")
-    p.add_argument("--impls", nargs="+", default=FP32 + INT8 + OTHERS)
+    p.add_argument("--impls", nargs="+", default=FP32 + INT8 + ROUNDING + OTHERS)
     args = p.parse_args()
     info = common.print_machine()
     bandwidth = common.run_worker(__file__, {"impl": "bandwidth"})["gb_s"]
@@ -183,8 +200,11 @@ def main() -> None:
     for rows in args.rows:
         table = []
         for impl in args.impls:
-            mine = results[impl].items()
+            mine = results.get(impl, {}).items()
             cells = {k.split(":")[1]: v for k, v in mine if k.startswith(f"{rows}:")}
+            if not cells:
+                print(f"# {impl}: not offered on this machine (gptkiln.cpu.specs.available)")
+                continue
             step = sum(v["ms"] for v in cells.values())
             row = {"impl": impl, "step": step}
             for shape, v in cells.items():
@@ -192,7 +212,7 @@ def main() -> None:
             row["err"] = max(v["err"] for v in cells.values())
             row["tuner"] = "yes" if all(v["tuner"] for v in cells.values()) else "no"
             table.append(row)
-        fp32_best = min(r["step"] for r in table if r["impl"] in FP32)
+        fp32_best = min((r["step"] for r in table if r["impl"] in FP32), default=math.nan)
         for row in table:
             row["vs"] = fp32_best / row["step"]
         print(f"\n## {rows} row(s): ms over all layers of a shape (GB/s of weights read)\n")

@@ -10,7 +10,7 @@ activations, and so every sum, stay in the model's float dtype.
     q[o, i]  = round(W[o, i] / scale[o])      in [-127, 127], int8
 
 and the layer computes ``y = (x @ qᵀ) · scale + bias`` (`Int8Linear`; its kernels, tuned for
-decoding as the float ones are, live in `gptkiln.kernels`).
+decoding as the float ones are, live in `gptkiln.cpu.products`, chosen by `gptkiln.cpu`).
 
 **What becomes int8.** Every linear layer of the blocks (GPT-2's ``attn.c_attn``, ``attn.c_proj``,
 ``mlp.c_fc``, ``mlp.c_proj``; Llama's and Qwen's ``attn.q_proj``, ``k_proj``, ``v_proj``,
