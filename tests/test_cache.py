@@ -214,7 +214,7 @@ def test_tuning_points_inductors_cache_into_ours_unless_set(monkeypatch, tmp_pat
 
 
 def test_gpt2_ranks_come_from_the_cache_while_the_files_are_the_same(monkeypatch, tmp_path):
-    import gptkiln.tokenizers as tokenizers
+    import gptkiln.tokenizers.gpt2 as tokenizers
 
     monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path))
     first = tokenizers.gpt2_mergeable_ranks()  # read from the files, checked, and stored

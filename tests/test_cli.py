@@ -182,6 +182,22 @@ def test_prompt_longer_than_context_is_cropped_with_a_notice(run_dir, capsys):
     assert out.startswith(long_prompt)
 
 
+def test_generating_past_the_context_slides_the_window_and_says_so(run_dir, capsys):
+    """The policy `generate --help` states: past the context the window slides (the book's
+    way), with one line on stderr; every token asked for is written. (The server refuses.)"""
+    args = ["generate", run_dir, "--prompt", "I had", "--temperature", "0"]
+    code, out, err = cli(*args, "--max-new-tokens", "40", capsys=capsys)  # 5 + 40 > 32
+    assert code == 0 and err.count("\n") == 1
+    assert "prompt's 5 tokens and up to 40 new ones pass the model's context of 32" in err
+    assert "the window slides" in err and "gptkiln serve refuses" in err
+    assert len(out) == len("I had") + 40 + 1  # a char run: 40 tokens, 40 characters
+    code, _, err = cli(*args, "--max-new-tokens", "27", capsys=capsys)  # 5 + 27 fits
+    assert code == 0 and err == ""
+    code, _, err = cli(*args, "--prompt", "I", "--max-new-tokens", "30", capsys=capsys)
+    assert code == 0 and "prompt 1's 5 tokens and up to 30 new ones" in err
+    assert "prompt 2" not in err  # 1 + 30 fits
+
+
 def test_eval_prints_loss_and_perplexity(run_dir, play_path, capsys):
     code, out, _ = cli("eval", run_dir, "--data", play_path, "--quiet", capsys=capsys)
     assert code == 0
@@ -257,8 +273,8 @@ def test_quantized_runs_refuse_what_they_cannot_do(run_dir, tmp_path, capsys):
     assert cli("convert", "quantize", run_dir, "--out", q, capsys=capsys)[0] == 0
     code, _, err = cli("convert", "quantize", run_dir, "--out", q, capsys=capsys)
     assert_one_line_error(code, err, "already holds a model", "--overwrite")
-    code, _, err = cli("convert", "to-hf", q, "--out", tmp_path / "hf", capsys=capsys)
-    assert_one_line_error(code, err, "quantized", "float run")
+    code, out, err = cli("convert", "to-hf", q, "--out", tmp_path / "hf", capsys=capsys)
+    assert code == 0 and "quantized (int8): its weights are written dequantized" in out, err
     code, _, err = cli(
         "convert", "quantize", run_dir, "--out", q, "--method", "int3", capsys=capsys
     )

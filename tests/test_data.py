@@ -299,7 +299,7 @@ def test_prepare_streams_long_text_exactly(tmp_path, gpt2):
 def test_prepare_encodes_on_as_many_threads_as_it_is_given(tmp_path, monkeypatch):
     import concurrent.futures
 
-    import gptkiln.tokenizers
+    import gptkiln.tokenizers.gpt2
     from gptkiln.tokenizers import GPT2Tokenizer
 
     pools, asked = [], []
@@ -314,8 +314,8 @@ def test_prepare_encodes_on_as_many_threads_as_it_is_given(tmp_path, monkeypatch
             asked.append(num_threads)
             return super().encode_ordinary_batch_arrays(texts, num_threads)
 
-    monkeypatch.setattr(gptkiln.tokenizers, "ThreadPoolExecutor", Recorded)
-    monkeypatch.setattr(gptkiln.tokenizers.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(gptkiln.tokenizers.gpt2, "ThreadPoolExecutor", Recorded)
+    monkeypatch.setattr(gptkiln.tokenizers.gpt2.os, "cpu_count", lambda: 8)
     gpt2 = Asked()
     texts = ["To be, or not to be"] * 20
     assert gpt2.encode_ordinary_batch_arrays(texts)[0].tolist() == gpt2.encode(texts[0])

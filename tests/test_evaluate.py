@@ -92,7 +92,7 @@ def some_pairs(model: GPT) -> list[Pair]:
 @pytest.mark.parametrize("batch_size", [1, 3, 16])
 @pytest.mark.parametrize("score_rows", [1024, 5], ids=["logits-at-once", "logits-5-at-a-time"])
 def test_score_pairs_equals_a_plain_forward_per_pair(monkeypatch, shared, batch_size, score_rows):
-    import gptkiln.evaluate as ev
+    import gptkiln.evaluate.scoring as ev
 
     monkeypatch.setattr(ev, "_cheaper_shared", lambda pairs: shared)
     monkeypatch.setattr(ev, "SCORE_ROWS", score_rows)
@@ -112,7 +112,7 @@ def test_score_pairs_equals_a_plain_forward_per_pair(monkeypatch, shared, batch_
 def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(
     monkeypatch, shared, native
 ):
-    import gptkiln.evaluate as ev
+    import gptkiln.evaluate.scoring as ev
 
     monkeypatch.setattr(ev, "_cheaper_shared", lambda pairs: shared)
     model = chain_model(n_embd=32)
@@ -143,7 +143,7 @@ def test_the_head_runs_only_where_a_token_is_scored_and_argmax_only_when_asked(
 
 
 def test_the_compiled_scoring_gives_torchs_figures(monkeypatch):
-    import gptkiln.evaluate as ev
+    import gptkiln.evaluate.scoring as ev
     from gptkiln.native import target_log_probs_library
 
     if target_log_probs_library() is None:
@@ -159,7 +159,7 @@ def test_the_compiled_scoring_gives_torchs_figures(monkeypatch):
 
 
 def test_the_shared_way_is_chosen_for_a_questions_choices_and_not_for_rolling_windows():
-    from gptkiln.evaluate import _cheaper_shared
+    from gptkiln.evaluate.scoring import _cheaper_shared
 
     question = list(range(1, 41))
     assert _cheaper_shared([(question, [5, 6]), (question, [7]), (question, [8, 9, 10])])
@@ -181,7 +181,7 @@ def test_pairs_after_a_one_token_context_are_batched_as_separate_rows():
 def test_whole_rows_of_unequal_length_run_in_forwards_of_about_one_length(monkeypatch):
     """A rolling task's last windows mix full and short rows in one batch: each forward pads
     only to rows of about its own length (`_even_rows`), and every figure stays the same."""
-    import gptkiln.evaluate as ev
+    import gptkiln.evaluate.scoring as ev
 
     monkeypatch.setattr(ev, "RUN_POSITIONS", 50)
     model = chain_model(n_embd=32)
@@ -242,7 +242,8 @@ def test_without_the_harness_evaluate_says_how_to_install_it(monkeypatch, tmp_pa
 
     # the package attribute too: a fresh import rebinds it, and later tests must get theirs back
     monkeypatch.setattr(gptkiln, "evaluate", importlib.import_module("gptkiln.evaluate"))
-    monkeypatch.delitem(sys.modules, "gptkiln.evaluate")
+    for name in [m for m in sys.modules if m.startswith("gptkiln.evaluate")]:  # and its modules
+        monkeypatch.delitem(sys.modules, name)
     ev = importlib.import_module("gptkiln.evaluate")  # imports all the same
     with pytest.raises(GptkilnError) as e:
         ev.evaluate(tmp_path, "hellaswag")
@@ -574,7 +575,7 @@ def test_limit_num_fewshot_and_seed_reach_the_harness(setup, tmp_path):
 
 # -- bad input: one line each ------------------------------------------------------------------
 def test_an_unknown_task_is_one_line_with_close_names(setup, monkeypatch):
-    import gptkiln.evaluate as ev
+    import gptkiln.evaluate.tasks as ev
     from gptkiln.evaluate import load_tasks
 
     # an unknown name sends the search on to the harness's own ~15,000 tasks, whose index takes

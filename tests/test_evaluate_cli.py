@@ -87,7 +87,7 @@ def test_evaluate_prints_the_table_and_writes_the_json_into_the_run(setup, capsy
 def test_output_path_log_samples_limit_num_fewshot_seed_and_batch_size_reach_the_harness(
     setup, tmp_path, capsys, monkeypatch
 ):
-    import gptkiln.evaluate as ev
+    import gptkiln.evaluate.lm as ev
 
     sizes = []
     score_pairs = ev.score_pairs
@@ -112,7 +112,7 @@ def test_output_path_log_samples_limit_num_fewshot_seed_and_batch_size_reach_the
 
 
 def test_dtype_loads_the_weights_in_it_and_is_recorded(setup, tmp_path, capsys, monkeypatch):
-    import gptkiln.evaluate as ev
+    import gptkiln.evaluate.lm as ev
 
     dtypes = []
     score_pairs = ev.score_pairs
@@ -153,7 +153,7 @@ def test_a_fractional_limit_is_a_share_of_the_documents(setup, tmp_path, capsys)
 
 # -- bad input: one line, exit 2 -----------------------------------------------------------------
 def test_an_unknown_task_is_one_line(setup, capsys, monkeypatch):
-    import gptkiln.evaluate as ev
+    import gptkiln.evaluate.tasks as ev
 
     # an unknown name sends the search on to the harness's own ~15,000 tasks (half a minute to
     # index on 2 cores): here the index is the test's tasks alone
@@ -211,7 +211,8 @@ def test_without_the_harness_the_command_says_how_to_install_it(tmp_path, capsys
 
     # imported afresh, as in a process without the harness; the old module put back afterwards
     monkeypatch.setattr(gptkiln, "evaluate", importlib.import_module("gptkiln.evaluate"))
-    monkeypatch.delitem(sys.modules, "gptkiln.evaluate")
+    for name in [m for m in sys.modules if m.startswith("gptkiln.evaluate")]:  # and its modules
+        monkeypatch.delitem(sys.modules, name)
     code, _, err = cli("evaluate", tmp_path, "--tasks", "hellaswag", capsys=capsys)
     assert_one_line_error(code, err, "needs the lm-eval package", 'pip install -e ".[eval]"')
 

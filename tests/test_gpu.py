@@ -164,7 +164,7 @@ def test_family_compiled_bf16_training_reduces_the_loss_on_cuda(family):
 def test_harness_scoring_on_cuda_equals_the_cpus(monkeypatch, shared):
     from test_evaluate import chain_model, some_pairs
 
-    import gptkiln.evaluate as ev
+    import gptkiln.evaluate.scoring as ev
 
     monkeypatch.setattr(ev, "_cheaper_shared", lambda pairs: shared)
     model = chain_model(n_embd=32)

@@ -139,7 +139,7 @@ def test_a_converted_run_and_a_hugging_face_directory_have_no_history(hf_and_con
     assert "no training history" in info.history and not info.resumable
     assert info.files == {"model.safetensors": (hf / "model.safetensors").stat().st_size}
     code, out, _ = cli("info", hf, capsys=capsys)
-    assert code == 0 and "a Hugging Face GPT-2 directory" in out
+    assert code == 0 and "a Hugging Face model directory" in out
     assert "training    none: an imported Hugging Face model has no training history" in out
     assert "resumable   no:" in out
 

@@ -255,24 +255,6 @@ def test_exported_tokenizer_loads_in_transformers(hf_dir, tmp_path):
     assert tokenizer.eos_token_id == 50256
 
 
-def test_export_refuses_a_char_tokenizer_run(tmp_path):
-    from gptkiln.tokenizers import build_char_tokenizer
-
-    tokenizer = build_char_tokenizer(["to be or not to be"], with_eot=True)
-    model = GPT(
-        GPTConfig(
-            vocab_size=tokenizer.vocab_size, context_length=16, n_layer=1, n_head=2, n_embd=16
-        )
-    )
-    save_model(model, tmp_path / "run", tokenizer=tokenizer)
-    with pytest.raises(
-        GptkilnError,
-        match="uses the 'char' tokenizer; Hugging Face GPT-2 export needs the gpt2 tokenizer",
-    ):
-        export_hf(tmp_path / "run", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
 def test_state_dict_round_trip_through_hf_names():
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=60, context_length=16, n_layer=2, n_head=2, n_embd=16)

@@ -1,10 +1,12 @@
 """The playground page in a real headless Chromium (Debian's chromium and chromium-driver;
 the ``browser`` fixture, conftest.py): type a prompt, Generate, and the page shows exactly the
-greedy text; Stop ends a stream."""
+greedy text; Stop ends a stream; served a run like the README's first (context 64), the first
+click generates, and a Max tokens past the context is refused before anything is sent."""
 
 import pytest
 import torch
 from browser import fill, wait_for
+from conftest import plays_text
 from serving import ServerThread
 
 from gptkiln.api import generate_text
@@ -14,7 +16,7 @@ from gptkiln.inspect import inspect_prompt
 from gptkiln.loading import load_run
 from gptkiln.model import GPT
 from gptkiln.serve.app import create_app
-from gptkiln.tokenizers import build_char_tokenizer
+from gptkiln.tokenizers import build_char_tokenizer, train_bpe_tokenizer
 
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
 
@@ -89,6 +91,74 @@ def test_an_error_is_shown_on_the_page(browser, url):
     browser.find_element("id", "generate").click()
     wait_for(lambda: state(browser) == "error")
     assert "temperature" in browser.find_element("id", "error").text
+
+
+# -- a run like the README's first: `gptkiln train` (qwen3-baby, context 64, a BPE), then serve --
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`qwen3-baby`'s shape (context 64) at a BPE of the plays, random weights."""
+    torch.manual_seed(0)
+    tokenizer = train_bpe_tokenizer([plays_text(20_000)], 512)
+    config = GPTConfig.from_name("qwen3-baby", vocab_size=tokenizer.vocab_size)
+    assert config.context_length == 64
+    return save_model(GPT(config), tmp_path_factory.mktemp("run") / "default", tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def default_url(default_run):
+    model, tokenizer, _ = load_run(default_run)
+    with ServerThread(create_app(model, tokenizer, model_name="default")) as url:
+        yield url
+
+
+def completions_answered(url: str) -> float:
+    """How many POST /v1/completions the server has answered, from its /metrics."""
+    import httpx
+
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("gptkiln_requests_total") and 'route="/v1/completions"' in line
+    )
+
+
+def test_the_first_click_on_a_64_token_model_generates(browser, default_url, default_run):
+    import httpx
+
+    prompt = "ROMEO:"
+    count = httpx.post(f"{default_url}/v1/tokenize", json={"prompt": prompt}).json()
+    assert count["max_model_len"] == 64
+    browser.get(default_url)
+    wait_for(lambda: "context 64" in browser.find_element("id", "model-info").text)
+    fill(browser, "prompt", prompt)  # Max tokens untouched, as a new user leaves it
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) in ("done", "error"))
+    assert browser.find_element("id", "error").text == ""
+    assert state(browser) == "done"
+    room = 64 - count["count"]
+    assert browser.find_element("id", "max-tokens").get_attribute("value") == str(room)
+    assert browser.find_element("id", "max-tokens-room").text == f"(at most {room})"
+    assert int(browser.find_element("id", "tokens").text) > 0  # tokens arrived
+    assert browser.find_element("id", "completion").get_property("textContent")
+
+
+def test_max_tokens_past_the_context_is_refused_before_it_is_sent(browser, default_url):
+    import httpx
+
+    prompt = "ROMEO:"
+    room = 64 - httpx.post(f"{default_url}/v1/tokenize", json={"prompt": prompt}).json()["count"]
+    browser.get(default_url)
+    wait_for(lambda: "context 64" in browser.find_element("id", "model-info").text)
+    fill(browser, "prompt", prompt)
+    fill(browser, "max-tokens", "100")
+    sent = completions_answered(default_url)
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) == "error")
+    error = browser.find_element("id", "error").text
+    assert "Max tokens 100 exceed the model's context of 64" in error
+    assert f"at most {room}" in error
+    assert completions_answered(default_url) == sent  # the page said it; the server never heard
 
 
 # -- the Inspect view ------------------------------------------------------------------------------
@@ -182,6 +252,7 @@ def test_the_inspect_view_draws_the_map_and_a_hover_changes_it(browser, url, run
 
 def test_an_inspect_error_is_shown_on_the_page(browser, url):
     browser.get(url)
+    wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
     browser.find_element("id", "tab-inspect").click()
     fill(browser, "inspect-prompt", "To be")
     fill(browser, "inspect-max-tokens", "500")
@@ -189,4 +260,11 @@ def test_an_inspect_error_is_shown_on_the_page(browser, url):
     wait_for(
         lambda: browser.find_element("id", "inspect-status").get_attribute("data-state") == "error"
     )
-    assert "max_tokens" in browser.find_element("id", "inspect-error").text
+    assert "1 to 64" in browser.find_element("id", "inspect-error").text
+    fill(browser, "inspect-max-tokens", "20")
+    fill(browser, "inspect-prompt", "")  # an empty prompt: the server's own error, shown
+    browser.find_element("id", "inspect-run").click()
+    wait_for(
+        lambda: browser.find_element("id", "inspect-status").get_attribute("data-state") == "error"
+    )
+    assert "prompt is empty" in browser.find_element("id", "inspect-error").text

@@ -237,6 +237,34 @@ def test_health_models_metrics_and_the_page(url, client):
     assert "http://" not in page.text and "https://" not in page.text  # nothing from a CDN
 
 
+def test_health_and_tokenize_size_the_pages_fields(url, run_dir):
+    """What the page sizes Max tokens by: the context (/health) and a prompt's token count
+    (/v1/tokenize), the count the server checks a request with."""
+    health = httpx.get(f"{url}/health").json()
+    assert health["context_length"] == 64 and health["inspect_max_tokens"] == 64
+    _, tokenizer, _ = load_run(run_dir)
+    prompt = "Hello, I am a language model"
+    got = httpx.post(f"{url}/v1/tokenize", json={"prompt": prompt, "model": NAME}).json()
+    assert got == {"count": len(tokenizer.encode(prompt)), "max_model_len": 64}
+    room = 64 - got["count"]
+    fits = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": room})
+    assert fits.status_code == 200
+    over = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": room + 1})
+    assert over.json()["error"]["code"] == "context_length_exceeded"
+    for body, param in [
+        ({}, "prompt"),
+        ({"prompt": "a", "messages": []}, "prompt"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),  # no template
+        ({"prompt": 5}, "prompt"),
+    ]:
+        r = httpx.post(f"{url}/v1/tokenize", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, body
+    small = GPTConfig.from_name("tiny", vocab_size=50257, context_length=16)
+    with ServerThread(create_app(GPT(small), tokenizer, model_name="small")) as small_url:
+        health = httpx.get(f"{small_url}/health").json()
+    assert health["context_length"] == 16 and health["inspect_max_tokens"] == 16
+
+
 # -- bad input: a clean 4xx each, and the server still answers ---------------------------------
 BAD = [
     ("not json", b"{prompt: 1", 400, None),

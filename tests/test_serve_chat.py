@@ -116,6 +116,15 @@ def test_a_chat_answer_is_what_generate_and_chat_answer(client, runs):
     assert r.usage.prompt_tokens == len(chat.tokenizer.encode(prompt))
 
 
+def test_tokenize_counts_messages_in_the_runs_template(url, runs):
+    """The page sizes a chat's Max tokens by this count: the prompt_tokens a chat request has."""
+    messages = [{"role": "user", "content": "Repeat sun."}]
+    got = httpx.post(f"{url}/v1/tokenize", json={"messages": messages}).json()
+    text = format_conversation(ALPACA, [], "Repeat sun.")
+    assert got == {"count": len(load_run(runs[1])[1].encode(text)), "max_model_len": 256}
+    assert httpx.get(f"{url}/health").json()["context_length"] == 256
+
+
 def test_a_system_message_replaces_the_templates_system_text(client, runs):
     run = runs[1]
     model, tokenizer, _ = load_run(run)

@@ -301,14 +301,14 @@ def test_a_bpe_size_is_ascii_digits_within_what_the_trainer_can_hold():
 
 
 def test_bpe_arrays_in_slices_are_the_plain_batch(chinese_bpe, monkeypatch):
-    import gptkiln.tokenizers
+    import gptkiln.tokenizers.bpe
 
     texts = [f"{i}: to be, or not to be. " * 140 for i in range(20)] + ["", "天气很好", "a"]
     plain = chinese_bpe.encode_ordinary_batch(texts)
     calls = []
     real = chinese_bpe._hf_plain.encode_batch_fast
-    monkeypatch.setattr(gptkiln.tokenizers, "BPE_SLICE_CHARS", 10_000)
-    monkeypatch.setattr(gptkiln.tokenizers.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(gptkiln.tokenizers.bpe, "BPE_SLICE_CHARS", 10_000)
+    monkeypatch.setattr(gptkiln.tokenizers.bpe.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(
         chinese_bpe, "_hf_plain", type("Hf", (), {"encode_batch_fast": lambda self, t, **kw: (
             calls.append(len(t)), real(t, **kw))[1]})(),

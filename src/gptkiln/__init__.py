@@ -1,4 +1,5 @@
-"""gptkiln: a GPT-2 style language model from scratch, and what it takes to train, run, share it.
+"""gptkiln: GPT-2, Llama 3 and Qwen3 language models from scratch, and what it takes to train, run
+and share them.
 
 The public API::
 

@@ -37,8 +37,9 @@ def stream_text(
 
     The text ends at end-of-text or right before a stop string of ``cfg.stop``. An empty prompt
     starts from the end-of-text token (unconditional generation). A prompt longer than the
-    model's context keeps its last ``context_length`` tokens; the ``on_notice`` callback (if
-    given) is told so. ``quantize="int8"`` quantizes the weights on load
+    model's context keeps its last ``context_length`` tokens, and past the context the window
+    slides (each new token sees the last ``context_length``); the ``on_notice`` callback (if
+    given) is told either. ``quantize="int8"`` quantizes the weights on load
     (`gptkiln.loading.load_model`).
 
     An instruction-tuned run (`gptkiln finetune`, or a model with its own chat template,
@@ -89,7 +90,9 @@ def stream_from_model(
 
     was_training = model.training
     model.eval()
-    ids = _prompt_ids(model, tokenizer, prompt, source, on_notice, templated=templated)
+    ids = _prompt_ids(
+        model, tokenizer, prompt, source, on_notice, templated=templated, new=cfg.max_new_tokens
+    )
     ends = stop_ids_of(tokenizer)  # every id that ends a turn (Llama 3 Instruct has several)
     stream = TextStream(tokenizer.decode, cfg.stop, ends if cfg.stop_at_eos else None)
     try:
@@ -111,9 +114,15 @@ def _prompt_ids(
     on_notice: Callable[[str], None] | None,
     which: str = "prompt",
     templated: bool = False,
+    new: int = 0,
 ) -> list[int]:
     """A prompt's ids (an empty one: end-of-text), checked against the model's vocabulary; the
-    notice says when it is longer than the context (``which`` names it there)."""
+    notice says when it is longer than the context, or when it and its ``new`` tokens pass the
+    context, where the window slides (``which`` names it there).
+
+    Past the context this library slides the window (the book's ``generate``); the server
+    refuses instead (OpenAI's ``context_length_exceeded``), so its clients never get text the
+    model wrote without seeing the whole prompt."""
     from gptkiln.loading import check_ids_fit
     from gptkiln.tokenizers import encode_prompt
 
@@ -124,6 +133,12 @@ def _prompt_ids(
         on_notice(
             f"{which} has {len(ids)} tokens, more than the model's context of {ctx}; "
             f"keeping the last {ctx}"
+        )
+    elif len(ids) + new > ctx and on_notice:
+        on_notice(
+            f"{which}'s {len(ids)} tokens and up to {new} new ones pass the model's context of "
+            f"{ctx}: past it the window slides, each new token seeing the last {ctx} (as the "
+            "book's generate does; gptkiln serve refuses such a request instead)"
         )
     return ids
 
@@ -185,7 +200,8 @@ def complete(
         tokenizer: the tokenizer of a `GPT` given as ``run_or_model``.
         batch_size: samples generated at once (>= 1); the KV cache grows with it.
         device: where a run is loaded.
-        on_notice: told when a prompt is longer than the model's context (its start is cut).
+        on_notice: told when a prompt is longer than the model's context (its start is cut),
+            or when it and ``cfg.max_new_tokens`` pass the context (the window slides).
         quantize: "int8" quantizes a run's weights as it loads (`gptkiln.loading.load_model`);
             a `GPT` given is used as it is (quantize it with `gptkiln.quantize.quantize_model`).
         templated: the prompts were rendered by the model's chat template and hold their own
@@ -211,7 +227,9 @@ def complete(
     model, tokenizer = _model_and_tokenizer(run_or_model, tokenizer, device, quantize)
     source = "the model" if isinstance(run_or_model, GPT) else run_or_model
     ids = [
-        _prompt_ids(model, tokenizer, p, source, on_notice, f"prompt {i + 1}", templated)
+        _prompt_ids(
+            model, tokenizer, p, source, on_notice, f"prompt {i + 1}", templated, cfg.max_new_tokens
+        )
         for i, p in enumerate(prompts)
     ]
     rows = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
@@ -392,7 +410,7 @@ def eval_tokens(data: str | os.PathLike, tokenizer):
 # -- info ------------------------------------------------------------------------------------
 @dataclass
 class RunInfo:
-    """What a run directory (or an imported Hugging Face GPT-2 one) holds; see `run_info`.
+    """What a run directory (or a Hugging Face model directory) holds; see `run_info`.
 
     Attributes:
         path: the directory.
@@ -464,7 +482,7 @@ class RunInfo:
         preset = (
             f"{self.preset} preset{f' ({changes})' if changes else ''}: " if self.preset else ""
         )
-        what = "a gptkiln run" if self.kind == "run" else "a Hugging Face GPT-2 directory"
+        what = "a gptkiln run" if self.kind == "run" else "a Hugging Face model directory"
         lines = [
             f"{self.path}: {what}",
             ("model", f"{preset}{shape}; {self.parameters:,} parameters{self._int8()}"),
@@ -512,7 +530,7 @@ def _size(n: int) -> str:
 
 
 def run_info(path: str | os.PathLike) -> RunInfo:
-    """What a run directory, or an imported Hugging Face GPT-2 one, holds, read without loading
+    """What a run directory, or a Hugging Face model directory, holds, read without loading
     its weights: the model (preset, shape, parameters) from config.json and the weights files'
     headers (checked against each other as a load checks them), the tokenizer, the training
     data (the run's config and its prepared data's meta.json), steps and tokens seen (the trainer

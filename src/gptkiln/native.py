@@ -144,7 +144,7 @@ def target_log_probs(logits, targets, with_argmax: bool):
 
     None where the library is not (`target_log_probs_library`) or the logits are not of that
     kind: the caller takes torch's ``log_softmax`` and ``gather`` (the reference,
-    `gptkiln.evaluate._score_positions`)."""
+    `gptkiln.evaluate.scoring._score_positions`)."""
     import torch
 
     lib = target_log_probs_library()

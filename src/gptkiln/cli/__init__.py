@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``gptkiln`` parser with every command of `COMMANDS` (imports no torch)."""
     parser = Parser(
         prog="gptkiln",
-        description="Train, run and share GPT-2 style models. "
+        description="Train, run and share GPT-2, Llama 3 and Qwen3 style language models. "
         "'gptkiln COMMAND --help' explains a command and its flags.",
         epilog=EXAMPLES,
     )

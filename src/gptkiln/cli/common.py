@@ -84,7 +84,7 @@ def keep_freed_memory_on_cpu(device: str) -> None:
 
 
 # -- flags several commands take --------------------------------------------------------------
-RUN_HELP = "a run directory, or an imported Hugging Face GPT-2 directory"
+RUN_HELP = "a run directory, or a Hugging Face model directory (GPT-2, Llama 3 or Qwen3)"
 
 
 def add_run_argument(

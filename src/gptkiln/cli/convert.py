@@ -73,7 +73,11 @@ def run_convert(args: argparse.Namespace) -> None:
         convert.import_book(args.path, args.out, n_head=args.n_head, overwrite=args.overwrite)
     elif args.direction == "to-hf":
         convert.export_hf(
-            args.path, args.out, overwrite=args.overwrite, max_shard_size=args.max_shard_size
+            args.path,
+            args.out,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+            on_note=print,
         )
     elif args.direction == "merge-lora":
         convert.merge_lora(args.path, args.out, overwrite=args.overwrite)

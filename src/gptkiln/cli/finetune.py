@@ -25,9 +25,9 @@ def add_finetune_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "finetune",
         help="fine-tune a model to follow instructions or to classify texts (full or LoRA)",
-        description="Fine-tune a run or a Hugging Face GPT-2 model with the loop of `gptkiln "
-        "train`: instruction following (the book's chapter 7) or classification (chapter 6), "
-        "all layers, the last N, or LoRA adapters (appendix E).",
+        description="Fine-tune a run or a Hugging Face model (GPT-2, Llama 3 or Qwen3) with the "
+        "loop of `gptkiln train`: instruction following (the book's chapter 7) or "
+        "classification (chapter 6), all layers, the last N, or LoRA adapters (appendix E).",
         epilog=example(
             "gptkiln finetune runs/gpt2 --data instructions.json --out runs/instruct",
             "gptkiln finetune runs/gpt2 --task classify --data sms.csv --lora-rank 16 "
@@ -79,7 +79,9 @@ def add_finetune_flags(p: argparse.ArgumentParser) -> None:
 def _add_data_flags(p: argparse.ArgumentParser) -> None:
     """The model to start from, the examples and what the task makes of them."""
     p.add_argument(
-        "base", help="the model to start from: a run directory or a Hugging Face GPT-2 directory"
+        "base",
+        help="the model to start from: a run directory or a Hugging Face model directory "
+        "(GPT-2, Llama 3 or Qwen3)",
     )
     p.add_argument(
         "--data",

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 # The sampling flags' help (`common.add_sampling_flags`); the defaults are `SampleConfig`'s but
 # for a temperature of 0.8.
 SAMPLING_HELP = {
-    "max_new_tokens": "tokens to generate at most (>= 0) (default: %(default)s)",
+    "max_new_tokens": "tokens to generate at most (>= 0); past the model's context the window "
+    "slides, and a note says so (default: %(default)s)",
     "temperature": "softmax temperature (>= 0; 0 = greedy) (default: %(default)s)",
     "top_k": "sample from the K most likely tokens only (>= 1) (default: all tokens)",
     "top_p": "sample from the fewest tokens whose probability reaches P, in (0, 1] "
@@ -54,7 +55,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "'--- prompt P of M, sample S of N (seed X) ---'. --json prints one JSON object a "
         "line instead (JSON Lines): prompt_index, prompt, index (the sample's, from 0), "
         "seed, text (without the prompt), token_ids and finish_reason (stop: end-of-text or "
-        "a stop string; length: --max-new-tokens).",
+        "a stop string; length: --max-new-tokens). A prompt and its new tokens may pass the "
+        "model's context: the window then slides, each new token seeing only the last "
+        "context-length tokens (as the book's generate does), and a note on stderr says so; "
+        "gptkiln serve refuses such a request instead (context_length_exceeded), and its page "
+        "sizes Max tokens to fit.",
         epilog=example(
             "gptkiln generate runs/char --prompt ROMEO: --prompt JULIET: --num-samples 2 --seed 1"
         ),

@@ -12,13 +12,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "info",
         help="what a run holds: model, tokenizer, data, steps, losses, size",
-        description="What a run directory (or an imported Hugging Face GPT-2 one) holds: the "
+        description="What a run directory (or a Hugging Face model directory) holds: the "
         "model (its preset, shape and parameters), the tokenizer, the data it was trained on, "
         "steps done of total, tokens seen, the best and last validation loss, the checkpoint's "
         "size and whether it can be resumed. Reads only the files' headers, never the weights.",
         epilog=example("gptkiln info runs/char"),
     )
-    add_run_argument(p, help="a run directory, or a Hugging Face GPT-2 directory")
+    add_run_argument(
+        p, help="a run directory, or a Hugging Face model directory (GPT-2, Llama 3 or Qwen3)"
+    )
     p.add_argument("--json", action="store_true", help="print it as one JSON object")
     p.set_defaults(func=run)
 

@@ -13,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a model over HTTP: OpenAI's completions API and a web playground",
-        description="Serve a run (or a Hugging Face GPT-2 directory) with an OpenAI-compatible "
+        description="Serve a run (or a Hugging Face model directory) with an OpenAI-compatible "
         "API (POST /v1/completions, GET /v1/models; POST /v1/chat/completions for an "
         "instruction-tuned run, its messages in the run's template), GET /health, GET /metrics "
         "(Prometheus) and a playground page at /. Concurrent requests are batched together as "

@@ -462,7 +462,7 @@ class FinetuneConfig:
     val), 0.1 / 0.2 after a seeded shuffle (classify: train, val, test).
     """
 
-    base: str  # a run directory, or a Hugging Face GPT-2 directory
+    base: str  # a run directory, or a Hugging Face GPT-2 / Llama 3 / Qwen3 directory
     data: str  # instruct: .json / .jsonl; classify: .csv / .tsv / .jsonl
     task: Literal["instruct", "classify"] = "instruct"
     template: str = "alpaca"  # a bundled name or a JSON file (instruct)

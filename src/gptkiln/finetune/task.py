@@ -143,7 +143,7 @@ class FineTuning:
         if num_classes is None and model.config.num_classes:
             raise GptkilnError(
                 f"{ft.base} is a classifier; instruction tuning needs a language model (a "
-                "pretrained run or a Hugging Face GPT-2 directory)"
+                "pretrained run or a Hugging Face model directory)"
             )
         model.train()
         if self.lora is None:

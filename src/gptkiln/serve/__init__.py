@@ -73,7 +73,7 @@ def serve(
     """Load the model of ``run_dir`` once and serve it until interrupted.
 
     Args:
-        run_dir: a run directory or a Hugging Face GPT-2 directory.
+        run_dir: a run directory or a Hugging Face model directory (GPT-2, Llama 3, Qwen3).
         host, port: where to listen; a host other than a loopback address needs ``api_key``.
         max_batch: sequences decoded together (rows of the KV cache).
         max_queue: sequences that may wait for a row; more are answered 429.

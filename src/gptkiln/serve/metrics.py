@@ -12,6 +12,7 @@ ROUTES = (
     "/v1/models",
     "/v1/completions",
     "/v1/inspect",
+    "/v1/tokenize",
     "/v1/chat/completions",
 )
 

@@ -137,6 +137,18 @@ class InspectRequest(BaseModel):
     max_tokens: int = Field(32, ge=1, le=MAX_INSPECT_TOKENS)
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /v1/tokenize`` (gptkiln's own, answered in the shape of vLLM's ``/tokenize``): how
+    many tokens a prompt, or chat messages in the run's template, take of the context. The page
+    sizes and checks its fields by it before it sends a request."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    model: str | None = None
+
+
 # What each field holds, for a type error's message (pydantic's own lists every union member).
 FIELD_KINDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
@@ -191,13 +203,26 @@ INSPECT_FIELD_KINDS = {
     "max_tokens": f"a whole number in [1, {MAX_INSPECT_TOKENS}] (the tokens inspected)",
 }
 
+TOKENIZE_FIELD_KINDS = {
+    "prompt": "a string",
+    "messages": CHAT_FIELD_KINDS["messages"],
+    "messages.role": CHAT_FIELD_KINDS["messages.role"],
+    "messages.content": CHAT_FIELD_KINDS["messages.content"],
+    "messages.name": "a string",
+    "model": "a string",
+}
+
 
 def parse_request(model: type[BaseModel], body: bytes) -> Any:
     """Validate a JSON body as ``model``; any problem is a 400 naming the first bad field."""
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        kinds = {InspectRequest: INSPECT_FIELD_KINDS, ChatCompletionRequest: CHAT_FIELD_KINDS}
+        kinds = {
+            InspectRequest: INSPECT_FIELD_KINDS,
+            ChatCompletionRequest: CHAT_FIELD_KINDS,
+            TokenizeRequest: TOKENIZE_FIELD_KINDS,
+        }
         raise validation_error(e, kinds.get(model, FIELD_KINDS)) from None
 
 

@@ -1,0 +1,107 @@
+"""The Ollama Modelfile written beside every GGUF (``NAME.Modelfile`` for ``NAME.gguf``):
+``FROM`` the file, the chat template in Ollama's template language (Go's ``text/template``) for
+the templates gptkiln knows, and a ``PARAMETER stop`` for every stop token and stop string.
+
+The templates: an instruction-tuned run's `PromptTemplate` (the book's Alpaca format or a
+template file: the system text, each user message as its instruction part and the response
+header, each assistant message as it is), ChatML (Qwen's ``<|im_start|>role``), and Llama 3's
+headers; a base model's is the prompt as it is (``{{ .Prompt }}``). Every literal piece of text
+is written as a Go string literal, so no text of a template can be read as template code.
+
+Use: ``ollama create NAME -f NAME.Modelfile``, then ``ollama run NAME``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gptkiln.export.files import write_text
+from gptkiln.export.gguf_vocab import GGUFVocab
+
+
+def go(text: str) -> str:
+    """``text`` printed by a Go template: a string literal action (JSON's escapes are Go's)."""
+    return "{{ " + json.dumps(text) + " }}"
+
+
+CHATML = (
+    "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
+    "<|im_start|>assistant\n"
+)
+LLAMA3 = (
+    "{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n"
+    "{{ .Content }}<|eot_id|>{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n"
+)
+PLAIN = "{{ .Prompt }}"
+
+
+def prompt_template_go(template: Any) -> str:
+    """A `PromptTemplate` in Ollama's template language (see the module docstring)."""
+    before, after = template.instruction.split("{instruction}")
+    return (
+        f"{{{{- if .System }}}}{{{{ .System }}}}{{{{ else }}}}{go(template.system)}{{{{ end }}}}"
+        "{{- range .Messages }}"
+        f'{{{{- if eq .Role "user" }}}}{go(before)}{{{{ .Content }}}}{go(after)}'
+        f"{go(template.response)}"
+        '{{- else if eq .Role "assistant" }}{{ .Content }}{{- end }}'
+        "{{- end }}"
+    )
+
+
+def ollama_template(chat: str | None, cfg: dict[str, Any], run_dir: Path) -> str | None:
+    """The Modelfile's TEMPLATE for a run, None for a chat template gptkiln does not know (Ollama
+    then reads the GGUF's own)."""
+    from gptkiln.finetune.runs import run_template
+    from gptkiln.finetune.templates import PromptTemplate
+
+    template = run_template(cfg, run_dir)
+    if isinstance(template, PromptTemplate):
+        return prompt_template_go(template)
+    if chat is None:
+        return PLAIN
+    if "<|im_start|>" in chat:
+        return CHATML
+    if "<|start_header_id|>" in chat:
+        return LLAMA3
+    return None
+
+
+def modelfile_text(
+    gguf_name: str, vocab: GGUFVocab, chat: str | None, cfg: dict[str, Any], run_dir: Path
+) -> str:
+    """The Modelfile of ``gguf_name`` (a file beside it)."""
+    from gptkiln.finetune.runs import run_template
+    from gptkiln.finetune.templates import PromptTemplate
+
+    name = Path(gguf_name).stem
+    lines = [
+        f"# Ollama: ollama create {name} -f {name}.Modelfile && ollama run {name}",
+        f"FROM ./{gguf_name}",
+    ]
+    template = ollama_template(chat, cfg, run_dir)
+    if template is None:
+        lines.append("# TEMPLATE: the GGUF's own chat template (tokenizer.chat_template)")
+    else:
+        lines.append(f'TEMPLATE """{template}"""')
+    stops = [vocab.tokens[i] for i in vocab.stop_ids]
+    prompt = run_template(cfg, run_dir)
+    if isinstance(prompt, PromptTemplate):
+        stops += list(prompt.stop_strings())
+    for stop in dict.fromkeys(stops):
+        lines.append(f"PARAMETER stop {json.dumps(stop)}")
+    return "\n".join(lines) + "\n"
+
+
+def modelfile_path(gguf_file: Path) -> Path:
+    return gguf_file.with_name(gguf_file.stem + ".Modelfile")
+
+
+def write_modelfile(
+    gguf_file: Path, vocab: GGUFVocab, chat: str | None, cfg: dict[str, Any], run_dir: Path
+) -> Path:
+    """Write the Modelfile beside ``gguf_file`` (atomically); its path."""
+    path = modelfile_path(gguf_file)
+    write_text(path, modelfile_text(gguf_file.name, vocab, chat, cfg, run_dir))
+    return path

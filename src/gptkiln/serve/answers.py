@@ -1,0 +1,291 @@
+"""The answer: a request's events from the batcher shaped into OpenAI's objects, whole
+(``text_completion``, ``chat.completion``) or streamed as server-sent chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gptkiln.serve.batcher import Done, Failed, PromptLogprobs, Sequence, Token, TokenLogprobs
+from gptkiln.serve.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatReply,
+    Choice,
+    Completion,
+    CompletionRequest,
+    Logprobs,
+    OpenAIError,
+    Usage,
+)
+
+
+async def respond(
+    answer: Answer, queue: asyncio.Queue, seqs: list[Sequence], request: Request
+) -> Response:
+    """The answer streamed as server-sent events, or whole once every sequence is done."""
+    if answer.req.stream:
+        return StreamingResponse(answer.stream(queue, seqs), media_type="text/event-stream")
+    whole = await answer.whole(queue, seqs, request)
+    if whole is None:  # the client went away: nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(whole)
+
+
+@dataclass
+class Collected:
+    """A request's events, gathered for a whole (not streamed) answer; keys are choice indexes."""
+
+    texts: dict[int, str]
+    tokens: dict[int, list[tuple[int, TokenLogprobs | None]]]
+    prompt_scores: dict[int, list[TokenLogprobs | None]]
+    reasons: dict[int, str]
+    used: int = 0
+
+
+class Answer:
+    """Turns a completion request's events into OpenAI's ``text_completion`` objects, whole or
+    as chunks. The event loops (`whole`, `stream`) are shared with `ChatAnswer`; the shapes
+    (`_shape`, `_opening`, `_chunks`, `_usage_chunk`) are each answer's own."""
+
+    prefix = "cmpl"
+
+    def __init__(self, req: CompletionRequest, prompts, tokenizer: Any, model_name: str) -> None:
+        self.req, self.prompts, self.tokenizer = req, prompts, tokenizer
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model_name = model_name
+        self.offsets: dict[int, int] = {}  # a streamed choice's text so far, for logprobs
+
+    def _completion(self, choices: list[Choice], usage: Usage | None = None) -> dict[str, Any]:
+        return Completion(
+            id=self.id,
+            created=self.created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+        ).model_dump(exclude_none=False)
+
+    def _prompt_of(self, index: int) -> tuple[str, list[int]]:
+        return self.prompts[index // self.req.n]
+
+    def _usage(self, completion_tokens: int) -> Usage:
+        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+    def _logprobs(
+        self, ids: list[int], scored: list[TokenLogprobs | None], offset: int = 0
+    ) -> Logprobs:
+        """OpenAI's logprobs object for tokens ``ids`` whose text starts at ``offset``."""
+        out = Logprobs()
+        for token, entry in zip(ids, scored):
+            text = self.tokenizer.decode([token])
+            out.tokens.append(text)
+            out.token_ids.append(token)
+            out.text_offset.append(offset)
+            offset += len(text)
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                out.top_token_ids.append(None)
+                continue
+            out.token_logprobs.append(entry.logprob)
+            top: dict[str, float] = {}
+            for alt, lp in entry.top:
+                top.setdefault(self.tokenizer.decode([alt]), lp)
+            out.top_logprobs.append(top)
+            out.top_token_ids.append([alt for alt, _ in entry.top])
+        return out
+
+    async def whole(self, queue: asyncio.Queue, seqs: list[Sequence], request: Request):
+        """Wait for every choice; None if the client left first (that cancels them)."""
+        got = Collected(
+            texts={s.index: "" for s in seqs},
+            tokens={s.index: [] for s in seqs},
+            prompt_scores={},
+            reasons={},
+        )
+        watcher = asyncio.create_task(_watch_disconnect(request, queue))
+        try:
+            while len(got.reasons) < len(seqs):
+                event = await queue.get()
+                if event is None:  # the client went away
+                    return None
+                if isinstance(event, Failed):
+                    raise OpenAIError(500, event.message)
+                if isinstance(event, PromptLogprobs):
+                    got.prompt_scores[event.index] = event.entries
+                elif isinstance(event, Token):
+                    got.texts[event.index] += event.text
+                    got.tokens[event.index].append((event.id, event.logprobs))
+                elif isinstance(event, Done):
+                    got.texts[event.index] += event.text
+                    got.reasons[event.index] = event.reason
+                    got.used += event.tokens
+        finally:
+            watcher.cancel()
+            for seq in seqs:
+                seq.cancelled = True  # a no-op for those done
+        return self._shape(got, sorted(s.index for s in seqs))
+
+    def _shape(self, got: Collected, indexes: list[int]) -> dict[str, Any]:
+        """The whole ``text_completion``: each choice's text (after the prompt with ``echo``),
+        its logprobs when asked, its finish_reason; the usage."""
+        choices = []
+        for i in indexes:
+            prompt_text, prompt = self._prompt_of(i)
+            head = prompt_text if self.req.echo else ""
+            logprobs = None
+            if self.req.logprobs is not None:
+                ids = [t for t, _ in got.tokens[i]]
+                scored = [lp for _, lp in got.tokens[i]]
+                if self.req.echo:
+                    scored = got.prompt_scores.get(i, [None] * len(prompt)) + scored
+                    ids = prompt + ids
+                logprobs = self._logprobs(ids, scored)
+            choices.append(
+                Choice(
+                    text=head + got.texts[i],
+                    index=i,
+                    logprobs=logprobs,
+                    finish_reason=got.reasons[i],
+                )
+            )
+        return self._completion(choices, self._usage(got.used))
+
+    async def stream(self, queue: asyncio.Queue, seqs: list[Sequence]) -> AsyncIterator[str]:
+        """Server-sent events: the opening chunks, the chunks of each event, the usage if asked,
+        then ``[DONE]``. A client that leaves closes this generator, which cancels the choices
+        still running."""
+        left = len(seqs)
+        used = 0
+        try:
+            for chunk in self._opening(seqs):
+                yield chunk
+            while left:
+                event = await queue.get()
+                if isinstance(event, Failed):
+                    yield _sse(OpenAIError(500, event.message).body())
+                    return
+                if isinstance(event, Done):
+                    left -= 1
+                    used += event.tokens
+                for chunk in self._chunks(event):
+                    yield chunk
+            options = self.req.stream_options
+            if options is not None and options.include_usage:
+                yield self._usage_chunk(self._usage(used))
+            yield "data: [DONE]\n\n"
+        finally:
+            for seq in seqs:
+                seq.cancelled = True
+
+    def _opening(self, seqs: list[Sequence]) -> Iterator[str]:
+        """With ``echo``, each prompt first (with its logprobs, they come as an event)."""
+        self.offsets = {s.index: 0 for s in seqs}
+        if self.req.echo:
+            for seq in seqs:
+                text, _ = self._prompt_of(seq.index)
+                self.offsets[seq.index] = len(text)
+                if self.req.logprobs is None:
+                    yield self._chunk(Choice(text=text, index=seq.index))
+
+    def _chunks(self, event: PromptLogprobs | Token | Done) -> Iterator[str]:
+        """A chunk a token (its text may be "" while held back), a last one per choice with
+        its finish_reason (and the text held back until then)."""
+        if isinstance(event, PromptLogprobs):
+            text, prompt = self._prompt_of(event.index)
+            lp = self._logprobs(prompt, event.entries)
+            yield self._chunk(Choice(text=text, index=event.index, logprobs=lp))
+        elif isinstance(event, Token):
+            lp = None
+            if event.logprobs is not None:
+                lp = self._logprobs([event.id], [event.logprobs], self.offsets[event.index])
+            self.offsets[event.index] += len(event.text)
+            yield self._chunk(Choice(text=event.text, index=event.index, logprobs=lp))
+        elif isinstance(event, Done):
+            yield self._chunk(
+                Choice(text=event.text, index=event.index, finish_reason=event.reason)
+            )
+
+    def _usage_chunk(self, usage: Usage) -> str:
+        return _sse(self._completion([], usage))
+
+    def _chunk(self, choice: Choice) -> str:
+        return _sse(self._completion([choice]))
+
+
+class ChatAnswer(Answer):
+    """The same events in OpenAI's chat shapes: a ``chat.completion`` whose choices hold an
+    assistant ``message``, or ``chat.completion.chunk`` events whose ``delta`` is the role
+    first, then content pieces, then ``{}`` with the finish_reason."""
+
+    prefix = "chatcmpl"
+
+    def _shape(self, got: Collected, indexes: list[int]) -> dict[str, Any]:
+        choices = [
+            ChatChoice(
+                index=i, message=ChatReply(content=got.texts[i]), finish_reason=got.reasons[i]
+            )
+            for i in indexes
+        ]
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model_name,
+            choices=choices,
+            usage=self._usage(got.used),
+        ).model_dump()
+
+    def _opening(self, seqs: list[Sequence]) -> Iterator[str]:
+        for seq in seqs:
+            yield self._delta(ChatChunkChoice(index=seq.index, delta={"role": "assistant"}))
+
+    def _chunks(self, event: PromptLogprobs | Token | Done) -> Iterator[str]:
+        """A content piece a token whose text is out (none while a stop string may begin);
+        at the end, the text held back until then and the finish_reason."""
+        if isinstance(event, Token | Done) and event.text:
+            yield self._delta(ChatChunkChoice(index=event.index, delta={"content": event.text}))
+        if isinstance(event, Done):
+            yield self._delta(
+                ChatChunkChoice(index=event.index, delta={}, finish_reason=event.reason)
+            )
+
+    def _usage_chunk(self, usage: Usage) -> str:
+        return self._delta(None, usage)
+
+    def _delta(self, choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model_name,
+            choices=[] if choice is None else [choice],
+            usage=usage,
+        )
+        return _sse(chunk.model_dump())
+
+
+async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
+    """Look 4 times a second whether the client of a whole (not streamed) answer went away;
+    then wake its handler with None. (A stream notices by itself: Starlette closes it.)"""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+    queue.put_nowait(None)
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,135 @@
+"""`gptkiln convert to-hf` for every run: any family with any tokenizer (gpt2, bpe:N, char),
+fine-tuned (its template as jinja) and quantized (dequantized) runs, loaded by ``transformers``'
+Auto classes alone, with gptkiln's greedy ids and tokenizer ids.
+
+Every model is tiny and random; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gptkiln.checkpoint import save_model
+from gptkiln.config import GPTConfig
+from gptkiln.convert import export_hf, quantize_run
+from gptkiln.errors import GptkilnError
+from gptkiln.loading import load_model
+from gptkiln.model import GPT
+from gptkiln.sampling import generate
+from gptkiln.tokenizers import (
+    GPT2Tokenizer,
+    build_char_tokenizer,
+    load_tokenizer,
+    train_bpe_tokenizer,
+)
+
+transformers = pytest.importorskip("transformers")
+
+CORPUS = (
+    "To be, or not to be, that is the question:\n"
+    "Whether 'tis nobler in the mind to suffer\n"
+    "The slings and arrows of outrageous fortune, 1234 ... don't stop!\n"
+)
+MIXED = "The question, 42 times: don't  stop!\n\n  whether\tor not <|endoftext|> To be."
+
+
+def tokenizer_of(kind: str):
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    if kind == "char":
+        return build_char_tokenizer([CORPUS, MIXED.replace("<|endoftext|>", "")], with_eot=True)
+    return train_bpe_tokenizer([CORPUS * 4], 300)
+
+
+def tiny_run(tmp_path, family: str, kind: str, seed: int = 0, **extra):
+    """A random run of ``family`` with a ``kind`` tokenizer, saved; (model, tokenizer, dir)."""
+    tokenizer = tokenizer_of(kind)
+    preset = "tiny" if family == "gpt2" else f"{family}-baby"
+    config = GPTConfig.from_name(
+        preset, vocab_size=tokenizer.vocab_size, context_length=48, n_layer=2, n_embd=64
+    )
+    torch.manual_seed(seed)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    run = tmp_path / f"{family}-{kind}"
+    save_model(model, run, tokenizer=tokenizer, extra=extra or None)
+    return model, tokenizer, run
+
+
+@pytest.mark.parametrize(
+    ("family", "kind"),
+    [("qwen3", "bpe"), ("qwen3", "char"), ("llama3", "gpt2"), ("gpt2", "char"), ("gpt2", "bpe")],
+)
+def test_every_tokenizer_exports_to_what_transformers_loads_alone(tmp_path, family, kind):
+    model, tokenizer, run = tiny_run(tmp_path, family, kind)
+    out = export_hf(run, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tokenizer.encode(MIXED)
+    assert hf_tok(MIXED)["input_ids"] == ids
+    assert hf_tok.decode(ids) == tokenizer.decode(ids) == MIXED
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == tokenizer.eot_id
+    assert load_tokenizer(out).encode(MIXED) == ids  # gptkiln reads the export back
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert generation.eos_token_id == tokenizer.eot_id
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = tokenizer.encode("To be, or not")
+    ours = generate(model, prompt, max_new_tokens=12, temperature=0, stop_at_eos=False)
+    with torch.no_grad():
+        theirs = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )[0, len(prompt) :].tolist()
+    assert theirs == ours
+
+
+def test_an_instruction_tuned_runs_template_goes_out_as_jinja(tmp_path):
+    from gptkiln.finetune.templates import ALPACA, format_messages
+
+    _, _, run = tiny_run(
+        tmp_path, "qwen3", "bpe", finetune={"task": "instruct", "template": ALPACA.to_dict()}
+    )
+    out = export_hf(run, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    for messages in (
+        [{"role": "user", "content": "Name a colour."}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "A {brace}?"},
+        ],
+    ):
+        rendered = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert rendered == format_messages(ALPACA, messages)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert "### Response:" in config["chat_template"]
+
+
+def test_a_quantized_run_exports_dequantized_and_says_so(tmp_path):
+    _, tokenizer, run = tiny_run(tmp_path, "llama3", "char")
+    quantize_run(run, tmp_path / "q")
+    notes = []
+    export_hf(tmp_path / "q", tmp_path / "hf", on_note=notes.append)
+    assert len(notes) == 1 and "dequantized" in notes[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    quantized = load_model(tmp_path / "q")
+    idx = torch.tensor([tokenizer.encode("To be, or not to be")])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, quantized(idx), rtol=0, atol=1e-4)
+
+
+def test_a_classifier_is_refused_in_one_line(tmp_path):
+    model = GPT(
+        GPTConfig.from_name(
+            "tiny", vocab_size=60, context_length=8, num_classes=2, tie_embeddings=False
+        )
+    )
+    save_model(model, tmp_path / "run")
+    with pytest.raises(GptkilnError, match="is a classifier"):
+        export_hf(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
