@@ -34,6 +34,13 @@ Configurations take suffixes (`SUFFIXES`): ``+compile``, and the arithmetic, ``+
 precision column what each run trained in), so ``bpe16k-baby+fp32 bpe16k-baby`` compares fp32
 with auto's choice in one batch.
 
+The speedrun recipe's choices are suffixes too (``+muon``, ``+relu2``, ``+softcap``, ``+zero``,
+``+wsd``, ``+lr2x``; ``+adamw`` and ``+cosine`` name today's), and ``budget --steps N`` trains
+each for exactly N steps instead of a time (recipes of the same step cost compared where a
+shared machine's load cannot skew them; `bench/recipe_steps.py` measures the cost), with
+``--seeds S ...`` (each configuration once per seed) and ``--jobs J`` (runs at once, each with
+``--threads`` threads).
+
 Prints one row per run (``RESULT`` lines hold everything as JSON) and a Markdown table.
 """
 

@@ -6,7 +6,10 @@ taken in turn, round after round, so that a shared machine's load falls on each 
 
 Prints each choice's median step time (forward, backward, optimizer) and its ratio to the
 default's (AdamW), the median of the ratios within each round: the figure to scale step counts
-by when recipes are compared at equal wall time (``bench/first_run.py budget --steps``).
+by when recipes are compared at equal wall time (``bench/first_run.py budget --steps``). Beside
+the wall time, the process's CPU time a step (``time.process_time``): on a machine shared with
+other work, a process waiting for a core does not count there, so with ``--threads 1`` it is
+the step's own cost, which the wall time under load is not.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ CHOICES: dict[str, tuple[str, dict]] = {
     "muon": ("muon", {}),
     "relu2": ("adamw", {"relu2": True}),
     "softcap 15": ("adamw", {"logit_softcap": 15.0}),
+    "zero-init out": ("adamw", {"zero_init_out": True}),
     "muon + relu2 + softcap + zero": (
         "muon",
         {"relu2": True, "logit_softcap": 15.0, "zero_init_out": True},
@@ -62,19 +66,24 @@ def main() -> None:
     for model, optimizer in built.values():  # warm-up: the first steps allocate
         step(model, optimizer)
     times: dict[str, list[float]] = {name: [] for name in CHOICES}
+    cpu: dict[str, list[float]] = {name: [] for name in CHOICES}
     for _ in range(args.rounds):
         for name, (model, optimizer) in built.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 step(model, optimizer)
             times[name].append((time.perf_counter() - start) / args.steps)
-    base = times["adamw (the default)"]
+            cpu[name].append((time.process_time() - start_cpu) / args.steps)
+    default = "adamw (the default)"
     rows = [
         {
             "name": name,
             "median_ms": statistics.median(t) * 1e3,
             "range_ms": f"{min(t) * 1e3:.0f}-{max(t) * 1e3:.0f}",
-            "ratio": statistics.median(a / b for a, b in zip(t, base)),
+            "ratio": statistics.median(a / b for a, b in zip(t, times[default])),
+            "cpu_ms": statistics.median(cpu[name]) * 1e3,
+            "cpu_range": f"{min(cpu[name]) * 1e3:.0f}-{max(cpu[name]) * 1e3:.0f}",
+            "cpu_ratio": statistics.median(a / b for a, b in zip(cpu[name], cpu[default])),
         }
         for name, t in times.items()
     ]
@@ -82,9 +91,12 @@ def main() -> None:
         rows,
         [
             ("name", "choice"),
-            ("median_ms", "step ms (median)"),
+            ("median_ms", "wall ms a step (median)"),
             ("range_ms", "range"),
-            ("ratio", "x the default's step (paired)"),
+            ("ratio", "x the default's (paired)"),
+            ("cpu_ms", "CPU ms a step"),
+            ("cpu_range", "range"),
+            ("cpu_ratio", "CPU x the default's (paired)"),
         ],
     )
     load = common.machine()["loadavg_1m"]

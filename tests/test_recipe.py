@@ -224,3 +224,15 @@ def test_train_flags_set_the_choices_and_0_takes_the_cap_off():
     assert (model.relu2, model.logit_softcap, model.zero_init_out) == (True, 15.0, True)
     assert model_config_for(TrainConfig(logit_softcap=0.0), 100).logit_softcap is None
     assert model_config_for(TrainConfig(), 100).recipe_choices() == []
+
+
+def test_a_run_with_a_computed_choice_is_refused_by_both_exports(muon_runs, tmp_path):
+    from gptkiln.export.gguf import export_gguf
+    from gptkiln.export.hf import export_hf
+
+    whole = muon_runs[0]
+    with pytest.raises(GptkilnError, match="relu2, logit_softcap, which llama.cpp"):
+        export_gguf(whole, tmp_path / "m.gguf")
+    with pytest.raises(GptkilnError, match="relu2, logit_softcap, which Hugging Face"):
+        export_hf(whole, tmp_path / "hf")
+    assert not (tmp_path / "m.gguf").exists()

@@ -186,6 +186,12 @@ def export_gguf(
             "converted with one"
         )
     model = load_model(run_dir)
+    computed = [c for c in model.config.recipe_choices() if c != "zero_init_out"]
+    if computed:  # the speedruns' choices: llama.cpp's graphs compute neither
+        raise GptkilnError(
+            f"{run_dir} uses {', '.join(computed)}, which llama.cpp's models do not compute; it "
+            "cannot be exported to GGUF (train with the choice off to export)"
+        )
     sd, dequantized = float_state_dict(model)
     if dequantized and on_note:
         on_note(
