@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import warnings
+from pathlib import Path
 
 import httpx
 import openai
@@ -27,6 +28,7 @@ from serving import ServerThread
 
 from gptkiln.chat_template import load_chat_template
 from gptkiln.checkpoint import save_model
+from gptkiln.cli import main
 from gptkiln.config import GPTConfig
 from gptkiln.model import GPT
 from gptkiln.serve import serve
@@ -467,3 +469,59 @@ def test_a_llama_template_call_is_read_back_from_its_json(tmp_path):
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert set(json.loads(call.function.arguments)) == {"city", "days"}
+
+
+# -- a trained run -----------------------------------------------------------------------------
+TEMPLATES = Path(__file__).parent / "chat_templates"
+QWEN3_REAL = (TEMPLATES / "qwen3-0.6b.jinja").read_text(encoding="utf-8")
+
+
+class WeatherArgs(pydantic.BaseModel):
+    """WEATHER's parameters schema as a strict model: no other keys, no coercion."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+    city: str = pydantic.Field(max_length=6)
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+def test_a_tool_round_trip_on_a_chat_fine_tuned_run_with_the_real_qwen3_template(tmp_path, capsys):
+    """`gptkiln finetune --task chat --template qwen3-0.6b.jinja` on a tiny base whose own
+    template has no tool section: the run keeps the real Qwen3 template, and serve uses its tool
+    section for the whole round trip (required call → ``tool`` message → answer)."""
+    base, _ = make_run(tmp_path, write_qwen3_dir, _plain_qwen())
+    data = tmp_path / "chat.jsonl"
+    lines = [
+        {"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
+                      {"role": "assistant", "content": f"It is {i + 1}."}]}
+        for i in range(24)
+    ]  # fmt: skip
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    run = tmp_path / "trained"
+    argv = ["finetune", base, "--task", "chat", "--template", TEMPLATES / "qwen3-0.6b.jinja"]
+    argv += ["--data", data, "--out", run, "--max-steps", 3, "--batch-size", 4, "--lr", 3e-3]
+    argv += ["--val-fraction", 0.25, "--eval-interval", 3, "--eval-batches", 1]
+    assert main([str(a) for a in [*argv, "--no-progress", "--precision", "fp32"]]) in (0, None)
+    capsys.readouterr()
+    template = load_chat_template(run)  # the run's own: what serve renders with
+    assert template.source == QWEN3_REAL and tool_family(template) == HERMES
+    with ServerThread(served(run)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(
+            **ask(messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=200)
+        )
+        prompt = template.render(USER, tools=[WEATHER])  # the tool section the model was shown
+        assert r.usage.prompt_tokens == len(load_tokenizer(run).encode_templated(prompt))
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        call = choice.message.tool_calls[0]
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        WeatherArgs.model_validate_json(call.function.arguments)
+        asked = r.usage.prompt_tokens
+        history = [
+            *USER,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "blue"}'},
+        ]
+        r = client.chat.completions.create(**ask(messages=history, tools=[WEATHER]))
+    assert r.choices[0].message.role == "assistant" and r.usage.prompt_tokens > asked
+    assert r.choices[0].finish_reason in ("stop", "length"), r.choices[0].message

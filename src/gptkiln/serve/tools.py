@@ -107,10 +107,14 @@ def _call(family: str, body: str) -> ToolCall | None:
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages as a template reads them: an assistant's tool call's ``arguments`` as an
     object (OpenAI sends them as JSON text; Llama 3.1's template writes them with ``tojson``,
-    as vLLM hands them over), keys left out where OpenAI's client sent null."""
+    as vLLM hands them over), keys left out where OpenAI's client sent null, except an
+    assistant's null content, which is "" (as vLLM hands it over: Qwen3's own template reads
+    ``message.content`` of every assistant turn, a tool call's too)."""
     out = []
     for message in messages:
         message = {k: v for k, v in message.items() if v is not None}
+        if message.get("role") == "assistant":
+            message.setdefault("content", "")
         if "tool_calls" in message:
             calls = []
             for call in message["tool_calls"]:
