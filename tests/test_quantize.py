@@ -405,7 +405,7 @@ def test_info_reads_a_quantized_run(float_run, tmp_path):
 
     quantize_run(float_run, tmp_path / "q")
     fp32, int8 = run_info(float_run), run_info(tmp_path / "q")
-    assert fp32.quantization is None and "int8" not in fp32.summary()
+    assert fp32.quantization is None and "int8 weights" not in fp32.summary()
     assert int8.quantization == {
         "method": "int8",
         "scheme": "per-channel-symmetric",
