@@ -48,6 +48,9 @@ def train_flags(data, out, family: str, **overrides) -> list[str]:
         sample_tokens=4,
         warmup_steps=2,
         seed=3,
+        # one precision for both runs: `auto` times fp32 against bf16 at each start, and on a busy
+        # CPU with bf16 the whole run and the resumed one could choose differently
+        precision="fp32",
     )
     values.update(overrides)
     flags = ["train", "--data", data, "--out", out, "--no-progress"]
