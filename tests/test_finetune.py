@@ -22,7 +22,7 @@ from instruction_data import WORDS, instructions
 from safetensors.torch import load_file
 
 from gptkiln.api import perplexity_of_run
-from gptkiln.checkpoint import save_model
+from gptkiln.checkpoint import pack_tensors, save_model, unpack_tensors
 from gptkiln.cli import main
 from gptkiln.config import FinetuneConfig, GPTConfig
 from gptkiln.errors import GptkilnError
@@ -586,6 +586,32 @@ def test_a_resumed_lora_run_ends_where_an_uninterrupted_one_does(lora_runs):
         return [{**r, "tokens_per_s": None} for r in read_metrics(run / "metrics.csv")]
 
     assert rows(whole) == rows(resumed) and [r["step"] for r in rows(whole)] == [4, 8]
+
+
+def test_a_lora_runs_optimizer_state_is_packed_losslessly(lora_runs):
+    run = lora_runs[0]
+    state = torch.load(run / "trainer_state.pt", weights_only=True)
+    moments = [m for s in state["optimizer"]["state"].values() for m in s.values()]
+    packed = [m for m in moments if isinstance(m, dict)]
+    assert packed and all(m["dtype"] == "float32" for m in packed)
+    assert sum(sum(p.numel() for p in m["zlib_byte_planes"]) for m in packed) < 0.9 * sum(
+        4 * torch.Size(m["shape"]).numel() for m in packed
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packed_tensors_come_back_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    moments = (torch.randn(64, 40) * 1e-3).to(dtype)
+    moments[0, :4] = torch.tensor([float("nan"), -0.0, float("inf"), 0.0]).to(dtype)
+    tree = {"state": {0: {"exp_avg": moments, "step": torch.tensor(3.0)}}, "lr": [1e-3]}
+    packed = pack_tensors(tree)
+    assert isinstance(packed["state"][0]["exp_avg"], dict)  # packed, the small step kept
+    back = unpack_tensors(packed)
+    assert back["lr"] == [1e-3] and torch.equal(back["state"][0]["step"], torch.tensor(3.0))
+    assert back["state"][0]["exp_avg"].dtype == dtype
+    as_bits = torch.int16 if dtype != torch.float32 else torch.int32
+    assert torch.equal(back["state"][0]["exp_avg"].view(as_bits), moments.view(as_bits))
 
 
 def test_resume_refuses_other_settings_or_data(work, lora_runs, tmp_path):
