@@ -127,6 +127,35 @@ def test_chat_messages_are_the_conversation_a_server_will_send():
             format_messages(t, bad)
 
 
+# -- --show-examples ----------------------------------------------------------------------------
+@pytest.mark.parametrize("mask", [False, True], ids=["whole", "mask-prompt"])
+def test_show_examples_of_instructions_are_the_collated_targets(work, tmp_path, capsys, mask):
+    argv = ["finetune", work / "base", "--data", work / "instructions.json", "--show-examples", 3]
+    argv += ["--mask-prompt"] * mask
+    code, out, err = cli(*argv, "--json", capsys=capsys)
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert len(lines) == 3 and all(set(x) == {"ids", "trained"} for x in lines)
+    tokenizer = load_run(work / "base")[1]
+    entries = instructions(3)
+    texts = [format_example(ALPACA, e) for e in entries]
+    ids = tokenizer.encode_ordinary_batch(texts)
+    lengths = None
+    if mask:
+        prompts = [format_prompt(ALPACA, e["instruction"], e["input"]) for e in entries]
+        lengths = [len(p) for p in tokenizer.encode_ordinary_batch(prompts)]  # chars: exact
+    _, targets = collate_instructions(ids, tokenizer.eot_id, None, lengths)
+    for row, line in enumerate(lines):
+        n = len(ids[row])
+        assert line["ids"] == [*ids[row], tokenizer.eot_id]
+        learnt = (targets[row, :n] != -100).tolist()  # the target at t is the token t + 1
+        assert line["trained"] == [False, *learnt]
+    code, out, err = cli(*argv, capsys=capsys)
+    assert code == 0 and out.count("--- example") == 3, err
+    response = f"«{entries[0]['output']}<|endoftext|>»" if mask else "### Response:\n"
+    assert response in out and not (tmp_path / "never").exists()
+
+
 # -- instruction batches: the book's custom_collate_fn ------------------------------------------
 def _book_and_ours(batch, allowed):
     book = book_ch07.custom_collate_fn(batch, pad_token_id=50256, allowed_max_length=allowed)

@@ -44,6 +44,15 @@ def pairs(n: int) -> list[dict]:
     return rows
 
 
+def cli(*argv, capsys):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def hf_qwen3(path: Path, vocab_size: int, seed: int):
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen3Config(
@@ -239,6 +248,24 @@ def test_a_lora_dpo_run_keeps_its_base_by_reference_and_chats(dpo_runs, capsys, 
     except SystemExit as e:
         code = e.code
     assert code in (0, None), capsys.readouterr().err
+
+
+def test_show_examples_of_pairs_are_the_chosen_and_rejected_rows(work, capsys):
+    argv = ["finetune", work / "reference", "--task", "dpo", "--data", work / "pairs.json"]
+    code, out, err = cli(*argv, "--show-examples", 2, "--json", capsys=capsys)
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    _, chosen, rejected, _ = our_batch(work / "reference", pairs(2))
+    expected = [
+        {"answer": label, "ids": e.ids, "trained": e.trained}
+        for c, r in zip(chosen, rejected, strict=True)
+        for label, e in (("chosen", c), ("rejected", r))
+    ]
+    assert lines == expected and all(not x["trained"][0] and x["trained"][-1] for x in lines)
+    code, out, err = cli(*argv, "--show-examples", 1, capsys=capsys)
+    assert code == 0, err
+    assert "--- pair 1, chosen" in out and "--- pair 1, rejected" in out
+    assert "It is 0.<|im_end|>»" in out and "I do not know, maybe 3?<|im_end|>»" in out
 
 
 @pytest.mark.parametrize(

@@ -79,13 +79,15 @@ def add_finetune_flags(p: argparse.ArgumentParser) -> None:
         "--show-examples",
         type=int,
         metavar="N",
-        help="chat: print the first N training examples with the trained text between « and », "
-        "then exit without training (default: none, train)",
+        help="instruct, chat, dpo: print the first N training examples (dpo: pairs, chosen then "
+        "rejected) with the trained text between « and », then exit without training "
+        "(default: none, train)",
     )
     p.add_argument(
         "--json",
         action="store_true",
-        help='with --show-examples: one JSON object a line, {"ids": [...], "trained": [...]}',
+        help='with --show-examples: one JSON object a line, {"ids": [...], "trained": [...]} '
+        '(dpo: with "answer": "chosen" or "rejected")',
     )
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     add_overwrite_flag(p, help="replace a run already in --out")
@@ -285,7 +287,7 @@ def run_finetune(args: argparse.Namespace) -> None:
 
 def _show_examples(args: argparse.Namespace) -> None:
     from gptkiln.errors import GptkilnError
-    from gptkiln.finetune.chat import show_examples
+    from gptkiln.finetune.show import show_examples
 
     if args.show_examples < 1:
         raise GptkilnError(f"--show-examples {args.show_examples}: give N >= 1 examples to show")

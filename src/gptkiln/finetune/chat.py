@@ -15,10 +15,9 @@ the lines the run starts with.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from gptkiln.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate
 from gptkiln.config import FinetuneConfig, SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.instruct import IGNORE_INDEX
-from gptkiln.finetune.task import ExampleBatches, FineTuning, fixed_batches, loss_summary
+from gptkiln.finetune.task import FineTuning
 from gptkiln.finetune.templates import (
     Piece,
     PromptTemplate,
@@ -36,10 +35,7 @@ from gptkiln.finetune.templates import (
     conversation_pieces,
     format_messages,
 )
-from gptkiln.train.evaluation import evaluate
 from gptkiln.train.task import RunContext
-
-MARK_START, MARK_END = "«", "»"  # around the trained text in --show-examples
 
 
 @dataclass
@@ -186,30 +182,6 @@ def read_chat_examples(ft: FinetuneConfig, base: Path, base_cfg: dict, tokenizer
     return encoder, conversations, [encoder.encode(m) for m in conversations], fmt
 
 
-def show_examples(ft: FinetuneConfig, n: int, as_json: bool = False) -> Iterator[str]:
-    """The first ``n`` training examples of ``ft`` (``--show-examples N``): each as its text
-    with the learnt parts between « and », or with ``as_json`` one JSON object a line,
-    ``{"ids": [...], "trained": [true, false, ...]}``. Nothing is trained."""
-    from gptkiln.loading import load_run_tokenizer, read_config
-
-    if ft.task != "chat":
-        raise GptkilnError(f"--show-examples shows chat examples; pass --task chat (not {ft.task})")
-    base = Path(ft.base)
-    base_cfg = read_config(base)
-    tokenizer = load_run_tokenizer(base, base_cfg)
-    encoder, conversations, examples, _ = read_chat_examples(ft, base, base_cfg, tokenizer)
-    for number, (messages, example) in enumerate(zip(conversations, examples, strict=True)):
-        if number == n:
-            return
-        if as_json:
-            yield example.to_json()
-            continue
-        pieces = encoder.pieces(messages)
-        text = "".join(f"{MARK_START}{t}{MARK_END}" if learnt else t for t, learnt in pieces)
-        learnt = sum(example.trained)
-        yield (f"--- example {number + 1}: {len(example.ids)} tokens, {learnt} trained ---\n{text}")
-
-
 class ChatTuning(FineTuning):
     """`Task` of chat fine-tuning; the split is instruct's (train, test, validation)."""
 
@@ -248,7 +220,7 @@ class ChatTuning(FineTuning):
             f"{len(examples) - len(kept):,} dropped (first answer too long) to fit "
             f"{max_tokens - 1} tokens"
         )
-        self._set_batches(n_train, n_test)
+        self.set_example_batches(n_train, n_test, len(self.examples))
         if ctx.world.is_main:
             print(self.note, file=sys.stderr, flush=True)
         self.say_what_trains()
@@ -257,27 +229,11 @@ class ChatTuning(FineTuning):
         t = self.encoder.template
         return t.where if isinstance(t, ChatTemplate) else "the run's prompt template"
 
-    def _set_batches(self, n_train: int, n_test: int) -> None:
-        cfg, world = self.ctx.cfg, self.ctx.world
-        self.train_ids = list(range(n_train))
-        self.test_ids = list(range(n_train, n_train + n_test))
-        self.val_ids = list(range(n_train + n_test, len(self.examples)))
-        collate = functools.partial(self.collate)
-        self.batches = ExampleBatches(
-            n_train,
-            lambda ids: collate([self.train_ids[i] for i in ids]),
-            lambda ids: max(len(self.examples[self.train_ids[i]].ids) - 1 for i in ids),
-            cfg,
-            world,
-        )
-        wanted = cfg.eval_batches * cfg.batch_size * world.world_size
-        self.val_batches = fixed_batches(self.val_ids, cfg.batch_size, wanted, collate)
-        self.train_eval_batches = (
-            fixed_batches(self.train_ids, cfg.batch_size, wanted, collate) if cfg.eval_train else []
-        )
-
     def collate(self, ids: Sequence[int]):
         return collate_examples([self.examples[i] for i in ids], self.pad_id)
+
+    def width(self, ids: Sequence[int]) -> int:
+        return max(len(self.examples[i].ids) - 1 for i in ids)
 
     def task_info(self) -> dict:
         t = self.encoder.template
@@ -293,18 +249,6 @@ class ChatTuning(FineTuning):
         super().save(model_sd, state, train_config)
 
     # -- what the loop asks --------------------------------------------------------------------
-    def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
-        """Loss per assistant token on the fixed training and validation batches."""
-        device, world = self.ctx.device, self.ctx.world
-        sets = (("train", self.train_eval_batches), ("val", self.val_batches))
-        return {
-            f"{split}_loss": evaluate(model, batches, device, world, autocast) if batches else None
-            for split, batches in sets
-        }
-
-    def summary(self, row: dict) -> str:
-        return loss_summary(row)
-
     def sample(self, model, use_cache: bool) -> str:
         """The greedy first answer to the first validation conversation (held out)."""
         from gptkiln.api import stream_from_model

@@ -21,7 +21,6 @@ chosen reward is the larger. These are TRL's ``DPOTrainer`` definitions (its ``s
 from __future__ import annotations
 
 import copy
-import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from gptkiln.finetune.chat import (
     save_chat_template,
 )
 from gptkiln.finetune.instruct import IGNORE_INDEX
-from gptkiln.finetune.task import ExampleBatches, FineTuning, fixed_batches
+from gptkiln.finetune.task import FineTuning
 from gptkiln.train.task import RunContext
 
 METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
@@ -101,6 +100,15 @@ def answer_only(example: Example) -> Example:
     return Example(example.ids[:end], [start <= i for i in range(end)])
 
 
+def encode_pair(encoder: ConversationEncoder, pair) -> tuple[Example, Example]:
+    """(chosen, rejected) of a preference pair: its prompt and each answer rendered as one
+    conversation, only the answer learnt (`answer_only`)."""
+    return tuple(
+        answer_only(encoder.encode([*pair.prompt, {"role": "assistant", "content": answer}]))
+        for answer in (pair.chosen, pair.rejected)
+    )
+
+
 class PreferenceTuning(FineTuning):
     """`Task` of DPO; the split is instruct's (train, test, validation)."""
 
@@ -121,12 +129,7 @@ class PreferenceTuning(FineTuning):
         limit = example_limit(ft, self.model_config.context_length)
         encoded = []
         for pair in pairs:
-            chosen, rejected = (
-                answer_only(
-                    self.encoder.encode([*pair.prompt, {"role": "assistant", "content": a}])
-                )
-                for a in (pair.chosen, pair.rejected)
-            )
+            chosen, rejected = encode_pair(self.encoder, pair)
             if max(len(chosen.ids), len(rejected.ids)) <= limit:
                 encoded.append((pair, chosen, rejected))
         if not encoded:
@@ -142,7 +145,7 @@ class PreferenceTuning(FineTuning):
         n_train, n_val, n_test = sizes
         self.split = {"train": n_train, "val": n_val, "test": n_test}
         self.reference = None if self.tuner is not None else self._frozen_copy()
-        self._set_batches(n_train, n_test)
+        self.set_example_batches(n_train, n_test, len(self.pairs))
         if ctx.world.is_main:
             print(
                 f"dpo data: {len(pairs):,} pairs, {len(pairs) - len(encoded):,} dropped (longer "
@@ -153,9 +156,6 @@ class PreferenceTuning(FineTuning):
             )
         self.say_what_trains()
 
-    def _answer(self, prompt: list[dict], answer: str) -> Example:
-        return answer_only(self.encoder.encode([*prompt, {"role": "assistant", "content": answer}]))
-
     def _frozen_copy(self):
         """The reference of full DPO: the starting model, frozen (on a resume, the base again)."""
         from gptkiln.loading import load_model
@@ -163,27 +163,9 @@ class PreferenceTuning(FineTuning):
         model = load_model(self.ft.base) if self.ctx.resume else copy.deepcopy(self.model)
         return model.to(self.ctx.device).eval().requires_grad_(False)
 
-    def _set_batches(self, n_train: int, n_test: int) -> None:
-        cfg, world = self.ctx.cfg, self.ctx.world
-        self.train_ids = list(range(n_train))
-        self.test_ids = list(range(n_train, n_train + n_test))
-        self.val_ids = list(range(n_train + n_test, len(self.pairs)))
-        collate = functools.partial(self.collate)
-        self.batches = ExampleBatches(
-            n_train,
-            lambda ids: collate([self.train_ids[i] for i in ids]),
-            lambda ids: 2 * self._width([self.train_ids[i] for i in ids]),
-            cfg,
-            world,
-        )
-        wanted = cfg.eval_batches * cfg.batch_size * world.world_size
-        self.val_batches = fixed_batches(self.val_ids, cfg.batch_size, wanted, collate)
-        self.train_eval_batches = (
-            fixed_batches(self.train_ids, cfg.batch_size, wanted, collate) if cfg.eval_train else []
-        )
-
-    def _width(self, ids: Sequence[int]) -> int:
-        return max(len(e.ids) - 1 for i in ids for e in (self.chosen[i], self.rejected[i]))
+    def width(self, ids: Sequence[int]) -> int:
+        """Two rows a pair (chosen, rejected), as wide as the longest answer."""
+        return 2 * max(len(e.ids) - 1 for i in ids for e in (self.chosen[i], self.rejected[i]))
 
     def collate(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), (2B, T): the chosen answers' rows, then the rejected ones'."""

@@ -4,7 +4,6 @@ with end-of-text, next-token loss on the example (or, with ``mask_prompt``, on i
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Sequence
 
@@ -12,9 +11,8 @@ import torch
 
 from gptkiln.config import FinetuneConfig, SampleConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.finetune.task import ExampleBatches, FineTuning, fixed_batches, loss_summary
+from gptkiln.finetune.task import FineTuning
 from gptkiln.finetune.templates import format_example, format_prompt, load_template
-from gptkiln.train.evaluation import evaluate
 from gptkiln.train.task import RunContext
 
 IGNORE_INDEX = -100  # targets cross_entropy skips (its ignore_index)
@@ -59,6 +57,33 @@ def prompt_length(prompt_ids: Sequence[int], example_ids: Sequence[int]) -> int:
     return n + (n < len(prompt_ids))
 
 
+def encode_entries(
+    ft: FinetuneConfig, tokenizer, template, entries: list[dict]
+) -> tuple[list[list[int]], list[int] | None]:
+    """Each entry's ids (prompt and output encoded together, as the book does) and, with
+    ``ft.mask_prompt``, how many of them are the prompt's."""
+    texts = [format_example(template, e) for e in entries]
+    try:
+        ids = tokenizer.encode_ordinary_batch(texts)
+    except GptkilnError as e:
+        raise GptkilnError(f"--data {ft.data}: {e}") from None
+    if not ft.mask_prompt:
+        return ids, None
+    prompts = [format_prompt(template, e["instruction"], e["input"]) for e in entries]
+    prompt_ids = tokenizer.encode_ordinary_batch(prompts)
+    return ids, [prompt_length(p, i) for p, i in zip(prompt_ids, ids, strict=True)]
+
+
+def learnt_ids(
+    ids: Sequence[int], prompt_len: int | None, end_id: int
+) -> tuple[list[int], list[bool]]:
+    """(an example's ids with its end-of-text, whether each is learnt) as
+    `collate_instructions` makes its targets: all but the first; with ``prompt_len``, the
+    response's only."""
+    first = 1 if prompt_len is None else prompt_len
+    return [*ids, end_id], [j >= first for j in range(len(ids) + 1)]
+
+
 class InstructionTuning(FineTuning):
     """`Task` of instruction fine-tuning; the split is the book's: the first 1 - val - test of
     the entries train, the next ``test_fraction`` are the test set, the last the validation set.
@@ -84,46 +109,21 @@ class InstructionTuning(FineTuning):
                 "ends each example (so the model learns to stop); fine-tune a model whose "
                 "tokenizer has one (gpt2, bpe, or char prepared from several documents)"
             )
-        self.ids, self.prompt_lengths = self._encode(entries)
+        self.ids, self.prompt_lengths = encode_entries(ft, self.tokenizer, self.template, entries)
         self.build_model()
-        cfg, ctx_len = ctx.cfg, self.model_config.context_length
-        self.train_ids = list(range(n_train))
-        self.val_ids = list(range(n_train + n_test, len(entries)))
-        self.test_ids = list(range(n_train, n_train + n_test))
-        collate = functools.partial(self.collate, max_length=ctx_len)
-        self.batches = ExampleBatches(
-            n_train,
-            lambda ids: collate([self.train_ids[i] for i in ids]),
-            lambda ids: min(max(len(self.ids[self.train_ids[i]]) for i in ids), ctx_len),
-            cfg,
-            ctx.world,
-        )
-        wanted = cfg.eval_batches * cfg.batch_size * ctx.world.world_size
-        self.val_batches = fixed_batches(self.val_ids, cfg.batch_size, wanted, collate)
-        self.train_eval_batches = (
-            fixed_batches(self.train_ids, cfg.batch_size, wanted, collate) if cfg.eval_train else []
-        )
+        self.ctx_len = self.model_config.context_length
+        self.set_example_batches(n_train, n_test, len(entries))
         self.held_out = entries[self.val_ids[0]]
         self.say_what_trains()
-        self._note_long_examples(ctx_len)
+        self._note_long_examples(self.ctx_len)
 
-    def _encode(self, entries: list[dict]) -> tuple[list[list[int]], list[int] | None]:
-        """Each example's ids (prompt and output encoded together, as the book does) and, with
-        ``mask_prompt``, how many of them are the prompt's."""
-        texts = [format_example(self.template, e) for e in entries]
-        try:
-            ids = self.tokenizer.encode_ordinary_batch(texts)
-        except GptkilnError as e:
-            raise GptkilnError(f"--data {self.ft.data}: {e}") from None
-        if not self.ft.mask_prompt:
-            return ids, None
-        prompts = [format_prompt(self.template, e["instruction"], e["input"]) for e in entries]
-        prompt_ids = self.tokenizer.encode_ordinary_batch(prompts)
-        return ids, [prompt_length(p, i) for p, i in zip(prompt_ids, ids, strict=True)]
-
-    def collate(self, ids: Sequence[int], max_length: int | None = None):
+    def collate(self, ids: Sequence[int]):
         lengths = None if self.prompt_lengths is None else [self.prompt_lengths[i] for i in ids]
-        return collate_instructions([self.ids[i] for i in ids], self.pad_id, max_length, lengths)
+        batch = [self.ids[i] for i in ids]
+        return collate_instructions(batch, self.pad_id, self.ctx_len, lengths)
+
+    def width(self, ids: Sequence[int]) -> int:
+        return min(max(len(self.ids[i]) for i in ids), self.ctx_len)
 
     def _note_long_examples(self, ctx_len: int) -> None:
         long = sum(len(i) + 1 > ctx_len for i in self.ids)
@@ -139,18 +139,6 @@ class InstructionTuning(FineTuning):
         return {"template": self.template.to_dict(), "pad_id": self.pad_id}
 
     # -- what the loop asks --------------------------------------------------------------------
-    def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
-        """Loss per response token on the fixed training and validation batches."""
-        device, world = self.ctx.device, self.ctx.world
-        sets = (("train", self.train_eval_batches), ("val", self.val_batches))
-        return {
-            f"{split}_loss": evaluate(model, batches, device, world, autocast) if batches else None
-            for split, batches in sets
-        }
-
-    def summary(self, row: dict) -> str:
-        return loss_summary(row)
-
     def sample(self, model, use_cache: bool) -> str:
         """The greedy response to the first validation entry (held out from training)."""
         from gptkiln.api import stream_from_model

@@ -100,8 +100,10 @@ def train_only(model: GPT, train_layers: str) -> None:
 
 
 class FineTuning:
-    """A fine-tuning `Task`'s common half; `InstructionTuning` and `Classification` read their
-    data, then call `build_model`, then set ``batches`` and their evaluation batches."""
+    """A fine-tuning `Task`'s common half; each task reads its data, then calls `build_model`,
+    then sets ``batches`` and its evaluation batches: `Classification` its own, the tasks of
+    token sequences (instruct, chat, dpo) with `set_example_batches`, over their `collate` and
+    `width`, evaluated by the loss on their learnt tokens unless they say otherwise."""
 
     columns: tuple[str, ...]
     plots: tuple[str, ...]
@@ -245,7 +247,53 @@ class FineTuning:
                 "resume with the same settings and data, or pass --overwrite"
             )
 
+    # -- batches of token sequences (instruct, chat, dpo) ---------------------------------------
+    def set_example_batches(self, n_train: int, n_test: int, n: int) -> None:
+        """The split of ``n`` examples (the first ``n_train`` train, the next ``n_test`` are
+        the test set, the rest validation: the book's), the training batches and the fixed
+        evaluation batches, each made by `collate`."""
+        cfg, world = self.ctx.cfg, self.ctx.world
+        self.train_ids = list(range(n_train))
+        self.test_ids = list(range(n_train, n_train + n_test))
+        self.val_ids = list(range(n_train + n_test, n))
+        self.batches = ExampleBatches(
+            n_train,
+            lambda ids: self.collate([self.train_ids[i] for i in ids]),
+            lambda ids: self.width([self.train_ids[i] for i in ids]),
+            cfg,
+            world,
+        )
+        wanted = cfg.eval_batches * cfg.batch_size * world.world_size
+        self.val_batches = fixed_batches(self.val_ids, cfg.batch_size, wanted, self.collate)
+        self.train_eval_batches = (
+            fixed_batches(self.train_ids, cfg.batch_size, wanted, self.collate)
+            if cfg.eval_train
+            else []
+        )
+
+    def collate(self, ids: Sequence[int]) -> Batch:
+        """(inputs, targets) of the examples ``ids``."""
+        raise NotImplementedError
+
+    def width(self, ids: Sequence[int]) -> int:
+        """Input tokens a row of `collate`'s batch of ``ids`` holds (for the tokens seen)."""
+        raise NotImplementedError
+
     # -- what the loop asks --------------------------------------------------------------------
+    def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
+        """Loss per learnt token on the fixed training and validation batches."""
+        from gptkiln.train.evaluation import evaluate
+
+        device, world = self.ctx.device, self.ctx.world
+        sets = (("train", self.train_eval_batches), ("val", self.val_batches))
+        return {
+            f"{split}_loss": evaluate(model, batches, device, world, autocast) if batches else None
+            for split, batches in sets
+        }
+
+    def summary(self, row: dict) -> str:
+        return loss_summary(row)
+
     def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
         from gptkiln import checkpoint
 

@@ -1,0 +1,99 @@
+"""``gptkiln finetune ... --show-examples N``: the first N training examples of a task as the
+trainer sees them, the learnt tokens marked, without training: the way to check a template and
+a loss mask before spending hours.
+
+As text, the learnt parts are between « and » (chat: the template's own text, piece by piece;
+instruct and dpo: the tokens decoded, run by run); with ``as_json``, one JSON object a line,
+``{"ids": [...], "trained": [true, false, ...]}``, ``trained[i]`` saying whether ``ids[i]`` is a
+target of the loss. A DPO pair is two examples, its chosen then its rejected answer (each with
+the prompt, only the answer learnt), and its JSON lines carry ``"answer": "chosen"`` or
+``"rejected"`` besides.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from gptkiln.config import FinetuneConfig
+from gptkiln.errors import GptkilnError
+
+MARK_START, MARK_END = "«", "»"  # around the learnt text
+
+
+def show_examples(ft: FinetuneConfig, n: int, as_json: bool = False) -> Iterator[str]:
+    """The first ``n`` training examples of ``ft`` (instruct, chat or dpo), each as text with
+    the learnt parts between « and », or with ``as_json`` one JSON object a line."""
+    from gptkiln.loading import load_run_tokenizer, read_config
+
+    if ft.task not in SHOWN:
+        raise GptkilnError(
+            f"--show-examples shows token sequences (--task instruct, chat or dpo); "
+            f"--task {ft.task} trains on texts and labels"
+        )
+    base = Path(ft.base)
+    base_cfg = read_config(base)
+    tokenizer = load_run_tokenizer(base, base_cfg)
+    for number, (label, text, ids, trained) in enumerate(SHOWN[ft.task](ft, base_cfg, tokenizer)):
+        if number == n * (2 if ft.task == "dpo" else 1):
+            return
+        if as_json:
+            answer = {} if label is None else {"answer": label}
+            yield json.dumps({**answer, "ids": ids, "trained": trained})
+            continue
+        text = text if text is not None else marked(tokenizer, ids, trained)
+        what = f"pair {number // 2 + 1}, {label}" if label else f"example {number + 1}"
+        yield f"--- {what}: {len(ids)} tokens, {sum(trained)} trained ---\n{text}"
+
+
+def marked(tokenizer, ids: Sequence[int], trained: Sequence[bool]) -> str:
+    """The ids decoded run by run, each learnt run between « and »."""
+    out, start = [], 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or trained[end] != trained[start]:
+            text = tokenizer.decode(list(ids[start:end]))
+            out.append(f"{MARK_START}{text}{MARK_END}" if trained[start] else text)
+            start = end
+    return "".join(out)
+
+
+def _chat(ft: FinetuneConfig, base_cfg: dict, tokenizer):
+    from gptkiln.finetune.chat import read_chat_examples
+
+    encoder, conversations, examples, _ = read_chat_examples(ft, Path(ft.base), base_cfg, tokenizer)
+    for messages, example in zip(conversations, examples, strict=True):
+        pieces = encoder.pieces(messages)
+        text = "".join(f"{MARK_START}{t}{MARK_END}" if learnt else t for t, learnt in pieces)
+        yield None, text, example.ids, example.trained
+
+
+def _instruct(ft: FinetuneConfig, base_cfg: dict, tokenizer):
+    from gptkiln.finetune.data import read_instructions
+    from gptkiln.finetune.instruct import encode_entries, learnt_ids
+    from gptkiln.finetune.templates import load_template
+
+    if tokenizer.eot_id is None:
+        raise GptkilnError(f"{ft.base}'s tokenizer has no end-of-text token to end examples with")
+    template = load_template(ft.template)
+    ids, prompt_lengths = encode_entries(ft, tokenizer, template, read_instructions(ft.data))
+    for i, example in enumerate(ids):
+        shown, trained = learnt_ids(
+            example, None if prompt_lengths is None else prompt_lengths[i], tokenizer.eot_id
+        )
+        yield None, None, shown, trained
+
+
+def _dpo(ft: FinetuneConfig, base_cfg: dict, tokenizer):
+    from gptkiln.finetune.chat import ConversationEncoder, conversation_template
+    from gptkiln.finetune.data import read_preferences
+    from gptkiln.finetune.dpo import encode_pair
+
+    template = conversation_template(ft, Path(ft.base), base_cfg, tokenizer)
+    encoder = ConversationEncoder(template, tokenizer)
+    for pair in read_preferences(ft.data):
+        for label, example in zip(("chosen", "rejected"), encode_pair(encoder, pair), strict=True):
+            yield label, None, example.ids, example.trained
+
+
+SHOWN = {"chat": _chat, "instruct": _instruct, "dpo": _dpo}
