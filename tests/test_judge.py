@@ -179,17 +179,9 @@ def test_a_prompt_file_without_the_placeholders_is_one_line(run, fake, tmp_path,
 def test_gptkiln_serve_of_another_run_judges_and_its_noise_is_counted(run, tmp_path, capsys):
     """Another run served by `gptkiln serve` as the judge: a tiny model answers noise, which
     is counted as unparsed and kept, and the command still succeeds."""
-    import uvicorn
-
-    from gptkiln.serve import serve
-
-    got = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("app", app))
-        serve(run, model_name="judge", max_batch=4, max_queue=16, log_level="warning")
     prompt = tmp_path / "short.txt"
     prompt.write_text("In {input}, {output} vs {response}: score 0-100?")
-    with ServerThread(got["app"]) as url:
+    with ServerThread(served_judge(run)) as url:
         code, out, err = cli(
             "judge", run, "--judge-url", f"{url}/v1", "--judge-model", "judge",
             "--prompt-file", prompt, "--judge-max-tokens", 4, "--max-new-tokens", 4,
@@ -201,6 +193,65 @@ def test_gptkiln_serve_of_another_run_judges_and_its_noise_is_counted(run, tmp_p
     saved = json.loads((run / "judgements-served.json").read_text())
     assert all(isinstance(e["answer"], str) for e in saved["per_entry"])  # kept as it came
     assert sum(e["score"] is None for e in saved["per_entry"]) == last["unparsed"]
+
+
+def served_judge(run):
+    """`gptkiln serve` of ``run`` as an app, for `ServerThread`."""
+    import uvicorn
+
+    from gptkiln.serve import serve
+
+    got = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("app", app))
+        serve(run, model_name="judge", max_batch=4, max_queue=16, log_level="warning")
+    return got["app"]
+
+
+def test_finetune_judges_its_chat_run_at_the_end_through_a_served_judge(run, tmp_path, capsys):
+    """`gptkiln finetune --task chat ... --judge-url --judge-model`: trained, then its answers to
+    the test split (each conversation up to its last answer) scored by a served run."""
+    conversations = []
+    for i in range(30):
+        messages = [
+            {"role": "user", "content": f"Say {i}."},
+            {"role": "assistant", "content": "ok"},
+        ]
+        messages += [
+            {"role": "user", "content": "Again?"},
+            {"role": "assistant", "content": f"{i}"},
+        ]
+        conversations.append({"messages": messages})
+    data = tmp_path / "chats.json"
+    data.write_text(json.dumps(conversations))
+    base = run.parent / "base"
+    with ServerThread(served_judge(run)) as url:
+        code, out, err = cli(
+            "finetune", base, "--task", "chat", "--data", data, "--out", tmp_path / "chat",
+            "--max-steps", 1, "--batch-size", 2, "--precision", "fp32", "--no-progress",
+            "--sample-interval", 100, "--test-fraction", 0.2, "--judge-url", f"{url}/v1",
+            "--judge-model", "judge", "--judge-answer-tokens", 8, "--json", capsys=capsys,
+        )  # fmt: skip
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert lines[-3].startswith("done: 1 steps") and lines[-2].startswith("judged 6 entries")
+    last = json.loads(lines[-1])
+    assert last["entries"] == 6 and last["scored"] + last["unparsed"] == 6
+    saved = json.loads((tmp_path / "chat" / "judgements.json").read_text())
+    split = json.loads((tmp_path / "chat" / "config.json").read_text())["finetune"]["split"]
+    test = conversations[split["train"] : split["train"] + split["test"]]
+    assert [e["output"] for e in saved["per_entry"]] == [c["messages"][-1]["content"] for c in test]
+    assert saved["per_entry"][0]["input"].endswith("user: Again?")
+
+
+def test_finetune_judge_flags_are_checked_before_training(run, tmp_path, capsys):
+    argv = ["finetune", run.parent / "base", "--data", run.parent / "instructions.json"]
+    argv += ["--out", tmp_path / "never"]
+    code, _, err = cli(*argv, "--judge-url", "http://127.0.0.1:9/v1", capsys=capsys)
+    assert code == 2 and "go together" in err and not (tmp_path / "never").exists()
+    code, _, err = cli(*argv, "--judge-url", "u", "--judge-model", "m", "--test-fraction", 0,
+                       capsys=capsys)  # fmt: skip
+    assert code == 2 and "test split" in err and not (tmp_path / "never").exists()
 
 
 def ollama_model() -> str | None:

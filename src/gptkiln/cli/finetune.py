@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from gptkiln.cli.common import (
@@ -18,6 +19,7 @@ from gptkiln.cli.common import (
     keep_freed_memory_on_cpu,
     sample_config,
 )
+from gptkiln.cli.judge import add_judge_endpoint_flags, judge_of, print_verdict
 from gptkiln.config import FinetuneConfig, TrainConfig
 
 
@@ -87,8 +89,10 @@ def add_finetune_flags(p: argparse.ArgumentParser) -> None:
         "--json",
         action="store_true",
         help='with --show-examples: one JSON object a line, {"ids": [...], "trained": [...]} '
-        '(dpo: with "answer": "chosen" or "rejected")',
+        '(dpo: with "answer": "chosen" or "rejected"); with --judge-url: end with the judge\'s '
+        'JSON line {"mean", "scored", "unparsed", "entries"}',
     )
+    add_judge_endpoint_flags(p, after_training=True)
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     add_overwrite_flag(p, help="replace a run already in --out")
     _add_loop_flags(p)
@@ -272,6 +276,7 @@ def run_finetune(args: argparse.Namespace) -> None:
         _show_examples(args)
         return
     ft, cfg = finetune_configs_from_args(args)
+    judge = _judge_after_training(args, ft)  # its flags checked before hours of training
     keep_freed_memory_on_cpu(cfg.device)
     result = finetune(ft, cfg, resume=args.resume, overwrite=args.overwrite)
     last = result.history[-1] if result.history else {}
@@ -283,6 +288,35 @@ def run_finetune(args: argparse.Namespace) -> None:
         if k.endswith(("loss", "accuracy")) and v is not None
     )
     print(f"done: {result.steps} steps; {scores}; run saved in {result.run_dir}")
+    if judge is not None and os.environ.get("RANK", "0") == "0":
+        from gptkiln.devices import resolve_device
+        from gptkiln.finetune.judge import judge_run
+
+        progress = cfg.progress and sys.stderr.isatty()
+        verdict = judge_run(
+            result.run_dir,
+            judge,
+            max_new_tokens=args.judge_answer_tokens,
+            device=resolve_device(cfg.device),
+            progress=progress,
+        )
+        print_verdict(verdict, args.json)
+
+
+def _judge_after_training(args: argparse.Namespace, ft: FinetuneConfig):
+    """The judge of --judge-url and --judge-model (None without them)."""
+    from gptkiln.errors import GptkilnError
+
+    if args.judge_url is None and args.judge_model is None:
+        return None
+    if args.judge_url is None or args.judge_model is None:
+        raise GptkilnError("--judge-url and --judge-model go together: give both, or neither")
+    if ft.task == "classify" or ft.test_fraction == 0:
+        raise GptkilnError(
+            "--judge-url scores answers to the run's test split: fine-tune an instruct, chat "
+            "or dpo task with a --test-fraction above 0, or judge later with gptkiln judge --data"
+        )
+    return judge_of(args)
 
 
 def _show_examples(args: argparse.Namespace) -> None:

@@ -34,15 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="test entries: instruction entries {instruction, input, output} or conversations "
         "whose last message is the answer (default: the test split of an instruct run's data)",
     )
-    p.add_argument("--judge-url", required=True, metavar="URL", help="the endpoint's base URL")
-    p.add_argument("--judge-model", required=True, metavar="NAME", help="the judge model's name")
-    p.add_argument(
-        "--judge-key-env",
-        default="OPENAI_API_KEY",
-        metavar="VAR",
-        help="the environment variable holding the API key, sent when set "
-        "(default: OPENAI_API_KEY)",
-    )
+    add_judge_endpoint_flags(p)
     p.add_argument(
         "--prompt-file",
         metavar="FILE",
@@ -103,12 +95,67 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_judge)
 
 
+def add_judge_endpoint_flags(p: argparse.ArgumentParser, after_training: bool = False) -> None:
+    """--judge-url, --judge-model and --judge-key-env: required by ``gptkiln judge``; optional
+    for ``gptkiln finetune``, which then judges the run it has trained."""
+    url_help = "the endpoint's base URL"
+    if after_training:
+        url_help = (
+            "after training, score the run's answers to its test split with the judge model "
+            "behind this OpenAI-compatible endpoint, as gptkiln judge does (default: none)"
+        )
+    model_help = "the judge model's name" + (" (default: none)" if after_training else "")
+    required = not after_training
+    p.add_argument("--judge-url", required=required, metavar="URL", help=url_help)
+    p.add_argument("--judge-model", required=required, metavar="NAME", help=model_help)
+    p.add_argument(
+        "--judge-key-env",
+        default="OPENAI_API_KEY",
+        metavar="VAR",
+        help="the environment variable holding the API key, sent when set "
+        "(default: OPENAI_API_KEY)",
+    )
+    if after_training:
+        p.add_argument(
+            "--judge-answer-tokens",
+            type=int,
+            default=256,
+            metavar="N",
+            help="with --judge-url: the longest answer of the run to each test entry "
+            "(default: 256)",
+        )
+
+
+def judge_of(args: argparse.Namespace, prompt: str | None = None, **settings):
+    """The `Judge` of the command line's endpoint flags (``settings``: timeout, retries ...)."""
+    from gptkiln.finetune.judge import BOOK_PROMPT, Judge
+
+    return Judge(
+        url=args.judge_url,
+        model=args.judge_model,
+        prompt=prompt or BOOK_PROMPT,
+        key=os.environ.get(args.judge_key_env) or None,
+        **settings,
+    )
+
+
+def print_verdict(verdict, as_json: bool) -> None:
+    """The verdict's line, and with ``as_json`` its JSON line."""
+    mean = "-" if verdict.mean is None else f"{verdict.mean:.2f}"
+    print(
+        f"judged {len(verdict.entries)} entries: mean score {mean} over {verdict.scored} "
+        f"scored ({verdict.unparsed} unparsed answers kept)"
+    )
+    if as_json:
+        print(json.dumps(verdict.summary()))
+
+
 def run_judge(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from gptkiln.devices import resolve_device
     from gptkiln.errors import GptkilnError
-    from gptkiln.finetune.judge import BOOK_PROMPT, Judge, judge_run
+    from gptkiln.finetune.judge import BOOK_PROMPT, judge_run
 
     prompt = BOOK_PROMPT
     if args.prompt_file is not None:
@@ -116,11 +163,9 @@ def run_judge(args: argparse.Namespace) -> None:
             prompt = Path(args.prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise GptkilnError(f"--prompt-file {args.prompt_file}: unreadable ({e})") from None
-    judge = Judge(
-        url=args.judge_url,
-        model=args.judge_model,
-        prompt=prompt,
-        key=os.environ.get(args.judge_key_env) or None,
+    judge = judge_of(
+        args,
+        prompt,
         timeout=args.timeout,
         retries=args.retries,
         concurrency=args.concurrency,
@@ -136,10 +181,4 @@ def run_judge(args: argparse.Namespace) -> None:
         progress=args.progress and sys.stderr.isatty(),
         name=args.name,
     )
-    mean = "-" if verdict.mean is None else f"{verdict.mean:.2f}"
-    print(
-        f"judged {len(verdict.entries)} entries: mean score {mean} over {verdict.scored} "
-        f"scored ({verdict.unparsed} unparsed answers kept)"
-    )
-    if args.json:
-        print(json.dumps(verdict.summary()))
+    print_verdict(verdict, args.json)

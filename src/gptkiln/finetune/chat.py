@@ -210,6 +210,7 @@ class ChatTuning(FineTuning):
             )
         self.conversations = [c for c, _ in kept]
         self.examples = [f for _, f in kept]
+        self.dropped = [i for i, f in enumerate(fitted) if f is None]  # the split is of the rest
         sizes = split_sizes(len(kept), ft.val_fraction, ft.test_fraction)
         check_splits(ft.data, len(kept), sizes, ft.val_fraction)
         n_train, n_val, n_test = sizes
@@ -238,7 +239,12 @@ class ChatTuning(FineTuning):
     def task_info(self) -> dict:
         t = self.encoder.template
         template = t.to_dict() if isinstance(t, PromptTemplate) else None
-        return {"template": template, "pad_id": self.pad_id, "chat_template": self._jinja()}
+        return {
+            "template": template,
+            "pad_id": self.pad_id,
+            "chat_template": self._jinja(),
+            "dropped": self.dropped,
+        }
 
     def _jinja(self) -> str | None:
         """The chat template's file in the run (None: the run keeps a prompt template)."""

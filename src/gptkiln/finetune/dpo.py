@@ -127,11 +127,13 @@ class PreferenceTuning(FineTuning):
         self.pad_id = self.tokenizer.eot_id if self.tokenizer.eot_id is not None else 0
         self.build_model()
         limit = example_limit(ft, self.model_config.context_length)
-        encoded = []
-        for pair in pairs:
+        encoded, self.dropped = [], []  # the split is of the pairs kept
+        for number, pair in enumerate(pairs):
             chosen, rejected = encode_pair(self.encoder, pair)
             if max(len(chosen.ids), len(rejected.ids)) <= limit:
                 encoded.append((pair, chosen, rejected))
+            else:
+                self.dropped.append(number)
         if not encoded:
             raise GptkilnError(
                 f"--data {ft.data}: no pair fits in {limit - 1} tokens; raise --max-length (at "
@@ -253,7 +255,7 @@ class PreferenceTuning(FineTuning):
 
         t = self.encoder.template
         template = t.to_dict() if isinstance(t, PromptTemplate) else None
-        return {"template": template, "pad_id": self.pad_id}
+        return {"template": template, "pad_id": self.pad_id, "dropped": self.dropped}
 
     def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
         save_chat_template(self.run_dir, self.encoder.template)

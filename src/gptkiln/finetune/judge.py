@@ -219,21 +219,13 @@ def judge_entries(
 def test_entries(run_dir: Path, data: str | None) -> list[tuple[list[dict], str]]:
     """(the messages to answer, the correct output) of each test entry: ``data`` (instruction
     entries, or conversations whose last message is the assistant's answer), else the test
-    split of the instruction file the run was fine-tuned on."""
+    split of the data the run was fine-tuned on (`_test_split`)."""
     from gptkiln.finetune.data import read_instructions, read_records
     from gptkiln.finetune.runs import finetune_info
     from gptkiln.loading import read_config
 
     if data is None:
-        info = finetune_info(read_config(run_dir)) or {}
-        split, source = info.get("split") or {}, (info.get("config") or {}).get("data")
-        if info.get("task") != "instruct" or not split.get("test") or source is None:
-            raise GptkilnError(
-                f"{run_dir} records no test split of instructions to judge; give the test "
-                "entries with --data FILE"
-            )
-        entries = read_instructions(source)[split["train"] : split["train"] + split["test"]]
-        return [(_instruction_messages(e), e["output"]) for e in entries]
+        return _test_split(run_dir, finetune_info(read_config(run_dir)) or {})
     if str(data).endswith((".json", ".jsonl")) and _first_is_instruction(data):
         return [(_instruction_messages(e), e["output"]) for e in read_instructions(data)]
     out = []
@@ -244,6 +236,36 @@ def test_entries(run_dir: Path, data: str | None) -> list[tuple[list[dict], str]
         if messages[-1]["role"] != "assistant" or len(messages) < 2:
             raise GptkilnError(f"{where}: the last message must be the assistant's (the answer)")
         out.append((messages[:-1], messages[-1]["content"]))
+    return out
+
+
+def _test_split(run_dir: Path, info: dict) -> list[tuple[list[dict], str]]:
+    """The test split of the data an instruct, chat or dpo run was fine-tuned on: instruct,
+    each entry and its output; chat, each conversation up to its last assistant turn, which is
+    the correct output; dpo, each prompt and its chosen answer. The split is of the examples
+    the run kept (``info["dropped"]``: those too long for it)."""
+    from gptkiln.finetune.data import read_conversations, read_instructions, read_preferences
+
+    split, source = info.get("split") or {}, (info.get("config") or {}).get("data")
+    task = info.get("task")
+    if task not in ("instruct", "chat", "dpo") or not split.get("test") or source is None:
+        raise GptkilnError(
+            f"{run_dir} records no test split of instructions, conversations or pairs to "
+            "judge; give the test entries with --data FILE"
+        )
+    test = slice(split["train"], split["train"] + split["test"])
+    if task == "instruct":
+        return [(_instruction_messages(e), e["output"]) for e in read_instructions(source)[test]]
+    dropped = set(info.get("dropped") or ())
+    if task == "dpo":
+        pairs = [p for i, p in enumerate(read_preferences(source)) if i not in dropped]
+        return [(p.prompt, p.chosen) for p in pairs[test]]
+    conversations = read_conversations(source)[0]
+    kept = [c for i, c in enumerate(conversations) if i not in dropped]
+    out = []
+    for messages in kept[test]:
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        out.append((messages[:last], messages[last]["content"]))
     return out
 
 

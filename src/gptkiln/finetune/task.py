@@ -232,7 +232,11 @@ class FineTuning:
 
         checkpoint.check_same_model_config(self.run_dir, self.model_config)
         saved = read_config(self.run_dir).get("finetune") or {}
-        now = self.info()
+        now = {  # what info() records, before the task has read its examples
+            "config": self.ft.to_dict(),
+            "base": str(Path(self.ft.base).resolve()),
+            "data_sha256": self.data_sha256,
+        }
         then = {**saved.get("config", {}), "base": saved.get("base")}
         settings = {**now["config"], "base": now["base"]}
         settings.pop("data")  # compared by its contents, below
