@@ -591,6 +591,21 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def packed_positions_and_mask(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (B, T) and attention mask (B, 1, T, T) of rows that hold several sequences end
+    to end, ``segments`` (B, T) saying which one each token is of (equal ids adjacent): each
+    sequence's positions start at 0, and a token attends the earlier tokens of its own sequence
+    only, so each is computed as if alone (a block-diagonal causal mask)."""
+    B, T = segments.shape
+    at = torch.arange(T, device=segments.device)  # (T,)
+    starts = torch.ones_like(segments, dtype=torch.bool)  # (B, T): a sequence's first token
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, at, 0).cummax(dim=1).values  # (B, T) its sequence's start
+    same = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
+    causal = at[None, :] <= at[:, None]  # (T, T)
+    return at - first, (same & causal)[:, None]  # (B, T), (B, 1, T, T)
+
+
 class _SkipInitialisers(torch.overrides.TorchFunctionMode):
     """Skips ``torch.nn.init``'s fills while a model is built on the meta device.
 
@@ -831,6 +846,7 @@ class GPT(nn.Module):
         last_only: bool | torch.Tensor = False,
         rows: slice | torch.Tensor | None = None,
         attentions: list[torch.Tensor] | None = None,
+        segments: torch.Tensor | None = None,
     ):
         """Logits for token ids, and the cross-entropy loss when targets are given.
 
@@ -851,13 +867,18 @@ class GPT(nn.Module):
             attentions: a list to fill with every layer's attention weights, (B, nh, T, S) each,
                 in layer order (for inspection: computed on the explicit path; None, the
                 default, changes nothing).
+            segments: (B, T) which of the sequences packed end to end in a row each token is
+                of (`packed_positions_and_mask`): none attends another, and each one's
+                positions start at 0; None: one sequence a row.
 
         Returns:
             logits (B, T, V) (V: num_classes for a classifier), or (logits, loss) when targets
             are given.
         """
         B = idx.size(0)
-        x = self.hidden(idx, start_pos=start_pos, rows=rows, attentions=attentions)
+        x = self.hidden(
+            idx, start_pos=start_pos, rows=rows, attentions=attentions, segments=segments
+        )
         if isinstance(last_only, torch.Tensor):
             x = x[torch.arange(B, device=x.device), last_only][:, None]  # (B, 1, C)
         elif last_only:
@@ -887,6 +908,7 @@ class GPT(nn.Module):
         start_pos: int | torch.Tensor | None = None,
         rows: slice | torch.Tensor | None = None,
         attentions: list[torch.Tensor] | None = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final norm's output (B, T, C) for token ids (B, T): what the head turns into
         logits, for a caller that needs them at a few positions only (scoring a continuation:
@@ -899,7 +921,12 @@ class GPT(nn.Module):
         limit = self.cache_len if start_pos is not None else self.config.context_length
         if end > limit:
             raise ValueError(f"sequence reaches position {end}, beyond the {limit} available")
-        pos, mask = self._positions_and_mask(T, start_pos, idx.device, rows)
+        if segments is not None and start_pos is None:
+            pos, mask = packed_positions_and_mask(segments)
+        elif segments is not None:
+            raise ValueError("packed sequences (segments) take a full forward, not the cache")
+        else:
+            pos, mask = self._positions_and_mask(T, start_pos, idx.device, rows)
         rope = None
         if self.config.positions == "learned":
             x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)

@@ -161,6 +161,13 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
         "example (longer ones are cut after a turn, or dropped) (default: the context)",
     )
     p.add_argument(
+        "--pack",
+        action="store_true",
+        help="instruct, chat: pack short training examples end to end into windows of "
+        "--max-length (chat) or the context, none attending another; --batch-size then counts "
+        "windows (default: off, one example a row)",
+    )
+    p.add_argument(
         "--beta",
         type=float,
         default=0.1,

@@ -461,7 +461,9 @@ class FinetuneConfig:
     next-token loss on the whole example or, with ``mask_prompt``, on the response alone) and
     ``"classify"`` (chapter 6: texts with labels, a new head on the last position); ``"chat"``
     (conversations in the model's chat template, loss on the assistant's turns) and ``"dpo"``
-    (preference pairs, Direct Preference Optimization with ``beta`` and ``dpo_loss``).
+    (preference pairs, Direct Preference Optimization with ``beta`` and ``dpo_loss``). With
+    ``pack`` (instruct, chat), training examples are packed end to end into windows, none
+    attending another (`gptkiln.finetune.packing`).
 
     ``train_layers``: ``"all"``; ``"last-N"``, the last N blocks, the final norm and the head
     (the rest frozen); or ``"lora"``, LoRA adapters of ``lora_rank`` on the linear layers (base
@@ -489,6 +491,7 @@ class FinetuneConfig:
     lora_head: bool = False
     beta: float = 0.1  # dpo: the strength of the pull towards the reference model
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    pack: bool = False  # instruct, chat: short training examples packed into one window each
 
     def __post_init__(self) -> None:
         _check_types(self, "fine-tuning config")
@@ -538,6 +541,11 @@ class FinetuneConfig:
             raise GptkilnError("--lora-head puts an adapter on the head: it needs --lora-rank")
         if not 0 < self.beta < math.inf:
             raise GptkilnError(f"beta must be a number > 0, got {self.beta!r}")
+        if self.pack and self.task not in ("instruct", "chat"):
+            raise GptkilnError(
+                f"--pack packs instruct or chat examples into windows; --task {self.task} "
+                "trains on whole rows of its own (drop --pack)"
+            )
         if self.dpo_loss not in DPO_LOSSES:
             raise GptkilnError(
                 f"dpo_loss must be one of {', '.join(DPO_LOSSES)}, got {self.dpo_loss!r}"

@@ -15,10 +15,8 @@ the lines the run starts with.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ from gptkiln.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate
 from gptkiln.config import FinetuneConfig, SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.instruct import IGNORE_INDEX
-from gptkiln.finetune.task import FineTuning
+from gptkiln.finetune.task import Example, FineTuning
 from gptkiln.finetune.templates import (
     Piece,
     PromptTemplate,
@@ -36,17 +34,6 @@ from gptkiln.finetune.templates import (
     format_messages,
 )
 from gptkiln.train.task import RunContext
-
-
-@dataclass
-class Example:
-    """A conversation's token ids and, for each, whether it is learnt (a target of the loss)."""
-
-    ids: list[int]
-    trained: list[bool]
-
-    def to_json(self) -> str:
-        return json.dumps({"ids": self.ids, "trained": self.trained})
 
 
 def conversation_template(ft: FinetuneConfig, base: Path, base_cfg: dict, tokenizer):
@@ -208,6 +195,7 @@ class ChatTuning(FineTuning):
                 f"--data {ft.data}: no conversation's first answer fits in {max_tokens - 1} "
                 "tokens; raise --max-length (at most the context) or give shorter conversations"
             )
+        self.max_tokens = max_tokens
         self.conversations = [c for c, _ in kept]
         self.examples = [f for _, f in kept]
         self.dropped = [i for i, f in enumerate(fitted) if f is None]  # the split is of the rest
@@ -221,9 +209,9 @@ class ChatTuning(FineTuning):
             f"{len(examples) - len(kept):,} dropped (first answer too long) to fit "
             f"{max_tokens - 1} tokens"
         )
-        self.set_example_batches(n_train, n_test, len(self.examples))
         if ctx.world.is_main:
             print(self.note, file=sys.stderr, flush=True)
+        self.set_example_batches(n_train, n_test, len(self.examples))
         self.say_what_trains()
 
     def _template_name(self) -> str:
@@ -235,6 +223,12 @@ class ChatTuning(FineTuning):
 
     def width(self, ids: Sequence[int]) -> int:
         return max(len(self.examples[i].ids) - 1 for i in ids)
+
+    def example(self, i: int) -> Example:
+        return self.examples[i]
+
+    def pack_width(self) -> int:
+        return self.max_tokens - 1
 
     def task_info(self) -> dict:
         t = self.encoder.template

@@ -11,11 +11,9 @@ import torch
 
 from gptkiln.config import FinetuneConfig, SampleConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.finetune.task import FineTuning
+from gptkiln.finetune.task import IGNORE_INDEX, Example, FineTuning
 from gptkiln.finetune.templates import format_example, format_prompt, load_template
 from gptkiln.train.task import RunContext
-
-IGNORE_INDEX = -100  # targets cross_entropy skips (its ignore_index)
 
 
 def collate_instructions(
@@ -124,6 +122,15 @@ class InstructionTuning(FineTuning):
 
     def width(self, ids: Sequence[int]) -> int:
         return min(max(len(self.ids[i]) for i in ids), self.ctx_len)
+
+    def example(self, i: int) -> Example:
+        """As `collate_instructions` learns it: with its end-of-text, cut to the context."""
+        prompt_len = None if self.prompt_lengths is None else self.prompt_lengths[i]
+        ids, trained = learnt_ids(self.ids[i], prompt_len, self.pad_id)
+        return Example(ids[: self.ctx_len + 1], trained[: self.ctx_len + 1])
+
+    def pack_width(self) -> int:
+        return self.ctx_len
 
     def _note_long_examples(self, ctx_len: int) -> None:
         long = sum(len(i) + 1 > ctx_len for i in self.ids)

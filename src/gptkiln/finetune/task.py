@@ -6,9 +6,11 @@ checkpoints. Each is a `gptkiln.train.Task`, trained by the one loop, `gptkiln.t
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from gptkiln.train.data_order import EpochOrder, spread_evenly
 from gptkiln.train.task import RunContext
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+IGNORE_INDEX = -100  # targets cross_entropy skips (its ignore_index)
 
 
 class ExampleBatches:
@@ -97,6 +100,62 @@ def train_only(model: GPT, train_layers: str) -> None:
     model.requires_grad_(False)
     for module in (*model.h[-n:], model.ln_f, model.head):
         module.requires_grad_(True)
+
+
+@dataclass
+class Example:
+    """A conversation's token ids and, for each, whether it is learnt (a target of the loss)."""
+
+    ids: list[int]
+    trained: list[bool]
+
+    def to_json(self) -> str:
+        return json.dumps({"ids": self.ids, "trained": self.trained})
+
+
+# -- packing (--pack): short examples end to end in one window, none attending another ------------
+# The examples are packed once, in the data's order, each into the current window while it fits
+# (a new window otherwise). A row of packed examples has their inputs and targets end to end (each
+# as it has them alone) and their segment numbers, which the model turns into positions restarting
+# at 0 and a block-diagonal causal mask (`gptkiln.model.packed_positions_and_mask`): each example's
+# logits are those it has alone. The epochs then walk the windows in a seeded order.
+
+
+def pack(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Windows of example numbers: in order, each example into the current window while the
+    inputs (``length - 1`` each) fit in ``width``. An example is never split."""
+    windows: list[list[int]] = []
+    used = width + 1  # no window yet
+    for i, n in enumerate(lengths):
+        if used + n - 1 > width:
+            windows.append([])
+            used = 0
+        windows[-1].append(i)
+        used += n - 1
+    return windows
+
+
+def collate_packed(
+    windows: Sequence[Sequence[Example]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of rows of packed examples: inputs (B, 2, T), each row's token ids
+    and their segment numbers (0, 1, ... one per example; padding -1), targets (B, T) the
+    examples' learnt next ids, else -100. T is the widest row's inputs."""
+    longest = max(sum(len(e.ids) - 1 for e in window) for window in windows)
+    ids = torch.full((len(windows), longest), pad_id, dtype=torch.long)
+    segments = torch.full((len(windows), longest), -1, dtype=torch.long)
+    targets = torch.full((len(windows), longest), IGNORE_INDEX, dtype=torch.long)
+    for row, window in enumerate(windows):
+        at = 0
+        for number, e in enumerate(window):
+            n = len(e.ids) - 1
+            example = torch.as_tensor(e.ids, dtype=torch.long)
+            learnt = torch.as_tensor(e.trained[1:], dtype=torch.bool)
+            ids[row, at : at + n] = example[:-1]
+            segments[row, at : at + n] = number
+            targets[row, at : at + n] = torch.where(learnt, example[1:], IGNORE_INDEX)
+            at += n
+    return torch.stack([ids, segments], dim=1), targets  # (B, 2, T), (B, T)
 
 
 class FineTuning:
@@ -237,7 +296,8 @@ class FineTuning:
             "base": str(Path(self.ft.base).resolve()),
             "data_sha256": self.data_sha256,
         }
-        then = {**saved.get("config", {}), "base": saved.get("base")}
+        defaults = {f.name: f.default for f in dataclasses.fields(FinetuneConfig)}
+        then = {**defaults, **saved.get("config", {}), "base": saved.get("base")}  # older runs
         settings = {**now["config"], "base": now["base"]}
         settings.pop("data")  # compared by its contents, below
         diffs = [
@@ -260,13 +320,16 @@ class FineTuning:
         self.train_ids = list(range(n_train))
         self.test_ids = list(range(n_train, n_train + n_test))
         self.val_ids = list(range(n_train + n_test, n))
-        self.batches = ExampleBatches(
-            n_train,
-            lambda ids: self.collate([self.train_ids[i] for i in ids]),
-            lambda ids: self.width([self.train_ids[i] for i in ids]),
-            cfg,
-            world,
-        )
+        if self.ft.pack:
+            self._pack_batches(n_train)
+        else:
+            self.batches = ExampleBatches(
+                n_train,
+                lambda ids: self.collate([self.train_ids[i] for i in ids]),
+                lambda ids: self.width([self.train_ids[i] for i in ids]),
+                cfg,
+                world,
+            )
         wanted = cfg.eval_batches * cfg.batch_size * world.world_size
         self.val_batches = fixed_batches(self.val_ids, cfg.batch_size, wanted, self.collate)
         self.train_eval_batches = (
@@ -274,6 +337,45 @@ class FineTuning:
             if cfg.eval_train
             else []
         )
+
+    def _pack_batches(self, n_train: int) -> None:
+        """Training batches of windows of packed examples (`pack`), said in a line first."""
+        examples = [self.example(i) for i in self.train_ids]
+        width = self.pack_width()
+        windows = pack([len(e.ids) for e in examples], width)
+        packs = [[examples[i] for i in window] for window in windows]
+        self.batches = ExampleBatches(
+            len(packs),
+            lambda ids: collate_packed([packs[i] for i in ids], self.pad_id),
+            lambda ids: max(sum(len(e.ids) - 1 for e in packs[i]) for i in ids),
+            self.ctx.cfg,
+            self.ctx.world,
+        )
+        if self.ctx.world.is_main:
+            tokens = sum(len(e.ids) - 1 for e in examples)
+            print(
+                f"packing: {n_train:,} training examples into {len(packs):,} windows of up to "
+                f"{width} tokens ({100 * tokens / (len(packs) * width):.0f}% of them filled); "
+                "none attends another",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def training_loss(self, forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of a batch: packed windows ((B, 2, T) inputs, ids and segments) or rows."""
+        if x.dim() == 3:
+            _, loss = forward(x[:, 0], y, segments=x[:, 1])
+        else:
+            _, loss = forward(x, y)
+        return loss
+
+    def example(self, i: int):
+        """Example ``i``'s ids and whether each is learnt (a `chat.Example`), for packing."""
+        raise NotImplementedError
+
+    def pack_width(self) -> int:
+        """The input tokens of a window of packed examples."""
+        raise NotImplementedError
 
     def collate(self, ids: Sequence[int]) -> Batch:
         """(inputs, targets) of the examples ``ids``."""
