@@ -134,6 +134,8 @@ def test_the_mean_is_that_of_the_numbers_and_other_answers_are_counted_and_kept(
 def test_scores_parse_numbers_in_range_only():
     assert [parse_score(a) for a in ANSWERS] == SCORES
     assert parse_score("85.5") == 85.5 and parse_score("Score: 85") is None
+    assert parse_score("<think>\n\n</think>\n\n85") == 85  # Qwen3 as the judge
+    assert parse_score("<think>It is 90.</think> nope") is None
 
 
 def test_a_busy_judge_is_retried_with_backoff(run, tmp_path):

@@ -37,6 +37,7 @@ run's template writes it, without the response header), ``{output}`` and ``{resp
 
 PLACEHOLDERS = ("{input}", "{output}", "{response}")
 JUDGEMENTS_FILE = "judgements.json"
+_REASONING = re.compile(r"^\s*<think>.*?</think>", re.S)  # a thinking model's preamble
 _SCORE = re.compile(r"\s*(\d{1,3}(?:\.\d+)?)\s*(?:/\s*100)?\s*\.?\s*")
 
 
@@ -92,7 +93,9 @@ class Judge:
 
 def parse_score(answer: str) -> float | None:
     """The score of a judge's answer: a number in [0, 100] (``85``, ``85.5``, ``85/100``),
+    after the reasoning block a thinking model writes first (Qwen3's ``<think>...</think>``),
     else None (unparsed)."""
+    answer = _REASONING.sub("", answer, count=1)
     match = _SCORE.fullmatch(answer)
     if match is None:
         return None
