@@ -147,3 +147,41 @@ def test_a_packed_batch_has_the_loss_of_its_examples_unpacked(work, tmp_path):
 def test_pack_is_for_instruct_and_chat():
     with pytest.raises(GptkilnError, match="--pack"):
         FinetuneConfig(base="b", data="d", task="dpo", pack=True)
+
+
+def test_packed_instructions_have_the_loss_of_their_book_batches(tmp_path):
+    import string
+
+    from instruction_data import instructions
+
+    from gptkiln.finetune.instruct import InstructionTuning, collate_instructions
+    from gptkiln.tokenizers import build_char_tokenizer
+    from gptkiln.train import Trainer
+
+    tokenizer = build_char_tokenizer([string.printable], with_eot=True)
+    torch.manual_seed(0)
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=512)
+    save_model(GPT(config), tmp_path / "base", tokenizer=tokenizer)
+    (tmp_path / "data.json").write_text(json.dumps(instructions(30)))
+    ft = FinetuneConfig(
+        base=str(tmp_path / "base"), data=str(tmp_path / "data.json"), mask_prompt=True, pack=True
+    )
+    trainer = Trainer(
+        quick(ft, tmp_path / "run", max_steps=1), task=lambda ctx: InstructionTuning(ctx, ft)
+    )
+    trainer.close()
+    task = trainer.task
+    x, y = task.batches.get(0, 0)
+    assert x.dim() == 3 and (x[:, 1].amax(dim=1) > 0).all()
+    rows = []
+    for row in range(x.size(0)):
+        for s in range(int(x[row, 1].max()) + 1):
+            ids = x[row, 0][x[row, 1] == s].tolist()
+            rows.append(next(i for i in task.train_ids if task.ids[i] == ids))
+    model = task.model.eval()
+    with torch.no_grad():
+        packed = task.training_loss(model, x, y)
+        lengths = [task.prompt_lengths[i] for i in rows]
+        batch = collate_instructions([task.ids[i] for i in rows], task.pad_id, 512, lengths)
+        _, alone = model(*batch)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
