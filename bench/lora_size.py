@@ -90,7 +90,7 @@ def main() -> None:
             "--max-steps", "2", "--batch-size", "2", "--eval-batches", "1",
             "--sample-interval", "1000", "--precision", "fp32", "--no-progress",
         ]  # fmt: skip
-        print("$", " ".join(command[1:]), flush=True)
+        print("$ python", " ".join(command[1:]), flush=True)
         subprocess.run(command, check=True)
         base_bytes = (base / "model.safetensors").stat().st_size
         print(f"\nbase model.safetensors ({args.dtype}): {base_bytes:,} bytes")
