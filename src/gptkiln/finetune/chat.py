@@ -24,8 +24,7 @@ import torch
 from gptkiln.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate
 from gptkiln.config import FinetuneConfig, SampleConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.finetune.instruct import IGNORE_INDEX
-from gptkiln.finetune.task import Example, FineTuning
+from gptkiln.finetune.task import IGNORE_INDEX, Example, FineTuning
 from gptkiln.finetune.templates import (
     Piece,
     PromptTemplate,

@@ -39,8 +39,7 @@ from gptkiln.finetune.chat import (
     example_limit,
     save_chat_template,
 )
-from gptkiln.finetune.instruct import IGNORE_INDEX
-from gptkiln.finetune.task import FineTuning
+from gptkiln.finetune.task import IGNORE_INDEX, FineTuning
 from gptkiln.train.task import RunContext
 
 METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
