@@ -42,11 +42,13 @@ def make_optimizer(
     betas: tuple[float, float],
     kind: str = "adamw",
     momentum: float = 0.95,
+    adamw_lr: float | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer of ``model``'s trainable parameters: ``"adamw"``, AdamW over
     `param_groups`; ``"muon"``, `MuonAdamW` (Muon for `hidden_matrices`, AdamW with ``betas``
-    for the rest). AdamW takes the fused kernel where this torch build and device have one (one
-    kernel for all parameters instead of a Python loop), else the multi-tensor one."""
+    for the rest, at ``adamw_lr``: None, ``lr``). AdamW takes the fused kernel where this
+    torch build and device have one (one kernel for all parameters instead of a Python loop),
+    else the multi-tensor one."""
     device = next(model.parameters()).device.type
     fused = device in ("cuda", "cpu") and _is_plain_tensor(model)
     adamw = dict(lr=lr, betas=betas, fused=fused or None, foreach=None if fused else True)
@@ -55,7 +57,11 @@ def make_optimizer(
     matrices = hidden_matrices(model)
     chosen = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
-    return MuonAdamW(matrices, _decay_groups(rest, weight_decay), lr, weight_decay, momentum, adamw)
+    groups = _decay_groups(rest, weight_decay)
+    if adamw_lr is not None:
+        for group in groups:  # the schedule sets a group's lr to its lr_scale x the step's
+            group.update(lr=adamw_lr, lr_scale=adamw_lr / lr)
+    return MuonAdamW(matrices, groups, lr, weight_decay, momentum, adamw)
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -73,7 +79,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
     Args:
         matrices: the 2-D parameters Muon trains.
-        adamw_groups: AdamW's param groups (each with its ``weight_decay``).
+        adamw_groups: AdamW's param groups (each with its ``weight_decay``, and where its
+            learning rate differs from Muon's its ``lr`` and ``lr_scale``, the ratio of the two
+            that the trainer's schedule keeps).
         lr, weight_decay, momentum: Muon's; ``adamw``: AdamW's keyword arguments.
     """
 
