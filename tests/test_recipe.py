@@ -344,3 +344,25 @@ def test_a_run_with_a_computed_choice_is_refused_by_both_exports(muon_runs, tmp_
     with pytest.raises(GptkilnError, match=f"{choices}, which Hugging Face"):
         export_hf(whole, tmp_path / "hf")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_the_batched_muon_step_is_torchs_muon_step():
+    """MuonAdamW orthogonalises the matrices of one shape together: the same update as
+    torch.optim.Muon's loop over them (given the same gradients), to bf16's rounding."""
+    ours, theirs = tiny_qwen(), tiny_qwen()
+    opt = make_optimizer(ours, 1e-2, 0.1, (0.9, 0.95), "muon")
+    ref = torch.optim.Muon(
+        hidden_matrices(theirs), lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
+    )
+    start = [p.detach().clone() for p in hidden_matrices(ours)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):  # momentum carries the first steps into the third
+        for p, q in zip(hidden_matrices(ours), hidden_matrices(theirs), strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q, before in zip(hidden_matrices(ours), hidden_matrices(theirs), start, strict=True):
+        moved = (q.detach() - before).abs().max()
+        assert moved > 1e-3
+        assert (p.detach() - q.detach()).abs().max() < 0.05 * moved  # bf16's rounding
