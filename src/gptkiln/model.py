@@ -937,7 +937,8 @@ class GPT(nn.Module):
                 and isinstance(start_pos, int)
                 and rows is None
                 and attentions is None
-                and not self.config.recipe_choices()  # value embeddings, windows: not there
+                and not self.value_embeds  # the native blocks have neither of these two
+                and self.config.attention_windows is None
                 and not torch.compiler.is_compiling()
             ):
                 y = self.decode_blocks(self, x, start_pos, mask)
