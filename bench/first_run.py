@@ -120,6 +120,7 @@ SUFFIXES: dict[str, list[str]] = {
     "cosine": ["--schedule", "cosine"],
     "lr2x": ["--lr", "2e-3"],
     "lr3x": ["--lr", "3e-3"],
+    "untied": ["--no-tie-embeddings"],
 }
 """``NAME+SUFFIX[+SUFFIX]``: e.g. ``bpe16k-baby+fp32`` against ``bpe16k-baby+bf16``; a suffix
 ``KEY=VALUE`` adds ``--KEY VALUE`` (``bpe16k-qwen3-baby+muon+lr=4e-3``)."""

@@ -43,6 +43,11 @@ CHOICES: dict[str, tuple[str, dict]] = {
     "muon + windows 0,16,16,0": ("muon", {"attention_windows": [0, 16, 16, 0]}),
     "muon, context 128 x batch 4": ("muon", {"context_length": 128}),
     "muon, context 256 x batch 2": ("muon", {"context_length": 256}),
+    "muon + untied head": ("muon", {"tie_embeddings": False}),
+    "muon + untied + windows 0,16,16,0": (
+        "muon",
+        {"tie_embeddings": False, "attention_windows": [0, 16, 16, 0]},
+    ),
 }
 
 

@@ -366,3 +366,13 @@ def test_the_batched_muon_step_is_torchs_muon_step():
         moved = (q.detach() - before).abs().max()
         assert moved > 1e-3
         assert (p.detach() - q.detach()).abs().max() < 0.05 * moved  # bf16's rounding
+
+
+def test_the_bundled_speedrun_recipe_makes_its_model_and_optimizer():
+    from gptkiln.cli.train import load_recipe
+    from gptkiln.train.task import model_config_for
+
+    cfg = TrainConfig(**load_recipe("speedrun"))
+    model = model_config_for(cfg, 100)
+    assert (cfg.optimizer, cfg.schedule, cfg.adamw_lr) == ("muon", "wsd", 8e-3)
+    assert model.attention_windows == [0, 16, 16, 0] and not model.tie_embeddings
