@@ -249,7 +249,7 @@ class TrainConfig:
         "optimisation",
         "adamw | muon = Muon (orthogonalised momentum) for the blocks' matrices, AdamW for "
         "the embeddings, head, norms and biases, both at --lr (Muon's update scaled to AdamW's "
-        "size)",
+        "size; AdamW's part at --adamw-lr when given)",
     )
     muon_momentum: float = setting(
         0.95, "optimisation", "Muon's (Nesterov) momentum with --optimizer muon, in [0, 1)"
