@@ -120,8 +120,10 @@ SUFFIXES: dict[str, list[str]] = {
     "cosine": ["--schedule", "cosine"],
     "lr2x": ["--lr", "2e-3"],
     "lr3x": ["--lr", "3e-3"],
+    "untied": ["--no-tie-embeddings"],
 }
-"""``NAME+SUFFIX[+SUFFIX]``: e.g. ``bpe16k-baby+fp32`` against ``bpe16k-baby+bf16``."""
+"""``NAME+SUFFIX[+SUFFIX]``: e.g. ``bpe16k-baby+fp32`` against ``bpe16k-baby+bf16``; a suffix
+``KEY=VALUE`` adds ``--KEY VALUE`` (``bpe16k-qwen3-baby+muon+lr=4e-3``)."""
 
 
 def family_of(name: str) -> str:
@@ -139,13 +141,22 @@ SAMPLE_CHARS = 250
 
 def config(name: str) -> tuple[str, list[str]]:
     base, *extras = name.split("+")
-    if base not in CONFIGS or any(extra not in SUFFIXES for extra in extras):
+    if base not in CONFIGS or any(e not in SUFFIXES and "=" not in e for e in extras):
         raise SystemExit(
             f"unknown configuration {name!r}; known: {', '.join(CONFIGS)} "
             f"(+{' / +'.join(SUFFIXES)})"
         )
     tokenizer, flags = CONFIGS[base]
-    return tokenizer, flags + [flag for extra in extras for flag in SUFFIXES[extra]]
+    return tokenizer, flags + [flag for extra in extras for flag in suffix_flags(extra)]
+
+
+def suffix_flags(extra: str) -> list[str]:
+    """A suffix's train flags: a named one (`SUFFIXES`), or ``KEY=VALUE`` for ``--KEY VALUE``
+    (``+lr=4e-3+cooldown=0.5``: a sweep without a name for each value)."""
+    if "=" in extra:
+        key, _, value = extra.partition("=")
+        return [f"--{key}", value]
+    return SUFFIXES[extra]
 
 
 def prepared(work: Path, tokenizer: str) -> Path:

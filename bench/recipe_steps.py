@@ -2,14 +2,18 @@
 (qwen3-baby, a 16,384-id vocabulary, 8 windows of 64 tokens), one process, the choices' steps
 taken in turn, round after round, so that a shared machine's load falls on each alike.
 
-    python bench/recipe_steps.py [--rounds 5] [--steps 3] [--threads 2]
+    python bench/recipe_steps.py [--rounds 5] [--steps 3] [--threads 2] [--precision bf16]
+                                 [--choices NAME ...]
 
 Prints each choice's median step time (forward, backward, optimizer) and its ratio to the
 default's (AdamW), the median of the ratios within each round: the figure to scale step counts
 by when recipes are compared at equal wall time (``bench/first_run.py budget --steps``). Beside
 the wall time, the process's CPU time a step (``time.process_time``): on a machine shared with
 other work, a process waiting for a core does not count there, so with ``--threads 1`` it is
-the step's own cost, which the wall time under load is not.
+the step's own cost, which the wall time under load is not. ``--precision bf16`` runs every
+step under bf16 autocast, as a run in ``--precision bf16`` (or auto's bf16) trains; ``--choices``
+measures only the named ones (the default's always), e.g. ``--choices "muon + value embeds 2"``.
+A choice may change the batch's shape (context x batch at the same tokens a step).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 
 CHOICES: dict[str, tuple[str, dict]] = {
-    # name -> (optimizer, model config overrides)
+    # name -> (optimizer, model config overrides); a context_length override sets the batch to
+    # the default's 512 tokens a step (8 x 64)
     "adamw (the default)": ("adamw", {}),
     "muon": ("muon", {}),
     "relu2": ("adamw", {"relu2": True}),
@@ -34,6 +39,15 @@ CHOICES: dict[str, tuple[str, dict]] = {
         "muon",
         {"relu2": True, "logit_softcap": 15.0, "zero_init_out": True},
     ),
+    "muon + value embeds 2": ("muon", {"value_embeds": 2}),
+    "muon + windows 0,16,16,0": ("muon", {"attention_windows": [0, 16, 16, 0]}),
+    "muon, context 128 x batch 4": ("muon", {"context_length": 128}),
+    "muon, context 256 x batch 2": ("muon", {"context_length": 256}),
+    "muon + untied head": ("muon", {"tie_embeddings": False}),
+    "muon + untied + windows 0,16,16,0": (
+        "muon",
+        {"tie_embeddings": False, "attention_windows": [0, 16, 16, 0]},
+    ),
 }
 
 
@@ -42,39 +56,45 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="steps of each choice a round")
     p.add_argument("--threads", type=int, default=common.THREADS)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--choices", nargs="+", choices=list(CHOICES), help="only these")
     args = p.parse_args()
+    default = "adamw (the default)"
+    chosen = {n: c for n, c in CHOICES.items() if n == default or n in (args.choices or CHOICES)}
     torch = common.setup_torch(args.threads)
     from gptkiln.config import GPTConfig
     from gptkiln.model import GPT
     from gptkiln.optim import make_optimizer
 
     info = common.print_machine()
+    print(f"# {args.precision}, batch: 512 tokens a step (8 x 64 unless a choice says)")
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 16384, (8, 64), generator=g)
-    y = torch.randint(0, 16384, (8, 64), generator=g)
     built = {}
-    for name, (kind, overrides) in CHOICES.items():
+    for name, (kind, overrides) in chosen.items():
         model = GPT(GPTConfig.from_name("qwen3-baby", vocab_size=16384, **overrides))
-        built[name] = (model, make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), kind))
+        T = model.config.context_length
+        x, y = torch.randint(0, 16384, (2, 512 // T, T), generator=g)
+        built[name] = (model, make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), kind), x, y)
+    bf16 = args.precision == "bf16"
 
-    def step(model, optimizer) -> None:
-        _, loss = model(x, y)
+    def step(model, optimizer, x, y) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            _, loss = model(x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for model, optimizer in built.values():  # warm-up: the first steps allocate
-        step(model, optimizer)
-    times: dict[str, list[float]] = {name: [] for name in CHOICES}
-    cpu: dict[str, list[float]] = {name: [] for name in CHOICES}
+    for one in built.values():  # warm-up: the first steps allocate
+        step(*one)
+    times: dict[str, list[float]] = {name: [] for name in chosen}
+    cpu: dict[str, list[float]] = {name: [] for name in chosen}
     for _ in range(args.rounds):
-        for name, (model, optimizer) in built.items():
+        for name, one in built.items():
             start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
-                step(model, optimizer)
+                step(*one)
             times[name].append((time.perf_counter() - start) / args.steps)
             cpu[name].append((time.process_time() - start_cpu) / args.steps)
-    default = "adamw (the default)"
     rows = [
         {
             "name": name,

@@ -53,6 +53,28 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert {g["lr"] for g in opt.muon.param_groups + opt.adamw.param_groups} == {0.5}
 
 
+def test_adamw_lr_gives_adamws_part_its_own_peak_on_the_same_schedule():
+    from gptkiln.train.optimizer_step import OptimizerStep
+
+    model = tiny_qwen()
+    opt = make_optimizer(model, 2e-3, 0.1, (0.9, 0.95), "muon", adamw_lr=8e-3)
+    assert opt.muon.param_groups[0]["lr"] == 2e-3
+    assert {g["lr"] for g in opt.adamw.param_groups} == {8e-3}
+    x = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
+    batches = type("One", (), {"get": lambda self, step, micro: (x, x.roll(-1, 1))})()
+    cfg = TrainConfig(lr=2e-3, warmup_steps=4, grad_clip=0.0, precision="fp32")
+    lr, _ = OptimizerStep(model, model, opt, batches, cfg, "cpu")(1, 10, 0.0)
+    assert lr == pytest.approx(1e-3)  # step 1 of 4 of the warm-up
+    assert opt.muon.param_groups[0]["lr"] == pytest.approx(1e-3)
+    assert {round(g["lr"], 9) for g in opt.adamw.param_groups} == {4e-3}  # 4x, as the peaks
+    copied = copy.deepcopy(opt.state_dict())  # a resume keeps the ratio
+    again = make_optimizer(tiny_qwen(), 2e-3, 0.1, (0.9, 0.95), "muon")
+    again.load_state_dict(copied)
+    assert {g.get("lr_scale") for g in again.adamw.param_groups} == {4.0}
+    with pytest.raises(GptkilnError, match="adamw_lr must be"):
+        TrainConfig(optimizer="muon", adamw_lr=0.0)
+
+
 def test_a_muon_step_is_an_orthogonalised_update_of_the_matrices():
     """One step from zero momentum: each matrix moves by lr x 0.2 sqrt(max(rows, cols)) x the
     Newton-Schulz orthogonalisation of its gradient (singular values near 1), not by Adam's
@@ -113,7 +135,8 @@ def muon_runs(play_path, tmp_path_factory):
                       max_steps=steps, eval_interval=3, eval_batches=1, checkpoint_interval=3,
                       sample_interval=100, sample_tokens=4, warmup_steps=2, seed=3,
                       optimizer="muon", precision="fp32", schedule="wsd", relu2=True,
-                      logit_softcap=10.0, zero_init_out=True)  # fmt: skip
+                      logit_softcap=10.0, zero_init_out=True, value_embeds=1,
+                      attention_windows="0,8,8,0")  # fmt: skip
         out = ["train", "--data", str(play_path), "--out", str(root / out), "--no-progress"]
         for key, value in values.items():
             if value is True:
@@ -140,7 +163,9 @@ def test_a_resumed_muon_run_ends_where_an_uninterrupted_one_does(muon_runs):
     for row, other in zip(rows, again, strict=True):
         assert row["train_loss"] == other["train_loss"] and row["val_loss"] == other["val_loss"]
     a, b = load_model(whole), load_model(resumed)
-    assert a.config.recipe_choices() == ["relu2", "logit_softcap", "zero_init_out"]
+    assert a.config.recipe_choices() == [
+        "relu2", "logit_softcap", "zero_init_out", "value_embeds", "attention_windows"
+    ]  # fmt: skip
     for name, tensor in a.state_dict().items():
         torch.testing.assert_close(tensor, b.state_dict()[name], rtol=0, atol=0)
 
@@ -207,11 +232,88 @@ def test_zero_init_out_starts_every_block_as_the_identity():
         GPTConfig.from_name("book-124m", zero_init_out=True)
 
 
+def test_value_embeddings_enter_the_values_of_the_first_and_last_blocks_and_learn():
+    model = tiny_qwen(value_embeds=2)
+    assert len(model.value_embeds) == 2 and model.value_embeds[0].weight.shape == (40, 64)
+    x = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain = tiny_qwen()
+    plain.load_state_dict(model.state_dict(), strict=False)  # the same weights but theirs
+    assert not torch.allclose(model(x), plain(x))
+    with torch.no_grad():  # b = 0 and a = 1 in every block: the plain model's output again
+        for block in model.h:
+            block.attn.value_mix.copy_(torch.tensor([1.0, 0.0]))
+        torch.testing.assert_close(model(x), plain(x))
+        for block in model.h:
+            block.attn.value_mix.fill_(0.5)
+    _, loss = model(x, x.roll(-1, 1))
+    loss.backward()
+    for p in [*model.value_embeds.parameters(), *(b.attn.value_mix for b in model.h)]:
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    # U-shaped: blocks 0, 1 take embeddings 0, 1, and blocks 2, 3 the same two again
+    from gptkiln.model import value_index
+
+    assert [value_index(i, 2, 6) for i in range(6)] == [0, 1, None, None, 0, 1]
+    in_between = GPT(GPTConfig.from_name("qwen3-baby", vocab_size=40, n_layer=6, value_embeds=2))
+    assert [b.attn.value_mix is not None for b in in_between.h] == [1, 1, 0, 0, 1, 1]
+    with pytest.raises(GptkilnError, match="value_embeds must be in"):
+        GPTConfig.from_name("qwen3-baby", value_embeds=3)
+
+
+def test_a_sliding_window_masks_what_lies_beyond_it_in_training_and_decoding():
+    from gptkiln.model import window_mask
+
+    got = window_mask(None, 6, None, 3, torch.device("cpu"))[0, 0]
+    i, j = torch.arange(6)[:, None], torch.arange(6)
+    assert torch.equal(got, (j <= i) & (j > i - 3))  # the reference: causal, 3 back at most
+    assert window_mask(None, 6, None, 0, torch.device("cpu")) is None  # 0: the whole context
+    attentions: list[torch.Tensor] = []
+    model = tiny_qwen(attention_windows=[0, 3, 3, 0]).eval()
+    x = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(x, attentions=attentions)
+        assert attentions[1][..., 5, :3].abs().max() == 0  # query 5 sees keys 3, 4, 5 only
+        assert attentions[1][..., 5, 3:6].sum(-1).allclose(torch.ones(1))
+        assert attentions[0][..., 5, :3].abs().min() > 0  # the whole context in block 0
+        plain = tiny_qwen().eval()
+        assert not torch.allclose(plain(x), full)  # the same weights without windows
+        model.setup_cache(2, 16)  # a decode masks the same keys: the same logits
+        steps = [model(x[:, :4], start_pos=0)]
+        steps += [model(x[:, t : t + 1], start_pos=t) for t in range(4, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(GptkilnError, match="attention_windows must be a list of 4"):
+        GPTConfig.from_name("qwen3-baby", attention_windows=[4, 4])
+    assert GPTConfig.from_name("qwen3-baby", attention_windows=[0] * 4).attention_windows is None
+
+
+def test_aligned_windows_start_at_the_end_of_text_where_they_would_cross_it():
+    import numpy as np
+
+    from gptkiln.data.windows import AlignedWindowDataset, RandomWindowDataset
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 50, 2000)
+    tokens[rng.choice(2000, 40, replace=False)] = 0  # 0: the end of text
+    aligned = AlignedWindowDataset(tokens, 16, 500, 7, eot_id=0)
+    plain = RandomWindowDataset(tokens, 16, 500, 7)
+    moved = 0
+    for k in range(500):
+        start, first = plain.offset(k), aligned.offset(k)
+        x, _ = aligned[k]
+        crosses = (tokens[start + 1 : start + 16] == 0).any()  # the next document follows
+        if crosses and first + 16 < len(tokens):
+            assert first > start and x[0] == 0 and tokens[start + 1 : first].all()
+            moved += 1
+        else:
+            assert first == start
+    assert moved > 100
+
+
 def test_the_choices_are_off_in_every_preset_and_block_an_export():
     for name in PRESETS:
         assert GPTConfig.from_name(name).recipe_choices() == [], name
     config_to_hf(GPTConfig.from_name("qwen3-baby", zero_init_out=True))  # only the start differs
-    for choice in (dict(relu2=True), dict(logit_softcap=15.0)):
+    choices = (dict(value_embeds=1), dict(attention_windows=[0, 8, 8, 0]))
+    for choice in (dict(relu2=True), dict(logit_softcap=15.0), *choices):
         with pytest.raises(GptkilnError, match="Hugging Face's classes do not compute"):
             config_to_hf(GPTConfig.from_name("qwen3-baby", **choice))
 
@@ -219,9 +321,14 @@ def test_the_choices_are_off_in_every_preset_and_block_an_export():
 def test_train_flags_set_the_choices_and_0_takes_the_cap_off():
     from gptkiln.train.task import model_config_for
 
-    cfg = TrainConfig(relu2=True, logit_softcap=15.0, zero_init_out=True)
+    cfg = TrainConfig(relu2=True, logit_softcap=15.0, zero_init_out=True, value_embeds=2)
     model = model_config_for(cfg, 100)
     assert (model.relu2, model.logit_softcap, model.zero_init_out) == (True, 15.0, True)
+    assert model.value_embeds == 2
+    windows = model_config_for(TrainConfig(attention_windows="0,16,16,0"), 100)
+    assert windows.attention_windows == [0, 16, 16, 0]
+    with pytest.raises(GptkilnError, match="attention_windows must be whole numbers"):
+        model_config_for(TrainConfig(attention_windows="16;16"), 100)
     assert model_config_for(TrainConfig(logit_softcap=0.0), 100).logit_softcap is None
     assert model_config_for(TrainConfig(), 100).recipe_choices() == []
 
@@ -231,8 +338,41 @@ def test_a_run_with_a_computed_choice_is_refused_by_both_exports(muon_runs, tmp_
     from gptkiln.export.hf import export_hf
 
     whole = muon_runs[0]
-    with pytest.raises(GptkilnError, match="relu2, logit_softcap, which llama.cpp"):
+    choices = "relu2, logit_softcap, value_embeds, attention_windows"
+    with pytest.raises(GptkilnError, match=f"{choices}, which llama.cpp"):
         export_gguf(whole, tmp_path / "m.gguf")
-    with pytest.raises(GptkilnError, match="relu2, logit_softcap, which Hugging Face"):
+    with pytest.raises(GptkilnError, match=f"{choices}, which Hugging Face"):
         export_hf(whole, tmp_path / "hf")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_the_batched_muon_step_is_torchs_muon_step():
+    """MuonAdamW orthogonalises the matrices of one shape together: the same update as
+    torch.optim.Muon's loop over them (given the same gradients), to bf16's rounding."""
+    ours, theirs = tiny_qwen(), tiny_qwen()
+    opt = make_optimizer(ours, 1e-2, 0.1, (0.9, 0.95), "muon")
+    ref = torch.optim.Muon(
+        hidden_matrices(theirs), lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
+    )
+    start = [p.detach().clone() for p in hidden_matrices(ours)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):  # momentum carries the first steps into the third
+        for p, q in zip(hidden_matrices(ours), hidden_matrices(theirs), strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q, before in zip(hidden_matrices(ours), hidden_matrices(theirs), start, strict=True):
+        moved = (q.detach() - before).abs().max()
+        assert moved > 1e-3
+        assert (p.detach() - q.detach()).abs().max() < 0.05 * moved  # bf16's rounding
+
+
+def test_the_bundled_speedrun_recipe_makes_its_model_and_optimizer():
+    from gptkiln.cli.train import load_recipe
+    from gptkiln.train.task import model_config_for
+
+    cfg = TrainConfig(**load_recipe("speedrun"))
+    model = model_config_for(cfg, 100)
+    assert (cfg.optimizer, cfg.schedule, cfg.adamw_lr) == ("muon", "wsd", 8e-3)
+    assert model.attention_windows == [0, 16, 16, 0] and not model.tie_embeddings

@@ -29,8 +29,8 @@ EOT_ID = GPT2_VOCAB_SIZE - 1
 def config_to_hf(config: GPTConfig) -> dict[str, Any]:
     """The Hugging Face config.json (a dict) of ``config``'s family: `gpt2_config_to_hf` or
     `llama_config_to_hf` (Llama 3 and Qwen3); `GptkilnError` for a model with a speedrun
-    choice (``relu2``, ``logit_softcap``, ``zero_init_out``'s trained weights are fine), which
-    no Hugging Face class computes."""
+    choice (``relu2``, ``logit_softcap``, ``value_embeds``, ``attention_windows``;
+    ``zero_init_out``'s trained weights are fine), which no Hugging Face class computes."""
     computed = [c for c in config.recipe_choices() if c != "zero_init_out"]
     if computed:
         raise GptkilnError(

@@ -142,6 +142,8 @@ class Attention(nn.Module):
         self.use_sdpa = config.attention == "sdpa"
         self.grouped = self.n_kv_head != self.n_head  # SDPA's enable_gqa
         self.resid_dropout = nn.Dropout(config.dropout)
+        # value embeddings (config.value_embeds): v = a v + b e, a and b learned, per block
+        self.value_mix = nn.Parameter(torch.full((2,), 0.5)) if config.value_embeds else None
         # A submodule slot from the start, so that setting and clearing the cache leaves the
         # module's structure as it was: a compiled training step is not recompiled after a sample.
         self.kv_cache: KVCache | None
@@ -202,6 +204,15 @@ class Attention(nn.Module):
             )
         return explicit_attention(q, k, v, mask, dropout_p, attentions)
 
+    def mix_values(self, v: torch.Tensor, value_embed: torch.Tensor | None) -> torch.Tensor:
+        """v (B, nkv, T, hs), with a value embedding (B, T, nkv * hs) mixed in where this block
+        takes one (`GPTConfig.value_embeds`)."""
+        if value_embed is None:
+            return v
+        B, _, T, hs = v.shape
+        e = value_embed.view(B, T, self.n_kv_head, hs).transpose(1, 2)
+        return self.value_mix[0] * v + self.value_mix[1] * e.to(v.dtype)
+
 
 class CausalSelfAttention(Attention):
     """GPT-2's multi-head causal self-attention, with one fused query/key/value projection
@@ -224,6 +235,7 @@ class CausalSelfAttention(Attention):
         rows: slice | torch.Tensor | None = None,
         attentions: list[torch.Tensor] | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        value_embed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C).
 
@@ -237,12 +249,14 @@ class CausalSelfAttention(Attention):
                 the explicit path runs (SDPA never forms the weights).
             rope: unused: GPT-2's positions are learned embeddings, added at the input (the
                 argument is there so that every block calls its attention alike).
+            value_embed: this block's value embedding of x's tokens (`mix_values`), or None.
         """
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.mix_values(v, value_embed)
         if self.kv_cache is not None and start_pos is not None:
             k, v = self.kv_cache.update(start_pos, k, v, rows)  # (B, nh, S, hs)
         y = self.attend(q, k, v, start_pos, mask, attentions)  # (B, nh, T, hs)
@@ -285,6 +299,7 @@ class GroupedQueryAttention(Attention):
         rows: slice | torch.Tensor | None = None,
         attentions: list[torch.Tensor] | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        value_embed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C); arguments as `CausalSelfAttention.forward`'s, and
         ``rope``: the cos and sin of x's positions, (1 or B, 1, T, hs) each (`GPT.rope_at`);
@@ -294,6 +309,7 @@ class GroupedQueryAttention(Attention):
         q = self.q_proj(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.mix_values(v, value_embed)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -586,8 +602,9 @@ class Block(nn.Module):
         rows: slice | torch.Tensor | None = None,
         attentions: list[torch.Tensor] | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        value_embed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), start_pos, mask, rows, attentions, rope)
+        x = x + self.attn(self.ln_1(x), start_pos, mask, rows, attentions, rope, value_embed)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -664,6 +681,13 @@ class GPT(nn.Module):
             self.wpe = nn.Embedding(config.context_length, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        kv_width = config.kv_heads * config.head_size
+        self.value_embeds = nn.ModuleList(
+            nn.Embedding(config.vocab_size, kv_width) for _ in range(config.value_embeds)
+        )
+        for i, block in enumerate(self.h):  # the mix only where a block takes an embedding
+            if value_index(i, config.value_embeds, config.n_layer) is None:
+                block.attn.value_mix = None
         self.ln_f = make_norm(config, config.n_embd)
         if config.num_classes:
             self.score = nn.Linear(config.n_embd, config.num_classes)
@@ -744,6 +768,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, Attention) and module.value_mix is not None:
+                nn.init.constant_(module.value_mix, 0.5)
         self.tie_weights()
 
     def num_parameters(self, exclude_position_embeddings: bool = False) -> int:
@@ -938,6 +964,8 @@ class GPT(nn.Module):
                 and isinstance(start_pos, int)
                 and rows is None
                 and attentions is None
+                and not self.value_embeds  # the native blocks have neither of these two
+                and self.config.attention_windows is None
                 and not torch.compiler.is_compiling()
             ):
                 y = self.decode_blocks(self, x, start_pos, mask)
@@ -946,6 +974,46 @@ class GPT(nn.Module):
         else:
             x = self.drop(self.wte(idx))  # (B, T, C); positions enter as rotations of q and k
             rope = self.rope_at(pos)  # 2 x (1 or B, 1, T, hs)
-        for block in self.h:
-            x = block(x, start_pos, mask, rows, attentions, rope)
+        values = [embed(idx) for embed in self.value_embeds]  # (B, T, nkv * hs) each
+        windows = self.config.attention_windows or [0] * len(self.h)
+        masks = {w: window_mask(mask, T, start_pos, w, idx.device) for w in set(windows)}
+        for i, block in enumerate(self.h):
+            at = value_index(i, len(values), len(self.h))
+            value = None if at is None else values[at]
+            x = block(x, start_pos, masks[windows[i]], rows, attentions, rope, value)
         return self.ln_f(x)
+
+
+def value_index(i: int, n: int, n_layer: int) -> int | None:
+    """Which of ``n`` value embeddings block ``i`` takes: embedding i in the first n blocks,
+    the same again in the last n (`GPTConfig.value_embeds`), none in between."""
+    if i < n:
+        return i
+    return i - (n_layer - n) if i >= n_layer - n else None
+
+
+def window_mask(
+    mask: torch.Tensor | None,
+    T: int,
+    start_pos: int | torch.Tensor | None,
+    window: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """``mask`` (None: causal) narrowed to the last ``window`` positions of each query, itself
+    included (0: unchanged): True where the key's cache slot is within ``window`` of the
+    query's. (B or 1, 1, T, S) like `GPT._positions_and_mask`'s."""
+    if not window:
+        return mask
+    if isinstance(start_pos, torch.Tensor):
+        slots = start_pos.to(device)[:, None, None] + torch.arange(T, device=device)[:, None]
+    else:
+        slots = (start_pos or 0) + torch.arange(T, device=device)[:, None]  # (T, 1)
+    S = mask.size(-1) if mask is not None else (start_pos or 0) + T
+    key = torch.arange(S, device=device)
+    near = key > slots - window  # (T, S) or (B, T, S)
+    if mask is None:
+        near = near & (key <= slots)  # causal
+    near = near.unsqueeze(-3)  # (1 or B, 1, T, S) after the batch dimension
+    if near.dim() == 3:
+        near = near[None]
+    return near if mask is None else mask & near

@@ -78,7 +78,7 @@ class GPTConfig:
         bias: biases in the other linear layers (attention output, MLP): GPT-2 has them,
             Llama and Qwen do not. The query/key/value projections follow ``qkv_bias``.
 
-    Three choices from the public speedruns (modded-nanogpt), off by default and in every
+    Choices from the public speedruns (modded-nanogpt), off by default and in every
     published model's config (no Hugging Face class has them, so a model with one does not
     export to transformers):
 
@@ -90,6 +90,15 @@ class GPTConfig:
         zero_init_out: a fresh model's residual projections (``c_proj``, ``o_proj``,
             ``down_proj``) start at zero, so each block starts as the identity (modded-nanogpt's
             record 5); with ``init`` "gpt2" only.
+        value_embeds: N extra token embeddings (each ``kv_heads x head_size`` wide) added into
+            the attention values: block i < N takes embedding i, and the last N blocks take the
+            same N again (modded-nanogpt's value embeddings, U-shaped); each block mixes them in
+            as ``a v + b e`` with its own learned ``a`` and ``b`` (both 0.5 at the start). 0:
+            none; at most ``n_layer // 2``.
+        attention_windows: None, or one number a block: how many positions (itself included)
+            each query of that block attends to, 0 for all of them (sliding-window attention
+            by layer, modded-nanogpt's long and short windows). The KV cache still holds the
+            whole context.
     """
 
     vocab_size: int = GPT2_VOCAB_SIZE
@@ -119,6 +128,8 @@ class GPTConfig:
     relu2: bool = False
     logit_softcap: float | None = None
     zero_init_out: bool = False
+    value_embeds: int = 0
+    attention_windows: list[int] | None = None
 
     def __post_init__(self) -> None:
         _check_types(self, "model config")  # kinds first; the ranges below
@@ -222,8 +233,8 @@ class GPTConfig:
             )
 
     def _check_recipe_choices(self) -> None:
-        """The speedruns' choices (``relu2``, ``logit_softcap``, ``zero_init_out``): each
-        where this model has what it changes."""
+        """The speedruns' choices (``relu2``, ``logit_softcap``, ``zero_init_out``,
+        ``value_embeds``, ``attention_windows``): each where this model has what it changes."""
         if self.relu2 and self.mlp != "swiglu":
             raise GptkilnError(
                 "model config: relu2 replaces the SiLU gate of a swiglu MLP; this model's MLP "
@@ -234,6 +245,23 @@ class GPTConfig:
             raise GptkilnError(
                 f"model config: logit_softcap must be a number > 0 (or null: no cap), got {cap!r}"
             )
+        if not 0 <= self.value_embeds <= self.n_layer // 2:
+            raise GptkilnError(
+                f"model config: value_embeds must be in [0, n_layer // 2 = {self.n_layer // 2}] "
+                f"(the first and the last that many blocks take them), got {self.value_embeds!r}"
+            )
+        windows = self.attention_windows
+        if windows is not None and (
+            not isinstance(windows, list)
+            or len(windows) != self.n_layer
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in windows)
+        ):
+            raise GptkilnError(
+                f"model config: attention_windows must be a list of {self.n_layer} whole numbers "
+                f">= 0 (one a block; 0: the whole context), got {windows!r}"
+            )
+        if windows is not None and not any(windows):
+            self.attention_windows = None  # no block windowed: the plain model
         if self.zero_init_out and self.init != "gpt2":
             raise GptkilnError(
                 "model config: zero_init_out starts the residual projections at zero under "
@@ -243,11 +271,7 @@ class GPTConfig:
     def recipe_choices(self) -> list[str]:
         """The speedruns' choices this config makes (``relu2``, ...), which no Hugging Face
         class has: empty for every published model."""
-        return [
-            name
-            for name in ("relu2", "logit_softcap", "zero_init_out")
-            if getattr(self, name) not in (None, False)
-        ]
+        return [name for name in _RECIPE_CHOICES if getattr(self, name) not in (None, False, 0)]
 
     @property
     def head_size(self) -> int:
@@ -280,6 +304,8 @@ class GPTConfig:
     def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
         return _from_dict(cls, values, "model config")
 
+
+_RECIPE_CHOICES = ("relu2", "logit_softcap", "zero_init_out", "value_embeds", "attention_windows")
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "family": ("gpt2", "llama3", "qwen3"),

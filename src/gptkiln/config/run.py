@@ -183,11 +183,27 @@ class TrainConfig:
         "start the residual projections (attention and MLP outputs) at zero",
         unset="the preset's",
     )
-    sampling: Literal["windows", "random"] = setting(
+    value_embeds: int | None = setting(
+        None,
+        "model",
+        "extra token embeddings added into the attention values of the first and the last N "
+        "blocks (modded-nanogpt's value embeddings; 0: none)",
+        unset="the preset's",
+    )
+    attention_windows: str | None = setting(
+        None,
+        "model",
+        "sliding-window attention by block: one window a block, comma-separated, each the "
+        "positions a query attends to, 0 for all (e.g. 0,16,16,0)",
+        unset="the preset's",
+    )
+    sampling: Literal["windows", "random", "aligned"] = setting(
         "random",
         "data",
         "how training windows are drawn: random = at seeded random offsets (nanoGPT); "
-        "windows = the book's sliding windows, each epoch in a seeded shuffle",
+        "windows = the book's sliding windows, each epoch in a seeded shuffle; aligned = "
+        "random, but a window that would cross a document's end starts at it (with the end "
+        "of text token)",
     )
     stride: int | None = setting(
         None,
@@ -233,10 +249,17 @@ class TrainConfig:
         "optimisation",
         "adamw | muon = Muon (orthogonalised momentum) for the blocks' matrices, AdamW for "
         "the embeddings, head, norms and biases, both at --lr (Muon's update scaled to AdamW's "
-        "size)",
+        "size; AdamW's part at --adamw-lr when given)",
     )
     muon_momentum: float = setting(
         0.95, "optimisation", "Muon's (Nesterov) momentum with --optimizer muon, in [0, 1)"
+    )
+    adamw_lr: float | None = setting(
+        None,
+        "optimisation",
+        "with --optimizer muon: the peak learning rate of AdamW's part (embeddings, head, "
+        "norms, biases), on the same schedule (> 0)",
+        unset="--lr",
     )
     schedule: Literal["cosine", "wsd"] = setting(
         "cosine",
@@ -353,8 +376,10 @@ class TrainConfig:
             raise GptkilnError("set max_steps > 0, or epochs > 0 with sampling 'windows'")
         if self.max_steps == 0 and self.sampling != "windows":
             raise GptkilnError("epochs need sampling 'windows'; with 'random' set max_steps")
-        if self.sampling not in ("windows", "random"):
-            raise GptkilnError(f"sampling must be 'windows' or 'random', got {self.sampling!r}")
+        if self.sampling not in ("windows", "random", "aligned"):
+            raise GptkilnError(
+                f"sampling must be 'windows', 'random' or 'aligned', got {self.sampling!r}"
+            )
         if self.parallel not in ("ddp", "fsdp"):
             raise GptkilnError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
         if self.max_time is not None and not 0 < self.max_time < math.inf:
@@ -402,6 +427,8 @@ class TrainConfig:
             raise GptkilnError(f"schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise GptkilnError(f"muon_momentum must be in [0, 1), got {self.muon_momentum!r}")
+        if self.adamw_lr is not None and not 0.0 < self.adamw_lr < math.inf:
+            raise GptkilnError(f"adamw_lr must be a number > 0, got {self.adamw_lr!r}")
         if not 0.0 < self.cooldown <= 1.0:
             raise GptkilnError(f"cooldown must be in (0, 1], got {self.cooldown!r}")
         cap = self.logit_softcap

@@ -131,6 +131,34 @@ class RandomWindowDataset(_TokenWindows):
         return self._window(self.offset(index))
 
 
+class AlignedWindowDataset(RandomWindowDataset):
+    """`RandomWindowDataset`'s windows, aligned to documents (modded-nanogpt's batches that
+    start at a document boundary): a window that holds the end of one document (its end of text
+    token ``eot_id``, after the window's first token) and the start of the next moves forward to
+    start at that token, the boundary marker first, as a document's start is generated. A
+    window inside one document stays where it was, and so does one that cannot move (the
+    text's last).
+
+    Args:
+        tokens, max_length, num_samples, seed: as `RandomWindowDataset`'s.
+        eot_id: the token that ends each document (`Tokenizer.eot_id`).
+    """
+
+    def __init__(self, tokens, max_length: int, num_samples: int, seed: int, eot_id: int) -> None:
+        super().__init__(tokens, max_length, num_samples, seed)
+        self.ends = np.flatnonzero(self.tokens == eot_id)  # sorted, one a document
+
+    def offset(self, index: int) -> int:
+        start = super().offset(index)
+        at = int(np.searchsorted(self.ends, start, side="right"))  # the first end after start
+        if at < len(self.ends):
+            end = int(self.ends[at])
+            # before the last position the next document's tokens follow it in the window
+            if end < start + self.max_length and end + self.max_length < len(self.tokens):
+                return end
+        return start
+
+
 def create_dataloader(
     tokens,
     *,

@@ -18,7 +18,7 @@ import torch
 
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.model import GPT
+from gptkiln.model import GPT, value_index
 from gptkiln.quantize import int8_modules
 
 _MAX_NAMES = 6  # parameter names listed in one error line before "and N more"
@@ -38,7 +38,11 @@ def expected_shapes(
         shapes["wpe.weight"] = (config.context_length, C)
     block = _block_shapes(config)
     for i in range(config.n_layer):
-        shapes.update({f"h.{i}.{name}": shape for name, shape in block.items()})
+        mixes = value_index(i, config.value_embeds, config.n_layer) is not None
+        held = {name: shape for name, shape in block.items() if mixes or name != "attn.value_mix"}
+        shapes.update({f"h.{i}.{name}": shape for name, shape in held.items()})
+    KV = config.kv_heads * config.head_size
+    shapes.update({f"value_embeds.{i}.weight": (V, KV) for i in range(config.value_embeds)})
     shapes.update(_norm_shapes("ln_f", config))
     if config.num_classes:
         shapes.update(
@@ -90,6 +94,8 @@ def _block_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
             "mlp.down_proj": (C, M, config.bias),
         })  # fmt: skip
     shapes = _norm_shapes("ln_1", config)
+    if config.value_embeds:
+        shapes["attn.value_mix"] = (2,)  # how each block mixes its value embedding in
     for name, (out, inp, bias) in linears.items():
         shapes[f"{name}.weight"] = (out, inp)
         if bias:

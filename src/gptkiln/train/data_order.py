@@ -75,15 +75,26 @@ class Batches:
     """Training windows by (step, micro-step, rank), computed from indices alone.
 
     ``"windows"`` sampling walks the sliding windows in epochs (`EpochOrder`); ``"random"``
-    reads the windows of a seeded random stream in order.
+    reads the windows of a seeded random stream in order, and ``"aligned"`` the same stream
+    with each window that crosses a document's end moved to start at it
+    (`AlignedWindowDataset`; ``eot_id``, the tokenizer's end of text, must be given).
     """
 
     walks_epochs: bool  # the order depends on the global batch: resuming must keep it
 
     def __init__(
-        self, tokens: np.ndarray, cfg: TrainConfig, context_length: int, world: dist_utils.World
+        self,
+        tokens: np.ndarray,
+        cfg: TrainConfig,
+        context_length: int,
+        world: dist_utils.World,
+        eot_id: int | None = None,
     ):
-        from gptkiln.data.windows import RandomWindowDataset, SlidingWindowDataset
+        from gptkiln.data.windows import (
+            AlignedWindowDataset,
+            RandomWindowDataset,
+            SlidingWindowDataset,
+        )
 
         self.cfg, self.world = cfg, world
         self.context_length = context_length
@@ -97,7 +108,15 @@ class Batches:
             self.steps_per_epoch = self.order.steps_per_epoch
         else:
             num = max(1, cfg.max_steps) * self.global_batch
-            self.dataset = RandomWindowDataset(tokens, context_length, num, cfg.seed)
+            if cfg.sampling == "aligned":
+                if eot_id is None:
+                    raise GptkilnError(
+                        "sampling 'aligned' starts windows at the end of text token, and this "
+                        "tokenizer has none; use sampling 'random'"
+                    )
+                self.dataset = AlignedWindowDataset(tokens, context_length, num, cfg.seed, eot_id)
+            else:
+                self.dataset = RandomWindowDataset(tokens, context_length, num, cfg.seed)
             self.steps_per_epoch = cfg.max_steps
 
     @property

@@ -133,7 +133,13 @@ class Trainer:
         self.forward = torch.compile(self.model) if cfg.compile else self.model
         betas = (cfg.beta1, cfg.beta2)
         self.optimizer = make_optimizer(
-            self.model, cfg.lr, cfg.weight_decay, betas, cfg.optimizer, cfg.muon_momentum
+            self.model,
+            cfg.lr,
+            cfg.weight_decay,
+            betas,
+            cfg.optimizer,
+            cfg.muon_momentum,
+            adamw_lr=cfg.adamw_lr,
         )
         self.log = RunLog(self.task, self.run_dir, self.world, self.guard)
         self.log.benchmarks = benchmarks

@@ -71,8 +71,8 @@ class OptimizerStep:
             schedule=cfg.schedule,
             cooldown=cfg.cooldown,
         )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # a group's own peak: `optim.MuonAdamW`
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
             x, y = self.batches.get(step, micro)

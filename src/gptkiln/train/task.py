@@ -119,7 +119,8 @@ class LanguageModeling:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.model = GPT(self.model_config).to(ctx.device)
         ctx_len = self.model_config.context_length
-        self.batches = Batches(self.data.train, cfg, ctx_len, ctx.world)
+        eot = self.tokenizer.eot_id
+        self.batches = Batches(self.data.train, cfg, ctx_len, ctx.world, eot)
         # eval_batches of the global batch, split across ranks: N x b evaluates what 1 x Nb does.
         n_eval = cfg.eval_batches * ctx.world.world_size
         self.val_batches = eval_batches(self.data.val, ctx_len, cfg.batch_size, n_eval)
@@ -258,12 +259,27 @@ def model_config_for(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
         overrides["tie_embeddings"] = cfg.tie_embeddings
     if cfg.gelu is not None:
         overrides["gelu"] = cfg.gelu
-    for name in ("relu2", "zero_init_out"):
+    for name in ("relu2", "zero_init_out", "value_embeds"):
         if getattr(cfg, name) is not None:
             overrides[name] = getattr(cfg, name)
     if cfg.logit_softcap is not None:
         overrides["logit_softcap"] = cfg.logit_softcap or None  # 0: no cap
+    if cfg.attention_windows is not None:
+        overrides["attention_windows"] = _windows(cfg.attention_windows)
     return GPTConfig.from_name(cfg.model, **overrides)
+
+
+def _windows(text: str) -> list[int] | None:
+    """``--attention-windows 0,16,16,0`` as a list (all zeros: None); the model config checks
+    that there is one a block."""
+    try:
+        windows = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise GptkilnError(
+            f"attention_windows must be whole numbers separated by commas (one a block, 0: "
+            f"the whole context, e.g. 0,16,16,0), got {text!r}"
+        ) from None
+    return windows if any(windows) else None
 
 
 def _prepared_matches(
