@@ -1,6 +1,7 @@
 """gptkiln against llama.cpp on the CPU: greedy decoding at batch 1, first token, whole process.
 
-    python bench/llamacpp.py [--run RUN] [--shape 124m|tiny] [--new-tokens 200] [--rounds 2]
+    python bench/llamacpp.py [--run RUN] [--shape 124m|tiny] [--family gpt2|qwen3|llama3]
+                             [--new-tokens 200] [--rounds 2]
                              [--llamacpp-python PATH] [--sdist PATH] [--workdir DIR]
 
 The peer is ``llama-cpp-python`` (llama.cpp compiled from its PyPI source package, once, into a
@@ -13,7 +14,10 @@ sdist's ``gguf-py`` first on its path.
 
 The same weights on both sides: ``--run`` (a GPT-2 run), or by default a GPT-2 124M-shaped run
 with random weights (as ``bench/generate.py`` makes one, gpt2 tokenizer), exported with
-``gptkiln convert to-hf`` and converted to f32, bf16 and q8_0 GGUF. Each gptkiln row decodes at
+``gptkiln convert to-hf`` and converted to f32, bf16 and q8_0 GGUF by llama.cpp's converter;
+with ``--family qwen3`` or ``llama3``, the published Qwen3-0.6B or Llama 3.2-1B blocks with
+GPT-2's vocabulary (`FAMILY_PRESETS`), written to GGUF by ``gptkiln convert to-gguf`` (llama.cpp's
+converter wants the family's own tokenizer). Each gptkiln row decodes at
 one precision (``--precision``) and is compared with the llama.cpp file of that precision, as
 the ``vs`` column says: exact fp32 against f32, bf16 (bf16 weights, fp32 activations) against
 bf16, int8 (``gptkiln convert quantize`` of the run: int8 weights per output channel, head
@@ -58,6 +62,10 @@ SHAPES = {
     "124m": dict(vocab=50257, context=1024, n_layer=12, n_head=12, n_embd=768),
     "tiny": dict(vocab=50257, context=256, n_layer=2, n_head=2, n_embd=64),  # a smoke run
 }
+FAMILY_PRESETS = {"qwen3": "qwen3-0.6b", "llama3": "llama3.2-1b"}
+"""``--family``'s published shape (gptkiln's preset) beside GPT-2's ``--shape``: its blocks as
+published, GPT-2's tokenizer and vocabulary (50,257 rows of head instead of 151,936 or 128,256:
+no Qwen or Llama tokenizer is on this machine), a 2,048-token context, random weights."""
 DEFAULT_PYTHON = "/work/peers/llamacpp-venv/bin/python"
 DEFAULT_SDIST = "/work/peers/sdist/llama_cpp_python-0.3.36.tar.gz"
 PROMPT = "The"
@@ -117,16 +125,34 @@ def worker(job: dict) -> None:
 
 
 # -- the driver ---------------------------------------------------------------------------------
-def make_run(shape: str, directory: Path) -> Path:
+def make_run(shape: str, directory: Path, family: str = "gpt2") -> Path:
     common.setup_torch()
     from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.config.model import GPT2_VOCAB_SIZE, PRESETS
+    from gptkiln.model import GPT
     from gptkiln.tokenizers import load_tokenizer
 
-    return save_model(
-        common.gptkiln_gpt(SHAPES[shape]).eval(),
-        directory / f"gpt2-{shape}",
-        tokenizer=load_tokenizer("gpt2"),
-    )
+    if family == "gpt2":
+        model, name = common.gptkiln_gpt(SHAPES[shape]), f"gpt2-{shape}"
+    else:
+        preset = FAMILY_PRESETS[family]
+        config = dict(PRESETS[preset], vocab_size=GPT2_VOCAB_SIZE, context_length=2048)
+        model, name = GPT(GPTConfig(**config, dropout=0.0)), preset
+    return save_model(model.eval(), directory / name, tokenizer=load_tokenizer("gpt2"))
+
+
+def own_gguf(run: Path, workdir: Path) -> dict[str, Path]:
+    """The f32, bf16 and q8_0 GGUF files of a Llama 3 or Qwen3 run by ``gptkiln convert
+    to-gguf`` (llama.cpp's converter wants the family's own tokenizer, which is not here;
+    gptkiln's files load in llama.cpp: tests/test_export_gguf.py)."""
+    out = {}
+    for kind in ("f32", "bf16", "q8_0"):
+        path = workdir / f"model-{kind}.gguf"
+        if not path.exists():
+            gptkiln_cli("convert", "to-gguf", str(run), "--out", str(path), "--type", kind)
+        out[kind] = path
+    return out
 
 
 def gptkiln_cli(*args: str) -> None:
@@ -298,6 +324,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", type=Path, help="a GPT-2 run (default: a random one of --shape)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="124m")
+    p.add_argument(
+        "--family",
+        choices=["gpt2", *FAMILY_PRESETS],
+        default="gpt2",
+        help="gpt2 (--shape), or a published Llama 3 / Qwen3 shape (FAMILY_PRESETS)",
+    )
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--llamacpp-python", default=os.environ.get("LLAMACPP_PYTHON", DEFAULT_PYTHON))
@@ -311,13 +343,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gptkiln-llamacpp-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        run = args.run or make_run(args.shape, workdir)
+        run = args.run or make_run(args.shape, workdir, args.family)
         int8_run, hf_dir = workdir / "int8-run", workdir / "hf"
         if not int8_run.exists():
             gptkiln_cli("convert", "quantize", str(run), "--out", str(int8_run))
-        if not hf_dir.exists():
-            gptkiln_cli("convert", "to-hf", str(run), "--out", str(hf_dir))
-        ggufs = to_gguf(hf_dir, args.sdist, workdir)
+        if args.family != "gpt2":
+            ggufs = own_gguf(run, workdir)
+        else:
+            if not hf_dir.exists():
+                gptkiln_cli("convert", "to-hf", str(run), "--out", str(hf_dir))
+            ggufs = to_gguf(hf_dir, args.sdist, workdir)
         sides = jobs(
             {
                 "gptkiln fp32": (run, "fp32"),

@@ -811,6 +811,63 @@ def test_the_one_call_decode_step_is_the_layers_step(build, quantized, prompts):
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
 
 
+def _family_model(name: str, quantized: bool = False):
+    """A small Llama 3 or Qwen3 (``llama3-baby``, ``qwen3-baby``) with every weight moved off
+    its initial value (unit norms included: a norm left out of the step would show)."""
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.quantize import quantize_model
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name(name, vocab_size=97, context_length=48)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return quantize_model(model) if quantized else model
+
+
+@needs_blocks_library
+@pytest.mark.parametrize("name", ["qwen3-baby", "llama3-baby"])
+@pytest.mark.parametrize("kind", ["fp32", "int8", "bf16"])
+@pytest.mark.parametrize("prompts", [[[5, 6, 7]], [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6]]])
+def test_the_one_call_step_of_llama_and_qwen3_is_the_layers_step(build, name, kind, prompts):
+    # RMSNorm, Qwen3's q/k norms, RoPE at each row's own position (left padding), grouped
+    # heads and SwiGLU in C: the same logits as the layers running the same loops
+    model = _family_model(name, quantized=kind == "int8")
+    rows = len(prompts)
+    loop = {
+        "fp32": products.few_rows_linear,
+        "int8": products.int8_rows_linear,
+        "bf16": products.bf16_rows_linear,
+    }[kind]
+    for layer in [m for m in model.modules() if hasattr(m, "few_row_kernels")]:
+        layer.few_row_kernels[rows] = loop
+    loops.use_compiled_loops(model)
+    reference = _step_logits(model, prompts, steps=8)
+    assert blocks.use_native_blocks(model, rows)
+    model.decode_blocks, done = _counting(model.decode_blocks)
+    got = _step_logits(model, prompts, steps=8)
+    assert len(done) == 8  # every decode step went through the one call
+    torch.testing.assert_close(got, reference, atol=2e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+
+@needs_blocks_library
+def test_the_one_call_step_declines_a_relu2_mlp():
+    # a choice the C step does not compute (ReLU² gates) leaves the step to the layers
+    model = _family_model("qwen3-baby")
+    for block in model.h:
+        block.mlp.relu2 = True
+    for layer in [m for m in model.modules() if hasattr(m, "few_row_kernels")]:
+        layer.few_row_kernels[1] = products.few_rows_linear
+    reference = _step_logits(model, [[5, 6, 7]], steps=3)
+    assert blocks.use_native_blocks(model, 1)
+    model.decode_blocks, done = _counting(model.decode_blocks)
+    got = _step_logits(model, [[5, 6, 7]], steps=3)
+    assert done == []  # declined every step: the layers ran
+    torch.testing.assert_close(got, reference)
+
+
 @needs_blocks_library
 def test_the_one_call_step_runs_bf16_layers_over_their_bf16_copies(build):
     # bf16 decoding: the one call reads each layer's bf16 copy, as the layers' loop does

@@ -903,22 +903,22 @@ class GPT(nn.Module):
         rope = None
         if self.config.positions == "learned":
             x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-            # grad mode first: a compiled training step then never reads (or guards on) the hook
-            if (
-                not torch.is_grad_enabled()
-                and T == 1
-                and self.decode_blocks is not None
-                and isinstance(start_pos, int)
-                and rows is None
-                and attentions is None
-                and not torch.compiler.is_compiling()
-            ):
-                y = self.decode_blocks(self, x, start_pos, mask)
-                if y is not None:
-                    return y
         else:
             x = self.drop(self.wte(idx))  # (B, T, C); positions enter as rotations of q and k
             rope = self.rope_at(pos)  # 2 x (1 or B, 1, T, hs)
+        # grad mode first: a compiled training step then never reads (or guards on) the hook
+        if (
+            not torch.is_grad_enabled()
+            and T == 1
+            and self.decode_blocks is not None
+            and isinstance(start_pos, int)
+            and rows is None
+            and attentions is None
+            and not torch.compiler.is_compiling()
+        ):
+            y = self.decode_blocks(self, x, start_pos, mask, rope)
+            if y is not None:
+                return y
         for block in self.h:
             x = block(x, start_pos, mask, rows, attentions, rope)
         return self.ln_f(x)

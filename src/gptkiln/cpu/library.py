@@ -61,6 +61,10 @@ ENTRIES: dict[str, list] = {
     + [_I] * 5
     + [_L] * 2
     + [_P, _F, _P, _P, _I],
+    "llama_decode_blocks": [_P, ctypes.c_char_p, _I, _P, _P]
+    + [_I] * 6
+    + [_L] * 2
+    + [_P, _P, _P, _F, _P, _I],
     "gk_avx512": [],
     "gk_q8_vnni": [],
 }

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from gptkiln.cpu import specs
-from gptkiln.cpu.blocks import block_products, in_one_call, use_native_blocks
+from gptkiln.cpu.blocks import FAMILIES, block_products, in_one_call, use_native_blocks
 from gptkiln.cpu.library import library
 from gptkiln.cpu.products import _BF16, _BF16_ROWS, _PACKED, FEW_ROWS
 
@@ -68,7 +68,7 @@ def tune_decoding(
     `gptkiln.quantize.Int8Linear`) its kernel for ``rows`` rows at ``precision`` (see the
     module's docstring). Eligible: a CPU, contiguous, plain (not sharded) weight, fp32, or int8
     with fp32 scales, and ``rows <= FEW_ROWS``. ``one_call``: whether the caller's steps put
-    every row at one position, so that a GPT-2's blocks may run in one call (`_tune_step`); a
+    every row at one position, so that a model's blocks may run in one call (`_tune_step`); a
     server's rows, each at its own position, run the layers. The global random state is left
     alone. Returns {(out, in): kernel name}."""
     if rows > FEW_ROWS:
@@ -294,13 +294,14 @@ _LOOPS = {"float32": "few_rows", "int8": "int8_rows"}
 
 def _tune_step(model, rows: int, repeats: int, stored, known: dict, precision, clock) -> None:
     """`use_native_blocks` where every block product has one of the library's loops; where the
-    tuner chose other kernels for some, and the model is a GPT-2 with a KV cache of ``rows``
+    tuner chose other kernels for some, and the model (one of `FAMILIES`) has a KV cache of ``rows``
     rows, time a whole decode step both ways and keep the faster: the layers with their tuned
     kernels, against the loops for every block product in one call (which saves the time
     between the products, ~0.2 ms a block, that timing the products alone does not see). The
     step is timed at the cache's last position (written before it is read). The choice is kept
     as the products' are (in this process, and on disk)."""
-    if getattr(getattr(model, "config", None), "family", None) != "gpt2":
+    family = getattr(getattr(model, "config", None), "family", None)
+    if family not in FAMILIES:
         return
     if use_native_blocks(model, rows) or library() is None:
         return
@@ -315,7 +316,7 @@ def _tune_step(model, rows: int, repeats: int, stored, known: dict, precision, c
     had = sorted({names.get(layer.few_row_kernels.get(rows), "?") for layer in products})
     c = model.config
     entry = (
-        f"gpt2 step {c.n_layer}x{c.n_embd} heads={c.n_head} mlp={c.mlp_size} rows={rows} "
+        f"{family} step {c.n_layer}x{c.n_embd} heads={c.n_head} mlp={c.mlp_size} rows={rows} "
         f"threads={torch.get_num_threads()} layers={','.join(had)} {CHOICE_RULES}"
     )
     if entry not in _CHOSEN:

@@ -47,6 +47,12 @@ int gpt2_decode_blocks(const int64_t *table, const char *kinds, int n_layer, flo
                        int B, int C, int H, int D, int F, int64_t S_max, int64_t pos,
                        const uint8_t *mask, float eps, const float *lnf_w, const float *lnf_b,
                        int threads);
+/* a Llama 3 or Qwen3 decode step's blocks and final norm in one call (generic/decode_blocks.c):
+   RMSNorm, grouped-query attention with RoPE (and Qwen3's per-head q/k norms), SwiGLU. */
+int llama_decode_blocks(const int64_t *table, const char *kinds, int n_layer, float *x,
+                        float *out, int B, int C, int H, int G, int D, int F, int64_t S_max,
+                        int64_t pos, const uint8_t *mask, const float *cos, const float *sin,
+                        float eps, const float *norm_w, int threads);
 /* what this library runs: 1 where the AVX-512 products are in use, 0 where the generic ones. */
 int gk_avx512(void);
 /* 1 where q8_rows_linear runs on AVX-512 VNNI, 0 where it runs the generic loop. */
