@@ -18,6 +18,7 @@ from torch import nn
 
 from gptkiln.cpu import specs
 from gptkiln.cpu.library import library
+from gptkiln.cpu.planned import few_row_kernels, own_class, plan_model
 from gptkiln.cpu.products import bf16_copy
 
 LOOP_KINDS = {spec.kernel: spec.loop for spec in specs.SPECS if spec.loop is not None}
@@ -56,13 +57,12 @@ def use_native_blocks(model: nn.Module, rows: int) -> bool:
     if getattr(getattr(model, "config", None), "family", None) != "gpt2":
         return False
     native = all(
-        in_one_call(layer, getattr(layer, "few_row_kernels", {}).get(rows))
-        for layer in block_products(model)
+        in_one_call(layer, few_row_kernels(layer).get(rows)) for layer in block_products(model)
     ) and (library() is not None)
-    blocks = model.decode_blocks
+    blocks = getattr(model, "decode_blocks", None)
     if native:
         if blocks is None:
-            blocks = model.decode_blocks = DecodeBlocks(LOOP_KINDS)
+            blocks = plan_model(model).decode_blocks = DecodeBlocks(LOOP_KINDS)
         blocks.rows.add(rows)
     elif blocks is not None:
         blocks.rows.discard(rows)
@@ -72,10 +72,11 @@ def use_native_blocks(model: nn.Module, rows: int) -> bool:
 class DecodeBlocks:
     """A GPT-2 model's blocks and final norm for one decode step, in one call of
     ``csrc/generic/decode_blocks.c`` (the library's ``gpt2_decode_blocks``):
-    `gptkiln.model.GPT.hidden` hands it the embedded tokens and takes ``ln_f``'s output, which
-    the head turns into logits as before.
+    it takes the place of `gptkiln.model.GPT.run_blocks` (the embedded tokens to ``ln_f``'s
+    output, which the head turns into logits as before).
 
-    Given to a model (its ``decode_blocks``) by `use_native_blocks` for the row
+    Given to a model (its planned ``decode_blocks``, `gptkiln.cpu.planned.PlannedModel`) by
+    `use_native_blocks` for the row
     counts ``rows`` whose block products the tuner timed fastest as this project's own loops
     (``few_rows``, ``int8_rows``, ``q8_rows``): the step is those loops, the decode attention
     and the GELU in the order the model runs them, without the interpreter between them; each
@@ -114,7 +115,7 @@ class DecodeBlocks:
             return None
         try:  # each product by the loop its layer has now (none of them: the layers run)
             kinds = bytes(
-                [self.loops[layer.few_row_kernels.get(B)] for layer in block_products(model)]
+                [self.loops[few_row_kernels(layer).get(B)] for layer in block_products(model)]
             )
         except (KeyError, TypeError, AttributeError):
             return None
@@ -216,6 +217,7 @@ class _BlocksTable:
         # int8 layers exist only once gptkiln.quantize is loaded (which imports this module's
         # users: importing it here would close a cycle)
         Int8Linear = getattr(sys.modules.get("gptkiln.quantize"), "Int8Linear", None)
+        own = own_class
 
         c = model.config
         self = cls()
@@ -235,9 +237,9 @@ class _BlocksTable:
             block = self._module(blocks, str(i))
             attn, mlp = self._module(block, "attn"), self._module(block, "mlp")
             if (
-                type(attn) is not CausalSelfAttention
+                own(attn) is not CausalSelfAttention
                 or not attn.use_sdpa
-                or type(mlp) is not MLP
+                or own(mlp) is not MLP
                 or mlp.approximate != "tanh"
             ):
                 return None
@@ -253,7 +255,7 @@ class _BlocksTable:
                 for name in products:
                     layer = self._module(parent, name)
                     kind = kinds[len(self.products)]
-                    if type(layer) is Linear and kind == LOOP_KINDS[BF16_LOOP]:
+                    if own(layer) is Linear and kind == LOOP_KINDS[BF16_LOOP]:
                         w = self._tensor(layer, "weight", False)
                         if w.dtype != torch.float32 or not w.is_contiguous():
                             return None
@@ -262,11 +264,11 @@ class _BlocksTable:
                         self.pointers.append(copy.data_ptr())
                         self.addresses.append(copy.data_ptr())
                         self.addresses.append(0)
-                    elif type(layer) is Linear:
+                    elif own(layer) is Linear:
                         w, s = self._tensor(layer, "weight"), self.addresses.append(0)
                         if w.dtype != torch.float32:
                             return None
-                    elif Int8Linear is not None and type(layer) is Int8Linear:
+                    elif Int8Linear is not None and own(layer) is Int8Linear:
                         w, s = self._tensor(layer, "weight"), self._tensor(layer, "scale")
                         if w.dtype != torch.int8 or not _fp32_cpu(s):
                             return None

@@ -30,6 +30,7 @@ import torch.nn as nn
 from gptkiln.cpu import specs
 from gptkiln.cpu.blocks import block_products, in_one_call, use_native_blocks
 from gptkiln.cpu.library import library
+from gptkiln.cpu.planned import few_row_kernels, give_kernel, is_product
 from gptkiln.cpu.products import _BF16, _BF16_ROWS, _PACKED, FEW_ROWS
 
 Clock = Callable[[], float]
@@ -104,13 +105,13 @@ def tune_decoding(
             name = _CHOSEN[key]
             picked[shape] = name
             for layer in layers:
-                layer.few_row_kernels[rows] = kernels[name]
+                give_kernel(layer, rows, kernels[name])
                 drop_unused_copies(layer)
         if one_call:
             _tune_step(model, rows, repeats, stored, known, precision, clock)
     for (family, shape), layers in groups.items():  # as the step's choice left them
         names = {kernel: name for name, kernel in specs.offered(family, precision).items()}
-        picked[shape] = names.get(layers[0].few_row_kernels.get(rows), picked[shape])
+        picked[shape] = names.get(few_row_kernels(layers[0]).get(rows), picked[shape])
     return picked
 
 
@@ -232,7 +233,7 @@ def drop_unused_copies(layer: nn.Module) -> None:
     """Free the copies of ``layer``'s weight (a bf16 one, a packed int8 one: as many bytes again
     as the weight, or half) where none of the kernels the layer now uses reads them; a later
     call of such a kernel makes its copy again."""
-    used = set(getattr(layer, "few_row_kernels", {}).values())
+    used = set(few_row_kernels(layer).values())
     for name, cache in COPIES.items():
         if specs.BY_NAME[name].kernel not in used:
             cache.pop(id(layer.weight), None)
@@ -245,7 +246,7 @@ def keep_exact(model: nn.Module) -> None:
     evaluations) keeps what it was given until this."""
     rounding = {specs.BY_NAME[name].kernel for name in specs.inexact()}
     for module in model.modules():
-        kernels = getattr(module, "few_row_kernels", None)
+        kernels = few_row_kernels(module)
         if kernels and rounding & set(kernels.values()):
             for rows in [r for r, k in kernels.items() if k in rounding]:
                 del kernels[rows]
@@ -266,7 +267,7 @@ def _family(module: nn.Module) -> str | None:
     """ "float32" or "int8": the candidates a layer takes; None when it is not tuned."""
     w = getattr(module, "weight", None)
     if not (
-        hasattr(module, "few_row_kernels")
+        is_product(module)
         and type(w) in (nn.Parameter, torch.Tensor)  # not a DTensor shard (FSDP)
         and w.device.type == "cpu"
         and w.is_contiguous()
@@ -312,7 +313,7 @@ def _tune_step(model, rows: int, repeats: int, stored, known: dict, precision, c
     if None in families:
         return
     names = {k: n for f in set(families) for n, k in specs.offered(f, precision).items()}
-    had = sorted({names.get(layer.few_row_kernels.get(rows), "?") for layer in products})
+    had = sorted({names.get(few_row_kernels(layer).get(rows), "?") for layer in products})
     c = model.config
     entry = (
         f"gpt2 step {c.n_layer}x{c.n_embd} heads={c.n_head} mlp={c.mlp_size} rows={rows} "
@@ -326,7 +327,7 @@ def _tune_step(model, rows: int, repeats: int, stored, known: dict, precision, c
         _CHOSEN[entry] = choice
     if _CHOSEN[entry] == "native":
         for layer, family in zip(products, families):
-            layer.few_row_kernels[rows] = _loop_for(layer, rows, family)
+            give_kernel(layer, rows, _loop_for(layer, rows, family))
             drop_unused_copies(layer)
         use_native_blocks(model, rows)
 
@@ -334,7 +335,7 @@ def _tune_step(model, rows: int, repeats: int, stored, known: dict, precision, c
 def _loop_for(layer: nn.Module, rows: int, family: str) -> Callable:
     """The loop a block product runs in the one-call step: its kernel where the step runs it,
     else its weight kind's exact loop."""
-    kernel = layer.few_row_kernels.get(rows)
+    kernel = few_row_kernels(layer).get(rows)
     return kernel if in_one_call(layer, kernel) else specs.BY_NAME[_LOOPS[family]].kernel
 
 
@@ -351,13 +352,13 @@ def _time_step(model, products, families, rows: int, repeats: int, clock: Clock)
     def best():
         return min(_seconds(step, clock) for _ in range(repeats + 1))
 
-    kept = [layer.few_row_kernels.get(rows) for layer in products]
+    kept = [few_row_kernels(layer).get(rows) for layer in products]
     layers_time = best()
     for layer, family in zip(products, families):
-        layer.few_row_kernels[rows] = _loop_for(layer, rows, family)
+        give_kernel(layer, rows, _loop_for(layer, rows, family))
     native = use_native_blocks(model, rows)
     native_time = best() if native else math.inf
     for layer, kernel in zip(products, kept):
-        layer.few_row_kernels[rows] = kernel
+        give_kernel(layer, rows, kernel)
     use_native_blocks(model, rows)  # taken away again: the layers have other kernels
     return "native" if native_time < layers_time else "layers"
