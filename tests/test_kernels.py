@@ -15,8 +15,41 @@ from gptkiln.sampling import generate, generate_stream
 
 @pytest.fixture(autouse=True)
 def fresh_choices(monkeypatch):
-    """Every test tunes from scratch (the process-wide choices would carry over)."""
+    """Every test tunes from scratch (the process-wide choices would carry over), timing every
+    row count (no default per feature set: `test_one_row_takes_its_default_without_timing`)."""
     monkeypatch.setattr(tuner, "_CHOSEN", {})
+    monkeypatch.setattr(tuner, "DEFAULTS", {})
+
+
+@pytest.mark.parametrize("features", ["avx512", "generic"])
+def test_one_row_takes_its_default_without_timing(features, monkeypatch):
+    """A first use decodes at once: one row at an exact precision takes the feature set's
+    default (the library's loop on AVX-512) without timing a candidate; elsewhere it times."""
+    monkeypatch.setattr(tuner, "DEFAULTS", {("avx512", "float32"): "mine"})
+    monkeypatch.setattr(tuner, "features", lambda: features)
+    offering(monkeypatch, float32={"linear": F.linear, "mine": products.weight_rows})
+    timed = []
+    monkeypatch.setattr(tuner, "_fastest", lambda found, *a: timed.append(1) or "linear")
+    model = tiny_model()
+    picked = tuner.tune_decoding(model, rows=1, one_call=False)
+    assert set(picked.values()) == ({"mine"} if features == "avx512" else {"linear"})
+    assert bool(timed) == (features != "avx512")
+    timed.clear()
+    tuner.tune_decoding(model, rows=2, one_call=False)  # more rows: timed as before
+    assert timed
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
+    offering(
+        monkeypatch, float32={"linear": F.linear, "mine": lambda x, w, b: F.linear(x, w, b) + 1}
+    )
+    assert set(tuner.tune_decoding(tiny_model(), rows=1, one_call=False).values()) == {"linear"}
+
+
+def test_the_feature_set_is_the_librarys():
+    from gptkiln.cpu.library import library
+
+    lib = library()
+    expected = "none" if lib is None else ("avx512" if lib.gk_avx512() else "generic")
+    assert tuner.features() == expected
 
 
 def offering(monkeypatch, float32=None, int8=None):

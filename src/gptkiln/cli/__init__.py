@@ -132,6 +132,11 @@ RENAMED = {"eval": "perplexity"}
 lm-evaluation-harness tasks)."""
 
 
+DECODING = ("generate", "chat", "serve")
+"""The commands that decode on the CPU unless told otherwise: they begin loading the CPU
+backend's library (`gptkiln.cpu.library.build_soon`) first."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one ``gptkiln`` command line (``argv``; None: this process's); the exit code: 0, 2
     for bad input, 1 for a run stopped from outside, 130 for Ctrl-C."""
@@ -142,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     args = build_parser().parse_args(argv)
     args.argv = words  # what `train --nproc` reruns
+    if args.command in DECODING and getattr(args, "device", "auto") in ("auto", "cpu"):
+        from gptkiln.cpu.library import build_soon
+
+        build_soon()  # the compiler works while torch imports and the model loads
     try:
         args.func(args)
     except GptkilnError as e:

@@ -38,6 +38,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -77,10 +78,32 @@ def build() -> str:
 
 def library() -> ctypes.CDLL | None:
     """The library of this process's build (`build`) loaded and typed, or None where it cannot
-    be (see the module's docstring). Built at most once per process and build."""
+    be (see the module's docstring). Built at most once per process and build (a build begun by
+    `build_soon` is waited for)."""
     if os.environ.get(ENV) == "0" or os.name != "posix":
         return None
-    return _load(build())
+    kind = build()
+    if _load.cache_info().currsize and kind in _LOADED:  # loaded: no lock to take
+        return _load(kind)
+    with _BUILDING:
+        lib = _load(kind)
+        _LOADED.add(kind)
+        return lib
+
+
+_BUILDING = threading.Lock()
+_LOADED: set[str] = set()
+
+
+def build_soon() -> None:
+    """Begin loading the library (building it where the cache has none: 2-3 s of the compiler's
+    time on two cores) in a thread of its own, so that the compiler works while the process
+    imports torch and loads its model; `library` then waits for it. For the commands that
+    decode (`generate`, `chat`, `serve`), before anything else: a first use on a machine then
+    waits for the compiler only for what is left of it when its first decode step comes."""
+    if os.environ.get(ENV) == "0" or os.name != "posix" or build() in _LOADED:
+        return
+    threading.Thread(target=library, name="gptkiln-cpu-build", daemon=True).start()
 
 
 @functools.cache

@@ -11,6 +11,10 @@ own (a bf16 copy of the weights; q8_0's 8-bit activations), taken wherever it ag
 reference within `ACTIVATION_TOLERANCE`: no timing, so the tokens depend on the precision a
 person chose, never on a race between two timings.
 
+At one row on a CPU where the library runs its AVX-512 loops, the exact precisions take the
+library's loop without timing (`DEFAULTS`, checked against the reference on a slice of the first
+layer): a first use decodes at once instead of timing seconds of candidates.
+
 A choice is kept in this process (`_CHOSEN`) and on disk (`gptkiln.cache`:
 ``decode-kernels.json``, keyed by torch version, CPU and its flags, weight dtype and shape, rows,
 threads and the candidates' names); a later process takes it without timing once it still
@@ -99,7 +103,8 @@ def tune_decoding(
                 if name not in kernels or (
                     name != reference and not _still_equal(kernels, name, layers[0], rows)
                 ):
-                    name = _choose(kernels, layers, rows, repeats, clock)
+                    name = _default(kernels, family, layers[0], rows)
+                    name = name or _choose(kernels, layers, rows, repeats, clock)
                     stored.put(entry, name)
                 _CHOSEN[key] = name
             name = _CHOSEN[key]
@@ -113,6 +118,36 @@ def tune_decoding(
         names = {kernel: name for name, kernel in specs.offered(family, precision).items()}
         picked[shape] = names.get(few_row_kernels(layers[0]).get(rows), picked[shape])
     return picked
+
+
+DEFAULTS = {("avx512", "float32"): "few_rows", ("avx512", "int8"): "int8_rows"}
+"""(the library's feature set, weight kind) -> the exact kernel a product of one row takes
+without timing: the library's own loop where it runs its AVX-512 version. Timing GPT-2 124M's
+fp32 candidates took 4.6 s of a first `generate` on a busy 2-core EPYC (5 s of CPU), and
+where the tuner ran on a quiet machine it chose these for every block product at one row (and
+at eight) on the Xeon and the EPYC (``bench/results-2026-11-28-*``); elsewhere (the generic
+build, more rows, a kernel that refuses a shape) the kernels are timed as before."""
+
+
+def _default(kernels: dict[str, Callable], family: str, layer: nn.Module, rows: int) -> str | None:
+    """`DEFAULTS`' kernel for this product where it is on offer (an exact precision: one
+    that rounds on purpose takes `_own`), the row count is one and it gives the reference's
+    result on ``layer`` (`_still_equal`); else None."""
+    if rows != 1 or any(name in specs.inexact() for name in kernels):
+        return None
+    name = DEFAULTS.get((features(), family))
+    if name not in kernels or not _still_equal(kernels, name, layer, rows):
+        return None
+    return name
+
+
+def features() -> str:
+    """The library's feature set at run time: ``avx512`` where it runs its AVX-512 loops,
+    ``generic`` where it runs the plain C, ``none`` without a library."""
+    lib = library()
+    if lib is None:
+        return "none"
+    return "avx512" if lib.gk_avx512() else "generic"
 
 
 def _choose(kernels: dict[str, Callable], layers, rows: int, repeats: int, clock: Clock) -> str:
