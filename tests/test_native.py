@@ -731,6 +731,30 @@ def test_a_model_given_the_compiled_loops_decodes_the_same_tokens(build, family,
     assert planned.use_compiled_attention(spelled_out) == 0  # the explicit product, as asked
 
 
+def test_the_library_is_built_once_per_install_whatever_the_cache(monkeypatch, tmp_path):
+    """A first use with an empty cache (a new ``GPTKILN_CACHE``) loads the library built beside
+    the package instead of compiling it again; where others may write there, the cache's."""
+    if library.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    package = tmp_path / "package"
+    package.mkdir(mode=0o700)
+    monkeypatch.setattr(library, "INSTALL_DIR", package / "_built")
+    monkeypatch.delenv(library.INSTALL_ENV)
+    builds = []
+    real = library._build
+    monkeypatch.setattr(library, "_build", lambda *a: builds.append(a[-1]) or real(*a))
+    for cache in ("first", "second"):  # a new, empty cache each time
+        monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / cache))
+        library._load.cache_clear()
+        assert library.library() is not None
+    assert len(builds) == 1 and builds[0].parent == package / "_built"
+    (package / "_built").chmod(0o777)  # others may write it: not the install's own any more
+    library._load.cache_clear()
+    assert library.library() is not None
+    assert len(builds) == 2 and builds[1].parent == tmp_path / "second" / "cpu"
+    library._load.cache_clear()
+
+
 def test_an_edited_header_builds_a_new_library(fresh_build, monkeypatch, tmp_path):
     import shutil
 

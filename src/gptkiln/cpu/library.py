@@ -144,7 +144,8 @@ def built_dir() -> Path:
 
 def load_built(kind: str) -> ctypes.CDLL | None:
     """The ``kind`` build of ``csrc/`` as a loaded shared library, built first where no loadable
-    build of these sources with this compiler is in the cache; None where it cannot be built."""
+    build of these sources with this compiler is in `install_dir` (or, where there is none, the
+    cache); None where it cannot be built."""
     cc = compiler()
     if cc is None:
         return None
@@ -159,8 +160,9 @@ def load_built(kind: str) -> ctypes.CDLL | None:
     digest = hashlib.sha256(
         b"".join(f.read_bytes() for f in [*files, *headers]) + compiled_by.encode()
     ).hexdigest()[:16]
-    where = private_dir(built_dir())
-    path = where / f"gptkiln-cpu-{kind}-{digest}.so"
+    name = f"gptkiln-cpu-{kind}-{digest}.so"
+    where = install_dir() or private_dir(built_dir())  # once per install where it may be
+    path = where / name
     if path.exists() and trusted(path, file=True):
         try:
             return ctypes.CDLL(str(path))
@@ -176,6 +178,29 @@ def load_built(kind: str) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(path))
     except OSError:
         return None
+
+
+INSTALL_DIR = SOURCES.parent / "_built"
+"""Where the library is built once per install: beside the package's own sources, where this
+user may write them and nobody else may (a virtual environment or a checkout of the user's
+own). A library there is as trusted as the package's Python files beside it, which run anyway;
+elsewhere (a system install), the cache's ``cpu/``."""
+
+INSTALL_ENV = "GPTKILN_CPU_INSTALL_BUILD"
+"""``GPTKILN_CPU_INSTALL_BUILD=0``: the library is built and loaded in the cache only (the
+tests set it, so that each test's cache is the whole story)."""
+
+
+def install_dir() -> Path | None:
+    """`INSTALL_DIR`, created 0700 where the package's directory is this user's own and nobody
+    else may write it (`trusted`); None elsewhere or with ``GPTKILN_CPU_INSTALL_BUILD=0``."""
+    if os.environ.get(INSTALL_ENV) == "0" or not trusted(INSTALL_DIR.parent):
+        return None
+    if not os.access(INSTALL_DIR.parent, os.W_OK):
+        return None
+    with contextlib.suppress(OSError):
+        INSTALL_DIR.mkdir(mode=0o700, exist_ok=True)
+    return INSTALL_DIR if trusted(INSTALL_DIR) else None
 
 
 def trusted(path: Path, file: bool = False) -> bool:
