@@ -137,6 +137,12 @@ DECODING = ("generate", "chat", "serve")
 backend's library (`gptkiln.cpu.library.build_soon`) first."""
 
 
+def _has_gpu() -> bool:
+    """Whether an NVIDIA GPU's device files are here (what ``--device auto`` would take), asked
+    without importing torch."""
+    return os.path.exists("/dev/nvidiactl")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one ``gptkiln`` command line (``argv``; None: this process's); the exit code: 0, 2
     for bad input, 1 for a run stopped from outside, 130 for Ctrl-C."""
@@ -147,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     args = build_parser().parse_args(argv)
     args.argv = words  # what `train --nproc` reruns
-    if args.command in DECODING and getattr(args, "device", "auto") in ("auto", "cpu"):
+    device = getattr(args, "device", "auto")
+    if args.command in DECODING and (device == "cpu" or (device == "auto" and not _has_gpu())):
         from gptkiln.cpu.library import build_soon
 
         build_soon()  # the compiler works while torch imports and the model loads

@@ -103,7 +103,8 @@ def build_soon() -> None:
     waits for the compiler only for what is left of it when its first decode step comes."""
     if os.environ.get(ENV) == "0" or os.name != "posix" or build() in _LOADED:
         return
-    threading.Thread(target=library, name="gptkiln-cpu-build", daemon=True).start()
+    # not a daemon: a process that ends first waits for the build (no half-built files left)
+    threading.Thread(target=library, name="gptkiln-cpu-build").start()
 
 
 @functools.cache
