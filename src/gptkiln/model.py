@@ -42,37 +42,9 @@ from gptkiln.config import GPTConfig
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state dict) that can take another kernel for the
-    few rows of decoding.
-
-    ``few_row_kernels`` maps a number of rows (batch x new tokens) to a function
-    ``(x, weight, bias) -> y`` equal to ``F.linear``; `gptkiln.cpu.prepare_for_decoding` fills it
-    from outside with the kernel it timed fastest on this machine (on some CPUs ``F.linear``
-    streams a weight at a third of the memory bandwidth when it multiplies one row). Used only
-    without autograd, on the CPU; everything else, and every untuned row count, is ``F.linear``.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs):
-        super().__init__(in_features, out_features, bias, **kwargs)
-        self.few_row_kernels: dict = {}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.bias)
-
-    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T + bias`` (``bias`` this layer's, or None to leave it for the caller to add):
-        the tuned kernel for this number of rows where there is one, else ``F.linear``."""
-        # grad mode first: a compiled training step then never reads (or guards on) the dict
-        if (
-            not torch.is_grad_enabled()
-            and self.few_row_kernels
-            and x.device.type == "cpu"
-            and x.dtype == self.weight.dtype == torch.float32  # what the kernels were tuned for
-        ):
-            kernel = self.few_row_kernels.get(x.numel() // self.in_features)
-            if kernel is not None:
-                return kernel(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+    """``nn.Linear`` under the model's own name (same parameters, same state dict): the products
+    of the blocks and the head, which a decode backend may run by other kernels from outside
+    (`gptkiln.cpu.prepare_for_decoding`); a classifier's ``score`` stays a plain ``nn.Linear``."""
 
 
 class KVCache(nn.Module):
@@ -146,10 +118,6 @@ class Attention(nn.Module):
         # module's structure as it was: a compiled training step is not recompiled after a sample.
         self.kv_cache: KVCache | None
         self.register_module("kv_cache", None)
-        # A compiled attention for one new token a row, given from outside
-        # (`gptkiln.cpu.loops.use_compiled_attention`), used without autograd on the CPU:
-        # (q, k, v, mask) -> SDPA's output, or None where it does not take these tensors.
-        self.decode_attention = None
 
     def attend(
         self,
@@ -170,18 +138,6 @@ class Attention(nn.Module):
         """
         T = q.size(2)
         dropout_p = self.dropout if self.training else 0.0
-        # grad mode first: a compiled training step then never reads (or guards on) the hook
-        if (
-            not torch.is_grad_enabled()
-            and T == 1
-            and self.decode_attention is not None
-            and attentions is None
-            and dropout_p == 0.0
-            and not torch.compiler.is_compiling()
-        ):
-            y = self.decode_attention(q, k, v, mask)
-            if y is not None:
-                return y
         # A short full-sequence forward compiled for the CPU spells attention out (see
         # _fuse_on_cpu): inductor fuses its scale, mask and softmax; SDPA stays one opaque call.
         if (
@@ -360,37 +316,14 @@ class MLP(nn.Module):
         self.c_proj = Linear(config.mlp_size, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
         self.approximate = "tanh" if config.gelu == "tanh" else "none"
-        # A compiled tanh GELU given from outside (`gptkiln.cpu.loops.use_compiled_gelu`), used
-        # without autograd on the CPU: (h, bias) -> whether it wrote gelu(h + bias) into h.
-        self.gelu_in_place = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = None
-        # grad mode first: a compiled training step then never reads (or guards on) the hook
-        if not torch.is_grad_enabled() and self.gelu_in_place is not None:
-            h = self._expand_in_place(x)
-        if h is None:
-            h = self.c_fc(x)
-            if self.approximate == "tanh" and _fuse_on_cpu(h):
-                h = gelu_tanh_by_sigmoid(h)
-            else:
-                h = F.gelu(h, approximate=self.approximate)
+        h = self.c_fc(x)
+        if self.approximate == "tanh" and _fuse_on_cpu(h):
+            h = gelu_tanh_by_sigmoid(h)
+        else:
+            h = F.gelu(h, approximate=self.approximate)
         return self.dropout(self.c_proj(h))
-
-    def _expand_in_place(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``c_fc`` then ``gelu_in_place`` on its output, which also adds a plain `Linear`'s
-        bias (its product then skips it: addmm would first copy the bias into every output
-        row). For a forward without autograd: on the CPU in fp32, outside ``torch.compile``;
-        None elsewhere."""
-        if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
-            return None
-        fc = self.c_fc
-        plain = type(fc) is Linear and fc.bias is not None
-        h = fc.product(x, None) if plain else fc(x)  # an int8 or LoRA layer adds its own bias
-        bias = fc.bias if plain else None
-        if not self.gelu_in_place(h, bias):  # not a tensor it takes (another dtype, a view)
-            h = F.gelu(h if bias is None else h + bias, approximate="tanh")
-        return h
 
 
 RESIDUAL_PROJECTIONS = ("c_proj", "o_proj", "down_proj")
@@ -656,10 +589,6 @@ class GPT(nn.Module):
             self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.tie_weights()
         self.pad_lens: torch.Tensor | None = None  # (B,) left-padding per row, set with the cache
-        # The blocks and final norm of a decode step in one compiled call, given from outside
-        # (`gptkiln.cpu.blocks.use_native_blocks`), used without autograd on the CPU:
-        # (model, x, start_pos, mask) -> ln_f's output, or None where it does not take them.
-        self.decode_blocks = None
         self.init_buffers()
 
     @torch.no_grad()
@@ -906,19 +835,19 @@ class GPT(nn.Module):
         else:
             x = self.drop(self.wte(idx))  # (B, T, C); positions enter as rotations of q and k
             rope = self.rope_at(pos)  # 2 x (1 or B, 1, T, hs)
-        # grad mode first: a compiled training step then never reads (or guards on) the hook
-        if (
-            not torch.is_grad_enabled()
-            and T == 1
-            and self.decode_blocks is not None
-            and isinstance(start_pos, int)
-            and rows is None
-            and attentions is None
-            and not torch.compiler.is_compiling()
-        ):
-            y = self.decode_blocks(self, x, start_pos, mask, rope)
-            if y is not None:
-                return y
+        return self.run_blocks(x, start_pos, mask, rows, attentions, rope)
+
+    def run_blocks(
+        self,
+        x: torch.Tensor,
+        start_pos: int | torch.Tensor | None,
+        mask: torch.Tensor | None,
+        rows: slice | torch.Tensor | None,
+        attentions: list[torch.Tensor] | None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The blocks and the final norm over the embedded tokens x (B, T, C) -> (B, T, C);
+        the rest as `hidden`'s (``mask`` and ``rope`` of x's positions)."""
         for block in self.h:
             x = block(x, start_pos, mask, rows, attentions, rope)
         return self.ln_f(x)

@@ -19,6 +19,7 @@ from torch import nn
 
 from gptkiln.cpu import specs
 from gptkiln.cpu.library import library
+from gptkiln.cpu.planned import few_row_kernels, own_class, plan_model
 from gptkiln.cpu.products import bf16_copy
 
 LOOP_KINDS = {spec.kernel: spec.loop for spec in specs.SPECS if spec.loop is not None}
@@ -73,13 +74,12 @@ def use_native_blocks(model: nn.Module, rows: int) -> bool:
     if getattr(getattr(model, "config", None), "family", None) not in FAMILIES:
         return False
     native = all(
-        in_one_call(layer, getattr(layer, "few_row_kernels", {}).get(rows))
-        for layer in block_products(model)
+        in_one_call(layer, few_row_kernels(layer).get(rows)) for layer in block_products(model)
     ) and (library() is not None)
-    blocks = model.decode_blocks
+    blocks = getattr(model, "decode_blocks", None)
     if native:
         if blocks is None:
-            blocks = model.decode_blocks = DecodeBlocks(LOOP_KINDS)
+            blocks = plan_model(model).decode_blocks = DecodeBlocks(LOOP_KINDS)
         blocks.rows.add(rows)
     elif blocks is not None:
         blocks.rows.discard(rows)
@@ -90,10 +90,11 @@ class DecodeBlocks:
     """A model's blocks and final norm for one decode step, in one call of
     ``csrc/generic/decode_blocks.c`` (the library's ``gpt2_decode_blocks``, or
     ``llama_decode_blocks`` for Llama 3 and Qwen3, which also takes each row's RoPE rotation):
-    `gptkiln.model.GPT.hidden` hands it the embedded tokens and takes ``ln_f``'s output, which
-    the head turns into logits as before.
+    it takes the place of `gptkiln.model.GPT.run_blocks` (the embedded tokens to ``ln_f``'s
+    output, which the head turns into logits as before).
 
-    Given to a model (its ``decode_blocks``) by `use_native_blocks` for the row
+    Given to a model (its planned ``decode_blocks``, `gptkiln.cpu.planned.PlannedModel`) by
+    `use_native_blocks` for the row
     counts ``rows`` whose block products the tuner timed fastest as this project's own loops
     (``few_rows``, ``int8_rows``, ``q8_rows``): the step is those loops, the decode attention
     and the GELU in the order the model runs them, without the interpreter between them; each
@@ -134,7 +135,7 @@ class DecodeBlocks:
             return None
         try:  # each product by the loop its layer has now (none of them: the layers run)
             kinds = bytes(
-                [self.loops[layer.few_row_kernels.get(B)] for layer in block_products(model)]
+                [self.loops[few_row_kernels(layer).get(B)] for layer in block_products(model)]
             )
         except (KeyError, TypeError, AttributeError):
             return None
@@ -268,6 +269,8 @@ class _BlocksTable:
         layer's bf16 copy); None where a layer is not of a kind the step takes."""
         from gptkiln.model import MLP, CausalSelfAttention
 
+        own = own_class
+
         c = model.config
         if c.family != "gpt2":
             return cls._llama(model, kinds)
@@ -288,9 +291,9 @@ class _BlocksTable:
             block = self._module(blocks, str(i))
             attn, mlp = self._module(block, "attn"), self._module(block, "mlp")
             if (
-                type(attn) is not CausalSelfAttention
+                own(attn) is not CausalSelfAttention
                 or not attn.use_sdpa
-                or type(mlp) is not MLP
+                or own(mlp) is not MLP
                 or mlp.approximate != "tanh"
             ):
                 return None
@@ -319,7 +322,7 @@ class _BlocksTable:
         # users: importing it here would close a cycle)
         Int8Linear = getattr(sys.modules.get("gptkiln.quantize"), "Int8Linear", None)
         kind = kinds[len(self.products)]
-        if type(layer) is Linear and kind == LOOP_KINDS[BF16_LOOP]:
+        if own_class(layer) is Linear and kind == LOOP_KINDS[BF16_LOOP]:
             w = self._tensor(layer, "weight", False)
             if w.dtype != torch.float32 or not w.is_contiguous():
                 return False
@@ -328,11 +331,11 @@ class _BlocksTable:
             self.pointers.append(copy.data_ptr())
             self.addresses.append(copy.data_ptr())
             self.addresses.append(0)
-        elif type(layer) is Linear:
+        elif own_class(layer) is Linear:
             w, _ = self._tensor(layer, "weight"), self.addresses.append(0)
             if w.dtype != torch.float32:
                 return False
-        elif Int8Linear is not None and type(layer) is Int8Linear:
+        elif Int8Linear is not None and own_class(layer) is Int8Linear:
             w, s = self._tensor(layer, "weight"), self._tensor(layer, "scale")
             if w.dtype != torch.int8 or not _fp32_cpu(s):
                 return False
@@ -370,7 +373,7 @@ class _BlocksTable:
         features with ``eps``, its weight fp32 on the CPU."""
         from gptkiln.model import RMSNorm
 
-        if type(norm) is not RMSNorm or norm.eps != eps or norm.weight is None:
+        if own_class(norm) is not RMSNorm or norm.eps != eps or norm.weight is None:
             return False
         return _fp32_cpu(self._tensor(norm, "weight")) and norm.weight.shape == (size,)
 
@@ -393,10 +396,10 @@ class _BlocksTable:
             block = self._module(blocks, str(i))
             attn, mlp = self._module(block, "attn"), self._module(block, "mlp")
             if (
-                type(block) is not Block
-                or type(attn) is not GroupedQueryAttention
+                own_class(block) is not Block
+                or own_class(attn) is not GroupedQueryAttention
                 or not attn.use_sdpa
-                or type(mlp) is not SwiGLU
+                or own_class(mlp) is not SwiGLU
                 or mlp.relu2
             ):
                 return None
