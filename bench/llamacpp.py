@@ -1,6 +1,7 @@
 """gptkiln against llama.cpp on the CPU: greedy decoding at batch 1, first token, whole process.
 
-    python bench/llamacpp.py [--run RUN] [--shape 124m|tiny] [--new-tokens 200] [--rounds 2]
+    python bench/llamacpp.py [--run RUN] [--shape 124m|tiny] [--family gpt2|qwen3|llama3]
+                             [--new-tokens 200] [--rounds 2]
                              [--llamacpp-python PATH] [--sdist PATH] [--workdir DIR]
 
 The peer is ``llama-cpp-python`` (llama.cpp compiled from its PyPI source package, once, into a
@@ -13,19 +14,26 @@ sdist's ``gguf-py`` first on its path.
 
 The same weights on both sides: ``--run`` (a GPT-2 run), or by default a GPT-2 124M-shaped run
 with random weights (as ``bench/generate.py`` makes one, gpt2 tokenizer), exported with
-``gptkiln convert to-hf`` and converted to f32, bf16 and q8_0 GGUF. Each gptkiln row decodes at
+``gptkiln convert to-hf`` and converted to f32, bf16 and q8_0 GGUF by llama.cpp's converter;
+with ``--family qwen3`` or ``llama3``, the published Qwen3-0.6B or Llama 3.2-1B blocks with
+GPT-2's vocabulary (`FAMILY_PRESETS`), written to GGUF by ``gptkiln convert to-gguf`` (llama.cpp's
+converter wants the family's own tokenizer). Each gptkiln row decodes at
 one precision (``--precision``) and is compared with the llama.cpp file of that precision, as
 the ``vs`` column says: exact fp32 against f32, bf16 (bf16 weights, fp32 activations) against
 bf16, int8 (``gptkiln convert quantize`` of the run: int8 weights per output channel, head
 included, activations rounded to 8 bits in blocks of 32 while decoding) against q8_0 (weights
 in blocks of 32, and, while decoding, the activations too).
 
-Rows (every one its own fresh process, 2 threads, interleaved over ``--rounds``):
+Rows (every one its own fresh process, ``--threads`` threads (2), interleaved over ``--rounds``):
 
 - decode tok/s: greedy, batch 1, ``--new-tokens`` tokens from "The" (end-of-text does not stop
   it), the tokens after the second over the time after the second: the steady decode rate
   (gptkiln tunes its decoding kernels between the first token and the second; the whole
   process below counts that time).
+- decode CPU ms/token: the process's CPU time a token over the same tokens (all its threads):
+  on a machine others are using, ``--threads 1`` and this column compare the two sides' work
+  where their wall times would compare the neighbours' (``BENCH_MAX_WAIT=0`` skips waiting for
+  a quiet machine before each run).
 - first token: from the process's start (the driver's clock at launch) to the first generated
   token, imports and loading included.
 - whole process: ``gptkiln generate RUN --prompt The --temperature 0 --max-new-tokens N`` (the
@@ -58,6 +66,10 @@ SHAPES = {
     "124m": dict(vocab=50257, context=1024, n_layer=12, n_head=12, n_embd=768),
     "tiny": dict(vocab=50257, context=256, n_layer=2, n_head=2, n_embd=64),  # a smoke run
 }
+FAMILY_PRESETS = {"qwen3": "qwen3-0.6b", "llama3": "llama3.2-1b"}
+"""``--family``'s published shape (gptkiln's preset) beside GPT-2's ``--shape``: its blocks as
+published, GPT-2's tokenizer and vocabulary (50,257 rows of head instead of 151,936 or 128,256:
+no Qwen or Llama tokenizer is on this machine), a 2,048-token context, random weights."""
 DEFAULT_PYTHON = "/work/peers/llamacpp-venv/bin/python"
 DEFAULT_SDIST = "/work/peers/sdist/llama_cpp_python-0.3.36.tar.gz"
 PROMPT = "The"
@@ -67,19 +79,23 @@ LLAMA_WORKER = r"""
 import json, sys, time
 launched = float(sys.argv[3])
 from llama_cpp import Llama
-llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=2, n_threads_batch=2, n_batch=512,
-            verbose=False)
+threads = int(sys.argv[4])
+llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=threads, n_threads_batch=threads,
+            n_batch=512, verbose=False)
 n = int(sys.argv[2])
 tokens = llm.tokenize(b"The", add_bos=False)
-times = []
+times, cpu = [], []
 for i, token in enumerate(llm.generate(tokens, top_k=1, temp=0.0, repeat_penalty=1.0)):
     times.append(time.perf_counter())
+    cpu.append(time.process_time())
     if i == 0:
         first = time.time() - launched
     if len(times) == n:
         break
 rate = (n - 2) / (times[-1] - times[1])
-print("RESULT " + json.dumps({"decode_tok_s": rate, "first_token_s": first, "tokens": n}))
+cpu_ms = (cpu[-1] - cpu[1]) / (n - 2) * 1e3
+print("RESULT " + json.dumps({"decode_tok_s": rate, "decode_cpu_ms": cpu_ms, "first_token_s": first,
+                              "tokens": n}))
 """
 
 
@@ -98,7 +114,7 @@ def worker(job: dict) -> None:
     n = job["new_tokens"]
     cfg = SampleConfig(temperature=0.0, max_new_tokens=n, stop_at_eos=False)
     ids = tokenizer.encode(PROMPT)
-    times, first = [], None
+    times, cpu, first = [], [], None
     with torch.no_grad():
         for _ in generate_stream(
             model,
@@ -110,23 +126,45 @@ def worker(job: dict) -> None:
             ),
         ):
             times.append(time.perf_counter())
+            cpu.append(time.process_time())
             if first is None:
                 first = time.time() - job["launched"]
     rate = (len(times) - 2) / (times[-1] - times[1])  # after the second: the tuning is over
-    common.emit({"decode_tok_s": rate, "first_token_s": first, "tokens": len(times)})
+    cpu_ms = (cpu[-1] - cpu[1]) / (len(times) - 2) * 1e3
+    common.emit(
+        {"decode_tok_s": rate, "decode_cpu_ms": cpu_ms, "first_token_s": first, "tokens": n}
+    )
 
 
 # -- the driver ---------------------------------------------------------------------------------
-def make_run(shape: str, directory: Path) -> Path:
+def make_run(shape: str, directory: Path, family: str = "gpt2") -> Path:
     common.setup_torch()
     from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.config.model import GPT2_VOCAB_SIZE, PRESETS
+    from gptkiln.model import GPT
     from gptkiln.tokenizers import load_tokenizer
 
-    return save_model(
-        common.gptkiln_gpt(SHAPES[shape]).eval(),
-        directory / f"gpt2-{shape}",
-        tokenizer=load_tokenizer("gpt2"),
-    )
+    if family == "gpt2":
+        model, name = common.gptkiln_gpt(SHAPES[shape]), f"gpt2-{shape}"
+    else:
+        preset = FAMILY_PRESETS[family]
+        config = dict(PRESETS[preset], vocab_size=GPT2_VOCAB_SIZE, context_length=2048)
+        model, name = GPT(GPTConfig(**config, dropout=0.0)), preset
+    return save_model(model.eval(), directory / name, tokenizer=load_tokenizer("gpt2"))
+
+
+def own_gguf(run: Path, workdir: Path) -> dict[str, Path]:
+    """The f32, bf16 and q8_0 GGUF files of a Llama 3 or Qwen3 run by ``gptkiln convert
+    to-gguf`` (llama.cpp's converter wants the family's own tokenizer, which is not here;
+    gptkiln's files load in llama.cpp: tests/test_export_gguf.py)."""
+    out = {}
+    for kind in ("f32", "bf16", "q8_0"):
+        path = workdir / f"model-{kind}.gguf"
+        if not path.exists():
+            gptkiln_cli("convert", "to-gguf", str(run), "--out", str(path), "--type", kind)
+        out[kind] = path
+    return out
 
 
 def gptkiln_cli(*args: str) -> None:
@@ -214,6 +252,7 @@ def jobs(
     out = []
     for name, (run, precision) in runs.items():
         job = {"run": str(run), "new_tokens": n, "launched": "{launched}", "precision": precision}
+        job["threads"] = common.THREADS
         job_text = json.dumps(job).replace('"{launched}"', "{launched}")  # a number, at launch
         decode = [sys.executable, script, "--worker", job_text]
         whole = [sys.executable, "-m", "gptkiln", "generate", str(run), "--prompt", PROMPT]
@@ -222,6 +261,7 @@ def jobs(
         out.append({"name": name, "decode": decode, "whole": whole, "env": _env()})
     for name, path in ggufs.items():
         cmd = [llama_python, "-c", LLAMA_WORKER, str(path), str(n), "{launched}"]
+        cmd.append(str(common.THREADS))
         env = dict(os.environ, OMP_NUM_THREADS=str(common.THREADS))
         out.append({"name": f"llama.cpp {name}", "decode": cmd, "whole": cmd, "env": env})
     return out
@@ -231,7 +271,10 @@ def measure(sides: list[dict], rounds: int) -> dict[str, dict[str, list[float]]]
     """Every side's figures over ``rounds`` interleaved rounds: {name: {figure: [per round]}};
     and, under "import torch", ``python -c "import torch"`` (launch to exit) once a round: the
     floor of gptkiln's first token (issue 28's target: within 0.5 s of it)."""
-    figures = {s["name"]: {"decode_tok_s": [], "first_token_s": [], "whole_s": []} for s in sides}
+    figures = {
+        s["name"]: {"decode_tok_s": [], "decode_cpu_ms": [], "first_token_s": [], "whole_s": []}
+        for s in sides
+    }
     figures[IMPORT_TORCH] = {"whole_s": []}
     for r in range(rounds):
         floor = run_timed([sys.executable, "-c", "import torch"], _env())[1]
@@ -240,6 +283,7 @@ def measure(sides: list[dict], rounds: int) -> dict[str, dict[str, list[float]]]
         for side in sides:
             result, wall = run_timed(side["decode"], side["env"])
             figures[side["name"]]["decode_tok_s"].append(result["decode_tok_s"])
+            figures[side["name"]]["decode_cpu_ms"].append(result["decode_cpu_ms"])
             figures[side["name"]]["first_token_s"].append(result["first_token_s"])
             if side["whole"] is side["decode"]:  # llama.cpp: this process is the whole one
                 whole = wall
@@ -247,7 +291,8 @@ def measure(sides: list[dict], rounds: int) -> dict[str, dict[str, list[float]]]
                 whole = run_timed(side["whole"], side["env"])[1]
             figures[side["name"]]["whole_s"].append(whole)
             print(
-                f"  round {r + 1} {side['name']}: {result['decode_tok_s']:.1f} tok/s, first "
+                f"  round {r + 1} {side['name']}: {result['decode_tok_s']:.1f} tok/s "
+                f"({result['decode_cpu_ms']:.1f} CPU ms a token), first "
                 f"token {result['first_token_s']:.2f} s, whole {whole:.2f} s",
                 flush=True,
             )
@@ -262,6 +307,7 @@ def table(figures: dict[str, dict[str, list[float]]]) -> list[dict]:
     best = {
         name: {
             "decode_tok_s": max(f["decode_tok_s"]),
+            "decode_cpu_ms": min(f["decode_cpu_ms"]),
             "first_token_s": min(f["first_token_s"]),
             "whole_s": min(f["whole_s"]),
         }
@@ -281,6 +327,7 @@ def table(figures: dict[str, dict[str, list[float]]]) -> list[dict]:
         if peer:
             row["vs"] = peer_of[name]
             row["decode_ratio"] = common.ratio(b["decode_tok_s"], peer["decode_tok_s"])
+            row["cpu_ratio"] = common.ratio(peer["decode_cpu_ms"], b["decode_cpu_ms"])
             row["first_ratio"] = common.ratio(peer["first_token_s"], b["first_token_s"])
             row["whole_ratio"] = common.ratio(peer["whole_s"], b["whole_s"])
             row["over_torch"] = f"{b['first_token_s'] - floor:+.2f} s"
@@ -292,18 +339,31 @@ def table(figures: dict[str, dict[str, list[float]]]) -> list[dict]:
 def main() -> None:
     job = common.worker_args()
     if job is not None:
-        common.setup_torch()
+        common.setup_torch(job.get("threads", common.THREADS))
         worker(job)
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", type=Path, help="a GPT-2 run (default: a random one of --shape)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="124m")
+    p.add_argument(
+        "--family",
+        choices=["gpt2", *FAMILY_PRESETS],
+        default="gpt2",
+        help="gpt2 (--shape), or a published Llama 3 / Qwen3 shape (FAMILY_PRESETS)",
+    )
     p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=common.THREADS,
+        help="threads of every side; 1 with the CPU-time column compares on a busy machine",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--llamacpp-python", default=os.environ.get("LLAMACPP_PYTHON", DEFAULT_PYTHON))
     p.add_argument("--sdist", type=Path, default=os.environ.get("LLAMACPP_SDIST", DEFAULT_SDIST))
     p.add_argument("--workdir", type=Path, help="keep the runs and GGUF files here")
     args = p.parse_args()
+    common.THREADS = args.threads
     for path, what in ((args.llamacpp_python, "--llamacpp-python"), (args.sdist, "--sdist")):
         if not Path(path).exists():
             sys.exit(f"{what} {path} does not exist: build llama-cpp-python once (see above)")
@@ -311,13 +371,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gptkiln-llamacpp-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        run = args.run or make_run(args.shape, workdir)
+        run = args.run or make_run(args.shape, workdir, args.family)
         int8_run, hf_dir = workdir / "int8-run", workdir / "hf"
         if not int8_run.exists():
             gptkiln_cli("convert", "quantize", str(run), "--out", str(int8_run))
-        if not hf_dir.exists():
-            gptkiln_cli("convert", "to-hf", str(run), "--out", str(hf_dir))
-        ggufs = to_gguf(hf_dir, args.sdist, workdir)
+        if args.family != "gpt2":
+            ggufs = own_gguf(run, workdir)
+        else:
+            if not hf_dir.exists():
+                gptkiln_cli("convert", "to-hf", str(run), "--out", str(hf_dir))
+            ggufs = to_gguf(hf_dir, args.sdist, workdir)
         sides = jobs(
             {
                 "gptkiln fp32": (run, "fp32"),
@@ -339,12 +402,14 @@ def main() -> None:
         [
             ("side", "side"),
             ("decode_tok_s", "decode tok/s"),
+            ("decode_cpu_ms", "decode CPU ms/token"),
             ("decode_rounds", "rounds"),
             ("first_token_s", "first token s"),
             ("over_torch", "first token over import torch"),
             ("whole_s", f"generate {args.new_tokens}, whole process s"),
             ("vs", "vs"),
             ("decode_ratio", "decode ×"),
+            ("cpu_ratio", "CPU time ×"),
             ("first_ratio", "first token ×"),
             ("whole_ratio", "whole process ×"),
         ],

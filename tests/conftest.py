@@ -55,6 +55,9 @@ atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 # every command it starts, decodes exactly (`gptkiln.cpu.exact_kernels`); tests/test_kernels.py
 # and tests/test_native.py test the rounding kernels on their own.
 os.environ["GPTKILN_EXACT_KERNELS"] = "1"
+# The project's library is built into each test's cache (below), not once per install beside
+# the package (`gptkiln.cpu.library.install_dir`): a test's cache is then the whole story.
+os.environ["GPTKILN_CPU_INSTALL_BUILD"] = "0"
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ from test_cli import assert_one_line_error, cli
 
 from gptkiln.api import run_info, stream_text
 from gptkiln.config import GPTConfig, SampleConfig
-from gptkiln.cpu import library, prepare_for_decoding, ready_for_decoding, specs
+from gptkiln.cpu import library, planned, prepare_for_decoding, ready_for_decoding, specs
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT, Linear
 from gptkiln.quantize import quantize_model
@@ -58,7 +58,12 @@ def test_fp32_decoding_never_runs_bf16_copies_and_bf16_decoding_always_does(monk
     bf16 = specs.BY_NAME["bf16_rows"].kernel
     model = tiny()
     plan = prepare_for_decoding(model, 1, precision="fp32")
-    used = {k for m in model.modules() if isinstance(m, Linear) for k in m.few_row_kernels.values()}
+    used = {
+        k
+        for m in model.modules()
+        if isinstance(m, Linear)
+        for k in planned.few_row_kernels(m).values()
+    }
     assert used and bf16 not in used and "bf16_rows" not in plan.kernels[1].values()
     plan.release()
     plan = prepare_for_decoding(model, 1, precision="bf16")

@@ -22,6 +22,7 @@ import torch
 
 from gptkiln.checkpoint import save_model
 from gptkiln.config import GPTConfig
+from gptkiln.cpu import planned
 from gptkiln.errors import GptkilnError
 from gptkiln.evaluate import Pair, fit_window, plan_batches, score_pairs
 from gptkiln.model import GPT
@@ -550,17 +551,17 @@ def test_scores_and_generations_leave_out_the_kernels_that_change_the_sums(setup
     run_harness(lm, manager, built, bootstrap_iters=0)
     assert offered and not any(names & specs.inexact() for names in offered)
     layers = [m for m in lm._model.modules() if isinstance(m, Int8Linear)]
-    tuned = {k for m in layers for k in m.few_row_kernels.values()}
+    tuned = {k for m in layers for k in planned.few_row_kernels(m).values()}
     rounding = {specs.BY_NAME[name].kernel for name in specs.inexact()}
     assert tuned and not tuned & rounding
     with specs.exact_kernels():
         assert specs.precision_for("int8", "int8") == "exact"
     for m in layers:  # a model given rounding kernels before, as a trainer's that sampled
-        m.few_row_kernels[3] = products.dynamic_int8
+        planned.give_kernel(m, 3, products.dynamic_int8)
         products._packed(m.weight, m.scale, m.bias)  # with its copies
     manager, built = load_tasks("kiln_mc", setup["tasks"])
     run_harness(lm, manager, built, bootstrap_iters=0)  # scoring takes them off first
-    assert not any(products.dynamic_int8 in m.few_row_kernels.values() for m in layers)
+    assert not any(products.dynamic_int8 in planned.few_row_kernels(m).values() for m in layers)
     assert not any(id(m.weight) in products._PACKED for m in layers)  # and frees their copies
 
 

@@ -24,9 +24,9 @@ SOURCE = Path(gptkiln.__file__).parent
 # The bottom of the house: what every command builds on. None of it may reach, through any chain
 # of imports, what is above it: a feature (a command's own code) or the modules that write runs
 # and other formats; they are what knows about the bottom, never the other way.
-LOW = ("gptkiln.loading", "gptkiln.model", "gptkiln.config", "gptkiln.tokenizers",
-       "gptkiln.quantize", "gptkiln.cpu", "gptkiln.sampling", "gptkiln.errors",
-       "gptkiln.devices", "gptkiln.load_steps", "gptkiln.cache")  # fmt: skip
+LOW = ("gptkiln.loading", "gptkiln.model", "gptkiln.positions", "gptkiln.config",
+       "gptkiln.tokenizers", "gptkiln.quantize", "gptkiln.cpu", "gptkiln.sampling",
+       "gptkiln.errors", "gptkiln.devices", "gptkiln.load_steps", "gptkiln.cache")  # fmt: skip
 ABOVE = ("gptkiln.finetune", "gptkiln.serve", "gptkiln.cli", "gptkiln.api", "gptkiln.inspect",
          "gptkiln.chat", "gptkiln.train", "gptkiln.convert", "gptkiln.checkpoint",
          "gptkiln.interop", "gptkiln.export")  # fmt: skip

@@ -8,15 +8,48 @@ import torch
 import torch.nn.functional as F
 
 from gptkiln.config import GPTConfig, SampleConfig
-from gptkiln.cpu import prepare_for_decoding, products, specs, tuner
+from gptkiln.cpu import planned, prepare_for_decoding, products, specs, tuner
 from gptkiln.model import GPT, Linear
 from gptkiln.sampling import generate, generate_stream
 
 
 @pytest.fixture(autouse=True)
 def fresh_choices(monkeypatch):
-    """Every test tunes from scratch (the process-wide choices would carry over)."""
+    """Every test tunes from scratch (the process-wide choices would carry over), timing every
+    row count (no default per feature set: `test_one_row_takes_its_default_without_timing`)."""
     monkeypatch.setattr(tuner, "_CHOSEN", {})
+    monkeypatch.setattr(tuner, "DEFAULTS", {})
+
+
+@pytest.mark.parametrize("features", ["avx512", "generic"])
+def test_one_row_takes_its_default_without_timing(features, monkeypatch):
+    """A first use decodes at once: one row at an exact precision takes the feature set's
+    default (the library's loop on AVX-512) without timing a candidate; elsewhere it times."""
+    monkeypatch.setattr(tuner, "DEFAULTS", {("avx512", "float32"): "mine"})
+    monkeypatch.setattr(tuner, "features", lambda: features)
+    offering(monkeypatch, float32={"linear": F.linear, "mine": products.weight_rows})
+    timed = []
+    monkeypatch.setattr(tuner, "_fastest", lambda found, *a: timed.append(1) or "linear")
+    model = tiny_model()
+    picked = tuner.tune_decoding(model, rows=1, one_call=False)
+    assert set(picked.values()) == ({"mine"} if features == "avx512" else {"linear"})
+    assert bool(timed) == (features != "avx512")
+    timed.clear()
+    tuner.tune_decoding(model, rows=2, one_call=False)  # more rows: timed as before
+    assert timed
+    monkeypatch.setattr(tuner, "_CHOSEN", {})
+    offering(
+        monkeypatch, float32={"linear": F.linear, "mine": lambda x, w, b: F.linear(x, w, b) + 1}
+    )
+    assert set(tuner.tune_decoding(tiny_model(), rows=1, one_call=False).values()) == {"linear"}
+
+
+def test_the_feature_set_is_the_librarys():
+    from gptkiln.cpu.library import library
+
+    lib = library()
+    expected = "none" if lib is None else ("avx512" if lib.gk_avx512() else "generic")
+    assert tuner.features() == expected
 
 
 def offering(monkeypatch, float32=None, int8=None):
@@ -133,11 +166,11 @@ def test_tuning_hands_every_linear_its_kernel_once_per_shape_and_rows(monkeypatc
         ]
     )
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert all(set(m.few_row_kernels) == {3} for m in linears)
+    assert all(set(planned.few_row_kernels(m)) == {3} for m in linears)
     tuner.tune_decoding(model, rows=3)  # tuned already in this process: nothing timed
     assert len(timed) == 5
     tuner.tune_decoding(model, rows=products.FEW_ROWS + 1)  # too many rows: not tuned
-    assert len(timed) == 5 and all(set(m.few_row_kernels) == {3} for m in linears)
+    assert len(timed) == 5 and all(set(planned.few_row_kernels(m)) == {3} for m in linears)
     threads = torch.get_num_threads()
     assert tuner.chosen() == {(*shape, 3, threads, "float32"): "mine" for shape in chosen}
 
@@ -150,7 +183,7 @@ def test_a_tuned_linear_uses_its_kernel_only_for_those_rows_and_without_autograd
         calls.append(x.shape)
         return F.linear(x, w, b)
 
-    layer.few_row_kernels[2] = counted
+    planned.give_kernel(layer, 2, counted)
     x = torch.randn(2, 8)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
@@ -189,7 +222,7 @@ def test_generation_tunes_and_gives_the_untuned_tokens(batch, monkeypatch, tmp_p
         force(monkeypatch, name)
         tokens = generate(model, prompts, cfg, prepare=prepare_for_decoding)
         linears = [m for m in model.modules() if isinstance(m, Linear)]
-        assert all(m.few_row_kernels[batch] is not None for m in linears)
+        assert all(planned.few_row_kernels(m)[batch] is not None for m in linears)
         assert set(tuner.chosen().values()) == {name}
         reference = reference or tokens
         assert tokens == reference, name
@@ -278,8 +311,8 @@ def test_int8_layers_are_tuned_among_int8_kernels_only(monkeypatch):
     picked = tuner.tune_decoding(model, rows=2)
     assert set(picked.values()) == {"fast"} and len(picked) == 5
     assert all(key[4] == "int8" for key in tuner.chosen())
-    assert model.h[0].mlp.c_fc.few_row_kernels[2] is found["fast"]
-    assert model.lm_head.few_row_kernels[2] is found["fast"]
+    assert planned.few_row_kernels(model.h[0].mlp.c_fc)[2] is found["fast"]
+    assert planned.few_row_kernels(model.lm_head)[2] is found["fast"]
 
 
 def test_quantized_generation_gives_the_same_tokens_with_every_int8_kernel(monkeypatch, tmp_path):
@@ -295,7 +328,7 @@ def test_quantized_generation_gives_the_same_tokens_with_every_int8_kernel(monke
         force(monkeypatch, name)
         tokens = generate(model, prompts, cfg, prepare=prepare_for_decoding)
         int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
-        assert all(m.few_row_kernels[batch] is specs.BY_NAME[name].kernel for m in int8)
+        assert all(planned.few_row_kernels(m)[batch] is specs.BY_NAME[name].kernel for m in int8)
         reference = reference or tokens
         assert tokens == reference, name
 
@@ -400,8 +433,8 @@ def test_the_tuner_times_a_whole_step_where_the_products_chose_other_kernels(mon
     monkeypatch.setattr(tuner, "_time_step", lambda *a: timed.append(1) or "layers")
     prepare = prepare_for_decoding
     assert generate(model, [[1, 2, 3]], greedy, prepare=prepare) == reference
-    assert timed and (model.decode_blocks is None or not model.decode_blocks.rows)
-    assert model.h[0].mlp.c_fc.few_row_kernels[1] is F.linear
+    assert timed and (getattr(model, "decode_blocks", None) is None or not model.decode_blocks.rows)
+    assert planned.few_row_kernels(model.h[0].mlp.c_fc)[1] is F.linear
 
     model = tiny_model()
     monkeypatch.setattr(tuner, "_CHOSEN", {})
@@ -411,8 +444,8 @@ def test_the_tuner_times_a_whole_step_where_the_products_chose_other_kernels(mon
     assert generate(model, [[1, 2, 3]], greedy, prepare=prepare) == reference
     assert model.decode_blocks.rows == {1}
     blocks = [m for b in model.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
-    assert all(m.few_row_kernels[1] is products.few_rows_linear for m in blocks)
-    assert model.lm_head.few_row_kernels[1] is F.linear  # the head keeps its own choice
+    assert all(planned.few_row_kernels(m)[1] is products.few_rows_linear for m in blocks)
+    assert planned.few_row_kernels(model.lm_head)[1] is F.linear  # the head keeps its own choice
 
     model = tiny_model()
     monkeypatch.setattr(tuner, "_CHOSEN", {})  # another process: the choice from the disk
@@ -427,7 +460,7 @@ def test_a_server_tuning_rows_at_their_own_positions_times_no_whole_step(monkeyp
     monkeypatch.setattr(tuner, "_fastest", lambda found, *a: next(iter(found)))  # F.linear
     monkeypatch.setattr(tuner, "_time_step", lambda *a: pytest.fail("timed a whole step"))
     tuner.tune_decoding(model, rows=1, one_call=False)
-    assert model.h[0].mlp.c_fc.few_row_kernels[1] is F.linear  # the products' own choice
+    assert planned.few_row_kernels(model.h[0].mlp.c_fc)[1] is F.linear  # the products' own choice
 
 
 # -- the spec table and the decode precisions --------------------------------------------------

@@ -13,7 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptkiln.cpu import blocks, library, loops, prepare_for_decoding, products, specs, tuner
+from gptkiln.cpu import (
+    blocks,
+    library,
+    loops,
+    planned,
+    prepare_for_decoding,
+    products,
+    specs,
+    tuner,
+)
 
 
 @pytest.fixture
@@ -331,35 +340,43 @@ def _reference(mlp, x):
 
 @needs_gelu_library
 @pytest.mark.parametrize("rows", [1, 16, 300])
-def test_the_mlp_takes_the_loop_without_autograd_and_adds_the_bias_once(build, rows):
+def test_the_mlp_takes_the_loop_without_autograd_and_adds_the_bias_once(build, rows, monkeypatch):
     mlp = _mlp(bias=2.5)
     x = torch.randn(1, rows, 32)
-    assert loops.use_compiled_gelu(mlp) == 1
+    assert planned.use_compiled_gelu(mlp) == 1
+    called = []
+    monkeypatch.setattr(
+        planned, "gelu_tanh_", lambda h, b: called.append(h) or loops.gelu_tanh_(h, b)
+    )
     with torch.inference_mode():
-        assert mlp._expand_in_place(x) is not None  # the loop's path is the one taken
         torch.testing.assert_close(mlp(x), _reference(mlp, x), atol=2e-6, rtol=1e-5)
+    assert called  # the loop's path is the one taken
     if rows <= products.FEW_ROWS:
         tuner.tune_decoding(mlp, rows=rows)
-        assert mlp.c_fc.few_row_kernels
+        assert planned.few_row_kernels(mlp.c_fc)
     with torch.no_grad():  # a tuned few-row kernel, called without the bias
         torch.testing.assert_close(mlp(x), _reference(mlp, x), atol=2e-6, rtol=1e-5)
     x.requires_grad_(True)
-    called = []
-    mlp.gelu_in_place = lambda h, bias: called.append(h) or False
+    called.clear()
     mlp(x).sum().backward()  # autograd: F.gelu, which has a backward
     assert x.grad is not None and not called
 
 
 @needs_gelu_library
-def test_an_int8_mlp_takes_the_loop_after_its_own_bias():
+def test_an_int8_mlp_takes_the_loop_after_its_own_bias(monkeypatch):
     from gptkiln.quantize import Int8Linear
 
     mlp = _mlp(bias=-1.5)
     x = torch.randn(2, 5, 32)
     mlp.c_fc = quantized = Int8Linear.from_float(mlp.c_fc)
-    loops.use_compiled_gelu(mlp)
+    planned.use_compiled_gelu(mlp)
+    called = []
+    monkeypatch.setattr(
+        planned, "gelu_tanh_", lambda h, b: called.append(b) or loops.gelu_tanh_(h, b)
+    )
     with torch.inference_mode():
-        assert mlp._expand_in_place(x) is not None
+        mlp(x)
+        assert called == [None]  # the loop, without a bias: the int8 layer added its own
         h = F.gelu(quantized(x), approximate="tanh")
         expected = F.linear(h, mlp.c_proj.weight, mlp.c_proj.bias)
         torch.testing.assert_close(mlp(x), expected, atol=2e-6, rtol=1e-5)
@@ -378,17 +395,17 @@ def test_the_compiled_gelu_goes_where_it_builds_and_the_model_runs_without_it(
     idx = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         before = model(idx)
-    assert loops.use_compiled_gelu(exact) == 0
+    assert planned.use_compiled_gelu(exact) == 0
     if library.library() is not None:
-        loops.use_compiled_loops(model)  # as `prepare_for_decoding` and evaluation give it
-        assert all(block.mlp.gelu_in_place is loops.gelu_tanh_ for block in model.h)
+        planned.use_compiled_loops(model)  # as `prepare_for_decoding` and evaluation give it
+        assert all(isinstance(block.mlp, planned.PlannedGelu) for block in model.h)
         with torch.no_grad():
             torch.testing.assert_close(model(idx), before, atol=1e-5, rtol=1e-5)
     monkeypatch.setenv("GPTKILN_NATIVE", "0")
     library._load.cache_clear()
     fresh = GPT(GPTConfig(**cfg)).eval()
-    assert loops.use_compiled_gelu(fresh) == 0
-    assert all(block.mlp.gelu_in_place is None for block in fresh.h)
+    assert planned.use_compiled_gelu(fresh) == 0
+    assert not any(isinstance(block.mlp, planned.PlannedGelu) for block in fresh.h)
 
 
 # -- int8_rows_linear: int8 weights, fp32 activations, a few rows ------------------------------
@@ -468,12 +485,12 @@ def test_an_int8_model_given_the_loop_decodes_the_reference_tokens(monkeypatch):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=96, context_length=32, n_layer=2, n_head=2, n_embd=64)
     model = quantize_model(GPT(cfg).eval())
-    layers = [m for m in model.modules() if hasattr(m, "few_row_kernels")]
+    layers = [m for m in model.modules() if planned.is_product(m)]
     assert layers and all(m.weight.dtype == torch.int8 for m in layers)
     greedy = SampleConfig(max_new_tokens=12, temperature=0, stop_at_eos=False)
     reference = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
     for layer in layers:
-        layer.few_row_kernels = {1: products.int8_rows_linear}
+        planned.give_kernel(layer, 1, products.int8_rows_linear)
     called = []
     lib = library.library()
     monkeypatch.setattr(products, "library", lambda: called.append(1) or lib)
@@ -702,15 +719,40 @@ def test_a_model_given_the_compiled_loops_decodes_the_same_tokens(build, family,
     prompts = [[5, 6, 7, 8, 9], [1, 2]]  # unequal: the shorter row is left-padded (a mask)
     greedy = SampleConfig(max_new_tokens=10, temperature=0, stop_at_eos=False)
     reference = torch.stack(list(sampling.generate_stream(model, prompts, greedy)))
-    assert loops.use_compiled_attention(model) == len(model.h)
+    assert planned.use_compiled_attention(model) == len(model.h)
     calls = []
-    for block in model.h:
-        block.attn.decode_attention = lambda *a: calls.append(1) or loops.decode_attention(*a)
+    monkeypatch.setattr(
+        planned, "decode_attention", lambda *a: calls.append(1) or loops.decode_attention(*a)
+    )
     got = torch.stack(list(sampling.generate_stream(model, prompts, greedy)))
     assert len(calls) == 9 * len(model.h)  # every decode step, every layer (not the prefill)
     assert torch.equal(got, reference)
     spelled_out = GPT(GPTConfig.from_name(name, vocab_size=97, attention="math"))
-    assert loops.use_compiled_attention(spelled_out) == 0  # the explicit product, as asked
+    assert planned.use_compiled_attention(spelled_out) == 0  # the explicit product, as asked
+
+
+def test_the_library_is_built_once_per_install_whatever_the_cache(monkeypatch, tmp_path):
+    """A first use with an empty cache (a new ``GPTKILN_CACHE``) loads the library built beside
+    the package instead of compiling it again; where others may write there, the cache's."""
+    if library.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    package = tmp_path / "package"
+    package.mkdir(mode=0o700)
+    monkeypatch.setattr(library, "INSTALL_DIR", package / "_built")
+    monkeypatch.delenv(library.INSTALL_ENV)
+    builds = []
+    real = library._build
+    monkeypatch.setattr(library, "_build", lambda *a: builds.append(a[-1]) or real(*a))
+    for cache in ("first", "second"):  # a new, empty cache each time
+        monkeypatch.setenv("GPTKILN_CACHE", str(tmp_path / cache))
+        library._load.cache_clear()
+        assert library.library() is not None
+    assert len(builds) == 1 and builds[0].parent == package / "_built"
+    (package / "_built").chmod(0o777)  # others may write it: not the install's own any more
+    library._load.cache_clear()
+    assert library.library() is not None
+    assert len(builds) == 2 and builds[1].parent == tmp_path / "second" / "cpu"
+    library._load.cache_clear()
 
 
 def test_an_edited_header_builds_a_new_library(fresh_build, monkeypatch, tmp_path):
@@ -797,11 +839,11 @@ def _steps_computed(monkeypatch) -> list:
 def test_the_one_call_decode_step_is_the_layers_step(build, quantized, prompts):
     model = _gpt2(quantized)
     rows = len(prompts)
-    layers = [m for m in model.modules() if hasattr(m, "few_row_kernels")]
+    layers = [m for m in model.modules() if planned.is_product(m)]
     loop = products.int8_rows_linear if quantized else products.few_rows_linear
     for layer in layers:  # the loops the one call runs, on every product
-        layer.few_row_kernels[rows] = loop
-    loops.use_compiled_loops(model)
+        planned.give_kernel(layer, rows, loop)
+    planned.use_compiled_loops(model)
     reference = _step_logits(model, prompts, steps=8)
     assert blocks.use_native_blocks(model, rows)
     model.decode_blocks, done = _counting(model.decode_blocks)
@@ -811,16 +853,72 @@ def test_the_one_call_decode_step_is_the_layers_step(build, quantized, prompts):
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
 
 
+def _family_model(name: str, quantized: bool = False):
+    """A small Llama 3 or Qwen3 (``llama3-baby``, ``qwen3-baby``) with every weight moved off
+    its initial value (unit norms included: a norm left out of the step would show)."""
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.quantize import quantize_model
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name(name, vocab_size=97, context_length=48)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return quantize_model(model) if quantized else model
+
+
+@needs_blocks_library
+@pytest.mark.parametrize("name", ["qwen3-baby", "llama3-baby"])
+@pytest.mark.parametrize("kind", ["fp32", "int8", "bf16"])
+@pytest.mark.parametrize("prompts", [[[5, 6, 7]], [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6]]])
+def test_the_one_call_step_of_llama_and_qwen3_is_the_layers_step(build, name, kind, prompts):
+    # RMSNorm, Qwen3's q/k norms, RoPE at each row's own position (left padding), grouped
+    # heads and SwiGLU in C: the same logits as the layers running the same loops
+    model = _family_model(name, quantized=kind == "int8")
+    rows = len(prompts)
+    loop = {
+        "fp32": products.few_rows_linear,
+        "int8": products.int8_rows_linear,
+        "bf16": products.bf16_rows_linear,
+    }[kind]
+    for layer in [m for m in model.modules() if planned.is_product(m)]:
+        planned.give_kernel(layer, rows, loop)
+    planned.use_compiled_loops(model)
+    reference = _step_logits(model, prompts, steps=8)
+    assert blocks.use_native_blocks(model, rows)
+    model.decode_blocks, done = _counting(model.decode_blocks)
+    got = _step_logits(model, prompts, steps=8)
+    assert len(done) == 8  # every decode step went through the one call
+    torch.testing.assert_close(got, reference, atol=2e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+
+@needs_blocks_library
+def test_the_one_call_step_declines_a_relu2_mlp():
+    # a choice the C step does not compute (ReLU² gates) leaves the step to the layers
+    model = _family_model("qwen3-baby")
+    for block in model.h:
+        block.mlp.relu2 = True
+    for layer in [m for m in model.modules() if planned.is_product(m)]:
+        planned.give_kernel(layer, 1, products.few_rows_linear)
+    reference = _step_logits(model, [[5, 6, 7]], steps=3)
+    assert blocks.use_native_blocks(model, 1)
+    model.decode_blocks, done = _counting(model.decode_blocks)
+    got = _step_logits(model, [[5, 6, 7]], steps=3)
+    assert done == []  # declined every step: the layers ran
+    torch.testing.assert_close(got, reference)
+
+
 @needs_blocks_library
 def test_the_one_call_step_runs_bf16_layers_over_their_bf16_copies(build):
     # bf16 decoding: the one call reads each layer's bf16 copy, as the layers' loop does
     model = _gpt2(False)
-    layers = [m for m in model.modules() if hasattr(m, "few_row_kernels")]
+    layers = [m for m in model.modules() if planned.is_product(m)]
     for i, layer in enumerate(layers):  # bf16 on most products, fp32 on some: both in one step
-        layer.few_row_kernels[1] = (
-            products.few_rows_linear if i % 5 == 1 else products.bf16_rows_linear
-        )
-    loops.use_compiled_loops(model)
+        kernel = products.few_rows_linear if i % 5 == 1 else products.bf16_rows_linear
+        planned.give_kernel(layer, 1, kernel)
+    planned.use_compiled_loops(model)
     with pytest.MonkeyPatch.context() as m:  # the layers, each by its own loop
         m.setattr(blocks, "library", lambda: None)
         assert not blocks.use_native_blocks(model, 1)
@@ -844,8 +942,10 @@ def test_the_one_call_step_runs_each_product_by_its_layers_loop(build, mixed):
     layers_ = blocks.block_products(model)
     for i, layer in enumerate(layers_):
         exact = mixed and i % 3 == 1
-        layer.few_row_kernels[1] = products.int8_rows_linear if exact else products.q8_rows_linear
-    loops.use_compiled_loops(model)
+        planned.give_kernel(
+            layer, 1, products.int8_rows_linear if exact else products.q8_rows_linear
+        )
+    planned.use_compiled_loops(model)
     reference = _step_logits(model, [[5, 6, 7]], steps=6)
     exact = _step_logits_with(model, products.int8_rows_linear, [[5, 6, 7]], steps=6)
     assert not torch.allclose(reference, exact, atol=1e-4)  # the rounding shows in the logits
@@ -859,14 +959,14 @@ def test_the_one_call_step_runs_each_product_by_its_layers_loop(build, mixed):
 def _step_logits_with(model, kernel, prompts, steps: int):
     """`_step_logits` with ``kernel`` on every block product for the step (then as before)."""
     layers_ = blocks.block_products(model)
-    kept = [layer.few_row_kernels.get(1) for layer in layers_]
+    kept = [planned.few_row_kernels(layer).get(1) for layer in layers_]
     for layer in layers_:
-        layer.few_row_kernels[1] = kernel
+        planned.give_kernel(layer, 1, kernel)
     try:
         return _step_logits(model, prompts, steps)
     finally:
         for layer, k in zip(layers_, kept):
-            layer.few_row_kernels[1] = k
+            planned.give_kernel(layer, 1, k)
 
 
 @needs_blocks_library
@@ -874,13 +974,13 @@ def _step_logits_with(model, kernel, prompts, steps: int):
 def test_q8_on_a_width_that_is_no_multiple_of_64_keeps_the_layers_step():
     model = _gpt2(quantized=True, n_embd=80, n_head=2)  # q8_rows.c refuses k = 80
     for layer in blocks.block_products(model):
-        layer.few_row_kernels[1] = products.q8_rows_linear
-    loops.use_compiled_loops(model)
+        planned.give_kernel(layer, 1, products.q8_rows_linear)
+    planned.use_compiled_loops(model)
     assert not blocks.use_native_blocks(model, 1)
     wide = _gpt2(quantized=True)  # 128 and 512: taken
     for layer in blocks.block_products(wide):
-        layer.few_row_kernels[1] = products.q8_rows_linear
-    loops.use_compiled_loops(wide)
+        planned.give_kernel(layer, 1, products.q8_rows_linear)
+    planned.use_compiled_loops(wide)
     assert blocks.use_native_blocks(wide, 1)
 
 
@@ -889,8 +989,8 @@ def test_q8_on_a_width_that_is_no_multiple_of_64_keeps_the_layers_step():
 def test_keep_exact_takes_q8_off_the_one_call_step_too():
     model = _gpt2(quantized=True)
     for layer in blocks.block_products(model):
-        layer.few_row_kernels[1] = products.q8_rows_linear
-    loops.use_compiled_loops(model)
+        planned.give_kernel(layer, 1, products.q8_rows_linear)
+    planned.use_compiled_loops(model)
     assert blocks.use_native_blocks(model, 1)
     tuner.keep_exact(model)  # as an evaluation does before it scores
     model.decode_blocks, done = _counting(model.decode_blocks)
@@ -905,12 +1005,14 @@ def test_keep_exact_takes_q8_off_the_one_call_step_too():
 def test_the_one_call_step_is_given_only_where_the_tuner_chose_the_loops():
     model = _gpt2()
     assert not blocks.use_native_blocks(model, 1)  # untuned: F.linear on every product
-    assert model.decode_blocks is None
+    assert getattr(model, "decode_blocks", None) is None
     for m in model.modules():
-        if hasattr(m, "few_row_kernels"):
-            m.few_row_kernels[1] = products.few_rows_linear
+        if planned.is_product(m):
+            planned.give_kernel(m, 1, products.few_rows_linear)
     assert blocks.use_native_blocks(model, 1) and model.decode_blocks.rows == {1}
-    model.h[1].mlp.c_fc.few_row_kernels[1] = products.onednn  # one product timed faster elsewhere
+    planned.give_kernel(
+        model.h[1].mlp.c_fc, 1, products.onednn
+    )  # one product timed faster elsewhere
     assert not blocks.use_native_blocks(model, 1)
     assert model.decode_blocks.rows == set()  # taken away: every step runs the layers
     llama = GPT_of("llama3-baby")
@@ -934,7 +1036,7 @@ def test_the_tuner_gives_the_one_call_step_and_generation_runs_it(monkeypatch):
     monkeypatch.setattr(tuner, "use_native_blocks", lambda model, rows: False)
     prepare = prepare_for_decoding
     reference = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy)))
-    assert model.decode_blocks is None
+    assert getattr(model, "decode_blocks", None) is None
     monkeypatch.undo()
     monkeypatch.setattr(tuner, "_fastest", lambda kernels, layers, rows, repeats, clock: "few_rows")
     monkeypatch.setattr(tuner, "_CHOSEN", {})
@@ -961,7 +1063,7 @@ def test_where_the_tuner_chose_q8_the_one_call_step_runs_it(monkeypatch):
             list(sampling.generate_stream(model, [[1, 2, 3]], greedy, prepare=prepare))
         )
     layers = blocks.block_products(model)
-    assert {layer.few_row_kernels[1] for layer in layers} == {products.q8_rows_linear}
+    assert {planned.few_row_kernels(layer)[1] for layer in layers} == {products.q8_rows_linear}
     done = _steps_computed(monkeypatch)
     got = torch.cat(list(sampling.generate_stream(model, [[1, 2, 3]], greedy, prepare=prepare)))
     assert model.decode_blocks.rows == {1} and len(done) == 11
@@ -985,8 +1087,8 @@ def test_the_one_call_step_declines_what_it_does_not_take_and_the_layers_run():
     for what, change in cases.items():
         model = _gpt2(dropout=0.1)
         for m in model.modules():
-            if hasattr(m, "few_row_kernels"):
-                m.few_row_kernels[1] = products.few_rows_linear
+            if planned.is_product(m):
+                planned.give_kernel(m, 1, products.few_rows_linear)
         assert blocks.use_native_blocks(model, 1), what
         change(model)
         model.decode_blocks, done = _counting(model.decode_blocks)
@@ -998,9 +1100,9 @@ def test_the_one_call_step_declines_what_it_does_not_take_and_the_layers_run():
 def test_the_one_call_step_sees_the_model_as_it_is_at_each_step():
     model = _gpt2()
     for m in model.modules():
-        if hasattr(m, "few_row_kernels"):
-            m.few_row_kernels[1] = products.few_rows_linear
-    loops.use_compiled_loops(model)
+        if planned.is_product(m):
+            planned.give_kernel(m, 1, products.few_rows_linear)
+    planned.use_compiled_loops(model)
     assert blocks.use_native_blocks(model, 1)
     model.decode_blocks, done = _counting(model.decode_blocks)
     _step_logits(model, [[5, 6, 7]], steps=2)  # the addresses gathered and kept

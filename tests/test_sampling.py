@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.cpu import planned
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
 from gptkiln.sampling import generate, generate_stream, left_pad, logits_to_probs, sample
@@ -144,7 +145,7 @@ def test_kernels_tuned_for_fp32_step_aside_when_the_model_changes_dtype(model):
     expected = generate(tuned, prompts, max_new_tokens=4, temperature=0, prepare=prepare)
     for layer in tuned.modules():  # oneDNN's linear, which takes no float64, for every layer
         if isinstance(layer, Linear):
-            layer.few_row_kernels[8] = specs.BY_NAME["onednn"].kernel
+            planned.give_kernel(layer, 8, specs.BY_NAME["onednn"].kernel)
     tuned.double()
     assert generate(tuned, prompts, max_new_tokens=4, temperature=0) == expected
 

@@ -39,40 +39,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptkiln.config import GPTConfig
+from gptkiln.positions import (  # noqa: F401 (re-exported: the model's own names)
+    _llama3_scaled,
+    apply_rope,
+    packed_positions_and_mask,
+    rope_tables,
+    value_index,
+    window_mask,
+)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state dict) that can take another kernel for the
-    few rows of decoding.
-
-    ``few_row_kernels`` maps a number of rows (batch x new tokens) to a function
-    ``(x, weight, bias) -> y`` equal to ``F.linear``; `gptkiln.cpu.prepare_for_decoding` fills it
-    from outside with the kernel it timed fastest on this machine (on some CPUs ``F.linear``
-    streams a weight at a third of the memory bandwidth when it multiplies one row). Used only
-    without autograd, on the CPU; everything else, and every untuned row count, is ``F.linear``.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs):
-        super().__init__(in_features, out_features, bias, **kwargs)
-        self.few_row_kernels: dict = {}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.bias)
-
-    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T + bias`` (``bias`` this layer's, or None to leave it for the caller to add):
-        the tuned kernel for this number of rows where there is one, else ``F.linear``."""
-        # grad mode first: a compiled training step then never reads (or guards on) the dict
-        if (
-            not torch.is_grad_enabled()
-            and self.few_row_kernels
-            and x.device.type == "cpu"
-            and x.dtype == self.weight.dtype == torch.float32  # what the kernels were tuned for
-        ):
-            kernel = self.few_row_kernels.get(x.numel() // self.in_features)
-            if kernel is not None:
-                return kernel(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+    """``nn.Linear`` under the model's own name (same parameters, same state dict): the products
+    of the blocks and the head, which a decode backend may run by other kernels from outside
+    (`gptkiln.cpu.prepare_for_decoding`); a classifier's ``score`` stays a plain ``nn.Linear``."""
 
 
 class KVCache(nn.Module):
@@ -148,10 +128,6 @@ class Attention(nn.Module):
         # module's structure as it was: a compiled training step is not recompiled after a sample.
         self.kv_cache: KVCache | None
         self.register_module("kv_cache", None)
-        # A compiled attention for one new token a row, given from outside
-        # (`gptkiln.cpu.loops.use_compiled_attention`), used without autograd on the CPU:
-        # (q, k, v, mask) -> SDPA's output, or None where it does not take these tensors.
-        self.decode_attention = None
 
     def attend(
         self,
@@ -172,18 +148,6 @@ class Attention(nn.Module):
         """
         T = q.size(2)
         dropout_p = self.dropout if self.training else 0.0
-        # grad mode first: a compiled training step then never reads (or guards on) the hook
-        if (
-            not torch.is_grad_enabled()
-            and T == 1
-            and self.decode_attention is not None
-            and attentions is None
-            and dropout_p == 0.0
-            and not torch.compiler.is_compiling()
-        ):
-            y = self.decode_attention(q, k, v, mask)
-            if y is not None:
-                return y
         # A short full-sequence forward compiled for the CPU spells attention out (see
         # _fuse_on_cpu): inductor fuses its scale, mask and softmax; SDPA stays one opaque call.
         if (
@@ -376,37 +340,14 @@ class MLP(nn.Module):
         self.c_proj = Linear(config.mlp_size, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
         self.approximate = "tanh" if config.gelu == "tanh" else "none"
-        # A compiled tanh GELU given from outside (`gptkiln.cpu.loops.use_compiled_gelu`), used
-        # without autograd on the CPU: (h, bias) -> whether it wrote gelu(h + bias) into h.
-        self.gelu_in_place = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = None
-        # grad mode first: a compiled training step then never reads (or guards on) the hook
-        if not torch.is_grad_enabled() and self.gelu_in_place is not None:
-            h = self._expand_in_place(x)
-        if h is None:
-            h = self.c_fc(x)
-            if self.approximate == "tanh" and _fuse_on_cpu(h):
-                h = gelu_tanh_by_sigmoid(h)
-            else:
-                h = F.gelu(h, approximate=self.approximate)
+        h = self.c_fc(x)
+        if self.approximate == "tanh" and _fuse_on_cpu(h):
+            h = gelu_tanh_by_sigmoid(h)
+        else:
+            h = F.gelu(h, approximate=self.approximate)
         return self.dropout(self.c_proj(h))
-
-    def _expand_in_place(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``c_fc`` then ``gelu_in_place`` on its output, which also adds a plain `Linear`'s
-        bias (its product then skips it: addmm would first copy the bias into every output
-        row). For a forward without autograd: on the CPU in fp32, outside ``torch.compile``;
-        None elsewhere."""
-        if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
-            return None
-        fc = self.c_fc
-        plain = type(fc) is Linear and fc.bias is not None
-        h = fc.product(x, None) if plain else fc(x)  # an int8 or LoRA layer adds its own bias
-        bias = fc.bias if plain else None
-        if not self.gelu_in_place(h, bias):  # not a tensor it takes (another dtype, a view)
-            h = F.gelu(h if bias is None else h + bias, approximate="tanh")
-        return h
 
 
 RESIDUAL_PROJECTIONS = ("c_proj", "o_proj", "down_proj")
@@ -513,71 +454,6 @@ def make_norm(config: GPTConfig, size: int) -> nn.Module:
     return RMSNorm(size, eps=config.norm_eps)
 
 
-def rope_tables(
-    head_size: int,
-    context_length: int,
-    theta: float = 10_000.0,
-    scaling: dict[str, float] | None = None,
-    device: torch.device | str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cos and sin of RoPE's angles for every position, (context_length, head_size) each,
-    computed in float32.
-
-    Rotary position embeddings (Su et al. 2021, https://arxiv.org/abs/2104.09864) turn pair i
-    of a head's dimensions (dims i and i + hs/2, the "rotate half" layout of Llama, Qwen and
-    the book) at position p by the angle p * theta^(-2i / hs): fast rotations for the first
-    pairs, slow ones for the last. ``scaling`` (Llama 3.1's, keys as
-    `gptkiln.config.ROPE_SCALING_KEYS`) slows the slowest frequencies down by ``factor`` and
-    blends in between, to stretch a model trained on ``original_context_length`` tokens.
-    The book's ``compute_rope_params`` (``theta_base``, ``freq_config``).
-    """
-    i = torch.arange(0, head_size, 2, device=device, dtype=torch.float32)  # (hs/2,): 2i
-    inv_freq = 1.0 / theta ** (i / head_size)  # (hs/2,) radians per position
-    if scaling is not None:
-        inv_freq = _llama3_scaled(inv_freq, **scaling)
-    positions = torch.arange(context_length, device=device, dtype=torch.float32)  # (T,)
-    angles = positions[:, None] * inv_freq[None, :]  # (T, hs/2)
-    angles = torch.cat([angles, angles], dim=1)  # (T, hs): pair i is dims i and i + hs/2
-    return torch.cos(angles), torch.sin(angles)
-
-
-def _llama3_scaled(
-    inv_freq: torch.Tensor,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_context_length: int,
-) -> torch.Tensor:
-    """Llama 3.1's frequency scaling: wavelengths longer than original_context_length /
-    low_freq_factor are divided by ``factor``, those shorter than original_context_length /
-    high_freq_factor kept, those between blended linearly (Hugging Face's ``rope_type
-    "llama3"``; the book's ``freq_config``)."""
-    low_freq_wavelen = original_context_length / low_freq_factor
-    high_freq_wavelen = original_context_length / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq  # (hs/2,) positions per full turn
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original_context_length / wavelen - low_freq_factor) / (
-        high_freq_factor - low_freq_factor
-    )
-    smoothed = (1 - smooth) * (inv_freq / factor) + smooth * inv_freq
-    medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, nh, T, hs) rotated by its positions' angles: cos and sin broadcast to it, e.g.
-    (T, hs) or (B, 1, T, hs) (`rope_tables` rows picked by position).
-
-    Each pair (x_i, x_{i+hs/2}) turns by its angle a: (x_i cos a - x_{i+hs/2} sin a,
-    x_{i+hs/2} cos a + x_i sin a). A query at position m and a key at n then have the dot
-    product of their unrotated forms turned by (m - n) * frequency: attention sees only how
-    far apart they are. The book's ``apply_rope``; the result is in x's dtype.
-    """
-    x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each: the first and second halves
-    rotated = torch.cat((-x2, x1), dim=-1)  # (B, nh, T, hs)
-    return (x * cos + rotated * sin).to(x.dtype)
-
-
 class Block(nn.Module):
     """Pre-norm transformer block with two shortcut (residual) connections:
     ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; norm, attention and MLP as the config
@@ -606,21 +482,6 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), start_pos, mask, rows, attentions, rope, value_embed)
         return x + self.mlp(self.ln_2(x))
-
-
-def packed_positions_and_mask(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (B, T) and attention mask (B, 1, T, T) of rows that hold several sequences end
-    to end, ``segments`` (B, T) saying which one each token is of (equal ids adjacent): each
-    sequence's positions start at 0, and a token attends the earlier tokens of its own sequence
-    only, so each is computed as if alone (a block-diagonal causal mask)."""
-    B, T = segments.shape
-    at = torch.arange(T, device=segments.device)  # (T,)
-    starts = torch.ones_like(segments, dtype=torch.bool)  # (B, T): a sequence's first token
-    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    first = torch.where(starts, at, 0).cummax(dim=1).values  # (B, T) its sequence's start
-    same = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
-    causal = at[None, :] <= at[:, None]  # (T, T)
-    return at - first, (same & causal)[:, None]  # (B, T), (B, 1, T, T)
 
 
 class _SkipInitialisers(torch.overrides.TorchFunctionMode):
@@ -695,10 +556,6 @@ class GPT(nn.Module):
             self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.tie_weights()
         self.pad_lens: torch.Tensor | None = None  # (B,) left-padding per row, set with the cache
-        # The blocks and final norm of a decode step in one compiled call, given from outside
-        # (`gptkiln.cpu.blocks.use_native_blocks`), used without autograd on the CPU:
-        # (model, x, start_pos, mask) -> ln_f's output, or None where it does not take them.
-        self.decode_blocks = None
         self.init_buffers()
 
     @torch.no_grad()
@@ -956,64 +813,30 @@ class GPT(nn.Module):
         rope = None
         if self.config.positions == "learned":
             x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-            # grad mode first: a compiled training step then never reads (or guards on) the hook
-            if (
-                not torch.is_grad_enabled()
-                and T == 1
-                and self.decode_blocks is not None
-                and isinstance(start_pos, int)
-                and rows is None
-                and attentions is None
-                and not self.value_embeds  # the native blocks have neither of these two
-                and self.config.attention_windows is None
-                and not torch.compiler.is_compiling()
-            ):
-                y = self.decode_blocks(self, x, start_pos, mask)
-                if y is not None:
-                    return y
         else:
             x = self.drop(self.wte(idx))  # (B, T, C); positions enter as rotations of q and k
             rope = self.rope_at(pos)  # 2 x (1 or B, 1, T, hs)
         values = [embed(idx) for embed in self.value_embeds]  # (B, T, nkv * hs) each
+        return self.run_blocks(x, start_pos, mask, rows, attentions, rope, values)
+
+    def run_blocks(
+        self,
+        x: torch.Tensor,
+        start_pos: int | torch.Tensor | None,
+        mask: torch.Tensor | None,
+        rows: slice | torch.Tensor | None,
+        attentions: list[torch.Tensor] | None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """The blocks and the final norm over the embedded tokens x (B, T, C) -> (B, T, C);
+        the rest as `hidden`'s (``mask`` and ``rope`` of x's positions, ``values`` the value
+        embeddings of its tokens, `GPTConfig.value_embeds`)."""
+        T = x.size(1)
         windows = self.config.attention_windows or [0] * len(self.h)
-        masks = {w: window_mask(mask, T, start_pos, w, idx.device) for w in set(windows)}
+        masks = {w: window_mask(mask, T, start_pos, w, x.device) for w in set(windows)}
         for i, block in enumerate(self.h):
             at = value_index(i, len(values), len(self.h))
             value = None if at is None else values[at]
             x = block(x, start_pos, masks[windows[i]], rows, attentions, rope, value)
         return self.ln_f(x)
-
-
-def value_index(i: int, n: int, n_layer: int) -> int | None:
-    """Which of ``n`` value embeddings block ``i`` takes: embedding i in the first n blocks,
-    the same again in the last n (`GPTConfig.value_embeds`), none in between."""
-    if i < n:
-        return i
-    return i - (n_layer - n) if i >= n_layer - n else None
-
-
-def window_mask(
-    mask: torch.Tensor | None,
-    T: int,
-    start_pos: int | torch.Tensor | None,
-    window: int,
-    device: torch.device,
-) -> torch.Tensor | None:
-    """``mask`` (None: causal) narrowed to the last ``window`` positions of each query, itself
-    included (0: unchanged): True where the key's cache slot is within ``window`` of the
-    query's. (B or 1, 1, T, S) like `GPT._positions_and_mask`'s."""
-    if not window:
-        return mask
-    if isinstance(start_pos, torch.Tensor):
-        slots = start_pos.to(device)[:, None, None] + torch.arange(T, device=device)[:, None]
-    else:
-        slots = (start_pos or 0) + torch.arange(T, device=device)[:, None]  # (T, 1)
-    S = mask.size(-1) if mask is not None else (start_pos or 0) + T
-    key = torch.arange(S, device=device)
-    near = key > slots - window  # (T, S) or (B, T, S)
-    if mask is None:
-        near = near & (key <= slots)  # causal
-    near = near.unsqueeze(-3)  # (1 or B, 1, T, S) after the batch dimension
-    if near.dim() == 3:
-        near = near[None]
-    return near if mask is None else mask & near

@@ -95,9 +95,9 @@ class Int8Linear(nn.Module):
     ``y = (x @ weightᵀ) · scale + bias``.
 
     State dict: ``weight`` (int8), ``scale`` (float) and ``bias``, under the float layer's
-    names. Like `gptkiln.model.Linear`, ``few_row_kernels`` maps a number of rows to the kernel
-    the CPU backend chose (`gptkiln.cpu.prepare_for_decoding`; ``(x, weight, scale, bias) ->
-    y``), used only without autograd, on the CPU, in fp32. An untuned product without autograd
+    names. Like `gptkiln.model.Linear`, the CPU backend may run it by another kernel from
+    outside (`gptkiln.cpu.prepare_for_decoding`; ``(x, weight, scale, bias) -> y``), without
+    autograd, on the CPU, in fp32. An untuned product without autograd
     (outside ``torch.compile``, which cannot trace a ctypes call) goes to
     `gptkiln.cpu.products.int8_rows_linear`, which multiplies up to ``FEW_ROWS`` fp32 rows on
     the CPU without converting the weight (a prompt's first token comes before any tuning) and
@@ -111,7 +111,6 @@ class Int8Linear(nn.Module):
         self.weight = _frozen(weight)
         self.register_buffer("scale", scale)
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias)
-        self.few_row_kernels: dict = {}
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8Linear:
@@ -119,15 +118,6 @@ class Int8Linear(nn.Module):
         return cls(q, scale, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            not torch.is_grad_enabled()
-            and self.few_row_kernels
-            and x.device.type == "cpu"
-            and x.dtype == self.scale.dtype == torch.float32  # what the kernels were tuned for
-        ):
-            kernel = self.few_row_kernels.get(x.numel() // self.in_features)
-            if kernel is not None:
-                return kernel(x, self.weight, self.scale, self.bias)
         if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             return int8_rows_linear(x, self.weight, self.scale, self.bias)  # few rows: no copy
         return dequantize_linear(x, self.weight, self.scale, self.bias)

@@ -132,6 +132,17 @@ RENAMED = {"eval": "perplexity"}
 lm-evaluation-harness tasks)."""
 
 
+DECODING = ("generate", "chat", "serve")
+"""The commands that decode on the CPU unless told otherwise: they begin loading the CPU
+backend's library (`gptkiln.cpu.library.build_soon`) first."""
+
+
+def _has_gpu() -> bool:
+    """Whether an NVIDIA GPU's device files are here (what ``--device auto`` would take), asked
+    without importing torch."""
+    return os.path.exists("/dev/nvidiactl")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one ``gptkiln`` command line (``argv``; None: this process's); the exit code: 0, 2
     for bad input, 1 for a run stopped from outside, 130 for Ctrl-C."""
@@ -142,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     args = build_parser().parse_args(argv)
     args.argv = words  # what `train --nproc` reruns
+    device = getattr(args, "device", "auto")
+    if args.command in DECODING and (device == "cpu" or (device == "auto" and not _has_gpu())):
+        from gptkiln.cpu.library import build_soon
+
+        build_soon()  # the compiler works while torch imports and the model loads
     try:
         args.func(args)
     except GptkilnError as e:

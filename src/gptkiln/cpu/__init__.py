@@ -9,22 +9,22 @@ imports nothing of this package: whoever owns a decoding lifetime (`gptkiln.api`
 batcher, the evaluation harness) prepares the model and hands sampling the hook.
 """
 
-from gptkiln.cpu.plan import (
-    DecodePlan,
-    default_precision,
-    loading_quantize,
-    prepare_for_decoding,
-    ready_for_decoding,
-)
-from gptkiln.cpu.specs import PRECISIONS, exact_kernels, exact_only
+# Read as they are first asked for (PEP 562), so that `gptkiln.cpu.library` imports without
+# torch: a command that decodes starts the library's build before it imports torch.
+_PLAN = ("DecodePlan", "default_precision", "loading_quantize", "prepare_for_decoding",
+         "ready_for_decoding")  # fmt: skip
+_SPECS = ("PRECISIONS", "exact_kernels", "exact_only")
 
-__all__ = [
-    "PRECISIONS",
-    "DecodePlan",
-    "default_precision",
-    "exact_kernels",
-    "exact_only",
-    "loading_quantize",
-    "prepare_for_decoding",
-    "ready_for_decoding",
-]
+__all__ = sorted(_PLAN + _SPECS)
+
+
+def __getattr__(name: str):
+    if name in _PLAN:
+        from gptkiln.cpu import plan
+
+        return getattr(plan, name)
+    if name in _SPECS:
+        from gptkiln.cpu import specs
+
+        return getattr(specs, name)
+    raise AttributeError(f"module 'gptkiln.cpu' has no attribute {name!r}")

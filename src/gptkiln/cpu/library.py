@@ -38,6 +38,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -61,6 +62,10 @@ ENTRIES: dict[str, list] = {
     + [_I] * 5
     + [_L] * 2
     + [_P, _F, _P, _P, _I],
+    "llama_decode_blocks": [_P, ctypes.c_char_p, _I, _P, _P]
+    + [_I] * 6
+    + [_L] * 2
+    + [_P, _P, _P, _F, _P, _I],
     "gk_avx512": [],
     "gk_q8_vnni": [],
 }
@@ -77,10 +82,33 @@ def build() -> str:
 
 def library() -> ctypes.CDLL | None:
     """The library of this process's build (`build`) loaded and typed, or None where it cannot
-    be (see the module's docstring). Built at most once per process and build."""
+    be (see the module's docstring). Built at most once per process and build (a build begun by
+    `build_soon` is waited for)."""
     if os.environ.get(ENV) == "0" or os.name != "posix":
         return None
-    return _load(build())
+    kind = build()
+    if _load.cache_info().currsize and kind in _LOADED:  # loaded: no lock to take
+        return _load(kind)
+    with _BUILDING:
+        lib = _load(kind)
+        _LOADED.add(kind)
+        return lib
+
+
+_BUILDING = threading.Lock()
+_LOADED: set[str] = set()
+
+
+def build_soon() -> None:
+    """Begin loading the library (building it where the cache has none: 2-3 s of the compiler's
+    time on two cores) in a thread of its own, so that the compiler works while the process
+    imports torch and loads its model; `library` then waits for it. For the commands that
+    decode (`generate`, `chat`, `serve`), before anything else: a first use on a machine then
+    waits for the compiler only for what is left of it when its first decode step comes."""
+    if os.environ.get(ENV) == "0" or os.name != "posix" or build() in _LOADED:
+        return
+    # not a daemon: a process that ends first waits for the build (no half-built files left)
+    threading.Thread(target=library, name="gptkiln-cpu-build").start()
 
 
 @functools.cache
@@ -121,7 +149,8 @@ def built_dir() -> Path:
 
 def load_built(kind: str) -> ctypes.CDLL | None:
     """The ``kind`` build of ``csrc/`` as a loaded shared library, built first where no loadable
-    build of these sources with this compiler is in the cache; None where it cannot be built."""
+    build of these sources with this compiler is in `install_dir` (or, where there is none, the
+    cache); None where it cannot be built."""
     cc = compiler()
     if cc is None:
         return None
@@ -136,8 +165,9 @@ def load_built(kind: str) -> ctypes.CDLL | None:
     digest = hashlib.sha256(
         b"".join(f.read_bytes() for f in [*files, *headers]) + compiled_by.encode()
     ).hexdigest()[:16]
-    where = private_dir(built_dir())
-    path = where / f"gptkiln-cpu-{kind}-{digest}.so"
+    name = f"gptkiln-cpu-{kind}-{digest}.so"
+    where = install_dir() or private_dir(built_dir())  # once per install where it may be
+    path = where / name
     if path.exists() and trusted(path, file=True):
         try:
             return ctypes.CDLL(str(path))
@@ -153,6 +183,29 @@ def load_built(kind: str) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(path))
     except OSError:
         return None
+
+
+INSTALL_DIR = SOURCES.parent / "_built"
+"""Where the library is built once per install: beside the package's own sources, where this
+user may write them and nobody else may (a virtual environment or a checkout of the user's
+own). A library there is as trusted as the package's Python files beside it, which run anyway;
+elsewhere (a system install), the cache's ``cpu/``."""
+
+INSTALL_ENV = "GPTKILN_CPU_INSTALL_BUILD"
+"""``GPTKILN_CPU_INSTALL_BUILD=0``: the library is built and loaded in the cache only (the
+tests set it, so that each test's cache is the whole story)."""
+
+
+def install_dir() -> Path | None:
+    """`INSTALL_DIR`, created 0700 where the package's directory is this user's own and nobody
+    else may write it (`trusted`); None elsewhere or with ``GPTKILN_CPU_INSTALL_BUILD=0``."""
+    if os.environ.get(INSTALL_ENV) == "0" or not trusted(INSTALL_DIR.parent):
+        return None
+    if not os.access(INSTALL_DIR.parent, os.W_OK):
+        return None
+    with contextlib.suppress(OSError):
+        INSTALL_DIR.mkdir(mode=0o700, exist_ok=True)
+    return INSTALL_DIR if trusted(INSTALL_DIR) else None
 
 
 def trusted(path: Path, file: bool = False) -> bool:

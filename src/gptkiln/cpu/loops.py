@@ -2,8 +2,8 @@
 its bias (`gelu_tanh_`), one decode step's attention over the KV cache (`decode_attention`) and
 the log-probability of one token a row for scoring (`target_log_probs`), each None or False
 where the library does not load or the tensors are not of the kind it takes (the caller then
-runs torch's own, the reference beside it); and `use_compiled_loops`, which gives a model's
-MLPs and attention layers the first two.
+runs torch's own, the reference beside it). `gptkiln.cpu.planned.use_compiled_loops` plans a
+model's MLPs and attention layers to run the first two.
 
 `F.gelu`'s tanh took 37 ms on a (4096, 3072) expansion, more than the attention of that layer;
 one pass that also adds ``c_fc``'s bias takes 4.7. At a decode step SDPA's flash kernel, built
@@ -16,7 +16,6 @@ needed: 84.6 -> 22.1 ms a chunk (2-core Xeon, bench/README.md).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from gptkiln.cpu.library import library
 
@@ -149,51 +148,3 @@ def decode_attention(q, k, v, mask):
         torch.get_num_threads(),
     )
     return None if refused else out
-
-
-def use_compiled_gelu(model: nn.Module) -> int:
-    """Give every MLP of ``model`` with GPT-2's tanh GELU the compiled loop of ``csrc/gelu.c``
-    (`gelu_tanh_`: the bias of ``c_fc`` and the GELU in one pass over its
-    output, in place), which it uses without autograd on the CPU in fp32. Returns how many
-    MLPs took it: 0 where the library does not build (they keep ``F.gelu``).
-
-    Measured on the 2-core Xeon, (4096, 3072): ``F.gelu`` 37 ms, the loop with the bias 4.7 ms;
-    (16, 3072), a decode step's: 79 against 25 us. Its values are the tanh GELU's up to float
-    rounding (within 5e-7 of each other over N(0, 3) inputs), so exact decoding keeps it."""
-    from gptkiln.model import MLP
-
-    mlps = [m for m in model.modules() if isinstance(m, MLP) and m.approximate == "tanh"]
-    if not mlps or library() is None:
-        return 0
-    for mlp in mlps:
-        mlp.gelu_in_place = gelu_tanh_
-    return len(mlps)
-
-
-def use_compiled_attention(model: nn.Module) -> int:
-    """Give every SDPA attention layer of ``model`` the compiled decode-step attention of
-    ``csrc/decode_attention.c`` (`decode_attention`: one query a row over the KV
-    cache, masks and grouped heads included), which it uses without autograd on the CPU in fp32
-    where a step has one new token. Returns how many layers took it: 0 where the library does
-    not build (they keep SDPA).
-
-    Measured on the 2-core Xeon, GPT-2 124M's 12 heads of 64: batch 1 over 130 cached positions
-    ~30 us a call against SDPA's ~90 us in a decode step (SDPA's flash kernel is built for blocks
-    of queries). Its values are SDPA's up to float rounding (3e-7 apart in the tests), so exact
-    decoding keeps it."""
-    from gptkiln.model import Attention
-
-    # a config's attention "math" asks for the explicit product (the book's): left as it is
-    layers = [m for m in model.modules() if isinstance(m, Attention) and m.use_sdpa]
-    if not layers or library() is None:
-        return 0
-    for layer in layers:
-        layer.decode_attention = decode_attention
-    return len(layers)
-
-
-def use_compiled_loops(model: nn.Module) -> None:
-    """`use_compiled_gelu` and `use_compiled_attention`: the project's compiled loops for
-    forwards without autograd, where they build (decoding, prefill, scoring)."""
-    use_compiled_gelu(model)
-    use_compiled_attention(model)

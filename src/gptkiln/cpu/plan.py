@@ -3,6 +3,11 @@ returns to whoever owns the decoding (`gptkiln.api`'s generate and chat, serve's
 evaluation harness): the kernels chosen for each number of rows at the chosen precision, the
 weight copies they read, the one-call step; `DecodePlan.drop_inexact` takes off what rounds
 on purpose, `DecodePlan.release` gives the model back as it was.
+
+The plan applies its speed from outside: it swaps the classes of the layers it runs otherwise
+for planned subclasses (`gptkiln.cpu.planned`: the same objects, parameters and state dict)
+and swaps them back when released, or when the model is prepared at another precision; the
+model itself holds no slot for it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from gptkiln.cpu import specs
-from gptkiln.cpu.loops import use_compiled_loops
+from gptkiln.cpu.planned import few_row_kernels, plan_model, unplan, use_compiled_loops
 from gptkiln.cpu.tuner import Clock, drop_unused_copies, keep_exact, tune_decoding
 
 
@@ -63,8 +68,8 @@ def loading_quantize(quantize: str | None, precision: str | None) -> str | None:
 @dataclass
 class DecodePlan:
     """What `prepare_for_decoding` gave a model: for each number of rows, each layer shape's
-    kernel (``kernels``), at ``precision``. The model keeps it while it decodes; `release`
-    takes it off again."""
+    kernel (``kernels``), at ``precision``. The model is planned (`gptkiln.cpu.planned`) while
+    it decodes, the plan its ``decode_plan``; `release` takes it all off again."""
 
     model: nn.Module
     precision: str
@@ -98,15 +103,12 @@ class DecodePlan:
             }
 
     def release(self) -> None:
-        """Give the model back as it was: every layer's kernels, the one-call step and the weight
-        copies taken off (the compiled GELU and attention stay: they equal torch's)."""
-        for module in self.model.modules():
-            kernels = getattr(module, "few_row_kernels", None)
-            if kernels:
-                kernels.clear()
-                drop_unused_copies(module)
-        if getattr(self.model, "decode_blocks", None) is not None:
-            self.model.decode_blocks = None
+        """Give the model back as it was: every layer its own class again (no kernels, no
+        one-call step, no compiled GELU or attention) and the weight copies freed."""
+        products = [m for m in self.model.modules() if few_row_kernels(m)]
+        unplan(self.model)
+        for layer in products:
+            drop_unused_copies(layer)
         self.kernels.clear()
 
     def describe(self) -> str:
@@ -135,10 +137,18 @@ def prepare_for_decoding(
     one-call step. ``steps``: how many decode steps the caller will run at most (None: as many
     as come, a server's); a caller of one step needs no kernels. ``one_call``: whether every
     row of a step is at one position (False for a server's rows, each at its own). Returns the
-    plan; the model decodes through it until `DecodePlan.release`."""
+    plan; the model decodes through it until `DecodePlan.release`. A model prepared before at
+    the same precision keeps its plan (its row counts too); at another, that plan is released
+    first."""
     if precision is not None and precision not in specs.PRECISIONS:
         raise ValueError(f"precision {precision!r}: one of {', '.join(specs.PRECISIONS)}")
-    plan = DecodePlan(model, precision or default_precision(model))
+    precision = precision or default_precision(model)
+    plan = getattr(model, "decode_plan", None)
+    if plan is None or plan.precision != precision:
+        if plan is not None:
+            plan.release()
+        plan = DecodePlan(model, precision)
+        plan_model(model).decode_plan = plan
     use_compiled_loops(model)
     if steps is not None and steps < 1:
         return plan

@@ -11,6 +11,10 @@ own (a bf16 copy of the weights; q8_0's 8-bit activations), taken wherever it ag
 reference within `ACTIVATION_TOLERANCE`: no timing, so the tokens depend on the precision a
 person chose, never on a race between two timings.
 
+At one row on a CPU where the library runs its AVX-512 loops, the exact precisions take the
+library's loop without timing (`DEFAULTS`, checked against the reference on a slice of the first
+layer): a first use decodes at once instead of timing seconds of candidates.
+
 A choice is kept in this process (`_CHOSEN`) and on disk (`gptkiln.cache`:
 ``decode-kernels.json``, keyed by torch version, CPU and its flags, weight dtype and shape, rows,
 threads and the candidates' names); a later process takes it without timing once it still
@@ -28,8 +32,9 @@ import torch
 import torch.nn as nn
 
 from gptkiln.cpu import specs
-from gptkiln.cpu.blocks import block_products, in_one_call, use_native_blocks
+from gptkiln.cpu.blocks import FAMILIES, block_products, in_one_call, use_native_blocks
 from gptkiln.cpu.library import library
+from gptkiln.cpu.planned import few_row_kernels, give_kernel, is_product
 from gptkiln.cpu.products import _BF16, _BF16_ROWS, _PACKED, FEW_ROWS
 
 Clock = Callable[[], float]
@@ -68,7 +73,7 @@ def tune_decoding(
     `gptkiln.quantize.Int8Linear`) its kernel for ``rows`` rows at ``precision`` (see the
     module's docstring). Eligible: a CPU, contiguous, plain (not sharded) weight, fp32, or int8
     with fp32 scales, and ``rows <= FEW_ROWS``. ``one_call``: whether the caller's steps put
-    every row at one position, so that a GPT-2's blocks may run in one call (`_tune_step`); a
+    every row at one position, so that a model's blocks may run in one call (`_tune_step`); a
     server's rows, each at its own position, run the layers. The global random state is left
     alone. Returns {(out, in): kernel name}."""
     if rows > FEW_ROWS:
@@ -98,20 +103,51 @@ def tune_decoding(
                 if name not in kernels or (
                     name != reference and not _still_equal(kernels, name, layers[0], rows)
                 ):
-                    name = _choose(kernels, layers, rows, repeats, clock)
+                    name = _default(kernels, family, layers[0], rows)
+                    name = name or _choose(kernels, layers, rows, repeats, clock)
                     stored.put(entry, name)
                 _CHOSEN[key] = name
             name = _CHOSEN[key]
             picked[shape] = name
             for layer in layers:
-                layer.few_row_kernels[rows] = kernels[name]
+                give_kernel(layer, rows, kernels[name])
                 drop_unused_copies(layer)
         if one_call:
             _tune_step(model, rows, repeats, stored, known, precision, clock)
     for (family, shape), layers in groups.items():  # as the step's choice left them
         names = {kernel: name for name, kernel in specs.offered(family, precision).items()}
-        picked[shape] = names.get(layers[0].few_row_kernels.get(rows), picked[shape])
+        picked[shape] = names.get(few_row_kernels(layers[0]).get(rows), picked[shape])
     return picked
+
+
+DEFAULTS = {("avx512", "float32"): "few_rows", ("avx512", "int8"): "int8_rows"}
+"""(the library's feature set, weight kind) -> the exact kernel a product of one row takes
+without timing: the library's own loop where it runs its AVX-512 version. Timing GPT-2 124M's
+fp32 candidates took 4.6 s of a first `generate` on a busy 2-core EPYC (5 s of CPU), and
+where the tuner ran on a quiet machine it chose these for every block product at one row (and
+at eight) on the Xeon and the EPYC (``bench/results-2026-11-28-*``); elsewhere (the generic
+build, more rows, a kernel that refuses a shape) the kernels are timed as before."""
+
+
+def _default(kernels: dict[str, Callable], family: str, layer: nn.Module, rows: int) -> str | None:
+    """`DEFAULTS`' kernel for this product where it is on offer (an exact precision: one
+    that rounds on purpose takes `_own`), the row count is one and it gives the reference's
+    result on ``layer`` (`_still_equal`); else None."""
+    if rows != 1 or any(name in specs.inexact() for name in kernels):
+        return None
+    name = DEFAULTS.get((features(), family))
+    if name not in kernels or not _still_equal(kernels, name, layer, rows):
+        return None
+    return name
+
+
+def features() -> str:
+    """The library's feature set at run time: ``avx512`` where it runs its AVX-512 loops,
+    ``generic`` where it runs the plain C, ``none`` without a library."""
+    lib = library()
+    if lib is None:
+        return "none"
+    return "avx512" if lib.gk_avx512() else "generic"
 
 
 def _choose(kernels: dict[str, Callable], layers, rows: int, repeats: int, clock: Clock) -> str:
@@ -124,20 +160,27 @@ def _choose(kernels: dict[str, Callable], layers, rows: int, repeats: int, clock
 
 def _own(kernels: dict[str, Callable], layers: list[nn.Module], rows: int) -> str:
     """The precision's own kernel (the first after the reference) where it agrees with the
-    reference within `ACTIVATION_TOLERANCE` on the first layer; else the reference."""
+    reference within `ACTIVATION_TOLERANCE` on the first layer's first `CHECK_ROWS` outputs
+    (the reference converts the whole weight it is given: a first use should not pay that for
+    GPT-2's int8 head); else the reference."""
     first = layers[0]
     x = torch.randn(rows, first.weight.size(1), generator=torch.Generator().manual_seed(0))
+    operands = tuple(None if t is None else t[:CHECK_ROWS] for t in _operands(first))
     reference = next(iter(kernels))
-    expected = kernels[reference](x, *_operands(first))
-    for name, kernel in kernels.items():
-        if name == reference:
-            continue
-        try:
-            if _agrees(name, kernel(x, *_operands(first)), expected):
-                return name
-        except (RuntimeError, NotImplementedError):
-            continue
-    return reference
+    try:
+        expected = kernels[reference](x, *operands)
+        for name, kernel in kernels.items():
+            if name == reference:
+                continue
+            try:
+                if _agrees(name, kernel(x, *operands), expected):
+                    return name
+            except (RuntimeError, NotImplementedError):
+                continue
+        return reference
+    finally:
+        for cache in (_BF16, _BF16_ROWS, _PACKED):  # the slice's copy, if one was made
+            cache.pop(id(operands[0]), None)
 
 
 def _fastest(
@@ -232,7 +275,7 @@ def drop_unused_copies(layer: nn.Module) -> None:
     """Free the copies of ``layer``'s weight (a bf16 one, a packed int8 one: as many bytes again
     as the weight, or half) where none of the kernels the layer now uses reads them; a later
     call of such a kernel makes its copy again."""
-    used = set(getattr(layer, "few_row_kernels", {}).values())
+    used = set(few_row_kernels(layer).values())
     for name, cache in COPIES.items():
         if specs.BY_NAME[name].kernel not in used:
             cache.pop(id(layer.weight), None)
@@ -245,7 +288,7 @@ def keep_exact(model: nn.Module) -> None:
     evaluations) keeps what it was given until this."""
     rounding = {specs.BY_NAME[name].kernel for name in specs.inexact()}
     for module in model.modules():
-        kernels = getattr(module, "few_row_kernels", None)
+        kernels = few_row_kernels(module)
         if kernels and rounding & set(kernels.values()):
             for rows in [r for r, k in kernels.items() if k in rounding]:
                 del kernels[rows]
@@ -266,7 +309,7 @@ def _family(module: nn.Module) -> str | None:
     """ "float32" or "int8": the candidates a layer takes; None when it is not tuned."""
     w = getattr(module, "weight", None)
     if not (
-        hasattr(module, "few_row_kernels")
+        is_product(module)
         and type(w) in (nn.Parameter, torch.Tensor)  # not a DTensor shard (FSDP)
         and w.device.type == "cpu"
         and w.is_contiguous()
@@ -294,13 +337,14 @@ _LOOPS = {"float32": "few_rows", "int8": "int8_rows"}
 
 def _tune_step(model, rows: int, repeats: int, stored, known: dict, precision, clock) -> None:
     """`use_native_blocks` where every block product has one of the library's loops; where the
-    tuner chose other kernels for some, and the model is a GPT-2 with a KV cache of ``rows``
+    tuner chose other kernels for some, and the model (one of `FAMILIES`) has a KV cache of ``rows``
     rows, time a whole decode step both ways and keep the faster: the layers with their tuned
     kernels, against the loops for every block product in one call (which saves the time
     between the products, ~0.2 ms a block, that timing the products alone does not see). The
     step is timed at the cache's last position (written before it is read). The choice is kept
     as the products' are (in this process, and on disk)."""
-    if getattr(getattr(model, "config", None), "family", None) != "gpt2":
+    family = getattr(getattr(model, "config", None), "family", None)
+    if family not in FAMILIES:
         return
     if use_native_blocks(model, rows) or library() is None:
         return
@@ -312,10 +356,10 @@ def _tune_step(model, rows: int, repeats: int, stored, known: dict, precision, c
     if None in families:
         return
     names = {k: n for f in set(families) for n, k in specs.offered(f, precision).items()}
-    had = sorted({names.get(layer.few_row_kernels.get(rows), "?") for layer in products})
+    had = sorted({names.get(few_row_kernels(layer).get(rows), "?") for layer in products})
     c = model.config
     entry = (
-        f"gpt2 step {c.n_layer}x{c.n_embd} heads={c.n_head} mlp={c.mlp_size} rows={rows} "
+        f"{family} step {c.n_layer}x{c.n_embd} heads={c.n_head} mlp={c.mlp_size} rows={rows} "
         f"threads={torch.get_num_threads()} layers={','.join(had)} {CHOICE_RULES}"
     )
     if entry not in _CHOSEN:
@@ -326,7 +370,7 @@ def _tune_step(model, rows: int, repeats: int, stored, known: dict, precision, c
         _CHOSEN[entry] = choice
     if _CHOSEN[entry] == "native":
         for layer, family in zip(products, families):
-            layer.few_row_kernels[rows] = _loop_for(layer, rows, family)
+            give_kernel(layer, rows, _loop_for(layer, rows, family))
             drop_unused_copies(layer)
         use_native_blocks(model, rows)
 
@@ -334,7 +378,7 @@ def _tune_step(model, rows: int, repeats: int, stored, known: dict, precision, c
 def _loop_for(layer: nn.Module, rows: int, family: str) -> Callable:
     """The loop a block product runs in the one-call step: its kernel where the step runs it,
     else its weight kind's exact loop."""
-    kernel = layer.few_row_kernels.get(rows)
+    kernel = few_row_kernels(layer).get(rows)
     return kernel if in_one_call(layer, kernel) else specs.BY_NAME[_LOOPS[family]].kernel
 
 
@@ -351,13 +395,13 @@ def _time_step(model, products, families, rows: int, repeats: int, clock: Clock)
     def best():
         return min(_seconds(step, clock) for _ in range(repeats + 1))
 
-    kept = [layer.few_row_kernels.get(rows) for layer in products]
+    kept = [few_row_kernels(layer).get(rows) for layer in products]
     layers_time = best()
     for layer, family in zip(products, families):
-        layer.few_row_kernels[rows] = _loop_for(layer, rows, family)
+        give_kernel(layer, rows, _loop_for(layer, rows, family))
     native = use_native_blocks(model, rows)
     native_time = best() if native else math.inf
     for layer, kernel in zip(products, kept):
-        layer.few_row_kernels[rows] = kernel
+        give_kernel(layer, rows, kernel)
     use_native_blocks(model, rows)  # taken away again: the layers have other kernels
     return "native" if native_time < layers_time else "layers"

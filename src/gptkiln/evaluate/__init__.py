@@ -17,7 +17,7 @@
 None of the three uses the decoding tuner's kernels that change the sums on purpose (int8
 activations, bf16 copies of the weights): generation decodes inside
 `gptkiln.cpu.exact_kernels`, and scoring first takes off any such kernel an earlier tuning gave
-the model (`gptkiln.cpu.tuner.keep_exact`: a trainer's model samples text between evaluations). So
+the model (`gptkiln.cpu.DecodePlan.drop_inexact`; `evaluate_model` releases the plan after). So
 the scores and tokens are the weights' own whatever the CPU, and equal the ``hf`` backend's.
 
 `evaluate_run` runs tasks on a run and writes the harness's results JSON (by default into

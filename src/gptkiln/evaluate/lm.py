@@ -134,9 +134,16 @@ class GptkilnLM(TemplateLM):
         self._model, self._tokenizer, self._source = model, tokenizer, source
         self._batch_size, self._quantize, self._progress = batch_size, quantize, progress
         self._device = model.wte.weight.device
-        from gptkiln.cpu.loops import use_compiled_loops
+        from gptkiln.cpu import prepare_for_decoding
 
-        use_compiled_loops(model)  # their sums are torch's up to rounding, as the hf backend's
+        # the library's GELU and attention (their sums are torch's up to rounding, as the hf
+        # backend's); no kernels yet: `generate_until` asks for them, `release` takes them off
+        self._plan = prepare_for_decoding(model, steps=0)
+
+    def release(self) -> None:
+        """Give the model back as it was before this LM (`gptkiln.cpu.DecodePlan.release`): a
+        trainer's model goes on training as it was."""
+        self._plan.release()
 
     # -- what the harness reads ----------------------------------------------------------------
     @property
@@ -275,9 +282,11 @@ class GptkilnLM(TemplateLM):
     def _score(self, pairs: Sequence[Pair], what: str, disable_tqdm: bool, greedy_too: bool):
         from tqdm.auto import tqdm
 
-        from gptkiln.cpu.tuner import keep_exact
+        from gptkiln.cpu import prepare_for_decoding
 
-        keep_exact(self._model)  # scoring tunes nothing: what an earlier tuning gave goes
+        # scoring tunes nothing: what an earlier tuning gave that rounds goes
+        self._plan = prepare_for_decoding(self._model, steps=0)
+        self._plan.drop_inexact()
         with tqdm(
             total=len(pairs), desc=f"Running {what}", disable=disable_tqdm or not self._progress
         ) as bar:

@@ -324,15 +324,18 @@ def evaluate_model(
         model, tokenizer, batch_size=batch_size, source=source, progress=False
     )
     folder, path = (None, None) if output_path is None else _output_paths(None, output_path)
-    results = run_harness(
-        lm,
-        manager,
-        built,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        seed=seed,
-        bootstrap_iters=bootstrap_iters,
-    )
+    try:
+        results = run_harness(
+            lm,
+            manager,
+            built,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            seed=seed,
+            bootstrap_iters=bootstrap_iters,
+        )
+    finally:
+        lm.release()  # a trainer's model goes on as it was
     results["config"].update(model="gptkiln", model_args={"source": source})
     results.pop("samples", None)
     if path is not None:

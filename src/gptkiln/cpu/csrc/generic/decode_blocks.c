@@ -129,3 +129,124 @@ int gpt2_decode_blocks(const int64_t *table, const char *kinds, int n_layer, flo
     free(scratch);
     return status ? (status == -2 ? -2 : -1) : 0;
 }
+
+/* ---- Llama 3 and Qwen3 --------------------------------------------------------------------
+
+   A block, as gptkiln.model.Block computes it for these families (pre-norm RMSNorm, no
+   dropout):
+       h = RMS_1(x); q = h Wq^T (+ b), k = h Wk^T (+ b), v = h Wv^T (+ b), H query heads and
+       G key/value heads of D; with Qwen3's q/k norms each head of q and k through its RMSNorm
+       (weights of D, shared by the heads); q and k turned by RoPE at the row's position (cos
+       and sin given, a row of D each: pair i is dims i and i + D/2); keys and values to the
+       cache at `pos`; a = softmax(q k^T / sqrt(D)) v, query head j reading key head
+       j / (H / G); x += a Wo^T (+ b);
+       h = RMS_2(x); x += (silu(h Wg^T) * (h Wu^T)) Wd^T (+ b's).
+   The same products, attention and row loops as GPT-2's step above: one source for both. */
+
+/* A Llama/Qwen3 layer's table: 27 addresses; a product's scale NULL for fp32 or bf16 weights,
+   a bias NULL for none, QN_W and KN_W NULL without q/k norms. */
+enum {
+    L_RMS1, L_Q_W, L_Q_S, L_Q_B, L_K_W, L_K_S, L_K_B, L_V_W, L_V_S, L_V_B, L_QN, L_KN,
+    L_O_W, L_O_S, L_O_B, L_RMS2, L_G_W, L_G_S, L_G_B, L_U_W, L_U_S, L_U_B, L_D_W, L_D_S,
+    L_D_B, L_K_CACHE, L_V_CACHE, L_TABLE_SIZE
+};
+
+/* y (rows, n) = x / sqrt(mean(x^2) + eps) * w, row by row; sums in 16 lanes where n allows. */
+static void rms_norm(const float *x, const float *w, float *y, int64_t rows, int n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        float lanes[16] = {0};
+        for (int i = 0; i < n; i += 16)
+            for (int l = 0; l < 16; l++) lanes[l] += xr[i + l] * xr[i + l];
+        float sq = 0.f;
+        for (int l = 0; l < 16; l++) sq += lanes[l];
+        float inv = 1.0f / sqrtf(sq / (float)n + eps);
+        for (int i = 0; i < n; i++) yr[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* Each of the `heads` heads of D in x (rows of heads * D) turned by its row's cos and sin (D
+   each): the "rotate half" of gptkiln.model.apply_rope. */
+static void rope(float *x, const float *cos, const float *sin, int B, int heads, int D) {
+    int half = D / 2;
+    for (int r = 0; r < B; r++) {
+        const float *c = cos + (size_t)r * D, *s = sin + (size_t)r * D;
+        for (int hd = 0; hd < heads; hd++) {
+            float *v = x + ((size_t)r * heads + hd) * D;
+            for (int i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* g = silu(g) * u, n values. */
+static void silu_times(float *g, const float *u, size_t n) {
+    for (size_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* x (B, C): each row's embedded token, updated in place through the blocks; out (B, C): the
+   final RMSNorm (weight norm_w) of x. table: n_layer * L_TABLE_SIZE addresses; kinds: n_layer
+   * 7 product kinds (KIND_*: q, k, v, o, gate, up, down). H query heads and G key/value heads
+   of D (H % G == 0), F the MLP's width. Caches (B, G, S_max, D) contiguous; the new token goes
+   to position pos, the attention reads positions 0..pos; mask (B, pos + 1) bytes or NULL;
+   cos, sin (B, D): each row's rotation (its own position, left padding counted). C, F and D
+   multiples of 16, D <= GK_MAX_D, 1 <= B <= GK_MAX_ROWS. Returns 0, -1 for arguments refused,
+   -2 when scratch memory cannot be had. */
+int llama_decode_blocks(const int64_t *table, const char *kinds, int n_layer, float *x,
+                        float *out, int B, int C, int H, int G, int D, int F, int64_t S_max,
+                        int64_t pos, const uint8_t *mask, const float *cos, const float *sin,
+                        float eps, const float *norm_w, int threads) {
+    if (n_layer < 1 || B < 1 || B > GK_MAX_ROWS || C % 16 || F % 16 || D % 16 || D > GK_MAX_D ||
+        G < 1 || H % G || pos < 0 || pos >= S_max)
+        return -1;
+    size_t bc = (size_t)B * C, bq = (size_t)B * H * D, bk = (size_t)B * G * D;
+    float *scratch = (float *)malloc(sizeof(float) * (2 * bc + 2 * bq + 2 * bk + 2 * (size_t)B * F));
+    if (!scratch) return -2;
+    float *h = scratch, *y = h + bc, *q = y + bc, *att = q + bq, *k = att + bq, *v = k + bk;
+    float *gate = v + bk, *up = gate + (size_t)B * F;
+    int64_t S = pos + 1;
+    int status = 0;
+    for (int l = 0; l < n_layer && status == 0; l++) {
+        const int64_t *t = table + (size_t)l * L_TABLE_SIZE;
+        const char *kind = kinds + (size_t)l * 7;
+#define P(i) ((const float *)(intptr_t)t[i])
+        rms_norm(x, P(L_RMS1), h, B, C, eps);
+        status |= product(kind[0], h, P(L_Q_W), P(L_Q_S), P(L_Q_B), q, B, H * D, C, threads);
+        status |= product(kind[1], h, P(L_K_W), P(L_K_S), P(L_K_B), k, B, G * D, C, threads);
+        status |= product(kind[2], h, P(L_V_W), P(L_V_S), P(L_V_B), v, B, G * D, C, threads);
+        if (status) break;
+        if (P(L_QN)) {
+            rms_norm(q, P(L_QN), q, (int64_t)B * H, D, eps);
+            rms_norm(k, P(L_KN), k, (int64_t)B * G, D, eps);
+        }
+        rope(q, cos, sin, B, H, D);
+        rope(k, cos, sin, B, G, D);
+        float *kc = (float *)(intptr_t)t[L_K_CACHE], *vc = (float *)(intptr_t)t[L_V_CACHE];
+        for (int r = 0; r < B; r++)
+            for (int g = 0; g < G; g++) {
+                size_t at = (((size_t)r * G + g) * S_max + pos) * D;
+                memcpy(kc + at, k + ((size_t)r * G + g) * D, sizeof(float) * D);
+                memcpy(vc + at, v + ((size_t)r * G + g) * D, sizeof(float) * D);
+            }
+        status |= decode_attention(q, kc, vc, mask, att, B, H, G, S, D, (int64_t)H * D, D,
+                                   (int64_t)G * S_max * D, S_max * D, D, S,
+                                   1.0f / sqrtf((float)D), threads);
+        status |= product(kind[3], att, P(L_O_W), P(L_O_S), P(L_O_B), y, B, C, H * D, threads);
+        add_into(x, y, bc);
+        rms_norm(x, P(L_RMS2), h, B, C, eps);
+        status |= product(kind[4], h, P(L_G_W), P(L_G_S), P(L_G_B), gate, B, F, C, threads);
+        status |= product(kind[5], h, P(L_U_W), P(L_U_S), P(L_U_B), up, B, F, C, threads);
+        if (status) break;
+        silu_times(gate, up, (size_t)B * F);
+        status |= product(kind[6], gate, P(L_D_W), P(L_D_S), P(L_D_B), y, B, C, F, threads);
+        add_into(x, y, bc);
+#undef P
+    }
+    if (status == 0) rms_norm(x, norm_w, out, B, C, eps);
+    free(scratch);
+    return status ? (status == -2 ? -2 : -1) : 0;
+}

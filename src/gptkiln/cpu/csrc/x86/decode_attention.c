@@ -1,7 +1,7 @@
 /* softmax(q k^T * scale) v for one new token a row (decoding), over the KV cache, in fp32.
 
    Used by gptkiln.model's attention (gptkiln.cpu.loops.decode_attention, which builds and loads
-   this file, given to the model by gptkiln.cpu.loops.use_compiled_loops) at a decode step: one
+   this file, given to the model by gptkiln.cpu.planned.use_compiled_loops) at a decode step: one
    query a row and head, S cached keys and values, an optional mask of the keys each row may see
    (left padding), grouped-query heads (G key/value heads, each serving H / G query heads).
    torch's SDPA spends ~30-90 us a call there on a 2-core Xeon at batch 1 (its flash kernel is

@@ -1,7 +1,7 @@
 /* GPT-2's tanh GELU, in place, with the bias of the product before it: y = gelu(y + bias).
 
    Used by gptkiln.model's MLP (gptkiln.cpu.loops.gelu_tanh_, which builds and loads this file,
-   given to the model by gptkiln.cpu.loops.use_compiled_gelu) when no gradient is wanted: the
+   given to the model by gptkiln.cpu.planned.use_compiled_gelu) when no gradient is wanted: the
    expansion c_fc is then computed without its bias
    (torch's addmm would first copy the bias into every row of the output), and this one pass
    adds it and applies the activation. torch's own tanh GELU is slow on the CPU (its vectorised

@@ -25,9 +25,9 @@
    the first block's, 8-15 the second's, so one vector of their two d's (8 lanes each) scales
    both in one FMA into fp32 partial sums.
 
-   The loop is rows.c's: 4 weight rows at a time, shared by every row of x, the next block
-   of weight rows prefetched into L1 while this one is multiplied, the blocks shared among the
-   threads. */
+   The loop is rows.c's: 4 weight rows at a time, shared by every row of x, the weight rows
+   GK_PREFETCH_BYTES ahead prefetched into L2 while this block is multiplied, the blocks shared
+   among the threads. */
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
@@ -93,7 +93,7 @@ static Q8 void q8_quantize(const float *x, q8_acts *a, int M, int K) {
         const char *p = *pf;                                                                  \
         for (int k = k0; k < k1; k += 64) {                                                   \
             for (int i = 0; i < per; i++, p += 64)                                            \
-                if (p < pf_end) _mm_prefetch(p, _MM_HINT_T0);                                 \
+                if (p < pf_end) _mm_prefetch(p, _MM_HINT_T1);                                 \
             __m512i q0 = _mm512_loadu_si512(w0 + k), q1 = _mm512_loadu_si512(w1 + k);         \
             __m512i q2 = _mm512_loadu_si512(w2 + k), q3 = _mm512_loadu_si512(w3 + k);         \
             __mmask64 n0 = _mm512_movepi8_mask(q0), n1 = _mm512_movepi8_mask(q1);             \
@@ -131,8 +131,10 @@ static Q8 void q8_block_of_4(const q8_acts *a, const int8_t *w, const float *s, 
     int lines = (int)(4 * (size_t)K / 64); /* the next block, in lines */
     int steps = ((M + 3) / 4) * (K / 64);
     int per = (lines + steps - 1) / steps;
-    const char *pf = (const char *)(wb + 4 * (size_t)K);
-    const char *pf_end = n + 4 < blocks_end ? pf + (size_t)lines * 64 : pf;
+    int ahead = (int)(GK_PREFETCH_BYTES / (4 * (size_t)K)); /* blocks ahead: the header says */
+    ahead = ahead > 1 ? ahead : 1;
+    const char *pf = (const char *)(wb + 4 * (size_t)K * ahead);
+    const char *pf_end = n + 4 * ahead < blocks_end ? pf + (size_t)lines * 64 : pf;
     for (int k0 = 0; k0 < K; k0 += Q8_KC) {
         int k1 = k0 + Q8_KC < K ? k0 + Q8_KC : K;
         int m = 0;

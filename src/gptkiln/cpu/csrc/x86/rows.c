@@ -106,8 +106,10 @@ static inline __attribute__((always_inline)) AVX512 __m512 load_bf16(const uint1
         int lines = (int)(4 * (size_t)K * sizeof(T) / 64); /* the next block, in lines */     \
         int steps = ((M + 3) / 4) * (K / 16);                                                 \
         int per = (lines + steps - 1) / steps;                                                \
-        const char *pf = (const char *)(wb + 4 * (size_t)K);                                  \
-        const char *pf_end = n + 4 < blocks_end ? pf + (size_t)lines * 64 : pf;               \
+        int ahead = (int)(GK_PREFETCH_BYTES / (4 * (size_t)K * sizeof(T)));                   \
+        ahead = ahead > 1 ? ahead : 1; /* blocks ahead: see GK_PREFETCH_BYTES */              \
+        const char *pf = (const char *)(wb + 4 * (size_t)K * ahead);                          \
+        const char *pf_end = n + 4 * ahead < blocks_end ? pf + (size_t)lines * 64 : pf;       \
         for (int k0 = 0; k0 < K; k0 += KC) {                                                  \
             int k1 = k0 + KC < K ? k0 + KC : K;                                               \
             int m = 0;                                                                        \
@@ -151,12 +153,12 @@ static inline __attribute__((always_inline)) AVX512 __m512 load_bf16(const uint1
         return 0;                                                                             \
     }
 
-/* The next block is prefetched into L2 for fp32 weights, into L1 for int8 ones: measured over
-   GPT-2 124M's weights at one row on the 2-core Xeon, int8 5.8 against 7.4 ms into L1 (the
-   same at 4 and 8 rows), fp32 18-20 ms into L2 against 20-22 into L1. */
+/* Every loop prefetches GK_PREFETCH_BYTES ahead into L2. (With the next block alone, the
+   2-core Xeon had int8 at 5.8 ms into L1 against 7.4 into L2, fp32 18-20 into L2 against 20-22
+   into L1; further ahead, into L2, is as good for all three on the EPYC: see the header.) */
 ROWS_LOOP(f32, float, load_f32, 256, _MM_HINT_T1) /* 4 rows of w: 4 KB a chunk */
-ROWS_LOOP(i8, int8_t, load_i8, 512, _MM_HINT_T0)  /* 4 rows of q: 2 KB; 4 of x: 8 KB */
-ROWS_LOOP(bf, uint16_t, load_bf16, 512, _MM_HINT_T0) /* 4 rows of w: 4 KB; 4 of x: 8 KB */
+ROWS_LOOP(i8, int8_t, load_i8, 512, _MM_HINT_T1)  /* 4 rows of q: 2 KB; 4 of x: 8 KB */
+ROWS_LOOP(bf, uint16_t, load_bf16, 512, _MM_HINT_T1) /* 4 rows of w: 4 KB; 4 of x: 8 KB */
 
 /* The entry points. x (M, K), w or q (N, K), y (M, N) contiguous fp32 (q int8); scale (N,)
    fp32; b (N,) or NULL; 1 <= M <= MAX_ROWS, K % 16 == 0 (the callers check both); `threads`
