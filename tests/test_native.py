@@ -779,13 +779,14 @@ needs_blocks_library = pytest.mark.skipif(
 )
 
 
-def _gpt2(quantized: bool = False, **overrides):
+def _small_model(quantized: bool = False, name: str = "baby", **overrides):
+    """A small model of preset ``name`` (GPT-2's ``baby``; ``llama3-baby``, ``qwen3-baby``)."""
     from gptkiln.config import GPTConfig
     from gptkiln.model import GPT
     from gptkiln.quantize import quantize_model
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig.from_name("baby", vocab_size=97, context_length=48, **overrides)).eval()
+    model = GPT(GPTConfig.from_name(name, vocab_size=97, context_length=48, **overrides)).eval()
     with torch.no_grad():  # no zero biases or unit norms: a term left out would show
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -837,7 +838,7 @@ def _steps_computed(monkeypatch) -> list:
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
 @pytest.mark.parametrize("prompts", [[[5, 6, 7]], [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6]]])
 def test_the_one_call_decode_step_is_the_layers_step(build, quantized, prompts):
-    model = _gpt2(quantized)
+    model = _small_model(quantized)
     rows = len(prompts)
     layers = [m for m in model.modules() if planned.is_product(m)]
     loop = products.int8_rows_linear if quantized else products.few_rows_linear
@@ -853,21 +854,6 @@ def test_the_one_call_decode_step_is_the_layers_step(build, quantized, prompts):
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
 
 
-def _family_model(name: str, quantized: bool = False):
-    """A small Llama 3 or Qwen3 (``llama3-baby``, ``qwen3-baby``) with every weight moved off
-    its initial value (unit norms included: a norm left out of the step would show)."""
-    from gptkiln.config import GPTConfig
-    from gptkiln.model import GPT
-    from gptkiln.quantize import quantize_model
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.from_name(name, vocab_size=97, context_length=48)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return quantize_model(model) if quantized else model
-
-
 @needs_blocks_library
 @pytest.mark.parametrize("name", ["qwen3-baby", "llama3-baby"])
 @pytest.mark.parametrize("kind", ["fp32", "int8", "bf16"])
@@ -875,7 +861,7 @@ def _family_model(name: str, quantized: bool = False):
 def test_the_one_call_step_of_llama_and_qwen3_is_the_layers_step(build, name, kind, prompts):
     # RMSNorm, Qwen3's q/k norms, RoPE at each row's own position (left padding), grouped
     # heads and SwiGLU in C: the same logits as the layers running the same loops
-    model = _family_model(name, quantized=kind == "int8")
+    model = _small_model(kind == "int8", name=name)
     rows = len(prompts)
     loop = {
         "fp32": products.few_rows_linear,
@@ -897,7 +883,7 @@ def test_the_one_call_step_of_llama_and_qwen3_is_the_layers_step(build, name, ki
 @needs_blocks_library
 def test_the_one_call_step_declines_a_relu2_mlp():
     # a choice the C step does not compute (ReLU² gates) leaves the step to the layers
-    model = _family_model("qwen3-baby")
+    model = _small_model(name="qwen3-baby")
     for block in model.h:
         block.mlp.relu2 = True
     for layer in [m for m in model.modules() if planned.is_product(m)]:
@@ -913,7 +899,7 @@ def test_the_one_call_step_declines_a_relu2_mlp():
 @needs_blocks_library
 def test_the_one_call_step_runs_bf16_layers_over_their_bf16_copies(build):
     # bf16 decoding: the one call reads each layer's bf16 copy, as the layers' loop does
-    model = _gpt2(False)
+    model = _small_model(False)
     layers = [m for m in model.modules() if planned.is_product(m)]
     for i, layer in enumerate(layers):  # bf16 on most products, fp32 on some: both in one step
         kernel = products.few_rows_linear if i % 5 == 1 else products.bf16_rows_linear
@@ -928,7 +914,7 @@ def test_the_one_call_step_runs_bf16_layers_over_their_bf16_copies(build):
     got = _step_logits(model, [[5, 6, 7]], steps=6)
     assert len(done) == 6
     torch.testing.assert_close(got, reference, atol=2e-5, rtol=1e-5)
-    exact = _step_logits_with(_gpt2(False), products.few_rows_linear, [[5, 6, 7]], steps=6)
+    exact = _step_logits_with(_small_model(False), products.few_rows_linear, [[5, 6, 7]], steps=6)
     assert not torch.allclose(got, exact, atol=1e-6, rtol=0)  # the weights were rounded
 
 
@@ -938,7 +924,7 @@ def test_the_one_call_step_runs_bf16_layers_over_their_bf16_copies(build):
 def test_the_one_call_step_runs_each_product_by_its_layers_loop(build, mixed):
     # q8_rows rounds the activations: the one call must run it where the layer has it (and
     # the exact int8 loop where that layer has that), so that the step is the layers' step
-    model = _gpt2(quantized=True)
+    model = _small_model(quantized=True)
     layers_ = blocks.block_products(model)
     for i, layer in enumerate(layers_):
         exact = mixed and i % 3 == 1
@@ -972,12 +958,12 @@ def _step_logits_with(model, kernel, prompts, steps: int):
 @needs_blocks_library
 @needs_q8_library
 def test_q8_on_a_width_that_is_no_multiple_of_64_keeps_the_layers_step():
-    model = _gpt2(quantized=True, n_embd=80, n_head=2)  # q8_rows.c refuses k = 80
+    model = _small_model(quantized=True, n_embd=80, n_head=2)  # q8_rows.c refuses k = 80
     for layer in blocks.block_products(model):
         planned.give_kernel(layer, 1, products.q8_rows_linear)
     planned.use_compiled_loops(model)
     assert not blocks.use_native_blocks(model, 1)
-    wide = _gpt2(quantized=True)  # 128 and 512: taken
+    wide = _small_model(quantized=True)  # 128 and 512: taken
     for layer in blocks.block_products(wide):
         planned.give_kernel(layer, 1, products.q8_rows_linear)
     planned.use_compiled_loops(wide)
@@ -987,7 +973,7 @@ def test_q8_on_a_width_that_is_no_multiple_of_64_keeps_the_layers_step():
 @needs_blocks_library
 @needs_q8_library
 def test_keep_exact_takes_q8_off_the_one_call_step_too():
-    model = _gpt2(quantized=True)
+    model = _small_model(quantized=True)
     for layer in blocks.block_products(model):
         planned.give_kernel(layer, 1, products.q8_rows_linear)
     planned.use_compiled_loops(model)
@@ -1003,7 +989,7 @@ def test_keep_exact_takes_q8_off_the_one_call_step_too():
 
 @needs_blocks_library
 def test_the_one_call_step_is_given_only_where_the_tuner_chose_the_loops():
-    model = _gpt2()
+    model = _small_model()
     assert not blocks.use_native_blocks(model, 1)  # untuned: F.linear on every product
     assert getattr(model, "decode_blocks", None) is None
     for m in model.modules():
@@ -1031,7 +1017,7 @@ def test_the_tuner_gives_the_one_call_step_and_generation_runs_it(monkeypatch):
     import gptkiln.sampling as sampling
     from gptkiln.config import SampleConfig
 
-    model = _gpt2()
+    model = _small_model()
     greedy = SampleConfig(max_new_tokens=12, temperature=0, stop_at_eos=False)
     monkeypatch.setattr(tuner, "use_native_blocks", lambda model, rows: False)
     prepare = prepare_for_decoding
@@ -1054,7 +1040,7 @@ def test_where_the_tuner_chose_q8_the_one_call_step_runs_it(monkeypatch):
 
     monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite tunes exactly
     monkeypatch.setattr(tuner, "_CHOSEN", {})
-    model = _gpt2(quantized=True)
+    model = _small_model(quantized=True)
     greedy = SampleConfig(max_new_tokens=12, temperature=0, stop_at_eos=False)
     prepare = prepare_for_decoding  # at int8, a quantized model's own: q8_0's loop
     with monkeypatch.context() as m:  # the layers, each with the kernel the tuner chose
@@ -1085,7 +1071,7 @@ def test_the_one_call_step_declines_what_it_does_not_take_and_the_layers_run():
         "steps of another number of rows": lambda m: m.decode_blocks.rows.discard(1),
     }
     for what, change in cases.items():
-        model = _gpt2(dropout=0.1)
+        model = _small_model(dropout=0.1)
         for m in model.modules():
             if planned.is_product(m):
                 planned.give_kernel(m, 1, products.few_rows_linear)
@@ -1098,7 +1084,7 @@ def test_the_one_call_step_declines_what_it_does_not_take_and_the_layers_run():
 
 @needs_blocks_library
 def test_the_one_call_step_sees_the_model_as_it_is_at_each_step():
-    model = _gpt2()
+    model = _small_model()
     for m in model.modules():
         if planned.is_product(m):
             planned.give_kernel(m, 1, products.few_rows_linear)

@@ -269,8 +269,6 @@ class _BlocksTable:
         layer's bf16 copy); None where a layer is not of a kind the step takes."""
         from gptkiln.model import MLP, CausalSelfAttention
 
-        own = own_class
-
         c = model.config
         if c.family != "gpt2":
             return cls._llama(model, kinds)
@@ -291,9 +289,9 @@ class _BlocksTable:
             block = self._module(blocks, str(i))
             attn, mlp = self._module(block, "attn"), self._module(block, "mlp")
             if (
-                own(attn) is not CausalSelfAttention
+                own_class(attn) is not CausalSelfAttention
                 or not attn.use_sdpa
-                or own(mlp) is not MLP
+                or own_class(mlp) is not MLP
                 or mlp.approximate != "tanh"
             ):
                 return None
