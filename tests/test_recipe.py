@@ -250,7 +250,7 @@ def test_value_embeddings_enter_the_values_of_the_first_and_last_blocks_and_lear
     for p in [*model.value_embeds.parameters(), *(b.attn.value_mix for b in model.h)]:
         assert p.grad is not None and p.grad.abs().sum() > 0
     # U-shaped: blocks 0, 1 take embeddings 0, 1, and blocks 2, 3 the same two again
-    from gptkiln.model import value_index
+    from gptkiln.positions import value_index
 
     assert [value_index(i, 2, 6) for i in range(6)] == [0, 1, None, None, 0, 1]
     in_between = GPT(GPTConfig.from_name("qwen3-baby", vocab_size=40, n_layer=6, value_embeds=2))
@@ -260,7 +260,7 @@ def test_value_embeddings_enter_the_values_of_the_first_and_last_blocks_and_lear
 
 
 def test_a_sliding_window_masks_what_lies_beyond_it_in_training_and_decoding():
-    from gptkiln.model import window_mask
+    from gptkiln.positions import window_mask
 
     got = window_mask(None, 6, None, 3, torch.device("cpu"))[0, 0]
     i, j = torch.arange(6)[:, None], torch.arange(6)

@@ -39,8 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptkiln.config import GPTConfig
-from gptkiln.positions import (  # noqa: F401 (re-exported: the model's own names)
-    _llama3_scaled,
+from gptkiln.positions import (
     apply_rope,
     packed_positions_and_mask,
     rope_tables,

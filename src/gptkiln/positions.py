@@ -2,7 +2,7 @@
 block-diagonal mask of sequences packed end to end in a row (fine-tuning's ``--pack``), and the
 sliding windows a block may attend in (`GPTConfig.attention_windows`).
 
-Used by `gptkiln.model` (and re-exported there under the same names); plain functions of
+Used by `gptkiln.model` (whose namespace has the five it uses); plain functions of
 tensors, with the shapes of `gptkiln.model`'s legend (B batch, T new tokens, S keys, hs head
 size).
 """

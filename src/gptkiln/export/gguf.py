@@ -106,8 +106,8 @@ def unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def rope_factors(config: GPTConfig) -> torch.Tensor:
     """Llama 3's frequency scaling as llama.cpp's ``rope_freqs``: for each of the head's
-    frequencies, what the base one is divided by (`gptkiln.model.rope_tables`'s scaling)."""
-    from gptkiln.model import _llama3_scaled
+    frequencies, what the base one is divided by (`gptkiln.positions.rope_tables`'s scaling)."""
+    from gptkiln.positions import _llama3_scaled
 
     i = torch.arange(0, config.head_size, 2, dtype=torch.float32)
     inv_freq = 1.0 / config.rope_theta ** (i / config.head_size)  # (hs/2,)

@@ -117,8 +117,8 @@ class Example:
 # The examples are packed once, in the data's order, each into the current window while it fits
 # (a new window otherwise). A row of packed examples has their inputs and targets end to end (each
 # as it has them alone) and their segment numbers, which the model turns into positions restarting
-# at 0 and a block-diagonal causal mask (`gptkiln.model.packed_positions_and_mask`): each example's
-# logits are those it has alone. The epochs then walk the windows in a seeded order.
+# at 0 and a block-diagonal causal mask (`gptkiln.positions.packed_positions_and_mask`): each
+# example's logits are those it has alone. The epochs then walk the windows in a seeded order.
 
 
 def pack(lengths: Sequence[int], width: int) -> list[list[int]]:

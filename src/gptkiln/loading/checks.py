@@ -18,7 +18,8 @@ import torch
 
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.model import GPT, value_index
+from gptkiln.model import GPT
+from gptkiln.positions import value_index
 from gptkiln.quantize import int8_modules
 
 _MAX_NAMES = 6  # parameter names listed in one error line before "and N more"

@@ -167,7 +167,7 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t rows, int
 }
 
 /* Each of the `heads` heads of D in x (rows of heads * D) turned by its row's cos and sin (D
-   each): the "rotate half" of gptkiln.model.apply_rope. */
+   each): the "rotate half" of gptkiln.positions.apply_rope. */
 static void rope(float *x, const float *cos, const float *sin, int B, int heads, int D) {
     int half = D / 2;
     for (int r = 0; r < B; r++) {
