@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from gptkiln.cpu import specs
 from gptkiln.cpu.planned import few_row_kernels, plan_model, unplan, use_compiled_loops
+from gptkiln.cpu.threads import DecodeThreads
 from gptkiln.cpu.tuner import Clock, drop_unused_copies, keep_exact, tune_decoding
 
 
@@ -74,11 +75,16 @@ class DecodePlan:
     model: nn.Module
     precision: str
     kernels: dict[int, dict[tuple[int, int], str]] = field(default_factory=dict)
+    threads: DecodeThreads = field(default_factory=DecodeThreads)
+    """The thread count of its decode steps: all asked for, fewer while the machine does not
+    run them all (`gptkiln.cpu.threads`)."""
 
     def add(
         self, rows: int, *, one_call: bool = True, clock: Clock = time.perf_counter
     ) -> dict[tuple[int, int], str]:
-        """Choose (or take from the cache) the kernels for ``rows`` more rows."""
+        """Choose (or take from the cache) the kernels for ``rows`` more rows (timed on the full
+        thread count, whatever the decode steps run on now)."""
+        self.threads.other_forward()
         picked = tune_decoding(
             self.model, rows, precision=self.precision, one_call=one_call, clock=clock
         )
@@ -106,6 +112,7 @@ class DecodePlan:
         """Give the model back as it was: every layer its own class again (no kernels, no
         one-call step, no compiled GELU or attention) and the weight copies freed."""
         products = [m for m in self.model.modules() if few_row_kernels(m)]
+        self.threads.release()
         unplan(self.model)
         for layer in products:
             drop_unused_copies(layer)

@@ -198,13 +198,28 @@ class PlannedModel(Planned):
     """The model, with the plan that holds it (``decode_plan``) and its one-call step
     (``decode_blocks``, or None), which runs a step of one new token a row at one position
     (no autograd, every cache row, no attention weights asked, outside ``torch.compile``) in
-    place of `gptkiln.model.GPT.run_blocks` where it takes the step."""
+    place of `gptkiln.model.GPT.run_blocks` where it takes the step. Each decode step runs on
+    the plan's thread count (`gptkiln.cpu.threads.DecodeThreads`), every other forward on the
+    full count."""
 
     planned_attributes = ("decode_plan", "decode_blocks")
     decode_plan: object
     decode_blocks: object
 
     def run_blocks(self, x, start_pos, mask, rows, attentions, rope, values):
+        threads = getattr(self.decode_plan, "threads", None)  # the count of a step's loops
+        if threads is None:
+            return self._run_blocks(x, start_pos, mask, rows, attentions, rope, values)
+        if x.size(1) != 1 or torch.is_grad_enabled():  # a prefill: every thread asked for
+            threads.other_forward()
+            return self._run_blocks(x, start_pos, mask, rows, attentions, rope, values)
+        threads.begin_step(x.size(0))
+        try:
+            return self._run_blocks(x, start_pos, mask, rows, attentions, rope, values)
+        finally:
+            threads.end_step()
+
+    def _run_blocks(self, x, start_pos, mask, rows, attentions, rope, values):
         blocks = self.decode_blocks
         if (
             blocks is not None
