@@ -15,11 +15,11 @@ from datetime import datetime
 import pytest
 import uvicorn
 from hf_tokenizer_dirs import write_llama3_dir, write_qwen3_dir
+from test_cli import cli
 
 from gptkiln import sampling
 from gptkiln.chat_template import ChatTemplate, load_chat_template
 from gptkiln.checkpoint import save_model
-from gptkiln.cli import main
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
@@ -145,15 +145,6 @@ def prompts_seen(monkeypatch):
 
     monkeypatch.setattr(sampling, "generate_stream", caught)
     return seen
-
-
-def cli(*argv, capsys):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_chat_sends_the_conversation_in_the_models_template(

@@ -20,10 +20,10 @@ import pytest
 import torch
 from instruction_data import WORDS, instructions
 from safetensors.torch import load_file
+from test_cli import assert_one_line_error, cli
 
 from gptkiln.api import perplexity_of_run
 from gptkiln.checkpoint import pack_tensors, save_model, unpack_tensors
-from gptkiln.cli import main
 from gptkiln.config import FinetuneConfig, GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune import finetune, train_config
@@ -46,23 +46,6 @@ book_ch06 = pytest.importorskip("llms_from_scratch.ch06", reason="the book's pac
 book_ch07 = pytest.importorskip("llms_from_scratch.ch07", reason="the book's package")
 
 CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
-
-
-def cli(*argv, capsys):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code, err, *needles):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from hf_tokenizer_dirs import write_llama3_dir, write_qwen3_dir
+from test_cli import assert_one_line_error, cli
 
 from gptkiln.chat_template import CHAT_TEMPLATE_FILE, load_chat_template
 from gptkiln.checkpoint import save_model
-from gptkiln.cli import main
 from gptkiln.config import FinetuneConfig, GPTConfig
 from gptkiln.finetune import finetune, train_config
 from gptkiln.finetune.chat import ConversationEncoder, collate_examples, fit_length
@@ -38,23 +38,6 @@ MULTI_TURN = [
     {"role": "user", "content": "And 4 plus 4?"},
     {"role": "assistant", "content": "It is 8."},
 ]
-
-
-def cli(*argv, capsys):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code, err, *needles):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def conversations(n: int) -> list[dict]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_tokenizer_dirs import write_qwen3_dir
+from test_cli import cli
 
 from gptkiln.chat_template import load_chat_template
 from gptkiln.cli import main
@@ -42,15 +43,6 @@ def pairs(n: int) -> list[dict]:
             }
         )
     return rows
-
-
-def cli(*argv, capsys):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def hf_qwen3(path: Path, vocab_size: int, seed: int):

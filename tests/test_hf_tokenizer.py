@@ -11,10 +11,10 @@ import warnings
 import pytest
 import torch
 from hf_tokenizer_dirs import LLAMA3_SPECIALS, write_llama3_dir, write_qwen3_dir
+from test_cli import cli
 
 from gptkiln import sampling
 from gptkiln.checkpoint import save_model
-from gptkiln.cli import main
 from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.loading import load_run
 from gptkiln.model import GPT
@@ -179,15 +179,6 @@ def test_serving_a_run_stops_on_any_stop_id(tmp_path, monkeypatch):
     slot.stream.push(5)
     slot.stream.push(tok.encode_templated("<|eom_id|>")[0])
     assert slot.stream.done
-
-
-def cli(*argv, capsys):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_a_run_without_its_tokenizer_json_is_one_line(tmp_path, capsys):

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_attention import copy_teaching_weights
+from test_cli import cli
 
 from gptkiln import plots
 from gptkiln.checkpoint import save_model
-from gptkiln.cli import main
 from gptkiln.config import GPTConfig
 from gptkiln.inspect import inspect_prompt, pad, token_labels
 from gptkiln.model import GPT, CausalSelfAttention
@@ -296,13 +296,6 @@ def test_with_a_chinese_font_labels_are_drawn_in_it(tmp_path):
 
 
 # -- the command ---------------------------------------------------------------------------------
-def cli(*argv, capsys):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_inspect_command_prints_the_table_and_writes_the_png_and_json(run_dir, tmp_path, capsys):

@@ -17,9 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from instruction_data import instructions
 from serving import ServerThread, free_port
+from test_cli import cli
 
 from gptkiln.checkpoint import save_model
-from gptkiln.cli import main
 from gptkiln.config import FinetuneConfig, GPTConfig
 from gptkiln.finetune import finetune, train_config
 from gptkiln.finetune.judge import BOOK_PROMPT, Judge, judge_run, parse_score
@@ -60,15 +60,6 @@ def fake_judge(failures: dict[str, int] | None = None):
         return {"hello": "world"}
 
     return app
-
-
-def cli(*argv, capsys):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

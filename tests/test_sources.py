@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli import cli
 
 from gptkiln.data import check_source, iter_documents, iter_pieces, prepare, source_checksums
 from gptkiln.data.hub import DatasetSpec, parse_hf_spec
@@ -400,16 +401,6 @@ def test_a_large_parquet_file_streams_in_bounded_memory(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- the CLI
-
-
-def cli(*argv, capsys):
-    from gptkiln.cli import main
-
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    return code, *capsys.readouterr()
 
 
 def test_bad_corpora_through_prepare_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
