@@ -756,6 +756,31 @@ def test_the_library_is_built_once_per_install_whatever_the_cache(monkeypatch, t
     library._load.cache_clear()
 
 
+@pytest.mark.slow
+def test_the_install_builds_the_library_a_first_use_loads(monkeypatch, tmp_path):
+    """``setup.py``'s build step (what ``pip install`` runs) compiles the library into the
+    package's ``cpu/_built/``, under the name a first use looks for: it loads it and compiles
+    nothing."""
+    from conftest import REPO
+
+    if library.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    env = {k: v for k, v in os.environ.items() if k != library.INSTALL_ENV}
+    out = tmp_path / "lib"
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(out)],
+        cwd=REPO, env=env, check=True, capture_output=True,
+    )  # fmt: skip
+    built = out / "gptkiln" / "cpu" / "_built"
+    name = library.library_name(library.build(), library.compiler())
+    assert [p.name for p in built.iterdir()] == [name]
+    monkeypatch.delenv(library.INSTALL_ENV)
+    monkeypatch.setattr(library, "INSTALL_DIR", built)
+    monkeypatch.setattr(library, "_build", lambda *a: pytest.fail("compiled at first use"))
+    built.parent.chmod(0o700)  # the package's directory, this user's alone
+    assert library.load_built(library.build()) is not None
+
+
 def test_an_edited_header_builds_a_new_library(fresh_build, monkeypatch, tmp_path):
     import shutil
 

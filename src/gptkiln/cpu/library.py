@@ -152,20 +152,9 @@ def load_built(kind: str) -> ctypes.CDLL | None:
     build of these sources with this compiler is in `install_dir` (or, where there is none, the
     cache); None where it cannot be built."""
     cc = compiler()
-    if cc is None:
+    name = cc and library_name(kind, cc)
+    if name is None:
         return None
-    try:  # the compiler as a file (a new one is another build), without running it
-        real = os.path.realpath(cc)
-        info = os.stat(real)
-    except OSError:
-        return None
-    files = sources(kind)
-    headers = sorted(SOURCES.rglob("*.h"))
-    compiled_by = f"{real} {info.st_size} {info.st_mtime_ns} {' '.join(FLAGS)} {kind}"
-    digest = hashlib.sha256(
-        b"".join(f.read_bytes() for f in [*files, *headers]) + compiled_by.encode()
-    ).hexdigest()[:16]
-    name = f"gptkiln-cpu-{kind}-{digest}.so"
     where = install_dir() or private_dir(built_dir())  # once per install where it may be
     path = where / name
     if path.exists() and trusted(path, file=True):
@@ -173,16 +162,50 @@ def load_built(kind: str) -> ctypes.CDLL | None:
             return ctypes.CDLL(str(path))
         except OSError:  # truncated, or not a library: build it again
             pass
-    if not _build(cc, kind, files, path):
+    if not build_into(where, kind, cc):
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        return None
+
+
+def library_name(kind: str, cc: str) -> str | None:
+    """The file name of the ``kind`` build of these sources by the compiler ``cc``: a digest
+    of every source and header, the compiler as a file (its resolved path, size and time: a
+    new one is another build, found without running it), the flags and the build. None where
+    the compiler is not a file."""
+    try:
+        real = os.path.realpath(cc)
+        info = os.stat(real)
+    except OSError:
+        return None
+    files = [*sources(kind), *sorted(SOURCES.rglob("*.h"))]
+    compiled_by = f"{real} {info.st_size} {info.st_mtime_ns} {' '.join(FLAGS)} {kind}"
+    digest = hashlib.sha256(
+        b"".join(f.read_bytes() for f in files) + compiled_by.encode()
+    ).hexdigest()[:16]
+    return f"gptkiln-cpu-{kind}-{digest}.so"
+
+
+def build_into(where: Path, kind: str | None = None, cc: str | None = None) -> Path | None:
+    """Build the ``kind`` library (None: this machine's, `build`) with ``cc`` (None:
+    `compiler`) into the directory ``where`` and remove the builds of earlier sources there;
+    the library's path, or None where it cannot be built. `load_built` calls it at first use;
+    ``setup.py`` at install, into the package's ``_built/`` (`INSTALL_DIR`), so that a first
+    ``generate`` after ``pip install`` waits for no compiler."""
+    kind, cc = kind or build(), cc or compiler()
+    name = cc and library_name(kind, cc)
+    if name is None:
+        return None
+    path = where / name
+    if not _build(cc, kind, sources(kind), path):
         return None
     for old in where.glob(f"gptkiln-cpu-{kind}-*.so"):  # builds of earlier sources
         if old != path:
             with contextlib.suppress(OSError):
                 old.unlink()
-    try:
-        return ctypes.CDLL(str(path))
-    except OSError:
-        return None
+    return path
 
 
 INSTALL_DIR = SOURCES.parent / "_built"
