@@ -19,9 +19,18 @@ import torch
 import torch.nn as nn
 
 from gptkiln.cpu import specs
+from gptkiln.cpu.memory import move_to_huge_pages
 from gptkiln.cpu.planned import few_row_kernels, plan_model, unplan, use_compiled_loops
 from gptkiln.cpu.threads import DecodeThreads
 from gptkiln.cpu.tuner import Clock, drop_unused_copies, keep_exact, tune_decoding
+
+HUGE_PAGES_FROM = 128
+"""Decodes of at least this many steps (and a server's, of no end) read their weights through
+2 MB pages (`gptkiln.cpu.memory`). Moving them costs a copy, and where the kernel must first
+compact memory to find 2 MB blocks, more: on the 2-core EPYC (a host up for hours), GPT-2
+124M's 500 MB took 0.55-1.1 s the first time in a process (the kernel's compaction, system
+time) and 0.085 s once blocks were free, for ~8 ms less CPU a step at one thread: it pays back
+after 10-140 steps. ``generate``'s default 100 tokens keep ordinary pages."""
 
 
 def default_precision(model: nn.Module) -> str:
@@ -142,7 +151,8 @@ def prepare_for_decoding(
     and decode attention given to its layers, each layer's product chosen for each row count
     (`gptkiln.cpu.tuner`), and for a GPT-2 whose products all run the library's loops the
     one-call step. ``steps``: how many decode steps the caller will run at most (None: as many
-    as come, a server's); a caller of one step needs no kernels. ``one_call``: whether every
+    as come, a server's); a caller of one step needs no kernels; from `HUGE_PAGES_FROM` steps
+    (or None) the weights move onto 2 MB pages (`gptkiln.cpu.memory`). ``one_call``: whether every
     row of a step is at one position (False for a server's rows, each at its own). Returns the
     plan; the model decodes through it until `DecodePlan.release`. A model prepared before at
     the same precision keeps its plan (its row counts too); at another, that plan is released
@@ -159,6 +169,8 @@ def prepare_for_decoding(
     use_compiled_loops(model)
     if steps is not None and steps < 1:
         return plan
+    if steps is None or steps >= HUGE_PAGES_FROM:  # a long decode: its weights on 2 MB pages
+        move_to_huge_pages(model)  # once: a weight moved before stays
     for count in [rows] if isinstance(rows, int) else rows:
         plan.add(count, one_call=one_call, clock=clock)
     return plan

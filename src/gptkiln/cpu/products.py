@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from gptkiln.cpu.library import library
+from gptkiln.cpu.memory import on_huge_pages
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 """A float product ``(x, weight, bias) -> y``; an int8 one takes ``(x, qweight, scale, bias)``."""
@@ -262,7 +263,7 @@ def bf16_rows_linear(
 def bf16_copy(weight: torch.Tensor) -> torch.Tensor:
     """The bf16 copy of ``weight`` `bf16_rows_linear` reads (and the one-call step, for a layer
     it runs at bf16), made once and kept while the weight lives unchanged."""
-    return _kept(_BF16_ROWS, (weight,), lambda: weight.detach().to(torch.bfloat16).contiguous())
+    return _kept(_BF16_ROWS, (weight,), lambda: on_huge_pages(weight.detach().to(torch.bfloat16)))
 
 
 _BF16_ROWS: dict[int, tuple] = {}

@@ -1,6 +1,7 @@
-"""The thread count of decode steps (`gptkiln.cpu.threads.DecodeThreads`): full while the machine
-runs every thread, fewer while it does not and fewer are faster, back when more are faster again,
-and never a change a person could read in the numbers."""
+"""What the machine gives a decode. Its thread count (`gptkiln.cpu.threads.DecodeThreads`): full
+while the machine runs every thread, fewer while it does not and fewer are faster, back when
+more are faster again, and never a change a person could read in the numbers. Its pages
+(`gptkiln.cpu.memory`): a long decode's weights on 2 MB pages, the same values."""
 
 import pytest
 import torch
@@ -232,3 +233,76 @@ def test_generation_moves_to_fewer_threads_and_its_tokens_stay():
     assert (1, 1) in seen and (1, 2) in seen  # decode steps on both counts
     model.decode_plan.release()
     assert torch.get_num_threads() == 2
+
+
+# ---- weights on 2 MB pages for a long decode --------------------------------------------------
+
+from gptkiln.cpu import memory  # noqa: E402
+from gptkiln.cpu.plan import HUGE_PAGES_FROM  # noqa: E402
+
+needs_huge_pages = pytest.mark.skipif(
+    not memory.available(), reason="no transparent huge pages here (not Linux, or 'never')"
+)
+
+
+@pytest.fixture(autouse=True)
+def moves_at_any_speed(monkeypatch):
+    """Moves that a busy host's compaction slows are still made (and none stops the next
+    test's): each test here sets its own clock where speed is the point."""
+    monkeypatch.setattr(memory, "SLOW", float("inf"))
+    monkeypatch.setattr(memory, "_compacting", False)
+
+
+def _huge_kb(address: int) -> int:
+    """The AnonHugePages (kB) of this process's mapping that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+@needs_huge_pages
+def test_a_tensor_on_huge_pages_is_the_same_values_on_2mb_pages():
+    t = torch.randn(3 * memory.PAGE // 4 + 5)  # 3 pages and a bit
+    moved = memory.on_huge_pages(t)
+    assert torch.equal(moved, t) and moved.data_ptr() != t.data_ptr()
+    assert moved.data_ptr() % memory.PAGE == 0
+    assert _huge_kb(moved.data_ptr()) >= 2048  # the kernel backed it with at least one
+    assert memory.on_huge_pages(moved) is moved  # moved once
+    small = torch.randn(1000)
+    assert memory.on_huge_pages(small) is small
+
+
+@needs_huge_pages
+def test_moves_stop_once_one_is_slower_than_memory(monkeypatch):
+    # the kernel compacting memory to find 2 MB blocks: a move at 10 ms a MB ends the moves
+    monkeypatch.setattr(memory, "SLOW", 1e-3)
+    ticks = iter([0.0, 10e-3 * 8])  # an 8 MB move that took 80 ms
+    first = torch.randn(2 * memory.PAGE)
+    assert memory.on_huge_pages(first, clock=lambda: next(ticks)) is not first
+    second = torch.randn(2 * memory.PAGE)
+    assert memory.on_huge_pages(second) is second  # left where it is
+
+
+@needs_huge_pages
+@pytest.mark.parametrize("steps, moves", [(10, False), (HUGE_PAGES_FROM, True), (None, True)])
+def test_a_long_decode_reads_its_weights_from_huge_pages(steps, moves):
+    from gptkiln.config import GPTConfig
+    from gptkiln.cpu import prepare_for_decoding
+    from gptkiln.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("qwen3-baby", vocab_size=8704)).eval()  # a 4.3 MB embedding
+    tied = model.wte.weight
+    before = tied.detach().clone()
+    prepare_for_decoding(model, 1, steps, precision="fp32")
+    assert (tied.data_ptr() % memory.PAGE == 0) is moves
+    assert model.wte.weight is tied and model.lm_head.weight is tied  # the same Parameter
+    assert torch.equal(tied.detach(), before)
+    model.decode_plan.release()
