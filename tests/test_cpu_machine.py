@@ -288,6 +288,8 @@ def test_moves_stop_once_one_is_slower_than_memory(monkeypatch):
     assert memory.on_huge_pages(first, clock=lambda: next(ticks)) is not first
     second = torch.randn(2 * memory.PAGE)
     assert memory.on_huge_pages(second) is second  # left where it is
+    monkeypatch.setenv(memory.ENV, "1")  # asked for at any cost
+    assert memory.on_huge_pages(second) is not second
 
 
 @needs_huge_pages

@@ -21,7 +21,8 @@ weights, more than its steps gain. So moves stop at the first that runs slower t
 
 Nothing happens where the kernel offers no transparent huge pages (not Linux, or
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``never``) or with ``GPTKILN_HUGE_PAGES=0``;
-a refused ``madvise`` leaves ordinary pages. torch's own ``THP_MEM_ALLOC_ENABLE=1`` does the
+a refused ``madvise`` leaves ordinary pages; ``GPTKILN_HUGE_PAGES=1`` moves every weight
+whatever the moves cost. torch's own ``THP_MEM_ALLOC_ENABLE=1`` does the
 same for its allocations, but it is read once, when torch is imported, and a model's weights
 loaded from safetensors are not torch's allocations.
 """
@@ -91,7 +92,9 @@ def on_huge_pages(t: torch.Tensor, clock=time.perf_counter) -> torch.Tensor:
     every tensor stays where it is)."""
     global _compacting
     size = t.numel() * t.element_size()
-    if size < LARGE or t.device.type != "cpu" or _compacting or not available():
+    if size < LARGE or t.device.type != "cpu" or not available():
+        return t
+    if _compacting and os.environ.get(ENV) != "1":  # 1: at any cost
         return t
     if t.data_ptr() % PAGE == 0 and t.is_contiguous():  # moved before (or torch's THP block)
         return t
