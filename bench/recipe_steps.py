@@ -27,9 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 
+_SPEEDRUN = {"tie_embeddings": False, "attention_windows": [0, 16, 16, 0]}
 CHOICES: dict[str, tuple[str, dict]] = {
     # name -> (optimizer, model config overrides); a context_length override sets the batch to
-    # the default's 512 tokens a step (8 x 64)
+    # the default's 512 tokens a step (8 x 64), a ``tokens`` one the tokens a step
     "adamw (the default)": ("adamw", {}),
     "muon": ("muon", {}),
     "relu2": ("adamw", {"relu2": True}),
@@ -44,10 +45,25 @@ CHOICES: dict[str, tuple[str, dict]] = {
     "muon, context 128 x batch 4": ("muon", {"context_length": 128}),
     "muon, context 256 x batch 2": ("muon", {"context_length": 256}),
     "muon + untied head": ("muon", {"tie_embeddings": False}),
-    "muon + untied + windows 0,16,16,0": (
+    "muon + untied + windows 0,16,16,0": ("muon", _SPEEDRUN),
+    # the third round: the speedrun recipe's vocabulary, shape and batch (``tokens``: a step's)
+    "speedrun, vocab 8192": ("muon", dict(_SPEEDRUN, vocab_size=8192)),
+    "speedrun, vocab 12288": ("muon", dict(_SPEEDRUN, vocab_size=12288)),
+    "speedrun, 5 layers": (
         "muon",
-        {"tie_embeddings": False, "attention_windows": [0, 16, 16, 0]},
+        dict(_SPEEDRUN, n_layer=5, attention_windows=[0, 16, 16, 16, 0]),
     ),
+    "speedrun, 6 layers": (
+        "muon",
+        dict(_SPEEDRUN, n_layer=6, attention_windows=[0, 16, 16, 16, 16, 0]),
+    ),
+    "speedrun, width 192": (
+        "muon",
+        dict(_SPEEDRUN, n_embd=192, n_head=6, n_kv_head=2, intermediate_size=512),
+    ),
+    "speedrun, intermediate 512": ("muon", dict(_SPEEDRUN, intermediate_size=512)),
+    "speedrun, 768 tokens a step": ("muon", dict(_SPEEDRUN, tokens=768)),
+    "speedrun, 1024 tokens a step": ("muon", dict(_SPEEDRUN, tokens=1024)),
 }
 
 
@@ -71,9 +87,11 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     built = {}
     for name, (kind, overrides) in chosen.items():
-        model = GPT(GPTConfig.from_name("qwen3-baby", vocab_size=16384, **overrides))
-        T = model.config.context_length
-        x, y = torch.randint(0, 16384, (2, 512 // T, T), generator=g)
+        overrides = dict(overrides)
+        tokens = overrides.pop("tokens", 512)
+        model = GPT(GPTConfig.from_name("qwen3-baby", **{"vocab_size": 16384, **overrides}))
+        T, V = model.config.context_length, model.config.vocab_size
+        x, y = torch.randint(0, V, (2, tokens // T, T), generator=g)
         built[name] = (model, make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), kind), x, y)
     bf16 = args.precision == "bf16"
 
