@@ -8,8 +8,11 @@ from gptkiln import losses
 from gptkiln.losses import cross_entropy
 
 
+@pytest.mark.parametrize("scale", [1.0, 2.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_loss_and_gradient_are_torchs_across_blocks_and_ignored_targets(monkeypatch, dtype):
+def test_the_loss_and_gradient_are_torchs_across_blocks_and_ignored_targets(
+    monkeypatch, dtype, scale
+):
     monkeypatch.setattr(losses, "_BLOCK_ELEMENTS", 3 * 50)  # blocks of 3 rows, the last of 1
     g = torch.Generator().manual_seed(0)
     base = torch.randn(10, 50, generator=g) * 3
@@ -21,8 +24,8 @@ def test_the_loss_and_gradient_are_torchs_across_blocks_and_ignored_targets(monk
     expected = F.cross_entropy(theirs.float(), targets, ignore_index=-100)
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
-    (2.5 * loss).backward()  # the gradient scales with the loss's
-    (2.5 * expected).backward()
+    (scale * loss).backward()  # the gradient scales with the loss's
+    (scale * expected).backward()
     assert ours.grad.dtype == dtype
     atol = 1e-8 if dtype == torch.float32 else 2e-4
     torch.testing.assert_close(ours.grad.float(), theirs.grad.float(), rtol=1e-2, atol=atol)

@@ -66,4 +66,6 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         (grad,) = ctx.saved_tensors
+        if bool(grad_loss == 1):  # loss.backward(): the gradient as it is, no pass over it
+            return grad, None, None
         return grad * grad_loss.to(grad.dtype), None, None
