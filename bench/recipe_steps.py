@@ -67,8 +67,6 @@ CHOICES: dict[str, tuple[str, dict]] = {
     "speedrun, intermediate 512": ("muon", dict(_SPEEDRUN, intermediate_size=512)),
     "speedrun, 256 tokens a step": ("muon", dict(_SPEEDRUN, tokens=256)),
     "speedrun, 384 tokens a step": ("muon", dict(_SPEEDRUN, tokens=384)),
-    "speedrun, untied, 768 tokens a step": ("muon", dict(tie_embeddings=False, tokens=768)),
-    "speedrun, untied, 1024 tokens a step": ("muon", dict(tie_embeddings=False, tokens=1024)),
     "speedrun, 768 tokens a step": ("muon", dict(_SPEEDRUN, tokens=768)),
     "speedrun, 1024 tokens a step": ("muon", dict(_SPEEDRUN, tokens=1024)),
 }

@@ -65,7 +65,6 @@ def settings(data: Path, out: Path, **overrides) -> dict:
         sample_prompt="I ",
         warmup_steps=2,
         lr=3e-3,
-        optimizer="adamw",  # FSDP2 shards what Muon needs whole; Muon's DDP run: its own test
         decay_lr=False,
         seed=7,
         progress=False,

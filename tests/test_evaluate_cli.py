@@ -343,7 +343,7 @@ def test_fsdp_is_refused_in_one_line(tmp_path):
     from gptkiln.distributed import World
     from gptkiln.train.evaluation import TaskBenchmarks
 
-    cfg = TrainConfig(eval_tasks="play_mc", parallel="fsdp", optimizer="adamw")
+    cfg = TrainConfig(eval_tasks="play_mc", parallel="fsdp")
     with pytest.raises(GptkilnError, match="--eval-tasks with --parallel fsdp") as e:
         TaskBenchmarks(cfg, tmp_path, World(0, 2))
     assert "\n" not in str(e.value)

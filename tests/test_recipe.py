@@ -396,30 +396,3 @@ def test_the_bundled_speedrun_recipe_makes_its_model_and_optimizer():
     model = model_config_for(cfg, 100)
     assert (cfg.optimizer, cfg.schedule, cfg.adamw_lr) == ("muon", "wsd", 8e-3)
     assert model.attention_windows == [0, 16, 16, 0] and not model.tie_embeddings
-
-
-def test_the_default_run_is_the_recipe_and_the_baseline_recipe_is_the_run_before_it():
-    from gptkiln.cli import build_parser, train_config_from_args
-    from gptkiln.train.task import model_config_for
-
-    def chosen(*argv: str) -> TrainConfig:
-        return train_config_from_args(build_parser().parse_args(["train", *argv]))
-
-    new, old = chosen(), chosen("--config", "baseline")
-    assert (new.optimizer, new.lr, new.adamw_lr) == ("muon", 2e-3, 8e-3)
-    assert (new.schedule, new.cooldown) == ("wsd", 0.5)
-    assert (old.optimizer, old.lr, old.schedule, old.max_steps) == ("adamw", 1e-3, "cosine", 1800)
-    assert (new.model, old.model) == ("qwen3-baby-untied", "qwen3-baby")
-    assert new.tokenizer == old.tokenizer == "bpe:16384"
-    assert (old.batch_size, old.max_steps, new.batch_size) == (8, 1800, 12)
-    assert model_config_for(old, 100).tie_embeddings  # the run before: qwen3-baby, tied
-    untied = model_config_for(new, 100)
-    assert not untied.tie_embeddings and untied.recipe_choices() == []  # it exports
-    shape = ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "context_length")
-    assert [getattr(untied, k) for k in shape] == [PRESETS["qwen3-baby"][k] for k in shape]
-    # fine-tuning keeps AdamW and the cosine
-    from gptkiln.config import FinetuneConfig
-    from gptkiln.finetune import train_config
-
-    loop = train_config(FinetuneConfig(base="runs/x", data="d.json"), out="o")
-    assert (loop.optimizer, loop.schedule, loop.batch_size) == ("adamw", "cosine", 8)

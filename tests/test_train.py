@@ -38,8 +38,6 @@ def tiny_config(data, out, **kw) -> TrainConfig:
         checkpoint_interval=4,
         warmup_steps=2,
         lr=3e-3,
-        optimizer="adamw",  # the loop's mechanics on AdamW and the cosine (Muon: test_recipe.py)
-        schedule="cosine",
         progress=False,
         sample_prompt="I ",
         device="cpu",  # the CPU's step, bit for bit, also where a GPU is (tests/test_gpu.py)

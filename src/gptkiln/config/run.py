@@ -133,9 +133,7 @@ class TrainConfig:
         "the run directory: weights, tokenizer, trainer state, metrics.csv, loss.png",
     )
     model: str = setting(
-        # qwen3-baby learned most in 3 minutes (bench/first_run.py; GPT-2's baby: --model baby);
-        # untied, with Muon, 0.0075 bits/char more at the same steps (issue 47)
-        "qwen3-baby-untied",
+        "qwen3-baby",  # learned most in 3 minutes (bench/first_run.py; GPT-2's baby: --model baby)
         "model",
         f"model preset, which names its architecture too (llama3-*, qwen3-*; the others gpt2): "
         f"{' | '.join(PRESETS)}",
@@ -213,16 +211,10 @@ class TrainConfig:
         "tokens between window starts with --sampling windows (>= 1)",
         unset="the context length",
     )
-    batch_size: int = setting(
-        12,  # with Muon, 12 x 64 tokens a step learned more than 8 (and 4) in the same time
-        "optimisation",
-        "windows per micro-batch, per process (>= 1)",
-    )
+    batch_size: int = setting(8, "optimisation", "windows per micro-batch, per process (>= 1)")
     grad_accum: int = setting(1, "optimisation", "micro-batches per optimizer step (>= 1)")
     max_steps: int = setting(
-        1590,  # the wall time of the 1,800 AdamW steps of 8 x 64 before issue 47
-        "optimisation",
-        "optimizer steps to train (>= 0; 0: --epochs decides)",
+        1800, "optimisation", "optimizer steps to train (>= 0; 0: --epochs decides)"
     )
     epochs: int = setting(
         0,
@@ -236,11 +228,7 @@ class TrainConfig:
         "follows whichever of steps and time is further along",
         unset="no time limit",
     )
-    lr: float = setting(
-        2e-3,  # Muon's, measured (bench/README.md, "The speedrun recipe"); AdamW's was 1e-3
-        "optimisation",
-        "peak learning rate, reached after warm-up (> 0)",
-    )
+    lr: float = setting(1e-3, "optimisation", "peak learning rate, reached after warm-up (> 0)")
     min_lr: float = setting(
         1e-4, "optimisation", "learning rate at the end of the cosine decay, in [0, lr]"
     )
@@ -257,20 +245,21 @@ class TrainConfig:
         1.0, "optimisation", "clip the gradients' norm to this (>= 0; 0: no clipping)"
     )
     optimizer: Literal["adamw", "muon"] = setting(
-        "muon",  # issue 47: AdamW alone (--config baseline) ended 0.1 bits/char above it
+        "adamw",
         "optimisation",
-        "adamw | muon = Muon (orthogonalised momentum) for the blocks' matrices at --lr (its "
-        "update scaled to AdamW's size), AdamW for the embeddings, head, norms and biases at "
-        "--adamw-lr; the run before this default: --config baseline",
+        "adamw | muon = Muon (orthogonalised momentum) for the blocks' matrices, AdamW for "
+        "the embeddings, head, norms and biases, both at --lr (Muon's update scaled to AdamW's "
+        "size; AdamW's part at --adamw-lr when given)",
     )
     muon_momentum: float = setting(
         0.95, "optimisation", "Muon's (Nesterov) momentum with --optimizer muon, in [0, 1)"
     )
     adamw_lr: float | None = setting(
-        8e-3,
+        None,
         "optimisation",
         "with --optimizer muon: the peak learning rate of AdamW's part (embeddings, head, "
         "norms, biases), on the same schedule (> 0)",
+        unset="--lr",
     )
     embedding_lr: float | None = setting(
         None,
@@ -280,13 +269,13 @@ class TrainConfig:
         unset="--adamw-lr",
     )
     schedule: Literal["cosine", "wsd"] = setting(
-        "wsd",
+        "cosine",
         "optimisation",
         "the decay after warm-up: cosine to --min-lr | wsd = warm-up, stable at --lr, then a "
         "straight line to --min-lr over the last --cooldown of the run",
     )
     cooldown: float = setting(
-        0.5, "optimisation", "with --schedule wsd: the share of the run that decays, in (0, 1]"
+        0.3, "optimisation", "with --schedule wsd: the share of the run that decays, in (0, 1]"
     )
     eval_interval: int = setting(
         100,
