@@ -67,6 +67,13 @@ EXTRA_PRESETS = {
     "narrow": dict(context_length=128, n_layer=4, n_head=4, n_embd=128),
     "small": dict(context_length=128, n_layer=6, n_head=4, n_embd=128),
 }
+QWEN3_SHAPES = {
+    # qwen3-baby's other shapes (the speedrun recipe's third round, issue 47): its preset with these
+    "qwen3-l5": dict(n_layer=5),
+    "qwen3-l6": dict(n_layer=6),
+    "qwen3-w192": dict(n_embd=192, n_head=6, intermediate_size=512),
+    "qwen3-i512": dict(intermediate_size=512),
+}
 """Shapes registered in the worker process only (the package's presets stay as they are)."""
 
 CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -99,6 +106,12 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     # qwen3-baby (4 layers, 4 query heads and 2 key/value heads of 32, 128 wide, SwiGLU 352)
     "bpe16k-llama3-baby": ("bpe:16384", ["--model", "llama3-baby"]),
     "bpe16k-qwen3-baby": ("bpe:16384", ["--model", "qwen3-baby"]),
+    "bpe8k-qwen3-baby": ("bpe:8192", ["--model", "qwen3-baby"]),
+    "bpe12k-qwen3-baby": ("bpe:12288", ["--model", "qwen3-baby"]),
+    **{
+        f"bpe16k-qwen3-{shape}": ("bpe:16384", ["--model", f"qwen3-{shape}"])
+        for shape in ("l5", "l6", "w192", "i512")
+    },
 }
 """name -> (tokenizer, train flags); suffixes add flags to any of them (`SUFFIXES`)."""
 
@@ -220,6 +233,8 @@ def worker(job: dict) -> None:
     from gptkiln.train import optimizer_step
 
     config.PRESETS.update(EXTRA_PRESETS)
+    baby = config.PRESETS["qwen3-baby"]
+    config.PRESETS.update({name: {**baby, **shape} for name, shape in QWEN3_SHAPES.items()})
     if job["cut_schedule"]:  # the cosine runs to max_steps whatever the clock says
         lr_at = optim.lr_at  # replaced where the optimizer step reads it
         optimizer_step.lr_at = lambda step, **kw: lr_at(step, **{**kw, "time_used": 0.0})

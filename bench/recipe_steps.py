@@ -27,10 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 
+_SPEEDRUN = {"tie_embeddings": False, "attention_windows": [0, 16, 16, 0]}
 CHOICES: dict[str, tuple[str, dict]] = {
     # name -> (optimizer, model config overrides); a context_length override sets the batch to
-    # the default's 512 tokens a step (8 x 64)
+    # the default's 512 tokens a step (8 x 64), a ``tokens`` one the tokens a step
     "adamw (the default)": ("adamw", {}),
+    # the loss as torch computes it (before the blockwise cross-entropy, gptkiln.losses)
+    "adamw, torch's cross-entropy": ("adamw", {"torch_loss": True}),
+    "speedrun, torch's cross-entropy": ("muon", dict(_SPEEDRUN, torch_loss=True)),
     "muon": ("muon", {}),
     "relu2": ("adamw", {"relu2": True}),
     "softcap 15": ("adamw", {"logit_softcap": 15.0}),
@@ -44,10 +48,27 @@ CHOICES: dict[str, tuple[str, dict]] = {
     "muon, context 128 x batch 4": ("muon", {"context_length": 128}),
     "muon, context 256 x batch 2": ("muon", {"context_length": 256}),
     "muon + untied head": ("muon", {"tie_embeddings": False}),
-    "muon + untied + windows 0,16,16,0": (
+    "muon + untied + windows 0,16,16,0": ("muon", _SPEEDRUN),
+    # the third round: the speedrun recipe's vocabulary, shape and batch (``tokens``: a step's)
+    "speedrun, vocab 8192": ("muon", dict(_SPEEDRUN, vocab_size=8192)),
+    "speedrun, vocab 12288": ("muon", dict(_SPEEDRUN, vocab_size=12288)),
+    "speedrun, 5 layers": (
         "muon",
-        {"tie_embeddings": False, "attention_windows": [0, 16, 16, 0]},
+        dict(_SPEEDRUN, n_layer=5, attention_windows=[0, 16, 16, 16, 0]),
     ),
+    "speedrun, 6 layers": (
+        "muon",
+        dict(_SPEEDRUN, n_layer=6, attention_windows=[0, 16, 16, 16, 16, 0]),
+    ),
+    "speedrun, width 192": (
+        "muon",
+        dict(_SPEEDRUN, n_embd=192, n_head=6, n_kv_head=2, intermediate_size=512),
+    ),
+    "speedrun, intermediate 512": ("muon", dict(_SPEEDRUN, intermediate_size=512)),
+    "speedrun, 256 tokens a step": ("muon", dict(_SPEEDRUN, tokens=256)),
+    "speedrun, 384 tokens a step": ("muon", dict(_SPEEDRUN, tokens=384)),
+    "speedrun, 768 tokens a step": ("muon", dict(_SPEEDRUN, tokens=768)),
+    "speedrun, 1024 tokens a step": ("muon", dict(_SPEEDRUN, tokens=1024)),
 }
 
 
@@ -62,22 +83,32 @@ def main() -> None:
     default = "adamw (the default)"
     chosen = {n: c for n, c in CHOICES.items() if n == default or n in (args.choices or CHOICES)}
     torch = common.setup_torch(args.threads)
+    from gptkiln import model as model_module
     from gptkiln.config import GPTConfig
     from gptkiln.model import GPT
     from gptkiln.optim import make_optimizer
+
+    def torch_cross_entropy(logits, targets, ignore_index=-100):
+        return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100)
 
     info = common.print_machine()
     print(f"# {args.precision}, batch: 512 tokens a step (8 x 64 unless a choice says)")
     g = torch.Generator().manual_seed(0)
     built = {}
     for name, (kind, overrides) in chosen.items():
-        model = GPT(GPTConfig.from_name("qwen3-baby", vocab_size=16384, **overrides))
-        T = model.config.context_length
-        x, y = torch.randint(0, 16384, (2, 512 // T, T), generator=g)
-        built[name] = (model, make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), kind), x, y)
+        overrides = dict(overrides)
+        tokens = overrides.pop("tokens", 512)
+        torch_loss = overrides.pop("torch_loss", False)
+        model = GPT(GPTConfig.from_name("qwen3-baby", **{"vocab_size": 16384, **overrides}))
+        T, V = model.config.context_length, model.config.vocab_size
+        x, y = torch.randint(0, V, (2, tokens // T, T), generator=g)
+        optimizer = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), kind)
+        built[name] = (model, optimizer, x, y, torch_loss)
     bf16 = args.precision == "bf16"
+    blockwise = model_module.cross_entropy
 
-    def step(model, optimizer, x, y) -> None:
+    def step(model, optimizer, x, y, torch_loss) -> None:
+        model_module.cross_entropy = torch_cross_entropy if torch_loss else blockwise
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             _, loss = model(x, y)
         loss.backward()

@@ -9,6 +9,7 @@ import torch
 import torch._dynamo  # before any test patches torch.compiler.is_compiling: see below
 import torch.nn.functional as F
 
+import gptkiln.losses
 import gptkiln.model
 import gptkiln.positions
 from gptkiln.config import PRESETS, GPTConfig
@@ -123,11 +124,13 @@ def test_training_mode_dropout_changes_outputs():
 
 
 def test_model_file_imports_only_torch_and_config():
-    # the model and its positions (RoPE, packed rows, windows) read as plain files: torch only
+    # the model, its positions (RoPE, packed rows, windows) and its loss read as plain files:
+    # torch only
     plain = {"__future__", "math", "torch"}
     for module, allowed in (
-        (gptkiln.model, plain | {"gptkiln.config", "gptkiln.positions"}),
+        (gptkiln.model, plain | {"gptkiln.config", "gptkiln.positions", "gptkiln.losses"}),
         (gptkiln.positions, plain),
+        (gptkiln.losses, plain),
     ):
         tree = ast.parse(Path(module.__file__).read_text())
         modules = set()

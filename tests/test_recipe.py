@@ -75,6 +75,26 @@ def test_adamw_lr_gives_adamws_part_its_own_peak_on_the_same_schedule():
         TrainConfig(optimizer="muon", adamw_lr=0.0)
 
 
+def test_embedding_lr_gives_the_input_embedding_its_own_peak_apart_from_the_head():
+    model = tiny_qwen(tie_embeddings=False)
+    opt = make_optimizer(model, 2e-3, 0.1, (0.9, 0.95), "muon", adamw_lr=8e-3, embedding_lr=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    peak = {
+        names[id(p)]: (g["lr"], g["lr_scale"]) for g in opt.adamw.param_groups for p in g["params"]
+    }
+    assert peak["wte.weight"] == (0.1, pytest.approx(50.0))
+    assert peak["lm_head.weight"] == (8e-3, pytest.approx(4.0))  # the head keeps --adamw-lr
+    assert peak["ln_f.weight"] == (8e-3, pytest.approx(4.0))
+    assert sorted(peak) == sorted(
+        set(names.values()) - {names[id(p)] for p in hidden_matrices(model)}
+    )
+    before = model.wte.weight.detach().clone()
+    a_step(model, opt)
+    assert not torch.equal(before, model.wte.weight)
+    with pytest.raises(GptkilnError, match="embedding_lr must be"):
+        TrainConfig(optimizer="muon", embedding_lr=-1.0)
+
+
 def test_a_muon_step_is_an_orthogonalised_update_of_the_matrices():
     """One step from zero momentum: each matrix moves by lr x 0.2 sqrt(max(rows, cols)) x the
     Newton-Schulz orthogonalisation of its gradient (singular values near 1), not by Adam's
@@ -375,4 +395,5 @@ def test_the_bundled_speedrun_recipe_makes_its_model_and_optimizer():
     cfg = TrainConfig(**load_recipe("speedrun"))
     model = model_config_for(cfg, 100)
     assert (cfg.optimizer, cfg.schedule, cfg.adamw_lr) == ("muon", "wsd", 8e-3)
-    assert model.attention_windows == [0, 16, 16, 0] and not model.tie_embeddings
+    assert (cfg.batch_size, cfg.max_steps, cfg.cooldown) == (12, 1180, 0.5)
+    assert not model.tie_embeddings and model.recipe_choices() == []  # it exports

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptkiln.config import GPTConfig
+from gptkiln.losses import cross_entropy
 from gptkiln.positions import (
     apply_rope,
     packed_positions_and_mask,
@@ -771,9 +772,7 @@ class GPT(nn.Module):
         if self.config.num_classes:
             loss = F.cross_entropy(logits[:, -1, :].float(), targets)  # (B, V) against (B,)
         else:
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
-            )
+            loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         return logits, loss
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -43,12 +43,14 @@ def make_optimizer(
     kind: str = "adamw",
     momentum: float = 0.95,
     adamw_lr: float | None = None,
+    embedding_lr: float | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer of ``model``'s trainable parameters: ``"adamw"``, AdamW over
     `param_groups`; ``"muon"``, `MuonAdamW` (Muon for `hidden_matrices`, AdamW with ``betas``
-    for the rest, at ``adamw_lr``: None, ``lr``). AdamW takes the fused kernel where this
-    torch build and device have one (one kernel for all parameters instead of a Python loop),
-    else the multi-tensor one."""
+    for the rest, at ``adamw_lr``: None, ``lr``; the input embeddings' tables, the head too
+    where it is tied, at ``embedding_lr``: None, AdamW's). AdamW takes the fused kernel where
+    this torch build and device have one (one kernel for all parameters instead of a Python
+    loop), else the multi-tensor one."""
     device = next(model.parameters()).device.type
     fused = device in ("cuda", "cpu") and _is_plain_tensor(model)
     adamw = dict(lr=lr, betas=betas, fused=fused or None, foreach=None if fused else True)
@@ -61,6 +63,13 @@ def make_optimizer(
     if adamw_lr is not None:
         for group in groups:  # the schedule sets a group's lr to its lr_scale x the step's
             group.update(lr=adamw_lr, lr_scale=adamw_lr / lr)
+    if embedding_lr is not None:
+        tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        embedded = [p for p in groups[0]["params"] if id(p) in tables]
+        groups[0]["params"] = [p for p in groups[0]["params"] if id(p) not in tables]
+        scale = embedding_lr / lr
+        groups.append(dict(params=embedded, weight_decay=weight_decay, lr=embedding_lr))
+        groups[-1]["lr_scale"] = scale
     return MuonAdamW(matrices, groups, lr, weight_decay, momentum, adamw)
 
 

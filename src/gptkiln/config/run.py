@@ -261,6 +261,13 @@ class TrainConfig:
         "norms, biases), on the same schedule (> 0)",
         unset="--lr",
     )
+    embedding_lr: float | None = setting(
+        None,
+        "optimisation",
+        "with --optimizer muon: the peak learning rate of the input embedding's table (and of "
+        "the head where it is tied), on the same schedule (> 0)",
+        unset="--adamw-lr",
+    )
     schedule: Literal["cosine", "wsd"] = setting(
         "cosine",
         "optimisation",
@@ -429,6 +436,8 @@ class TrainConfig:
             raise GptkilnError(f"muon_momentum must be in [0, 1), got {self.muon_momentum!r}")
         if self.adamw_lr is not None and not 0.0 < self.adamw_lr < math.inf:
             raise GptkilnError(f"adamw_lr must be a number > 0, got {self.adamw_lr!r}")
+        if self.embedding_lr is not None and not 0.0 < self.embedding_lr < math.inf:
+            raise GptkilnError(f"embedding_lr must be a number > 0, got {self.embedding_lr!r}")
         if not 0.0 < self.cooldown <= 1.0:
             raise GptkilnError(f"cooldown must be in (0, 1], got {self.cooldown!r}")
         cap = self.logit_softcap

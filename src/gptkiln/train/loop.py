@@ -140,6 +140,7 @@ class Trainer:
             cfg.optimizer,
             cfg.muon_momentum,
             adamw_lr=cfg.adamw_lr,
+            embedding_lr=cfg.embedding_lr,
         )
         self.log = RunLog(self.task, self.run_dir, self.world, self.guard)
         self.log.benchmarks = benchmarks
