@@ -26,11 +26,10 @@ from gptkiln.cpu.tuner import Clock, drop_unused_copies, keep_exact, tune_decodi
 
 HUGE_PAGES_FROM = 128
 """Decodes of at least this many steps (and a server's, of no end) read their weights through
-2 MB pages (`gptkiln.cpu.memory`). Moving them costs a copy, and where the kernel must first
-compact memory to find 2 MB blocks, more: on the 2-core EPYC (a host up for hours), GPT-2
-124M's 500 MB took 0.55-1.1 s the first time in a process (the kernel's compaction, system
-time) and 0.085 s once blocks were free, for ~8 ms less CPU a step at one thread: it pays back
-after 10-140 steps. ``generate``'s default 100 tokens keep ordinary pages."""
+2 MB pages (`gptkiln.cpu.memory`), where the moves run at memory speed. A move costs a copy
+(0.085 s for GPT-2 124M's 500 MB where the process reuses pages it freed) for ~8 ms less CPU a
+step at one thread (GPT-2 124M fp32 on the 2-core EPYC): it pays back within tens of steps, and
+``generate``'s default 100 tokens keep ordinary pages."""
 
 
 def default_precision(model: nn.Module) -> str:

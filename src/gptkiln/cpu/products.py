@@ -263,7 +263,11 @@ def bf16_rows_linear(
 def bf16_copy(weight: torch.Tensor) -> torch.Tensor:
     """The bf16 copy of ``weight`` `bf16_rows_linear` reads (and the one-call step, for a layer
     it runs at bf16), made once and kept while the weight lives unchanged."""
-    return _kept(_BF16_ROWS, (weight,), lambda: on_huge_pages(weight.detach().to(torch.bfloat16)))
+    return _kept(
+        _BF16_ROWS,
+        (weight,),
+        lambda: on_huge_pages(weight.detach().to(torch.bfloat16).contiguous()),
+    )
 
 
 _BF16_ROWS: dict[int, tuple] = {}
