@@ -17,7 +17,7 @@ step at more is tried now and then (after 32 steps, then 64, ... up to 1024 whil
 and a trial that starts clearly slower ends at its first step.
 
 What it may change is only speed: the decode-step loops give each output to one thread (each
-sum in one order whatever the count: `tests/test_native.py` holds the logits equal bit for bit
+sum in one order whatever the count: `tests/test_cpu_machine.py` holds the logits equal bit for bit
 at 1 and 2 threads), and every forward that is not a decode step (a prefill, whose torch
 products sum in an order that depends on the count) runs at the full count again.
 ``GPTKILN_ADAPT_THREADS=0`` keeps the full count throughout (a benchmark's fixed threads).
@@ -116,8 +116,7 @@ class DecodeThreads:
             return  # the first step warms caches and wakes threads: not a measure
         self._window.append((wall, cpu))
         if self._trial is not None:
-            tried, before, median = self._trial
-            if wall > 2 * median:  # clearly slower from its first step: over
+            if wall > 2 * self._trial[2]:  # clearly slower from its first step: over
                 self._end_trial(kept=False)
                 return
         if len(self._window) < WINDOW:
