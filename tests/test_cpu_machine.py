@@ -308,3 +308,31 @@ def test_a_long_decode_reads_its_weights_from_huge_pages(steps, moves):
     assert model.wte.weight is tied and model.lm_head.weight is tied  # the same Parameter
     assert torch.equal(tied.detach(), before)
     model.decode_plan.release()
+
+
+@needs_huge_pages
+def test_weights_moved_while_decoding_in_inference_mode_keep_the_precisions_kernels(monkeypatch):
+    """generate_stream decodes in ``torch.inference_mode``: a weight moved there stays a plain
+    tensor, and the bf16 copies made of it (keyed by its version) still run: before, the moved
+    weights were inference tensors and their products fell back to fp32."""
+    from gptkiln.config import GPTConfig
+    from gptkiln.cpu import prepare_for_decoding, specs
+    from gptkiln.cpu.planned import few_row_kernels
+    from gptkiln.model import GPT
+
+    if not specs.available(specs.BY_NAME["bf16_rows"]):
+        pytest.skip("the library is not built here")
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS", raising=False)  # the suite's; bf16 here
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("qwen3-baby", vocab_size=8704)).eval()  # a 4.3 MB embedding
+    with torch.inference_mode():
+        prepare_for_decoding(model, 1, HUGE_PAGES_FROM, precision="bf16")
+    assert model.wte.weight.data_ptr() % memory.PAGE == 0  # moved, in inference mode
+    assert not model.wte.weight.is_inference()
+    assert few_row_kernels(model.lm_head)[1] is specs.BY_NAME["bf16_rows"].kernel
+    model.decode_plan.release()
+    with torch.inference_mode():  # a weight made in inference mode has copies too
+        w = torch.randn(64, 32)
+    x = torch.randn(1, 32)
+    y = specs.BY_NAME["bf16_rows"].kernel(x, w, None)
+    assert torch.allclose(y, x @ w.bfloat16().float().T, rtol=1e-4, atol=1e-5)

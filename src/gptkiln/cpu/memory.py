@@ -100,14 +100,17 @@ def on_huge_pages(t: torch.Tensor, clock=time.perf_counter) -> torch.Tensor:
         return t
     began = clock()
     per = t.element_size()
-    block = torch.empty((size + PAGE) // per + 1, dtype=t.dtype)  # room to align inside it
-    start = -block.data_ptr() % PAGE
-    if start % per:
-        return t
-    out = block[start // per : start // per + t.numel()].view(t.shape)
-    if _madvise()(out.data_ptr(), size - size % PAGE, _MADV_HUGEPAGE) != 0:
-        return t  # refused: ordinary pages, as before
-    out.copy_(t)
+    # a plain tensor, as the weight was, even where the caller decodes in inference mode (an
+    # inference tensor has no version counter, which the kernels' weight copies are keyed by)
+    with torch.inference_mode(False):
+        block = torch.empty((size + PAGE) // per + 1, dtype=t.dtype)  # room to align inside
+        start = -block.data_ptr() % PAGE
+        if start % per:
+            return t
+        out = block[start // per : start // per + t.numel()].view(t.shape)
+        if _madvise()(out.data_ptr(), size - size % PAGE, _MADV_HUGEPAGE) != 0:
+            return t  # refused: ordinary pages, as before
+        out.copy_(t)
     _compacting = clock() - began > SLOW * size / 2**20
     return out
 
@@ -124,7 +127,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
     ]
     tensors.sort(key=lambda t: t[0].numel() * t[0].element_size())  # a slow host shows early
     moved = 0
-    with torch.no_grad():
+    with torch.no_grad(), torch.inference_mode(False):  # plain tensors, as `on_huge_pages`
         for t, module, name in tensors:
             data = t.data if module is None else t
             new = on_huge_pages(data)

@@ -435,9 +435,10 @@ def _packed(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _stamp(t: torch.Tensor) -> tuple:
-    """What a copy made from ``t`` was made from: its version (bumped by in-place changes), its
-    storage and shape (``param.data = ...`` changes them and leaves the version)."""
-    return t._version, t.data_ptr(), t.shape
+    """What a copy made from ``t`` was made from: its version (bumped by in-place changes; an
+    inference tensor, made inside ``torch.inference_mode``, has none), its storage and shape
+    (``param.data = ...`` changes them and leaves the version)."""
+    return None if t.is_inference() else t._version, t.data_ptr(), t.shape
 
 
 def _kept(cache: dict[int, tuple], tensors: tuple, make: Callable[[], object]):

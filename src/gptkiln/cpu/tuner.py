@@ -15,7 +15,7 @@ At one row on a CPU where the library runs its AVX-512 loops, the exact precisio
 library's loop without timing (`DEFAULTS`, checked against the reference on a slice of the first
 layer): a first use decodes at once instead of timing seconds of candidates.
 
-A choice is kept in this process (`_CHOSEN`) and on disk (`gptkiln.cache`:
+A choice is kept in this process (`_CHOSEN`); an exact precision's also on disk (`gptkiln.cache`:
 ``decode-kernels.json``, keyed by torch version, CPU and its flags, weight dtype and shape, rows,
 threads and the candidates' names); a later process takes it without timing once it still
 equals the reference on the first layer's first rows. The clock is a parameter (``clock``:
@@ -95,7 +95,12 @@ def tune_decoding(
             kernels = specs.offered(family, precision)
             names = ",".join(kernels)
             key = (*shape, rows, threads, family, names)
-            if key not in _CHOSEN:
+            if key not in _CHOSEN and any(name in specs.inexact() for name in kernels):
+                # a precision that rounds on purpose: its own kernel, checked on a slice (no
+                # timing, so nothing to keep); never read from disk, where a fallback to the
+                # reference made for one model (a kernel that refused it) stayed for every other
+                _CHOSEN[key] = _own(kernels, layers, rows)
+            elif key not in _CHOSEN:
                 entry = f"{family} {shape[0]}x{shape[1]} rows={rows} threads={threads} {names}"
                 entry += f" {CHOICE_RULES}"
                 name = known.get(entry)
@@ -104,7 +109,7 @@ def tune_decoding(
                     name != reference and not _still_equal(kernels, name, layers[0], rows)
                 ):
                     name = _default(kernels, family, layers[0], rows)
-                    name = name or _choose(kernels, layers, rows, repeats, clock)
+                    name = name or _fastest(kernels, layers, rows, repeats, clock)
                     stored.put(entry, name)
                 _CHOSEN[key] = name
             name = _CHOSEN[key]
@@ -148,14 +153,6 @@ def features() -> str:
     if lib is None:
         return "none"
     return "avx512" if lib.gk_avx512() else "generic"
-
-
-def _choose(kernels: dict[str, Callable], layers, rows: int, repeats: int, clock: Clock) -> str:
-    """`_own` where the kernels on offer round on purpose (a bf16 or int8 precision), else the
-    `_fastest`."""
-    if any(name in specs.inexact() for name in kernels):
-        return _own(kernels, layers, rows)
-    return _fastest(kernels, layers, rows, repeats, clock)
 
 
 def _own(kernels: dict[str, Callable], layers: list[nn.Module], rows: int) -> str:
