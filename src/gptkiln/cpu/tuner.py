@@ -15,7 +15,7 @@ At one row on a CPU where the library runs its AVX-512 loops, the exact precisio
 library's loop without timing (`DEFAULTS`, checked against the reference on a slice of the first
 layer): a first use decodes at once instead of timing seconds of candidates.
 
-A choice is kept in this process (`_CHOSEN`); an exact precision's also on disk (`gptkiln.cache`:
+An exact precision's choice is kept in this process (`_CHOSEN`) and on disk (`gptkiln.cache`:
 ``decode-kernels.json``, keyed by torch version, CPU and its flags, weight dtype and shape, rows,
 threads and the candidates' names); a later process takes it without timing once it still
 equals the reference on the first layer's first rows. The clock is a parameter (``clock``:
@@ -95,24 +95,17 @@ def tune_decoding(
             kernels = specs.offered(family, precision)
             names = ",".join(kernels)
             key = (*shape, rows, threads, family, names)
-            if key not in _CHOSEN and any(name in specs.inexact() for name in kernels):
-                # a precision that rounds on purpose: its own kernel, checked on a slice (no
-                # timing, so nothing to keep); never read from disk, where a fallback to the
-                # reference made for one model (a kernel that refused it) stayed for every other
-                _CHOSEN[key] = _own(kernels, layers, rows)
-            elif key not in _CHOSEN:
-                entry = f"{family} {shape[0]}x{shape[1]} rows={rows} threads={threads} {names}"
-                entry += f" {CHOICE_RULES}"
-                name = known.get(entry)
-                reference = next(iter(kernels))  # needs no check against itself
-                if name not in kernels or (
-                    name != reference and not _still_equal(kernels, name, layers[0], rows)
-                ):
-                    name = _default(kernels, family, layers[0], rows)
-                    name = name or _fastest(kernels, layers, rows, repeats, clock)
-                    stored.put(entry, name)
-                _CHOSEN[key] = name
-            name = _CHOSEN[key]
+            if any(name in specs.inexact() for name in kernels):
+                # a precision that rounds on purpose: its own kernel, checked on a slice of
+                # these weights each time (no timing: nothing worth keeping); never kept, where
+                # a fallback to the reference made for one model stayed for every other
+                name = _own(kernels, layers, rows)
+            else:
+                if key not in _CHOSEN:
+                    _CHOSEN[key] = _exact_choice(
+                        kernels, family, shape, layers, rows, stored, known, repeats, clock
+                    )
+                name = _CHOSEN[key]
             picked[shape] = name
             for layer in layers:
                 give_kernel(layer, rows, kernels[name])
@@ -123,6 +116,23 @@ def tune_decoding(
         names = {kernel: name for name, kernel in specs.offered(family, precision).items()}
         picked[shape] = names.get(few_row_kernels(layers[0]).get(rows), picked[shape])
     return picked
+
+
+def _exact_choice(kernels, family, shape, layers, rows, stored, known, repeats, clock) -> str:
+    """An exact precision's kernel for this shape: the one on disk where it still equals the
+    reference, else `DEFAULTS`' or the `_fastest`, then put on disk."""
+    threads = torch.get_num_threads()
+    names = ",".join(kernels)
+    entry = f"{family} {shape[0]}x{shape[1]} rows={rows} threads={threads} {names} {CHOICE_RULES}"
+    name = known.get(entry)
+    reference = next(iter(kernels))  # needs no check against itself
+    if name not in kernels or (
+        name != reference and not _still_equal(kernels, name, layers[0], rows)
+    ):
+        name = _default(kernels, family, layers[0], rows)
+        name = name or _fastest(kernels, layers, rows, repeats, clock)
+        stored.put(entry, name)
+    return name
 
 
 DEFAULTS = {("avx512", "float32"): "few_rows", ("avx512", "int8"): "int8_rows"}
