@@ -307,9 +307,19 @@ def precision_notice(precision: str) -> str:
 
 def _decoding(model, precision: str | None):
     """The decode backend's set-up `sampling.generate_stream` calls after a first token: on the
-    CPU, `gptkiln.cpu.prepare_for_decoding` at ``precision`` (None: the model's own); elsewhere
-    none."""
-    if model.wte.weight.device.type != "cpu":
+    CPU, `gptkiln.cpu.prepare_for_decoding` at ``precision`` (None: the model's own); on CUDA,
+    `gptkiln.gpu.prepare_graphs` for a float model (CUDA graphs; an int8 one decodes eagerly);
+    elsewhere none."""
+    device = model.wte.weight.device.type
+    if device == "cuda":
+        from gptkiln.quantize import quantization_of
+
+        if quantization_of(model) is not None:
+            return None
+        from gptkiln.gpu import prepare_graphs
+
+        return prepare_graphs
+    if device != "cpu":
         return None
     from gptkiln.cpu import prepare_for_decoding
 
