@@ -81,7 +81,10 @@ def test_compiled_greedy_ids_equal_the_eager_ones(model, batch):
     assert generate(model, PROMPTS[batch], max_new_tokens=12, temperature=0, prepare=graphs) == (
         eager
     )
-    assert model.graph_decoder.states  # the graph ran: its bucket was made
+    T = max(len(p) for p in PROMPTS[batch])
+    length = bucket_length(T + 11, model.config.context_length)
+    state = model.graph_decoder.states[bucket_rows(len(eager)), length]
+    assert state.slots.tolist() == [T + 11] * state.rows  # the graph fed the 11 later tokens
 
 
 def test_penalties_on_the_device_equal_the_eager_ones(model):
@@ -178,3 +181,19 @@ def test_inductor_compiled_step_gives_the_eager_greedy_ids():
     assert generate(model, PROMPTS["padded"], max_new_tokens=8, temperature=0, prepare=prepare) == (
         eager
     )
+
+
+def test_graphs_apply_to_float_models_on_cuda_only(model):
+    from gptkiln.gpu import graphs_for
+
+    assert graphs_for(model) is None  # on the CPU: the CPU backend's
+    assert graphs_for(GPT(GPTConfig.from_name("tiny", vocab_size=97)).to("meta")) is None
+
+
+def test_a_model_cast_to_another_dtype_gets_buckets_of_its_own():
+    model = tiny("gpt2")
+    generate(model, [1, 2, 3], max_new_tokens=4, temperature=0, prepare=graphs)
+    (key,) = model.graph_decoder.states
+    model.to(torch.bfloat16)
+    ids = generate(model, [1, 2, 3], max_new_tokens=4, temperature=0, prepare=graphs)
+    assert model.graph_decoder.states[key].dtype == torch.bfloat16 and len(ids) == 4

@@ -310,17 +310,10 @@ def _decoding(model, precision: str | None):
     CPU, `gptkiln.cpu.prepare_for_decoding` at ``precision`` (None: the model's own); on CUDA,
     `gptkiln.gpu.prepare_graphs` for a float model (CUDA graphs; an int8 one decodes eagerly);
     elsewhere none."""
-    device = model.wte.weight.device.type
-    if device == "cuda":
-        from gptkiln.quantize import quantization_of
+    if model.wte.weight.device.type != "cpu":
+        from gptkiln.gpu import graphs_for
 
-        if quantization_of(model) is not None:
-            return None
-        from gptkiln.gpu import prepare_graphs
-
-        return prepare_graphs
-    if device != "cpu":
-        return None
+        return graphs_for(model)
     from gptkiln.cpu import prepare_for_decoding
 
     def prepare(model, rows: int, steps: int):

@@ -15,6 +15,7 @@ from gptkiln.gpu.graphs import (
     bucket_length,
     bucket_rows,
     compile_options,
+    graphs_for,
     prepare_graphs,
 )
 from gptkiln.gpu.step import DeviceSampling, StaticState, decode_static, graph_step
@@ -30,5 +31,6 @@ __all__ = [
     "compile_options",
     "decode_static",
     "graph_step",
+    "graphs_for",
     "prepare_graphs",
 ]

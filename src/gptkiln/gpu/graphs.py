@@ -25,6 +25,7 @@ import torch
 from gptkiln.config import SampleConfig
 from gptkiln.gpu.step import DeviceSampling, StaticState, graph_step
 from gptkiln.model import GPT
+from gptkiln.quantize import quantization_of
 
 MIN_LENGTH = 256
 """The fewest slots a bucket's cache has (shorter decodings share its graph)."""
@@ -64,7 +65,7 @@ class GraphDecoder:
 
     def __init__(self, model: GPT, backend: str | None = None):
         self.model = model
-        device = model.ln_f.weight.device
+        self.device = device = model.ln_f.weight.device
         self.cuda = device.type == "cuda"
         self.options = compile_options(device.type, backend)
         self.states: dict[tuple[int, int], StaticState] = {}
@@ -72,13 +73,15 @@ class GraphDecoder:
 
     def state(self, rows: int, cache_len: int) -> StaticState:
         """The bucket of ``rows`` x ``cache_len`` (made at its first use), in the dtype and on
-        the device of the model's own cache."""
+        the device of the model's own cache (made again for another dtype)."""
         key = (rows, cache_len)
-        if key not in self.states:
-            own = self.model.h[0].attn.kv_cache.k
-            self.states[key] = StaticState(self.model, rows, cache_len, own.dtype, own.device)
+        own = self.model.h[0].attn.kv_cache.k
+        state = self.states.get(key)
+        if state is None or state.dtype != own.dtype:
+            state = StaticState(self.model, rows, cache_len, own.dtype, own.device)
+            self.states[key] = state
             self.steps[key] = torch.compile(_own_copy(graph_step), **self.options)
-        return self.states[key]
+        return state
 
     def start(
         self,
@@ -142,6 +145,14 @@ class GraphPlan:
         return self.decoder.start(sampling, pos, self.steps, seeds, counts)
 
 
+def graphs_for(model: GPT) -> Callable[..., GraphPlan | None] | None:
+    """`prepare_graphs` where it applies, a float model on CUDA; else None (an int8 model's
+    products are not traced: it decodes eagerly)."""
+    if model.ln_f.weight.device.type != "cuda" or quantization_of(model) is not None:
+        return None
+    return prepare_graphs
+
+
 def prepare_graphs(
     model: GPT,
     rows: int,
@@ -153,11 +164,12 @@ def prepare_graphs(
     """Ready ``model`` to decode ``rows`` rows for ``steps`` steps by compiled, replayed steps
     (`sampling.Prepare`); None where ``GPTKILN_CUDA_GRAPHS=0``. ``backend``: a compile
     backend other than `compile_options`' (the decoder keeps the first one it was made with);
-    ``min_steps``: the fewest steps worth a graph (`GRAPHS_FROM`)."""
+    ``min_steps``: the fewest steps worth a graph (`GRAPHS_FROM`). The decoder is kept as the
+    model's ``graph_decoder`` (made again when the model moves to another device)."""
     if os.environ.get("GPTKILN_CUDA_GRAPHS", "1") == "0":
         return None
     decoder = getattr(model, "graph_decoder", None)
-    if decoder is None:
+    if decoder is None or decoder.device != model.ln_f.weight.device:  # new, or moved
         decoder = GraphDecoder(model, backend)
         model.graph_decoder = decoder
     return GraphPlan(decoder, rows, steps, min_steps)

@@ -97,6 +97,14 @@ class StaticState(nn.Module):
     def cache_len(self) -> int:
         return self.caches[0].k.size(2)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.caches[0].k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.caches[0].k.device
+
     @torch.no_grad()
     def load(
         self,
