@@ -382,7 +382,9 @@ def generate_stream(
         if stop is not None:
             finished |= torch.isin(token, stop)
         yield token
-        if step + 1 == cfg.max_new_tokens or bool(finished.all()):
+        # the only read of a step's tokens here, and none where nothing can end a row
+        ending = stop is not None or streams is not None
+        if step + 1 == cfg.max_new_tokens or (ending and bool(finished.all())):
             return
         if untuned:
             plan = prepare(model, B, cfg.max_new_tokens - 1)
@@ -509,9 +511,14 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        for token in generate_stream(
+        tokens = generate_stream(
             model, batch, cfg, eot_id, use_cache, streams=streams, prepare=prepare
-        ):
+        )
+        if not ends and streams is None:  # nothing ends a row: the ids are read once, at the end
+            steps = list(tokens)  # (B,) each, left on the device: no sync a token
+            rows = torch.stack(steps, dim=1).tolist() if steps else rows
+            return rows[0] if single else rows
+        for token in tokens:
             for row, t in enumerate(token.tolist()):
                 if done[row]:
                     continue
