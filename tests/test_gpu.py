@@ -249,3 +249,24 @@ def test_generate_and_chat_decode_by_cuda_graphs_on_cuda():
     model = GPT(GPTConfig.from_name("tiny", vocab_size=256)).eval()
     assert api._decoding(model.cuda(), None) is prepare_graphs
     assert api._decoding(quantize_model(GPT(model.config).eval()).cuda(), None) is None
+
+
+def test_the_batcher_on_cuda_decodes_by_row_graphs_and_each_request_gets_what_it_gets_alone():
+    import test_serve_batcher as serving
+
+    from gptkiln.config import SampleConfig
+    from gptkiln.gpu import RowGraphs
+    from gptkiln.tokenizers import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer([serving.TEXT], with_eot=False)
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(
+        "tiny", vocab_size=tokenizer.vocab_size, context_length=48, tie_embeddings=False
+    )
+    model = GPT(config).cuda().eval()
+    cfgs = [SampleConfig(max_new_tokens=n, temperature=0) for n in (12, 20, 5)]
+    cfgs.append(SampleConfig(max_new_tokens=9, temperature=0.8, top_k=10, seed=3))
+    arrivals = serving.staggered(tokenizer, cfgs)
+    out, batcher = serving.run_batcher(model, tokenizer, arrivals, max_batch=3)
+    assert isinstance(batcher.graphs, RowGraphs)
+    serving.check_each_equals_alone(model, tokenizer, arrivals, out)

@@ -197,3 +197,37 @@ def test_a_model_cast_to_another_dtype_gets_buckets_of_its_own():
     model.to(torch.bfloat16)
     ids = generate(model, [1, 2, 3], max_new_tokens=4, temperature=0, prepare=graphs)
     assert model.graph_decoder.states[key].dtype == torch.bfloat16 and len(ids) == 4
+
+
+# -- serve's batcher: its decode forward compiled per bucket -----------------------------------
+def test_the_batchers_requests_by_row_graphs_get_what_each_gets_alone(monkeypatch):
+    """Requests joining and leaving the continuous batch at staggered steps, their decode
+    forwards at static shapes in the buckets' compiled graphs: each gets what it gets alone."""
+    import test_serve_batcher as serving
+
+    from gptkiln.config import SampleConfig
+    from gptkiln.gpu import RowGraphs
+    from gptkiln.serve import batcher as batching
+    from gptkiln.tokenizers import build_char_tokenizer
+
+    calls = []
+    step = RowGraphs.__call__
+
+    def counted(self, tokens, positions):
+        calls.append(tokens.size(0))
+        return step(self, tokens, positions)
+
+    monkeypatch.setattr(RowGraphs, "__call__", counted)
+    monkeypatch.setattr(batching, "row_graphs_for", RowGraphs)  # as on CUDA
+    tokenizer = build_char_tokenizer([serving.TEXT], with_eot=False)
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(
+        "tiny", vocab_size=tokenizer.vocab_size, context_length=48, tie_embeddings=False
+    )
+    model = GPT(config).eval()
+    cfgs = [SampleConfig(max_new_tokens=n, temperature=0) for n in (12, 20, 5)]
+    cfgs.append(SampleConfig(max_new_tokens=9, temperature=0.8, top_k=10, seed=3))
+    arrivals = serving.staggered(tokenizer, cfgs)
+    out, batcher = serving.run_batcher(model, tokenizer, arrivals, max_batch=3)
+    serving.check_each_equals_alone(model, tokenizer, arrivals, out)
+    assert len(set(calls)) > 1 and set(calls) <= {1, 2, 3}  # several buckets, each a graph

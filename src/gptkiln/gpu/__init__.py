@@ -12,11 +12,13 @@ from gptkiln.gpu.graphs import (
     GRAPHS_FROM,
     GraphDecoder,
     GraphPlan,
+    RowGraphs,
     bucket_length,
     bucket_rows,
     compile_options,
     graphs_for,
     prepare_graphs,
+    row_graphs_for,
 )
 from gptkiln.gpu.step import DeviceSampling, StaticState, decode_static, graph_step
 
@@ -25,6 +27,7 @@ __all__ = [
     "DeviceSampling",
     "GraphDecoder",
     "GraphPlan",
+    "RowGraphs",
     "StaticState",
     "bucket_length",
     "bucket_rows",
@@ -33,4 +36,5 @@ __all__ = [
     "graph_step",
     "graphs_for",
     "prepare_graphs",
+    "row_graphs_for",
 ]

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gptkiln.config import SampleConfig
-from gptkiln.gpu.step import DeviceSampling, StaticState, graph_step
+from gptkiln.gpu.step import DeviceSampling, StaticState, decode_static, graph_step
 from gptkiln.model import GPT
 from gptkiln.quantize import quantization_of
 
@@ -173,3 +173,62 @@ def prepare_graphs(
         decoder = GraphDecoder(model, backend)
         model.graph_decoder = decoder
     return GraphPlan(decoder, rows, steps, min_steps)
+
+
+class RowGraphs:
+    """The decode forward of a continuous batch (serve's batcher) as CUDA graphs: the model's
+    own cache (``rows`` x the context, set up once by the batcher) made static, and
+    `decode_static` compiled once per row count of ``buckets``; rows join and leave between
+    steps, each step runs in the bucket of its highest active row. Sampling stays the batcher's
+    (each row's own settings, grammar and text), on the logits this returns.
+
+    Args:
+        model: a model whose cache the batcher set up (no left padding: a row's position is its
+            slot).
+        buckets: the row counts a step may run at.
+        backend: as `compile_options`'.
+    """
+
+    def __init__(self, model: GPT, buckets: Sequence[int], backend: str | None = None):
+        self.model = model
+        for block in model.h:
+            block.attn.kv_cache.static = True
+        device = model.ln_f.weight.device
+        self.cuda = device.type == "cuda"
+        options = compile_options(device.type, backend)
+        self.inputs = {n: RowInputs(n, device) for n in buckets}
+        self.steps = {n: torch.compile(_own_copy(_row_logits), **options) for n in buckets}
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits (n, 1, V) for tokens (n, 1) fed at positions (n,), n one of the buckets: what
+        ``model(tokens, start_pos=positions, last_only=True)`` gives, at static shapes."""
+        n = tokens.size(0)
+        inputs = self.inputs[n]
+        inputs.token.copy_(tokens[:, 0])
+        inputs.slots.copy_(positions)
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.steps[n](self.model, inputs).clone()[:, None, :]
+
+
+class RowInputs(torch.nn.Module):
+    """A batch bucket's inputs at fixed addresses: each row's token, slot and (zero) padding."""
+
+    def __init__(self, rows: int, device: torch.device):
+        super().__init__()
+        for name in ("token", "slots", "pads"):
+            self.register_buffer(name, torch.zeros(rows, dtype=torch.int64, device=device), False)
+            torch._dynamo.mark_static_address(getattr(self, name))
+
+
+def _row_logits(model: GPT, inputs: RowInputs) -> torch.Tensor:
+    """What `RowGraphs` compiles: `decode_static` over the batch's rows, logits (n, V)."""
+    return decode_static(model, inputs.token, inputs.slots, inputs.pads)
+
+
+def row_graphs_for(model: GPT, buckets: Sequence[int]) -> RowGraphs | None:
+    """`RowGraphs` where `graphs_for` decodes by graphs (a float model on CUDA, the switch on);
+    else None (the batcher's forward stays eager)."""
+    if graphs_for(model) is None or os.environ.get("GPTKILN_CUDA_GRAPHS", "1") == "0":
+        return None
+    return RowGraphs(model, buckets)

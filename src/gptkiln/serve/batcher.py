@@ -46,6 +46,7 @@ import torch
 from gptkiln.config import SampleConfig
 from gptkiln.cpu import prepare_for_decoding
 from gptkiln.errors import GptkilnError
+from gptkiln.gpu import row_graphs_for
 from gptkiln.model import GPT
 from gptkiln.sampling import (
     TextStream,
@@ -196,6 +197,7 @@ class Batcher:
         self.on_token = on_token
         self.prefix_cache = PrefixCache(model, max_bytes=prefix_cache_bytes)
         self.steps = 0  # decode steps run, for tests and metrics
+        self.graphs = None  # the decode forward's CUDA graphs, set by `_prepare` on CUDA
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._slots: dict[int, _Slot] = {}  # row -> slot
         self._last_token_at: dict[Sequence, float] = {}
@@ -345,6 +347,8 @@ class Batcher:
         self.plan = prepare_for_decoding(
             self.model, self._buckets, precision=self.precision, one_call=False
         )  # one_call=False: rows at their own positions
+        # on CUDA, each bucket's decode forward a CUDA graph (`gptkiln.gpu.RowGraphs`)
+        self.graphs = row_graphs_for(self.model, self._buckets)
 
     @torch.inference_mode()
     def _prefill_step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
@@ -441,7 +445,10 @@ class Batcher:
         for slot in slots:
             tokens[slot.row, 0] = slot.token
             positions[slot.row] = slot.pos
-        logits = self.model(tokens.to(self.device), start_pos=positions, last_only=True)
+        if self.graphs is not None:
+            logits = self.graphs(tokens.to(self.device), positions.to(self.device))
+        else:
+            logits = self.model(tokens.to(self.device), start_pos=positions, last_only=True)
         masks = self._masks([s for s in slots if s.seq.constraint is not None])
         events: list[tuple[Sequence, Event]] = []
         for slot in slots:
