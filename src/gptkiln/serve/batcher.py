@@ -20,7 +20,8 @@ Each iteration of the loop:
    and handed out at once;
 4. in the worker: keeps the new prompts' blocks in the prefix cache, then one decode step
    feeds every active row its last token at its own position (`GPT.forward` with a (B,)
-   ``start_pos``) and samples each row's next token;
+   ``start_pos``; on CUDA the bucket's CUDA graph of the same forward, `gptkiln.gpu.RowGraphs`)
+   and samples each row's next token;
 5. hands each sequence its events: a token (the text it made final, its log-probabilities),
    and at the end the reason (``stop`` or ``length``).
 
