@@ -27,6 +27,12 @@ new greedy tokens at batch 1 and 8: ``gptkiln.sampling.generate`` (static KV cac
 ``gptkiln int8`` is the same model after ``gptkiln.quantize.quantize_model`` (int8 weights,
 per-channel scales, bf16 activations); on a GPU its products are the dequantized ones
 (`gptkiln.cpu.products.dequantize_linear`: the decoding tuner times kernels on the CPU only).
+``gptkiln graphs`` is ``generate`` with ``gptkiln.gpu.prepare_graphs`` (what ``gptkiln
+generate`` runs on CUDA: the decode step compiled with ``mode="reduce-overhead"``, a CUDA graph
+per bucket, greedy on the device), against ``transformers static``: ``generate`` with
+``cache_implementation="static"``, which compiles the forward the same way on CUDA (on a CPU
+neither captures a graph: the smoke run checks the code paths). Their warm-up (the compile) is
+timed apart; ``same ids`` is the share of rows whose ids equal the eager path's in the process.
 """
 
 from __future__ import annotations
@@ -156,7 +162,7 @@ def generate_worker(job: dict) -> None:
     device, s, n = job["device"], job["shape"], job["new_tokens"]
     gen = torch.Generator().manual_seed(1234)
     idx = torch.randint(0, s["vocab"], (job["batch"], PROMPT_LEN), generator=gen).to(device)
-    if job["impl"] == "gptkiln":
+    if job["impl"] in ("gptkiln", "gptkiln graphs"):
         model = common.gptkiln_gpt(s, "gpt2")
     elif job["impl"] == "gptkiln int8":
         from gptkiln.quantize import quantize_model
@@ -165,16 +171,24 @@ def generate_worker(job: dict) -> None:
     else:
         model = common.hf_gpt2(s, bos_token_id=s["vocab"] - 1, eos_token_id=s["vocab"] - 1)
     model = model.to(device, torch.bfloat16).eval()  # int8 weights stay int8
-    impl = job["impl"].split()[0]
-    run_n = generate_bench.generator_for(impl, model)  # as bench/generate.py calls them
+    compiled = job["impl"] in COMPILED
+    run_n = compiled_generator(job["impl"], model) if compiled else None
+    run_n = run_n or generate_bench.generator_for(job["impl"].split()[0], model)
 
     def run(k):
         return run_n(idx, k)
 
     with torch.inference_mode():
-        run(8)  # warm-up: kernels picked, memory taken
+        t0 = time.perf_counter()
+        first = run(n if compiled else 8)  # warm-up: kernels picked (graphs compiled), memory taken
+        _sync(torch, device)
+        warmup_s = time.perf_counter() - t0
         times = _timed(torch, device, lambda: run(n), warmup=0, repeats=job["repeats"])
         out = run(2)
+        same = None
+        if job["impl"] == "gptkiln graphs":  # the eager path's greedy ids, in this process
+            eager = generate_bench.generator_for("gptkiln", model)(idx, n)
+            same = (torch.as_tensor(first).cpu() == eager.cpu()).all(dim=1).float().mean().item()
     assert len(out) == job["batch"], len(out)
     sec = statistics.median(times)
     common.emit(
@@ -182,8 +196,47 @@ def generate_worker(job: dict) -> None:
             "tokens_per_s": job["batch"] * n / sec,
             "ms_per_token": 1e3 * sec / n,
             "peak_gpu_mb": _peak_memory_mb(torch, device),
+            "warmup_s": warmup_s if compiled else None,
+            "same_ids": same,
         }
     )
+
+
+COMPILED = ("gptkiln graphs", "transformers static")
+
+
+def compiled_generator(impl: str, model):
+    """(prompt ids (B, T), n) -> new ids (B, n) for the compiled rows (`COMPILED`)."""
+    import torch
+
+    if impl == "gptkiln graphs":
+        from functools import partial
+
+        from gptkiln.gpu import prepare_graphs
+        from gptkiln.sampling import generate
+
+        prepare = partial(prepare_graphs, min_steps=1)  # the smoke run's 8 tokens too
+
+        def run(idx, n):
+            ids = generate(model, idx.tolist(), max_new_tokens=n, temperature=0, prepare=prepare)
+            return torch.tensor(ids)
+
+        return run
+
+    def run(idx, n):  # transformers' static cache: its forward compiled on CUDA
+        out = model.generate(
+            idx,
+            attention_mask=torch.ones_like(idx),
+            do_sample=False,
+            use_cache=True,
+            cache_implementation="static",
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=model.config.eos_token_id,
+        )
+        return out[:, idx.size(1) :]
+
+    return run
 
 
 def worker(job: dict) -> None:
@@ -299,14 +352,22 @@ def generate_part(args, shape: dict) -> None:
                 new_tokens=args.new_tokens,
                 repeats=args.repeats,
             )
-            for impl in ("gptkiln", "gptkiln int8", "transformers")
+            for impl in (
+                "gptkiln",
+                "gptkiln graphs",
+                "gptkiln int8",
+                "transformers",
+                "transformers static",
+            )
         ]
         results = common.run_rounds(__file__, jobs, args.rounds, "tokens_per_s")
-        kiln = results[0]["tokens_per_s"]
+        kiln, graphs = results[0]["tokens_per_s"], results[1]["tokens_per_s"]
         for job, r in zip(jobs, results):
             row = dict(batch=batch, impl=job["impl"], **r)
             if job["impl"] != "gptkiln":
                 row["ratio"] = common.ratio(kiln, r["tokens_per_s"])
+            if job["impl"] != "gptkiln graphs":
+                row["graphs_ratio"] = common.ratio(graphs, r["tokens_per_s"])
             rows.append(row)
     print(
         f"\n## generation, bf16 weights (gptkiln int8: int8 weights, bf16 activations), "
@@ -320,10 +381,14 @@ def generate_part(args, shape: dict) -> None:
             ("tokens_per_s", "new tokens/s"),
             ("ms_per_token", "ms/step"),
             ("ratio", "gptkiln ratio"),
+            ("graphs_ratio", "graphs ratio"),
             ("peak_gpu_mb", "peak GPU MB"),
+            ("warmup_s", "warm-up s"),
+            ("same_ids", "same ids"),
         ],
     )
     print("\n# 'gptkiln ratio' = gptkiln tokens/s / that row's tokens/s")
+    print("# 'graphs ratio' = gptkiln graphs tokens/s / that row's tokens/s")
 
 
 if __name__ == "__main__":

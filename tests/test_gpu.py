@@ -174,3 +174,99 @@ def test_harness_scoring_on_cuda_equals_the_cpus(monkeypatch, shared):
     assert [g for _, g in gpu] == [g for _, g in cpu]
     for (a, _), (b, _) in zip(gpu, cpu):
         assert a == pytest.approx(b, abs=1e-3, rel=1e-4)
+
+
+# -- CUDA-graph decoding (gptkiln.gpu) --------------------------------------------------------
+GRAPH_PROMPTS = ([[5, 6, 7, 8]], [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]])
+
+
+@pytest.mark.parametrize("prompts", GRAPH_PROMPTS, ids=("one", "padded"))
+def test_cuda_graph_decoding_gives_the_eager_greedy_ids(family_model, prompts):
+    from gptkiln.gpu import prepare_graphs
+
+    model = family_model.cuda()
+    eager = generate(model, prompts, max_new_tokens=24, temperature=0)
+    graphs = generate(model, prompts, max_new_tokens=24, temperature=0, prepare=prepare_graphs)
+    assert graphs == eager
+    assert model.graph_decoder.states  # the graphs ran
+
+
+def test_cuda_graph_decoding_captures_once_and_replays():
+    """One compile for every position of a decoding, nothing skipped by the CUDA-graph trees, and
+    a second decoding of the bucket compiles nothing more."""
+    from torch._dynamo.utils import counters
+
+    from gptkiln.gpu import prepare_graphs
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=256)).cuda().eval()
+    counters.clear()
+    generate(model, [1, 2, 3], max_new_tokens=40, temperature=0, prepare=prepare_graphs)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["inductor"].get("cudagraph_skips")
+    generate(model, [4, 5], max_new_tokens=40, temperature=0.8, seed=1, prepare=prepare_graphs)
+    generate(model, [4, 5], max_new_tokens=40, temperature=0.8, seed=1, prepare=prepare_graphs)
+    assert counters["stats"]["unique_graphs"] == 2  # the sampled settings: one graph more
+    assert not counters["inductor"].get("cudagraph_skips")
+
+
+def test_seeded_cuda_graph_sampling_is_reproducible(family_model):
+    from gptkiln.gpu import prepare_graphs
+
+    model = family_model.cuda()
+    kw = dict(max_new_tokens=24, temperature=0.9, top_k=20, top_p=0.9, prepare=prepare_graphs)
+    first = generate(model, GRAPH_PROMPTS[1], seed=5, **kw)
+    assert first == generate(model, GRAPH_PROMPTS[1], seed=5, **kw)
+    assert first != generate(model, GRAPH_PROMPTS[1], seed=6, **kw)
+
+
+def test_cuda_graph_decoding_is_faster_than_eager_at_batch_1():
+    import time
+
+    from gptkiln.gpu import prepare_graphs
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("baby", vocab_size=512)).cuda().to(torch.bfloat16).eval()
+
+    def tokens_per_s(prepare) -> float:
+        generate(model, [1, 2, 3], max_new_tokens=100, temperature=0, prepare=prepare)  # warm
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        generate(model, [1, 2, 3], max_new_tokens=100, temperature=0, prepare=prepare)
+        torch.cuda.synchronize()
+        return 100 / (time.perf_counter() - t0)
+
+    eager, graphs = tokens_per_s(None), tokens_per_s(prepare_graphs)
+    print(f"baby, bf16, batch 1: eager {eager:.0f} tok/s, CUDA graphs {graphs:.0f} tok/s")
+    assert graphs > 2 * eager
+
+
+def test_generate_and_chat_decode_by_cuda_graphs_on_cuda():
+    from gptkiln import api
+    from gptkiln.gpu import prepare_graphs
+    from gptkiln.quantize import quantize_model
+
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=256)).eval()
+    assert api._decoding(model.cuda(), None) is prepare_graphs
+    assert api._decoding(quantize_model(GPT(model.config).eval()).cuda(), None) is None
+
+
+def test_the_batcher_on_cuda_decodes_by_row_graphs_and_each_request_gets_what_it_gets_alone():
+    import test_serve_batcher as serving
+
+    from gptkiln.config import SampleConfig
+    from gptkiln.gpu import RowGraphs
+    from gptkiln.tokenizers import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer([serving.TEXT], with_eot=False)
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(
+        "tiny", vocab_size=tokenizer.vocab_size, context_length=48, tie_embeddings=False
+    )
+    model = GPT(config).cuda().eval()
+    cfgs = [SampleConfig(max_new_tokens=n, temperature=0) for n in (12, 20, 5)]
+    cfgs.append(SampleConfig(max_new_tokens=9, temperature=0.8, top_k=10, seed=3))
+    arrivals = serving.staggered(tokenizer, cfgs)
+    out, batcher = serving.run_batcher(model, tokenizer, arrivals, max_batch=3)
+    assert isinstance(batcher.graphs, RowGraphs)
+    serving.check_each_equals_alone(model, tokenizer, arrivals, out)

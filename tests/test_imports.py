@@ -25,7 +25,7 @@ SOURCE = Path(gptkiln.__file__).parent
 # of imports, what is above it: a feature (a command's own code) or the modules that write runs
 # and other formats; they are what knows about the bottom, never the other way.
 LOW = ("gptkiln.loading", "gptkiln.model", "gptkiln.positions", "gptkiln.config",
-       "gptkiln.tokenizers", "gptkiln.quantize", "gptkiln.cpu", "gptkiln.sampling",
+       "gptkiln.tokenizers", "gptkiln.quantize", "gptkiln.cpu", "gptkiln.gpu", "gptkiln.sampling",
        "gptkiln.errors", "gptkiln.devices", "gptkiln.load_steps", "gptkiln.cache",
        "gptkiln.losses")  # fmt: skip
 ABOVE = ("gptkiln.finetune", "gptkiln.serve", "gptkiln.cli", "gptkiln.api", "gptkiln.inspect",

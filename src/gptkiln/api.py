@@ -307,10 +307,13 @@ def precision_notice(precision: str) -> str:
 
 def _decoding(model, precision: str | None):
     """The decode backend's set-up `sampling.generate_stream` calls after a first token: on the
-    CPU, `gptkiln.cpu.prepare_for_decoding` at ``precision`` (None: the model's own); elsewhere
-    none."""
+    CPU, `gptkiln.cpu.prepare_for_decoding` at ``precision`` (None: the model's own); on CUDA,
+    `gptkiln.gpu.prepare_graphs` for a float model (CUDA graphs; an int8 one decodes eagerly);
+    elsewhere none."""
     if model.wte.weight.device.type != "cpu":
-        return None
+        from gptkiln.gpu import graphs_for
+
+        return graphs_for(model)
     from gptkiln.cpu import prepare_for_decoding
 
     def prepare(model, rows: int, steps: int):

@@ -61,6 +61,10 @@ class KVCache(nn.Module):
     Static shapes (as in gpt-fast): nothing is concatenated or re-allocated per decode step.
     It holds the key/value heads, nkv: with grouped-query attention fewer than the query heads,
     which divides the cache by n_head / n_kv_head (the heads are expanded only to attend).
+
+    ``static``: a step with per-row positions gets every slot back (S = S_max) instead of those
+    up to the furthest row's end, so its shapes never depend on the positions' values and one
+    compiled graph serves them all (`gptkiln.gpu`); its caller masks the slots not written.
     """
 
     def __init__(
@@ -71,11 +75,13 @@ class KVCache(nn.Module):
         head_size: int,
         dtype: torch.dtype,
         device: torch.device | str | None = None,
+        static: bool = False,
     ):
         super().__init__()
         shape = (batch_size, n_head, max_seq_len, head_size)  # (B, nkv, S_max, hs)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.static = static
 
     def update(
         self,
@@ -102,6 +108,8 @@ class KVCache(nn.Module):
         row = torch.arange(self.k.size(0), device=k.device)[rows][:, None]  # (B, 1)
         self.k[row, :, at] = k.transpose(1, 2)  # (B, T, nkv, hs) written at (row, :, position)
         self.v[row, :, at] = v.transpose(1, 2)
+        if self.static:  # no read of the positions' values: the graph-friendly form
+            return self.k[rows], self.v[rows]  # (B, nkv, S_max, hs)
         end = int(at.max()) + 1
         return self.k[rows, :, :end], self.v[rows, :, :end]  # (B, nkv, S, hs)
 
@@ -808,6 +816,15 @@ class GPT(nn.Module):
             raise ValueError("packed sequences (segments) take a full forward, not the cache")
         else:
             pos, mask = self._positions_and_mask(T, start_pos, idx.device, rows)
+        x, rope, values = self.embed(idx, pos)
+        return self.run_blocks(x, start_pos, mask, rows, attentions, rope, values)
+
+    def embed(
+        self, idx: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, list[torch.Tensor]]:
+        """What the blocks take for token ids idx (B, T) at positions pos (T,) or (B, T): the
+        embedded tokens x (B, T, C) (with GPT-2's learned positions added), RoPE's cos and sin
+        of the positions (None for GPT-2) and the value embeddings of the tokens."""
         rope = None
         if self.config.positions == "learned":
             x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
@@ -815,7 +832,7 @@ class GPT(nn.Module):
             x = self.drop(self.wte(idx))  # (B, T, C); positions enter as rotations of q and k
             rope = self.rope_at(pos)  # 2 x (1 or B, 1, T, hs)
         values = [embed(idx) for embed in self.value_embeds]  # (B, T, nkv * hs) each
-        return self.run_blocks(x, start_pos, mask, rows, attentions, rope, values)
+        return x, rope, values
 
     def run_blocks(
         self,

@@ -118,6 +118,58 @@ def sample_rows(
     return torch.cat(rows)
 
 
+# -- sampling on the device: no host sync, no generator objects -------------------------------
+# `sample_rows` draws with torch.multinomial from a torch.Generator a row: a compiled graph can
+# hold neither (dynamo breaks the graph at a generator, and multinomial's CUDA kernel syncs).
+# `sample_on_device` draws by the exponential race instead (gpt-fast's: argmax of p / q, q
+# exponential, picks token i with probability p_i), its uniforms a hash of (the row's seed,
+# the draw's number, the token id): pure integer ops that give the same numbers on any device,
+# in any batch, eager or compiled. A seeded row's tokens are therefore reproducible, but not
+# those `sample_rows` gives for the same seed (the same distribution, other draws); greedy
+# (temperature 0) is the same argmax on both paths.
+_MASK32 = 0xFFFFFFFF
+# odd multipliers below 2**31, so that no product of a 32-bit value overflows int64
+_HASH_MULTIPLIERS = (0x7FEB352D, 0x5BD1E995, 0x27D4EB2D)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of every element of x (int64 in [0, 2**32)), same shape:
+    xor-shift and multiply rounds, each output bit depending on every input bit."""
+    for multiplier in _HASH_MULTIPLIERS:
+        x = x ^ (x >> 16)
+        x = (x * multiplier) & _MASK32
+    return x ^ (x >> 15)
+
+
+def counter_uniform(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform numbers in (0, 1), (B, V) float32, a function of each row's seed (B,) int64
+    (>= 0), its draw number (B,) int64 (the position the token will take) and the token id:
+    the same on every device and in every batch, with no generator state."""
+    hi = mix32((seeds >> 32) & _MASK32)
+    key = mix32(mix32((seeds & _MASK32) ^ hi) ^ (draws & _MASK32))  # (B,)
+    ids = mix32(torch.arange(vocab, device=seeds.device, dtype=torch.int64))  # (V,)
+    bits = mix32(ids[None, :] ^ key[:, None])  # (B, V) 32 random bits each
+    return ((bits >> 8).float() + 0.5) * 2.0**-24  # 24 of them: exact in float32, never 0 or 1
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    seeds: torch.Tensor,
+    draws: torch.Tensor,
+) -> torch.Tensor:
+    """`sample` without a host sync, for a compiled step: logits (B, V) -> (B,), argmax at
+    temperature 0, else the exponential race over `logits_to_probs`' probabilities with
+    `counter_uniform`'s numbers for each row's ``seeds`` and ``draws`` (B,)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = logits_to_probs(logits, temperature, top_k, top_p)  # (B, V)
+    race = -torch.log(counter_uniform(seeds, draws, probs.size(-1)))  # (B, V) exponential(1)
+    return (probs / race).argmax(dim=-1)  # a filtered token (p = 0) never wins
+
+
 def prefill(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     """Run the prompt (B, T) through the model, filling the KV cache; last logits (B, V)."""
     return model(idx, start_pos=0, last_only=True)[:, -1, :]
@@ -241,7 +293,14 @@ class TextStream:
 Prepare = Callable[[GPT, int, int], object]
 """A decode backend's set-up, ``prepare(model, rows, steps)``: given a model whose KV cache holds
 ``rows`` rows, ready it for at most ``steps`` one-token steps
-(`gptkiln.cpu.prepare_for_decoding`)."""
+(`gptkiln.cpu.prepare_for_decoding`).
+
+What it returns may offer ``sampling_steps(cfg, seeds, counts, pos)`` (`gptkiln.gpu`'s plan
+does): then each later step within the cache is that backend's ``step(token, pos)``, which
+feeds ``token`` (B,) at ``pos`` and returns the next token (B,) chosen on the device
+(`sample_on_device`, penalties with ``counts`` (B, V) as they stand, each row's seed of
+``seeds``); None: it declines, and the model decodes and `sample_rows` samples as without it.
+"""
 
 
 @torch.inference_mode()
@@ -286,7 +345,8 @@ def generate_stream(
     if pad_lens.any() and not use_cache:
         raise GptkilnError("prompts of unequal length need use_cache=True (the padding mask)")
     B = idx.size(0)
-    generators = _row_generators(cfg.seed, row_seeds, B, device)
+    seeds = _row_seeds(cfg.seed, row_seeds, B)
+    generators = _row_generators(seeds, device)
     stop = torch.tensor(ends, device=device) if cfg.stop_at_eos and ends else None
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     penalised = bool(cfg.presence_penalty or cfg.frequency_penalty)
@@ -300,10 +360,16 @@ def generate_stream(
         logits = prefill(model, idx)
     else:
         logits = window_logits(model, idx)
+    backend_step = next_token = None  # the prepared backend's decode-and-sample step
     for step in range(cfg.max_new_tokens):
-        if counts is not None:
-            logits = apply_penalties(logits, counts, cfg.presence_penalty, cfg.frequency_penalty)
-        token = sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, generators)  # (B,)
+        if next_token is not None:
+            token = next_token
+        else:
+            if counts is not None:
+                logits = apply_penalties(
+                    logits, counts, cfg.presence_penalty, cfg.frequency_penalty
+                )
+            token = sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, generators)  # (B,)
         token = token.masked_fill(finished, filler)
         if counts is not None:
             counts[torch.arange(B, device=device), token] += (~finished).to(counts.dtype)
@@ -316,14 +382,22 @@ def generate_stream(
         if stop is not None:
             finished |= torch.isin(token, stop)
         yield token
-        if step + 1 == cfg.max_new_tokens or bool(finished.all()):
+        # the only read of a step's tokens here, and none where nothing can end a row
+        ending = stop is not None or streams is not None
+        if step + 1 == cfg.max_new_tokens or (ending and bool(finished.all())):
             return
         if untuned:
-            prepare(model, B, cfg.max_new_tokens - 1)
+            plan = prepare(model, B, cfg.max_new_tokens - 1)
+            start = getattr(plan, "sampling_steps", None)
+            backend_step = None if start is None else start(cfg, seeds, counts, pos)
             untuned = False
         idx = torch.cat([idx, token[:, None]], dim=1)
+        next_token = None
         if not use_cache:
             logits = window_logits(model, idx)
+        elif pos < ctx and backend_step is not None:
+            next_token = backend_step(token, pos)
+            pos += 1
         elif pos < ctx:
             logits = decode_one_token(model, token, pos)
             pos += 1
@@ -376,16 +450,23 @@ def generate_batched(
     return streams
 
 
-def _row_generators(
-    seed: int | None, row_seeds: Sequence[int | None] | None, rows: int, device: torch.device
-) -> list[torch.Generator | None] | None:
-    """One generator a row (seeded; None for a row without a seed), or None when no row has a
-    seed (one draw for the whole batch from torch's global generator)."""
+def _row_seeds(
+    seed: int | None, row_seeds: Sequence[int | None] | None, rows: int
+) -> list[int | None]:
+    """Each row's seed (None: unseeded): ``row_seeds``, or ``seed`` for every row."""
     seeds = list(row_seeds) if row_seeds is not None else [seed] * rows
     if len(seeds) != rows:
         raise GptkilnError(
             f"row_seeds has {len(seeds)} seeds for {rows} prompts; give one a prompt"
         )
+    return seeds
+
+
+def _row_generators(
+    seeds: Sequence[int | None], device: torch.device
+) -> list[torch.Generator | None] | None:
+    """One generator a row (seeded; None for a row without a seed), or None when no row has a
+    seed (one draw for the whole batch from torch's global generator)."""
     if all(s is None for s in seeds):
         return None
     return [None if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds]
@@ -430,9 +511,14 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        for token in generate_stream(
+        tokens = generate_stream(
             model, batch, cfg, eot_id, use_cache, streams=streams, prepare=prepare
-        ):
+        )
+        if not ends and streams is None:  # nothing ends a row: the ids are read once, at the end
+            steps = list(tokens)  # (B,) each, left on the device: no sync a token
+            rows = torch.stack(steps, dim=1).tolist() if steps else rows
+            return rows[0] if single else rows
+        for token in tokens:
             for row, t in enumerate(token.tolist()):
                 if done[row]:
                     continue

@@ -133,7 +133,12 @@ class PlannedProduct(Planned):
 
     def kernel_for(self, x: torch.Tensor):
         """The kernel for this forward, or None: the layer's own forward then."""
-        if torch.is_grad_enabled() or not self.few_row_kernels or x.device.type != "cpu":
+        if (
+            torch.is_grad_enabled()
+            or not self.few_row_kernels
+            or x.device.type != "cpu"
+            or torch.compiler.is_compiling()  # a traced graph takes the layer's own product
+        ):
             return None
         tuned = self.scale if self.weight.dtype == torch.int8 else self.weight  # int8: the scales
         if x.dtype != torch.float32 or tuned.dtype != torch.float32:
@@ -200,7 +205,8 @@ class PlannedModel(Planned):
     (no autograd, every cache row, no attention weights asked, outside ``torch.compile``) in
     place of `gptkiln.model.GPT.run_blocks` where it takes the step. Each decode step runs on
     the plan's thread count (`gptkiln.cpu.threads.DecodeThreads`), every other forward on the
-    full count."""
+    full count; a step on another device, or traced by ``torch.compile`` (`gptkiln.gpu`'s
+    graphs), is the model's own."""
 
     planned_attributes = ("decode_plan", "decode_blocks")
     decode_plan: object
@@ -208,7 +214,7 @@ class PlannedModel(Planned):
 
     def run_blocks(self, x, start_pos, mask, rows, attentions, rope, values):
         threads = getattr(self.decode_plan, "threads", None)  # the count of a step's loops
-        if threads is None:
+        if threads is None or x.device.type != "cpu" or torch.compiler.is_compiling():
             return self._run_blocks(x, start_pos, mask, rows, attentions, rope, values)
         if x.size(1) != 1 or torch.is_grad_enabled():  # a prefill: every thread asked for
             threads.other_forward()

@@ -245,6 +245,7 @@ class GptkilnLM(TemplateLM):
         from tqdm.auto import tqdm
 
         from gptkiln.cpu import exact_kernels, prepare_for_decoding
+        from gptkiln.gpu import graphs_for
         from gptkiln.sampling import generate_batched
 
         groups: dict[str, list[int]] = {}
@@ -269,7 +270,7 @@ class GptkilnLM(TemplateLM):
                     cfg,
                     self._tokenizer,
                     batch_size=self.batch_size,
-                    prepare=prepare_for_decoding,
+                    prepare=graphs_for(self._model) or prepare_for_decoding,
                 )
             for n, stream in zip(order, streams):
                 texts[n] = stream.text

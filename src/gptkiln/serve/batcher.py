@@ -20,7 +20,8 @@ Each iteration of the loop:
    and handed out at once;
 4. in the worker: keeps the new prompts' blocks in the prefix cache, then one decode step
    feeds every active row its last token at its own position (`GPT.forward` with a (B,)
-   ``start_pos``) and samples each row's next token;
+   ``start_pos``; on CUDA the bucket's CUDA graph of the same forward, `gptkiln.gpu.RowGraphs`)
+   and samples each row's next token;
 5. hands each sequence its events: a token (the text it made final, its log-probabilities),
    and at the end the reason (``stop`` or ``length``).
 
@@ -46,6 +47,7 @@ import torch
 from gptkiln.config import SampleConfig
 from gptkiln.cpu import prepare_for_decoding
 from gptkiln.errors import GptkilnError
+from gptkiln.gpu import row_graphs_for
 from gptkiln.model import GPT
 from gptkiln.sampling import (
     TextStream,
@@ -196,6 +198,7 @@ class Batcher:
         self.on_token = on_token
         self.prefix_cache = PrefixCache(model, max_bytes=prefix_cache_bytes)
         self.steps = 0  # decode steps run, for tests and metrics
+        self.graphs = None  # the decode forward's CUDA graphs, set by `_prepare` on CUDA
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._slots: dict[int, _Slot] = {}  # row -> slot
         self._last_token_at: dict[Sequence, float] = {}
@@ -345,6 +348,8 @@ class Batcher:
         self.plan = prepare_for_decoding(
             self.model, self._buckets, precision=self.precision, one_call=False
         )  # one_call=False: rows at their own positions
+        # on CUDA, each bucket's decode forward a CUDA graph (`gptkiln.gpu.RowGraphs`)
+        self.graphs = row_graphs_for(self.model, self._buckets)
 
     @torch.inference_mode()
     def _prefill_step(self, admitted: list[_Slot]) -> list[tuple[Sequence, Event]]:
@@ -441,7 +446,10 @@ class Batcher:
         for slot in slots:
             tokens[slot.row, 0] = slot.token
             positions[slot.row] = slot.pos
-        logits = self.model(tokens.to(self.device), start_pos=positions, last_only=True)
+        if self.graphs is not None:
+            logits = self.graphs(tokens.to(self.device), positions.to(self.device))
+        else:
+            logits = self.model(tokens.to(self.device), start_pos=positions, last_only=True)
         masks = self._masks([s for s in slots if s.seq.constraint is not None])
         events: list[tuple[Sequence, Event]] = []
         for slot in slots:

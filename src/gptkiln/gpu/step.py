@@ -1,0 +1,153 @@
+"""The decode step with static shapes: one token a row, its position a device tensor, the KV
+cache its full length, attention over every slot under a mask of those written; then the next
+token chosen on the device. Nothing in it reads a value back to the host or makes a shape from
+one, so ``torch.compile(..., fullgraph=True)`` traces it once for every position, and CUDA graphs
+(``mode="reduce-overhead"``) replay it (`gptkiln.gpu.graphs`).
+
+It runs the model's own code: `GPT.embed`, `GPT.run_blocks` (every family's blocks, grouped
+heads, sliding windows) and `GPT.logits`, over `KVCache`\\ s made ``static``; what it adds is the
+graph-friendly form of `GPT._positions_and_mask` for one token a row, each row at its own slot
+and with its own left padding.
+
+Shapes as `gptkiln.model`'s legend; b the rows of a bucket, S the cache's slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from gptkiln.model import GPT, KVCache
+from gptkiln.sampling import apply_penalties, sample_on_device
+
+
+def static_positions_and_mask(
+    slots: torch.Tensor, pads: torch.Tensor, cache_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (b, 1) and attention mask (b, 1, 1, S) of one new token a row written at cache
+    slot ``slots`` (b,) of a row whose first ``pads`` (b,) slots are left padding: the token's
+    position counts from the row's first real slot, and it attends the slots from there to its
+    own, inclusive (`GPT._positions_and_mask`'s, with S the whole cache)."""
+    key = torch.arange(cache_len, device=slots.device)  # (S,)
+    mask = (key[None, :] <= slots[:, None]) & (key[None, :] >= pads[:, None])  # (b, S)
+    return (slots - pads).clamp(min=0)[:, None], mask[:, None, None, :]
+
+
+def decode_static(
+    model: GPT, token: torch.Tensor, slots: torch.Tensor, pads: torch.Tensor
+) -> torch.Tensor:
+    """Logits (b, V) for the next token after ``token`` (b,), fed at cache slots ``slots`` (b,)
+    of rows left-padded by ``pads`` (b,), through the model's static caches (`StaticState`
+    installed). The same logits as `sampling.decode_one_token` on the model's own cache."""
+    cache_len = model.h[0].attn.kv_cache.k.size(2)
+    pos, mask = static_positions_and_mask(slots, pads, cache_len)
+    idx = token[:, None]  # (b, 1)
+    x, rope, values = model.embed(idx, pos)  # (b, 1, C)
+    x = model.run_blocks(x, slots, mask, None, None, rope, values)  # (b, 1, C)
+    return model.logits(x)[:, -1, :]  # (b, V)
+
+
+@dataclass(frozen=True)
+class DeviceSampling:
+    """How a compiled step samples (`SampleConfig`'s fields; constants of its graph)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+
+class StaticState(nn.Module):
+    """Everything a compiled step of one bucket reads and writes, at fixed addresses (a CUDA
+    graph replays on the same memory): ``rows`` x ``cache_len`` static `KVCache`\\ s, one a
+    layer, and each row's token to feed, cache slot, left padding, seed and token counts (for
+    penalties). Rows past a decoding's own are filler: every op of the step is row by row, so
+    they never reach the real rows."""
+
+    def __init__(self, model: GPT, rows: int, cache_len: int, dtype: torch.dtype, device):
+        super().__init__()
+        c = model.config
+        self.caches = nn.ModuleList(
+            KVCache(rows, cache_len, c.kv_heads, c.head_size, dtype, device, static=True)
+            for _ in model.h
+        )
+        for name, shape, kind in (
+            ("token", (rows,), torch.int64),
+            ("slots", (rows,), torch.int64),
+            ("pads", (rows,), torch.int64),
+            ("seeds", (rows,), torch.int64),
+            ("counts", (rows, c.vocab_size), torch.float32),
+        ):
+            self.register_buffer(name, torch.zeros(shape, dtype=kind, device=device), False)
+        for tensor in self.buffers():  # a graph may keep their addresses (no copy a replay)
+            torch._dynamo.mark_static_address(tensor)
+
+    @property
+    def rows(self) -> int:
+        return self.token.size(0)
+
+    @property
+    def cache_len(self) -> int:
+        return self.caches[0].k.size(2)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.caches[0].k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.caches[0].k.device
+
+    @torch.no_grad()
+    def load(
+        self,
+        model: GPT,
+        pos: int,
+        seeds: list[int],
+        counts: torch.Tensor | None,
+    ) -> None:
+        """Take over a decoding whose prompt the model prefilled into its own cache (B rows, the
+        first ``pos`` slots), the next token going to slot ``pos``: its keys and values copied
+        into rows 0..B-1, its padding, ``seeds`` (B ints) and ``counts`` (B, V) or zeros; then
+        the model's attention layers use these caches (until `GPT.clear_cache`)."""
+        own = model.h[0].attn.kv_cache
+        B = own.k.size(0)
+        for block, cache in zip(model.h, self.caches):
+            cache.k[:B, :, :pos].copy_(block.attn.kv_cache.k[:, :, :pos])
+            cache.v[:B, :, :pos].copy_(block.attn.kv_cache.v[:, :, :pos])
+            block.attn.kv_cache = cache
+        self.token.zero_()
+        self.slots.fill_(pos)
+        self.pads.zero_()
+        if model.pad_lens is not None:
+            self.pads[:B].copy_(model.pad_lens)
+        self.seeds.zero_()
+        self.seeds[:B].copy_(torch.tensor(seeds, dtype=torch.int64))
+        self.counts.zero_()
+        if counts is not None:
+            self.counts[:B].copy_(counts)
+
+
+def graph_step(model: GPT, state: StaticState, sampling: DeviceSampling) -> torch.Tensor:
+    """One decode step of a bucket, what is compiled: feed ``state.token`` at ``state.slots``,
+    choose each row's next token (b,) on the device, and move the slots (and the counts) on."""
+    logits = decode_static(model, state.token, state.slots, state.pads)  # (b, V)
+    if sampling.penalised:
+        logits = apply_penalties(
+            logits, state.counts, sampling.presence_penalty, sampling.frequency_penalty
+        )
+    draws = state.slots - state.pads + 1  # the new token's position: the same in any batch
+    token = sample_on_device(
+        logits, sampling.temperature, sampling.top_k, sampling.top_p, state.seeds, draws
+    )
+    state.slots.add_(1)
+    if sampling.penalised:
+        state.counts.scatter_add_(1, token[:, None], torch.ones_like(state.counts[:, :1]))
+    return token
