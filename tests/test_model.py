@@ -253,6 +253,43 @@ def test_a_graph_compiled_for_the_cpu_spells_out_gelu_and_short_attention(monkey
     assert sdpa.n == (0 if fused else 2) + 2
 
 
+@pytest.mark.parametrize("T", [16, gptkiln.model.EXPLICIT_GRAD_MAX_T + 1])
+def test_a_short_bf16_training_step_on_the_cpu_spells_attention_out(monkeypatch, T):
+    """SDPA's CPU kernel is slow at bf16's backward over short contexts: an eager bf16 forward
+    that wants a gradient spells attention out up to EXPLICIT_GRAD_MAX_T positions, its loss
+    and gradients SDPA's within bf16's rounding; longer contexts, fp32, and a forward without
+    a gradient keep SDPA."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, context_length=T, n_layer=2, n_head=2, n_embd=16))
+    idx = torch.randint(0, 50, (3, T))
+    sdpa = _Calls(F.scaled_dot_product_attention)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+
+    def bf16_step():
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = bf16_step()
+    assert sdpa.n == (0 if T <= gptkiln.model.EXPLICIT_GRAD_MAX_T else 2)
+    monkeypatch.setattr(gptkiln.model, "EXPLICIT_GRAD_MAX_T", 0)
+    sdpa.n = 0
+    ref_loss, ref_grads = bf16_step()
+    assert sdpa.n == 2
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=0.0)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, ref, rtol=0.05, atol=0.05 * float(ref.abs().max()))
+    monkeypatch.undo()
+    sdpa = _Calls(F.scaled_dot_product_attention)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    model(idx, idx)  # fp32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx, idx)
+    assert sdpa.n == 4
+
+
 def test_other_devices_keep_the_aten_kernels_when_compiled(monkeypatch):
     # A meta forward's first reduction imports torch._dynamo, which records the
     # torch.compiler.is_compiling it finds as the one to trace: imported here, under the patch,

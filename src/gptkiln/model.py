@@ -23,7 +23,8 @@ the code it ran before the other families existed.
 
 This file imports only torch and the config: devices, dtypes, compilation, parallelism and
 decoding kernels are applied to a built model from outside (a graph that ``torch.compile``
-traces for the CPU only spells GELU and short attention out: see `_fuse_on_cpu`).
+traces for the CPU only spells GELU and short attention out: see `_fuse_on_cpu`; an eager
+bf16 training step on the CPU spells short attention out too: `_explicit_for_grad`).
 
 Shape legend: B batch, T time (new tokens), S keys attended (cache length), C channels
 (``n_embd``), nh heads, nkv key/value heads (nh for GPT-2), hs head size (C // nh unless the
@@ -158,10 +159,12 @@ class Attention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         # A short full-sequence forward compiled for the CPU spells attention out (see
         # _fuse_on_cpu): inductor fuses its scale, mask and softmax; SDPA stays one opaque call.
+        # So does a short bf16 one on the CPU that wants a gradient (see _explicit_for_grad).
+        spelled_out = _fuse_on_cpu(q, T) or _explicit_for_grad(q, T)
         if (
             self.use_sdpa
             and attentions is None
-            and not (mask is None and start_pos is None and _fuse_on_cpu(q, T))
+            and not (mask is None and start_pos is None and spelled_out)
         ):
             # a plain bool: under dynamic shapes `T > 1` is symbolic, which SDPA refuses
             is_causal = True if mask is None and T > 1 else False
@@ -377,6 +380,28 @@ def block_linears(config: GPTConfig) -> tuple[str, ...]:
 # +11% at T = 64 (the baby preset), +1% at T = 128 (mini), -10% at T = 256 (4 x 128 wide),
 # -3% at 124M, T = 256.
 FUSED_ATTENTION_MAX_T = 128
+
+
+# The longest context for which an eager bf16 forward on the CPU that wants a gradient (training)
+# spells attention out: SDPA's CPU kernel (flash) computes bf16's backward several times slower
+# than the matmuls and softmax do at short contexts. Measured on the 2-core Zen 4 EPYC, one
+# thread, causal attention of 4 query and 2 key/value heads of 32 in bf16, forward and backward
+# (bench/README.md, "The speedrun recipe, fourth round"): 7.9 against 3.0 ms at T = 64 (batch
+# 12), 9.2 against 7.2 at 256 (batch 3), 18.1 against 18.7 at 512, 22.4 against 33.2 at 1,024;
+# in fp32, and without a gradient, SDPA is the faster at every T measured, and stays.
+EXPLICIT_GRAD_MAX_T = 256
+
+
+def _explicit_for_grad(q: torch.Tensor, T: int) -> bool:
+    """Whether this eager attention runs on the CPU in bf16 with a gradient to compute, over at
+    most `EXPLICIT_GRAD_MAX_T` positions: then the explicit softmax is faster than SDPA."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and q.requires_grad
+        and T <= EXPLICIT_GRAD_MAX_T
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _fuse_on_cpu(x: torch.Tensor, T: int = 0) -> bool:
