@@ -948,38 +948,6 @@ def test_the_one_call_step_runs_bf16_layers_over_their_bf16_copies(build):
 
 
 @needs_blocks_library
-@pytest.mark.parametrize("name", ["qwen3-baby", "llama3-baby"])
-@pytest.mark.parametrize("prompts", [[[5, 6, 7]], [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6]]])
-def test_bf16_copies_laid_out_together_run_as_one_product_bit_for_bit(build, name, prompts):
-    # q, k, v (and gate, up) read the same input: with their bf16 copies one after another the
-    # step runs each group as one product (fewer barriers between the threads), and each output
-    # is still one thread's sum in one order: the logits are the separate products' exactly
-    def run(together: bool):
-        model = _small_model(name=name)
-        for layer in [m for m in model.modules() if planned.is_product(m)]:
-            planned.give_kernel(layer, len(prompts), products.bf16_rows_linear)
-        planned.use_compiled_loops(model)
-        assert blocks.use_native_blocks(model, len(prompts))
-        with pytest.MonkeyPatch.context() as m:
-            if not together:
-                m.setattr(blocks, "bf16_copies_together", lambda weights: None)
-            logits = _step_logits(model, prompts, steps=5)
-        attn, mlp = model.h[0].attn, model.h[0].mlp
-        q, k, v, g, u = (
-            products.bf16_copy(layer.weight)
-            for layer in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
-        )
-        return logits, [
-            b.data_ptr() == a.data_ptr() + a.numel() * 2 for a, b in ((q, k), (k, v), (g, u))
-        ]
-
-    together, laid_out = run(True)
-    apart, laid_apart = run(False)
-    assert laid_out == [True, True, True] and laid_apart == [False, False, False]
-    assert torch.equal(together, apart)
-
-
-@needs_blocks_library
 @needs_q8_library
 @pytest.mark.parametrize("mixed", [False, True], ids=["q8", "q8-and-int8"])
 def test_the_one_call_step_runs_each_product_by_its_layers_loop(build, mixed):

@@ -20,7 +20,7 @@ from torch import nn
 from gptkiln.cpu import specs
 from gptkiln.cpu.library import library
 from gptkiln.cpu.planned import few_row_kernels, own_class, plan_model
-from gptkiln.cpu.products import bf16_copies_together, bf16_copy
+from gptkiln.cpu.products import bf16_copy
 
 LOOP_KINDS = {spec.kernel: spec.loop for spec in specs.SPECS if spec.loop is not None}
 """The loops ``csrc/generic/decode_blocks.c`` runs, each by its number there (``KIND_*``)."""
@@ -345,23 +345,6 @@ class _BlocksTable:
         self.products.append(layer)
         return True
 
-    def _together(self, parent, names: tuple, kinds: bytes) -> None:
-        """The bf16 copies of these next products laid out one after another where all run
-        at bf16 on fp32 weights (`bf16_copies_together`): one product in the step."""
-        from gptkiln.model import Linear
-
-        at = len(self.products)
-        layers = [getattr(parent, name, None) for name in names]
-        if all(
-            own_class(layer) is Linear
-            and kinds[at + i] == LOOP_KINDS[BF16_LOOP]
-            and layer.weight.dtype == torch.float32
-            and layer.weight.is_contiguous()
-            and layer.bias is None
-            for i, layer in enumerate(layers)
-        ):
-            bf16_copies_together([layer.weight for layer in layers])
-
     def _cache(self, attn, heads: int, head_size: int, caches: list) -> bool:
         """The layer's KV cache (keys, then values) appended: (B, heads, S_max, head_size)
         fp32 each; its (B, S_max) to ``caches``. False where it has none or another shape."""
@@ -424,7 +407,6 @@ class _BlocksTable:
                 return None
             if not self._rms(self._module(block, "ln_1"), eps, c.n_embd):
                 return None
-            self._together(attn, ("q_proj", "k_proj", "v_proj"), kinds)
             for name in ("q_proj", "k_proj", "v_proj"):
                 if not self._product(self._module(attn, name), kinds):
                     return None
@@ -438,7 +420,6 @@ class _BlocksTable:
                 return None
             if not self._rms(self._module(block, "ln_2"), eps, c.n_embd):
                 return None
-            self._together(mlp, ("gate_proj", "up_proj"), kinds)
             for name in ("gate_proj", "up_proj", "down_proj"):
                 if not self._product(self._module(mlp, name), kinds):
                     return None

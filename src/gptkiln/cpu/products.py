@@ -270,25 +270,6 @@ def bf16_copy(weight: torch.Tensor) -> torch.Tensor:
     )
 
 
-def bf16_copies_together(weights: list[torch.Tensor]) -> None:
-    """The bf16 copies (`bf16_copy`) of ``weights`` (one width) made as consecutive rows of one
-    buffer, unless they are already: the one-call step then runs them as one product."""
-    copies = [bf16_copy(w) for w in weights]
-    K = copies[0].size(1)
-    if all(b.data_ptr() == a.data_ptr() + a.numel() * 2 for a, b in zip(copies, copies[1:])) or any(
-        c.size(1) != K for c in copies
-    ):
-        return
-    rows = sum(c.size(0) for c in copies)
-    block = on_huge_pages(torch.empty(rows, K, dtype=torch.bfloat16))
-    at = 0
-    for w, c in zip(weights, copies):
-        part = block[at : at + c.size(0)]
-        part.copy_(c)
-        at += c.size(0)
-        _BF16_ROWS[id(w)] = (weakref.ref(w), (_stamp(w),), part)
-
-
 _BF16_ROWS: dict[int, tuple] = {}
 """id(weight) -> (weakref of the weight, its version, the bf16 copy `bf16_rows_linear` reads)."""
 

@@ -183,14 +183,6 @@ static void rope(float *x, const float *cos, const float *sin, int B, int heads,
     }
 }
 
-/* Whether a layer's products at table slots wa and wb (kinds kind[0] and kind[1]) run as one:
-   both on bf16 copies without bias, the second's rows right after the first's `elements`
-   (so one product over both weights' rows computes each output exactly as the two would). */
-static int one_product(const int64_t *t, const char *kind, int wa, int wb, int64_t elements) {
-    return kind[0] == KIND_BF16 && kind[1] == KIND_BF16 && !t[wa + 2] && !t[wb + 2] &&
-           t[wb] == t[wa] + elements * (int64_t)sizeof(uint16_t);
-}
-
 /* g = silu(g) * u, n values. */
 static void silu_times(float *g, const float *u, size_t n) {
     for (size_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
@@ -212,13 +204,10 @@ int llama_decode_blocks(const int64_t *table, const char *kinds, int n_layer, fl
         G < 1 || H % G || pos < 0 || pos >= S_max)
         return -1;
     size_t bc = (size_t)B * C, bq = (size_t)B * H * D, bk = (size_t)B * G * D;
-    size_t bf = (size_t)B * F;
-    float *scratch = (float *)malloc(sizeof(float) * (2 * bc + 2 * bq + 2 * bk + 2 * bf +
-                                                      (bq + 2 * bk) + 2 * bf));
+    float *scratch = (float *)malloc(sizeof(float) * (2 * bc + 2 * bq + 2 * bk + 2 * (size_t)B * F));
     if (!scratch) return -2;
     float *h = scratch, *y = h + bc, *q = y + bc, *att = q + bq, *k = att + bq, *v = k + bk;
-    float *gate = v + bk, *up = gate + bf, *qkv = up + bf, *gu = qkv + bq + 2 * bk;
-    int64_t qkv_n = (int64_t)(H + 2 * G) * D;
+    float *gate = v + bk, *up = gate + (size_t)B * F;
     int64_t S = pos + 1;
     int status = 0;
     for (int l = 0; l < n_layer && status == 0; l++) {
@@ -226,20 +215,9 @@ int llama_decode_blocks(const int64_t *table, const char *kinds, int n_layer, fl
         const char *kind = kinds + (size_t)l * 7;
 #define P(i) ((const float *)(intptr_t)t[i])
         rms_norm(x, P(L_RMS1), h, B, C, eps);
-        if (one_product(t, kind, L_Q_W, L_K_W, (int64_t)H * D * C) &&
-            one_product(t, kind + 1, L_K_W, L_V_W, (int64_t)G * D * C)) {
-            status |= product(KIND_BF16, h, P(L_Q_W), 0, 0, qkv, B, (int)qkv_n, C, threads);
-            for (int r = 0; r < B; r++) {
-                const float *row = qkv + (size_t)r * qkv_n;
-                memcpy(q + (size_t)r * H * D, row, sizeof(float) * H * D);
-                memcpy(k + (size_t)r * G * D, row + H * D, sizeof(float) * G * D);
-                memcpy(v + (size_t)r * G * D, row + (H + G) * D, sizeof(float) * G * D);
-            }
-        } else {
-            status |= product(kind[0], h, P(L_Q_W), P(L_Q_S), P(L_Q_B), q, B, H * D, C, threads);
-            status |= product(kind[1], h, P(L_K_W), P(L_K_S), P(L_K_B), k, B, G * D, C, threads);
-            status |= product(kind[2], h, P(L_V_W), P(L_V_S), P(L_V_B), v, B, G * D, C, threads);
-        }
+        status |= product(kind[0], h, P(L_Q_W), P(L_Q_S), P(L_Q_B), q, B, H * D, C, threads);
+        status |= product(kind[1], h, P(L_K_W), P(L_K_S), P(L_K_B), k, B, G * D, C, threads);
+        status |= product(kind[2], h, P(L_V_W), P(L_V_S), P(L_V_B), v, B, G * D, C, threads);
         if (status) break;
         if (P(L_QN)) {
             rms_norm(q, P(L_QN), q, (int64_t)B * H, D, eps);
@@ -260,16 +238,8 @@ int llama_decode_blocks(const int64_t *table, const char *kinds, int n_layer, fl
         status |= product(kind[3], att, P(L_O_W), P(L_O_S), P(L_O_B), y, B, C, H * D, threads);
         add_into(x, y, bc);
         rms_norm(x, P(L_RMS2), h, B, C, eps);
-        if (one_product(t, kind + 4, L_G_W, L_U_W, (int64_t)F * C)) {
-            status |= product(KIND_BF16, h, P(L_G_W), 0, 0, gu, B, 2 * F, C, threads);
-            for (int r = 0; r < B; r++) {
-                memcpy(gate + (size_t)r * F, gu + (size_t)r * 2 * F, sizeof(float) * F);
-                memcpy(up + (size_t)r * F, gu + (size_t)r * 2 * F + F, sizeof(float) * F);
-            }
-        } else {
-            status |= product(kind[4], h, P(L_G_W), P(L_G_S), P(L_G_B), gate, B, F, C, threads);
-            status |= product(kind[5], h, P(L_U_W), P(L_U_S), P(L_U_B), up, B, F, C, threads);
-        }
+        status |= product(kind[4], h, P(L_G_W), P(L_G_S), P(L_G_B), gate, B, F, C, threads);
+        status |= product(kind[5], h, P(L_U_W), P(L_U_S), P(L_U_B), up, B, F, C, threads);
         if (status) break;
         silu_times(gate, up, (size_t)B * F);
         status |= product(kind[6], gate, P(L_D_W), P(L_D_S), P(L_D_B), y, B, C, F, threads);
