@@ -189,10 +189,12 @@ def decode_worker(job: dict) -> None:
     sec = statistics.median(times)
     result = {"tokens_per_s": n / sec, "ms_per_token": 1e3 * sec / n}
     if impl.startswith("gptkiln"):
-        from gptkiln.cpu.tuner import chosen
+        from gptkiln.cpu import specs
+        from gptkiln.cpu.planned import few_row_kernels
 
-        picked = sorted({name for (_, _, rows, _, _), name in chosen().items() if rows == 1})
-        result["kernels"] = ", ".join(picked)
+        kernels = {few_row_kernels(m).get(1) for m in model.modules()} - {None}
+        picked = sorted(specs.BY_KERNEL[k].name for k in kernels if k in specs.BY_KERNEL)
+        result["kernels"] = ", ".join(picked)  # the kernels the layers ran at one row
     common.emit(result)
 
 
