@@ -348,6 +348,7 @@ def generate_stream(
     seeds = _row_seeds(cfg.seed, row_seeds, B)
     generators = _row_generators(seeds, device)
     stop = torch.tensor(ends, device=device) if cfg.stop_at_eos and ends else None
+    ending = stop is not None or streams is not None  # whether a row can end before the rest
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     penalised = bool(cfg.presence_penalty or cfg.frequency_penalty)
     counts = torch.zeros(B, model.config.vocab_size, device=device) if penalised else None
@@ -383,7 +384,6 @@ def generate_stream(
             finished |= torch.isin(token, stop)
         yield token
         # the only read of a step's tokens here, and none where nothing can end a row
-        ending = stop is not None or streams is not None
         if step + 1 == cfg.max_new_tokens or (ending and bool(finished.all())):
             return
         if untuned:

@@ -94,16 +94,25 @@ def tune_decoding(
         for (family, shape), layers in groups.items():
             kernels = specs.offered(family, precision)
             names = ",".join(kernels)
-            key = (*shape, rows, threads, family, names)
             if any(name in specs.inexact() for name in kernels):
                 # a precision that rounds on purpose: its own kernel, checked on a slice of
                 # these weights each time (no timing: nothing worth keeping); never kept, where
                 # a fallback to the reference made for one model stayed for every other
                 name = _own(kernels, layers, rows)
             else:
+                key = (*shape, rows, threads, family, names)
                 if key not in _CHOSEN:
+                    entry = f"{family} {shape[0]}x{shape[1]} rows={rows} threads={threads} {names}"
                     _CHOSEN[key] = _exact_choice(
-                        kernels, family, shape, layers, rows, stored, known, repeats, clock
+                        kernels,
+                        family,
+                        f"{entry} {CHOICE_RULES}",
+                        layers,
+                        rows,
+                        stored,
+                        known,
+                        repeats,
+                        clock,
                     )
                 name = _CHOSEN[key]
             picked[shape] = name
@@ -118,12 +127,10 @@ def tune_decoding(
     return picked
 
 
-def _exact_choice(kernels, family, shape, layers, rows, stored, known, repeats, clock) -> str:
-    """An exact precision's kernel for this shape: the one on disk where it still equals the
-    reference, else `DEFAULTS`' or the `_fastest`, then put on disk."""
-    threads = torch.get_num_threads()
-    names = ",".join(kernels)
-    entry = f"{family} {shape[0]}x{shape[1]} rows={rows} threads={threads} {names} {CHOICE_RULES}"
+def _exact_choice(kernels, family, entry: str, layers, rows, stored, known, repeats, clock) -> str:
+    """An exact precision's kernel for a shape (its key on disk ``entry``): the one on disk
+    where it still equals the reference, else `DEFAULTS`' or the `_fastest`, then put on
+    disk."""
     name = known.get(entry)
     reference = next(iter(kernels))  # needs no check against itself
     if name not in kernels or (
@@ -145,10 +152,10 @@ build, more rows, a kernel that refuses a shape) the kernels are timed as before
 
 
 def _default(kernels: dict[str, Callable], family: str, layer: nn.Module, rows: int) -> str | None:
-    """`DEFAULTS`' kernel for this product where it is on offer (an exact precision: one
-    that rounds on purpose takes `_own`), the row count is one and it gives the reference's
-    result on ``layer`` (`_still_equal`); else None."""
-    if rows != 1 or any(name in specs.inexact() for name in kernels):
+    """`DEFAULTS`' kernel for this product of an exact precision where it is on offer, the
+    row count is one and it gives the reference's result on ``layer`` (`_still_equal`); else
+    None."""
+    if rows != 1:
         return None
     name = DEFAULTS.get((features(), family))
     if name not in kernels or not _still_equal(kernels, name, layer, rows):

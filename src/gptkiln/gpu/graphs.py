@@ -146,11 +146,15 @@ class GraphPlan:
 
 
 def graphs_for(model: GPT) -> Callable[..., GraphPlan | None] | None:
-    """`prepare_graphs` where it applies, a float model on CUDA; else None (an int8 model's
-    products are not traced: it decodes eagerly)."""
+    """`prepare_graphs` where it applies, a float model on CUDA with ``GPTKILN_CUDA_GRAPHS``
+    not 0; else None (an int8 model's products are not traced: it decodes eagerly)."""
     if model.ln_f.weight.device.type != "cuda" or quantization_of(model) is not None:
         return None
-    return prepare_graphs
+    return None if _switched_off() else prepare_graphs
+
+
+def _switched_off() -> bool:
+    return os.environ.get("GPTKILN_CUDA_GRAPHS", "1") == "0"
 
 
 def prepare_graphs(
@@ -166,7 +170,7 @@ def prepare_graphs(
     backend other than `compile_options`' (the decoder keeps the first one it was made with);
     ``min_steps``: the fewest steps worth a graph (`GRAPHS_FROM`). The decoder is kept as the
     model's ``graph_decoder`` (made again when the model moves to another device)."""
-    if os.environ.get("GPTKILN_CUDA_GRAPHS", "1") == "0":
+    if _switched_off():
         return None
     decoder = getattr(model, "graph_decoder", None)
     if decoder is None or decoder.device != model.ln_f.weight.device:  # new, or moved
@@ -229,6 +233,6 @@ def _row_logits(model: GPT, inputs: RowInputs) -> torch.Tensor:
 def row_graphs_for(model: GPT, buckets: Sequence[int]) -> RowGraphs | None:
     """`RowGraphs` where `graphs_for` decodes by graphs (a float model on CUDA, the switch on);
     else None (the batcher's forward stays eager)."""
-    if graphs_for(model) is None or os.environ.get("GPTKILN_CUDA_GRAPHS", "1") == "0":
+    if graphs_for(model) is None:
         return None
     return RowGraphs(model, buckets)
