@@ -132,9 +132,8 @@ def test_muon_state_round_trips_and_the_steps_after_it_are_the_same():
         torch.testing.assert_close(tensor, again.state_dict()[name], rtol=0, atol=0)
 
 
-def test_muon_refuses_fsdp_and_settings_out_of_range():
-    with pytest.raises(GptkilnError, match="--optimizer muon .* --parallel ddp"):
-        TrainConfig(optimizer="muon", parallel="fsdp")
+def test_muon_refuses_settings_out_of_range():
+    TrainConfig(optimizer="muon", parallel="fsdp")  # each update gathered whole: test_distributed
     with pytest.raises(GptkilnError, match="muon_momentum must be in"):
         TrainConfig(optimizer="muon", muon_momentum=1.0)
     with pytest.raises(GptkilnError, match="optimizer must be"):

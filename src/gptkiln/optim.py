@@ -83,8 +83,9 @@ class MuonAdamW(torch.optim.Optimizer):
     iterations (in bf16), scaled by ``0.2 * sqrt(max(rows, cols))`` (Moonshot's
     ``match_rms_adamw``: its RMS is AdamW's, so one learning rate serves both), with AdamW's
     decoupled weight decay. The orthogonalisation needs each whole matrix: under DDP every rank
-    holds it (the gradients are all-reduced first, each rank computes the same update); FSDP2's
-    shards are not whole matrices (see `gptkiln.train`, which refuses the pair).
+    holds it (the gradients are all-reduced first, each rank computes the same update); under
+    FSDP2 a rank holds rows of it, so each update is gathered whole (one all-gather a matrix),
+    orthogonalised on every rank alike, and each rank applies its own rows, as under DDP.
 
     Args:
         matrices: the 2-D parameters Muon trains.
@@ -158,7 +159,7 @@ def _muon_group_step(muon: torch.optim.Muon, group: dict) -> None:
     for p, grad, buf in zip(params, grads, buffers, strict=True):
         buf.lerp_(grad, 1 - momentum)
         update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-        by_shape.setdefault(tuple(p.shape), []).append((p, update))
+        by_shape.setdefault(tuple(p.shape), []).append((p, _whole(update)))
     for shape, pairs in by_shape.items():
         x = torch.stack([update for _, update in pairs]).bfloat16()  # (n, rows, cols)
         tall = shape[0] > shape[1]
@@ -171,7 +172,24 @@ def _muon_group_step(muon: torch.optim.Muon, group: dict) -> None:
         lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], torch.Size(shape))
         for (p, _), orthogonal in zip(pairs, x, strict=True):
             p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(orthogonal, alpha=-lr)
+            p.add_(_rows_of(orthogonal.to(p.dtype), p), alpha=-lr)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 shard's whole matrix (an all-gather); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _rows_of(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The part of ``whole`` that ``p`` holds: ``whole`` itself for a plain tensor, this rank's
+    shard for an FSDP2 one (every rank computed the same ``whole``: no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(p, DTensor):
+        return whole
+    return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
 
 
 def _is_plain_tensor(model: nn.Module) -> bool:

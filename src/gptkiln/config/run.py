@@ -443,11 +443,6 @@ class TrainConfig:
         cap = self.logit_softcap
         if cap is not None and not 0 <= cap < math.inf:
             raise GptkilnError(f"logit_softcap must be a number >= 0 (0: no cap), got {cap!r}")
-        if self.optimizer == "muon" and self.parallel == "fsdp":
-            raise GptkilnError(
-                "--optimizer muon orthogonalises each whole matrix, and --parallel fsdp gives "
-                "each process a shard of it; use --parallel ddp (or --optimizer adamw)"
-            )
 
     def _check_eval_tasks(self) -> None:
         """The settings of harness tasks while training: each needs ``eval_tasks``."""
