@@ -47,6 +47,9 @@ def worker(spec: dict) -> None:
         batch_size=spec["batch"] // world_size,
         max_steps=spec["warmup"] + spec["steps"],
         parallel=spec["parallel"],
+        optimizer="adamw",  # as measured before issue 47's default (Muon, WSD, windows)
+        schedule="cosine",
+        sampling="random",
         eval_train=False,
         progress=False,
         device="cpu",

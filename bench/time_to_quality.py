@@ -3,12 +3,17 @@
     python bench/time_to_quality.py --data TINY_SHAKESPEARE [--target 1.88] [-- extra flags]
     python bench/time_to_quality.py --data TEXT --against "--optimizer adamw" --rounds 2 \
         --config RECIPE --target LOSS -- --optimizer muon --schedule wsd   # a recipe vs AdamW
+    python bench/time_to_quality.py --config speedrun --against "--config baseline" \
+        --target 5.06 --rounds 2   # the default run against the one before it, on the plays
 
 With ``--against FLAGS`` each round runs the recipe (the flags after ``--``) and the same
 ``--config`` with ``FLAGS`` instead (today's AdamW recipe: ``--optimizer adamw --schedule
 cosine``), alternating, and prints both rows: seconds, steps and tokens to the target, and the
 ratio. ``--config`` names the recipe both start from (``shakespeare-char``; on a GPU,
-``gpt2-124m`` with ``--data`` a corpus of your own and its ``--target``). Record the machine, the
+``gpt2-124m`` with ``--data`` a corpus of your own and its ``--target``); a ``--config`` in
+``FLAGS`` replaces it (the last ``--config`` given wins), so ``--config speedrun --against
+"--config baseline"`` is today's default against the default before issue 47, and without
+``--data`` both train on the bundled plays, as ``gptkiln train`` does. Record the machine, the
 data and the target with the figures so that a later run compares.
 
 ``--data`` is nanoGPT's tiny Shakespeare (its ``input.txt``, 1,115,394 characters; in the
@@ -58,7 +63,7 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def run(
-    data: Path,
+    data: Path | None,
     target: float,
     extra: list[str],
     run_dir: Path,
@@ -73,8 +78,7 @@ def run(
         "train",
         "--config",
         recipe,
-        "--data",
-        str(data),
+        *(["--data", str(data)] if data else []),
         "--out",
         str(run_dir),
         "--overwrite",
@@ -134,8 +138,8 @@ def main() -> None:
     p.add_argument(
         "--data",
         type=Path,
-        required=True,
-        help="nanoGPT's tiny Shakespeare (input.txt), the text the target and reference are on",
+        help="nanoGPT's tiny Shakespeare (input.txt), the text the target and reference are on "
+        "(with --against: any text; none, the bundled plays)",
     )
     p.add_argument("--target", type=float, default=1.88)
     p.add_argument("--keep", help="keep the run directory here instead of a temporary one")
@@ -150,7 +154,7 @@ def main() -> None:
     args = p.parse_args()
     if args.against is not None:
         return compare(args)
-    if not args.data.is_file():
+    if args.data is None or not args.data.is_file():
         sys.exit(f"--data {args.data}: no such file; give tiny Shakespeare's input.txt")
     data = args.data.resolve()  # the trainer runs from the repository's root
 
@@ -193,12 +197,12 @@ def compare(args: argparse.Namespace) -> None:
     """The recipe (``args.extra``) against ``args.against``, alternating for ``args.rounds``."""
     import shlex
 
-    if not args.data.is_file():
+    if args.data is not None and not args.data.is_file():
         sys.exit(f"--data {args.data}: no such file")
-    data = args.data.resolve()
+    data = args.data.resolve() if args.data else None
     info = common.print_machine()
     print(f"# recipe --config {args.config} {shlex.join(args.extra)}; against: {args.against}; "
-          f"data {args.data}; target val loss <= {args.target}")  # fmt: skip
+          f"data {args.data or 'the bundled plays'}; target val loss <= {args.target}")  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory(prefix="gptkiln-bench-ttq-") as tmp:
         for round_ in range(args.rounds):

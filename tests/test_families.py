@@ -60,6 +60,7 @@ def model(request) -> GPT:
 PRESET_COUNTS = {
     "llama3-baby": 7_171_328,
     "qwen3-baby": 7_171_584,
+    "qwen3-baby-untied": 13_604_480,  # + the head's 50,257 x 128
     "llama3-124m": 124_730_880,
     "qwen3-124m": 124_732_416,
     "llama3.2-1b": 1_235_814_400,

@@ -3,6 +3,7 @@ schedule, and the model choices (ReLU², logit soft-cap, zero-initialised output
 each off unless a config has it."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -391,9 +392,46 @@ def test_the_bundled_speedrun_recipe_makes_its_model_and_optimizer():
     from gptkiln.cli.train import load_recipe
     from gptkiln.train.task import model_config_for
 
-    cfg = TrainConfig(**load_recipe("speedrun"))
+    # laid over the run before it, the recipe alone makes every choice of the default's run
+    cfg = TrainConfig(**{**load_recipe("baseline"), **load_recipe("speedrun")})
     model = model_config_for(cfg, 100)
     assert (cfg.optimizer, cfg.schedule, cfg.adamw_lr) == ("muon", "wsd", 8e-3)
-    assert (cfg.batch_size, cfg.max_steps, cfg.cooldown) == (12, 1100, 0.5)
+    assert (cfg.batch_size, cfg.max_steps, cfg.cooldown, cfg.lr) == (12, 1100, 0.5, 2e-3)
     assert cfg.sampling == "windows"  # each window once: 0.015 bits/char over random offsets
     assert not model.tie_embeddings and model.recipe_choices() == []  # it exports
+    default = TrainConfig()
+    assert model_config_for(default, 100) == dataclasses.replace(model, tie_embeddings=False)
+    assert {k: getattr(default, k) for k in load_recipe("speedrun") if k != "tie_embeddings"} == {
+        k: getattr(cfg, k) for k in load_recipe("speedrun") if k != "tie_embeddings"
+    }
+
+
+def test_the_default_run_is_the_recipe_and_the_baseline_recipe_is_the_run_before_it():
+    from gptkiln.cli import build_parser, train_config_from_args
+    from gptkiln.config import FinetuneConfig
+    from gptkiln.finetune import train_config
+    from gptkiln.train.task import model_config_for
+
+    def chosen(*argv: str) -> TrainConfig:
+        return train_config_from_args(build_parser().parse_args(["train", *argv]))
+
+    new, old = chosen(), chosen("--config", "baseline")
+    assert (new.optimizer, new.lr, new.adamw_lr) == ("muon", 2e-3, 8e-3)
+    assert (new.schedule, new.cooldown) == ("wsd", 0.5)
+    assert (new.batch_size, new.max_steps, new.sampling) == (12, 1100, "windows")
+    assert (old.optimizer, old.lr, old.schedule) == ("adamw", 1e-3, "cosine")
+    assert old.sampling == "random"
+    assert (old.batch_size, old.max_steps, old.warmup_steps, old.min_lr) == (8, 1800, 30, 1e-4)
+    assert (new.model, old.model) == ("qwen3-baby-untied", "qwen3-baby")
+    assert new.tokenizer == old.tokenizer == "bpe:16384"
+    assert model_config_for(old, 100).tie_embeddings  # the run before: qwen3-baby, tied
+    untied = model_config_for(new, 100)
+    assert not untied.tie_embeddings and untied.recipe_choices() == []  # it exports
+    assert untied == dataclasses.replace(model_config_for(old, 100), tie_embeddings=False)
+    # the other bundled recipes keep the optimizer and schedule they were measured with
+    for name in ("book-verdict", "gpt2-124m", "mini-shakespeare", "shakespeare-char"):
+        recipe = chosen("--config", name)
+        assert (recipe.optimizer, recipe.schedule) == ("adamw", "cosine"), name
+    # and fine-tuning keeps AdamW, the cosine and the book's batch
+    loop = train_config(FinetuneConfig(base="runs/x", data="d.json"), out="o")
+    assert (loop.optimizer, loop.schedule, loop.batch_size) == ("adamw", "cosine", 8)

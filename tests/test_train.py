@@ -38,6 +38,11 @@ def tiny_config(data, out, **kw) -> TrainConfig:
         checkpoint_interval=4,
         warmup_steps=2,
         lr=3e-3,
+        # the loop's mechanics on AdamW, a cosine and random windows (the default's Muon and
+        # WSD: test_recipe.py)
+        optimizer="adamw",
+        schedule="cosine",
+        sampling="random",
         progress=False,
         sample_prompt="I ",
         device="cpu",  # the CPU's step, bit for bit, also where a GPU is (tests/test_gpu.py)

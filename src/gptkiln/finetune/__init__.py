@@ -27,7 +27,11 @@ from gptkiln.config import FinetuneConfig, TrainConfig
 # The loop's settings for fine-tuning where they differ from pretraining's: the book's
 # chapters 6-7 (AdamW at 5e-5, weight decay 0.1, constant rate, no warm-up; epochs over the
 # examples; evaluation on 5 batches). LoRA's adapters start from zero and want a larger rate.
+# AdamW stays fine-tuning's where pretraining's default became Muon on a WSD schedule.
 FINETUNE_TRAIN_DEFAULTS: dict[str, Any] = dict(
+    optimizer="adamw",
+    schedule="cosine",
+    batch_size=8,
     max_steps=0,
     epochs=2,
     sampling="windows",
