@@ -65,7 +65,9 @@ The MFU of every row counts the FLOPs of the unpadded model (the useful work).
 ``train-1b``: the ``llama3.2-1b`` preset at context 1024 (``--preset-1b``), built on the GPU,
 its blocks and root wrapped by FSDP2 (`gptkiln.distributed.shard`, what ``--parallel fsdp``
 does on each rank) in a process group of one rank, compiled, the same `OptimizerStep`
-(``--batch-1b`` rows); tokens/s, MFU and peak GPU memory.
+(``--batch-1b`` rows); tokens/s, MFU and peak GPU memory. ``--plain-1b`` adds the model
+without FSDP2 beside it: what ``gptkiln train --parallel fsdp`` runs in one process (it wraps
+only when there are ranks to shard over), and what FSDP2's own machinery costs on one GPU.
 
 ``serve``: bench/serve.py's `measure` on the GPU (``gptkiln serve --device cuda --precision
 bf16``, ``--max-batch 16``: 1 client then 16, 128 new tokens a request), tokens/s and p95 time
@@ -333,7 +335,8 @@ def train_1b_worker(job: dict) -> None:
         model = GPT(config)
     n_params = model.num_parameters(True)
     flops = model.flops_per_token(config.context_length)
-    model = dist_utils.shard(model)
+    if job["fsdp"]:
+        model = dist_utils.shard(model)
     r = gptkiln_steps(torch, job, model, config.vocab_size, config.context_length)
     dist_utils.teardown()
     first, last = r["losses"][0], r["losses"][-1]
@@ -341,6 +344,7 @@ def train_1b_worker(job: dict) -> None:
         raise RuntimeError(f"loss did not fall on fixed batches: {first:.3f} -> {last:.3f}")
     common.emit(
         {
+            "wrapping": "FSDP2, one rank" if job["fsdp"] else "none (the plain model)",
             "preset": job["preset"],
             "params_m": n_params / 1e6,
             "batch": job["batch"],
@@ -469,6 +473,11 @@ def main() -> None:
     )
     p.add_argument("--preset-1b", default="llama3.2-1b", help="the train-1b part's preset")
     p.add_argument("--batch-1b", type=int, default=8, help="train-1b rows of 1024 tokens")
+    p.add_argument(
+        "--plain-1b",
+        action="store_true",
+        help="train-1b also without FSDP2 (what `gptkiln train` runs in one process)",
+    )
     p.add_argument("--gen-batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--gen-impls", nargs="+", default=list(GEN_IMPLS), choices=GEN_IMPLS)
     p.add_argument(
@@ -621,26 +630,31 @@ def train_1b_part(args, shape: dict) -> None:
         preset, overrides = "llama3-baby", dict(vocab_size=256, context_length=64)
     else:
         preset, overrides = args.preset_1b, dict(context_length=1024)
-    job = dict(
-        job="train-1b",
-        preset=preset,
-        overrides=overrides,
-        device=args.device,
-        batch=args.batch_1b,
-        steps=max(3, args.steps // 2),
-        warmup=args.warmup,
-        compile=args.compile,
-        port=free_port(),
-    )
-    r = common.run_worker(__file__, job)
-    row = dict(**r, **mfu_columns(r, r["flops_per_token"], args))
+    jobs = [
+        dict(
+            job="train-1b",
+            preset=preset,
+            overrides=overrides,
+            device=args.device,
+            batch=args.batch_1b,
+            steps=max(3, args.steps // 2),
+            warmup=args.warmup,
+            compile=args.compile,
+            port=free_port(),
+            fsdp=fsdp,
+        )
+        for fsdp in ([True, False] if args.plain_1b else [True])
+    ]
+    results = run_each(jobs, 1)
+    rows = [dict(**r, **mfu_columns(r, r.get("flops_per_token"), args)) for r in results]
     print(
-        f"\n## {preset} training on {args.gpu}: FSDP2 (one rank), fp32 weights, bf16 autocast"
-        f"{' + torch.compile' if args.compile else ''}, AdamW (foreach: DTensor parameters)\n"
+        f"\n## {preset} training on {args.gpu}: fp32 weights, bf16 autocast"
+        f"{' + torch.compile' if args.compile else ''}, AdamW (foreach over FSDP2's DTensors)\n"
     )
     common.print_table(
-        [row],
+        rows,
         [
+            ("wrapping", "wrapping"),
             ("preset", "preset"),
             ("params_m", "parameters M"),
             ("batch", "batch"),
@@ -652,6 +666,7 @@ def train_1b_part(args, shape: dict) -> None:
             ("peak_gpu_mb", "peak GPU MB"),
             ("warmup_s", "warm-up s"),
             ("loss_first_last", "loss first / last"),
+            ("error", "error"),
         ],
     )
     print("\ntarget (issue 48): the 1B shape's tokens/s and memory with FSDP2 on one GPU, recorded")
