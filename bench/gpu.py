@@ -50,7 +50,8 @@ host memory by the trainer's loader (`gptkiln.train.prefetch`: on CUDA the next 
 into pinned memory while the step runs), two fixed random batches in turn (a loss that falls
 says the step learns). Variants (``--train-variants``), each in its own process:
 
-- ``train``: as ``gptkiln train`` runs the 124M preset (vocabulary 50,257);
+- ``train``: as ``gptkiln train --compile`` runs the 124M preset on CUDA (vocabulary 50,257;
+  without ``--compile``, its default, the model runs eagerly);
 - ``vocab128``: the head and embedding padded to a multiple of 128 (50,304, nanoGPT's: the
   matmuls of the head at tile-friendly sizes; the ids stay below 50,257); for a model trained
   from scratch only (an imported model's vocabulary is its own);
