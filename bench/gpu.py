@@ -274,7 +274,8 @@ def train_worker(job: dict) -> None:
     first, last = losses[0], losses[-1]
     if not last < first:  # fixed batches must be learnt: a broken step is not a fast one
         raise RuntimeError(f"loss did not fall on fixed batches: {first:.3f} -> {last:.3f}")
-    unpadded = common.gptkiln_gpt({**s, "vocab": s["vocab"]}, "gpt2")
+    with torch.device("meta"):  # its shapes only: the unpadded model's FLOPs
+        unpadded = common.gptkiln_gpt(s, "gpt2")
     common.emit(
         {
             "batch": batch,
