@@ -2,6 +2,9 @@
 
     python bench/serve.py [--clients 1 4 16 32] [--requests 20 60 160 260] [--new-tokens 128]
                           [--max-batch 32] [--time-limit 300] [--shape 124m|tiny]
+                          [--device cpu|cuda] [--precision fp32|bf16|int8]
+    python bench/serve.py --device cuda --precision bf16 --clients 1 16 --requests 16 64
+    python bench/serve.py --smoke          # every code path, tiny shape, seconds
 
 A GPT-2 124M-shaped model with **random weights** (the GPT-2 layout, fp32; throughput does not
 depend on what the weights say, and the 128 tokens a request asks for are always all generated:
@@ -19,6 +22,13 @@ or fewer tokens than asked). The peer is the same server with one client, in the
 ratio column is each level's tokens/s over one client's. The clients run in this process
 (asyncio + httpx) while the server has its own; on a 2-core machine they share the cores, as a
 real client on the same machine would.
+
+``--device cuda`` serves on the GPU (``gptkiln serve --device cuda``: each batch bucket's decode
+forward a CUDA graph, `gptkiln.gpu.RowGraphs`), at ``--precision`` (bf16 there by default: the
+weights cast to bf16). Before the timed levels a warm-up runs one level of each bucket's number
+of clients (1, 2, 4, ... ``--max-batch``), so that every bucket's graph is compiled outside them;
+on the CPU the warm-up is one short level. bench/gpu.py's ``serve`` part runs this on the GPU
+and a 16-client CPU level beside it (`measure`).
 """
 
 from __future__ import annotations
@@ -56,7 +66,14 @@ def save_run(shape: str, directory: Path) -> Path:
     )
 
 
-def start_server(run: Path, port: int, max_batch: int, max_queue: int) -> subprocess.Popen:
+def start_server(
+    run: Path,
+    port: int,
+    max_batch: int,
+    max_queue: int,
+    device: str = "cpu",
+    precision: str | None = None,
+) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -69,6 +86,9 @@ def start_server(run: Path, port: int, max_batch: int, max_queue: int) -> subpro
         str(max_batch),
         "--max-queue",
         str(max_queue),
+        "--device",
+        device,
+        *(["--precision", precision] if precision else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(common.THREADS)}
     return subprocess.Popen(
@@ -198,6 +218,72 @@ def summarize(clients: int, asked: int, results: list[dict], wall: float) -> dic
     }
 
 
+def warm_up(url: str, device: str, max_batch: int, server_pid: int) -> None:
+    """Levels not counted: on a GPU one of each bucket's number of clients (every bucket's CUDA
+    graph compiled here, not in a timed level); on the CPU one short level."""
+    levels = [1] if device == "cpu" else sorted({min(2**i, max_batch) for i in range(9)})
+    for clients in levels:
+        asyncio.run(run_level(url, clients, clients, 8, 600, server_pid))
+
+
+def measure(
+    *,
+    shape: str,
+    clients: list[int],
+    requests: list[int],
+    new_tokens: int,
+    max_batch: int,
+    time_limit: float,
+    device: str = "cpu",
+    precision: str | None = None,
+    quiet_wait: float | None = None,
+) -> dict:
+    """Serve a random-weight model of ``shape`` on ``device`` and run each level of ``clients``
+    (``requests`` each); {"up_s": the server's start-up seconds, "rows": a row per level}."""
+    with tempfile.TemporaryDirectory(prefix="gptkiln-serve-bench-") as tmp:
+        run = save_run(shape, Path(tmp))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = start_server(
+            run, port, max_batch, max(clients), device=device, precision=precision
+        )
+        try:
+            up = wait_until_up(url, server)
+            print(f"server on {device} up in {up:.1f} s (load, cache, kernel tuning)", flush=True)
+            t0 = time.perf_counter()
+            warm_up(url, device, max_batch, server.pid)
+            print(f"warm-up levels {time.perf_counter() - t0:.1f} s (graphs compiled on a GPU)")
+            print(f"others' cores before: {common.wait_for_quiet(quiet_wait):.2f}")
+            rows = []
+            for n, asked in zip(clients, requests):
+                row = asyncio.run(run_level(url, n, asked, new_tokens, time_limit, server.pid))
+                rows.append({"device": device, **row})
+                print(json.dumps(row), flush=True)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    one = next((r["tok_s"] for r in rows if r["clients"] == 1), None)
+    for row in rows:
+        row["vs_1_client"] = common.ratio(row["tok_s"], one)
+    return {"up_s": up, "rows": rows}
+
+
+COLUMNS = [
+    ("device", "device"),
+    ("clients", "clients"),
+    ("requests", "requests"),
+    ("errors", "errors"),
+    ("tok_s", "tokens/s"),
+    ("vs_1_client", "vs 1 client"),
+    ("ttft_p50_s", "TTFT p50 s"),
+    ("ttft_p95_s", "TTFT p95 s"),
+    ("itl_p50_ms", "ITL p50 ms"),
+    ("itl_p95_ms", "ITL p95 ms"),
+    ("wall_s", "wall s"),
+    ("others_cores", "others' cores"),
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 32])
@@ -206,54 +292,43 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--time-limit", type=float, default=300, help="seconds per level")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="124m")
+    parser.add_argument("--device", default="cpu", help="where the server runs: cpu or cuda")
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "int8"),
+        help="the server's --precision (default: bf16 on a GPU, the run's own fp32 on a CPU)",
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shape, 1 and 2 clients, 8 tokens: seconds"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.shape, args.clients, args.requests, args.new_tokens = "tiny", [1, 2], [2, 4], 8
+        args.max_batch = 2
     if len(args.requests) != len(args.clients):
         parser.error("give one --requests count per --clients level")
+    precision = args.precision or (None if args.device == "cpu" else "bf16")
     common.print_machine()
     print(
         f"model: GPT-2 {args.shape}-shaped, random weights; {args.new_tokens} new tokens a "
         f"request; prompts of {', '.join(map(str, PROMPT_LENS))} tokens in turn; server "
+        f"--device {args.device} --precision {precision or 'as stored'} "
         f"--max-batch {args.max_batch}"
     )
-    with tempfile.TemporaryDirectory(prefix="gptkiln-serve-bench-") as tmp:
-        run = save_run(args.shape, Path(tmp))
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = start_server(run, port, args.max_batch, max_queue=max(args.clients))
-        try:
-            print(f"server up in {wait_until_up(url, server):.1f} s (load, cache, kernel tuning)")
-            asyncio.run(run_level(url, 1, 2, 8, 60, server.pid))  # warm-up, not counted
-            print(f"others' cores before: {common.wait_for_quiet():.2f}")
-            rows = []
-            for clients, requests in zip(args.clients, args.requests):
-                row = asyncio.run(
-                    run_level(url, clients, requests, args.new_tokens, args.time_limit, server.pid)
-                )
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
-    one = next((r["tok_s"] for r in rows if r["clients"] == 1), None)
-    for row in rows:
-        row["vs_1_client"] = common.ratio(row["tok_s"], one)
-    print()
-    common.print_table(
-        rows,
-        [
-            ("clients", "clients"),
-            ("requests", "requests"),
-            ("errors", "errors"),
-            ("tok_s", "tokens/s"),
-            ("vs_1_client", "vs 1 client"),
-            ("ttft_p50_s", "TTFT p50 s"),
-            ("ttft_p95_s", "TTFT p95 s"),
-            ("itl_p50_ms", "ITL p50 ms"),
-            ("itl_p95_ms", "ITL p95 ms"),
-            ("wall_s", "wall s"),
-            ("others_cores", "others' cores"),
-        ],
+    result = measure(
+        shape=args.shape,
+        clients=args.clients,
+        requests=args.requests,
+        new_tokens=args.new_tokens,
+        max_batch=args.max_batch,
+        time_limit=args.time_limit,
+        device=args.device,
+        precision=precision,
+        quiet_wait=0 if args.smoke else None,
     )
+    rows = result["rows"]
+    print()
+    common.print_table(rows, COLUMNS)
     total = sum(r["requests"] for r in rows)
     errors = sum(r["errors"] for r in rows)
     at16 = next((r for r in rows if r["clients"] == 16), None)
@@ -264,6 +339,9 @@ def main() -> None:
             f"p95 TTFT {at16['ttft_p95_s']:.2f} s (< 2); errors {errors} over {total} "
             f"requests (0 over >= 500)"
         )
+    if errors and args.smoke:
+        first = next(r["first_error"] for r in rows if r["errors"])
+        sys.exit(f"bench/serve.py --smoke: {errors} errors, the first: {first}")
 
 
 def free_port() -> int:

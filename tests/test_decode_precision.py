@@ -96,3 +96,15 @@ def test_generate_takes_the_precision_flag(runs, capsys):
         "generate", quantized, "--prompt", "AB", "--precision", "bf16", capsys=capsys
     )
     assert_one_line_error(code, err, "int8 weights, so it decodes at int8")
+
+
+def test_on_a_gpu_the_precision_asked_is_the_weights_dtype():
+    # "meta" stands for a GPU here: any device but the CPU, where no CPU backend decodes
+    model = GPT(GPTConfig.from_name("llama3-baby", vocab_size=64, context_length=24))
+    model.to("meta")
+    assert ready_for_decoding(model, "bf16", "meta") == "bf16"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rope_cos.dtype == torch.float32  # RoPE's tables rebuilt in fp32
+    assert ready_for_decoding(model, "fp32", "meta") == "fp32"
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert ready_for_decoding(model, None, "meta") == "fp32"  # unasked: the weights' own

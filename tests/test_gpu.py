@@ -270,3 +270,41 @@ def test_the_batcher_on_cuda_decodes_by_row_graphs_and_each_request_gets_what_it
     out, batcher = serving.run_batcher(model, tokenizer, arrivals, max_batch=3)
     assert isinstance(batcher.graphs, RowGraphs)
     serving.check_each_equals_alone(model, tokenizer, arrivals, out)
+    assert batcher.plan is None  # the CPU backend's tuner and 2 MB pages are the CPU's alone
+
+
+def test_serving_a_float_run_in_bf16_on_cuda_casts_its_weights(tmp_path):
+    from gptkiln.api import load_for_decoding
+    from gptkiln.checkpoint import save_model
+    from gptkiln.tokenizers import CharTokenizer
+
+    tokenizer = CharTokenizer([chr(c) for c in range(32, 95)], with_eot=True)
+    config = GPTConfig.from_name("llama3-baby", vocab_size=64, context_length=24)
+    run = save_model(GPT(config), tmp_path / "run", tokenizer=tokenizer)
+    model, _, _, precision = load_for_decoding(run, "cuda", None, "bf16")
+    assert precision == "bf16" and model.wte.weight.device.type == "cuda"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rope_cos.dtype == torch.float32 and model.rope_cos.is_cuda
+    ids = generate(model.eval(), [[1, 2, 3]], max_new_tokens=4, temperature=0)
+    assert len(ids[0]) == 4
+
+
+def test_the_trainers_batches_are_read_ahead_into_pinned_memory_on_cuda():
+    from gptkiln.train.optimizer_step import OptimizerStep
+    from gptkiln.train.prefetch import Prefetched
+
+    class Source:
+        def get(self, step, micro):
+            gen = torch.Generator().manual_seed(step)
+            return tuple(torch.randint(0, 64, (2, 16), generator=gen) for _ in "xy")
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=64, context_length=16)).cuda()
+    cfg = TrainConfig(out="unused", grad_accum=2, precision="bf16")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = OptimizerStep(model, model, optimizer, Source(), cfg, "cuda")
+    assert isinstance(step.batches, Prefetched)
+    x, _ = step.batches.get(0, 0)
+    assert x.is_pinned() and torch.equal(x, Source().get(0, 0)[0])
+    losses = [step(s, 20, 0.0)[1] for s in range(6)]
+    assert all(loss == loss for loss in losses) and step.batches._ahead[0] == (6, 0)

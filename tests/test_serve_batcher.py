@@ -385,3 +385,18 @@ def test_a_failed_step_ends_its_sequences_and_the_loop_goes_on(model, tokenizer)
     failed, got = asyncio.run(main())
     assert all("out of memory (pretend)" in m for m in failed)
     assert got["text"] == alone(model, tokenizer, later.prompt, cfg)[1]
+
+
+def test_the_cpu_backend_plans_a_servers_decoding_on_the_cpu_only(model, tokenizer, monkeypatch):
+    import gptkiln.serve.batcher as batcher_module
+
+    planned = []
+    monkeypatch.setattr(
+        batcher_module, "prepare_for_decoding", lambda m, buckets, **kw: planned.append(buckets)
+    )
+    on_cpu = Batcher(copy.deepcopy(model), tokenizer, max_batch=4)
+    on_cpu._prepare()
+    assert planned == [[1, 2, 4]]  # every bucket's kernels, timed on this machine's cores
+    elsewhere = Batcher(copy.deepcopy(model).to("meta"), tokenizer, max_batch=4)  # as a GPU
+    elsewhere._prepare()
+    assert planned == [[1, 2, 4]] and elsewhere.plan is None and elsewhere.graphs is None

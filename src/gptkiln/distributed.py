@@ -147,12 +147,7 @@ def parallelize(model: nn.Module, world: World, strategy: str) -> nn.Module:
     if not world.distributed:
         return model
     if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.h:
-            fully_shard(block)
-        fully_shard(model)
-        return model
+        return shard(model)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     device_ids = [world.local_rank] if next(model.parameters()).is_cuda else None
@@ -161,6 +156,17 @@ def parallelize(model: nn.Module, world: World, strategy: str) -> nn.Module:
     # 0 before every forward would only cost time (67 MB a step for Llama 3.2's 131,072
     # positions). GPT-2 has none, so for it nothing changes.
     return DDP(model, device_ids=device_ids, broadcast_buffers=False)
+
+
+def shard(model: nn.Module) -> nn.Module:
+    """FSDP2's `fully_shard` on every block of ``model``, then on the root (`parallelize`'s
+    ``"fsdp"``; in a process group already joined, which may be of one rank: bench/gpu.py)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.h:
+        fully_shard(block)
+    fully_shard(model)
+    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:

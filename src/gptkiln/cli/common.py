@@ -125,14 +125,15 @@ def add_quantize_flag(p: argparse.ArgumentParser) -> None:
 
 def add_precision_flag(p: argparse.ArgumentParser) -> None:
     """``--precision``, for the commands that decode (generate, chat, serve): what the CPU
-    backend decodes at (`gptkiln.cpu.ready_for_decoding` checks it against the run)."""
+    backend decodes at, and on a GPU the weights' dtype (`gptkiln.cpu.ready_for_decoding`
+    checks it against the run)."""
     p.add_argument(
         "--precision",
         choices=("fp32", "bf16", "int8"),
         help="what a CPU decodes at: fp32 (exact), bf16 (bf16 weights, fp32 activations, as "
         "llama.cpp's bf16 file), int8 (int8 weights, 8-bit activations, as its q8_0; "
         "quantizes a float run as it loads) (default: the run's own: int8 for a quantized "
-        "run, bf16 for a bf16 one, else fp32)",
+        "run, bf16 for a bf16 one, else fp32); on a GPU, fp32 or bf16 casts the weights to it",
     )
 
 

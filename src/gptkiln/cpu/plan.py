@@ -51,8 +51,10 @@ def ready_for_decoding(
 ) -> str:
     """Check ``precision`` (None: `default_precision`) against ``model`` and ready the model for
     it: on the CPU a bf16 model is taken to fp32 (fp32 activations, as llama.cpp decodes a bf16
-    file; at ``bf16`` the tuner's bf16 copies are then its own weights exactly). Returns the
-    precision. A quantized model decodes at int8 only (one line says how to get the others)."""
+    file; at ``bf16`` the tuner's bf16 copies are then its own weights exactly); on a GPU a float
+    model is cast to ``bf16`` or ``fp32`` where one is asked (weights and activations both; RoPE's
+    tables kept fp32), as the GPU decodes at its weights' dtype. Returns the precision. A
+    quantized model decodes at int8 only (one line says how to get the others)."""
     from gptkiln.errors import GptkilnError
 
     if precision is not None and precision not in specs.PRECISIONS:
@@ -65,6 +67,9 @@ def ready_for_decoding(
         )
     if device == "cpu" and own == "bf16":
         model.float()
+    elif device != "cpu" and own != "int8" and precision in ("bf16", "fp32"):
+        model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+        model.init_buffers()  # RoPE's cos and sin in fp32, as they were built
     return precision or own
 
 

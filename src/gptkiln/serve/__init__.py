@@ -97,8 +97,8 @@ def serve(
         log_level: uvicorn's; requests are not logged one by one (see ``/metrics``).
         prefix_cache_mb: MiB of prompt-prefix keys and values kept for later prompts that
             start the same way (`serve.prefix_cache`); 0 turns prefix caching off.
-        precision: what a CPU decodes at, ``fp32``, ``bf16`` or ``int8`` (None: the run's
-            own; `gptkiln.cpu.ready_for_decoding`).
+        precision: what it decodes at, ``fp32``, ``bf16`` or ``int8`` (None: the run's own;
+            on a GPU the weights are cast to it; `gptkiln.cpu.ready_for_decoding`).
     """
     check_serve_options(
         host=host,
@@ -138,7 +138,11 @@ def serve(
         f"gptkiln serve: {run_dir} as {name!r} (context {model.config.context_length}, "
         f"{max_batch} sequences at once); playground {url}/, API {url}/v1"
         + (" (chat too: instruction-tuned)" if template is not None else "")
-        + (f"; {precision_notice(precision)}" if device == "cpu" else ""),
+        + (
+            f"; {precision_notice(precision)}"
+            if device == "cpu"
+            else f"; on {device} at {precision}"
+        ),
         file=sys.stderr,
         flush=True,
     )

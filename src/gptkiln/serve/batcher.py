@@ -344,10 +344,13 @@ class Batcher:
 
     def _prepare(self) -> None:
         self.model.setup_cache(self.max_batch, self.context_length)
-        # the batcher owns this model's decoding: its plan lives as long as the server
-        self.plan = prepare_for_decoding(
-            self.model, self._buckets, precision=self.precision, one_call=False
-        )  # one_call=False: rows at their own positions
+        # the batcher owns this model's decoding: its plan lives as long as the server; the CPU
+        # backend's (kernels timed on this machine's cores, weights on 2 MB pages) on a CPU only
+        self.plan = None
+        if self.device.type == "cpu":
+            self.plan = prepare_for_decoding(
+                self.model, self._buckets, precision=self.precision, one_call=False
+            )  # one_call=False: rows at their own positions
         # on CUDA, each bucket's decode forward a CUDA graph (`gptkiln.gpu.RowGraphs`)
         self.graphs = row_graphs_for(self.model, self._buckets)
 

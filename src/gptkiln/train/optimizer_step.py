@@ -12,6 +12,7 @@ from gptkiln import distributed as dist_utils
 from gptkiln.config import TrainConfig
 from gptkiln.optim import lr_at
 from gptkiln.train.precision import static_precision
+from gptkiln.train.prefetch import batches_for
 from gptkiln.train.task import BatchSource
 
 
@@ -33,7 +34,8 @@ class OptimizerStep:
             gradients are synchronised on the last micro-batch only, and clipped.
         forward: what runs the forward pass: ``model``, or torch.compile's wrapper of it.
         optimizer: the optimizer of ``model``'s parameters; its learning rate is set each step.
-        batches: the (x, y) of each micro-batch, ``(batch_size, T)`` each.
+        batches: the (x, y) of each micro-batch, ``(batch_size, T)`` each; on CUDA read ahead
+            into pinned memory while the step before runs (`gptkiln.train.prefetch`).
         cfg: the schedule, ``grad_accum`` and ``grad_clip``.
         device: where the batches go.
 
@@ -52,7 +54,8 @@ class OptimizerStep:
         device: str,
     ) -> None:
         self.model, self.forward, self.optimizer = model, forward, optimizer
-        self.batches, self.cfg, self.device = batches, cfg, device
+        self.batches = batches_for(batches, cfg.grad_accum, device)
+        self.cfg, self.device = cfg, device
         self.precision = cfg.precision
         self.loss: Callable | None = None
 
