@@ -435,3 +435,23 @@ def test_the_default_run_is_the_recipe_and_the_baseline_recipe_is_the_run_before
     # and fine-tuning keeps AdamW, the cosine and the book's batch
     loop = train_config(FinetuneConfig(base="runs/x", data="d.json"), out="o")
     assert (loop.optimizer, loop.schedule, loop.batch_size) == ("adamw", "cosine", 8)
+
+
+def test_a_run_of_the_default_before_the_recipe_resumes_with_config_baseline(
+    play_path, tmp_path, capsys
+):
+    from gptkiln.cli import main
+
+    run = tmp_path / "old"
+    argv = ["train", "--data", str(play_path), "--out", str(run), "--no-progress"]
+    argv += ["--tokenizer", "char", "--context-length", "32", "--eval-interval", "2"]
+    argv += ["--eval-batches", "1", "--sample-interval", "100", "--precision", "fp32"]
+    assert main([*argv, "--config", "baseline", "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    # today's defaults (Muon, untied, 12 windows, WSD) would refuse its model, then its
+    # optimizer, then continue on another schedule and batch: one line names its recipe
+    assert main([*argv, "--max-steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--config baseline --resume" in err and "\n" not in err
+    assert main([*argv, "--config", "baseline", "--max-steps", "3", "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(run / "metrics.csv")] == [2, 3]

@@ -220,7 +220,7 @@ class TrainConfig:
     )
     grad_accum: int = setting(1, "optimisation", "micro-batches per optimizer step (>= 1)")
     max_steps: int = setting(
-        1100,  # 1.940 bits/char in 127 s, where 1,800 AdamW steps of 8 took 132-162 s for 2.04
+        1100,  # 1.940 bits/char in 132-143 s; 1,800 AdamW steps of 8 took 151-160 s for 2.044
         "optimisation",
         "optimizer steps to train (>= 0; 0: --epochs decides)",
     )

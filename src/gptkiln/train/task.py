@@ -115,6 +115,7 @@ class LanguageModeling:
         self.model_config = model_config_for(cfg, self.tokenizer.vocab_size)
         self._check_splits_hold_a_window()
         if ctx.resume:
+            self._check_not_a_baseline_run()
             checkpoint.check_same_model_config(self.run_dir, self.model_config)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.model = GPT(self.model_config).to(ctx.device)
@@ -168,6 +169,27 @@ class LanguageModeling:
                 "the data the run was trained on, prepare new text with the run's tokenizer "
                 "(gptkiln prepare TEXT --tokenizer RUN_DIR --out DIR), or start a new run with "
                 "--overwrite"
+            )
+
+    def _check_not_a_baseline_run(self) -> None:
+        """A run of the default from before issue 47 (AdamW, qwen3-baby, ...) resumed with
+        today's defaults would be refused for its model, then its optimizer, and continue on
+        another schedule and batch: say at once that ``--config baseline`` is its recipe."""
+        import yaml
+
+        from gptkiln.loading.files import read_config
+
+        recipe = Path(__file__).parents[1] / "recipes" / "baseline.yaml"
+        baseline = yaml.safe_load(recipe.read_text(encoding="utf-8"))
+        saved = read_config(self.run_dir).get("train") or {}
+        keys = [k for k in baseline if k != "max_steps"]
+        was_baseline = all(saved.get(k) == baseline[k] for k in keys)
+        if was_baseline and any(getattr(self.cfg, k) != baseline[k] for k in keys):
+            raise GptkilnError(
+                f"cannot resume {self.run_dir}: it was trained with the settings of the default "
+                "run before it became the speedrun recipe (AdamW, qwen3-baby, 8 random windows "
+                "a step), which are now --config baseline; resume it with --config baseline "
+                "--resume, or start a new run with --overwrite"
             )
 
     def _check_splits_hold_a_window(self) -> None:
