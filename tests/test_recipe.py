@@ -454,4 +454,8 @@ def test_a_run_of_the_default_before_the_recipe_resumes_with_config_baseline(
     err = capsys.readouterr().err.strip()
     assert "--config baseline --resume" in err and "\n" not in err
     assert main([*argv, "--config", "baseline", "--max-steps", "3", "--resume"]) == 0
-    assert [r["step"] for r in read_metrics(run / "metrics.csv")] == [2, 3]
+    # its recipe with a setting changed on purpose resumes as before
+    assert (
+        main([*argv, "--config", "baseline", "--max-steps", "4", "--lr", "5e-4", "--resume"]) == 0
+    )
+    assert [r["step"] for r in read_metrics(run / "metrics.csv")] == [2, 3, 4]

@@ -174,7 +174,9 @@ class LanguageModeling:
     def _check_not_a_baseline_run(self) -> None:
         """A run of the default from before issue 47 (AdamW, qwen3-baby, ...) resumed with
         today's defaults would be refused for its model, then its optimizer, and continue on
-        another schedule and batch: say at once that ``--config baseline`` is its recipe."""
+        another schedule and batch: say at once that ``--config baseline`` is its recipe. Only
+        where the model or the optimizer differs, which a resume refuses anyway (a resume of
+        it may change its learning rate or batch on purpose)."""
         import yaml
 
         from gptkiln.loading.files import read_config
@@ -184,7 +186,9 @@ class LanguageModeling:
         saved = read_config(self.run_dir).get("train") or {}
         keys = [k for k in baseline if k != "max_steps"]
         was_baseline = all(saved.get(k) == baseline[k] for k in keys)
-        if was_baseline and any(getattr(self.cfg, k) != baseline[k] for k in keys):
+        if was_baseline and any(
+            getattr(self.cfg, k) != baseline[k] for k in ("model", "optimizer")
+        ):
             raise GptkilnError(
                 f"cannot resume {self.run_dir}: it was trained with the settings of the default "
                 "run before it became the speedrun recipe (AdamW, qwen3-baby, 8 random windows "
