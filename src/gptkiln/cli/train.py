@@ -16,11 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from gptkiln.cli.common import add_overwrite_flag, example, keep_freed_memory_on_cpu
-from gptkiln.config import TRAIN_GROUPS, TrainConfig, check_values
+from gptkiln.config import TRAIN_GROUPS, TrainConfig
+from gptkiln.config.recipes import RECIPES_DIR, load_recipe
 from gptkiln.errors import GptkilnError
-
-RECIPES_DIR = Path(__file__).parents[1] / "recipes"
-"""The bundled recipes (``--config book-verdict``): src/gptkiln/recipes/*.yaml."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -116,29 +114,6 @@ def _shown_default(f: dataclasses.Field) -> str:
     if isinstance(f.default, bool):
         return "on" if f.default else "off"
     return str(f.default)
-
-
-def load_recipe(name_or_path: str) -> dict[str, Any]:
-    """A YAML training recipe: a bundled name (``book-verdict``) or a file path."""
-    import yaml
-
-    path = Path(name_or_path)
-    if not path.is_file():
-        bundled = RECIPES_DIR / f"{name_or_path}.yaml"
-        if not bundled.is_file():
-            names = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
-            raise GptkilnError(
-                f"--config {name_or_path}: no such file or bundled recipe; bundled recipes: {names}"
-            )
-        path = bundled
-    try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        problem = str(e).replace("\n", " ")
-        raise GptkilnError(f"{path}: not valid YAML ({problem}); fix the file") from None
-    if not isinstance(values, dict):
-        raise GptkilnError(f"{path}: a recipe is a mapping of training settings (key: value)")
-    return check_values(TrainConfig, values, str(path))
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -177,12 +177,10 @@ class LanguageModeling:
         another schedule and batch: say at once that ``--config baseline`` is its recipe. Only
         where the model or the optimizer differs, which a resume refuses anyway (a resume of
         it may change its learning rate or batch on purpose)."""
-        import yaml
-
+        from gptkiln.config.recipes import RECIPES_DIR, load_recipe
         from gptkiln.loading.files import read_config
 
-        recipe = Path(__file__).parents[1] / "recipes" / "baseline.yaml"
-        baseline = yaml.safe_load(recipe.read_text(encoding="utf-8"))
+        baseline = load_recipe(str(RECIPES_DIR / "baseline.yaml"))  # the bundled one, always
         saved = read_config(self.run_dir).get("train") or {}
         keys = [k for k in baseline if k != "max_steps"]
         was_baseline = all(saved.get(k) == baseline[k] for k in keys)
