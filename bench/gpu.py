@@ -147,6 +147,16 @@ def _timed(torch, device: str, fn, warmup: int, repeats: int) -> list[float]:
     return common.time_calls(call, warmup, repeats)
 
 
+def _warmed_and_timed(torch, device: str, fn, warmup: int, repeats: int):
+    """(`_timed`'s seconds per call after ``warmup`` untimed calls, the seconds those took in
+    all: the compile, where there is one)."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        fn()
+    _sync(torch, device)
+    return _timed(torch, device, fn, warmup=0, repeats=repeats), time.perf_counter() - t0
+
+
 def _peak_memory_mb(torch, device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
 
@@ -249,12 +259,7 @@ def gptkiln_steps(torch, job: dict, model, vocab: int, context: int) -> dict:
         losses.append(step(len(losses), cfg.max_steps, 0.0)[1])  # reads the loss: one sync
 
     with attention_first(job.get("attention")):
-        t0 = time.perf_counter()
-        for _ in range(job["warmup"]):
-            one()
-        _sync(torch, device)
-        warmup_s = time.perf_counter() - t0
-        times = _timed(torch, device, one, warmup=0, repeats=job["steps"])
+        times, warmup_s = _warmed_and_timed(torch, device, one, job["warmup"], job["steps"])
     return {"sec": statistics.median(times), "warmup_s": warmup_s, "losses": losses}
 
 
@@ -313,12 +318,7 @@ def hf_train(torch, job: dict, s: dict) -> tuple[float, float, list[float]]:
     def step():
         losses.append(float(common.training_step(loss_fn, opt, x, x, autocast)))
 
-    t0 = time.perf_counter()
-    for _ in range(job["warmup"]):
-        step()
-    _sync(torch, device)
-    warmup_s = time.perf_counter() - t0
-    times = _timed(torch, device, step, warmup=0, repeats=job["steps"])
+    times, warmup_s = _warmed_and_timed(torch, device, step, job["warmup"], job["steps"])
     return statistics.median(times), warmup_s, losses
 
 
