@@ -91,12 +91,15 @@ LAYOUTS = {
 
 def gptkiln_gpt(shape: dict, layout: str = "gpt2"):
     """A freshly initialised gptkiln ``GPT`` of ``shape`` (vocab, context, n_layer, n_head,
-    n_embd) in one of `LAYOUTS`, dropout 0."""
+    n_embd; padded_vocab, optional: the embedding's and head's rows) in one of `LAYOUTS`,
+    dropout 0."""
     from gptkiln.config import GPTConfig
     from gptkiln.model import GPT
 
+    padded = shape.get("padded_vocab")
     config = GPTConfig(
         vocab_size=shape["vocab"],
+        padded_vocab_size=padded if padded and padded > shape["vocab"] else None,
         context_length=shape["context"],
         n_layer=shape["n_layer"],
         n_head=shape["n_head"],

@@ -37,7 +37,7 @@ and a file whose imports the image lacks would stop the run.)
 Other runs:
 
     python bench/gpu.py [--batch 16] [--steps 20] [--no-compile] [--gen-batches 1 8]
-        [--parts generate train serve train-1b] [--train-variants train vocab128 ...]
+        [--parts generate train serve train-1b] [--train-variants train unpadded ...]
     python bench/gpu.py --device cpu --smoke     # every code path on a CPU, tiny shapes, seconds
 
 (Where gptkiln is not installed, as on a lent GPU machine: ``PYTHONPATH=src python3 bench/gpu.py``.)
@@ -50,14 +50,13 @@ host memory by the trainer's loader (`gptkiln.train.prefetch`: on CUDA the next 
 into pinned memory while the step runs), two fixed random batches in turn (a loss that falls
 says the step learns). Variants (``--train-variants``), each in its own process:
 
-- ``train``: as ``gptkiln train --compile`` runs the 124M preset on CUDA (vocabulary 50,257;
-  without ``--compile``, its default, the model runs eagerly);
-- ``vocab128``: the head and embedding padded to a multiple of 128 (50,304, nanoGPT's: the
-  matmuls of the head at tile-friendly sizes; the ids stay below 50,257); for a model trained
-  from scratch only (an imported model's vocabulary is its own);
-- ``vocab128-cudnn``: the same with SDPA trying cuDNN's fused attention first (on Hopper
-  faster than the flash kernel torch picks by default, where it applies);
-- ``vocab128-batch2x``: the same with twice the micro-batch (``--batch`` x 2);
+- ``train``: as ``gptkiln train`` runs the 124M preset on CUDA, where unset it compiles the
+  model and pads the head and embedding to a multiple of 64 rows (``--pad-vocab``: 50,304
+  for GPT-2's 50,257, nanoGPT's; the logits and loss over the 50,257 ids only);
+- ``unpadded``: the same at 50,257 rows (``--pad-vocab 1``; what ``train`` was before);
+- ``cudnn``: ``train`` with SDPA trying cuDNN's fused attention first (on Hopper faster than
+  the flash kernel torch picks by default, where it applies);
+- ``batch2x``: ``train`` with twice the micro-batch (``--batch`` x 2);
 - ``transformers``: ``GPT2LMHeadModel`` (SDPA attention, tied head), ``torch.compile(model)``,
   ``torch.optim.AdamW(model.parameters(), fused=True)``, its own loss.
 
@@ -109,6 +108,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 import generate as generate_bench  # noqa: E402
+
+from gptkiln.config.run import VOCAB_MULTIPLE  # noqa: E402
 
 SHAPE = dict(vocab=50257, context=1024, n_layer=12, n_head=12, n_embd=768)
 SMOKE_SHAPE = dict(vocab=256, context=64, n_layer=2, n_head=2, n_embd=64)
@@ -171,11 +172,11 @@ def matmul_worker(job: dict) -> None:
 
 
 TRAIN_VARIANTS = {
-    # name: (implementation, vocabulary padded to a multiple of, micro-batch x, SDPA first)
-    "train": ("gptkiln", None, 1, None),
-    "vocab128": ("gptkiln", 128, 1, None),
-    "vocab128-cudnn": ("gptkiln", 128, 1, "cudnn"),
-    "vocab128-batch2x": ("gptkiln", 128, 2, None),
+    # name: (implementation, --pad-vocab, micro-batch x, SDPA first)
+    "train": ("gptkiln", VOCAB_MULTIPLE, 1, None),
+    "unpadded": ("gptkiln", 1, 1, None),
+    "cudnn": ("gptkiln", VOCAB_MULTIPLE, 1, "cudnn"),
+    "batch2x": ("gptkiln", VOCAB_MULTIPLE, 2, None),
     "transformers": ("transformers", None, 1, None),
 }
 
@@ -196,7 +197,8 @@ def attention_first(backend: str | None):
 
 
 def padded_vocab(vocab: int, multiple: int | None) -> int:
-    """``vocab`` rounded up to a multiple of ``multiple`` (None: as it is)."""
+    """``vocab`` rounded up to a multiple of ``multiple`` (None or 1: as it is), as
+    `gptkiln.train.model_config_for` rounds ``--pad-vocab``."""
     return vocab if not multiple else -(-vocab // multiple) * multiple
 
 
@@ -270,7 +272,7 @@ def train_worker(job: dict) -> None:
     batch = job["batch"] * times
     job = {**job, "batch": batch, "attention": attention}
     if impl == "gptkiln":
-        model = common.gptkiln_gpt({**s, "vocab": padded_vocab(s["vocab"], pad)}, "gpt2")
+        model = common.gptkiln_gpt({**s, "padded_vocab": padded_vocab(s["vocab"], pad)}, "gpt2")
         model = model.to(device)
         r = gptkiln_steps(torch, job, model, s["vocab"], s["context"])
         sec, warmup_s, losses = r["sec"], r["warmup_s"], r["losses"]
@@ -473,7 +475,7 @@ def main() -> None:
     p.add_argument(
         "--train-variants",
         nargs="+",
-        default=["train", "vocab128", "vocab128-cudnn"],
+        default=["train", "unpadded", "cudnn"],
         choices=list(TRAIN_VARIANTS),
     )
     p.add_argument("--preset-1b", default="llama3.2-1b", help="the train-1b part's preset")

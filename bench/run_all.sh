@@ -22,6 +22,7 @@ export OMP_NUM_THREADS=2
   echo "## train_step";       "$PY" bench/train_step.py --malloc-keep --bf16
   echo; echo "## train_step, compiled"; "$PY" bench/train_step.py --sizes baby --compile --bf16
   echo; echo "## adamw";      "$PY" bench/adamw.py
+  echo; echo "## padded_vocab"; "$PY" bench/padded_vocab.py
   echo; echo "## generate";   "$PY" bench/generate.py --rounds 2
   echo; echo "## families (Llama 3, Qwen3)"; "$PY" bench/families.py --rounds 2
   if [ -f "$SHAKESPEARE" ]; then

@@ -96,6 +96,20 @@ def test_a_gguf_comes_back_as_the_same_run(tmp_path, family, kind):
         assert difference == 0 if type == "f32" else difference < 0.05
 
 
+def test_a_padded_vocabulary_goes_out_without_its_padding_rows_and_back(tmp_path):
+    """``--pad-vocab``'s rows leave no unused tokens in the GGUF: its vocabulary is the
+    tokenizer's, and the run it imports back is the same model, unpadded."""
+    model, tokenizer, run = tiny_run(tmp_path, "qwen3", "bpe", padded=20)
+    out = export_gguf(run, tmp_path / "m.gguf")
+    import_gguf(out, tmp_path / "back")
+    back, _, _ = load_run(tmp_path / "back")
+    assert back.config.vocab_size == tokenizer.vocab_size
+    assert back.config.padded_vocab_size is None
+    idx = torch.tensor([tokenizer.encode(PROMPT)])
+    with torch.no_grad():
+        assert torch.equal(back(idx), model(idx))
+
+
 def test_llama3_rope_scaling_goes_out_as_rope_freqs_and_back(tmp_path):
     from gptkiln.checkpoint import save_model
     from gptkiln.config import GPTConfig

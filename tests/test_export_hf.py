@@ -44,18 +44,27 @@ def tokenizer_of(kind: str):
     return train_bpe_tokenizer([CORPUS * 4], 300)
 
 
-def tiny_run(tmp_path, family: str, kind: str, seed: int = 0, **extra):
-    """A random run of ``family`` with a ``kind`` tokenizer, saved; (model, tokenizer, dir)."""
+def tiny_run(tmp_path, family: str, kind: str, seed: int = 0, padded: int = 0, **extra):
+    """A random run of ``family`` with a ``kind`` tokenizer, saved; (model, tokenizer, dir).
+    ``padded``: that many rows past the vocabulary in its embedding and head (``--pad-vocab``),
+    their weights large, so that a padding row read anywhere would show."""
     tokenizer = tokenizer_of(kind)
     preset = "tiny" if family == "gpt2" else f"{family}-baby"
     config = GPTConfig.from_name(
-        preset, vocab_size=tokenizer.vocab_size, context_length=48, n_layer=2, n_embd=64
+        preset,
+        vocab_size=tokenizer.vocab_size,
+        padded_vocab_size=tokenizer.vocab_size + padded if padded else None,
+        context_length=48,
+        n_layer=2,
+        n_embd=64,
     )
     torch.manual_seed(seed)
     model = GPT(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
+        if padded:
+            model.lm_head.weight[tokenizer.vocab_size :] = 5.0
     run = tmp_path / f"{family}-{kind}"
     save_model(model, run, tokenizer=tokenizer, extra=extra or None)
     return model, tokenizer, run
@@ -85,6 +94,28 @@ def test_every_tokenizer_exports_to_what_transformers_loads_alone(tmp_path, fami
             torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
         )[0, len(prompt) :].tolist()
     assert theirs == ours
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+def test_a_padded_vocabulary_leaves_without_its_padding_rows(tmp_path, family):
+    """``--pad-vocab``'s rows mean no token: the export describes the tokenizer's vocabulary,
+    its embedding and head cut to it, and transformers decodes the ids gptkiln does."""
+    model, tokenizer, run = tiny_run(tmp_path, family, "bpe", padded=20)
+    V = tokenizer.vocab_size
+    assert model.wte.weight.shape[0] == V + 20
+    out = export_hf(run, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == V
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert hf.get_output_embeddings().weight.shape[0] == V
+    prompt = tokenizer.encode("To be, or not")
+    ours = generate(model, prompt, max_new_tokens=12, temperature=0, stop_at_eos=False)
+    with torch.no_grad():
+        theirs = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )[0, len(prompt) :].tolist()
+        hf_logits = hf(torch.tensor([prompt])).logits
+        torch.testing.assert_close(hf_logits, model(torch.tensor([prompt])), atol=1e-4, rtol=0)
+    assert theirs == ours and max(ours) < V
 
 
 def test_an_instruction_tuned_runs_template_goes_out_as_jinja(tmp_path):

@@ -50,7 +50,9 @@ def test_kv_cache_generation_on_cuda_equals_no_cache():
 
 
 @pytest.mark.parametrize("model", ["tiny", "qwen3-baby"])  # GPT-2, and a family preset
-def test_trainer_picks_cuda_and_trains_in_bf16_auto(tmp_path, model):
+def test_trainer_picks_cuda_and_trains_in_bf16_auto(tmp_path, model, capsys):
+    """On CUDA, unset: bf16 autocast, the model compiled, its vocabulary padded to 64 rows a
+    multiple (the char alphabet's few dozen ids to 64)."""
     import json
 
     from gptkiln.devices import resolve_device
@@ -77,6 +79,8 @@ def test_trainer_picks_cuda_and_trains_in_bf16_auto(tmp_path, model):
     assert result.val_loss < 3.0
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["train"]["precision"] == "bf16"  # auto on CUDA
+    assert config["model"]["padded_vocab_size"] == 64 > config["model"]["vocab_size"]
+    assert "compiling the model with torch.compile" in capsys.readouterr().out
 
 
 def test_int8_model_on_cuda_in_bf16_generates_as_on_the_cpu(tmp_path):

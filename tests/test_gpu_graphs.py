@@ -6,6 +6,7 @@ backend: the same trace and functionalised graph without inductor's ~30 s compil
 (one slow test runs inductor). The real capture is tests/test_gpu.py's.
 """
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -38,7 +39,19 @@ graphs = partial(prepare_graphs, min_steps=0)
 
 
 def tiny(family: str) -> GPT:
+    """A random model of ``family``; ``"gpt2-padded"``: the GPT-2 one's weights in a model with
+    its vocabulary padded to 128 rows (``--pad-vocab``, CUDA's default), the extra rows' head
+    weights large, so that a step reading past the 97 ids would pick one."""
     torch.manual_seed(0)
+    if family == "gpt2-padded":
+        plain = tiny("gpt2")
+        model = GPT(dataclasses.replace(plain.config, padded_vocab_size=128))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                source = plain.get_parameter(name)
+                p[: source.shape[0]] = source
+            model.lm_head.weight[plain.config.vocab_size :] = 5.0
+        return model
     if family == "gpt2":  # untied: a fresh tied model's greedy output repeats its last token
         config = GPTConfig.from_name(
             "tiny", vocab_size=97, tie_embeddings=False, n_embd=64, n_head=4
@@ -48,7 +61,7 @@ def tiny(family: str) -> GPT:
     return randomize_(GPT(config))
 
 
-@pytest.fixture(scope="module", params=("gpt2", "qwen3"))
+@pytest.fixture(scope="module", params=("gpt2", "qwen3", "gpt2-padded"))
 def model(request) -> GPT:
     return tiny(request.param)
 
@@ -78,6 +91,7 @@ def test_static_step_logits_equal_the_eager_steps(model, batch):
 def test_compiled_greedy_ids_equal_the_eager_ones(model, batch):
     eager = generate(model, PROMPTS[batch], max_new_tokens=12, temperature=0)
     assert len({t for row in eager for t in row}) > 1  # not one token repeated
+    assert max(t for row in eager for t in row) < model.config.vocab_size  # no padding row
     assert generate(model, PROMPTS[batch], max_new_tokens=12, temperature=0, prepare=graphs) == (
         eager
     )

@@ -355,3 +355,47 @@ def test_an_export_keeps_the_aten_kernels():
     exported = torch.export.export(model.eval(), (torch.randint(0, 50, (2, 16)),))
     ops = " ".join(str(node.target) for node in exported.graph.nodes)
     assert "gelu" in ops and "scaled_dot_product_attention" in ops and "sigmoid" not in ops
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_padded_vocabulary_is_the_same_model_over_the_tokenizers_ids(tied):
+    """``padded_vocab_size``: the embedding and head hold the extra rows, but the logits, the
+    loss and every gradient are those of the unpadded model with the same weights; the extra
+    rows get no gradient and are never predicted, however large their weights."""
+    V, rows = 61, 128
+    config = GPTConfig.from_name("tiny", vocab_size=V, tie_embeddings=tied)
+    torch.manual_seed(0)
+    plain = GPT(config)
+    padded = GPT(GPTConfig.from_name("tiny", vocab_size=V, padded_vocab_size=rows,
+                                     tie_embeddings=tied))  # fmt: skip
+    assert padded.wte.weight.shape == padded.lm_head.weight.shape == (rows, config.n_embd)
+    with torch.no_grad():
+        for name, p in padded.named_parameters():
+            source = plain.get_parameter(name)
+            p[: source.shape[0]] = source
+        padded.lm_head.weight[V:] = 10.0  # were a padding row a logit, it would win
+    idx = torch.randint(0, V, (2, 16))
+    targets = torch.randint(0, V, (2, 16))
+    logits, loss = padded(idx, targets)
+    expected_logits, expected_loss = plain(idx, targets)
+    assert logits.shape == (2, 16, V)
+    torch.testing.assert_close(logits, expected_logits)
+    torch.testing.assert_close(padded(idx), expected_logits)
+    torch.testing.assert_close(padded.logits(padded.hidden(idx)), expected_logits)
+    torch.testing.assert_close(loss, expected_loss)
+    loss.backward()
+    expected_loss.backward()
+    for name, p in padded.named_parameters():
+        reference = plain.get_parameter(name).grad
+        torch.testing.assert_close(p.grad[: reference.shape[0]], reference)
+        if name in ("wte.weight", "lm_head.weight"):
+            assert not p.grad[V:].any()
+    assert padded.flops_per_token(16) == plain.flops_per_token(16)
+    assert padded.num_parameters() == plain.num_parameters() + (rows - V) * config.n_embd * (
+        1 if tied else 2
+    )
+
+
+def test_a_padded_vocabulary_is_refused_below_the_vocabulary():
+    with pytest.raises(GptkilnError, match="padded_vocab_size .* must be at least vocab_size"):
+        GPTConfig.from_name("tiny", vocab_size=100, padded_vocab_size=64)

@@ -703,3 +703,52 @@ def test_train_config_rejects_nonsense():
         TrainConfig(lr=0)
     with pytest.raises(GptkilnError, match="unknown key"):
         TrainConfig.from_dict({"learning_rate": 1})
+
+
+def test_a_padded_vocabulary_trains_resumes_as_it_was_and_samples_only_real_ids(
+    play_path, tmp_path
+):
+    """``--pad-vocab 64``: the char alphabet's model holds 64 rows a multiple (CUDA's default,
+    asked for here on the CPU); its loss is that of the unpadded model with the same weights
+    (tests/test_model.py); a resume without the flag keeps the run's padding (a resumed run on
+    another device too), one that asks for other padding is refused, and samples decode."""
+    from gptkiln.loading import load_run
+    from gptkiln.sampling import generate
+    from gptkiln.train import model_config_for
+
+    cfg = tiny_config(play_path, tmp_path / "run", max_steps=4, pad_vocab=64)
+    train(cfg)
+    model, tokenizer, _ = load_run(tmp_path / "run")
+    V = tokenizer.vocab_size
+    assert V % 64 and model.config.padded_vocab_size == -(-V // 64) * 64
+    assert model.wte.weight.shape[0] == model.config.padded_vocab_size
+    with torch.no_grad():
+        model.lm_head.weight[V:] = 50.0  # a padding row, were it ever a logit, would win
+    ids = generate(model, tokenizer.encode("I "), max_new_tokens=20, temperature=1.0, seed=0)
+    assert max(ids) < V
+    tokenizer.decode(ids)
+    # unset, a resume keeps the run's padding; a new run on a CPU pads nothing, on CUDA to 64
+    longer = train(dataclasses.replace(cfg, max_steps=6, pad_vocab=None), resume=True)
+    assert longer.steps == 6
+    with pytest.raises(GptkilnError, match="padded_vocab_size"):
+        train(dataclasses.replace(cfg, max_steps=8, pad_vocab=1), resume=True)
+    fresh = dataclasses.replace(cfg, pad_vocab=None)
+    assert model_config_for(fresh, V).padded_vocab_size is None
+    assert model_config_for(fresh, V, device="cuda:1").padded_vocab_size == -(-V // 64) * 64
+    assert model_config_for(fresh, 50257, device="cuda").padded_vocab_size == 50304
+    assert model_config_for(dataclasses.replace(fresh, pad_vocab=1), 50257, device="cuda")\
+        .padded_vocab_size is None  # fmt: skip
+    assert model_config_for(fresh, 16384, device="cuda").padded_vocab_size is None  # aligned
+    resumed = model_config_for(cfg, V, device="cpu")
+    assert model_config_for(fresh, V, resumed, device="cuda") == resumed
+
+
+def test_compile_is_on_with_cuda_and_off_elsewhere_unless_asked(play_path, tmp_path):
+    from gptkiln.train.loop import compiles
+
+    unset = tiny_config(play_path, tmp_path / "run")
+    assert unset.compile is None
+    assert compiles(unset, "cuda") and compiles(unset, torch.device("cuda", 1))
+    assert not compiles(unset, "cpu") and not compiles(unset, "mps")
+    assert not compiles(dataclasses.replace(unset, compile=False), "cuda")
+    assert compiles(dataclasses.replace(unset, compile=True), "cpu")

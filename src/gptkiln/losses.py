@@ -22,13 +22,21 @@ _BLOCK_ELEMENTS = 1 << 19  # a block of rows: about 2 MB of fp32 logits, the siz
 
 
 def cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    vocab: int | None = None,
 ) -> torch.Tensor:
     """The mean cross-entropy of ``logits`` (N, V) against ``targets`` (N,), positions whose
-    target is ``ignore_index`` left out; computed in fp32 whatever the logits' dtype."""
+    target is ``ignore_index`` left out; computed in fp32 whatever the logits' dtype. With
+    ``vocab``, only the first ``vocab`` columns are logits (a padded head's output: the others
+    take no part, and get a zero gradient)."""
+    if vocab is None or vocab == logits.shape[-1]:
+        vocab = None
     if logits.device.type != "cpu" or torch.compiler.is_compiling() or logits.dim() != 2:
-        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
-    return _BlockwiseCrossEntropy.apply(logits, targets, ignore_index)
+        used = logits if vocab is None else logits[:, :vocab]
+        return F.cross_entropy(used.float(), targets, ignore_index=ignore_index)
+    return _BlockwiseCrossEntropy.apply(logits, targets, ignore_index, vocab)
 
 
 class _BlockwiseCrossEntropy(torch.autograd.Function):
@@ -36,18 +44,21 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
     block; backward: that gradient times the loss's."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int):
-        rows, vocab = logits.shape
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, used):
+        rows, width = logits.shape
+        vocab = width if used is None else used  # the columns that are logits
         kept = targets != ignore_index
         count = kept.sum().clamp(min=1)
         weight = kept.float() / count  # each kept row's share of the mean
         safe = torch.where(kept, targets, 0)[:, None]
         losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        if grad is not None and vocab < width:
+            grad[:, vocab:] = 0
         block = max(1, _BLOCK_ELEMENTS // max(vocab, 1))
         for start in range(0, rows, block):
             part = slice(start, start + block)
-            x = logits[part].to(torch.float32, copy=True)
+            x = logits[part, :vocab].to(torch.float32, copy=True)
             top = x.amax(-1, keepdim=True)
             x.sub_(top).exp_()  # exp(x - max): softmax's numerators, computed once
             total = x.sum(-1, keepdim=True)
@@ -57,7 +68,7 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
                 share = weight[part, None]
                 x.mul_(share / total)  # softmax x the row's share of the mean
                 x.scatter_add_(1, safe[part], -share)  # minus the one-hot target
-                grad[part] = x
+                grad[part, :vocab] = x
         ctx.save_for_backward(grad)
         # nan where no target is kept, as F.cross_entropy's mean of nothing
         loss = (losses * kept).sum() / kept.sum()
@@ -67,5 +78,5 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         (grad,) = ctx.saved_tensors
         if bool(grad_loss == 1):  # loss.backward(): the gradient as it is, no pass over it
-            return grad, None, None
-        return grad * grad_loss.to(grad.dtype), None, None
+            return grad, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None

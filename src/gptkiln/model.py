@@ -570,7 +570,7 @@ class GPT(nn.Module):
 
     def _build(self, config: GPTConfig) -> None:
         """The layers of ``config``, as each layer's own constructor initialises them."""
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wte = nn.Embedding(config.vocab_rows, config.n_embd)
         if config.positions == "learned":
             self.wpe = nn.Embedding(config.context_length, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
@@ -586,7 +586,7 @@ class GPT(nn.Module):
         if config.num_classes:
             self.score = nn.Linear(config.n_embd, config.num_classes)
         else:
-            self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.n_embd, config.vocab_rows, bias=False)
         self.tie_weights()
         self.pad_lens: torch.Tensor | None = None  # (B,) left-padding per row, set with the cache
         self.init_buffers()
@@ -680,6 +680,8 @@ class GPT(nn.Module):
         n = self.num_parameters(True)
         if not c.tie_embeddings:
             n -= self.wte.weight.numel()
+        if not c.num_classes:  # a padded head's extra rows: computed, but no useful work
+            n -= (c.vocab_rows - c.vocab_size) * c.n_embd
         return 6 * n + 12 * c.n_layer * seq_len * c.n_head * c.head_size
 
     # -- the KV cache ------------------------------------------------------------------------
@@ -799,18 +801,29 @@ class GPT(nn.Module):
             x = x[torch.arange(B, device=x.device), last_only][:, None]  # (B, 1, C)
         elif last_only:
             x = x[:, -1:, :]  # (B, 1, C)
-        logits = self.logits(x)  # (B, T, V)
         if targets is None:
-            return logits
+            return self.logits(x)  # (B, T, V)
         if self.config.num_classes:
+            logits = self.logits(x)
             loss = F.cross_entropy(logits[:, -1, :].float(), targets)  # (B, V) against (B,)
-        else:
-            loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-        return logits, loss
+            return logits, loss
+        rows = self.padded_logits(x)  # (B, T, vocab_rows): the loss reads the first V columns
+        V = self.config.vocab_size
+        loss = cross_entropy(rows.flatten(0, 1), targets.flatten(), ignore_index=-100, vocab=V)
+        return rows[..., :V], loss
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head's output for final-norm states x (..., C) -> (..., V), soft-capped to
-        ``c * tanh(logits / c)`` when ``config.logit_softcap`` is c."""
+        ``c * tanh(logits / c)`` when ``config.logit_softcap`` is c; a padded vocabulary's
+        extra columns cut off (a view)."""
+        logits = self.padded_logits(x)
+        if self.config.num_classes or self.config.padded_vocab_size is None:
+            return logits
+        return logits[..., : self.config.vocab_size]
+
+    def padded_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """`logits` with a padded vocabulary's extra columns kept, (..., vocab_rows): the
+        head's matmul at the padded size (the columns past ``vocab_size`` mean no token)."""
         logits = self.head(x)
         cap = self.config.logit_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
@@ -826,7 +839,7 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """The final norm's output (B, T, C) for token ids (B, T): what the head turns into
         logits, for a caller that needs them at a few positions only (scoring a continuation:
-        ``self.head(x[rows, positions])``). Arguments as `forward`'s."""
+        ``self.logits(x[rows, positions])``). Arguments as `forward`'s."""
         B, T = idx.shape
         per_row = isinstance(start_pos, torch.Tensor)
         if per_row and self.pad_lens is not None:

@@ -28,6 +28,11 @@ class GPTConfig:
 
     Attributes:
         vocab_size: number of token ids (GPT-2 BPE: 50257).
+        padded_vocab_size: None, or the rows of the token embedding and the output head when
+            more than ``vocab_size`` (nanoGPT's 50,304 for GPT-2's 50,257): the head's matmul
+            runs at a size the hardware tiles well, while the model still predicts
+            ``vocab_size`` ids: the logits are cut to them, the loss is over them, and the extra
+            rows are never read (exports leave them out).
         context_length: longest sequence the model sees (GPT-2's ``n_positions``; nanoGPT's
             ``block_size``).
         n_layer: transformer blocks.
@@ -102,6 +107,7 @@ class GPTConfig:
     """
 
     vocab_size: int = GPT2_VOCAB_SIZE
+    padded_vocab_size: int | None = None
     context_length: int = 1024
     n_layer: int = 12
     n_head: int = 12
@@ -139,6 +145,11 @@ class GPTConfig:
                 raise GptkilnError(
                     f"model config: {name} must be a positive integer, got {value!r}"
                 )
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise GptkilnError(
+                f"model config: padded_vocab_size ({self.padded_vocab_size}) must be at least "
+                f"vocab_size ({self.vocab_size}), or null for no padding"
+            )
         if self.head_dim is None and self.n_embd % self.n_head:
             raise GptkilnError(
                 f"model config: n_embd ({self.n_embd}) must be divisible by n_head "
@@ -272,6 +283,17 @@ class GPTConfig:
         """The speedruns' choices this config makes (``relu2``, ...), which no Hugging Face
         class has: empty for every published model."""
         return [name for name in _RECIPE_CHOICES if getattr(self, name) not in (None, False, 0)]
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the token embedding and the output head: ``padded_vocab_size``, or
+        ``vocab_size``."""
+        return self.padded_vocab_size or self.vocab_size
+
+    def unpadded(self) -> GPTConfig:
+        """This config without the padding rows (what an export describes: its weights are cut
+        to ``vocab_size`` rows)."""
+        return dataclasses.replace(self, padded_vocab_size=None)
 
     @property
     def head_size(self) -> int:

@@ -198,11 +198,12 @@ def export_gguf(
             f"{run_dir} is quantized (int8): its weights are dequantized, then written as {type}"
         )
     tokenizer = load_run_tokenizer(run_dir, cfg)
-    vocab = gguf_vocab(tokenizer, model.config.vocab_size, str(run_dir))
-    tensors = gguf_tensors(sd, model.config, str(run_dir))
+    config = model.config.unpadded()  # float_state_dict cut a padded vocabulary's rows
+    vocab = gguf_vocab(tokenizer, config.vocab_size, str(run_dir))
+    tensors = gguf_tensors(sd, config, str(run_dir))
     chat = run_chat_jinja(cfg, run_dir)
     name = run_dir.resolve().name
-    atomic_write(out_file, lambda tmp: _write(tmp, model.config, tensors, vocab, chat, type, name))
+    atomic_write(out_file, lambda tmp: _write(tmp, config, tensors, vocab, chat, type, name))
     write_modelfile(out_file, vocab, chat, cfg, run_dir)
     return out_file
 

@@ -91,7 +91,7 @@ def export_hf(
     cfg = read_config(run_dir)
     check_language_model(cfg, run_dir, "Hugging Face export")
     model = load_model(run_dir)  # memory-mapped; a LoRA run's adapters merged
-    config = model.config
+    config = model.config.unpadded()  # the weights leave without a padded vocabulary's rows
     sd, dequantized = float_state_dict(model)
     if dequantized and on_note:
         on_note(f"{run_dir} is quantized (int8): its weights are written dequantized, as float32")
@@ -122,7 +122,9 @@ def check_language_model(cfg: dict[str, Any], run_dir: Path, what: str) -> None:
 
 def float_state_dict(model: GPT) -> tuple[dict[str, torch.Tensor], bool]:
     """The model's weights as float tensors (gptkiln names): a quantized model's int8 weights
-    times their scales (`gptkiln.quantize.dequantize`); and whether any were int8."""
+    times their scales (`gptkiln.quantize.dequantize`); and whether any were int8. A padded
+    vocabulary's extra rows are cut off (they mean no token): the weights of
+    ``model.config.unpadded()``."""
     from gptkiln.quantize import dequantize
 
     sd = model.state_dict()
@@ -132,6 +134,10 @@ def float_state_dict(model: GPT) -> tuple[dict[str, torch.Tensor], bool]:
         sd[weight_name] = dequantize(sd[weight_name], sd.pop(scale_name))
     if scales and model.config.tie_embeddings:
         sd.pop("lm_head.weight", None)  # the tied head is the embedding, once
+    if model.config.padded_vocab_size is not None:
+        for name in ("wte.weight", "lm_head.weight"):
+            if name in sd:
+                sd[name] = sd[name][: model.config.vocab_size]
     return sd, bool(scales)
 
 

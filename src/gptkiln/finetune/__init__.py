@@ -27,8 +27,11 @@ from gptkiln.config import FinetuneConfig, TrainConfig
 # The loop's settings for fine-tuning where they differ from pretraining's: the book's
 # chapters 6-7 (AdamW at 5e-5, weight decay 0.1, constant rate, no warm-up; epochs over the
 # examples; evaluation on 5 batches). LoRA's adapters start from zero and want a larger rate.
-# AdamW stays fine-tuning's where pretraining's default became Muon on a WSD schedule.
+# AdamW stays fine-tuning's where pretraining's default became Muon on a WSD schedule. Eager
+# on CUDA too unless --compile asks: batches padded to their longest example change shape from
+# step to step, and each new shape would compile again.
 FINETUNE_TRAIN_DEFAULTS: dict[str, Any] = dict(
+    compile=False,
     optimizer="adamw",
     schedule="cosine",
     batch_size=8,

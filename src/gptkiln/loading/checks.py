@@ -33,8 +33,8 @@ def expected_shapes(
     the order of ``GPT(config).state_dict()``; worked out from the config, no model built. A
     quantized checkpoint (``quantization`` as its config.json records it) also stores a
     ``NAME.scale`` (out,) after each int8 ``NAME.weight`` (`gptkiln.quantize.int8_modules`)."""
-    C, V = config.n_embd, config.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (V, C)}
+    C, V, rows = config.n_embd, config.vocab_size, config.vocab_rows
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (rows, C)}
     if config.positions == "learned":
         shapes["wpe.weight"] = (config.context_length, C)
     block = _block_shapes(config)
@@ -50,7 +50,7 @@ def expected_shapes(
             {"score.weight": (config.num_classes, C), "score.bias": (config.num_classes,)}
         )
     elif not config.tie_embeddings:
-        shapes["lm_head.weight"] = (V, C)
+        shapes["lm_head.weight"] = (rows, C)
     if quantization is None:
         return shapes
     int8 = {f"{m}.weight" for m in int8_modules(config, quantization["embedding_and_head"])}
@@ -179,9 +179,13 @@ def check_config_fits(config: GPTConfig, sd: Mapping[str, torch.Tensor], source:
     the weights say: a config.json edited by hand (``"n_layer": 1000000000``) or taken from
     another run fails here in one line, instead of building a model that does not fit in memory."""
     held = weights_dims(sd)
-    wrong = [name for name, value in held.items() if getattr(config, name) != value]
+
+    def said(name: str) -> int:  # a padded vocabulary's embedding holds its padded rows
+        return config.vocab_rows if name == "vocab_size" else getattr(config, name)
+
+    wrong = [name for name, value in held.items() if said(name) != value]
     if wrong:
-        says = ", ".join(f"{name} {getattr(config, name)}" for name in wrong)
+        says = ", ".join(f"{name} {said(name)}" for name in wrong)
         holds = ", ".join(f"{name} {held[name]}" for name in wrong)
         raise GptkilnError(
             f"{source}: the config says {says}, but the weights hold {holds}; the config "

@@ -130,7 +130,8 @@ class Trainer:
                 cfg.precision, self.device, self.task.model, self.batches.get(0, 0), self.world
             )
         self.model = dist_utils.parallelize(self.task.model, self.world, cfg.parallel)
-        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        self.compiled = compiles(cfg, self.device)
+        self.forward = torch.compile(self.model) if self.compiled else self.model
         betas = (cfg.beta1, cfg.beta2)
         self.optimizer = make_optimizer(
             self.model,
@@ -230,7 +231,7 @@ class Trainer:
         (None: no step was left to train)."""
         cfg, total, clock = self.cfg, self.batches.total_steps, self.clock
         evaluated = None
-        speed = Speedometer(cfg.compile and self.step < total and not clock.out_of_time())
+        speed = Speedometer(self.compiled and self.step < total and not clock.out_of_time())
         origin = None  # where this process's clock reads 0 training seconds (set at step 1)
         if speed.compiling and self.world.is_main:  # torch.compile works in the next step
             bar.compiling(self.step + 1)
@@ -323,3 +324,12 @@ def check_one_gpu_each(device: str, env) -> None:
             "GPU; pass --device cuda (process i takes cuda:i) and choose the GPUs with "
             "CUDA_VISIBLE_DEVICES"
         )
+
+
+def compiles(cfg: TrainConfig, device: str | torch.device) -> bool:
+    """Whether a run's model runs under torch.compile: ``--compile`` / ``--no-compile`` as
+    given; unset, on CUDA (where a compiled step is much faster and a run long enough to repay
+    its tens of seconds) and not elsewhere (on a CPU a short run rarely earns its compile back)."""
+    if cfg.compile is not None:
+        return cfg.compile
+    return torch.device(device).type == "cuda"

@@ -16,6 +16,7 @@ import torch
 
 from gptkiln import distributed as dist_utils
 from gptkiln.config import GPTConfig, TrainConfig
+from gptkiln.config.run import VOCAB_MULTIPLE
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
 from gptkiln.train.data_order import Batches, eval_batches
@@ -112,7 +113,9 @@ class LanguageModeling:
         if ctx.resume:
             self._check_same_tokenizer()
         self._check_sample_prompt()
-        self.model_config = model_config_for(cfg, self.tokenizer.vocab_size)
+        self.model_config = model_config_for(
+            cfg, self.tokenizer.vocab_size, self._resumed(), str(ctx.device)
+        )
         self._check_splits_hold_a_window()
         if ctx.resume:
             self._check_not_a_baseline_run()
@@ -152,6 +155,19 @@ class LanguageModeling:
             )
         dist_utils.barrier(world)
         return load_prepared(data_dir)
+
+    def _resumed(self) -> GPTConfig | None:
+        """The model config the checkpoint being resumed saved (None for a new run, or where
+        it has none: the resume refuses that later, in its own words)."""
+        from gptkiln.loading.files import CONFIG_FILE, read_config
+        from gptkiln.loading.run import run_model_config
+
+        if not self.ctx.resume or not (self.run_dir / CONFIG_FILE).is_file():
+            return None
+        try:
+            return run_model_config(read_config(self.run_dir), self.run_dir / CONFIG_FILE)
+        except GptkilnError:
+            return None
 
     def _check_same_tokenizer(self) -> None:
         """A resumed run reads its data with the tokenizer it was trained with (the same kind
@@ -272,9 +288,22 @@ class LanguageModeling:
         return checkpoint.read_checkpoint(self.run_dir)
 
 
-def model_config_for(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    """The model config a training config asks for, sized to the tokenizer's vocabulary."""
-    overrides: dict = {"vocab_size": vocab_size}
+def model_config_for(
+    cfg: TrainConfig, vocab_size: int, resumed: GPTConfig | None = None, device: str = "cpu"
+) -> GPTConfig:
+    """The model config a training config asks for, sized to the tokenizer's vocabulary, its
+    rows padded to a multiple of ``cfg.pad_vocab``; where that is unset, as a ``resumed`` run's
+    were (the config its checkpoint saved), else to `VOCAB_MULTIPLE` on CUDA (the device the
+    run trains on) and not at all elsewhere."""
+    if cfg.pad_vocab is None and resumed is not None:
+        padded = resumed.padded_vocab_size
+    else:
+        multiple = cfg.pad_vocab or (VOCAB_MULTIPLE if device.startswith("cuda") else 1)
+        padded = -(-vocab_size // multiple) * multiple
+    overrides: dict = {
+        "vocab_size": vocab_size,
+        "padded_vocab_size": padded if padded and padded > vocab_size else None,
+    }
     if cfg.context_length is not None:
         overrides["context_length"] = cfg.context_length
     if cfg.dropout is not None:
