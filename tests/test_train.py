@@ -706,7 +706,7 @@ def test_train_config_rejects_nonsense():
 
 
 def test_a_padded_vocabulary_trains_resumes_as_it_was_and_samples_only_real_ids(
-    play_path, tmp_path
+    play_path, tmp_path, capsys
 ):
     """``--pad-vocab 64``: the char alphabet's model holds 64 rows a multiple (CUDA's default,
     asked for here on the CPU); its loss is that of the unpadded model with the same weights
@@ -721,6 +721,8 @@ def test_a_padded_vocabulary_trains_resumes_as_it_was_and_samples_only_real_ids(
     model, tokenizer, _ = load_run(tmp_path / "run")
     V = tokenizer.vocab_size
     assert V % 64 and model.config.padded_vocab_size == -(-V // 64) * 64
+    rows = model.config.padded_vocab_size
+    assert f"vocabulary: {V} ids in {rows} rows, a multiple of 64" in capsys.readouterr().out
     assert model.wte.weight.shape[0] == model.config.padded_vocab_size
     with torch.no_grad():
         model.lm_head.weight[V:] = 50.0  # a padding row, were it ever a logit, would win
@@ -729,7 +731,7 @@ def test_a_padded_vocabulary_trains_resumes_as_it_was_and_samples_only_real_ids(
     tokenizer.decode(ids)
     # unset, a resume keeps the run's padding; a new run on a CPU pads nothing, on CUDA to 64
     longer = train(dataclasses.replace(cfg, max_steps=6, pad_vocab=None), resume=True)
-    assert longer.steps == 6
+    assert longer.steps == 6 and "vocabulary:" not in capsys.readouterr().out  # said once
     with pytest.raises(GptkilnError, match="padded_vocab_size"):
         train(dataclasses.replace(cfg, max_steps=8, pad_vocab=1), resume=True)
     fresh = dataclasses.replace(cfg, pad_vocab=None)

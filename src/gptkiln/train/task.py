@@ -122,6 +122,15 @@ class LanguageModeling:
             checkpoint.check_same_model_config(self.run_dir, self.model_config)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.model = GPT(self.model_config).to(ctx.device)
+        rows = self.model_config.padded_vocab_size
+        if rows and not ctx.resume and ctx.world.is_main:
+            why = f"--pad-vocab {cfg.pad_vocab}" if cfg.pad_vocab else "unset: on CUDA"
+            print(
+                f"vocabulary: {self.tokenizer.vocab_size:,} ids in {rows:,} rows, a multiple of "
+                f"{cfg.pad_vocab or VOCAB_MULTIPLE} for the head's matmul ({why}; --pad-vocab 1: "
+                "none); the extra rows are never a token",
+                flush=True,
+            )
         ctx_len = self.model_config.context_length
         eot = self.tokenizer.eot_id
         self.batches = Batches(self.data.train, cfg, ctx_len, ctx.world, eot)
