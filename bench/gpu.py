@@ -6,7 +6,8 @@ The one command a lent GPU runs: the GPU tests, then every part, the parts in th
 their worth to issue 48 (decoding, training, serving, the 1B shape), each table printed as it
 is done, so that a timeout loses the last part only. About 9 minutes on an H100/H200 (estimated
 from the 2026-11-27 figures, where a 124M compile took ~30 s: the tests ~2 with pytest-xdist's
-4 workers, their ~20 inductor compiles side by side; decoding ~2.5, training ~1.5, serving
+4 workers, their ~22 inductor compiles side by side (two trainer runs compile their step
+since ``gptkiln train`` compiles on CUDA unless told not to); decoding ~2.5, training ~1.5, serving
 ~1.5, the 1B shape ~1), at most 570 s by its two timeouts; ``run`` it with ``carry [".whl"]``
 and ``timeout_s`` 590. Where the timeout cuts the 1B part, ``--parts train-1b`` alone is a
 second call of ~90 s on the still-warm machine. The image there lacks the
