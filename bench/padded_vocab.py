@@ -2,9 +2,10 @@
 
     python bench/padded_vocab.py [--models qwen3-baby-untied gpt2] [--rounds 40] [--fp32]
 
-For each model, the same weights twice: at GPT-2's 50,257 ids, and with the token embedding and
-output head padded to 50,304 rows (a multiple of 64, what ``gptkiln train`` does on CUDA
-unless ``--pad-vocab`` says otherwise; the logits and the loss stay over the 50,257 ids). Each
+For each model, two copies of one preset (each freshly initialised from the same seed): at
+GPT-2's 50,257 ids, and with the token embedding and output head padded to 50,304 rows (a
+multiple of 64, what ``gptkiln train`` does on CUDA unless ``--pad-vocab`` says otherwise;
+the logits and the loss stay over the 50,257 ids). Each
 round takes one step of each (forward + loss + backward + AdamW, bf16 autocast as ``gptkiln
 train`` chooses on a CPU with AVX512-BF16 or AMX unless ``--fp32``), the order alternating, so
 both see the same machine; the ratio is the median over rounds of the unpadded step's time over

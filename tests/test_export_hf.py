@@ -16,6 +16,7 @@ from gptkiln.checkpoint import save_model
 from gptkiln.config import GPTConfig
 from gptkiln.convert import export_hf, quantize_run
 from gptkiln.errors import GptkilnError
+from gptkiln.interop import gptkiln_state_dict_to_hf
 from gptkiln.loading import load_model
 from gptkiln.model import GPT
 from gptkiln.sampling import generate
@@ -116,6 +117,13 @@ def test_a_padded_vocabulary_leaves_without_its_padding_rows(tmp_path, family):
         hf_logits = hf(torch.tensor([prompt])).logits
         torch.testing.assert_close(hf_logits, model(torch.tensor([prompt])), atol=1e-4, rtol=0)
     assert theirs == ours and max(ours) < V
+    # the same without the export: interop's state dict describes the unpadded model too
+    hf_sd = gptkiln_state_dict_to_hf(model.state_dict(), model.config)
+    assert {
+        t.shape[0]
+        for n, t in hf_sd.items()
+        if n.endswith(("wte.weight", "embed_tokens.weight", "lm_head.weight"))
+    } == {V}
 
 
 def test_an_instruction_tuned_runs_template_goes_out_as_jinja(tmp_path):

@@ -233,6 +233,18 @@ def test_lora_parameter_counts_are_the_books_and_the_formulas():
     assert counts["fused"] == 16 * r * C * L + r * (C + 2) == 2_371_616  # HF's placement
 
 
+def test_a_padded_heads_adapter_is_counted_at_its_rows():
+    """``--lora-head`` on a base with a padded vocabulary: the head's adapter spans every row
+    of the head (peft adapts the layer as it is), and the count says so."""
+    config = GPTConfig.from_name("tiny", vocab_size=61, padded_vocab_size=128, tie_embeddings=False)
+    model = GPT(config)
+    spec = LoraSpec(rank=4, alpha=8.0, head=True)
+    add_lora(model, spec)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable == lora_parameter_count(config, spec)
+    assert model.lm_head.lora_B["default"].weight.shape == (128, 4)
+
+
 def test_split_adapters_compute_what_the_books_three_adapters_compute():
     from llms_from_scratch.appendix_e import LinearWithLoRA
 

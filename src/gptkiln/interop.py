@@ -142,11 +142,28 @@ def llama_config_to_hf(config: GPTConfig) -> dict[str, Any]:
 
 
 # -- state dicts ---------------------------------------------------------------------------
+def without_vocab_padding(
+    sd: Mapping[str, torch.Tensor], config: GPTConfig
+) -> tuple[dict[str, torch.Tensor], GPTConfig]:
+    """A padded vocabulary's state dict and config without the extra rows (``wte`` and
+    ``lm_head`` cut to ``vocab_size``, views; the config `GPTConfig.unpadded`): what another
+    project's model of the same ids holds. Unpadded: as they are."""
+    sd = dict(sd)
+    if config.padded_vocab_size is None:
+        return sd, config
+    for name in ("wte.weight", "lm_head.weight"):
+        if name in sd:
+            sd[name] = sd[name][: config.vocab_size]
+    return sd, config.unpadded()
+
+
 def gptkiln_state_dict_to_hf(
     sd: Mapping[str, torch.Tensor], config: GPTConfig
 ) -> dict[str, torch.Tensor]:
     """gptkiln names and layouts -> those of Hugging Face's class for the family
-    (`gpt2_state_dict_to_hf`, `llama_state_dict_to_hf`)."""
+    (`gpt2_state_dict_to_hf`, `llama_state_dict_to_hf`); a padded vocabulary's extra rows
+    left out (`without_vocab_padding`), as `config_to_hf` describes the model."""
+    sd, config = without_vocab_padding(sd, config)
     if config.family == "gpt2":
         return gpt2_state_dict_to_hf(sd, config)
     return llama_state_dict_to_hf(sd, config)

@@ -31,8 +31,9 @@ class GPTConfig:
         padded_vocab_size: None, or the rows of the token embedding and the output head when
             more than ``vocab_size`` (nanoGPT's 50,304 for GPT-2's 50,257): the head's matmul
             runs at a size the hardware tiles well, while the model still predicts
-            ``vocab_size`` ids: the logits are cut to them, the loss is over them, and the extra
-            rows are never read (exports leave them out).
+            ``vocab_size`` ids: the logits are cut to them and the loss is over them, so the
+            extra rows are never a token and no gradient reaches them (the head still computes
+            them, and weight decay shrinks them); exports leave them out.
         context_length: longest sequence the model sees (GPT-2's ``n_positions``; nanoGPT's
             ``block_size``).
         n_layer: transformer blocks.

@@ -79,7 +79,6 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise GptkilnError(f"top_p must be in (0, 1] (1 keeps all tokens), got {top_p}")
 
 
-# The groups of `TrainConfig`'s settings, in the order `gptkiln train --help` shows them.
 VOCAB_MULTIPLE = 64
 """What a new run on CUDA rounds its model's vocabulary up to a multiple of (``--pad-vocab``'s
 default there; nanoGPT's 50,304 for GPT-2's 50,257): the head's matmul in whole tensor-core
@@ -87,6 +86,7 @@ tiles. Not on a CPU unless asked, where the gain measured small (a step 1.02-1.0
 bf16, bench/padded_vocab.py) and a run's model stays the one it names (the book's 124M: its
 163,009,536 parameters)."""
 
+# The groups of `TrainConfig`'s settings, in the order `gptkiln train --help` shows them.
 TRAIN_GROUPS = (
     "data",
     "model",

@@ -32,7 +32,7 @@ from gptkiln.checkpoint import atomic_write, check_out_dir, write_json, write_sa
 from gptkiln.errors import GptkilnError
 from gptkiln.export.files import copy_files, drop_files, write_text
 from gptkiln.export.templates import run_chat_jinja
-from gptkiln.interop import config_to_hf, gptkiln_state_dict_to_hf
+from gptkiln.interop import config_to_hf, gptkiln_state_dict_to_hf, without_vocab_padding
 from gptkiln.loading import (
     CONFIG_FILE,
     HF_INDEX_FILE,
@@ -134,11 +134,7 @@ def float_state_dict(model: GPT) -> tuple[dict[str, torch.Tensor], bool]:
         sd[weight_name] = dequantize(sd[weight_name], sd.pop(scale_name))
     if scales and model.config.tie_embeddings:
         sd.pop("lm_head.weight", None)  # the tied head is the embedding, once
-    if model.config.padded_vocab_size is not None:
-        for name in ("wte.weight", "lm_head.weight"):
-            if name in sd:
-                sd[name] = sd[name][: model.config.vocab_size]
-    return sd, bool(scales)
+    return without_vocab_padding(sd, model.config)[0], bool(scales)
 
 
 def _dtype_name(sd: dict[str, torch.Tensor]) -> str:

@@ -179,7 +179,7 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def lora_parameter_count(config: GPTConfig, spec: LoraSpec) -> int:
     """Adapter parameters for a GPT of ``config``, by the formulas of this module's docstring."""
     C, L, r = config.n_embd, config.n_layer, spec.rank
-    head_out = config.num_classes or config.vocab_size
+    head_out = config.num_classes or config.vocab_rows  # a padded head's rows too
     head = r * (C + head_out) if spec.head else 0
     if config.family != "gpt2":  # an adapter of r x (in + out) on each of the seven layers
         check_family(spec, config)
