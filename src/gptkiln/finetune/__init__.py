@@ -65,7 +65,9 @@ def finetune(
 
     Args:
         ft: what to start from, learn and train (see `FinetuneConfig`).
-        train: the loop's settings (`train_config` gives the fine-tuning defaults).
+        train: the loop's settings (`train_config` gives the fine-tuning defaults, eager on
+            CUDA too; a `TrainConfig` made otherwise compiles on CUDA unless ``compile=False``,
+            and batches of changing length compile again at each new shape).
         resume: continue the run in ``train.out``; as in pretraining, the result is the one of
             a run never interrupted.
         overwrite: start afresh over a run in ``train.out``.
