@@ -88,13 +88,18 @@ def test_every_tokenizer_exports_to_what_transformers_loads_alone(tmp_path, fami
     assert generation.eos_token_id == tokenizer.eot_id
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    prompt = tokenizer.encode("To be, or not")
+    ours, theirs = greedy_ids(model, hf, tokenizer.encode("To be, or not"))
+    assert theirs == ours
+
+
+def greedy_ids(model, hf, prompt: list[int]) -> tuple[list[int], list[int]]:
+    """12 greedy ids after ``prompt``: gptkiln's, then transformers' (no stop at end of text)."""
     ours = generate(model, prompt, max_new_tokens=12, temperature=0, stop_at_eos=False)
     with torch.no_grad():
         theirs = hf.generate(
             torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
         )[0, len(prompt) :].tolist()
-    assert theirs == ours
+    return ours, theirs
 
 
 @pytest.mark.parametrize("family", ["gpt2", "qwen3"])
@@ -109,14 +114,11 @@ def test_a_padded_vocabulary_leaves_without_its_padding_rows(tmp_path, family):
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert hf.get_output_embeddings().weight.shape[0] == V
     prompt = tokenizer.encode("To be, or not")
-    ours = generate(model, prompt, max_new_tokens=12, temperature=0, stop_at_eos=False)
+    ours, theirs = greedy_ids(model, hf, prompt)
+    assert theirs == ours and max(ours) < V
     with torch.no_grad():
-        theirs = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
-        )[0, len(prompt) :].tolist()
         hf_logits = hf(torch.tensor([prompt])).logits
         torch.testing.assert_close(hf_logits, model(torch.tensor([prompt])), atol=1e-4, rtol=0)
-    assert theirs == ours and max(ours) < V
     # the same without the export: interop's state dict describes the unpadded model too
     hf_sd = gptkiln_state_dict_to_hf(model.state_dict(), model.config)
     assert {

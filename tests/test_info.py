@@ -169,3 +169,20 @@ def test_what_is_not_a_run_is_one_line(run, tmp_path, capsys):
     (copy / "config.json").write_text(json.dumps(cfg))
     code, _, err = cli("info", copy, capsys=capsys)
     assert_one_line_error(code, err, "n_layer 1000000000", "the weights hold n_layer 2")
+
+
+def test_a_padded_vocabulary_is_named_beside_its_ids(tmp_path):
+    """A run whose embedding and head are padded (``--pad-vocab``): its ids and its rows, the
+    parameters counting the rows (what the file holds)."""
+    from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.tokenizers import load_tokenizer
+
+    config = GPTConfig.from_name("tiny", vocab_size=50257, padded_vocab_size=50304)
+    model = GPT(config)
+    save_model(model, tmp_path / "run", tokenizer=load_tokenizer("gpt2"))
+    info = run_info(tmp_path / "run")
+    assert info.parameters == model.num_parameters()
+    assert "vocabulary 50,257 in 50,304 rows (padded);" in info.summary()
+    assert "padded_vocab_size" not in info.summary()  # said once, in words

@@ -555,7 +555,11 @@ class RunInfo:
             f"{'' if family == 'gpt2' else family + ', '}{m['n_layer']} layers, {heads}, "
             f"{m['n_embd']} wide, context {m['context_length']}, vocabulary {m['vocab_size']:,}"
         )
-        changes = ", ".join(f"{k} {v}" for k, v in self.preset_changes.items())
+        if m.get("padded_vocab_size"):  # the parameters count the embedding's and head's rows
+            shape += f" in {m['padded_vocab_size']:,} rows (padded)"
+        changes = ", ".join(
+            f"{k} {v}" for k, v in self.preset_changes.items() if k != "padded_vocab_size"
+        )
         preset = (
             f"{self.preset} preset{f' ({changes})' if changes else ''}: " if self.preset else ""
         )
