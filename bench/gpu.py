@@ -110,6 +110,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 import generate as generate_bench  # noqa: E402
 
+from gptkiln.config.model import rounded_vocab  # noqa: E402
 from gptkiln.config.run import VOCAB_MULTIPLE  # noqa: E402
 
 SHAPE = dict(vocab=50257, context=1024, n_layer=12, n_head=12, n_embd=768)
@@ -198,12 +199,6 @@ def attention_first(backend: str | None):
     return sdpa_kernel(order, set_priority=True)
 
 
-def padded_vocab(vocab: int, multiple: int | None) -> int:
-    """``vocab`` rounded up to a multiple of ``multiple`` (None or 1: as it is), as
-    `gptkiln.train.model_config_for` rounds ``--pad-vocab``."""
-    return vocab if not multiple else -(-vocab // multiple) * multiple
-
-
 class FixedBatches:
     """Two random batches of ids below ``vocab`` in turn, on the host as the trainer's loader
     gives them (`gptkiln.train.task.BatchSource`)."""
@@ -274,7 +269,7 @@ def train_worker(job: dict) -> None:
     batch = job["batch"] * times
     job = {**job, "batch": batch, "attention": attention}
     if impl == "gptkiln":
-        model = common.gptkiln_gpt({**s, "padded_vocab": padded_vocab(s["vocab"], pad)}, "gpt2")
+        model = common.gptkiln_gpt({**s, "padded_vocab": rounded_vocab(s["vocab"], pad)}, "gpt2")
         model = model.to(device)
         r = gptkiln_steps(torch, job, model, s["vocab"], s["context"])
         sec, warmup_s, losses = r["sec"], r["warmup_s"], r["losses"]
@@ -594,7 +589,7 @@ def train_part(args, shape: dict) -> None:
     base = results[0].get("tokens_per_s")
     rows = []
     for job, r in zip(train_jobs, results):
-        vocab = padded_vocab(shape["vocab"], TRAIN_VARIANTS[job["variant"]][1])
+        vocab = rounded_vocab(shape["vocab"], TRAIN_VARIANTS[job["variant"]][1])
         rows.append(
             dict(
                 variant=job["variant"],

@@ -26,6 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 
+from gptkiln.config.model import rounded_vocab  # noqa: E402
+from gptkiln.config.run import VOCAB_MULTIPLE  # noqa: E402
+
 VOCAB = 50257
 SHAPES = {  # preset: (batch, context)
     "qwen3-baby-untied": (12, 64),
@@ -58,7 +61,7 @@ def main() -> None:
     common.print_machine()
     torch = common.setup_torch()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32)
-    padded_rows = -(-VOCAB // 64) * 64
+    padded_rows = rounded_vocab(VOCAB, VOCAB_MULTIPLE)
     print(f"\n{'bf16 autocast' if not args.fp32 else 'fp32'}, eager; vocabulary {VOCAB:,} ids,"
           f" padded to {padded_rows:,} rows\n")  # fmt: skip
     print("| model | batch x context | unpadded ms/step | padded ms/step | ratio (unpadded / "

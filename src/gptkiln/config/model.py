@@ -328,6 +328,12 @@ class GPTConfig:
         return _from_dict(cls, values, "model config")
 
 
+def rounded_vocab(vocab_size: int, multiple: int | None) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple`` (None or 1: as it is): the rows
+    ``--pad-vocab`` gives a model's embedding and head."""
+    return vocab_size if not multiple else -(-vocab_size // multiple) * multiple
+
+
 _RECIPE_CHOICES = ("relu2", "logit_softcap", "zero_init_out", "value_embeds", "attention_windows")
 
 _CHOICES: dict[str, tuple[str, ...]] = {

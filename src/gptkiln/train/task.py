@@ -16,6 +16,7 @@ import torch
 
 from gptkiln import distributed as dist_utils
 from gptkiln.config import GPTConfig, TrainConfig
+from gptkiln.config.model import rounded_vocab
 from gptkiln.config.run import VOCAB_MULTIPLE
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
@@ -308,7 +309,7 @@ def model_config_for(
         padded = resumed.padded_vocab_size
     else:
         multiple = cfg.pad_vocab or (VOCAB_MULTIPLE if device.startswith("cuda") else 1)
-        padded = -(-vocab_size // multiple) * multiple
+        padded = rounded_vocab(vocab_size, multiple)
     overrides: dict = {
         "vocab_size": vocab_size,
         "padded_vocab_size": padded if padded and padded > vocab_size else None,
