@@ -391,10 +391,11 @@ def generate_worker(job: dict) -> None:
         warmup_s = time.perf_counter() - t0
         times = _timed(torch, device, lambda: run(n), warmup=0, repeats=job["repeats"])
         out = run(2)
-        same = None
+        same, ends = None, {}
         if job["impl"] == "gptkiln graphs":  # the eager path's greedy ids, in this process
             eager = generate_bench.generator_for("gptkiln", model)(idx, n)
             same = (torch.as_tensor(first).cpu() == eager.cpu()).all(dim=1).float().mean().item()
+            ends = ends_timed(torch, job, model, idx, first)
     assert len(out) == job["batch"], len(out)
     sec = statistics.median(times)
     common.emit(
@@ -404,8 +405,46 @@ def generate_worker(job: dict) -> None:
             "peak_gpu_mb": _peak_memory_mb(torch, device),
             "warmup_s": warmup_s if compiled else None,
             "same_ids": same,
+            **ends,
         }
     )
+
+
+NEVER_STOP = "\x00(a stop string no row writes)\x00"
+
+
+def ends_timed(torch, job: dict, model, idx, first) -> dict:
+    """The graphs' decoding as ``gptkiln generate`` runs it, timed in the process that
+    compiled them: an end-of-text id and a stop string watched, so the host reads every step's
+    tokens (`sampling.generate_stream`), with the next replay queued before each read (its
+    ``read_ahead``, on by itself on CUDA) and without (``read_ahead=False``: the read waits for
+    the step, then the host queues the next). The end id is one no row made in ``first`` (this
+    greedy decoding's ids), so every row still runs all the tokens."""
+    from functools import partial
+
+    from gptkiln.gpu import prepare_graphs
+    from gptkiln.sampling import generate
+    from gptkiln.tokenizers import GPT2Tokenizer
+
+    device, n = job["device"], job["new_tokens"]
+    made = {int(t) for t in torch.as_tensor(first).flatten()}
+    never = next(i for i in range(job["shape"]["vocab"]) if i not in made)
+    tokenizer, prompts = GPT2Tokenizer(), idx.tolist()
+    prepare = partial(prepare_graphs, min_steps=1)
+    out = {}
+    for key, read_ahead in (("ends_tokens_per_s", None), ("ends_in_step_tokens_per_s", False)):
+
+        def run(read_ahead=read_ahead):
+            ids = generate(
+                model, prompts, max_new_tokens=n, temperature=0, prepare=prepare,
+                tokenizer=tokenizer, eot_id=never, stop=[NEVER_STOP], read_ahead=read_ahead,
+            )  # fmt: skip
+            if ids != torch.as_tensor(first).tolist():
+                raise AssertionError("a decoding that watches its ends changed the ids")
+
+        times = _timed(torch, device, run, warmup=1, repeats=job["repeats"])
+        out[key] = job["batch"] * n / statistics.median(times)
+    return out
 
 
 COMPILED = ("gptkiln graphs", "transformers static")
@@ -770,11 +809,18 @@ def generate_part(args, shape: dict) -> None:
             ("peak_gpu_mb", "peak GPU MB"),
             ("warmup_s", "warm-up s"),
             ("same_ids", "same ids"),
+            ("ends_tokens_per_s", "tok/s, ends read ahead"),
+            ("ends_in_step_tokens_per_s", "tok/s, ends read in step"),
             ("error", "error"),
         ],
     )
     print("\n# 'gptkiln ratio' = gptkiln tokens/s / that row's tokens/s")
     print("# 'graphs ratio' = gptkiln graphs tokens/s / that row's tokens/s")
+    print(
+        "# 'ends read ahead' / 'in step': gptkiln graphs watching an end id and a stop string "
+        "(as gptkiln generate does), the next replay queued before the host reads each step, "
+        "or after"
+    )
     for line in generate_targets(rows):
         print(line)
 
@@ -793,6 +839,12 @@ def generate_targets(rows: list[dict]) -> list[str]:
             f"(>= {times * before[0]:.0f}-{times * before[1]:.0f}); graphs here {got:.1f}, "
             f"same ids {graphs['same_ids']}"
         )
+        ahead, in_step = graphs.get("ends_tokens_per_s"), graphs.get("ends_in_step_tokens_per_s")
+        if ahead and in_step:
+            lines.append(
+                f"item 1 (issue 48): batch {batch}, ends watched: read ahead {ahead:.1f} tok/s "
+                f"({ahead / got:.2f}x graphs'), read in step {in_step:.1f} ({in_step / got:.2f}x)"
+            )
         static = at.get((batch, "transformers static"))
         if batch == 1 and static is not None and "tokens_per_s" in static:
             lines.append(

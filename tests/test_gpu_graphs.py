@@ -101,6 +101,28 @@ def test_compiled_greedy_ids_equal_the_eager_ones(model, batch):
     assert state.slots.tolist() == [T + 11] * state.rows  # the graph fed the 11 later tokens
 
 
+def test_graph_steps_read_a_step_behind_give_the_eager_ids_of_rows_that_end(model):
+    """Rows ending at different steps (an end-of-text id, a stop string) while the next graph
+    replay is queued before the host reads each step (`generate_stream`'s ``read_ahead``, on
+    by itself on CUDA): the eager path's ids, one replay past the last step read."""
+    from gptkiln.tokenizers import CharTokenizer
+
+    tok = CharTokenizer([chr(0x41 + i) for i in range(model.config.vocab_size)], with_eot=False)
+    prompts = PROMPTS["padded"]
+    free = generate(model, prompts, max_new_tokens=16, temperature=0)
+    kw = dict(max_new_tokens=16, temperature=0, eot_id=free[0][5])
+    kw.update(stop=[tok.decode(free[1][8:10])], tokenizer=tok)
+    eager = generate(model, prompts, **kw)
+    assert eager != free and max(len(r) for r in eager) < 16  # every row ended early
+    fed = {}
+    for ahead in (False, True):
+        model.__dict__.pop("graph_decoder", None)
+        assert generate(model, prompts, prepare=graphs, read_ahead=ahead, **kw) == eager
+        (state,) = model.graph_decoder.states.values()
+        fed[ahead] = state.slots[0].item()
+    assert fed[True] == fed[False] + 1  # the one replay queued ahead of the last read
+
+
 def test_penalties_on_the_device_equal_the_eager_ones(model):
     kw = dict(max_new_tokens=12, temperature=0, frequency_penalty=0.8, presence_penalty=0.3)
     eager = generate(model, PROMPTS["padded"], **kw)

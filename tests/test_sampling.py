@@ -447,3 +447,89 @@ def test_the_first_token_is_out_before_the_decoding_kernels_are_tuned(model):
         model, [[1, 2, 3]], SampleConfig(max_new_tokens=1, temperature=0), prepare=prepare
     )
     assert len(list(one)) == 1 and tuned == [2]  # no decode step, nothing to tune
+
+
+# -- reading ahead: the next step queued before the host reads this one's tokens ---------------
+class _Watched:
+    """A `TextStream` that notes, at each token it is given, how many decode steps were queued
+    by then (``queued``: the count the test's spy keeps)."""
+
+    def __init__(self, stream, queued):
+        self.stream, self.queued, self.seen = stream, queued, []
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def push(self, token):
+        self.seen.append(len(self.queued))
+        return self.stream.push(token)
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_reading_ahead_queues_the_next_step_before_the_host_reads_this_one(
+    model, monkeypatch, read_ahead
+):
+    from gptkiln import sampling
+    from gptkiln.sampling import TextStream
+
+    tok = _ids_as_letters()
+    free = generate(model, [1, 2, 3], max_new_tokens=10, temperature=0)
+    stop = tok.decode(free[5:7])  # ends the row at its 7th token
+    assert stop not in tok.decode(free[:6])
+    queued = []
+    real = sampling.decode_one_token
+
+    def spy(m, token, pos):
+        queued.append(pos)
+        return real(m, token, pos)
+
+    monkeypatch.setattr(sampling, "decode_one_token", spy)
+    cfg = SampleConfig(max_new_tokens=10, temperature=0, stop=(stop,))
+    stream = _Watched(TextStream(tok.decode, cfg.stop), queued)
+    steps = list(generate_stream(model, [[1, 2, 3]], cfg, streams=[stream], read_ahead=read_ahead))
+    assert [int(t) for t in steps] == free[:7] and stream.done
+    if read_ahead:  # token k is read once step k+1 is queued; the 8th step was never used
+        assert stream.seen == [1, 2, 3, 4, 5, 6, 7] and len(queued) == 7
+    else:
+        assert stream.seen == [0, 1, 2, 3, 4, 5, 6] and len(queued) == 6
+    queued.clear()  # the last step queues nothing after it
+    cfg = SampleConfig(max_new_tokens=4, temperature=0, stop=("@@",))
+    stream = _Watched(TextStream(tok.decode, cfg.stop), queued)
+    list(generate_stream(model, [[1, 2, 3]], cfg, streams=[stream], read_ahead=read_ahead))
+    assert stream.seen == ([1, 2, 3, 3] if read_ahead else [0, 1, 2, 3]) and len(queued) == 3
+
+
+def test_reading_ahead_is_for_the_steps_a_backend_takes_on_cuda():
+    from gptkiln.sampling import _reads_ahead
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _reads_ahead(None, True, cuda)
+    assert not _reads_ahead(None, False, cuda)  # an eager step: its launch is the host's work
+    assert not _reads_ahead(None, True, cpu)  # a CPU step has run when it returns
+    assert _reads_ahead(True, False, cpu) and not _reads_ahead(False, True, cuda)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["end of text", "stop string", "seeded penalties", "sliding window", "no cache", "one step"],
+)
+def test_reading_ahead_gives_the_tokens_of_reading_in_step(model, case):
+    tok = _ids_as_letters()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    free = generate(model, prompts, max_new_tokens=10, temperature=0)
+    kw = dict(max_new_tokens=10, temperature=0)
+    if case == "end of text":  # rows end at different steps
+        kw["eot_id"] = free[0][4]
+    elif case == "stop string":
+        kw.update(stop=[tok.decode(free[1][3:5])], tokenizer=tok, eot_id=free[2][6])
+    elif case == "seeded penalties":
+        kw.update(temperature=0.9, seed=5, frequency_penalty=0.5, eot_id=free[0][2])
+    elif case == "sliding window":  # 5 + 30 tokens pass the context of 24
+        kw.update(max_new_tokens=30, eot_id=63)
+    elif case == "no cache":
+        prompts, kw = [[1, 2, 3], [4, 5, 6]], dict(kw, use_cache=False, eot_id=free[0][3])
+    else:
+        kw.update(max_new_tokens=1, eot_id=free[0][0])
+    behind = generate(model, prompts, read_ahead=False, **kw)
+    assert generate(model, prompts, read_ahead=True, **kw) == behind
+    assert behind != free or case == "sliding window"

@@ -303,6 +303,31 @@ feeds ``token`` (B,) at ``pos`` and returns the next token (B,) chosen on the de
 """
 
 
+class HostTokens:
+    """A step's tokens (B,) on their way to the host: on CUDA a copy into pinned memory that
+    does not wait, and an event after it, so that `read` waits for this step's work alone and
+    not for the steps queued behind it; elsewhere the tokens themselves (a CPU step has run when
+    it returns) or a plain copy."""
+
+    def __init__(self, token: torch.Tensor):
+        self.event = None
+        if token.device.type == "cpu":
+            self.tokens = token
+        elif token.device.type == "cuda":
+            self.tokens = torch.empty(token.shape, dtype=token.dtype, pin_memory=True)
+            self.tokens.copy_(token, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.tokens = token.cpu()
+
+    def read(self) -> torch.Tensor:
+        """The tokens, on the CPU, once they are there."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tokens
+
+
 @torch.inference_mode()
 def generate_stream(
     model: GPT,
@@ -314,6 +339,7 @@ def generate_stream(
     streams: Sequence[TextStream] | None = None,
     row_seeds: Sequence[int | None] | None = None,
     prepare: Prepare | None = None,
+    read_ahead: bool | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,) per step, until max_new_tokens or every row ended.
 
@@ -324,12 +350,22 @@ def generate_stream(
     (or 0) until the others end. Prompts longer than the context keep their last
     ``context_length`` tokens (the model never sees more), as does the running sequence.
 
+    Where a row can end, the host reads every step's tokens, and this yields what it read (a
+    CPU tensor); where none can, nothing is read and the tokens stay on the model's device.
+
     With ``cfg.seed`` (or ``row_seeds``, one seed or None a row) every row draws from its own
     generator, so a row's tokens are those it gets alone with the same seed.
 
     ``prepare(model, rows, steps)``: the decode backend's set-up (`Prepare`), called once the
     KV cache is set and the first token is out (a first token waits for no tuning), where more
     than one token is asked for; None decodes with the model as it is.
+
+    ``read_ahead``: queue step k+1 on the device before the host reads step k's tokens, so the
+    device decodes while the host checks the ends and stop strings (the tokens are the same;
+    a decoding that ends computes one step it does not use). None: on CUDA, for the steps a
+    backend takes on the device whole (`Prepare`'s ``sampling_steps``, the CUDA graphs), whose
+    launch is cheap; an eager step's launch is the host's work, which reading ahead would only
+    delay.
     """
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     if cfg.stop and streams is None:
@@ -349,7 +385,8 @@ def generate_stream(
     generators = _row_generators(seeds, device)
     stop = torch.tensor(ends, device=device) if cfg.stop_at_eos and ends else None
     ending = stop is not None or streams is not None  # whether a row can end before the rest
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # masks the rows that ended
+    done = [False] * B  # the host's copy of ``finished``, from the tokens it read
     penalised = bool(cfg.presence_penalty or cfg.frequency_penalty)
     counts = torch.zeros(B, model.config.vocab_size, device=device) if penalised else None
     pos = idx.size(1)
@@ -362,35 +399,10 @@ def generate_stream(
     else:
         logits = window_logits(model, idx)
     backend_step = next_token = None  # the prepared backend's decode-and-sample step
-    for step in range(cfg.max_new_tokens):
-        if next_token is not None:
-            token = next_token
-        else:
-            if counts is not None:
-                logits = apply_penalties(
-                    logits, counts, cfg.presence_penalty, cfg.frequency_penalty
-                )
-            token = sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, generators)  # (B,)
-        token = token.masked_fill(finished, filler)
-        if counts is not None:
-            counts[torch.arange(B, device=device), token] += (~finished).to(counts.dtype)
-        if streams is not None:  # rows still going read their token; a stop string ends one
-            going = (~finished).tolist()
-            for row, t in enumerate(token.tolist()):
-                if going[row]:
-                    streams[row].push(t)
-                    finished[row] = streams[row].done
-        if stop is not None:
-            finished |= torch.isin(token, stop)
-        yield token
-        # the only read of a step's tokens here, and none where nothing can end a row
-        if step + 1 == cfg.max_new_tokens or (ending and bool(finished.all())):
-            return
-        if untuned:
-            plan = prepare(model, B, cfg.max_new_tokens - 1)
-            start = getattr(plan, "sampling_steps", None)
-            backend_step = None if start is None else start(cfg, seeds, counts, pos)
-            untuned = False
+
+    def queue_next(token: torch.Tensor) -> None:
+        """Queue the step that feeds ``token``: its logits, or the backend's next token."""
+        nonlocal idx, logits, next_token, pos
         idx = torch.cat([idx, token[:, None]], dim=1)
         next_token = None
         if not use_cache:
@@ -404,6 +416,59 @@ def generate_stream(
         else:  # the window slides: positions shift, so the cache is rebuilt from the last ctx
             model.setup_cache(B, ctx, (pad_lens - (idx.size(1) - ctx)).clamp(min=0))
             logits = prefill(model, idx[:, -ctx:])
+
+    for step in range(cfg.max_new_tokens):
+        if next_token is not None:
+            token = next_token
+        else:
+            if counts is not None:
+                logits = apply_penalties(
+                    logits, counts, cfg.presence_penalty, cfg.frequency_penalty
+                )
+            token = sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, generators)  # (B,)
+        token = token.masked_fill(finished, filler)
+        if counts is not None:
+            counts[torch.arange(B, device=device), token] += (~finished).to(counts.dtype)
+        if stop is not None:
+            finished |= torch.isin(token, stop)
+        last = step + 1 == cfg.max_new_tokens
+        host = HostTokens(token) if ending else None  # started before the next step is queued
+        ahead = ending and not last and not untuned
+        ahead = ahead and _reads_ahead(read_ahead, backend_step is not None and pos < ctx, device)
+        if ahead:
+            queue_next(token)
+        out = token
+        if host is not None:  # the only read of a step's tokens, and none where no row can end
+            out = host.read()
+            for row, t in enumerate(out.tolist()):
+                if done[row]:
+                    continue
+                if streams is not None:  # a stop string, or an end its stream knows, ends it
+                    streams[row].push(t)
+                    if streams[row].done:
+                        done[row] = True
+                        finished[row] = True
+                if stop is not None and t in ends:
+                    done[row] = True
+        yield out
+        if last or all(done):
+            return
+        if untuned:
+            plan = prepare(model, B, cfg.max_new_tokens - 1)
+            start = getattr(plan, "sampling_steps", None)
+            backend_step = None if start is None else start(cfg, seeds, counts, pos)
+            untuned = False
+        if not ahead:
+            queue_next(token)
+
+
+def _reads_ahead(read_ahead: bool | None, backend_next: bool, device: torch.device) -> bool:
+    """Whether `generate_stream` queues the next step before it reads this one's tokens:
+    ``read_ahead`` where given, else on CUDA where the backend takes the next step
+    (``backend_next``)."""
+    if read_ahead is not None:
+        return read_ahead
+    return device.type == "cuda" and backend_next
 
 
 def generate_batched(
@@ -481,6 +546,7 @@ def generate(
     *,
     tokenizer=None,
     prepare: Prepare | None = None,
+    read_ahead: bool | None = None,
     **overrides,
 ) -> list[list[int]] | list[int]:
     """New token ids for one prompt (a list of ids, or a 1-D tensor or array) or a batch (a list
@@ -491,7 +557,8 @@ def generate(
     (``stop=[...]``) need ``tokenizer`` (its ``decode``; it also gives ``eot_id`` when that is not
     passed); a row ends with the token that completes a stop string, which is included, as
     Hugging Face's ``generate`` does (the text-level functions, `gptkiln.api.stream_text` and the
-    server, cut the text before the stop string).
+    server, cut the text before the stop string). ``prepare`` and ``read_ahead``: as
+    `generate_stream`'s.
     """
     cfg = cfg or SampleConfig()
     if overrides:
@@ -512,7 +579,14 @@ def generate(
     model.eval()
     try:
         tokens = generate_stream(
-            model, batch, cfg, eot_id, use_cache, streams=streams, prepare=prepare
+            model,
+            batch,
+            cfg,
+            eot_id,
+            use_cache,
+            streams=streams,
+            prepare=prepare,
+            read_ahead=read_ahead,
         )
         if not ends and streams is None:  # nothing ends a row: the ids are read once, at the end
             steps = list(tokens)  # (B,) each, left on the device: no sync a token
