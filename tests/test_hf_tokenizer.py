@@ -196,3 +196,16 @@ def test_a_run_without_its_tokenizer_json_is_one_line(tmp_path, capsys):
 
     with pytest.raises(GptkilnError, match="no tokenizer.json"):
         load_tokenizer(tmp_path / "l")
+
+
+def test_a_byte_level_tokenizer_streams_in_pieces_what_decoding_whole_gives(hf_dir):
+    """Llama 3's and Qwen3's byte-level decoders stream their text a few tokens at a time
+    (`TextStream`), the same text; a decoder that joins words with spaces, and cleans them up,
+    is decoded whole."""
+    from test_sampling import assert_decoded_in_pieces_as_whole
+
+    tok = load_tokenizer(hf_dir)
+    if hf_dir.name == "wordlevel":
+        assert not tok.decodes_in_pieces
+    else:
+        assert_decoded_in_pieces_as_whole(tok)

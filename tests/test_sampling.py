@@ -318,6 +318,74 @@ def test_a_text_stream_holds_half_a_character_until_its_other_bytes_come():
     assert stream.push(gpt2.eot_id) == "" and stream.done and stream.finish_reason == "stop"
 
 
+MIXED_TEXT = "Hello, world! 你好，世界。 Emoji: 🙂😀🎉 café naïve — done.\n"
+
+
+def streamed(decode, ids, stop=(), ends=()):
+    """What a `TextStream` gives out for ``ids``: each push's piece, then done, text, flush."""
+    from gptkiln.sampling import TextStream
+
+    stream = TextStream(decode, stop, ends)
+    pieces = [stream.push(t) for t in ids]
+    return pieces, stream.done, stream.text, stream.flush()
+
+
+def assert_decoded_in_pieces_as_whole(tok, seed: int = 0):
+    """A tokenizer that `decodes_in_pieces` streams the text decoding it whole gives: real text
+    (whole and split characters), runs of random ids (bytes that make no character, special
+    tokens), with and without stop strings found in it."""
+    import random
+
+    assert tok.decodes_in_pieces
+    rng = random.Random(seed)
+    real = tok.encode(MIXED_TEXT * 3)
+    sequences = [real, [rng.randrange(tok.vocab_size) for _ in range(300)]]
+    sequences.append([rng.randrange(min(tok.vocab_size, 300)) for _ in range(300)])  # bytes
+    ends = tok.stop_ids
+
+    def whole(ids):  # not a tokenizer's own method: decoded whole, as before pieces
+        return tok.decode(ids)
+
+    for ids in sequences:
+        text = tok.decode([t for t in ids if t not in ends])
+        for stop in ((), (text[40:43],), (text[-30:-28], "\n")):
+            stop = tuple(s for s in stop if s)
+            assert streamed(tok.decode, ids, stop, ends) == streamed(whole, ids, stop, ends)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "char", "bpe"])
+def test_a_text_stream_decodes_in_pieces_what_decoding_whole_gives(kind):
+    from gptkiln.tokenizers import build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
+
+    if kind == "gpt2":
+        tok = load_tokenizer("gpt2")
+    elif kind == "char":
+        tok = build_char_tokenizer([MIXED_TEXT], with_eot=True)
+    else:
+        tok = train_bpe_tokenizer([MIXED_TEXT * 20, "the cat sat on the mat " * 20], 300)
+    assert_decoded_in_pieces_as_whole(tok)
+
+
+def test_a_text_streams_work_a_token_does_not_grow_with_its_text():
+    from gptkiln.tokenizers import GPT2Tokenizer
+
+    decoded = []
+
+    class Counted(GPT2Tokenizer):
+        def decode(self, ids):
+            decoded.append(len(ids))
+            return super().decode(ids)
+
+    tok = Counted()
+    ids = tok.encode(MIXED_TEXT * 80)  # 2,500 ids, emoji and Chinese split across tokens
+    pieces, done, text, tail = streamed(tok.decode, ids, ("@@",), tok.stop_ids)
+    assert "".join(pieces) + tail == MIXED_TEXT * 80 and len(ids) > 2000
+    assert max(decoded) <= 4  # the ids since the last whole character, never the whole text
+    decoded.clear()
+    streamed(lambda i: tok.decode(i), ids[:300])  # a plain function: decoded whole
+    assert max(decoded) == 300
+
+
 def test_penalties_are_openais_formula():
     from gptkiln.sampling import apply_penalties
 

@@ -223,6 +223,11 @@ class TextStream:
     stops right before the stop string, which is never given out, and `done` is set. `flush`
     gives out what is held back once no more tokens come.
 
+    The text is its ids decoded whole. Where ``decode`` is a tokenizer's whose
+    ``decodes_in_pieces`` is true (characters, byte-level BPE), only the ids after the last
+    whole character are decoded at each token, and the text before them is kept: the same text
+    for a token's work that does not grow with the sequence.
+
     Args:
         decode: ids -> text (the tokenizer's ``decode``).
         stop: stop strings.
@@ -242,6 +247,9 @@ class TextStream:
         self.text = ""  # the text given out so far
         self.done = False
         self._taken = 0
+        owner = getattr(decode, "__self__", None)  # the tokenizer of a bound ``decode``
+        self._in_pieces = bool(getattr(owner, "decodes_in_pieces", False))
+        self._settled, self._settled_text = 0, ""  # ids[:settled] decode to settled_text
 
     @property
     def finish_reason(self) -> str:
@@ -257,7 +265,7 @@ class TextStream:
             self.done = True
             return piece
         self.ids.append(token)
-        full = self.decode(self.ids)
+        full = self._decoded()
         shown = len(self.text)
         ends = [i for s in self.stop if (i := full.find(s, max(0, shown - len(s) + 1))) >= 0]
         if ends:
@@ -269,7 +277,18 @@ class TextStream:
 
     def flush(self) -> str:
         """What is held back, once no more tokens come (nothing after the sequence is done)."""
-        return "" if self.done else self._give(self.decode(self.ids))
+        return "" if self.done else self._give(self._decoded())
+
+    def _decoded(self) -> str:
+        """``decode(ids)``; in pieces where the tokenizer allows, the ids up to the last whole
+        character kept as their text and only those after it decoded."""
+        if not self._in_pieces:
+            return self.decode(self.ids)
+        tail = self.decode(self.ids[self._settled :])
+        full = self._settled_text + tail
+        if tail and not tail.endswith("\ufffd"):  # a whole character last: settled up to here
+            self._settled, self._settled_text = len(self.ids), full
+        return full
 
     def take(self) -> str:
         """The text given out since the last `take`: for a reader of a stream that another

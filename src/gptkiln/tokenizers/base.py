@@ -24,6 +24,13 @@ TOKENIZER_KINDS = ("gpt2", "char", "bpe", "hf")
 TOKENIZER_FILES = (META_FILE, CHAR_VOCAB_FILE, BPE_FILE, HF_CONFIG_FILE, *HF_EXTRA_FILES)
 
 
+def byte_level_decoder(tokenizer_json: str) -> bool:
+    """Whether a Hugging Face tokenizer.json decodes by its ``ByteLevel`` decoder alone (its
+    text the UTF-8 of its tokens' bytes, nothing joined or stripped across tokens)."""
+    decoder = json.loads(tokenizer_json).get("decoder") or {}
+    return decoder.get("type") == "ByteLevel"
+
+
 class Tokenizer(ABC):
     """What every tokenizer offers: text to ids and back, and saving to a directory.
 
@@ -32,11 +39,16 @@ class Tokenizer(ABC):
         vocab_size: number of ids; every id is in ``range(vocab_size)``.
         eot_id: id of ``<|endoftext|>`` (a Hugging Face tokenizer's EOS), or ``None`` when this
             tokenizer has no such token.
+        decodes_in_pieces: ``decode(a + b) == decode(a) + decode(b)`` wherever ``decode(a)``
+            ends in a whole character: true of characters and of byte-level BPE (its text is
+            its tokens' bytes), not of a decoder that strips, joins or cleans up across
+            tokens. `sampling.TextStream` then decodes only the ids after the text it settled.
     """
 
     kind: str
     vocab_size: int
     eot_id: int | None
+    decodes_in_pieces: bool = False
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:

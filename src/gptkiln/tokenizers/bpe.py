@@ -16,6 +16,7 @@ from gptkiln.tokenizers.base import (
     Tokenizer,
     _lead_bytes_per_piece,
     _unicode_to_bytes,
+    byte_level_decoder,
 )
 
 DEFAULT_BPE_VOCAB_SIZE = 8192
@@ -44,6 +45,7 @@ class BPETokenizer(Tokenizer):
         self._hf_plain.encode_special_tokens = True
         self.vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
         self.eot_id = hf_tokenizer.token_to_id(EOT)
+        self.decodes_in_pieces = byte_level_decoder(hf_tokenizer.to_str())
 
     def encode(self, text: str) -> list[int]:
         return self._hf.encode(text, add_special_tokens=False).ids

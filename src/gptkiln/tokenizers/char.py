@@ -22,6 +22,7 @@ class CharTokenizer(Tokenizer):
     """
 
     kind = "char"
+    decodes_in_pieces = True
 
     def __init__(self, chars: Sequence[str], *, with_eot: bool) -> None:
         chars = list(chars)

@@ -102,6 +102,7 @@ class GPT2Tokenizer(Tokenizer):
     kind = "gpt2"
     vocab_size = GPT2_EOT_ID + 1
     eot_id = GPT2_EOT_ID
+    decodes_in_pieces = True
 
     def __init__(self) -> None:
         self._encoding = _gpt2_encoding()  # built once per process (~0.3 s)
