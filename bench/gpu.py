@@ -416,10 +416,10 @@ NEVER_STOP = "\x00(a stop string no row writes)\x00"
 def ends_timed(torch, job: dict, model, idx, first) -> dict:
     """The graphs' decoding as ``gptkiln generate`` runs it, timed in the process that
     compiled them: an end-of-text id and a stop string watched, so the host reads every step's
-    tokens (`sampling.generate_stream`), with the next replay queued before each read (its
-    ``read_ahead``, on by itself on CUDA) and without (``read_ahead=False``: the read waits for
-    the step, then the host queues the next). The end id is one no row made in ``first`` (this
-    greedy decoding's ids), so every row still runs all the tokens."""
+    tokens (`sampling.generate_stream`), with the next replay queued before each read
+    (``read_ahead=True``, what it does by itself on CUDA) and without (``read_ahead=False``: the
+    read waits for the step, then the host queues the next). The end id is one no row made in
+    ``first`` (this greedy decoding's ids), so every row still runs all the tokens."""
     from functools import partial
 
     from gptkiln.gpu import prepare_graphs
@@ -432,7 +432,7 @@ def ends_timed(torch, job: dict, model, idx, first) -> dict:
     tokenizer, prompts = GPT2Tokenizer(), idx.tolist()
     prepare = partial(prepare_graphs, min_steps=1)
     out = {}
-    for key, read_ahead in (("ends_tokens_per_s", None), ("ends_in_step_tokens_per_s", False)):
+    for key, read_ahead in (("ends_tokens_per_s", True), ("ends_in_step_tokens_per_s", False)):
 
         def run(read_ahead=read_ahead):
             ids = generate(

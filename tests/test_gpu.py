@@ -195,11 +195,12 @@ def test_cuda_graph_decoding_gives_the_eager_greedy_ids(family_model, prompts):
     assert model.graph_decoder.states  # the graphs ran
 
 
-def test_cuda_graph_steps_read_ahead_of_the_host_and_give_the_eager_ids_of_rows_that_end():
+def test_cuda_graph_steps_read_ahead_of_the_host_and_give_the_eager_ids_of_a_row_that_ends():
     """On CUDA `generate_stream` queues each replay before it reads the step before (the
-    tokens copied into pinned memory behind an event): rows ending at an end-of-text id get
-    the eager path's ids, and the stream yields the host's copy of each step. (One family:
-    its graph is one compile more for the lease's test run.)"""
+    tokens copied into pinned memory behind an event): a row ending at an end-of-text id gets
+    the eager path's ids, one replay more is run than read, and the stream yields the host's
+    copy of each step. (One family, one row: one compile more for the lease's test run; rows
+    ending at different steps are tests/test_gpu_graphs.py's, on the CPU.)"""
     from test_families import randomize_, small_config
 
     from gptkiln.config import SampleConfig
@@ -208,17 +209,23 @@ def test_cuda_graph_steps_read_ahead_of_the_host_and_give_the_eager_ids_of_rows_
 
     torch.manual_seed(0)
     model = randomize_(GPT(small_config("qwen3"))).cuda()
-    prompts = GRAPH_PROMPTS[1]
-    free = generate(model, prompts, max_new_tokens=24, temperature=0)
-    eot = next(t for i, t in enumerate(free[0]) if i >= 4 and t not in free[0][:i])  # mid-row
+    prompts = GRAPH_PROMPTS[0]
+    free = generate(model, prompts, max_new_tokens=24, temperature=0)[0]
+    eot = next(t for i, t in enumerate(free) if i >= 4 and t not in free[:i])  # mid-row
     kw = dict(max_new_tokens=24, temperature=0, eot_id=eot)
     eager = generate(model, prompts, **kw)
-    assert eager != free and len(eager[0]) >= 4
-    assert generate(model, prompts, prepare=prepare_graphs, **kw) == eager
+    assert eager == [free[: free.index(eot)]]
+    fed = {}
+    for read_ahead in (False, None):  # None: on CUDA, read ahead for the graph's steps
+        ids = generate(model, prompts, prepare=prepare_graphs, read_ahead=read_ahead, **kw)
+        assert ids == eager
+        (state,) = model.graph_decoder.states.values()
+        fed[read_ahead] = state.slots[0].item()
+    assert fed[None] == fed[False] + 1  # one replay queued past the last step read
     cfg = SampleConfig(max_new_tokens=24, temperature=0)
     steps = list(generate_stream(model, prompts, cfg, eot, prepare=prepare_graphs))
     assert all(s.device.type == "cpu" and s.is_pinned() for s in steps)
-    assert [int(s[0]) for s in steps] == eager[0] + [eot] * (len(steps) - len(eager[0]))
+    assert [int(s[0]) for s in steps] == eager[0] + [eot]
 
 
 def test_cuda_graph_decoding_captures_once_and_replays():

@@ -209,3 +209,25 @@ def test_a_byte_level_tokenizer_streams_in_pieces_what_decoding_whole_gives(hf_d
         assert not tok.decodes_in_pieces
     else:
         assert_decoded_in_pieces_as_whole(tok)
+
+
+def test_a_decoder_that_strips_across_tokens_is_decoded_whole(tmp_path):
+    """A SentencePiece-style ``Metaspace`` decoder drops the space that starts the first word of
+    what it decodes, so decoding in pieces would lose the spaces between words: its tokenizer is
+    decoded whole, and its stream's text is the whole decoding's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["<unk>", "▁Hello", "▁world", "▁again"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    directory = tmp_path / "metaspace"
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = load_tokenizer(directory)
+    assert ours.decode([1, 2]) == "Hello world" != ours.decode([1]) + ours.decode([2])
+    assert not ours.decodes_in_pieces
+    stream = TextStream(ours.decode)
+    assert "".join(stream.push(t) for t in [1, 2, 3]) + stream.flush() == "Hello world again"

@@ -578,26 +578,41 @@ def test_reading_ahead_is_for_the_steps_a_backend_takes_on_cuda():
 
 
 @pytest.mark.parametrize(
-    "case",
-    ["end of text", "stop string", "seeded penalties", "sliding window", "no cache", "one step"],
+    "case", ["end of text", "stop string", "seeded penalties", "sliding window", "no cache"]
 )
 def test_reading_ahead_gives_the_tokens_of_reading_in_step(model, case):
+    """Every step's tokens (an ended row's filler included) and every row's text are those of
+    reading each step before the next is queued."""
+    from gptkiln.sampling import TextStream
+
     tok = _ids_as_letters()
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     free = generate(model, prompts, max_new_tokens=10, temperature=0)
-    kw = dict(max_new_tokens=10, temperature=0)
+    kw, eot = dict(max_new_tokens=10, temperature=0), None
     if case == "end of text":  # rows end at different steps
-        kw["eot_id"] = free[0][4]
-    elif case == "stop string":
-        kw.update(stop=[tok.decode(free[1][3:5])], tokenizer=tok, eot_id=free[2][6])
+        eot = free[0][4]
+    elif case == "stop string":  # one row by a stop string, one at end-of-text
+        kw["stop"], eot = (tok.decode(free[1][3:5]),), free[2][6]
     elif case == "seeded penalties":
-        kw.update(temperature=0.9, seed=5, frequency_penalty=0.5, eot_id=free[0][2])
+        kw.update(temperature=0.9, seed=5, frequency_penalty=0.5)
+        eot = generate(model, prompts, **kw)[0][2]
     elif case == "sliding window":  # 5 + 30 tokens pass the context of 24
-        kw.update(max_new_tokens=30, eot_id=63)
-    elif case == "no cache":
-        prompts, kw = [[1, 2, 3], [4, 5, 6]], dict(kw, use_cache=False, eot_id=free[0][3])
+        kw["max_new_tokens"], eot = 30, 63
     else:
-        kw.update(max_new_tokens=1, eot_id=free[0][0])
-    behind = generate(model, prompts, read_ahead=False, **kw)
-    assert generate(model, prompts, read_ahead=True, **kw) == behind
-    assert behind != free or case == "sliding window"
+        prompts, eot = [[1, 2, 3], [4, 5, 6]], free[0][3]
+    cfg = SampleConfig(**kw)
+
+    def run(read_ahead):
+        streams = [TextStream(tok.decode, cfg.stop, eot) for _ in prompts]
+        steps = generate_stream(
+            model, prompts, cfg, eot, case != "no cache", streams=streams, read_ahead=read_ahead
+        )
+        return torch.stack(list(steps)).tolist(), [(s.text, s.done, len(s.ids)) for s in streams]
+
+    behind = run(False)
+    assert run(True) == behind
+    steps, rows = behind
+    ended = {"sliding window": 0, "stop string": 2}.get(case, 1)  # while another row goes on
+    assert sum(done for _, done, _ in rows) >= ended
+    for r, (_, done, made) in enumerate(rows):  # an ended row yields end-of-text from then on
+        assert not done or all(step[r] == eot for step in steps[made:])

@@ -334,9 +334,10 @@ class HostTokens:
             self.tokens = token
         elif token.device.type == "cuda":
             self.tokens = torch.empty(token.shape, dtype=token.dtype, pin_memory=True)
-            self.tokens.copy_(token, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
+            with torch.cuda.device(token.device):  # the tokens' GPU, not the current one
+                self.tokens.copy_(token, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record()
         else:
             self.tokens = token.cpu()
 
