@@ -166,6 +166,40 @@ def test_greedy_requests_arriving_at_staggered_steps_get_what_each_gets_alone(mo
     assert batcher.steps < sum(c.max_new_tokens for c in cfgs)  # they did share steps
 
 
+def test_rows_that_sample_alike_are_drawn_together_and_each_gets_what_it_gets_alone(
+    model, tokenizer, monkeypatch
+):
+    """At each decode step the rows with one setting and no seed, penalty or grammar draw in one
+    `sample_rows` call (one read of their tokens, not one a row), as on a GPU; a seeded row
+    draws alone. On the CPU each row draws alone."""
+    from gptkiln.serve import batcher as batching
+
+    assert not batching.draws_together(torch.device("cpu"))
+    assert batching.draws_together(torch.device("cuda"))
+    monkeypatch.setattr(batching, "draws_together", lambda device: True)  # as on a GPU
+    sizes = []
+    real = batching.sample_rows
+
+    def counted(logits, *args):
+        sizes.append(logits.shape[0])
+        return real(logits, *args)
+
+    monkeypatch.setattr(batching, "sample_rows", counted)
+    greedy = SampleConfig(max_new_tokens=10, temperature=0)
+    top1 = SampleConfig(max_new_tokens=10, temperature=0.8, top_k=1)  # sampled, yet one token
+    seeded = SampleConfig(max_new_tokens=10, temperature=1.0, seed=4)
+    prompts = PROMPTS + ["the lazy", "brown"]
+    cfgs = [greedy, greedy, greedy, top1, top1, seeded]
+    arrivals = [
+        (0, [Sequence(tokenizer.encode(p), cfg, asyncio.Queue(), index=0)])
+        for p, cfg in zip(prompts, cfgs)
+    ]
+    out, _ = run_batcher(model, tokenizer, arrivals, max_batch=6)
+    check_each_equals_alone(model, tokenizer, arrivals, out)
+    assert sizes.count(3) == 9 and sizes.count(2) == 9  # 9 decode steps after the first tokens
+    assert sizes.count(1) == 6 + 9  # each first token, and the seeded row's every step
+
+
 TOGETHER = ["the quick", "the lazy", "brown fox", "jumps"]  # 9, 8, 9, 5 characters
 
 

@@ -69,11 +69,26 @@ def sample(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Pick one token per row from logits (B, V): argmax when temperature is 0. Returns (B,)."""
+    """Pick one token per row from logits (B, V): argmax when temperature is 0, else a draw
+    from `logits_to_probs` (`draw`). Returns (B,)."""
     if temperature == 0:
         return greedy(logits)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return draw(logits_to_probs(logits, temperature, top_k, top_p), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One id a row from probabilities (B, V), id i with probability p_i: the first id whose
+    running sum passes a uniform draw times the row's total (one uniform a row, from
+    ``generator`` or torch's global one). An id of probability 0 adds nothing to the sum, so
+    it is never the first to pass (a row of NaNs, a diverged model's, gives the last id, as
+    `greedy` gives an id too). ``torch.multinomial`` draws an exponential for every id
+    instead: 1.1 ms against 0.06 for a row of GPT-2's 50,257 ids (2-core EPYC)."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype)
+    below = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    picked = torch.searchsorted(cdf, below, right=True).squeeze(-1)
+    return picked.clamp_(max=probs.size(-1) - 1)
 
 
 def apply_penalties(
@@ -119,8 +134,8 @@ def sample_rows(
 
 
 # -- sampling on the device: no host sync, no generator objects -------------------------------
-# `sample_rows` draws with torch.multinomial from a torch.Generator a row: a compiled graph can
-# hold neither (dynamo breaks the graph at a generator, and multinomial's CUDA kernel syncs).
+# `sample_rows` draws (`draw`) from a torch.Generator a row: a compiled graph cannot hold one
+# (dynamo breaks the graph at a generator).
 # `sample_on_device` draws by the exponential race instead (gpt-fast's: argmax of p / q, q
 # exponential, picks token i with probability p_i), its uniforms a hash of (the row's seed,
 # the draw's number, the token id): pure integer ops that give the same numbers on any device,

@@ -454,12 +454,38 @@ class Batcher:
         else:
             logits = self.model(tokens.to(self.device), start_pos=positions, last_only=True)
         masks = self._masks([s for s in slots if s.seq.constraint is not None])
+        chosen = self._sampled_together(slots, logits) if draws_together(self.device) else {}
         events: list[tuple[Sequence, Event]] = []
         for slot in slots:
             slot.pos += 1
             row = logits[slot.row : slot.row + 1, -1]
-            events += self._isolated(slot, self._choose, slot, row, masks.get(slot.row))
+            picked = chosen.get(slot.row)
+            events += self._isolated(slot, self._choose, slot, row, masks.get(slot.row), picked)
         return events
+
+    def _sampled_together(self, slots: list[_Slot], logits: torch.Tensor) -> dict[int, int]:
+        """The next tokens of the rows that sample alike, by row: rows with no seed, penalty
+        or grammar, grouped by their temperature, top-k and top-p, each group drawn in one
+        `sample_rows` call and read once (one wait for the device a group, not one a row;
+        `draws_together`). What a row draws from is its own logits' distribution, as alone.
+        A seeded row keeps its own generator, and a penalised or constrained row its own
+        logits, in `_choose`; so does a group of one, or a group whose draw fails (each of its
+        rows then samples, and fails, alone)."""
+        groups: dict[tuple, list[int]] = {}
+        for slot in slots:
+            cfg = slot.seq.cfg
+            if slot.generator is None and slot.counts is None and slot.seq.constraint is None:
+                groups.setdefault((cfg.temperature, cfg.top_k, cfg.top_p), []).append(slot.row)
+        chosen: dict[int, int] = {}
+        for (temperature, top_k, top_p), rows in groups.items():
+            if len(rows) < 2:
+                continue
+            try:
+                tokens = sample_rows(logits[rows, -1], temperature, top_k, top_p, None)
+            except Exception:
+                continue
+            chosen.update(zip(rows, tokens.tolist()))
+        return chosen
 
     def _masks(self, slots: list[_Slot]) -> dict[int, torch.Tensor]:
         """The grammar masks of the constrained rows, (1, ceil(V/32)) int32 each, filled
@@ -489,11 +515,16 @@ class Batcher:
             ]
 
     def _choose(
-        self, slot: _Slot, logits: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        slot: _Slot,
+        logits: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        picked: int | None = None,
     ) -> list[tuple[Sequence, Event]]:
         """The next token of one row from its logits (1, V), as `generate_stream` picks it;
         a constrained row's logits first masked to what its grammar allows (``mask``, when
-        `_masks` filled it with the batch's others)."""
+        `_masks` filled it with the batch's others); ``picked``: the token already drawn with
+        the row's group (`_sampled_together`)."""
         cfg, seq = slot.seq.cfg, slot.seq
         raw = logits
         if slot.counts is not None:
@@ -505,7 +536,10 @@ class Batcher:
                 seq.constraint.fill(mask[0])
             logits = apply_token_bitmask(logits.clone(), mask.to(logits.device))
         generators = None if slot.generator is None else [slot.generator]
-        token = int(sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, generators)[0])
+        token = picked
+        if token is None:
+            sampled = sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, generators)
+            token = int(sampled[0])
         if slot.counts is not None:
             slot.counts[0, token] += 1
         if seq.constraint is not None:
@@ -531,6 +565,15 @@ class Batcher:
         for t, token in enumerate(seq.prompt[1:]):
             entries.append(_logprobs(logits[0, t], token, k))
         return entries
+
+
+def draws_together(device: torch.device) -> bool:
+    """Whether the batcher draws the rows that sample alike together (`Batcher._sampled_together`):
+    on a GPU, where reading each row's token waits for the device; not on the CPU, where there is
+    nothing to wait for and a row's own draw, from a view of its logits, is the quicker (16
+    greedy rows of GPT-2's vocabulary: 165 us a step one by one, 342 together, on a 2-core
+    EPYC, the rows gathered into a copy first)."""
+    return device.type != "cpu"
 
 
 PREFILL_PADDING = 1.25
