@@ -180,6 +180,29 @@ def test_harness_scoring_on_cuda_equals_the_cpus(monkeypatch, shared):
         assert a == pytest.approx(b, abs=1e-3, rel=1e-4)
 
 
+# -- sampling on CUDA ---------------------------------------------------------------------------
+def test_a_draw_on_cuda_never_picks_an_id_that_top_p_or_a_grammar_dropped():
+    """A single row's running sum on CUDA is a parallel scan (CUB's), which may step by an ulp
+    over an id of probability 0: `draw` makes it flat there, so a dropped id is never drawn."""
+    from gptkiln.sampling import draw, flat_over_zeros, logits_to_probs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(1, 50257, device="cuda", generator=g) * 3
+    logits[0, ::2] = float("-inf")  # a grammar's mask: every other id forbidden
+    probs = logits_to_probs(logits, 1.0, top_p=0.9)
+    zero = probs[0] == 0
+    picked = torch.cat([draw(probs, g) for _ in range(4000)])  # one row at a time: CUB's scan
+    picked = torch.cat([picked, draw(probs.expand(100_000, -1), g)])
+    assert not zero[picked].any()
+    flat = flat_over_zeros(probs, probs.cumsum(dim=-1))[0]  # what draw searches on CUDA
+    steps = flat.diff()
+    assert (steps >= 0).all() and (steps[zero[1:]] == 0).all()
+    print(
+        f"CUDA's scan of one row: {int((probs[0].cumsum(0).diff()[zero[1:]] != 0).sum())} zero ids "
+        f"off by an ulp, {int((probs[0].cumsum(0).diff() < 0).sum())} falls (flattened here)"
+    )
+
+
 # -- CUDA-graph decoding (gptkiln.gpu) --------------------------------------------------------
 GRAPH_PROMPTS = ([[5, 6, 7, 8]], [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]])
 

@@ -640,4 +640,18 @@ def test_a_draw_takes_one_uniform_a_row_and_follows_the_probabilities():
     assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=twin))
     again = draw(probs.expand(8, -1), torch.Generator().manual_seed(5))
     assert torch.equal(again, drawn[:8])  # seeded: the same ids
-    assert draw(torch.full((2, 5), float("nan"))).tolist() == [4, 4]  # an id, not an error
+    assert draw(torch.full((2, 5), float("nan"))).tolist() == [0, 0]  # greedy's id, no error
+
+
+def test_a_gpus_running_sum_is_made_flat_over_zeros_and_non_decreasing():
+    """A parallel scan's running sum may step by an ulp over an id of probability 0, or fall
+    (`draw` on a GPU): made flat there and non-decreasing, no zero id can be the first to pass a
+    uniform, and the kept ids' sums are the scan's own."""
+    from gptkiln.sampling import flat_over_zeros
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.0, 0.5, 0.0, 0.25, 0.0]])
+    scan = torch.tensor([[1e-8, 0.25, 0.25 + 3e-8, 0.25 - 3e-8, 0.75, 0.75 + 6e-8, 1.0, 1.0]])
+    flat = flat_over_zeros(probs, scan)
+    assert flat.tolist() == [[0.0, 0.25, 0.25, 0.25, 0.75, 0.75, 1.0, 1.0]]
+    ids = torch.searchsorted(flat.expand(999, -1), torch.rand(999, 1), right=True)
+    assert set(ids.flatten().tolist()) == {1, 4, 6}

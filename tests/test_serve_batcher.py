@@ -188,16 +188,22 @@ def test_rows_that_sample_alike_are_drawn_together_and_each_gets_what_it_gets_al
     greedy = SampleConfig(max_new_tokens=10, temperature=0)
     top1 = SampleConfig(max_new_tokens=10, temperature=0.8, top_k=1)  # sampled, yet one token
     seeded = SampleConfig(max_new_tokens=10, temperature=1.0, seed=4)
-    prompts = PROMPTS + ["the lazy", "brown"]
-    cfgs = [greedy, greedy, greedy, top1, top1, seeded]
+    greedy_seeded = SampleConfig(max_new_tokens=10, temperature=0, seed=9)  # greedy: no draw
+    free = SampleConfig(max_new_tokens=10, temperature=1.0)  # unseeded: its group's draw
+    prompts = PROMPTS + ["the lazy", "brown", "fox", "dog"]
+    cfgs = [greedy, greedy, greedy_seeded, top1, top1, seeded, free, free]
     arrivals = [
         (0, [Sequence(tokenizer.encode(p), cfg, asyncio.Queue(), index=0)])
         for p, cfg in zip(prompts, cfgs)
     ]
-    out, _ = run_batcher(model, tokenizer, arrivals, max_batch=6)
-    check_each_equals_alone(model, tokenizer, arrivals, out)
-    assert sizes.count(3) == 9 and sizes.count(2) == 9  # 9 decode steps after the first tokens
-    assert sizes.count(1) == 6 + 9  # each first token, and the seeded row's every step
+    out, _ = run_batcher(model, tokenizer, arrivals, max_batch=8)
+    check_each_equals_alone(model, tokenizer, arrivals[:6], out)
+    for _, (seq,) in arrivals[6:]:  # drawn from the group: their own length, ids and text
+        got = out[id(seq)]
+        assert got["n"] == 10 and tokenizer.decode(got["ids"]) == got["text"]
+    # 9 decode steps after the first tokens: 3 greedy rows, 2 top-1, 2 unseeded, 1 seeded
+    assert sizes.count(3) == 9 and sizes.count(2) == 18
+    assert sizes.count(1) == 8 + 9  # each first token, and the seeded row's every step
 
 
 TOGETHER = ["the quick", "the lazy", "brown fox", "jumps"]  # 9, 8, 9, 5 characters

@@ -464,8 +464,8 @@ class Batcher:
         return events
 
     def _sampled_together(self, slots: list[_Slot], logits: torch.Tensor) -> dict[int, int]:
-        """The next tokens of the rows that sample alike, by row: rows with no seed, penalty
-        or grammar, grouped by their temperature, top-k and top-p, each group drawn in one
+        """The next tokens of the rows that sample alike, by row: rows with no seed (or greedy),
+        penalty or grammar, grouped by their temperature, top-k and top-p, each group drawn in one
         `sample_rows` call and read once (one wait for the device a group, not one a row;
         `draws_together`). What a row draws from is its own logits' distribution, as alone.
         A seeded row keeps its own generator, and a penalised or constrained row its own
@@ -474,17 +474,18 @@ class Batcher:
         groups: dict[tuple, list[int]] = {}
         for slot in slots:
             cfg = slot.seq.cfg
-            if slot.generator is None and slot.counts is None and slot.seq.constraint is None:
+            unseeded = slot.generator is None or cfg.temperature == 0  # greedy needs no seed
+            if unseeded and slot.counts is None and slot.seq.constraint is None:
                 groups.setdefault((cfg.temperature, cfg.top_k, cfg.top_p), []).append(slot.row)
         chosen: dict[int, int] = {}
         for (temperature, top_k, top_p), rows in groups.items():
             if len(rows) < 2:
                 continue
             try:
-                tokens = sample_rows(logits[rows, -1], temperature, top_k, top_p, None)
+                tokens = sample_rows(logits[rows, -1], temperature, top_k, top_p, None).tolist()
             except Exception:
                 continue
-            chosen.update(zip(rows, tokens.tolist()))
+            chosen.update(zip(rows, tokens))
         return chosen
 
     def _masks(self, slots: list[_Slot]) -> dict[int, torch.Tensor]:
