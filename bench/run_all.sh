@@ -24,6 +24,7 @@ export OMP_NUM_THREADS=2
   echo; echo "## adamw";      "$PY" bench/adamw.py
   echo; echo "## padded_vocab"; "$PY" bench/padded_vocab.py
   echo; echo "## generate";   "$PY" bench/generate.py --rounds 2
+  echo; echo "## sampling";   "$PY" bench/sampling.py --generate
   echo; echo "## families (Llama 3, Qwen3)"; "$PY" bench/families.py --rounds 2
   if [ -f "$SHAKESPEARE" ]; then
     echo; echo "## prepare";    "$PY" bench/prepare.py --corpus "$SHAKESPEARE"

@@ -77,7 +77,6 @@ class HFTokenizer(Tokenizer):
         eos_ids += _eos_ids((files.get("generation_config.json") or {}).get("eos_token_id"))
         self._stop_ids = tuple(dict.fromkeys(eos_ids))
         self.eot_id = self._stop_ids[0] if self._stop_ids else None
-        self.decodes_in_pieces = byte_level_decoder(source)  # and no clean-up (below)
         model_type = json.loads(self._hf.to_str()).get("model", {}).get("type")
         self._clean_up = bool(config.get("clean_up_tokenization_spaces")) and (
             model_type != "BPE"
@@ -87,7 +86,7 @@ class HFTokenizer(Tokenizer):
                 )
             )
         )
-        self.decodes_in_pieces = self.decodes_in_pieces and not self._clean_up
+        self.decodes_in_pieces = byte_level_decoder(source) and not self._clean_up
 
     def _id_of(self, token: str) -> int:
         i = self._hf.token_to_id(token)

@@ -1,0 +1,183 @@
+"""The host's work a token: drawing one (gptkiln's `sampling.draw` against ``torch.multinomial``,
+what the book's ``generate`` and transformers' sampling use) and reading its text
+(`TextStream` in pieces against decoding the whole text, as it did before), in ONE process.
+
+    python bench/sampling.py [--rounds 30] [--generate]
+
+- **draw**: one token a row from the same probabilities (temperature 1, the whole vocabulary,
+  as ``gptkiln generate`` samples by default), at the vocabularies of GPT-2 (50,257), Llama 3
+  (128,256) and Qwen3 (151,936), 1 and 16 rows; the two taken in turn each round, the ratio
+  the median over rounds of multinomial's time over draw's (above 1: draw is faster).
+- **text**: a `TextStream` pushed 4,096 ids of real text (GPT-2's tokenizer, a stop string
+  watched), its mean time a push by the position in the text, against the same stream with
+  ``decode`` a plain function (so decoded whole at every push).
+- ``--generate``: GPT-2 124M (random weights, fp32, the CPU decode backend), 200 tokens at
+  temperature 1 with each sampler, and greedy beside them, in turn over 3 rounds: what the
+  sampler costs a token over greedy's argmax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+
+VOCABS = {"GPT-2": 50257, "Llama 3": 128256, "Qwen3": 151936}
+TEXT = (
+    "Hello, world! Emoji: \U0001f642\U0001f600 caf\u00e9 na\u00efve \u2014 "
+    "\u4f60\u597d\uff0c\u4e16\u754c\u3002 The quick brown fox jumps over the lazy dog.\n"
+)
+
+
+def multinomial(torch, probs, generator=None):
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def draw_part(torch, rounds: int) -> None:
+    from gptkiln.sampling import draw, logits_to_probs
+
+    print("\n## drawing a token: draw against torch.multinomial (temperature 1)\n")
+    rows_out = []
+    for name, vocab in VOCABS.items():
+        for rows in (1, 16):
+            gen = torch.Generator().manual_seed(0)
+            probs = logits_to_probs(torch.randn(rows, vocab, generator=gen) * 3, 1.0)
+            fns = {
+                "draw": lambda p=probs: draw(p),
+                "multinomial": lambda p=probs: multinomial(torch, p),
+            }
+            for fn in fns.values():
+                for _ in range(5):
+                    fn()
+            times = {k: [] for k in fns}
+            for r in range(rounds):
+                for k in fns if r % 2 == 0 else reversed(list(fns)):
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        fns[k]()
+                    times[k].append((time.perf_counter() - t0) / 10)
+            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            rows_out.append(
+                dict(
+                    vocab=f"{name} ({vocab:,})",
+                    rows=rows,
+                    draw=ms["draw"],
+                    multinomial=ms["multinomial"],
+                    ratio=common.paired_ratio(times["multinomial"], times["draw"]),
+                )
+            )
+    common.print_table(
+        rows_out,
+        [
+            ("vocab", "vocabulary"),
+            ("rows", "rows"),
+            ("draw", "draw ms"),
+            ("multinomial", "multinomial ms"),
+            ("ratio", "ratio (multinomial / draw)"),
+        ],
+    )
+
+
+def text_part() -> None:
+    from gptkiln.sampling import TextStream
+    from gptkiln.tokenizers import GPT2Tokenizer
+
+    tok = GPT2Tokenizer()
+    ids = []
+    while len(ids) < 4096:
+        ids += tok.encode(TEXT)
+    ids = ids[:4096]
+    marks = (128, 512, 1024, 2048, 4096)
+    print("\n## a TextStream push (GPT-2's tokenizer, stop string '\\nUser:'), us by position\n")
+
+    def pushes(decode) -> list[float]:
+        stream = TextStream(decode, ("\nUser:",), (tok.eot_id,))
+        took = []
+        for t in ids:
+            t0 = time.perf_counter()
+            stream.push(t)
+            took.append(time.perf_counter() - t0)
+        return took
+
+    def whole(i):  # a plain function: the stream decodes the whole text at every push
+        return tok.decode(i)
+
+    rows = []
+    for name, decode in (("in pieces (gptkiln)", tok.decode), ("whole (before)", whole)):
+        took = [statistics.median(v) for v in zip(*(pushes(decode) for _ in range(3)))]
+        rows.append(
+            {"how": name, **{str(m): 1e6 * statistics.mean(took[m - 64 : m]) for m in marks}}
+        )
+    ratio_row = {"how": "ratio (whole / pieces)"}
+    for m in marks:
+        ratio_row[str(m)] = common.ratio(rows[1][str(m)], rows[0][str(m)])
+    rows.append(ratio_row)
+    common.print_table(rows, [("how", "decoding"), *((str(m), f"at {m:,}") for m in marks)])
+
+
+def generate_part(torch) -> None:
+    import gptkiln.sampling as sampling
+    from gptkiln.config import GPTConfig
+    from gptkiln.cpu import prepare_for_decoding
+    from gptkiln.model import GPT
+
+    model = GPT(GPTConfig.from_name("gpt2")).eval()
+    own = sampling.draw
+
+    def run(temperature: float, sampler) -> float:
+        sampling.draw = sampler
+        try:
+            t0 = time.perf_counter()
+            sampling.generate(
+                model,
+                [1, 2, 3],
+                max_new_tokens=200,
+                temperature=temperature,
+                prepare=prepare_for_decoding,
+                stop_at_eos=False,
+            )
+            return (time.perf_counter() - t0) / 200 * 1e3
+        finally:
+            sampling.draw = own
+
+    run(1.0, own)  # warm-up: the decode kernels tuned
+    kinds = {
+        "greedy": (0.0, own),
+        "temperature 1, draw": (1.0, own),
+        "temperature 1, multinomial": (1.0, lambda p, g=None: multinomial(torch, p, g)),
+    }
+    times = {k: [] for k in kinds}
+    for _ in range(3):
+        for k, (temperature, sampler) in kinds.items():
+            times[k].append(run(temperature, sampler))
+    greedy = statistics.median(times["greedy"])
+    print("\n## generate: GPT-2 124M, fp32, the CPU decode backend, 200 tokens, 3 rounds\n")
+    common.print_table(
+        [
+            dict(how=k, ms=statistics.median(v), over=statistics.median(v) - greedy)
+            for k, v in times.items()
+        ],
+        [("how", "sampling"), ("ms", "ms a token (median)"), ("over", "over greedy, ms")],
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--generate", action="store_true", help="also GPT-2 124M's decoding (~1 min)")
+    args = p.parse_args()
+    common.print_machine()
+    torch = common.setup_torch()
+    draw_part(torch, args.rounds)
+    text_part()
+    if args.generate:
+        generate_part(torch)
+
+
+if __name__ == "__main__":
+    main()
