@@ -171,12 +171,13 @@ def test_rows_that_sample_alike_are_drawn_together_and_each_gets_what_it_gets_al
 ):
     """At each decode step the rows with one setting and no seed, penalty or grammar draw in one
     `sample_rows` call (one read of their tokens, not one a row), as on a GPU; a seeded row
-    draws alone. On the CPU each row draws alone."""
+    draws alone. On the CPU greedy rows each take their own argmax."""
     from gptkiln.serve import batcher as batching
 
-    assert not batching.draws_together(torch.device("cpu"))
-    assert batching.draws_together(torch.device("cuda"))
-    monkeypatch.setattr(batching, "draws_together", lambda device: True)  # as on a GPU
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not batching.draws_together(cpu, 0) and batching.draws_together(cpu, 0.8)
+    assert batching.draws_together(cuda, 0) and batching.draws_together(cuda, 0.8)
+    monkeypatch.setattr(batching, "draws_together", lambda device, temperature: True)  # a GPU
     sizes = []
     real = batching.sample_rows
 
