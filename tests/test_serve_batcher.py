@@ -169,9 +169,10 @@ def test_greedy_requests_arriving_at_staggered_steps_get_what_each_gets_alone(mo
 def test_rows_that_sample_alike_are_drawn_together_and_each_gets_what_it_gets_alone(
     model, tokenizer, monkeypatch
 ):
-    """At each decode step the rows with one setting and no seed, penalty or grammar draw in one
-    `sample_rows` call (one read of their tokens, not one a row), as on a GPU; a seeded row
-    draws alone. On the CPU greedy rows each take their own argmax."""
+    """At each decode step the rows with one temperature, top-k and top-p draw in one
+    `sample_rows` call (one read of their tokens, not one a row), as on a GPU: a seeded row with
+    a uniform from its own generator, a penalised row from its own penalised logits, so each
+    gets what it gets alone. On the CPU greedy rows each take their own argmax."""
     from gptkiln.serve import batcher as batching
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -189,22 +190,25 @@ def test_rows_that_sample_alike_are_drawn_together_and_each_gets_what_it_gets_al
     greedy = SampleConfig(max_new_tokens=10, temperature=0)
     top1 = SampleConfig(max_new_tokens=10, temperature=0.8, top_k=1)  # sampled, yet one token
     seeded = SampleConfig(max_new_tokens=10, temperature=1.0, seed=4)
+    penalised = SampleConfig(
+        max_new_tokens=10, temperature=1.0, seed=5, presence_penalty=0.3, frequency_penalty=0.7
+    )
     greedy_seeded = SampleConfig(max_new_tokens=10, temperature=0, seed=9)  # greedy: no draw
-    free = SampleConfig(max_new_tokens=10, temperature=1.0)  # unseeded: its group's draw
-    prompts = PROMPTS + ["the lazy", "brown", "fox", "dog"]
-    cfgs = [greedy, greedy, greedy_seeded, top1, top1, seeded, free, free]
+    free = SampleConfig(max_new_tokens=10, temperature=1.0)  # unseeded: torch's generator
+    prompts = PROMPTS + ["the lazy", "brown", "fox", "dog", "over"]
+    cfgs = [greedy, greedy, greedy_seeded, top1, top1, seeded, penalised, free, free]
     arrivals = [
         (0, [Sequence(tokenizer.encode(p), cfg, asyncio.Queue(), index=0)])
         for p, cfg in zip(prompts, cfgs)
     ]
-    out, _ = run_batcher(model, tokenizer, arrivals, max_batch=8)
-    check_each_equals_alone(model, tokenizer, arrivals[:6], out)
-    for _, (seq,) in arrivals[6:]:  # drawn from the group: their own length, ids and text
+    out, _ = run_batcher(model, tokenizer, arrivals, max_batch=9)
+    check_each_equals_alone(model, tokenizer, arrivals[:7], out)
+    for _, (seq,) in arrivals[7:]:  # unseeded: their own length, ids and text
         got = out[id(seq)]
         assert got["n"] == 10 and tokenizer.decode(got["ids"]) == got["text"]
-    # 9 decode steps after the first tokens: 3 greedy rows, 2 top-1, 2 unseeded, 1 seeded
-    assert sizes.count(3) == 9 and sizes.count(2) == 18
-    assert sizes.count(1) == 8 + 9  # each first token, and the seeded row's every step
+    # 9 decode steps after the first tokens: 3 greedy rows, 2 top-1, 4 at temperature 1
+    assert sizes.count(3) == 9 and sizes.count(2) == 9 and sizes.count(4) == 9
+    assert sizes.count(1) == 9  # each first token, drawn alone after its prefill
 
 
 TOGETHER = ["the quick", "the lazy", "brown fox", "jumps"]  # 9, 8, 9, 5 characters

@@ -57,7 +57,23 @@ def test_a_grammar_is_compiled_once_and_unenforceable_schemas_are_refused(gramma
         grammars.constraint(grammars.json_schema({"type": "objekt"}))
 
 
-def test_a_constrained_row_beside_a_free_row(tokenizer, grammars):
+@pytest.mark.parametrize("drawn_together", [False, True], ids=["one by one", "as on a GPU"])
+def test_a_constrained_row_beside_a_free_row(tokenizer, grammars, monkeypatch, drawn_together):
+    """Two constrained rows beside a free one: their masks filled together, the free row's
+    tokens as when alone. As on a GPU, the three greedy rows are drawn in one call, each
+    constrained row's logits masked by its own grammar first."""
+    from gptkiln.serve import batcher as batching
+
+    sizes = []
+    if drawn_together:
+        monkeypatch.setattr(batching, "draws_together", lambda device, temperature: True)
+        real = batching.sample_rows
+
+        def counted(logits, *args):
+            sizes.append(logits.shape[0])
+            return real(logits, *args)
+
+        monkeypatch.setattr(batching, "sample_rows", counted)
     torch.manual_seed(0)
     config = GPTConfig.from_name(
         "tiny", vocab_size=tokenizer.vocab_size, context_length=128, tie_embeddings=False
@@ -109,6 +125,7 @@ def test_a_constrained_row_beside_a_free_row(tokenizer, grammars):
         return asyncio.run(main())
 
     together = run(True)
+    assert (3 in sizes) == drawn_together  # the free row and both constrained ones at once
     (alone,) = run(False)
     assert together[0] == alone  # the free row is untouched by its constrained neighbours
     for _, text, reason in together[1:]:

@@ -31,6 +31,9 @@ A row's next token comes from `gptkiln.sampling`'s functions (`apply_penalties`,
 depend on what else is in the batch, and equals what ``gptkiln generate`` prints. A row with a
 grammar (`constrain.Constraint`: a JSON schema, a tool call it must make) has its logits masked
 to what the grammar allows first; the mask is the row's own, so the other rows are untouched.
+The rows that sample alike (one temperature, top-k and top-p) are drawn in one call, each from
+its own logits so prepared and a seeded one with its own generator's uniform
+(`Batcher._sampled_together`): the same tokens, one read of them a group.
 """
 
 from __future__ import annotations
@@ -454,7 +457,7 @@ class Batcher:
         else:
             logits = self.model(tokens.to(self.device), start_pos=positions, last_only=True)
         masks = self._masks([s for s in slots if s.seq.constraint is not None])
-        chosen = self._sampled_together(slots, logits)
+        chosen = self._sampled_together(slots, logits, masks)
         events: list[tuple[Sequence, Event]] = []
         for slot in slots:
             slot.pos += 1
@@ -463,31 +466,57 @@ class Batcher:
             events += self._isolated(slot, self._choose, slot, row, masks.get(slot.row), picked)
         return events
 
-    def _sampled_together(self, slots: list[_Slot], logits: torch.Tensor) -> dict[int, int]:
-        """The next tokens of the rows that sample alike, by row: rows with no seed (or greedy),
-        penalty or grammar, grouped by their temperature, top-k and top-p, each group drawn in one
-        `sample_rows` call and read once, where `draws_together` says so (one wait for the
-        device a group, not one a row). What a row draws from is its own logits' distribution,
-        as alone.
-        A seeded row keeps its own generator, and a penalised or constrained row its own
-        logits, in `_choose`; so does a group of one, or a group whose draw fails (each of its
-        rows then samples, and fails, alone)."""
-        groups: dict[tuple, list[int]] = {}
+    def _sampled_together(
+        self, slots: list[_Slot], logits: torch.Tensor, masks: dict[int, torch.Tensor]
+    ) -> dict[int, int]:
+        """The next tokens of the rows that sample alike, by row: the rows grouped by their
+        temperature, top-k and top-p, each group drawn in one `sample_rows` call and read once,
+        where `draws_together` says so (one wait for the device a group, not one a row). Each
+        row draws from its own logits' distribution, as alone: its penalties and its grammar's
+        mask (``masks``, filled by `_masks`) applied to its own row, a seeded row's uniform from
+        its own generator (`sampling.row_uniforms`).
+        A row stays alone, in `_choose`, where its grammar's mask is not filled yet (a lone
+        constrained row, or one whose grammar failed), in a group of one, or in a group whose
+        draw fails (each of its rows then samples, and fails, alone)."""
+        groups: dict[tuple, list[_Slot]] = {}
         for slot in slots:
             cfg = slot.seq.cfg
-            unseeded = slot.generator is None or cfg.temperature == 0  # greedy needs no seed
-            if unseeded and slot.counts is None and slot.seq.constraint is None:
-                groups.setdefault((cfg.temperature, cfg.top_k, cfg.top_p), []).append(slot.row)
+            if slot.seq.constraint is None or slot.row in masks:
+                groups.setdefault((cfg.temperature, cfg.top_k, cfg.top_p), []).append(slot)
         chosen: dict[int, int] = {}
-        for (temperature, top_k, top_p), rows in groups.items():
-            if len(rows) < 2 or not draws_together(self.device, temperature):
+        for (temperature, top_k, top_p), group in groups.items():
+            if len(group) < 2 or not draws_together(self.device, temperature):
                 continue
             try:
-                tokens = sample_rows(logits[rows, -1], temperature, top_k, top_p, None).tolist()
+                rows = self._chosen_logits(group, logits, masks)
+                sampled = temperature > 0 and any(s.generator is not None for s in group)
+                generators = [s.generator for s in group] if sampled else None
+                tokens = sample_rows(rows, temperature, top_k, top_p, generators).tolist()
             except Exception:
                 continue
-            chosen.update(zip(rows, tokens))
+            chosen.update(zip((s.row for s in group), tokens))
         return chosen
+
+    def _chosen_logits(
+        self,
+        group: list[_Slot],
+        logits: torch.Tensor,
+        masks: dict[int, torch.Tensor],
+    ) -> torch.Tensor:
+        """The logits a group's rows draw from, (G, V): each row's own after its penalties
+        (`apply_penalties` with its counts) and its grammar's mask (`apply_token_bitmask`), as
+        `_choose` makes them for a row alone."""
+        rows = logits[[s.row for s in group], -1]  # (G, V), a copy
+        for i, slot in enumerate(group):
+            cfg = slot.seq.cfg
+            if slot.counts is not None:
+                penalised = apply_penalties(
+                    rows[i : i + 1], slot.counts, cfg.presence_penalty, cfg.frequency_penalty
+                )
+                rows[i : i + 1] = penalised
+            if slot.seq.constraint is not None:
+                apply_token_bitmask(rows[i : i + 1], masks[slot.row].to(rows.device))
+        return rows
 
     def _masks(self, slots: list[_Slot]) -> dict[int, torch.Tensor]:
         """The grammar masks of the constrained rows, (1, ceil(V/32)) int32 each, filled
@@ -528,19 +557,19 @@ class Batcher:
         `_masks` filled it with the batch's others); ``picked``: the token already drawn with
         the row's group (`_sampled_together`)."""
         cfg, seq = slot.seq.cfg, slot.seq
-        raw = logits
-        if slot.counts is not None:
-            presence, frequency = cfg.presence_penalty, cfg.frequency_penalty
-            logits = apply_penalties(logits, slot.counts, presence, frequency)
-        if seq.constraint is not None:
-            if mask is None:
-                mask = torch.full((1, self._mask_words()), -1, dtype=torch.int32)
-                seq.constraint.fill(mask[0])
-            logits = apply_token_bitmask(logits.clone(), mask.to(logits.device))
-        generators = None if slot.generator is None else [slot.generator]
         token = picked
         if token is None:
-            sampled = sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, generators)
+            chosen = logits
+            if slot.counts is not None:
+                presence, frequency = cfg.presence_penalty, cfg.frequency_penalty
+                chosen = apply_penalties(chosen, slot.counts, presence, frequency)
+            if seq.constraint is not None:
+                if mask is None:
+                    mask = torch.full((1, self._mask_words()), -1, dtype=torch.int32)
+                    seq.constraint.fill(mask[0])
+                chosen = apply_token_bitmask(chosen.clone(), mask.to(chosen.device))
+            generators = None if slot.generator is None else [slot.generator]
+            sampled = sample_rows(chosen, cfg.temperature, cfg.top_k, cfg.top_p, generators)
             token = int(sampled[0])
         if slot.counts is not None:
             slot.counts[0, token] += 1
@@ -548,7 +577,7 @@ class Batcher:
             seq.constraint.consume(token)
         slot.token = token
         slot.generated += 1
-        scored = _logprobs(raw[0], token, seq.logprobs) if seq.logprobs is not None else None
+        scored = _logprobs(logits[0], token, seq.logprobs) if seq.logprobs is not None else None
         events: list[tuple[Sequence, Event]] = [
             (seq, Token(seq.index, token, slot.stream.push(token), scored))
         ]
