@@ -1,5 +1,6 @@
 """The host's work a token: drawing one (gptkiln's `sampling.draw` against ``torch.multinomial``,
-what the book's ``generate`` and transformers' sampling use) and reading its text
+what the book's ``generate`` and transformers' sampling use), top-p's probabilities (against
+transformers' warpers) and reading its text
 (`TextStream` in pieces against decoding the whole text, as it did before), in ONE process.
 
     python bench/sampling.py [--rounds 30] [--generate]
@@ -8,6 +9,12 @@ what the book's ``generate`` and transformers' sampling use) and reading its tex
   as ``gptkiln generate`` samples by default), at the vocabularies of GPT-2 (50,257), Llama 3
   (128,256) and Qwen3 (151,936), 1 and 16 rows; the two taken in turn each round, the ratio
   the median over rounds of multinomial's time over draw's (above 1: draw is faster).
+- **top-p**: the probabilities a row is drawn from at temperature 0.8 with top-p 0.9 (and
+  top-k 40 with it), from GPT-2-sized logits of a Zipf law, steep (top-p keeps tens of ids),
+  flat (about a thousand) and near-uniform (tens of thousands, as an untrained model's: gptkiln
+  sorts those rows whole, as transformers does every row): gptkiln's `logits_to_probs` against
+  transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` and a
+  softmax, what its ``generate(do_sample=True)`` draws from; both keep as many ids (checked).
 - **text**: a `TextStream` pushed 4,096 ids of real text (GPT-2's tokenizer, a stop string
   watched), its mean time a push by the position in the text, against the same stream with
   ``decode`` a plain function (so decoded whole at every push).
@@ -38,6 +45,22 @@ def multinomial(torch, probs, generator=None):
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def in_turn(fns: dict, rounds: int, calls: int = 10) -> dict[str, list[float]]:
+    """Each function's seconds a call, a list over ``rounds``: warmed up, then taken in turn
+    (the order reversed every other round), ``calls`` calls a round."""
+    for fn in fns.values():
+        for _ in range(5):
+            fn()
+    times = {k: [] for k in fns}
+    for r in range(rounds):
+        for k in fns if r % 2 == 0 else reversed(list(fns)):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fns[k]()
+            times[k].append((time.perf_counter() - t0) / calls)
+    return times
+
+
 def draw_part(torch, rounds: int) -> None:
     from gptkiln.sampling import draw, logits_to_probs
 
@@ -51,16 +74,7 @@ def draw_part(torch, rounds: int) -> None:
                 "draw": lambda p=probs: draw(p),
                 "multinomial": lambda p=probs: multinomial(torch, p),
             }
-            for fn in fns.values():
-                for _ in range(5):
-                    fn()
-            times = {k: [] for k in fns}
-            for r in range(rounds):
-                for k in fns if r % 2 == 0 else reversed(list(fns)):
-                    t0 = time.perf_counter()
-                    for _ in range(10):
-                        fns[k]()
-                    times[k].append((time.perf_counter() - t0) / 10)
+            times = in_turn(fns, rounds)
             ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
             rows_out.append(
                 dict(
@@ -80,6 +94,80 @@ def draw_part(torch, rounds: int) -> None:
             ("multinomial", "multinomial ms"),
             ("ratio", "ratio (multinomial / draw)"),
         ],
+    )
+
+
+def zipf_logits(torch, rows: int, vocab: int, s: float):
+    """Logits (rows, V) of a Zipf law of exponent ``s`` over each row's shuffled ids: id of rank
+    r at -s log r, as a language model's next-token probabilities fall off."""
+    gen = torch.Generator().manual_seed(0)
+    ranked = -s * torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))
+    return torch.stack([ranked[torch.randperm(vocab, generator=gen)] for _ in range(rows)])
+
+
+def top_p_part(torch, rounds: int) -> None:
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from gptkiln.sampling import NUCLEUS_CANDIDATES, logits_to_probs
+
+    vocab, temperature = VOCABS["GPT-2"], 0.8
+    print(
+        f"\n## top-p: the probabilities a token is drawn from (GPT-2's {vocab:,} ids, temperature "
+        f"{temperature}): gptkiln's logits_to_probs against transformers' warpers and softmax\n"
+    )
+    rows_out = []
+    laws = (("steep (Zipf 1.5)", 1.5), ("flat (Zipf 1.0)", 1.0), ("near-uniform (Zipf 0.3)", 0.3))
+    for law, s in laws:
+        for top_k, top_p in ((None, 0.9), (40, 0.9)):
+            for rows in (1, 16):
+                logits = zipf_logits(torch, rows, vocab, s)
+                warpers = [TemperatureLogitsWarper(temperature)]
+                warpers += [TopKLogitsWarper(top_k)] if top_k else []
+                warpers.append(TopPLogitsWarper(top_p))
+
+                def hf(x=logits, warpers=warpers):
+                    for w in warpers:
+                        x = w(None, x)
+                    return torch.softmax(x, dim=-1)
+
+                def ours(x=logits, k=top_k, p=top_p):
+                    return logits_to_probs(x, temperature, k, p)
+
+                kept = int((ours()[0] > 0).sum())
+                assert kept == int((hf()[0] > 0).sum()), "the two keep other tokens"
+                times = in_turn({"gptkiln": ours, "transformers": hf}, rounds, calls=3)
+                ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+                rows_out.append(
+                    dict(
+                        law=law,
+                        filters=f"top-p {top_p}" + (f", top-k {top_k}" if top_k else ""),
+                        rows=rows,
+                        kept=kept,
+                        ours=ms["gptkiln"],
+                        hf=ms["transformers"],
+                        ratio=common.paired_ratio(times["transformers"], times["gptkiln"]),
+                    )
+                )
+    common.print_table(
+        rows_out,
+        [
+            ("law", "next-token law"),
+            ("filters", "filters"),
+            ("rows", "rows"),
+            ("kept", "tokens kept (row 0)"),
+            ("ours", "gptkiln ms"),
+            ("hf", "transformers ms"),
+            ("ratio", "ratio (transformers / gptkiln)"),
+        ],
+    )
+    print(
+        "\ngptkiln ranks a row's "
+        + ", then ".join(f"{m:,}" for m in NUCLEUS_CANDIDATES)
+        + " most likely ids first, and sorts the whole row only where top-p keeps more."
     )
 
 
@@ -174,6 +262,7 @@ def main() -> None:
     common.print_machine()
     torch = common.setup_torch()
     draw_part(torch, args.rounds)
+    top_p_part(torch, args.rounds)
     text_part()
     if args.generate:
         generate_part(torch)

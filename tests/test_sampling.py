@@ -41,6 +41,79 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     torch.testing.assert_close(logits_to_probs(logits, top_p=1.0), probs_in)
 
 
+def whole_sort_top_p(logits, temperature, top_k, top_p):
+    """Top-k then top-p as the filters are defined: every row's probabilities sorted whole."""
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    ranked, ids = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
+    ranked = ranked.masked_fill(ranked.cumsum(dim=-1) - ranked >= top_p, 0.0)
+    probs = torch.zeros_like(ranked).scatter_(-1, ids, ranked)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def test_top_p_ranks_a_rows_likeliest_ids_first_and_sorts_only_the_rows_that_need_it(
+    monkeypatch,
+):
+    """On the CPU top-p ranks a row's 256, then 4,096 most likely ids before it sorts the whole
+    row, and sorts at once a row that cannot do with them; every row keeps the tokens a whole
+    sort keeps, and gets in a batch exactly what it gets alone."""
+    import gptkiln.sampling as sampling
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 50257
+    rank = torch.arange(1, vocab + 1, dtype=torch.float32)
+    shuffled = lambda law: law[torch.randperm(vocab, generator=gen)]  # noqa: E731
+    spike = torch.full((vocab,), 0.5 / (vocab - 10))
+    spike[:10] = 0.05  # half the mass in 10 ids, the rest flat
+    logits = torch.stack(
+        [
+            torch.randn(vocab, generator=gen) * 12,  # steep: its 256 most likely suffice
+            shuffled(-1.2 * rank.log()),  # Zipf 1.2: top-p keeps ~2,000 ids, 4,096 suffice
+            shuffled(spike.log()),  # 0.9 is ~40,000 ids past the first 256: sorted
+            torch.randn(vocab, generator=gen) * 0.3,  # near-uniform: sorted, nothing ranked
+        ]
+    )
+    calls = []
+    real_sort, real_topk = torch.sort, torch.topk
+
+    def sort(x, *args, **kwargs):
+        calls.append(("sort", x.shape[0]))
+        return real_sort(x, *args, **kwargs)
+
+    def topk(x, k, *args, **kwargs):
+        calls.append((k, x.shape[0]))
+        return real_topk(x, k, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", sort)
+    monkeypatch.setattr(torch, "topk", topk)
+    for top_k in (None, 40, 3000):
+        calls.clear()
+        probs = logits_to_probs(logits, 1.0, top_k, 0.9)
+        if top_k is None:  # 256 for three rows, 4,096 for one, two rows sorted together
+            assert calls == [(256, 3), (4096, 1), ("sort", 2)]
+            assert (probs > 0).sum(dim=-1)[1] > 256  # the Zipf row needed the second ranking
+        if top_k == 40:  # top-k's own ranking serves, but for the spike row: its flat rest is
+            assert calls == [(40, 4), ("sort", 1)]  # one tie at the 40th, which top-k keeps
+        want = whole_sort_top_p(logits, 1.0, top_k, 0.9)
+        assert torch.equal(probs > 0, want > 0)
+        torch.testing.assert_close(probs, want, atol=1e-6, rtol=1e-5)
+        for row in range(4):
+            alone = logits_to_probs(logits[row : row + 1], 1.0, top_k, 0.9)
+            assert torch.equal(probs[row], alone[0])
+    assert sampling.NUCLEUS_CANDIDATES[-1] < vocab
+
+
+def test_top_p_after_a_tie_at_top_ks_edge_ranks_every_token_top_k_kept():
+    """Top-k keeps every token tied with its k-th; top-p then ranks them all (the k most likely
+    alone would miss one), as a whole sort does."""
+    logits = torch.tensor([[5.0, 1.0, 4.0, 4.0, 0.0, 4.0] + [-3.0] * 300])
+    probs = logits_to_probs(logits, 1.0, top_k=2, top_p=0.99)
+    assert (probs > 0).sum() == 4  # 5 and the three 4s: top-p 0.99 needs them all
+    torch.testing.assert_close(probs, whole_sort_top_p(logits, 1.0, 2, 0.99))
+
+
 def test_temperature_sharpens_and_flattens():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     cold, warm = logits_to_probs(logits, 0.5), logits_to_probs(logits, 2.0)

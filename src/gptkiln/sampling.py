@@ -37,18 +37,114 @@ def logits_to_probs(
     # Shifted so the largest is 0: a tiny temperature then gives -inf, never inf (inf - inf would
     # be NaN after softmax); softmax does not change under the shift.
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    top_ids = None  # top-k's ids, largest first
     if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        kth, top_ids = torch.topk(logits, top_k, dim=-1)
+        logits = logits.masked_fill(logits < kth[..., -1:], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p is not None and top_p < 1.0:
-        sorted_probs, sorted_idx = torch.sort(probs, dim=-1, descending=True)
-        # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = _top_p(probs, top_p, top_k, top_ids)
     return probs
+
+
+NUCLEUS_CANDIDATES = (256, 4096)
+"""How many of a row's most likely tokens top-p ranks on the CPU before it sorts the row whole:
+the first where enough (`_top_p`)."""
+
+
+def _top_p(
+    probs: torch.Tensor, top_p: float, top_k: int | None, top_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Top-p of probabilities (B, V): each row's most likely tokens kept until their sum
+    reaches top_p, renormalised.
+
+    Ranking a whole row is a sort: GPT-2's 50,257 ids take 0.6-3.9 ms on a 2-core EPYC. On the
+    CPU (eager) a row's ``m`` most likely are found first instead (``torch.topk``: 0.14 ms for
+    256, 0.7 for 4,096), ``m`` each of `NUCLEUS_CANDIDATES` in turn (top-k's k where fewer).
+    They suffice where their running sum reaches top_p: every token past them is dropped. A
+    row that the next ``m`` cannot suffice for (the sum still missing, over the least likely
+    candidate's probability, is more ids than it adds) is sorted whole at once, as is one that
+    none can suffice for (`_never_within`: a nearly flat row, an untrained model's) and one
+    that none suffices for. Each row takes its own way, so its result is the same in any batch.
+    ``top_ids`` (B, k): top-k's ids, largest first, its k candidates ranked already."""
+    vocab = probs.size(-1)
+    sizes = sorted({min(m, top_k or vocab) for m in NUCLEUS_CANDIDATES if m < vocab})
+    if not sizes or probs.device.type != "cpu" or torch.compiler.is_compiling():
+        return _nucleus(probs, *torch.sort(probs, dim=-1, descending=True), top_p)
+    kept = None
+    rows = torch.arange(probs.size(0))  # the rows still to rank
+    part, part_ids, to_sort = probs, top_ids, []
+    hopeless = _never_within(probs, sizes[-1], top_p)
+    if bool(hopeless.any()):
+        if bool(hopeless.all()):
+            sizes = []  # every row sorted whole: ``probs`` itself, below
+        else:
+            kept = torch.empty_like(probs)
+            to_sort.append(rows[hopeless])
+            rows, part = rows[~hopeless], probs[~hopeless]
+            part_ids = None if top_ids is None else top_ids[~hopeless]
+    for i, m in enumerate(sizes):
+        if m == top_k and part_ids is not None:
+            ranked, ids = part.gather(-1, part_ids), part_ids
+        else:
+            ranked, ids = torch.topk(part, m, dim=-1)  # largest first
+        running = ranked.cumsum(dim=-1)
+        enough = running[:, -1] >= top_p  # top-k's k reach it unless it kept a tie past them
+        if kept is None and bool(enough.all()):
+            return _nucleus(part, ranked, ids, top_p, running)
+        sorted_now = ~enough
+        if i + 1 < len(sizes):
+            missing = (top_p - running[:, -1]) / ranked[:, -1]  # ids still needed, at least
+            sorted_now &= missing > sizes[i + 1] - m
+        if kept is None and bool(sorted_now.all()):
+            break  # every row sorted whole: ``probs`` itself, below
+        kept = torch.empty_like(probs) if kept is None else kept
+        if bool(enough.any()):
+            picked = (part[enough], ranked[enough], ids[enough], top_p, running[enough])
+            kept[rows[enough]] = _nucleus(*picked)
+        to_sort.append(rows[sorted_now])
+        later = ~(enough | sorted_now)
+        rows, part = rows[later], part[later]
+        part_ids = None if part_ids is None else part_ids[later]
+        if len(rows) == 0:
+            break
+    if kept is None:
+        return _nucleus(probs, *torch.sort(probs, dim=-1, descending=True), top_p)
+    rest = torch.cat(to_sort)
+    if len(rest):
+        part = probs[rest]
+        kept[rest] = _nucleus(part, *torch.sort(part, dim=-1, descending=True), top_p)
+    return kept
+
+
+def _never_within(probs: torch.Tensor, m: int, top_p: float) -> torch.Tensor:
+    """Whether each row's ``m`` most likely of probabilities (B, V) surely sum below top_p, (B,):
+    where ``m`` times its largest probability does, or where the probabilities of at least
+    ``t = top_p / 2m`` do not reach ``top_p / 2`` (the ``m`` hold no more than those, plus ``t``
+    each for the rest). Three passes over the row, no ranking."""
+    t = top_p / (2 * m)
+    above = torch.where(probs >= t, probs, 0.0).sum(dim=-1)
+    return (probs.amax(dim=-1) * m < top_p) | (above < top_p / 2)
+
+
+def _nucleus(
+    probs: torch.Tensor,
+    ranked: torch.Tensor,
+    ids: torch.Tensor,
+    top_p: float,
+    running: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Top-p over each row's ranked tokens (B, m), most likely first, and their ids (with their
+    running sum, where known): a token dropped where the tokens ranked above it already reach
+    top_p (the first always stays), the rest renormalised and put in place of ``probs`` (B, V).
+
+    The kept tokens' total is the running sum at the last one kept: one row's own sum, where
+    a sum over a batch's rows (B, V) may round a row otherwise than alone."""
+    running = ranked.cumsum(dim=-1) if running is None else running
+    drop = running - ranked >= top_p
+    total = running.gather(-1, (~drop).sum(dim=-1, keepdim=True) - 1)  # (B, 1)
+    kept = ranked.masked_fill(drop, 0.0) / total
+    return torch.zeros_like(probs).scatter_(-1, ids, kept)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
