@@ -15,6 +15,10 @@ transformers' warpers) and reading its text
   sorts those rows whole, as transformers does every row): gptkiln's `logits_to_probs` against
   transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` and a
   softmax, what its ``generate(do_sample=True)`` draws from; both keep as many ids (checked).
+- **serve**: the host's work of one decode step of `gptkiln serve`'s batcher (`Batcher._decode`
+  with the model's forward replaced by fixed logits), 16 rows each with its own seed: the rows
+  that sample alike drawn in one call (`_sampled_together`, as on the CPU by default) against
+  each row sampling alone (``draws_together`` off, as seeded rows did before).
 - **text**: a `TextStream` pushed 4,096 ids of real text (GPT-2's tokenizer, a stop string
   watched), its mean time a push by the position in the text, against the same stream with
   ``decode`` a plain function (so decoded whole at every push).
@@ -208,6 +212,66 @@ def text_part() -> None:
     common.print_table(rows, [("how", "decoding"), *((str(m), f"at {m:,}") for m in marks)])
 
 
+def serve_part(torch, rounds: int) -> None:
+    import asyncio
+
+    from gptkiln.config import GPTConfig, SampleConfig
+    from gptkiln.model import GPT
+    from gptkiln.serve import batcher as batching
+    from gptkiln.tokenizers import load_tokenizer
+
+    rows, vocab = 16, VOCABS["GPT-2"]
+    tokenizer = load_tokenizer("gpt2")
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=vocab, context_length=8192)).eval()
+    logits = torch.randn(rows, 1, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    model.forward = lambda *args, **kwargs: logits  # the step's forward left out: its host work
+    own = batching.draws_together
+    print(
+        f"\n## serve: the host's work of a decode step, {rows} rows (GPT-2's vocabulary, the "
+        "forward left out): the rows that sample alike drawn together against one by one\n"
+    )
+    settings = {
+        "temperature 0.8, a seed each": dict(temperature=0.8),
+        "... and frequency penalty 0.5": dict(temperature=0.8, frequency_penalty=0.5),
+        "... top-k 40, top-p 0.9 (no penalty)": dict(temperature=0.8, top_k=40, top_p=0.9),
+    }
+    rows_out = []
+    for name, kw in settings.items():
+        batcher = batching.Batcher(model, tokenizer, max_batch=rows)
+        slots = []
+        for r in range(rows):
+            cfg = SampleConfig(max_new_tokens=10**9, seed=r, stop_at_eos=False, **kw)
+            slots.append(batcher._new_slot(r, batching.Sequence([1, 2, 3], cfg, asyncio.Queue())))
+            slots[-1].pos = 3
+
+        def step(together: bool, batcher=batcher, slots=slots) -> None:
+            batching.draws_together = own if together else (lambda device, temperature: False)
+            try:
+                batcher._decode(slots)
+            finally:
+                batching.draws_together = own
+
+        times = in_turn({"together": lambda: step(True), "alone": lambda: step(False)}, rounds)
+        ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        rows_out.append(
+            dict(
+                how=name,
+                together=ms["together"],
+                alone=ms["alone"],
+                ratio=common.paired_ratio(times["alone"], times["together"]),
+            )
+        )
+    common.print_table(
+        rows_out,
+        [
+            ("how", "each row's sampling"),
+            ("together", "drawn together ms"),
+            ("alone", "one by one ms"),
+            ("ratio", "ratio (one by one / together)"),
+        ],
+    )
+
+
 def generate_part(torch) -> None:
     import gptkiln.sampling as sampling
     from gptkiln.config import GPTConfig
@@ -263,6 +327,7 @@ def main() -> None:
     torch = common.setup_torch()
     draw_part(torch, args.rounds)
     top_p_part(torch, args.rounds)
+    serve_part(torch, args.rounds)
     text_part()
     if args.generate:
         generate_part(torch)
