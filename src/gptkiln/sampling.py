@@ -536,93 +536,164 @@ def generate_stream(
             "stop strings need the generated text: pass streams=[TextStream(tokenizer.decode, "
             "stop, eot_id) ...], one a row (or call generate(..., tokenizer=...))"
         )
-    device = model.wte.weight.device
-    ctx = model.config.context_length
     ends = end_ids(eot_id)
-    filler = ends[0] if ends else 0
-    idx, pad_lens = left_pad([list(p)[-ctx:] for p in prompts], filler, device)
-    if pad_lens.any() and not use_cache:
-        raise GptkilnError("prompts of unequal length need use_cache=True (the padding mask)")
-    B = idx.size(0)
-    seeds = _row_seeds(cfg.seed, row_seeds, B)
-    generators = _row_generators(seeds, device)
-    stop = torch.tensor(ends, device=device) if cfg.stop_at_eos and ends else None
-    ending = stop is not None or streams is not None  # whether a row can end before the rest
-    finished = torch.zeros(B, dtype=torch.bool, device=device)  # masks the rows that ended
-    done = [False] * B  # the host's copy of ``finished``, from the tokens it read
-    penalised = bool(cfg.presence_penalty or cfg.frequency_penalty)
-    counts = torch.zeros(B, model.config.vocab_size, device=device) if penalised else None
-    pos = idx.size(1)
+    steps = _Steps(model, prompts, cfg, ends[0] if ends else 0, use_cache, row_seeds)
+    ended = _Ends(steps.rows, cfg, ends, streams, steps.device)
     # Each decode step multiplies B rows: the caller's backend prepares for that after the
     # first token is out (a first token waits for no timing).
     untuned = prepare is not None and use_cache and cfg.max_new_tokens > 1
-    if use_cache:  # room for the prompt and the new tokens only: 1024 slots are 600 MB at batch 8
-        model.setup_cache(B, min(ctx, pos + cfg.max_new_tokens), pad_lens)
-        logits = prefill(model, idx)
-    else:
-        logits = window_logits(model, idx)
-    backend_step = next_token = None  # the prepared backend's decode-and-sample step
-
-    def queue_next(token: torch.Tensor) -> None:
-        """Queue the step that feeds ``token``: its logits, or the backend's next token."""
-        nonlocal idx, logits, next_token, pos
-        idx = torch.cat([idx, token[:, None]], dim=1)
-        next_token = None
-        if not use_cache:
-            logits = window_logits(model, idx)
-        elif pos < ctx and backend_step is not None:
-            next_token = backend_step(token, pos)
-            pos += 1
-        elif pos < ctx:
-            logits = decode_one_token(model, token, pos)
-            pos += 1
-        else:  # the window slides: positions shift, so the cache is rebuilt from the last ctx
-            model.setup_cache(B, ctx, (pad_lens - (idx.size(1) - ctx)).clamp(min=0))
-            logits = prefill(model, idx[:, -ctx:])
-
     for step in range(cfg.max_new_tokens):
-        if next_token is not None:
-            token = next_token
-        else:
-            if counts is not None:
-                logits = apply_penalties(
-                    logits, counts, cfg.presence_penalty, cfg.frequency_penalty
-                )
-            token = sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, generators)  # (B,)
-        token = token.masked_fill(finished, filler)
-        if counts is not None:
-            counts[torch.arange(B, device=device), token] += (~finished).to(counts.dtype)
-        if stop is not None:
-            finished |= torch.isin(token, stop)
+        token = ended.masked(steps.token())
+        steps.count(token, ended.finished)
+        ended.see(token)
         last = step + 1 == cfg.max_new_tokens
-        host = HostTokens(token) if ending else None  # started before the next step is queued
-        ahead = ending and not last and not untuned
-        ahead = ahead and _reads_ahead(read_ahead, backend_step is not None and pos < ctx, device)
+        host = HostTokens(token) if ended.possible else None  # before the next step is queued
+        ahead = host is not None and not last and not untuned
+        ahead = ahead and _reads_ahead(read_ahead, steps.backend_next, steps.device)
         if ahead:
-            queue_next(token)
-        out = token
-        if host is not None:  # the only read of a step's tokens, and none where no row can end
-            out = host.read()
-            for row, t in enumerate(out.tolist()):
-                if done[row]:
-                    continue
-                if streams is not None:  # a stop string, or an end its stream knows, ends it
-                    streams[row].push(t)
-                    if streams[row].done:
-                        done[row] = True
-                        finished[row] = True
-                if stop is not None and t in ends:
-                    done[row] = True
-        yield out
-        if last or all(done):
+            steps.queue(token)
+        # the only read of a step's tokens, and none where no row can end
+        yield token if host is None else ended.read(host)
+        if last or ended.all_done:
             return
         if untuned:
-            plan = prepare(model, B, cfg.max_new_tokens - 1)
-            start = getattr(plan, "sampling_steps", None)
-            backend_step = None if start is None else start(cfg, seeds, counts, pos)
+            steps.start_backend(prepare)
             untuned = False
         if not ahead:
-            queue_next(token)
+            steps.queue(token)
+
+
+class _Steps:
+    """The model's side of a `generate_stream`: the running ids and the KV cache (prefilled
+    here), each step's logits or the backend's next token, the penalty counts and each row's
+    generator."""
+
+    def __init__(
+        self,
+        model: GPT,
+        prompts: Sequence[Sequence[int]],
+        cfg: SampleConfig,
+        filler: int,
+        use_cache: bool,
+        row_seeds: Sequence[int | None] | None,
+    ) -> None:
+        self.model, self.cfg, self.use_cache = model, cfg, use_cache
+        self.device = model.wte.weight.device
+        self.ctx = ctx = model.config.context_length
+        self.idx, self.pad_lens = left_pad([list(p)[-ctx:] for p in prompts], filler, self.device)
+        if self.pad_lens.any() and not use_cache:
+            raise GptkilnError("prompts of unequal length need use_cache=True (the padding mask)")
+        self.rows = B = self.idx.size(0)
+        self.seeds = _row_seeds(cfg.seed, row_seeds, B)
+        self.generators = _row_generators(self.seeds, self.device)
+        penalised = bool(cfg.presence_penalty or cfg.frequency_penalty)
+        vocab = model.config.vocab_size
+        self.counts = torch.zeros(B, vocab, device=self.device) if penalised else None
+        self.pos = self.idx.size(1)
+        self.backend_step = None  # the prepared backend's decode-and-sample step
+        self.next_token = None  # the token it chose for this step
+        if use_cache:  # room for the prompt and the new tokens only: 1024 slots are 600 MB at B 8
+            model.setup_cache(B, min(ctx, self.pos + cfg.max_new_tokens), self.pad_lens)
+            self.logits = prefill(model, self.idx)
+        else:
+            self.logits = window_logits(model, self.idx)
+
+    @property
+    def backend_next(self) -> bool:
+        """Whether the backend takes the next step whole (it does within the cache)."""
+        return self.backend_step is not None and self.pos < self.ctx
+
+    def token(self) -> torch.Tensor:
+        """This step's token (B,): the backend's, or drawn from the logits after penalties."""
+        if self.next_token is not None:
+            return self.next_token
+        cfg, logits = self.cfg, self.logits
+        if self.counts is not None:
+            logits = apply_penalties(
+                logits, self.counts, cfg.presence_penalty, cfg.frequency_penalty
+            )
+        return sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, self.generators)
+
+    def count(self, token: torch.Tensor, finished: torch.Tensor) -> None:
+        """Count ``token`` (B,) for the penalties in the rows that have not ended."""
+        if self.counts is not None:
+            rows = torch.arange(self.rows, device=self.device)
+            self.counts[rows, token] += (~finished).to(self.counts.dtype)
+
+    def start_backend(self, prepare: Prepare) -> None:
+        """Hand the later steps to the backend ``prepare`` sets up, where it takes them."""
+        plan = prepare(self.model, self.rows, self.cfg.max_new_tokens - 1)
+        start = getattr(plan, "sampling_steps", None)
+        if start is not None:
+            self.backend_step = start(self.cfg, self.seeds, self.counts, self.pos)
+
+    def queue(self, token: torch.Tensor) -> None:
+        """Queue the step that feeds ``token`` (B,): its logits, or the backend's next token."""
+        model, ctx = self.model, self.ctx
+        self.idx = torch.cat([self.idx, token[:, None]], dim=1)
+        self.next_token = None
+        if not self.use_cache:
+            self.logits = window_logits(model, self.idx)
+        elif self.backend_next:
+            self.next_token = self.backend_step(token, self.pos)
+            self.pos += 1
+        elif self.pos < ctx:
+            self.logits = decode_one_token(model, token, self.pos)
+            self.pos += 1
+        else:  # the window slides: positions shift, so the cache is rebuilt from the last ctx
+            shift = self.idx.size(1) - ctx
+            model.setup_cache(self.rows, ctx, (self.pad_lens - shift).clamp(min=0))
+            self.logits = prefill(model, self.idx[:, -ctx:])
+
+
+class _Ends:
+    """Which rows of a `generate_stream` ended: ``finished`` (B,) on the model's device masks
+    their tokens; ``done`` is the host's copy, from the tokens it reads (`read`), where a row
+    can end at all (``possible``: an end id to stop at, or streams to fill)."""
+
+    def __init__(
+        self,
+        rows: int,
+        cfg: SampleConfig,
+        ends: tuple[int, ...],
+        streams: Sequence[TextStream] | None,
+        device: torch.device,
+    ) -> None:
+        self.ends, self.filler, self.streams = ends, ends[0] if ends else 0, streams
+        self.stop = torch.tensor(ends, device=device) if cfg.stop_at_eos and ends else None
+        self.possible = self.stop is not None or streams is not None
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.done = [False] * rows
+
+    @property
+    def all_done(self) -> bool:
+        return all(self.done)
+
+    def masked(self, token: torch.Tensor) -> torch.Tensor:
+        """``token`` (B,) with an ended row's replaced by the filler (the first end id, or 0)."""
+        return token.masked_fill(self.finished, self.filler)
+
+    def see(self, token: torch.Tensor) -> None:
+        """Mark on the device the rows whose ``token`` is an end id."""
+        if self.stop is not None:
+            self.finished |= torch.isin(token, self.stop)
+
+    def read(self, host: HostTokens) -> torch.Tensor:
+        """The step's tokens on the host: each row's pushed to its stream (a stop string ends
+        it, on the device too, before the next step's tokens are masked) and checked against
+        the end ids."""
+        out = host.read()
+        for row, t in enumerate(out.tolist()):
+            if self.done[row]:
+                continue
+            if self.streams is not None:  # a stop string, or an end its stream knows, ends it
+                self.streams[row].push(t)
+                if self.streams[row].done:
+                    self.done[row] = True
+                    self.finished[row] = True
+            if self.stop is not None and t in self.ends:
+                self.done[row] = True
+        return out
 
 
 def _reads_ahead(read_ahead: bool | None, backend_next: bool, device: torch.device) -> bool:
