@@ -209,6 +209,26 @@ def test_device_sampling_is_a_constant_of_the_graph():
     assert DeviceSampling(0, presence_penalty=0.1).penalised and not DeviceSampling().penalised
 
 
+def test_a_bucket_decodes_with_more_settings_than_dynamos_recompile_limit(monkeypatch):
+    """Each sampling setting a bucket decodes with gets a compiled step of its own, so a process
+    may use more settings than dynamo's recompile limit (8: one shared step failed at the
+    ninth, fullgraph); past `KEPT_SETTINGS` the least recently used is dropped."""
+    import gptkiln.gpu.graphs as graphs_module
+
+    monkeypatch.setattr(graphs_module, "KEPT_SETTINGS", 4, raising=False)
+    model = tiny("gpt2")
+    temperatures = [0.5 + 0.1 * i for i in range(10)]
+    first = [
+        generate(model, [1, 2, 3], max_new_tokens=4, temperature=t, seed=1, prepare=graphs)
+        for t in temperatures
+    ]
+    (key,) = model.graph_decoder.states
+    kept = model.graph_decoder.steps[key]
+    assert [s.temperature for s in kept] == temperatures[-4:]  # the most recent four
+    again = generate(model, [1, 2, 3], max_new_tokens=4, temperature=0.5, seed=1, prepare=graphs)
+    assert again == first[0] and next(reversed(kept)).temperature == 0.5  # compiled again
+
+
 @pytest.mark.slow
 def test_inductor_compiled_step_gives_the_eager_greedy_ids():
     model = tiny("qwen3")

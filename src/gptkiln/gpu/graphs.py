@@ -16,6 +16,7 @@ token stay eager). ``GPTKILN_CUDA_GRAPHS=0`` turns it off (the model decodes eag
 
 from __future__ import annotations
 
+import collections
 import os
 import types
 from collections.abc import Callable, Sequence
@@ -33,6 +34,10 @@ MIN_LENGTH = 256
 GRAPHS_FROM = 16
 """The fewest decode steps a CUDA decoding compiles for: a shorter one costs less eager than
 the compile of its graph (each bucket's first use; later ones replay)."""
+
+KEPT_SETTINGS = 16
+"""The most sampling settings a bucket keeps a compiled step for; the least recently used one
+goes first (compiled again if it comes back)."""
 
 
 def bucket_rows(rows: int) -> int:
@@ -60,8 +65,14 @@ def compile_options(device_type: str, backend: str | None = None) -> dict:
 
 
 class GraphDecoder:
-    """A model's buckets (`StaticState` each, at fixed addresses) and the compiled step that
-    replays them; one per model (its ``graph_decoder``), kept across decodings."""
+    """A model's buckets (`StaticState` each, at fixed addresses) and the compiled steps that
+    replay them, one for each sampling setting a bucket decodes with (at most `KEPT_SETTINGS`
+    a bucket); one per model (its ``graph_decoder``), kept across decodings.
+
+    A setting (`DeviceSampling`: temperature, top-k, top-p, penalties) is a constant of its
+    graph, so each gets a compiled copy of `graph_step` with a code object of its own: dynamo
+    counts a code object's graphs against its ``recompile_limit`` (8), past which a
+    ``fullgraph`` compile fails, so one copy shared by the settings would fail at the ninth."""
 
     def __init__(self, model: GPT, backend: str | None = None):
         self.model = model
@@ -69,7 +80,7 @@ class GraphDecoder:
         self.cuda = device.type == "cuda"
         self.options = compile_options(device.type, backend)
         self.states: dict[tuple[int, int], StaticState] = {}
-        self.steps: dict[tuple[int, int], Callable] = {}
+        self.steps: dict[tuple[int, int], collections.OrderedDict[DeviceSampling, Callable]] = {}
 
     def state(self, rows: int, cache_len: int) -> StaticState:
         """The bucket of ``rows`` x ``cache_len`` (made at its first use), in the dtype and on
@@ -80,8 +91,21 @@ class GraphDecoder:
         if state is None or state.dtype != own.dtype:
             state = StaticState(self.model, rows, cache_len, own.dtype, own.device)
             self.states[key] = state
-            self.steps[key] = torch.compile(_own_copy(graph_step), **self.options)
+            self.steps[key] = collections.OrderedDict()
         return state
+
+    def compiled(self, key: tuple[int, int], sampling: DeviceSampling) -> Callable:
+        """The bucket ``key``'s step compiled for ``sampling`` (made at its first use; the
+        least recently used setting's dropped past `KEPT_SETTINGS`)."""
+        steps = self.steps[key]
+        step = steps.get(sampling)
+        if step is None:
+            step = torch.compile(_own_copy(graph_step), **self.options)
+            steps[sampling] = step
+            while len(steps) > KEPT_SETTINGS:
+                steps.popitem(last=False)
+        steps.move_to_end(sampling)
+        return step
 
     def start(
         self,
@@ -98,7 +122,8 @@ class GraphDecoder:
         B = len(seeds)
         needed = pos + steps
         key = bucket_rows(B), bucket_length(needed, self.model.config.context_length)
-        state, compiled = self.state(*key), self.steps[key]
+        state = self.state(*key)
+        compiled = self.compiled(key, sampling)
         fresh = [int(torch.randint(0, 2**62, ())) if s is None else s for s in seeds]
         state.load(self.model, pos, fresh, counts)
         expected = pos
@@ -118,8 +143,8 @@ class GraphDecoder:
 
 def _own_copy(fn: types.FunctionType) -> types.FunctionType:
     """``fn`` with a code object of its own: dynamo keeps its compiled graphs (and counts them
-    against ``recompile_limit``, 8) per code object, so each bucket's step gets its own count
-    (its sampling settings), whatever the other buckets and models of the process compile."""
+    against ``recompile_limit``, 8) per code object, so each bucket's step for each sampling
+    setting gets its own count, whatever else the process compiles."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
 
 
