@@ -227,6 +227,12 @@ def test_a_bucket_decodes_with_more_settings_than_dynamos_recompile_limit(monkey
     assert [s.temperature for s in kept] == temperatures[-4:]  # the most recent four
     again = generate(model, [1, 2, 3], max_new_tokens=4, temperature=0.5, seed=1, prepare=graphs)
     assert again == first[0] and next(reversed(kept)).temperature == 0.5  # compiled again
+    t7, t8, t9 = temperatures[-3:]  # kept now: t7, t8, t9, 0.5
+    step = next(v for s, v in kept.items() if s.temperature == t7)
+    generate(model, [1, 2, 3], max_new_tokens=4, temperature=t7, prepare=graphs)  # used again
+    generate(model, [1, 2, 3], max_new_tokens=4, temperature=2.0, prepare=graphs)  # one more
+    assert [s.temperature for s in kept] == [t9, 0.5, t7, 2.0]  # t8, the least recent, dropped
+    assert next(v for s, v in kept.items() if s.temperature == t7) is step  # not compiled again
 
 
 @pytest.mark.slow

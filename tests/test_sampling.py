@@ -105,6 +105,41 @@ def test_top_p_ranks_a_rows_likeliest_ids_first_and_sorts_only_the_rows_that_nee
     assert sampling.NUCLEUS_CANDIDATES[-1] < vocab
 
 
+def test_top_p_gives_a_row_in_a_batch_exactly_what_it_gives_the_row_alone():
+    """Each row renormalised by its own running sum: torch sums one row alone in two threads' halves
+    and a batch's rows each in one, which rounds a row otherwise (the whole sort's
+    renormalisation did, in about a third of rows); so this runs on two threads."""
+    gen = torch.Generator().manual_seed(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _each_row_as_alone(gen)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _each_row_as_alone(gen: torch.Generator) -> None:
+    for trial in range(6):
+        scale = torch.tensor([[0.3], [0.5], [1.0], [4.0], [8.0]])[torch.randperm(5, generator=gen)]
+        logits = torch.randn(5, 50257, generator=gen) * scale
+        top_k = (None, 40, 500)[trial % 3]
+        batch = logits_to_probs(logits, 0.9, top_k, 0.9)
+        for row in range(5):
+            alone = logits_to_probs(logits[row : row + 1], 0.9, top_k, 0.9)[0]
+            assert torch.equal(batch[row], alone), (trial, row)
+
+
+def test_compiled_top_p_sorts_whole_and_keeps_what_eager_keeps():
+    """Under torch.compile (a CUDA graph's step) top-p takes the whole sort: the candidates'
+    checks are data-dependent branches a full graph cannot hold."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(2)) * 4
+    compiled = torch.compile(logits_to_probs, backend="aot_eager", fullgraph=True, dynamic=False)
+    for top_k in (None, 50):
+        got, want = compiled(logits, 0.8, top_k, 0.9), logits_to_probs(logits, 0.8, top_k, 0.9)
+        assert torch.equal(got > 0, want > 0)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 def test_top_p_after_a_tie_at_top_ks_edge_ranks_every_token_top_k_kept():
     """Top-k keeps every token tied with its k-th; top-p then ranks them all (the k most likely
     alone would miss one), as a whole sort does."""

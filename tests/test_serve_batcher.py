@@ -211,6 +211,55 @@ def test_rows_that_sample_alike_are_drawn_together_and_each_gets_what_it_gets_al
     assert sizes.count(1) == 9  # each first token, drawn alone after its prefill
 
 
+def test_a_groups_bf16_logits_are_penalised_in_fp32_as_a_row_alone():
+    """A row drawn with its group gets the logits it gets alone: penalised in fp32 (the counts'
+    dtype), never rounded back to the model's bf16."""
+    from gptkiln.sampling import apply_penalties
+    from gptkiln.serve import batcher as batching
+
+    logits = torch.randn(3, 1, 40).mul(30).to(torch.bfloat16)  # (rows, 1, V), as a bf16 model's
+    counts = torch.randint(0, 3, (3, 40)).float()
+
+    def slot(row, presence, frequency):
+        cfg = SampleConfig(temperature=1.0, presence_penalty=presence, frequency_penalty=frequency)
+        seq = types.SimpleNamespace(cfg=cfg, constraint=None)
+        return types.SimpleNamespace(row=row, seq=seq, counts=counts[row : row + 1])
+
+    group = [slot(0, 0.3, 0.0), slot(2, 0.0, 0.37), slot(1, 0.13, 0.7)]
+    rows = batching.Batcher._chosen_logits(None, group, logits, {})
+    assert rows.dtype == torch.float32
+    for i, s in enumerate(group):
+        cfg = s.seq.cfg
+        alone = apply_penalties(
+            logits[s.row, -1:], s.counts, cfg.presence_penalty, cfg.frequency_penalty
+        )
+        assert torch.equal(rows[i : i + 1], alone)
+
+
+def test_a_group_whose_draw_fails_puts_each_rows_generator_back_and_draws_it_alone(
+    model, tokenizer, monkeypatch
+):
+    from gptkiln.serve import batcher as batching
+
+    monkeypatch.setattr(batching, "draws_together", lambda device, temperature: True)
+    real = batching.sample_rows
+
+    def fails_together(logits, *args):
+        tokens = real(logits, *args)  # every seeded row's generator has moved on
+        if logits.shape[0] > 1:
+            raise RuntimeError("out of memory (pretend)")
+        return tokens
+
+    monkeypatch.setattr(batching, "sample_rows", fails_together)
+    cfgs = [SampleConfig(max_new_tokens=8, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    arrivals = [
+        (0, [Sequence(tokenizer.encode(p), cfg, asyncio.Queue(), index=0)])
+        for p, cfg in zip(PROMPTS, cfgs)
+    ]
+    out, _ = run_batcher(model, tokenizer, arrivals, max_batch=4)
+    check_each_equals_alone(model, tokenizer, arrivals, out)
+
+
 TOGETHER = ["the quick", "the lazy", "brown fox", "jumps"]  # 9, 8, 9, 5 characters
 
 

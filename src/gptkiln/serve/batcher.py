@@ -477,7 +477,8 @@ class Batcher:
         its own generator (`sampling.row_uniforms`).
         A row stays alone, in `_choose`, where its grammar's mask is not filled yet (a lone
         constrained row, or one whose grammar failed), in a group of one, or in a group whose
-        draw fails (each of its rows then samples, and fails, alone)."""
+        draw fails (each of its rows then samples, and fails, alone, its generator put back
+        where it was)."""
         groups: dict[tuple, list[_Slot]] = {}
         for slot in slots:
             cfg = slot.seq.cfg
@@ -487,12 +488,16 @@ class Batcher:
         for (temperature, top_k, top_p), group in groups.items():
             if len(group) < 2 or not draws_together(self.device, temperature):
                 continue
+            sampled = temperature > 0 and any(s.generator is not None for s in group)
+            generators = [s.generator for s in group] if sampled else None
+            seeded = [g for g in generators or () if g is not None]
+            states = [g.get_state() for g in seeded]
             try:
                 rows = self._chosen_logits(group, logits, masks)
-                sampled = temperature > 0 and any(s.generator is not None for s in group)
-                generators = [s.generator for s in group] if sampled else None
                 tokens = sample_rows(rows, temperature, top_k, top_p, generators).tolist()
-            except Exception:
+            except Exception:  # each row alone, its generator where it was
+                for g, state in zip(seeded, states):
+                    g.set_state(state)
                 continue
             chosen.update(zip((s.row for s in group), tokens))
         return chosen
@@ -503,17 +508,16 @@ class Batcher:
         logits: torch.Tensor,
         masks: dict[int, torch.Tensor],
     ) -> torch.Tensor:
-        """The logits a group's rows draw from, (G, V): each row's own after its penalties
+        """The logits a group's rows draw from, (G, V) fp32: each row's own after its penalties
         (`apply_penalties` with its counts) and its grammar's mask (`apply_token_bitmask`), as
         `_choose` makes them for a row alone."""
-        rows = logits[[s.row for s in group], -1]  # (G, V), a copy
-        for i, slot in enumerate(group):
+        rows = logits[[s.row for s in group], -1].float()  # (G, V), a copy, as the sampler
+        for i, slot in enumerate(group):  # reads it and the penalties (fp32 counts) make it
             cfg = slot.seq.cfg
-            if slot.counts is not None:
-                penalised = apply_penalties(
-                    rows[i : i + 1], slot.counts, cfg.presence_penalty, cfg.frequency_penalty
-                )
-                rows[i : i + 1] = penalised
+            if slot.counts is not None:  # from the row in the model's dtype, as alone
+                own = logits[slot.row, -1:]
+                presence, frequency = cfg.presence_penalty, cfg.frequency_penalty
+                rows[i : i + 1] = apply_penalties(own, slot.counts, presence, frequency)
             if slot.seq.constraint is not None:
                 apply_token_bitmask(rows[i : i + 1], masks[slot.row].to(rows.device))
         return rows
