@@ -771,6 +771,12 @@ def _row_generators(
     return [None if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds]
 
 
+def _before_end(ids: list[int], ends: Sequence[int]) -> list[int]:
+    """``ids`` up to the first of ``ends`` (all of them where none is there)."""
+    cut = next((i for i, t in enumerate(ids) if t in ends), len(ids))
+    return ids[:cut]
+
+
 def generate(
     model: GPT,
     prompts: Sequence[Sequence[int]] | Sequence[int] | torch.Tensor | np.ndarray,
@@ -807,8 +813,6 @@ def generate(
         raise GptkilnError("stop strings need the tokenizer: generate(..., tokenizer=tokenizer)")
     ends = end_ids(eot_id) if cfg.stop_at_eos else ()
     streams = [TextStream(tokenizer.decode, cfg.stop, ends) for _ in batch] if cfg.stop else None
-    rows: list[list[int]] = [[] for _ in batch]
-    done = [False] * len(batch)
     was_training = model.training
     model.eval()
     try:
@@ -822,20 +826,13 @@ def generate(
             prepare=prepare,
             read_ahead=read_ahead,
         )
-        if not ends and streams is None:  # nothing ends a row: the ids are read once, at the end
-            steps = list(tokens)  # (B,) each, left on the device: no sync a token
-            rows = torch.stack(steps, dim=1).tolist() if steps else rows
-            return rows[0] if single else rows
-        for token in tokens:
-            for row, t in enumerate(token.tolist()):
-                if done[row]:
-                    continue
-                if t in ends:
-                    done[row] = True
-                else:
-                    rows[row].append(t)
-                    done[row] = streams is not None and streams[row].done
+        steps = list(tokens)  # (B,) each; left on the device where no row can end: no sync
     finally:
         model.clear_cache()
         model.train(was_training)
+    if streams is not None:  # a row's ids up to its stop string's last token or an end id
+        rows = [stream.ids for stream in streams]
+    else:
+        ids = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in batch]
+        rows = [_before_end(row, ends) for row in ids]
     return rows[0] if single else rows
