@@ -74,8 +74,9 @@ def _top_p(
     kept = None
     rows = torch.arange(probs.size(0))  # the rows still to rank
     part, part_ids, to_sort = probs, top_ids, []
-    hopeless = _never_within(probs, sizes[-1], top_p)
-    if bool(hopeless.any()):
+    # top-k's k, where the last size, reach top_p but for a tie past them: nothing to bound
+    hopeless = _never_within(probs, sizes[-1], top_p) if sizes[-1] != top_k else None
+    if hopeless is not None and bool(hopeless.any()):
         if bool(hopeless.all()):
             sizes = []  # every row sorted whole: ``probs`` itself, below
         else:
