@@ -226,7 +226,8 @@ def test_a_groups_bf16_logits_are_penalised_in_fp32_as_a_row_alone():
         return types.SimpleNamespace(row=row, seq=seq, counts=counts[row : row + 1])
 
     group = [slot(0, 0.3, 0.0), slot(2, 0.0, 0.37), slot(1, 0.13, 0.7)]
-    rows = batching.Batcher._chosen_logits(None, group, logits, {})
+    batcher = batching.Batcher.__new__(batching.Batcher)  # its logits alone: no model needed
+    rows = batcher._chosen_logits(group, logits, {})
     assert rows.dtype == torch.float32
     for i, s in enumerate(group):
         cfg = s.seq.cfg

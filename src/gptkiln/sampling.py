@@ -70,16 +70,16 @@ def _top_p(
     vocab = probs.size(-1)
     sizes = sorted({min(m, top_k or vocab) for m in NUCLEUS_CANDIDATES if m < vocab})
     if not sizes or probs.device.type != "cpu" or torch.compiler.is_compiling():
-        return _nucleus(probs, *torch.sort(probs, dim=-1, descending=True), top_p)
-    kept = None
+        return _sorted_nucleus(probs, top_p)
+    kept = None  # (B, V), made once some rows go one way and some another
     rows = torch.arange(probs.size(0))  # the rows still to rank
     part, part_ids, to_sort = probs, top_ids, []
     # top-k's k, where the last size, reach top_p but for a tie past them: nothing to bound
-    hopeless = _never_within(probs, sizes[-1], top_p) if sizes[-1] != top_k else None
-    if hopeless is not None and bool(hopeless.any()):
+    if sizes[-1] != top_k:
+        hopeless = _never_within(probs, sizes[-1], top_p)
         if bool(hopeless.all()):
-            sizes = []  # every row sorted whole: ``probs`` itself, below
-        else:
+            return _sorted_nucleus(probs, top_p)
+        if bool(hopeless.any()):
             kept = torch.empty_like(probs)
             to_sort.append(rows[hopeless])
             rows, part = rows[~hopeless], probs[~hopeless]
@@ -91,14 +91,14 @@ def _top_p(
             ranked, ids = torch.topk(part, m, dim=-1)  # largest first
         running = ranked.cumsum(dim=-1)
         enough = running[:, -1] >= top_p  # top-k's k reach it unless it kept a tie past them
-        if kept is None and bool(enough.all()):
-            return _nucleus(part, ranked, ids, top_p, running)
         sorted_now = ~enough
         if i + 1 < len(sizes):
             missing = (top_p - running[:, -1]) / ranked[:, -1]  # ids still needed, at least
             sorted_now &= missing > sizes[i + 1] - m
+        if kept is None and bool(enough.all()):
+            return _nucleus(part, ranked, ids, top_p, running)
         if kept is None and bool(sorted_now.all()):
-            break  # every row sorted whole: ``probs`` itself, below
+            return _sorted_nucleus(probs, top_p)
         kept = torch.empty_like(probs) if kept is None else kept
         if bool(enough.any()):
             picked = (part[enough], ranked[enough], ids[enough], top_p, running[enough])
@@ -109,13 +109,15 @@ def _top_p(
         part_ids = None if part_ids is None else part_ids[later]
         if len(rows) == 0:
             break
-    if kept is None:
-        return _nucleus(probs, *torch.sort(probs, dim=-1, descending=True), top_p)
     rest = torch.cat(to_sort)
     if len(rest):
-        part = probs[rest]
-        kept[rest] = _nucleus(part, *torch.sort(part, dim=-1, descending=True), top_p)
+        kept[rest] = _sorted_nucleus(probs[rest], top_p)
     return kept
+
+
+def _sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`_nucleus` over each row of probabilities (B, V) sorted whole."""
+    return _nucleus(probs, *torch.sort(probs, dim=-1, descending=True), top_p)
 
 
 def _never_within(probs: torch.Tensor, m: int, top_p: float) -> torch.Tensor:

@@ -509,18 +509,30 @@ class Batcher:
         masks: dict[int, torch.Tensor],
     ) -> torch.Tensor:
         """The logits a group's rows draw from, (G, V) fp32: each row's own after its penalties
-        (`apply_penalties` with its counts) and its grammar's mask (`apply_token_bitmask`), as
-        `_choose` makes them for a row alone."""
-        rows = logits[[s.row for s in group], -1].float()  # (G, V), a copy, as the sampler
-        for i, slot in enumerate(group):  # reads it and the penalties (fp32 counts) make it
-            cfg = slot.seq.cfg
-            if slot.counts is not None:  # from the row in the model's dtype, as alone
-                own = logits[slot.row, -1:]
-                presence, frequency = cfg.presence_penalty, cfg.frequency_penalty
-                rows[i : i + 1] = apply_penalties(own, slot.counts, presence, frequency)
-            if slot.seq.constraint is not None:
-                apply_token_bitmask(rows[i : i + 1], masks[slot.row].to(rows.device))
+        and its grammar's mask (``masks``), by `_row_logits`, as `_choose` makes them alone."""
+        # fp32, as the sampler reads it and as the penalties (fp32 counts) make a row
+        rows = logits[[s.row for s in group], -1].float()  # (G, V), a copy
+        for i, slot in enumerate(group):
+            if slot.counts is not None or slot.seq.constraint is not None:
+                own = logits[slot.row, -1:]  # in the model's dtype, as alone
+                rows[i : i + 1] = self._row_logits(slot, own, masks.get(slot.row))
         return rows
+
+    def _row_logits(
+        self, slot: _Slot, logits: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """What one row draws from: its logits (1, V) after its penalties and its grammar's
+        mask (``mask``; None: filled here), a new tensor where either applies."""
+        cfg, seq = slot.seq.cfg, slot.seq
+        if slot.counts is not None:
+            presence, frequency = cfg.presence_penalty, cfg.frequency_penalty
+            logits = apply_penalties(logits, slot.counts, presence, frequency)
+        if seq.constraint is not None:
+            if mask is None:
+                mask = torch.full((1, self._mask_words()), -1, dtype=torch.int32)
+                seq.constraint.fill(mask[0])
+            logits = apply_token_bitmask(logits.clone(), mask.to(logits.device))
+        return logits
 
     def _masks(self, slots: list[_Slot]) -> dict[int, torch.Tensor]:
         """The grammar masks of the constrained rows, (1, ceil(V/32)) int32 each, filled
@@ -563,15 +575,7 @@ class Batcher:
         cfg, seq = slot.seq.cfg, slot.seq
         token = picked
         if token is None:
-            chosen = logits
-            if slot.counts is not None:
-                presence, frequency = cfg.presence_penalty, cfg.frequency_penalty
-                chosen = apply_penalties(chosen, slot.counts, presence, frequency)
-            if seq.constraint is not None:
-                if mask is None:
-                    mask = torch.full((1, self._mask_words()), -1, dtype=torch.int32)
-                    seq.constraint.fill(mask[0])
-                chosen = apply_token_bitmask(chosen.clone(), mask.to(chosen.device))
+            chosen = self._row_logits(slot, logits, mask)
             generators = None if slot.generator is None else [slot.generator]
             sampled = sample_rows(chosen, cfg.temperature, cfg.top_k, cfg.top_p, generators)
             token = int(sampled[0])
