@@ -218,6 +218,7 @@ def serve_part(torch, rounds: int) -> None:
     from gptkiln.config import GPTConfig, SampleConfig
     from gptkiln.model import GPT
     from gptkiln.serve import batcher as batching
+    from gptkiln.serve import choosing
     from gptkiln.tokenizers import load_tokenizer
 
     rows, vocab = 16, VOCABS["GPT-2"]
@@ -225,7 +226,7 @@ def serve_part(torch, rounds: int) -> None:
     model = GPT(GPTConfig.from_name("tiny", vocab_size=vocab, context_length=8192)).eval()
     logits = torch.randn(rows, 1, vocab, generator=torch.Generator().manual_seed(0)) * 3
     model.forward = lambda *args, **kwargs: logits  # the step's forward left out: its host work
-    own = batching.draws_together
+    own = choosing.draws_together
     print(
         f"\n## serve: the host's work of a decode step, {rows} rows (GPT-2's vocabulary, the "
         "forward left out): the rows that sample alike drawn together against one by one\n"
@@ -245,11 +246,11 @@ def serve_part(torch, rounds: int) -> None:
             slots[-1].pos = 3
 
         def step(together: bool, batcher=batcher, slots=slots) -> None:
-            batching.draws_together = own if together else (lambda device, temperature: False)
+            choosing.draws_together = own if together else (lambda device, temperature: False)
             try:
                 batcher._decode(slots)
             finally:
-                batching.draws_together = own
+                choosing.draws_together = own
 
         times = in_turn({"together": lambda: step(True), "alone": lambda: step(False)}, rounds)
         ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}

@@ -30,7 +30,7 @@ SHAPE = dict(vocab=50257, context=1024, n_layer=12, n_head=12, n_embd=768)
 async def first_tokens(batcher, prompt: list[int], n: int) -> float:
     """Seconds until each of ``n`` sequences of ``prompt`` has its first token."""
     from gptkiln.config import SampleConfig
-    from gptkiln.serve.batcher import Sequence, Token
+    from gptkiln.serve.events import Sequence, Token
 
     cfg = SampleConfig(max_new_tokens=1, temperature=0)
     seqs = [Sequence(prompt, cfg, asyncio.Queue(), index=i) for i in range(n)]

@@ -11,16 +11,8 @@ import torch
 from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.model import GPT
 from gptkiln.sampling import TextStream, generate
-from gptkiln.serve.batcher import (
-    Batcher,
-    Done,
-    Failed,
-    PromptLogprobs,
-    QueueFull,
-    Sequence,
-    Token,
-    prefill_groups,
-)
+from gptkiln.serve.batcher import Batcher, QueueFull, prefill_groups
+from gptkiln.serve.events import Done, Failed, PromptLogprobs, Sequence, Token
 from gptkiln.tokenizers import build_char_tokenizer
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 4
@@ -172,8 +164,9 @@ def test_rows_that_sample_alike_are_drawn_together_and_each_gets_what_it_gets_al
     """At each decode step the rows with one temperature, top-k and top-p draw in one
     `sample_rows` call (one read of their tokens, not one a row), as on a GPU: a seeded row with
     a uniform from its own generator, a penalised row from its own penalised logits, so each
-    gets what it gets alone. On the CPU greedy rows each take their own argmax."""
-    from gptkiln.serve import batcher as batching
+    gets what it gets alone. On the CPU greedy rows each take their own argmax. The first
+    tokens, after the prompts' prefills, are drawn together as well."""
+    from gptkiln.serve import choosing as batching
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert not batching.draws_together(cpu, 0) and batching.draws_together(cpu, 0.8)
@@ -206,16 +199,16 @@ def test_rows_that_sample_alike_are_drawn_together_and_each_gets_what_it_gets_al
     for _, (seq,) in arrivals[7:]:  # unseeded: their own length, ids and text
         got = out[id(seq)]
         assert got["n"] == 10 and tokenizer.decode(got["ids"]) == got["text"]
-    # 9 decode steps after the first tokens: 3 greedy rows, 2 top-1, 4 at temperature 1
-    assert sizes.count(3) == 9 and sizes.count(2) == 9 and sizes.count(4) == 9
-    assert sizes.count(1) == 9  # each first token, drawn alone after its prefill
+    # the first tokens and 9 decode steps: 3 greedy rows, 2 top-1, 4 at temperature 1
+    assert sizes.count(3) == 10 and sizes.count(2) == 10 and sizes.count(4) == 10
+    assert len(sizes) == 30  # no row drawn alone, its first token neither
 
 
 def test_a_groups_bf16_logits_are_penalised_in_fp32_as_a_row_alone():
     """A row drawn with its group gets the logits it gets alone: penalised in fp32 (the counts'
     dtype), never rounded back to the model's bf16."""
     from gptkiln.sampling import apply_penalties
-    from gptkiln.serve import batcher as batching
+    from gptkiln.serve.choosing import Chooser
 
     logits = torch.randn(3, 1, 40).mul(30).to(torch.bfloat16)  # (rows, 1, V), as a bf16 model's
     counts = torch.randint(0, 3, (3, 40)).float()
@@ -226,8 +219,8 @@ def test_a_groups_bf16_logits_are_penalised_in_fp32_as_a_row_alone():
         return types.SimpleNamespace(row=row, seq=seq, counts=counts[row : row + 1])
 
     group = [slot(0, 0.3, 0.0), slot(2, 0.0, 0.37), slot(1, 0.13, 0.7)]
-    batcher = batching.Batcher.__new__(batching.Batcher)  # its logits alone: no model needed
-    rows = batcher._chosen_logits(group, logits, {})
+    chooser = Chooser(torch.device("cpu"), types.SimpleNamespace(vocab_size=40))
+    rows = chooser._chosen_logits([(s, logits[s.row, -1:]) for s in group], {})
     assert rows.dtype == torch.float32
     for i, s in enumerate(group):
         cfg = s.seq.cfg
@@ -240,7 +233,7 @@ def test_a_groups_bf16_logits_are_penalised_in_fp32_as_a_row_alone():
 def test_a_group_whose_draw_fails_puts_each_rows_generator_back_and_draws_it_alone(
     model, tokenizer, monkeypatch
 ):
-    from gptkiln.serve import batcher as batching
+    from gptkiln.serve import choosing as batching
 
     monkeypatch.setattr(batching, "draws_together", lambda device, temperature: True)
     real = batching.sample_rows

@@ -12,8 +12,9 @@ import torch
 from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.model import GPT
 from gptkiln.sampling import apply_token_bitmask
-from gptkiln.serve.batcher import Batcher, Done, Sequence, Token
+from gptkiln.serve.batcher import Batcher
 from gptkiln.serve.constrain import GrammarError, Grammars
+from gptkiln.serve.events import Done, Sequence, Token
 from gptkiln.tokenizers import load_tokenizer
 
 pytest.importorskip("llguidance")
@@ -62,7 +63,7 @@ def test_a_constrained_row_beside_a_free_row(tokenizer, grammars, monkeypatch, d
     """Two constrained rows beside a free one: their masks filled together, the free row's
     tokens as when alone. As on a GPU, the three greedy rows are drawn in one call, each
     constrained row's logits masked by its own grammar first."""
-    from gptkiln.serve import batcher as batching
+    from gptkiln.serve import choosing as batching
 
     sizes = []
     if drawn_together:

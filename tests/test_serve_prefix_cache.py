@@ -13,7 +13,8 @@ from serving import ServerThread
 from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.model import GPT
 from gptkiln.serve.app import create_app
-from gptkiln.serve.batcher import Batcher, Done, Sequence, Token
+from gptkiln.serve.batcher import Batcher
+from gptkiln.serve.events import Done, Sequence, Token
 from gptkiln.serve.prefix_cache import PrefixCache
 from gptkiln.tokenizers import load_tokenizer
 

@@ -5,7 +5,8 @@
   request's values, `answers` shapes its answer, `tools` reads tool calls back per template
   family;
 - `batcher.Batcher`: the one decode loop that owns the model, slots over a static KV cache;
-  `constrain` gives a row its grammar mask (JSON schemas, forced tool calls), `prefix_cache`
+  `events` what a sequence is and hears back, `choosing` each row's next token (alone or with
+  the rows that sample alike), `constrain` gives a row its grammar mask (JSON schemas, forced tool calls), `prefix_cache`
   the keys and values of prompt prefixes it has seen;
 - `schemas`: OpenAI's request and response shapes, and its error shape;
 - `metrics`: Prometheus metrics;

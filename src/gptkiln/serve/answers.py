@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gptkiln.serve.batcher import Done, Failed, PromptLogprobs, Sequence, Token, TokenLogprobs
+from gptkiln.serve.events import Done, Failed, PromptLogprobs, Sequence, Token, TokenLogprobs
 from gptkiln.serve.schemas import (
     ChatChoice,
     ChatChunkChoice,

@@ -33,8 +33,9 @@ from gptkiln.finetune.templates import PromptTemplate
 from gptkiln.inspect import inspect_prompt
 from gptkiln.model import GPT
 from gptkiln.serve.answers import Answer, ChatAnswer, respond
-from gptkiln.serve.batcher import Batcher, QueueFull, Sequence
+from gptkiln.serve.batcher import Batcher, QueueFull
 from gptkiln.serve.constrain import Grammars
+from gptkiln.serve.events import Sequence
 from gptkiln.serve.metrics import CONTENT_TYPE, ServeMetrics
 from gptkiln.serve.parsing import (
     chat_grammar,
