@@ -76,6 +76,8 @@ def add_finetune_flags(p: argparse.ArgumentParser) -> None:
     """`FinetuneConfig`'s flags (the model, the data and the task; what trains), then the
     loop's (`FINETUNE_LOOP_FLAGS`)."""
     _add_data_flags(p)
+    _add_task_flags(p)
+    _add_split_flags(p)
     _add_trainable_flags(p)
     p.add_argument(
         "--show-examples",
@@ -99,7 +101,7 @@ def add_finetune_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_data_flags(p: argparse.ArgumentParser) -> None:
-    """The model to start from, the examples and what the task makes of them."""
+    """The model to start from, the examples, the task and its template."""
     p.add_argument(
         "base",
         help="the model to start from: a run directory or a Hugging Face model directory "
@@ -135,6 +137,10 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
         "with system, instruction, input, response (default: alpaca); chat, dpo: a .jinja "
         "chat template (default: the model's own, else ChatML)",
     )
+
+
+def _add_task_flags(p: argparse.ArgumentParser) -> None:
+    """What one task makes of its examples: masks, columns, lengths, packing, DPO's loss."""
     p.add_argument(
         "--mask-prompt",
         action="store_true",
@@ -180,6 +186,10 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
         default="sigmoid",
         help="dpo: sigmoid (the DPO paper's) or ipo (default: sigmoid)",
     )
+
+
+def _add_split_flags(p: argparse.ArgumentParser) -> None:
+    """The shares of the examples held out for validation and testing."""
     p.add_argument(
         "--val-fraction",
         type=float,
