@@ -488,3 +488,115 @@ def test_the_cpu_backend_plans_a_servers_decoding_on_the_cpu_only(model, tokeniz
     elsewhere = Batcher(copy.deepcopy(model).to("meta"), tokenizer, max_batch=4)  # as a GPU
     elsewhere._prepare()
     assert planned == [[1, 2, 4]] and elsewhere.plan is None and elsewhere.graphs is None
+
+
+# -- the first tokens of a step's prompts, chosen together -------------------------------------
+def run_together(model, tokenizer, seqs, setup=None, warm=(), **options):
+    """Submit ``warm`` one by one (each to its end), then ``seqs`` at once: each one's events,
+    up to its `Done` or `Failed`; and the batcher."""
+    batcher = Batcher(copy.deepcopy(model), tokenizer, **options)
+    if setup is not None:
+        setup(batcher)
+
+    async def main():
+        await batcher.start()
+        try:
+            for seq in warm:
+                batcher.submit([seq])
+                await collect(seq)
+            batcher.submit(seqs)
+            got = []
+            for seq in seqs:
+                events = []
+                while not events or not isinstance(events[-1], (Done, Failed)):
+                    events.append(await seq.events.get())
+                got.append(events)
+            return got
+        finally:
+            await batcher.stop()
+
+    return asyncio.run(main()), batcher
+
+
+def ids_and_text(events):
+    ids = [e.id for e in events if isinstance(e, Token)]
+    return ids, "".join(e.text for e in events if isinstance(e, (Token, Done)))
+
+
+def draw_sizes(monkeypatch) -> list[int]:
+    """The rows of every `sample_rows` call the chooser makes, in order."""
+    from gptkiln.serve import choosing
+
+    sizes, real = [], choosing.sample_rows
+
+    def counted(logits, *args):
+        sizes.append(logits.shape[0])
+        return real(logits, *args)
+
+    monkeypatch.setattr(choosing, "sample_rows", counted)
+    return sizes
+
+
+@pytest.mark.parametrize("where", ["after its group's draw", "in its group's draw"])
+def test_a_row_whose_first_token_fails_ends_alone_beside_its_group(
+    model, tokenizer, monkeypatch, where
+):
+    """Three seeded rows of one setting, their first tokens drawn together; one row's choosing
+    fails at its first token (after the group's draw picked it, or while its logits are made
+    for the draw, which then falls back to each row alone): that row gets `Failed` and
+    nothing else, the others what they get alone."""
+    from gptkiln.serve import choosing
+
+    sizes = draw_sizes(monkeypatch)
+    cfg = SampleConfig(
+        max_new_tokens=6, temperature=1.0, seed=3, presence_penalty=0.5, frequency_penalty=0.5
+    )
+    seqs = [Sequence(tokenizer.encode(p), cfg, asyncio.Queue()) for p in PROMPTS[:3]]
+    doomed = seqs[1]
+    after = where.startswith("after")
+    method = "_choose" if after else "_row_logits"
+    real = getattr(choosing.Chooser, method)
+
+    def fussy(self, slot, *args, **kwargs):
+        if slot.seq is doomed and slot.generated == 0:
+            raise RuntimeError("this row's own fault (pretend)")
+        return real(self, slot, *args, **kwargs)
+
+    monkeypatch.setattr(choosing.Chooser, method, fussy)
+    got, _ = run_together(model, tokenizer, seqs, max_batch=4)
+    assert len(got[1]) == 1 and "own fault" in got[1][0].message
+    for i in (0, 2):
+        assert ids_and_text(got[i]) == alone(model, tokenizer, seqs[i].prompt, cfg)
+    # the first tokens in one draw, then the two left; or, the group's draw failed, each alone
+    assert sizes[:2] == ([3, 2] if after else [1, 1])
+
+
+def test_a_cached_prefix_a_fresh_and_a_scored_prompts_first_tokens_are_drawn_together(
+    model, tokenizer, monkeypatch
+):
+    """A prompt whose prefix the cache holds (its rest prefilled alone), two fresh ones
+    (prefilled together) and a scored one: their first tokens in one draw, each what it gets
+    alone, the scored one's `PromptLogprobs` before its first `Token`; one asking for no
+    tokens just `Done`."""
+    from gptkiln.serve.prefix_cache import PrefixCache
+
+    sizes = draw_sizes(monkeypatch)
+    cfg = SampleConfig(max_new_tokens=5, temperature=1.0, seed=11)
+    warm = Sequence(tokenizer.encode("the quick brown fox "), cfg, asyncio.Queue())
+    cached = Sequence(tokenizer.encode("the quick brown fox jumps"), cfg, asyncio.Queue())
+    fresh = [Sequence(tokenizer.encode(p), cfg, asyncio.Queue()) for p in ("over", "lazy")]
+    scored = Sequence(tokenizer.encode("a dog"), cfg, asyncio.Queue(), prompt_logprobs=True)
+    none = Sequence(tokenizer.encode("dog"), SampleConfig(max_new_tokens=0), asyncio.Queue())
+    seqs = [cached, *fresh, scored, none]
+
+    def small_blocks(batcher):
+        batcher.prefix_cache = PrefixCache(batcher.model, block_tokens=4)
+
+    got, batcher = run_together(model, tokenizer, seqs, small_blocks, [warm], max_batch=6)
+    assert batcher.prefix_cache.hit_tokens == 20  # the cached prompt reused 5 blocks
+    for seq, events in zip(seqs[:4], got):
+        tokens = [e for e in events if not isinstance(e, PromptLogprobs)]
+        assert ids_and_text(tokens) == alone(model, tokenizer, seq.prompt, cfg)
+    assert isinstance(got[3][0], PromptLogprobs) and isinstance(got[3][1], Token)
+    assert got[4] == [Done(0, "length", "", 0)]
+    assert sizes[5] == 4  # the warm prompt's 5 draws alone, then the 4 first tokens in one

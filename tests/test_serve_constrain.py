@@ -133,3 +133,69 @@ def test_a_constrained_row_beside_a_free_row(tokenizer, grammars, monkeypatch, d
         assert reason == "stop" and set(json.loads(text)) == {"n", "ok"}, text
     with pytest.raises(ValueError):
         json.loads(alone[1])  # the same model unconstrained: noise
+
+
+def test_constrained_first_tokens_drawn_together_are_what_each_gets_alone(
+    tokenizer, grammars, monkeypatch
+):
+    """Two seeded constrained rows admitted together: their fresh grammars' masks filled in
+    one `fill_masks`, their first tokens drawn in one call, each row's tokens those it gets
+    alone in the batcher."""
+    from gptkiln.serve import choosing
+
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(
+        "tiny", vocab_size=tokenizer.vocab_size, context_length=128, tie_embeddings=False
+    )
+    model = GPT(config).eval()
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
+    grammar = grammars.json_schema(schema)
+    cfgs = [SampleConfig(max_new_tokens=30, temperature=1.0, seed=s) for s in (1, 2)]
+
+    def run(seqs):
+        batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=2)
+
+        async def main():
+            await batcher.start()
+            try:
+                batcher.submit(seqs)
+                out = []
+                for seq in seqs:
+                    ids = []
+                    while not isinstance(event := await seq.events.get(), Done):
+                        assert isinstance(event, Token), event
+                        ids.append(event.id)
+                    out.append(ids)
+                return out
+            finally:
+                await batcher.stop()
+
+        return asyncio.run(main())
+
+    def seqs():
+        return [
+            Sequence([11, 12, 13], c, asyncio.Queue(), constraint=grammars.constraint(grammar))
+            for c in cfgs
+        ]
+
+    alone = [run([seq])[0] for seq in seqs()]
+    filled, sizes = [], []
+    real_fill, real_sample = choosing.fill_masks, choosing.sample_rows
+
+    def fill(constraints, bitmask):
+        filled.append(len(constraints))
+        return real_fill(constraints, bitmask)
+
+    def sample(logits, *args):
+        sizes.append(logits.shape[0])
+        return real_sample(logits, *args)
+
+    monkeypatch.setattr(choosing, "fill_masks", fill)
+    monkeypatch.setattr(choosing, "sample_rows", sample)
+    assert run(seqs()) == alone
+    assert filled[0] == 2 and sizes[0] == 2  # the first tokens' masks and draw, together

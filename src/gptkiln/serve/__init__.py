@@ -6,8 +6,8 @@
   family;
 - `batcher.Batcher`: the one decode loop that owns the model, slots over a static KV cache;
   `events` what a sequence is and hears back, `choosing` each row's next token (alone or with
-  the rows that sample alike), `constrain` gives a row its grammar mask (JSON schemas, forced tool calls), `prefix_cache`
-  the keys and values of prompt prefixes it has seen;
+  the rows that sample alike), `constrain` gives a row its grammar mask (JSON schemas, forced
+  tool calls), `prefix_cache` the keys and values of prompt prefixes it has seen;
 - `schemas`: OpenAI's request and response shapes, and its error shape;
 - `metrics`: Prometheus metrics;
 - ``static/index.html``: the playground page, shipped in the package (no CDN, no build step).

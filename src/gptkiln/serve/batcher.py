@@ -306,15 +306,16 @@ class Batcher:
         hold its prefix's keys and values already, `PrefixCache.load`): its last logits to
         ``ready``, its prompt's scores to ``events``, or, where it fails, its `Failed`."""
         seq = slot.seq
-        idx = torch.tensor([seq.prompt[cached:]], device=self.device)  # (1, T - cached)
         rows = slice(slot.row, slot.row + 1)
         try:
+            idx = torch.tensor([seq.prompt[cached:]], device=self.device)  # (1, T - cached)
             logits = self.model(
                 idx, start_pos=cached, last_only=not seq.prompt_logprobs, rows=rows
             )  # (1, T - cached or 1, V)
             slot.pos = len(seq.prompt)
             if seq.prompt_logprobs:
                 events.append((seq, PromptLogprobs(seq.index, self._score_prompt(seq, logits))))
+                logits = logits[:, -1:].clone()  # the last row kept, not every position's
         except Exception as e:
             events += failed(slot, e)
             return
