@@ -15,6 +15,10 @@ transformers' warpers) and reading its text
   sorts those rows whole, as transformers does every row): gptkiln's `logits_to_probs` against
   transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` and a
   softmax, what its ``generate(do_sample=True)`` draws from; both keep as many ids (checked).
+- **top-k**: a token a row drawn with top-k 40 (and top-p 0.9 with it) and top-k 1,000, at 1,
+  8 and 16 rows, a seed a row: gptkiln's `sample_rows`, which reads each row's k candidates
+  alone, against transformers' warpers, softmax and ``torch.multinomial``, and against gptkiln's
+  draw from the whole row (``draw(logits_to_probs(...))``, what it did before).
 - **serve**: the host's work of one decode step of `gptkiln serve`'s batcher (`Batcher._decode`
   with the model's forward replaced by fixed logits), 16 rows each with its own seed: the rows
   that sample alike drawn in one call (`_sampled_together`, as on the CPU by default) against
@@ -24,7 +28,8 @@ transformers' warpers) and reading its text
   ``decode`` a plain function (so decoded whole at every push).
 - ``--generate``: GPT-2 124M (random weights, fp32, the CPU decode backend), 200 tokens at
   temperature 1 with each sampler, and greedy beside them, in turn over 3 rounds: what the
-  sampler costs a token over greedy's argmax.
+  sampler costs a token over greedy's argmax; then 8 rows, 100 steps, top-k 40 and top-p 0.9
+  drawn from each row's candidates against from the whole row, greedy beside them.
 """
 
 from __future__ import annotations
@@ -175,6 +180,70 @@ def top_p_part(torch, rounds: int) -> None:
     )
 
 
+def top_k_part(torch, rounds: int) -> None:
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    import gptkiln.sampling as sampling
+
+    vocab, temperature = VOCABS["GPT-2"], 0.8
+    print(
+        f"\n## top-k: a token a row drawn with top-k (GPT-2's {vocab:,} ids, temperature "
+        f"{temperature}, a seed a row, Zipf 1.0 logits): gptkiln's sample_rows (from each row's "
+        "k candidates) against transformers' warpers, softmax and torch.multinomial, and against "
+        "gptkiln's draw from the whole row (`draw(logits_to_probs(...))`, as before)\n"
+    )
+    rows_out = []
+    for top_k, top_p in ((40, None), (40, 0.9), (1000, None)):
+        for rows in (1, 8, 16):
+            logits = zipf_logits(torch, rows, vocab, 1.0)
+            seeds = [torch.Generator().manual_seed(r) for r in range(rows)]
+            warpers = [TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)]
+            warpers += [TopPLogitsWarper(top_p)] if top_p else []
+
+            def hf(x=logits, warpers=warpers):
+                for w in warpers:
+                    x = w(None, x)
+                return torch.multinomial(torch.softmax(x, dim=-1), 1).squeeze(-1)
+
+            def ours(x=logits, k=top_k, p=top_p, g=seeds):
+                return sampling.sample_rows(x, temperature, k, p, g)
+
+            def whole(x=logits, k=top_k, p=top_p, g=seeds):
+                probs = sampling.logits_to_probs(x, temperature, k, p)
+                return sampling.draw(probs, uniforms=sampling.row_uniforms(g, x.device))
+
+            fns = {"gptkiln": ours, "whole row": whole, "transformers": hf}
+            times = in_turn(fns, rounds, calls=5)
+            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            rows_out.append(
+                dict(
+                    filters=f"top-k {top_k}" + (f", top-p {top_p}" if top_p else ""),
+                    rows=rows,
+                    ours=ms["gptkiln"],
+                    whole=ms["whole row"],
+                    hf=ms["transformers"],
+                    ratio=common.paired_ratio(times["transformers"], times["gptkiln"]),
+                    before=common.paired_ratio(times["whole row"], times["gptkiln"]),
+                )
+            )
+    common.print_table(
+        rows_out,
+        [
+            ("filters", "filters"),
+            ("rows", "rows"),
+            ("ours", "gptkiln ms"),
+            ("whole", "whole row ms"),
+            ("hf", "transformers ms"),
+            ("ratio", "ratio (transformers / gptkiln)"),
+            ("before", "ratio (whole row / gptkiln)"),
+        ],
+    )
+
+
 def text_part() -> None:
     from gptkiln.sampling import TextStream
     from gptkiln.tokenizers import GPT2Tokenizer
@@ -317,6 +386,48 @@ def generate_part(torch) -> None:
         ],
         [("how", "sampling"), ("ms", "ms a token (median)"), ("over", "over greedy, ms")],
     )
+    candidates = sampling._from_candidates
+
+    def batch(temperature: float, whole: bool) -> float:
+        """ms a step of 8 rows, 100 steps, top-k 40 and top-p 0.9 (a seed a row)."""
+        if whole:
+            sampling._from_candidates = lambda logits, top_k: False
+        try:
+            t0 = time.perf_counter()
+            sampling.generate(
+                model,
+                [[1, 2, 3]] * 8,
+                max_new_tokens=100,
+                temperature=temperature,
+                top_k=40,
+                top_p=0.9,
+                seed=1,
+                prepare=prepare_for_decoding,
+                stop_at_eos=False,
+            )
+            return (time.perf_counter() - t0) / 100 * 1e3
+        finally:
+            sampling._from_candidates = candidates
+
+    ways = {
+        "greedy": (0.0, False),
+        "top-k 40, top-p 0.9, from the candidates": (0.8, False),
+        "top-k 40, top-p 0.9, from the whole row (before)": (0.8, True),
+    }
+    batch(0.8, False)  # warm-up: batch 8's kernels tuned
+    times = {k: [] for k in ways}
+    for r in range(3):
+        for k in ways if r % 2 == 0 else reversed(list(ways)):
+            times[k].append(batch(*ways[k]))
+    greedy = statistics.median(times["greedy"])
+    print("\n## generate, batch 8: GPT-2 124M, fp32, the CPU decode backend, 100 steps, 3 rounds\n")
+    common.print_table(
+        [
+            dict(how=k, ms=statistics.median(v), over=statistics.median(v) - greedy)
+            for k, v in times.items()
+        ],
+        [("how", "sampling"), ("ms", "ms a step (median)"), ("over", "over greedy, ms")],
+    )
 
 
 def main() -> None:
@@ -328,6 +439,7 @@ def main() -> None:
     torch = common.setup_torch()
     draw_part(torch, args.rounds)
     top_p_part(torch, args.rounds)
+    top_k_part(torch, args.rounds)
     serve_part(torch, args.rounds)
     text_part()
     if args.generate:

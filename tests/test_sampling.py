@@ -763,3 +763,62 @@ def test_a_gpus_running_sum_is_made_flat_over_zeros_and_non_decreasing():
     assert flat.tolist() == [[0.0, 0.25, 0.25, 0.25, 0.75, 0.75, 1.0, 1.0]]
     ids = torch.searchsorted(flat.expand(999, -1), torch.rand(999, 1), right=True)
     assert set(ids.flatten().tolist()) == {1, 4, 6}
+
+
+def test_a_top_k_draw_on_the_cpu_reads_its_k_candidates_and_picks_what_the_whole_row_picks(
+    monkeypatch,
+):
+    """With a top-k, `sample` and `sample_rows` draw from each row's k most likely ids alone
+    (their probabilities, top-p and running sum over k values, not V), in the order of their
+    ids, so a uniform picks the id the whole row's `draw(logits_to_probs(...))` picks: fp32
+    rows of 50 to 50,257 ids, with and without top-p, seeded a row and by one generator."""
+    from gptkiln import sampling
+    from gptkiln.sampling import draw, row_uniforms, sample_rows
+
+    gen = torch.Generator().manual_seed(3)
+    cases = []
+    for trial in range(24):
+        vocab = int(torch.randint(50, 50257, (1,), generator=gen))
+        scale = float(torch.rand(1, generator=gen)) * 8 + 0.1
+        logits = torch.randn(6, vocab, generator=gen) * scale
+        top_k = int(torch.randint(1, min(vocab, 2000), (1,), generator=gen))
+        cases.append((logits, (0.7, 1.0, 1.6)[trial % 3], top_k, (None, 0.9, 0.5)[trial % 3]))
+    real, whole = sampling.logits_to_probs, []
+    monkeypatch.setattr(sampling, "logits_to_probs", lambda *a: whole.append(1) or real(*a))
+    for logits, temperature, top_k, top_p in cases:
+        seeds = [torch.Generator().manual_seed(s) for s in range(6)]
+        got = sample_rows(logits, temperature, top_k, top_p, seeds)
+        one = sample(logits, temperature, top_k, top_p, torch.Generator().manual_seed(9))
+        assert not whole  # no row read whole: no tie at a k-th
+        probs = real(logits, temperature, top_k, top_p)
+        twins = [torch.Generator().manual_seed(s) for s in range(6)]
+        assert torch.equal(got, draw(probs, uniforms=row_uniforms(twins, logits.device)))
+        assert torch.equal(one, draw(probs, torch.Generator().manual_seed(9)))
+
+
+def test_a_row_tied_at_its_k_th_or_not_a_number_is_drawn_whole_and_alone():
+    """Where the k-th value comes again past it (top-k keeps them all), or a row's values are
+    not numbers (id 0, as greedy), or fewer than k ids are possible (a grammar's mask), that
+    row draws from its whole row, the others from their candidates: each what it draws alone."""
+    from gptkiln.sampling import draw, row_uniforms, sample_rows
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 300, generator=gen) * 3
+    logits[1, [7, 50, 90]] = 20.0
+    logits[1, [8, 60]] = 19.5  # top-k 4 keeps 5: the three 20s and both 19.5s
+    logits[2, 5] = float("nan")
+    logits[3, 3:] = float("-inf")  # three possible ids, top-k 4
+    seeds = list(range(5))
+    got = sample_rows(logits, 1.0, 4, None, [torch.Generator().manual_seed(s) for s in seeds])
+    twins = [torch.Generator().manual_seed(s) for s in seeds]
+    want = draw(logits_to_probs(logits, 1.0, 4, None), uniforms=row_uniforms(twins, "cpu"))
+    assert torch.equal(got, want) and got[2] == 0 and got[3] < 3
+    for row in range(5):
+        alone = sample_rows(
+            logits[row : row + 1], 1.0, 4, None, [torch.Generator().manual_seed(row)]
+        )
+        assert alone[0] == got[row]
+    drawn = torch.stack(
+        [sample(logits[1:2], 1.0, 4, None, torch.Generator().manual_seed(s)) for s in range(400)]
+    )
+    assert set(drawn.flatten().tolist()) == {7, 50, 90, 8, 60}  # both 19.5s kept
