@@ -42,15 +42,40 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 
 def whole_sort_top_p(logits, temperature, top_k, top_p):
-    """Top-k then top-p as the filters are defined: every row's probabilities sorted whole."""
+    """Top-k then top-p as the filters are defined: every row's probabilities sorted whole; top-p
+    keeps the fewest most likely that reach it, and every token as likely as the last."""
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     ranked, ids = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
-    ranked = ranked.masked_fill(ranked.cumsum(dim=-1) - ranked >= top_p, 0.0)
+    needed = ranked.cumsum(dim=-1) - ranked < top_p  # the fewest that reach top_p
+    edge = torch.where(needed, ranked, float("inf")).amin(dim=-1, keepdim=True)
+    ranked = ranked.masked_fill(~needed & (ranked != edge), 0.0)  # and any as likely as the last
     probs = torch.zeros_like(ranked).scatter_(-1, ids, ranked)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def test_top_p_keeps_every_token_as_likely_as_the_last_it_needs():
+    """Where top-p's nucleus ends on equal probabilities it keeps them all, as top-k keeps every
+    token tied with its k-th: what it keeps never depends on how ties are ranked."""
+    probs = torch.tensor([[0.4, 0.2, 0.2, 0.2, 0.0], [0.1, 0.2, 0.3, 0.2, 0.2]])
+    kept = logits_to_probs(probs.log(), 1.0, None, 0.5)
+    assert (kept > 0).tolist() == [[True] * 4 + [False], [False] + [True] * 4]
+    torch.testing.assert_close(kept[0, :4], torch.tensor([0.4, 0.2, 0.2, 0.2]))
+    edge = logits_to_probs(probs.log(), 1.0, None, 0.3)  # 0.4 alone reaches it in row 0
+    assert (edge[0] > 0).tolist() == [True, False, False, False, False]
+    shuffled = probs[:, torch.randperm(5, generator=torch.Generator().manual_seed(1))]
+    again = logits_to_probs(shuffled.log(), 1.0, None, 0.5)
+    assert torch.equal((again > 0).sum(dim=-1), (kept > 0).sum(dim=-1))
+    # on the CPU's ranked candidates: the tie runs on past the first 256 the nucleus ends in
+    vocab = 50257
+    row = torch.full((vocab,), 0.1 / (vocab - 1010))
+    row[:10], row[10:1010] = 0.05, 0.0004  # top-p 0.55 ends 125 into 1,000 equal ones
+    row = row[torch.randperm(vocab, generator=torch.Generator().manual_seed(2))]
+    wide = logits_to_probs(row.log()[None], 1.0, None, 0.55)
+    assert (wide > 0).sum() == 1010
+    assert torch.equal(wide > 0, whole_sort_top_p(row.log()[None], 1.0, None, 0.55) > 0)
 
 
 def test_top_p_ranks_a_rows_likeliest_ids_first_and_sorts_only_the_rows_that_need_it(

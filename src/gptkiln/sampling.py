@@ -56,7 +56,9 @@ def _top_p(
     probs: torch.Tensor, top_p: float, top_k: int | None, top_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Top-p of probabilities (B, V): each row's most likely tokens kept until their sum
-    reaches top_p, renormalised.
+    reaches top_p, and every token as likely as the last of them (so what is kept never
+    depends on how equal probabilities are ranked, as top-k keeps every token tied with its
+    k-th), renormalised.
 
     Ranking a whole row is a sort: GPT-2's 50,257 ids take 0.6-3.9 ms on a 2-core EPYC. On the
     CPU (eager) a row's ``m`` most likely are found first instead (``torch.topk``: 0.14 ms for
@@ -90,7 +92,9 @@ def _top_p(
         else:
             ranked, ids = torch.topk(part, m, dim=-1)  # largest first
         running = ranked.cumsum(dim=-1)
-        enough = running[:, -1] >= top_p  # top-k's k reach it unless it kept a tie past them
+        # enough: they reach top_p (top-k's k do unless it kept a tie past them), and no id
+        # past them can tie the last one kept
+        enough = (running[:, -1] >= top_p) & (ranked[:, -1] < _edge(ranked, top_p, running)[:, 0])
         sorted_now = ~enough
         if i + 1 < len(sizes):
             missing = (top_p - running[:, -1]) / ranked[:, -1]  # ids still needed, at least
@@ -148,11 +152,21 @@ def _nucleus(
 
 def _kept(ranked: torch.Tensor, top_p: float, running: torch.Tensor | None = None) -> torch.Tensor:
     """Top-p over each row's ranked probabilities (B, m), most likely first (with their running
-    sum, where known): (B, m), the dropped 0 and the kept renormalised (`_nucleus`)."""
+    sum, where known): (B, m), the dropped 0 and the kept renormalised (`_nucleus`). A token is
+    kept where the tokens ranked above it do not reach top_p yet, or where it is as likely as
+    the last such one (`_edge`)."""
     running = ranked.cumsum(dim=-1) if running is None else running
-    drop = running - ranked >= top_p
+    drop = (running - ranked >= top_p) & (ranked < _edge(ranked, top_p, running))
     total = running.gather(-1, (~drop).sum(dim=-1, keepdim=True) - 1)  # (B, 1)
     return ranked.masked_fill(drop, 0.0) / total
+
+
+def _edge(ranked: torch.Tensor, top_p: float, running: torch.Tensor) -> torch.Tensor:
+    """The probability of the last token top-p needs, (B, 1), from ranked probabilities (B, m),
+    most likely first, and their running sum: the first whose sum reaches top_p (the last of
+    the m where none does)."""
+    needed = (running - ranked < top_p).sum(dim=-1, keepdim=True)  # (B, 1), at least 1
+    return ranked.gather(-1, needed.clamp(1, ranked.size(-1)) - 1)  # (NaN rows: the first)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -208,10 +222,9 @@ def _draw_from_candidates(
     k, at least 16), twice as many while the last of them still ties its k-th (top-k keeps
     every id tied with its k-th), up to the whole row; those below its k-th get no
     probability. They are summed in the order of their ids, as `draw` sums a whole row, so a
-    uniform picks the same id in both, up to the rounding of the softmax's sum; where top-p
-    ends on equal probabilities, either may keep another of them. A row with a value that is
-    not a number (or an infinite largest) gets id 0, as there. Each row takes its own way, so
-    its id is the same in any batch. ``uniforms`` (B, 1): `draw`'s."""
+    uniform picks the same id in both, up to the rounding of the softmax's sum. A row with a
+    value that is not a number (or an infinite largest) gets id 0, as there. Each row takes
+    its own way, so its id is the same in any batch. ``uniforms`` (B, 1): `draw`'s."""
     vocab = logits.size(-1)
     tokens = torch.zeros(logits.size(0), dtype=torch.long, device=logits.device)
     rows = torch.arange(logits.size(0), device=logits.device)  # the rows still to draw
