@@ -942,3 +942,51 @@ def test_bf16_and_fp16_logits_draw_from_their_candidates_as_from_the_whole_row()
             seeds = [torch.Generator().manual_seed(s) for s in range(512)]
             got = sample_rows(logits, 0.8, top_k, None, seeds)
             drawn_as_whole(got, *_whole(logits, 0.8, top_k, None, range(512)))
+
+
+def _topk_widths(monkeypatch) -> list[int]:
+    """The k of every `torch.topk` call from now on."""
+    seen, topk = [], torch.topk
+
+    def spy(x, k, *args, **kwargs):
+        seen.append(k)
+        return topk(x, k, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "topk", spy)
+    return seen
+
+
+def test_a_row_with_fewer_possible_ids_than_k_is_not_widened_to_the_whole_row(monkeypatch):
+    """A grammar's mask leaves fewer ids than top-k: the k-th is -inf, every possible id is a
+    candidate already, and one topk suffices (widening it to V took 80 ms for 16 rows)."""
+    from gptkiln.sampling import sample_rows
+
+    logits = torch.randn(2, 50257, generator=torch.Generator().manual_seed(0))
+    logits[:, 10:] = float("-inf")
+    seen = _topk_widths(monkeypatch)
+    got = sample_rows(logits, 0.8, 40, 0.9, [torch.Generator().manual_seed(s) for s in range(2)])
+    assert len(seen) == 1 and seen[0] < 100, seen
+    want, probs = _whole(logits, 0.8, 40, 0.9, range(2))
+    drawn_as_whole(got, want, probs)
+
+
+def test_a_long_tie_at_the_k_th_widens_the_candidates_twice_as_far_each_time(monkeypatch):
+    from gptkiln.sampling import sample_rows
+
+    logits = torch.full((1, 50257), -10.0)
+    logits[0, :2] = torch.tensor([9.0, 8.0])
+    logits[0, 100:20100] = 1.0  # top-k 3 keeps 20,002 ids
+    seen = _topk_widths(monkeypatch)
+    sample_rows(logits, 1.0, 3, None, [torch.Generator().manual_seed(0)])
+    assert len(seen) <= 12 and all(b == 2 * a for a, b in zip(seen[:-2], seen[1:-1])), seen
+
+
+def test_a_tie_at_the_nucleus_edge_running_past_4096_or_top_ks_k_is_ranked_whole():
+    vocab, gen = 50257, torch.Generator().manual_seed(3)
+    for head, tie, top_p, top_k in ((3000, 3000, 0.55, None), (200, 2000, 0.6, 1000)):
+        row = torch.full((vocab,), 1e-7)
+        row[:head], row[head : head + tie] = 0.5 / head, 0.45 / tie
+        row = (row / row.sum())[torch.randperm(vocab, generator=gen)].log()[None]
+        kept = logits_to_probs(row, 1.0, top_k, top_p) > 0
+        assert int(kept.sum()) == head + tie
+        assert torch.equal(kept, whole_sort_top_p(row, 1.0, top_k, top_p) > 0)

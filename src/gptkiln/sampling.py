@@ -63,12 +63,14 @@ def _top_p(
     Ranking a whole row is a sort: GPT-2's 50,257 ids take 0.6-3.9 ms on a 2-core EPYC. On the
     CPU (eager) a row's ``m`` most likely are found first instead (``torch.topk``: 0.14 ms for
     256, 0.7 for 4,096), ``m`` each of `NUCLEUS_CANDIDATES` in turn (top-k's k where fewer).
-    They suffice where their running sum reaches top_p: every token past them is dropped. A
-    row that the next ``m`` cannot suffice for (the sum still missing, over the least likely
-    candidate's probability, is more ids than it adds) is sorted whole at once, as is one that
-    none can suffice for (`_never_within`: a nearly flat row, an untrained model's) and one
-    that none suffices for. Each row takes its own way, so its result is the same in any batch.
-    ``top_ids`` (B, k): top-k's ids, largest first, its k candidates ranked already."""
+    They suffice where their running sum reaches top_p and the last of them is less likely
+    than the last token top_p needs (`_edge`: no token past them can tie it): every token past
+    them is dropped. A row that the next ``m`` cannot suffice for (the sum still missing, over
+    the least likely candidate's probability, is more ids than it adds) is sorted whole at
+    once, as is one that none can suffice for (`_never_within`: a nearly flat row, an untrained
+    model's) and one that none suffices for. Each row takes its own way, so its result is the
+    same in any batch. ``top_ids`` (B, k): top-k's ids, largest first, its k candidates ranked
+    already."""
     vocab = probs.size(-1)
     sizes = sorted({min(m, top_k or vocab) for m in NUCLEUS_CANDIDATES if m < vocab})
     if not sizes or probs.device.type != "cpu" or torch.compiler.is_compiling():
@@ -218,8 +220,8 @@ def _draw_from_candidates(
     """`draw` from `logits_to_probs` with a top-k, from each row's most likely ids alone: the
     other ids have no probability there, so the probabilities, the top-p and the running sum
     are of a few values, not V (16 rows of GPT-2's 50,257 ids, top-k 40: 1.7 ms against 3.7
-    on a 2-core EPYC). A row's candidates are its k most likely ids and a margin (a quarter of
-    k, at least 16), twice as many while the last of them still ties its k-th (top-k keeps
+    on a 2-core EPYC). A row's candidates are its k most likely ids and a margin (an eighth of
+    k, at least 8), twice as many while the last of them still ties its k-th (top-k keeps
     every id tied with its k-th), up to the whole row; those below its k-th get no
     probability. They are summed in the order of their ids, as `draw` sums a whole row, so a
     uniform picks the same id in both, up to the rounding of the softmax's sum. A row with a
@@ -229,7 +231,7 @@ def _draw_from_candidates(
     tokens = torch.zeros(logits.size(0), dtype=torch.long, device=logits.device)
     rows = torch.arange(logits.size(0), device=logits.device)  # the rows still to draw
     # a margin past the k-th: where top-k's ties run on (bf16 values), one topk mostly suffices
-    width, part = top_k + 1 + max(16, top_k // 4), logits
+    width, part = top_k + 1 + max(8, top_k // 8), logits
     while len(rows):
         width = min(width, vocab)
         values, ids = torch.topk(part, width, dim=-1)  # (R, width), largest first
@@ -237,7 +239,10 @@ def _draw_from_candidates(
         scaled = (values - values[:, :1]) / temperature  # as logits_to_probs scales them
         kth = scaled[:, top_k - 1 : top_k]  # (R, 1)
         nan = scaled.isnan().any(dim=-1)  # where logits_to_probs' every probability is NaN
-        done = ~nan & ((scaled[:, -1:] < kth).squeeze(-1) | (width == vocab))
+        # every id top-k keeps is a candidate: the last is below the k-th, or the k-th is -inf
+        # (fewer possible ids than k: a grammar's mask), or the row is whole
+        past = (scaled[:, -1:] < kth) | (kth == float("-inf"))
+        done = ~nan & (past.squeeze(-1) | (width == vocab))
         if bool(done.any()):
             kept = scaled[done].masked_fill(scaled[done] < kth[done], float("-inf"))
             probs = torch.softmax(kept, dim=-1)
