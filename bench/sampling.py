@@ -114,13 +114,29 @@ def zipf_logits(torch, rows: int, vocab: int, s: float):
     return torch.stack([ranked[torch.randperm(vocab, generator=gen)] for _ in range(rows)])
 
 
-def top_p_part(torch, rounds: int) -> None:
+def transformers_probs(torch, temperature: float, top_k: int | None, top_p: float | None):
+    """What transformers' ``generate(do_sample=True)`` draws from: logits (B, V) through its
+    ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and ``TopPLogitsWarper`` (those set),
+    then a softmax."""
     from transformers.generation.logits_process import (
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
     )
 
+    warpers = [TemperatureLogitsWarper(temperature)]
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p else []
+
+    def probs(x):
+        for w in warpers:
+            x = w(None, x)
+        return torch.softmax(x, dim=-1)
+
+    return probs
+
+
+def top_p_part(torch, rounds: int) -> None:
     from gptkiln.sampling import NUCLEUS_CANDIDATES, logits_to_probs
 
     vocab, temperature = VOCABS["GPT-2"], 0.8
@@ -134,14 +150,10 @@ def top_p_part(torch, rounds: int) -> None:
         for top_k, top_p in ((None, 0.9), (40, 0.9)):
             for rows in (1, 16):
                 logits = zipf_logits(torch, rows, vocab, s)
-                warpers = [TemperatureLogitsWarper(temperature)]
-                warpers += [TopKLogitsWarper(top_k)] if top_k else []
-                warpers.append(TopPLogitsWarper(top_p))
+                warped = transformers_probs(torch, temperature, top_k, top_p)
 
-                def hf(x=logits, warpers=warpers):
-                    for w in warpers:
-                        x = w(None, x)
-                    return torch.softmax(x, dim=-1)
+                def hf(x=logits, warped=warped):
+                    return warped(x)
 
                 def ours(x=logits, k=top_k, p=top_p):
                     return logits_to_probs(x, temperature, k, p)
@@ -181,12 +193,6 @@ def top_p_part(torch, rounds: int) -> None:
 
 
 def top_k_part(torch, rounds: int) -> None:
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
     import gptkiln.sampling as sampling
 
     vocab, temperature = VOCABS["GPT-2"], 0.8
@@ -201,13 +207,10 @@ def top_k_part(torch, rounds: int) -> None:
         for rows in (1, 8, 16):
             logits = zipf_logits(torch, rows, vocab, 1.0)
             seeds = [torch.Generator().manual_seed(r) for r in range(rows)]
-            warpers = [TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)]
-            warpers += [TopPLogitsWarper(top_p)] if top_p else []
+            warped = transformers_probs(torch, temperature, top_k, top_p)
 
-            def hf(x=logits, warpers=warpers):
-                for w in warpers:
-                    x = w(None, x)
-                return torch.multinomial(torch.softmax(x, dim=-1), 1).squeeze(-1)
+            def hf(x=logits, warped=warped):
+                return torch.multinomial(warped(x), 1).squeeze(-1)
 
             def ours(x=logits, k=top_k, p=top_p, g=seeds):
                 return sampling.sample_rows(x, temperature, k, p, g)

@@ -58,6 +58,38 @@ def test_a_grammar_is_compiled_once_and_unenforceable_schemas_are_refused(gramma
         grammars.constraint(grammars.json_schema({"type": "objekt"}))
 
 
+def untied_model(tokenizer) -> GPT:
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(
+        "tiny", vocab_size=tokenizer.vocab_size, context_length=128, tie_embeddings=False
+    )
+    return GPT(config).eval()
+
+
+def served(model, tokenizer, seqs, max_batch: int) -> list[tuple[list[int], str, str]]:
+    """``seqs`` submitted at once to a batcher of a copy of ``model``: each one's ids, text and
+    finish reason."""
+    batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=max_batch)
+
+    async def main():
+        await batcher.start()
+        try:
+            batcher.submit(seqs)
+            out = []
+            for seq in seqs:
+                ids, text = [], ""
+                while not isinstance(event := await seq.events.get(), Done):
+                    assert isinstance(event, Token), event
+                    ids.append(event.id)
+                    text += event.text
+                out.append((ids, text + event.text, event.reason))
+            return out
+        finally:
+            await batcher.stop()
+
+    return asyncio.run(main())
+
+
 @pytest.mark.parametrize("drawn_together", [False, True], ids=["one by one", "as on a GPU"])
 def test_a_constrained_row_beside_a_free_row(tokenizer, grammars, monkeypatch, drawn_together):
     """Two constrained rows beside a free one: their masks filled together, the free row's
@@ -75,11 +107,7 @@ def test_a_constrained_row_beside_a_free_row(tokenizer, grammars, monkeypatch, d
             return real(logits, *args)
 
         monkeypatch.setattr(batching, "sample_rows", counted)
-    torch.manual_seed(0)
-    config = GPTConfig.from_name(
-        "tiny", vocab_size=tokenizer.vocab_size, context_length=128, tie_embeddings=False
-    )
-    model = GPT(config).eval()
+    model = untied_model(tokenizer)
     schema = {
         "type": "object",
         "properties": {
@@ -93,37 +121,15 @@ def test_a_constrained_row_beside_a_free_row(tokenizer, grammars, monkeypatch, d
     cfg = SampleConfig(max_new_tokens=40, temperature=0)
 
     def run(with_constrained: bool):
-        batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=4)
-
-        async def main():
-            await batcher.start()
-            try:
-                free = Sequence([11, 12, 13], cfg, asyncio.Queue())
-                seqs = [free]
-                if with_constrained:
-                    seqs += [
-                        Sequence(
-                            [11, 12, 13],
-                            cfg,
-                            asyncio.Queue(),
-                            constraint=grammars.constraint(grammar),
-                        )
-                        for _ in range(2)  # two: their masks are filled together
-                    ]
-                batcher.submit(seqs)
-                out = []
-                for seq in seqs:
-                    ids, text = [], ""
-                    while not isinstance(event := await seq.events.get(), Done):
-                        assert isinstance(event, Token), event
-                        ids.append(event.id)
-                        text += event.text
-                    out.append((ids, text + event.text, event.reason))
-                return out
-            finally:
-                await batcher.stop()
-
-        return asyncio.run(main())
+        seqs = [Sequence([11, 12, 13], cfg, asyncio.Queue())]  # the free row
+        if with_constrained:
+            seqs += [
+                Sequence(
+                    [11, 12, 13], cfg, asyncio.Queue(), constraint=grammars.constraint(grammar)
+                )
+                for _ in range(2)  # two: their masks are filled together
+            ]
+        return served(model, tokenizer, seqs, max_batch=4)
 
     together = run(True)
     assert (3 in sizes) == drawn_together  # the free row and both constrained ones at once
@@ -143,11 +149,7 @@ def test_constrained_first_tokens_drawn_together_are_what_each_gets_alone(
     alone in the batcher."""
     from gptkiln.serve import choosing
 
-    torch.manual_seed(0)
-    config = GPTConfig.from_name(
-        "tiny", vocab_size=tokenizer.vocab_size, context_length=128, tie_embeddings=False
-    )
-    model = GPT(config).eval()
+    model = untied_model(tokenizer)
     schema = {
         "type": "object",
         "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
@@ -158,24 +160,7 @@ def test_constrained_first_tokens_drawn_together_are_what_each_gets_alone(
     cfgs = [SampleConfig(max_new_tokens=30, temperature=1.0, seed=s) for s in (1, 2)]
 
     def run(seqs):
-        batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=2)
-
-        async def main():
-            await batcher.start()
-            try:
-                batcher.submit(seqs)
-                out = []
-                for seq in seqs:
-                    ids = []
-                    while not isinstance(event := await seq.events.get(), Done):
-                        assert isinstance(event, Token), event
-                        ids.append(event.id)
-                    out.append(ids)
-                return out
-            finally:
-                await batcher.stop()
-
-        return asyncio.run(main())
+        return served(model, tokenizer, seqs, max_batch=2)
 
     def seqs():
         return [
