@@ -248,7 +248,7 @@ def top_k_part(torch, rounds: int) -> None:
 
 
 def text_part() -> None:
-    from gptkiln.sampling import TextStream
+    from gptkiln.text_stream import TextStream
     from gptkiln.tokenizers import GPT2Tokenizer
 
     tok = GPT2Tokenizer()

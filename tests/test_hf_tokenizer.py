@@ -18,7 +18,8 @@ from gptkiln.checkpoint import save_model
 from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.loading import load_run
 from gptkiln.model import GPT
-from gptkiln.sampling import TextStream, generate
+from gptkiln.sampling import generate
+from gptkiln.text_stream import TextStream
 from gptkiln.tokenizers import (
     BPETokenizer,
     HFTokenizer,
@@ -202,7 +203,7 @@ def test_a_byte_level_tokenizer_streams_in_pieces_what_decoding_whole_gives(hf_d
     """Llama 3's and Qwen3's byte-level decoders stream their text a few tokens at a time
     (`TextStream`), the same text; a decoder that joins words with spaces, and cleans them up,
     is decoded whole."""
-    from test_sampling import assert_decoded_in_pieces_as_whole
+    from test_text_stream import assert_decoded_in_pieces_as_whole
 
     tok = load_tokenizer(hf_dir)
     if hf_dir.name == "wordlevel":

@@ -10,9 +10,10 @@ import torch
 
 from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.model import GPT
-from gptkiln.sampling import TextStream, generate
+from gptkiln.sampling import generate
 from gptkiln.serve.batcher import Batcher, QueueFull, prefill_groups
 from gptkiln.serve.events import Done, Failed, PromptLogprobs, Sequence, Token
+from gptkiln.text_stream import TextStream
 from gptkiln.tokenizers import build_char_tokenizer
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 4

@@ -87,10 +87,11 @@ def stream_from_model(
     precision: str | None = None,
 ) -> Iterator[str]:
     """`stream_text` for a model already loaded (``source`` names it in messages): the text
-    of one sequence through `sampling.TextStream`, which `generate`, `chat` and the
+    of one sequence through `text_stream.TextStream`, which `generate`, `chat` and the
     fine-tuning samples all read. ``templated``: ``prompt`` was rendered by the model's chat
     template (`gptkiln.tokenizers.encode_prompt`)."""
-    from gptkiln.sampling import TextStream, generate_stream, stop_ids_of
+    from gptkiln.sampling import generate_stream
+    from gptkiln.text_stream import TextStream, stop_ids_of
 
     was_training = model.training
     model.eval()

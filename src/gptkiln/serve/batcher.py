@@ -45,10 +45,10 @@ from gptkiln.cpu import prepare_for_decoding
 from gptkiln.errors import GptkilnError
 from gptkiln.gpu import row_graphs_for
 from gptkiln.model import GPT
-from gptkiln.sampling import TextStream, stop_ids_of
 from gptkiln.serve.choosing import Chooser, Chosen, Slot, failed, logprobs_of
 from gptkiln.serve.events import Done, Failed, PromptLogprobs, Sequence, Token, TokenLogprobs
 from gptkiln.serve.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
+from gptkiln.text_stream import TextStream, stop_ids_of
 
 
 class QueueFull(Exception):

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from gptkiln.sampling import TextStream, apply_penalties, apply_token_bitmask, sample_rows
+from gptkiln.sampling import apply_penalties, apply_token_bitmask, sample_rows
 from gptkiln.serve.constrain import fill_masks
 from gptkiln.serve.events import Done, Event, Failed, Sequence, Token, TokenLogprobs
+from gptkiln.text_stream import TextStream
 
 Chosen = list[tuple[Sequence, Event]]
 """Events for their sequences, in the order they happened."""

@@ -42,7 +42,7 @@ class Tokenizer(ABC):
         decodes_in_pieces: ``decode(a + b) == decode(a) + decode(b)`` wherever ``decode(a)``
             ends in a whole character: true of characters and of byte-level BPE (its text is
             its tokens' bytes), not of a decoder that strips, joins or cleans up across
-            tokens. `sampling.TextStream` then decodes only the ids after the text it settled.
+            tokens. `text_stream.TextStream` then decodes only the ids after the text it settled.
     """
 
     kind: str
