@@ -4,7 +4,7 @@
 
 A request with ``n`` samples (or ``n`` requests arriving in one step with prompts of one length)
 puts ``n`` equal prompts into the serve batcher at once. `gptkiln.serve.batcher` prefills
-prompts of similar length in one forward (`batcher.prefill_groups`); the peer is the same
+prompts of similar length in one forward (`prefill.prefill_groups`); the peer is the same
 batcher prefilling them one at a time (``prefill_groups`` patched to one prompt a group: what it
 did before). Both run in this one process over the same 124M-shaped random model (fp32, 2
 threads), alternating round by round; the figure is the median over ``--rounds`` (after one
@@ -44,12 +44,13 @@ async def first_tokens(batcher, prompt: list[int], n: int) -> float:
 
 async def measure(lengths: list[int], n: int, rounds: int) -> list[dict]:
     from gptkiln.serve import batcher as batching
+    from gptkiln.serve import prefill as prefilling
     from gptkiln.tokenizers import load_tokenizer
 
     torch = common.setup_torch()
     common.print_machine()
     model = common.gptkiln_gpt(SHAPE, "gpt2").eval()
-    together = batching.prefill_groups
+    together = prefilling.prefill_groups
 
     def alone(slots):
         return [[slot] for slot in slots]
@@ -66,7 +67,7 @@ async def measure(lengths: list[int], n: int, rounds: int) -> list[dict]:
             times: dict[str, list[float]] = {"one at a time": [], "together": []}
             for r in range(rounds + 1):  # the first round warms up
                 for name, grouping in (("one at a time", alone), ("together", together)):
-                    batching.prefill_groups = grouping
+                    prefilling.prefill_groups = grouping
                     seconds = await first_tokens(batcher, prompt, n)
                     if r:
                         times[name].append(seconds)
@@ -81,7 +82,7 @@ async def measure(lengths: list[int], n: int, rounds: int) -> list[dict]:
                 }
             )
     finally:
-        batching.prefill_groups = together
+        prefilling.prefill_groups = together
         await batcher.stop()
     return rows
 

@@ -11,8 +11,9 @@ import torch
 from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.model import GPT
 from gptkiln.sampling import generate
-from gptkiln.serve.batcher import Batcher, QueueFull, prefill_groups
+from gptkiln.serve.batcher import Batcher, QueueFull
 from gptkiln.serve.events import Done, Failed, PromptLogprobs, Sequence, Token
+from gptkiln.serve.prefill import prefill_groups
 from gptkiln.text_stream import TextStream
 from gptkiln.tokenizers import build_char_tokenizer
 

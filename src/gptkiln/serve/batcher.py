@@ -45,8 +45,9 @@ from gptkiln.cpu import prepare_for_decoding
 from gptkiln.errors import GptkilnError
 from gptkiln.gpu import row_graphs_for
 from gptkiln.model import GPT
-from gptkiln.serve.choosing import Chooser, Chosen, Slot, failed, logprobs_of
-from gptkiln.serve.events import Done, Failed, PromptLogprobs, Sequence, Token, TokenLogprobs
+from gptkiln.serve.choosing import Chooser, Chosen, Slot
+from gptkiln.serve.events import Done, Failed, Sequence, Token
+from gptkiln.serve.prefill import Ready, keep_prefixes, prefill
 from gptkiln.serve.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
 from gptkiln.text_stream import TextStream, stop_ids_of
 
@@ -252,35 +253,16 @@ class Batcher:
 
     @torch.inference_mode()
     def _prefill_step(self, admitted: list[Slot]) -> Chosen:
-        """Prefill the admitted prompts (a cached prefix copied in first, the rest prefilled;
-        the others grouped by length), then choose their first tokens together."""
-        events: Chosen = []
-        ready: list[tuple[Slot, torch.Tensor]] = []  # a prefilled prompt's last logits (1, V)
-        scored = [s for s in admitted if s.seq.prompt_logprobs]  # need every position's logits
-        fresh = []
-        for slot in admitted:  # a prompt whose prefix is cached prefills only the rest
-            if not slot.seq.prompt_logprobs:
-                cached = self._cached_prefix(slot)
-                if cached:
-                    self._prefill_alone(slot, events, ready, cached)
-                else:
-                    fresh.append(slot)
-        for group in prefill_groups(fresh):
-            self._prefill_together(group, events, ready)
-        for slot in scored:
-            self._prefill_alone(slot, events, ready)
+        """Prefill the admitted prompts (`prefill.prefill`), then choose their first tokens
+        together."""
+        events, ready = prefill(self.model, self.prefix_cache, admitted)
         return events + self._first_tokens(ready)
 
     @torch.inference_mode()
     def _decode_step(self, admitted: list[Slot]) -> Chosen:
         """Keep the blocks of the prompts just prefilled (after their first tokens went out),
         then one decode step for every active row."""
-        for slot in admitted:
-            if slot.pos:
-                try:
-                    self.prefix_cache.store(slot.row, slot.seq.prompt)
-                except Exception:  # not kept: a later prompt like it prefills it all
-                    pass
+        keep_prefixes(self.prefix_cache, admitted)
         events: Chosen = []
         going = [s for s in self._slots.values() if not s.done]
         if going:
@@ -288,65 +270,7 @@ class Batcher:
         self.steps += 1
         return events
 
-    def _cached_prefix(self, slot: Slot) -> int:
-        """The prompt tokens whose keys and values the prefix cache put in the slot's row."""
-        try:
-            return self.prefix_cache.load(slot.row, slot.seq.prompt)
-        except Exception:  # a failed copy only costs the prefill it would have saved
-            return 0
-
-    def _prefill_alone(
-        self,
-        slot: Slot,
-        events: Chosen,
-        ready: list[tuple[Slot, torch.Tensor]],
-        cached: int = 0,
-    ) -> None:
-        """Prefill one prompt into its row from position ``cached`` on (the positions before
-        hold its prefix's keys and values already, `PrefixCache.load`): its last logits to
-        ``ready``, its prompt's scores to ``events``, or, where it fails, its `Failed`."""
-        seq = slot.seq
-        rows = slice(slot.row, slot.row + 1)
-        try:
-            idx = torch.tensor([seq.prompt[cached:]], device=self.device)  # (1, T - cached)
-            logits = self.model(
-                idx, start_pos=cached, last_only=not seq.prompt_logprobs, rows=rows
-            )  # (1, T - cached or 1, V)
-            slot.pos = len(seq.prompt)
-            if seq.prompt_logprobs:
-                events.append((seq, PromptLogprobs(seq.index, self._score_prompt(seq, logits))))
-                logits = logits[:, -1:].clone()  # the last row kept, not every position's
-        except Exception as e:
-            events += failed(slot, e)
-            return
-        ready.append((slot, logits[:, -1, :]))
-
-    def _prefill_together(
-        self, slots: list[Slot], events: Chosen, ready: list[tuple[Slot, torch.Tensor]]
-    ) -> None:
-        """Prefill several prompts in one forward, right-padded to the longest, each into its
-        own cache row; each row's logits are read at its own last prompt position. If that
-        forward fails, each prompt is prefilled alone, so only one at fault fails."""
-        if len(slots) == 1:
-            self._prefill_alone(slots[0], events, ready)
-            return
-        longest = max(len(s.seq.prompt) for s in slots)
-        idx = torch.zeros(len(slots), longest, dtype=torch.long)  # (G, T), padded with id 0
-        for i, slot in enumerate(slots):
-            idx[i, : len(slot.seq.prompt)] = torch.tensor(slot.seq.prompt)
-        last = torch.tensor([len(s.seq.prompt) - 1 for s in slots], device=self.device)  # (G,)
-        rows = torch.tensor([s.row for s in slots], device=self.device)  # (G,)
-        try:
-            logits = self.model(idx.to(self.device), start_pos=0, last_only=last, rows=rows)
-        except Exception:
-            for slot in slots:
-                self._prefill_alone(slot, events, ready)
-            return
-        for i, slot in enumerate(slots):
-            slot.pos = len(slot.seq.prompt)
-            ready.append((slot, logits[i : i + 1, -1]))
-
-    def _first_tokens(self, ready: list[tuple[Slot, torch.Tensor]]) -> Chosen:
+    def _first_tokens(self, ready: Ready) -> Chosen:
         """After their prefill: the prompts' first tokens from their last logits (1, V), chosen
         together; a sequence asking for none ends there."""
         events: Chosen = []
@@ -375,35 +299,3 @@ class Batcher:
         for slot in slots:
             slot.pos += 1
         return self.chooser.next_tokens([(s, logits[s.row : s.row + 1, -1]) for s in slots])
-
-    def _score_prompt(self, seq: Sequence, logits: torch.Tensor) -> list[TokenLogprobs | None]:
-        """Each prompt token's log-probability given the tokens before it; logits (1, T, V)."""
-        k = seq.logprobs or 0
-        entries: list[TokenLogprobs | None] = [None]
-        for t, token in enumerate(seq.prompt[1:]):
-            entries.append(logprobs_of(logits[0, t], token, k))
-        return entries
-
-
-PREFILL_PADDING = 1.25
-"""Prompts are prefilled together while the padded batch is at most this many times their own
-tokens (`prefill_groups`)."""
-
-
-def prefill_groups(slots: list[Slot]) -> list[list[Slot]]:
-    """The admitted slots in groups to prefill together: by prompt length, a group growing while
-    its padded size (members x the longest prompt) stays within `PREFILL_PADDING` times its
-    tokens, so prompts of one length share a forward and a short prompt never pays for a
-    much longer one's width."""
-    groups: list[list[Slot]] = []
-    tokens = 0
-    for slot in sorted(slots, key=lambda s: len(s.seq.prompt)):
-        n = len(slot.seq.prompt)
-        group = groups[-1] if groups else None
-        if group is not None and (len(group) + 1) * n <= PREFILL_PADDING * (tokens + n):
-            group.append(slot)
-            tokens += n
-        else:
-            groups.append([slot])
-            tokens = n
-    return groups
