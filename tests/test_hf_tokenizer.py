@@ -232,3 +232,18 @@ def test_a_decoder_that_strips_across_tokens_is_decoded_whole(tmp_path):
     assert not ours.decodes_in_pieces
     stream = TextStream(ours.decode)
     assert "".join(stream.push(t) for t in [1, 2, 3]) + stream.flush() == "Hello world again"
+
+
+def test_a_byte_level_tokenizer_gives_each_ids_own_bytes(hf_dir):
+    """Llama 3's and Qwen3's ids give back the bytes of their text, a piece of a character its
+    own bytes (not U+FFFD's): what a grammar (llguidance) and logprobs' ``bytes`` read."""
+    tok = load_tokenizer(hf_dir)
+    if hf_dir.name == "wordlevel":  # words joined by spaces: no bytes of its own to give
+        return
+    split = 0
+    for text in [*TEXTS, "Zürich, Köln, café, 日本, 🙂"]:
+        ids = tok.encode_templated(text)
+        pieces = [tok.token_bytes(i) for i in ids]
+        assert b"".join(pieces) == text.encode("utf-8"), text
+        split += sum(b"\xef\xbf\xbd" in tok.decode([i]).encode() for i in ids)
+    assert split > 0  # some ids hold part of a character, whose decoding alone shows U+FFFD

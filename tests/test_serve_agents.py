@@ -233,6 +233,20 @@ def test_a_cut_answer_says_length(client):
     assert r.choices[0].finish_reason == "length"
 
 
+def test_a_schema_of_words_beyond_ascii_is_followed_byte_by_byte(client):
+    """The grammar reads each id's own bytes (Qwen3's byte-level pieces of a character), so a
+    schema naming 日本 or Zürich is followed and its text is whole characters."""
+    words = ["日本", "café", "Zürich", "🙂 ok"]
+    schema = {"name": "w", "schema": {"type": "object", "properties": {"w": {"enum": words}},
+                                      "required": ["w"], "additionalProperties": False}}  # fmt: skip
+    for seed in range(4):
+        r = client.chat.completions.create(
+            **ask(messages=USER, temperature=1, seed=seed),
+            response_format={"type": "json_schema", "json_schema": schema},
+        )
+        assert json.loads(r.choices[0].message.content)["w"] in words
+
+
 def test_completions_take_a_response_format_too(qwen):
     body = {
         "model": NAME,
@@ -343,6 +357,9 @@ def test_a_streamed_tool_call_reads_as_openais(client):
         ),
         ({"messages": [*USER, {"role": "tool", "content": "1"}]}, "messages[1].tool_call_id"),
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"stop": [","], "response_format": {"type": "json_object"}}, "stop"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stop": "x", "tools": [WEATHER], "tool_choice": "required"}, "stop"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(qwen, body, param):
@@ -351,6 +368,30 @@ def test_bad_input_is_a_400_naming_the_field(qwen, body, param):
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_an_answer_sent_back_as_the_client_dumps_it_and_text_parts_are_taken(client, qwen):
+    """An agent loop appends ``message.model_dump()`` (with ``refusal``, ``annotations``,
+    ``audio``, ``function_call``) and may send content as text parts: the prompt is the one the
+    plain strings make."""
+    first = client.chat.completions.create(**ask(messages=USER, max_tokens=5))
+    dumped = first.choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(dumped)
+    parts = [{"type": "text", "text": "Go"}, {"type": "text", "text": "on."}]
+    history = [*USER, dumped, {"role": "user", "content": parts}]
+    said = first.choices[0].message.content
+    plain = [*USER, {"role": "assistant", "content": said}, {"role": "user", "content": "Go\non."}]
+    a = client.chat.completions.create(**ask(messages=history, max_tokens=8))
+    b = client.chat.completions.create(**ask(messages=plain, max_tokens=8))
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens > 10
+    assert a.choices[0].message.content == b.choices[0].message.content
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    r = httpx.post(
+        f"{qwen[0]}/v1/chat/completions",
+        json=ask(messages=[{"role": "user", "content": [image]}]),
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages[0].content")
 
 
 # -- chat logprobs -----------------------------------------------------------------------------
@@ -443,9 +484,28 @@ def test_each_family_reads_its_calls_back(tmp_path):
     assert parse_tool_calls(HERMES, "<tool_call>\n{broken") == ("<tool_call>\n{broken", [])
 
 
-def test_a_template_without_tools_refuses_them(tmp_path):
+def test_a_call_is_read_as_json_whole_so_its_strings_may_hold_the_separators():
+    """A ``;`` in a Llama 3 call's argument, or ``</tool_call>`` in a Hermes one's, belongs to
+    its string: the call still reads back (before, the text was split on them first)."""
+    content, calls = parse_tool_calls(
+        LLAMA3_JSON, '{"name": "f", "parameters": {"q": "a; b"}}; {"name": "g", "parameters": {}}'
+    )
+    assert content is None and [c.function.name for c in calls] == ["f", "g"]
+    assert json.loads(calls[0].function.arguments) == {"q": "a; b"}
+    text = '<tool_call>\n{"name": "f", "arguments": {"q": "</tool_call> x"}}\n</tool_call>\nDone.'
+    content, calls = parse_tool_calls(HERMES, text)
+    assert json.loads(calls[0].function.arguments) == {"q": "</tool_call> x"}
+    assert content == "Done."  # text after the last call is the answer's text too
+    cut = '<tool_call>\n{"name": "f", "arguments": {}}'  # max_tokens before the closing tag
+    assert [c.function.name for c in parse_tool_calls(HERMES, cut)[1]] == ["f"]
+    assert parse_tool_calls(LLAMA3_JSON, '{"name": "f", "parameters": {}} and more')[1] == []
+
+
+def test_a_template_without_tools_refuses_them(tmp_path, capsys):
     run, _ = make_run(tmp_path, write_qwen3_dir, None or _plain_qwen())
-    with ServerThread(served(run)) as url:
+    app = served(run)
+    assert "(chat too: its own chat template)" in capsys.readouterr().err  # not fine-tuned
+    with ServerThread(app) as url:
         r = httpx.post(
             f"{url}/v1/chat/completions", json=ask(messages=USER, tools=[WEATHER]), timeout=60
         )

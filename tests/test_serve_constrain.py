@@ -58,6 +58,18 @@ def test_a_grammar_is_compiled_once_and_unenforceable_schemas_are_refused(gramma
         grammars.constraint(grammars.json_schema({"type": "objekt"}))
 
 
+def test_a_refused_token_is_one_line_naming_it_not_the_engines_state(grammars, tokenizer):
+    from gptkiln.errors import GptkilnError
+
+    constraint = grammars.constraint(grammars.json_schema({"type": "integer"}))
+    letter = tokenizer.encode("x")[0]
+    with pytest.raises(GptkilnError) as caught:
+        constraint.consume(letter)
+    said = str(caught.value)
+    assert said.startswith(f"the grammar refused token {letter}: ") and "\n" not in said
+    assert len(said) < 300
+
+
 def untied_model(tokenizer) -> GPT:
     torch.manual_seed(0)
     config = GPTConfig.from_name(

@@ -138,7 +138,7 @@ def serve(
     print(
         f"gptkiln serve: {run_dir} as {name!r} (context {model.config.context_length}, "
         f"{max_batch} sequences at once); playground {url}/, API {url}/v1"
-        + (" (chat too: instruction-tuned)" if template is not None else "")
+        + _chat_notice(template)
         + (
             f"; {precision_notice(precision)}"
             if device == "cpu"
@@ -148,3 +148,15 @@ def serve(
         flush=True,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+
+
+def _chat_notice(template) -> str:
+    """What serves ``/v1/chat/completions``: the model's own chat template or the template a
+    gptkiln fine-tune trained it with (None: chat is refused)."""
+    if template is None:
+        return ""
+    from gptkiln.chat_template import is_chat_template
+
+    return " (chat too: " + (
+        "its own chat template)" if is_chat_template(template) else "instruction-tuned)"
+    )

@@ -51,7 +51,9 @@ class Constraint:
     def consume(self, token: int) -> None:
         """Advance past the chosen token (it was allowed, so this cannot fail)."""
         if not self.matcher.consume_token(token):
-            raise GptkilnError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            said = (self.matcher.get_error() or "").strip().splitlines()  # the engine's state
+            why = said[0][:200] if said else "no reason given"  # follows its first line
+            raise GptkilnError(f"the grammar refused token {token}: {why}")
 
     @property
     def finished(self) -> bool:

@@ -70,6 +70,10 @@ def prompt_ids(prompt: Any, tokenizer: Any, vocab_size: int) -> list[tuple[str, 
     return out
 
 
+UNUSED_MESSAGE_FIELDS = {"refusal", "annotations", "audio", "function_call"}
+"""A message's fields that the openai client sends back in an answer and no template reads."""
+
+
 def chat_prompt(
     template: PromptTemplate | ChatTemplate,
     messages: list[ChatMessage],
@@ -80,7 +84,7 @@ def chat_prompt(
     template (`finetune.templates.format_messages`, as ``gptkiln chat`` formats them); with
     ``tools``, or tool calls and results in the messages, the model's own template renders
     them all (as ``apply_chat_template(messages, tools=...)`` does)."""
-    dumped = [m.model_dump() for m in messages]
+    dumped = [m.model_dump(exclude=UNUSED_MESSAGE_FIELDS) for m in messages]
     try:
         if tools or any(m.role == "tool" or m.tool_calls for m in messages):
             assert isinstance(template, ChatTemplate)  # checked by `check_tools`
@@ -148,6 +152,11 @@ def sample_config(
         extra_stop: stop strings added to the request's own (a template's headers).
         source: the request field the prompts came from, named in a too-long error.
     """
+    if req.stream_options is not None and not req.stream:  # as OpenAI answers it
+        raise OpenAIError(
+            400, "stream_options is only for a streamed answer: send stream: true too, or "
+            "leave stream_options out", "stream_options"
+        )  # fmt: skip
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS or not all(stop):
         raise OpenAIError(
@@ -312,6 +321,18 @@ def response_grammar(fmt: ResponseFormat | None, grammars: Grammars | None) -> s
         return _engine(grammars, "response_format").json_schema(schema)
     except GrammarError as e:
         raise OpenAIError(400, f"response_format: {e}", "response_format") from None
+
+
+def refuse_stop_strings(req: CompletionRequest | ChatCompletionRequest, param: str) -> None:
+    """A constrained answer (``param``: its ``response_format`` or ``tools``) ends where its
+    grammar ends; a stop string would cut it short of that, into JSON that does not parse."""
+    if req.stop:
+        raise OpenAIError(
+            400,
+            f"stop strings would cut the answer that {param} constrains into invalid JSON (its "
+            "grammar ends it by itself): send the request without stop",
+            "stop",
+        )
 
 
 def compile_grammar(grammar: str, grammars: Grammars, param: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_LOGPROBS = 20
@@ -131,19 +131,43 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+class TextPart(BaseModel):
+    """A text part of a message's content, OpenAI's ``{"type": "text", "text": ...}``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     """One of a chat request's ``messages``; its role and order are checked by
     `finetune.templates.format_messages` (a fine-tuned run's template) or by the model's own
     template. ``name`` (OpenAI's participant name) is not used. An assistant message may hold
-    ``tool_calls`` (and no content); a ``tool`` message answers the call ``tool_call_id``."""
+    ``tool_calls`` (and no content); a ``tool`` message answers the call ``tool_call_id``.
+
+    ``content`` may come as a list of text parts, as agent frameworks send it: their texts
+    joined by newlines (as vLLM joins them). An answer sent back as the ``openai`` client dumps
+    it is taken too: its ``refusal`` and ``annotations`` are not used, and ``audio`` and
+    ``function_call`` are null."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: str
-    content: str | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
+
+    @model_validator(mode="after")
+    def _joined_text(self) -> ChatMessage:
+        if isinstance(self.content, list):
+            self.content = "\n".join(part.text for part in self.content)
+        return self
 
 
 class FunctionDef(BaseModel):
@@ -255,15 +279,22 @@ FIELD_KINDS = {
     "user": "a string",
     "response_format": 'an object {"type": "text" | "json_object" | "json_schema", '
     '"json_schema": {"name", "schema", "strict"}}',
+    "response_format.json_schema.schema": "a JSON schema (an object)",
 }
 CHAT_FIELD_KINDS = {
+    "response_format.json_schema.schema": FIELD_KINDS["response_format.json_schema.schema"],
+    "tools.function.parameters": "a JSON schema (an object) or null",
     "messages": "a list of objects {role, content}",
     "messages.role": "one of system, user, assistant, tool",
-    "messages.content": "text (a string) or null",
+    "messages.content": 'text (a string), a list of {"type": "text", "text": ...} parts, or null',
     "messages.name": "a string",
     "messages.tool_calls": 'a list of {"id", "type": "function", "function": {"name", '
     '"arguments"}}',
     "messages.tool_call_id": "the id of the tool call this message answers",
+    "messages.refusal": "a string or null",
+    "messages.annotations": "a list or null",
+    "messages.audio": "null (this server reads text)",
+    "messages.function_call": "null (send tool_calls)",
     "tools": 'a list of {"type": "function", "function": {"name", "description", "parameters"}}',
     "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name"}}',
     "parallel_tool_calls": "true or false",
@@ -299,10 +330,7 @@ INSPECT_FIELD_KINDS = {
 
 TOKENIZE_FIELD_KINDS = {
     "prompt": "a string",
-    "messages": CHAT_FIELD_KINDS["messages"],
-    "messages.role": CHAT_FIELD_KINDS["messages.role"],
-    "messages.content": CHAT_FIELD_KINDS["messages.content"],
-    "messages.name": "a string",
+    **{k: v for k, v in CHAT_FIELD_KINDS.items() if k.split(".")[0] == "messages"},
     "model": "a string",
 }
 
@@ -324,7 +352,8 @@ def validation_error(error: ValidationError, kinds: dict[str, str] = FIELD_KINDS
     """One 400 for pydantic's first error: which field, what it must be (``kinds``), what it
     got."""
     first = error.errors(include_url=False)[0]
-    loc = [str(part) for part in first["loc"]]
+    # a union's member names the branch it tried (``str``, ``list[TextPart]``): not a field
+    loc = [str(p) for i, p in enumerate(first["loc"]) if not (i and _union_member(str(p)))]
     kind = first["type"]
     if kind == "json_invalid":
         return OpenAIError(
@@ -356,10 +385,22 @@ def validation_error(error: ValidationError, kinds: dict[str, str] = FIELD_KINDS
         return OpenAIError(400, f"{where} is required", param=where, code="missing_field")
     got = first.get("input")
     shown = json.dumps(got)[:80] if _jsonable(got) else type(got).__name__
-    what = kinds.get(kind_of, kinds.get(field, "a valid value"))
+    dotted = ".".join(part.replace("schema_", "schema") for part in loc if not part.isdigit())
+    what = kinds.get(dotted) or kinds.get(kind_of)
+    if what is None:  # a field inside one whose description would mislead: pydantic's words
+        what = kinds[field] if dotted == field and field in kinds else _said(first["msg"])
     return OpenAIError(
         400, f"{where} must be {what}, got {shown}", param=where, code="invalid_value"
     )
+
+
+def _said(message: str) -> str:
+    """pydantic's "Input should be a valid dictionary" as "a valid dictionary"."""
+    return message.removeprefix("Input should be ").removeprefix("Value error, ")
+
+
+def _union_member(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "none", "any")
 
 
 def _jsonable(value: Any) -> bool:

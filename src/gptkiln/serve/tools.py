@@ -15,7 +15,6 @@ The family is read from the template's own text (the tags its tool section write
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any
 
@@ -24,7 +23,6 @@ from gptkiln.serve.constrain import JSON_OPTIONS, Grammars
 from gptkiln.serve.schemas import FunctionCall, Tool, ToolCall
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 def tool_family(template: ChatTemplate) -> str | None:
@@ -72,36 +70,76 @@ def forced_call_grammar(grammars: Grammars, family: str, tools: list[Tool]) -> s
 
 def parse_tool_calls(family: str, text: str) -> tuple[str | None, list[ToolCall]]:
     """(the answer's text outside its calls, or None; its calls). Text that is not a
-    well-formed call stays text."""
+    well-formed call stays text. Each call's JSON is read whole (`json.JSONDecoder.raw_decode`),
+    so a ``;`` or a ``</tool_call>`` inside an argument's string is part of that string."""
     if family == HERMES:
-        calls = [_call(family, body) for body in _HERMES_CALL.findall(text)]
-        if not calls or None in calls:
-            return text, []
-        content = text[: text.index("<tool_call>")].strip()
-        return content or None, calls
+        calls, outside = _hermes_calls(text)
+        return (outside.strip() or None, calls) if calls else (text, [])
     body = text.strip().removeprefix("<|python_tag|>").strip()
-    if not body.startswith("{"):
-        return text, []
-    calls = [_call(family, part) for part in body.split(";") if part.strip()]
-    if not calls or None in calls:
-        return text, []
-    return None, calls
+    calls = _json_calls(family, body, separator=";") if body.startswith("{") else None
+    return (None, calls) if calls else (text, [])
 
 
-def _call(family: str, body: str) -> ToolCall | None:
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_DECODER = json.JSONDecoder()
+
+
+def _hermes_calls(text: str) -> tuple[list[ToolCall] | None, str]:
+    """Hermes' ``<tool_call> {...} </tool_call>`` blocks (the last may be left open: cut by
+    max_tokens) and the text outside them; None if any block is not a call."""
+    calls, outside, i = [], [], 0
+    while (start := text.find(_HERMES_OPEN, i)) >= 0:
+        outside.append(text[i:start])
+        call, i = _one_call(HERMES, text, start + len(_HERMES_OPEN))
+        if call is None:
+            return None, text
+        calls.append(call)
+        i = _skip_space(text, i)
+        if text.startswith(_HERMES_CLOSE, i):
+            i += len(_HERMES_CLOSE)
+        elif i < len(text):
+            return None, text
+    outside.append(text[i:])
+    return calls, "".join(outside)
+
+
+def _json_calls(family: str, body: str, separator: str) -> list[ToolCall] | None:
+    """Calls written as JSON objects one after another, ``separator`` between them (Llama 3's
+    ``;``); None if any is not a call."""
+    calls, i = [], 0
+    while i < len(body):
+        call, i = _one_call(family, body, i)
+        if call is None:
+            return None
+        calls.append(call)
+        i = _skip_space(body, i)
+        if body.startswith(separator, i):
+            i = _skip_space(body, i + len(separator))
+        elif i < len(body):
+            return None
+    return calls
+
+
+def _skip_space(text: str, i: int) -> int:
+    return len(text) - len(text[i:].lstrip())
+
+
+def _one_call(family: str, text: str, i: int) -> tuple[ToolCall | None, int]:
+    """The call whose JSON starts at ``text[i:]`` (after white space), and where it ends."""
     try:
-        call = json.loads(body)
+        call, end = _DECODER.raw_decode(text, _skip_space(text, i))
     except ValueError:
-        return None
+        return None, i
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
+        return None, end
     arguments = call.get(_arguments_key(family), call.get("arguments", {}))
     if not isinstance(arguments, dict):
-        return None
-    return ToolCall(
+        return None, end
+    tool_call = ToolCall(
         id=f"call_{uuid.uuid4().hex[:24]}",
         function=FunctionCall(name=call["name"], arguments=json.dumps(arguments)),
     )
+    return tool_call, end
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

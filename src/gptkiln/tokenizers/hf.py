@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,11 @@ from gptkiln.tokenizers.base import (
     HF_EXTRA_FILES,
     META_FILE,
     Tokenizer,
+    _unicode_to_bytes,
     byte_level_decoder,
 )
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
 def _eos_ids(value: Any) -> list[int]:
@@ -86,7 +90,9 @@ class HFTokenizer(Tokenizer):
                 )
             )
         )
-        self.decodes_in_pieces = byte_level_decoder(source) and not self._clean_up
+        self._byte_level = byte_level_decoder(source)
+        self._added = set(self._hf.get_added_tokens_decoder())
+        self.decodes_in_pieces = self._byte_level and not self._clean_up
 
     def _id_of(self, token: str) -> int:
         i = self._hf.token_to_id(token)
@@ -117,6 +123,25 @@ class HFTokenizer(Tokenizer):
             for spaced, joined in _CLEAN_UP:
                 text = text.replace(spaced, joined)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for: a byte-level token's own bytes through the byte-level
+        alphabet (a piece of a character is that piece, not the U+FFFD its decoding shows), a
+        byte-fallback token ``<0xE6>`` its byte, an added token its text; any other its text."""
+        piece = self._hf.id_to_token(int(token_id))
+        if piece is None:
+            raise GptkilnError(
+                f"hf tokenizer: id {token_id} is outside its vocabulary of {self.vocab_size}; "
+                "were these ids made by another tokenizer?"
+            )
+        if int(token_id) not in self._added:
+            if self._byte_level:
+                byte_of = _unicode_to_bytes()
+                if all(ch in byte_of for ch in piece):
+                    return bytes(byte_of[ch] for ch in piece)
+            elif match := _BYTE_FALLBACK.fullmatch(piece):
+                return bytes([int(match[1], 16)])
+        return self.decode([token_id]).encode("utf-8")
 
     def hf_json(self) -> str:
         """Its own tokenizer.json, as it came."""
