@@ -420,3 +420,23 @@ def test_a_huge_edited_config_is_one_line_from_the_cli_not_a_hang(run_dir):
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "says n_layer 1000000000, but the weights hold n_layer 2" in proc.stderr
+
+
+def test_a_written_file_has_the_umasks_mode_or_the_mode_of_the_file_it_replaces(tmp_path):
+    """atomic_write's temporary file is 0600 (mkstemp): the file it becomes is readable as any
+    new file is under the umask (a run or an export shared with another user), and a file it
+    replaces keeps its own mode."""
+    from gptkiln.checkpoint import atomic_write
+
+    def write(tmp):
+        Path(tmp).write_text("x")
+
+    old = os.umask(0o027)
+    try:
+        atomic_write(tmp_path / "new.txt", write)
+        assert (tmp_path / "new.txt").stat().st_mode & 0o777 == 0o640
+        (tmp_path / "new.txt").chmod(0o600)
+        atomic_write(tmp_path / "new.txt", write)
+        assert (tmp_path / "new.txt").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)

@@ -207,6 +207,68 @@ def test_the_modelfile_beside_the_gguf(tmp_path):
     assert 'TEMPLATE """{{ .Prompt }}"""' in (tmp_path / "base.Modelfile").read_text()
 
 
+def modelfile_stops(text: str) -> list[str]:
+    """The stops Ollama's parser reads from a Modelfile: a value between ``"`` or ``\"\"\"``
+    taken as it is, no escapes, newlines inside kept."""
+    stops = []
+    for chunk in text.split("\nPARAMETER stop ")[1:]:
+        quote = '"""' if chunk.startswith('"""') else '"'
+        stops.append((chunk + "\n")[len(quote) :].split(quote + "\n", 1)[0])
+    return stops
+
+
+def test_the_modelfile_holds_stops_as_ollama_reads_them_and_a_chat_runs_turn_end(tmp_path):
+    """Stops with newlines, quotes or text beyond ASCII go into the Modelfile as they are
+    (Ollama's parser reads no escapes); a chat fine-tune's ChatML ends each turn with the token
+    it was trained to end them with."""
+    from gptkiln.finetune.chat import save_chat_template
+    from gptkiln.finetune.templates import PromptTemplate, chatml_template
+
+    zh = PromptTemplate(
+        system='以下是"指令"。',
+        instruction="### 指令：\n{instruction}",
+        input="\n\n### 输入：\n{input}",
+        response="\n\n### 回答：\n",
+    )
+    extra = {"finetune": {"task": "instruct", "template": zh.to_dict()}}
+    _, _, run = tiny_run(tmp_path, "qwen3", "bpe", **extra)
+    export_gguf(run, tmp_path / "zh.gguf")
+    text = (tmp_path / "zh.Modelfile").read_text(encoding="utf-8")
+    assert set(zh.stop_strings()) <= set(modelfile_stops(text))
+    assert "\\u" not in text and '{{ "以下是\\"指令\\"。" }}' in text  # Go reads the quotes
+
+    _, tokenizer, chat = tiny_run(tmp_path / "c", "qwen3", "bpe")
+    eot = tokenizer.decode([tokenizer.eot_id])
+    save_chat_template(chat, chatml_template(eot))
+    export_gguf(chat, tmp_path / "chat.gguf")
+    text = (tmp_path / "chat.Modelfile").read_text(encoding="utf-8")
+    template = text.split('TEMPLATE """', 1)[1].split('"""\n', 1)[0]
+    assert f'{{{{ .Content }}}}{{{{ "{eot}" }}}}\n' in template and "<|im_end|>" not in template
+    assert eot in modelfile_stops(text)
+
+
+def test_an_output_that_is_a_directory_a_modelfiles_name_or_a_modelfile_there_is_refused(
+    tmp_path, capsys
+):
+    _, _, run = tiny_run(tmp_path, "qwen3", "bpe")
+    (tmp_path / "adir").mkdir()
+    mine = tmp_path / "mine.Modelfile"
+    mine.write_text("FROM ./mine.gguf\nSYSTEM hand-written\n")
+    for out, said in (
+        ("adir", "is a directory"),
+        ("x.Modelfile", "would be written over it"),
+        ("mine.gguf", "mine.Modelfile already exists"),
+    ):
+        code = main(["convert", "to-gguf", str(run), "--out", str(tmp_path / out)])
+        err = capsys.readouterr().err
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "mine.gguf").exists() and not (tmp_path / "x.Modelfile").exists()
+    assert "hand-written" in mine.read_text()
+    code = main(["convert", "to-gguf", str(run), "--out", str(tmp_path / "mine.gguf"),
+                 "--overwrite"])  # fmt: skip
+    assert code == 0 and "hand-written" not in mine.read_text()
+
+
 def test_bad_files_are_refused_in_one_line_and_nothing_is_written(tmp_path, capsys):
     import gguf
 
@@ -252,3 +314,47 @@ def test_bad_files_are_refused_in_one_line_and_nothing_is_written(tmp_path, caps
     assert main(["convert", "to-gguf", str(nolines), "--out", str(tmp_path / "x.gguf")]) == 2
     assert "has no newline" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_llama_gguf_whose_head_count_is_missing_or_wrong_is_one_line(tmp_path, capsys):
+    """A Llama GGUF's q and k rows are unpermuted by its head counts: a count that does not
+    split them, or none, is a one-line error, not a traceback."""
+    import shutil
+
+    import gguf
+
+    _, _, run = tiny_run(tmp_path, "llama3", "gpt2")
+    good = export_gguf(run, tmp_path / "good.gguf")
+    for case, value in (("three", 3), ("zero", 0), ("missing", None)):
+        bad = tmp_path / f"{case}.gguf"
+        shutil.copy(good, bad)
+        reader = gguf.GGUFReader(bad, "r+")
+        field = reader.fields["llama.attention.head_count"]
+        if value is None:  # the key's name made another of the same length: no head_count
+            field.parts[1][-1] = ord("X")
+        else:
+            field.parts[field.data[0]][0] = value
+        reader.data.flush()
+        del reader
+        code = main(["convert", "gguf", str(bad), "--out", str(tmp_path / f"r-{case}")])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert "llama.attention.head_count" in err and "Traceback" not in err
+        assert not (tmp_path / f"r-{case}").exists()
+
+
+def test_a_flag_of_another_direction_or_an_out_that_is_the_input_is_refused(tmp_path, capsys):
+    """``convert to-hf --type bf16`` would write float32 without a word: refused, as is
+    converting a run onto itself (``--out`` the run: its trainer state would be lost)."""
+    _, _, run = tiny_run(tmp_path, "qwen3", "bpe")
+    before = sorted(p.name for p in run.iterdir())
+    for argv, said in (
+        (["to-hf", str(run), "--out", str(tmp_path / "hf"), "--type", "bf16"], "--type is for"),
+        (["to-gguf", str(run), "--out", str(tmp_path / "m.gguf"), "--float-head"], "--float-head"),
+        (["to-hf", str(run), "--out", str(run), "--overwrite"], "is what convert to-hf reads"),
+    ):
+        assert main(["convert", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "m.gguf").exists()

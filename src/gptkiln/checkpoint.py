@@ -79,6 +79,10 @@ def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> Non
     os.close(fd)
     try:
         write_fn(tmp)
+        # mkstemp makes the file 0600: give it the mode of the file it replaces, else the one
+        # the user's umask gives a new file, as open() would (a run or an export shared with
+        # another user or a container stays readable)
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.is_file() else _new_file_mode())
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -91,6 +95,18 @@ def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> Non
             ) from None
         raise
     _fsync_dir(path.parent)
+
+
+def _new_file_mode() -> int:
+    """The mode ``open`` gives a new file under this process's umask: read from
+    /proc/self/status where Linux gives it, else set and put back at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _disk_full(error: BaseException) -> bool:

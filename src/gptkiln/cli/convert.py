@@ -20,6 +20,17 @@ DIRECTIONS = {
 }
 
 
+# the flags that only some directions read, with their defaults: given to another direction,
+# one is refused rather than ignored
+DIRECTION_FLAGS = {
+    "n_head": ("--n-head", 12, ("book",)),
+    "method": ("--method", "int8", ("quantize",)),
+    "float_head": ("--float-head", False, ("quantize",)),
+    "max_shard_size": ("--max-shard-size", "50GB", ("to-hf",)),
+    "type": ("--type", "f32", ("to-gguf",)),
+}
+
+
 def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
@@ -39,18 +50,18 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
         help="; ".join(f"{name}: {what}" for name, what in DIRECTIONS.items()),
     )
     p.add_argument("path", help="the directory or file to convert")
-    add_out_flag(p)
+    add_out_flag(p, help="the directory to write; to-gguf: the .gguf file (required)")
     p.add_argument(
         "--n-head",
         type=int,
-        default=12,
+        default=DIRECTION_FLAGS["n_head"][1],
         metavar="N",
         help="attention heads of a book model, which its file does not record (>= 1) "
         "(default: %(default)s, the book's 124M)",
     )
     p.add_argument(
         "--method",
-        default="int8",
+        default=DIRECTION_FLAGS["method"][1],
         metavar="METHOD",
         help="quantize: the quantization, int8 (default: %(default)s)",
     )
@@ -61,14 +72,14 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-shard-size",
-        default="50GB",
+        default=DIRECTION_FLAGS["max_shard_size"][1],
         metavar="SIZE",
         help="to-hf: weights larger than this are written as shards with an index, as "
         "transformers' save_pretrained does (e.g. 5GB, 500MB) (default: %(default)s)",
     )
     p.add_argument(
         "--type",
-        default="f32",
+        default=DIRECTION_FLAGS["type"][1],
         choices=["f32", "f16", "bf16", "q8_0"],
         help="to-gguf: the weights' type in the file (q8_0: llama.cpp's 8-bit blocks) "
         "(default: %(default)s)",
@@ -77,8 +88,28 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_convert)
 
 
+def check_convert_flags(args: argparse.Namespace) -> None:
+    """A flag another direction reads, and ``--out`` the very thing converted, are refused."""
+    from pathlib import Path
+
+    from gptkiln.errors import GptkilnError
+
+    for name, (flag, default, directions) in DIRECTION_FLAGS.items():
+        if getattr(args, name) != default and args.direction not in directions:
+            raise GptkilnError(
+                f"{flag} is for convert {' and '.join(directions)}, not convert "
+                f"{args.direction}; leave it out"
+            )
+    if Path(args.out).resolve() == Path(args.path).resolve():
+        raise GptkilnError(
+            f"--out {args.out} is what convert {args.direction} reads; write somewhere else"
+        )
+
+
 def run_convert(args: argparse.Namespace) -> None:
     from gptkiln import convert
+
+    check_convert_flags(args)
 
     if args.direction == "hf":
         convert.import_hf(args.path, args.out, overwrite=args.overwrite)

@@ -176,8 +176,7 @@ def export_gguf(
     run_dir, out_file = Path(run_dir), Path(out_file)
     if type not in GGUF_TYPES:
         raise GptkilnError(f"--type {type!r}: choose one of {', '.join(GGUF_TYPES)}")
-    if out_file.exists() and not overwrite:
-        raise GptkilnError(f"{out_file} already exists; pass --overwrite to replace it")
+    check_gguf_out(out_file, overwrite)
     cfg = read_config(run_dir)
     check_language_model(cfg, run_dir, "GGUF export")
     if tokenizer_name(run_dir) is None:
@@ -206,6 +205,30 @@ def export_gguf(
     atomic_write(out_file, lambda tmp: _write(tmp, config, tensors, vocab, chat, type, name))
     write_modelfile(out_file, vocab, chat, cfg, run_dir)
     return out_file
+
+
+def check_gguf_out(out_file: Path, overwrite: bool) -> None:
+    """Refuse, before anything is written, an output that would not be a new .gguf beside a new
+    Modelfile: a directory, a Modelfile's own name (the GGUF would be replaced by it), a file or
+    Modelfile already there without ``overwrite``."""
+    from gptkiln.export.ollama import modelfile_path
+
+    modelfile = modelfile_path(out_file)
+    if modelfile == out_file:
+        raise GptkilnError(
+            f"--out {out_file}: its Ollama Modelfile would be written over it; name the GGUF "
+            f"file {out_file.with_suffix('.gguf').name}"
+        )
+    for path in (out_file, modelfile):
+        if path.is_dir():
+            raise GptkilnError(
+                f"--out {out_file}: {path} is a directory; name a file to write, e.g. "
+                f"{path / 'model.gguf'}" if path == out_file else
+                f"--out {out_file}: {path}, where its Ollama Modelfile goes, is a directory; "
+                "move it or name the GGUF otherwise"
+            )  # fmt: skip
+        if path.exists() and not overwrite:
+            raise GptkilnError(f"{path} already exists; pass --overwrite to replace it")
 
 
 def _write(

@@ -119,7 +119,7 @@ def _hf_state_dict(
     heads = {}
     for f in reader.fields.values():
         if f.name in (f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"):
-            heads[f.name.rsplit(".", 1)[-1]] = int(f.contents())
+            heads[f.name.rsplit(".", 1)[-1]] = f.contents()
     out, rope_freqs = {}, None
     for t in reader.tensors:
         if t.tensor_type.name not in READ_TYPES:
@@ -141,12 +141,29 @@ def _hf_state_dict(
             )
         if arch == "gpt2" and CONV1D.match(name.removeprefix("transformer.")):
             tensor = tensor.t()
-        elif arch == "llama" and ".q_proj." in name:
-            tensor = unpermute_rope(tensor, heads["head_count"])
-        elif arch == "llama" and ".k_proj." in name:
-            tensor = unpermute_rope(tensor, heads.get("head_count_kv", heads["head_count"]))
+        elif arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            key = "head_count" if ".q_proj." in name else "head_count_kv"
+            tensor = unpermute_rope(tensor, _rope_heads(heads, key, tensor, t.name, path))
         out[name] = tensor.contiguous()
     return out, rope_freqs
+
+
+def _rope_heads(
+    heads: dict[str, Any], key: str, tensor: torch.Tensor, name: str, path: Path
+) -> int:
+    """The heads a llama q or k tensor's rows split into (``head_count_kv`` falls back to
+    ``head_count``), checked against its rows before they are unpermuted."""
+    count = heads.get(key, heads.get("head_count"))
+    field = f"llama.attention.{key if key in heads else 'head_count'}"
+    if count is None:
+        raise GptkilnError(f"{path}: the GGUF has no {field}; it is incomplete, convert it again")
+    rows = tensor.shape[0]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1 or rows % (2 * count):
+        raise GptkilnError(
+            f"{path}: {field} is {count!r}, which does not split tensor {name}'s {rows} rows "
+            "into heads; the file's metadata is inconsistent, convert it again"
+        )
+    return count
 
 
 def _hf_config(

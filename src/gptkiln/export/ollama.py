@@ -22,15 +22,22 @@ from gptkiln.export.gguf_vocab import GGUFVocab
 
 
 def go(text: str) -> str:
-    """``text`` printed by a Go template: a string literal action (JSON's escapes are Go's);
-    nothing for no text."""
-    return "{{ " + json.dumps(text) + " }}" if text else ""
+    """``text`` printed by a Go template: a string literal action (JSON's escapes are Go's; any
+    other character as it is, since Go reads no surrogate pair); nothing for no text."""
+    return "{{ " + json.dumps(text, ensure_ascii=False) + " }}" if text else ""
 
 
-CHATML = (
-    "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
-    "<|im_start|>assistant\n"
-)
+def chatml(end_of_turn: str = "<|im_end|>") -> str:
+    """ChatML in Ollama's template language, each turn ended by ``end_of_turn`` (Qwen's
+    ``<|im_end|>``; gptkiln's ChatML for a model without a template of its own ends a turn with
+    the tokenizer's end-of-text token, `finetune.templates.chatml_template`)."""
+    return (
+        "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}"
+        f"{go(end_of_turn)}\n{{{{ end }}}}<|im_start|>assistant\n"
+    )
+
+
+CHATML = chatml()
 LLAMA3 = (
     "{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n"
     "{{ .Content }}<|eot_id|>{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -63,9 +70,39 @@ def ollama_template(chat: str | None, cfg: dict[str, Any], run_dir: Path) -> str
     if chat is None:
         return PLAIN
     if "<|im_start|>" in chat:
-        return CHATML
+        end = chatml_turn_end(chat)
+        return None if end is None else chatml(end)
     if "<|start_header_id|>" in chat:
         return LLAMA3
+    return None
+
+
+def chatml_turn_end(chat: str) -> str | None:
+    """What ends a turn in a ChatML template (``<|im_end|>``, or the end-of-text token of
+    gptkiln's own ChatML), read from the text it renders; None where it renders no plain ChatML
+    turn."""
+    from gptkiln.chat_template import ChatTemplate
+    from gptkiln.errors import GptkilnError
+
+    probe = "gptkiln-probe"
+    try:
+        text = ChatTemplate(chat).render([{"role": "user", "content": probe}])
+    except GptkilnError:
+        return None
+    start = text.find(f"<|im_start|>user\n{probe}")
+    end = text.find("\n<|im_start|>assistant\n", start)
+    if start < 0 or end < 0:
+        return None
+    return text[start + len(f"<|im_start|>user\n{probe}") : end] or None
+
+
+def modelfile_value(text: str) -> str | None:
+    """``text`` as a Modelfile value: Ollama's parser takes what is between ``"`` or ``\"\"\"``
+    as it is (no escapes), so a quote picks the delimiter; None for text that neither holds."""
+    if '"' not in text:
+        return f'"{text}"'
+    if '"""' not in text:
+        return f'"""{text}"""'
     return None
 
 
@@ -91,7 +128,11 @@ def modelfile_text(
     if isinstance(prompt, PromptTemplate):
         stops += list(prompt.stop_strings())
     for stop in dict.fromkeys(stops):
-        lines.append(f"PARAMETER stop {json.dumps(stop)}")
+        value = modelfile_value(stop)
+        if value is None:
+            lines.append(f"# a stop Ollama's Modelfile cannot hold (its quotes): {stop!r}")
+        else:
+            lines.append(f"PARAMETER stop {value}")
     return "\n".join(lines) + "\n"
 
 
