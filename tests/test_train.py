@@ -619,6 +619,28 @@ def test_resume_refuses_a_changed_model_and_fresh_runs_refuse_to_overwrite(play_
     assert longer.steps == 8  # resuming may extend a run
 
 
+def test_an_overwrite_replaces_the_whole_run_and_one_that_fails_first_puts_it_back(
+    play_path, tmp_path
+):
+    """``--overwrite`` sets the old run aside: a new run that diverges before its first
+    checkpoint puts it back byte for byte; one that saves leaves none of the old run's files (a
+    chat template, adapters, judgements) beside its own."""
+    run = tmp_path / "run"
+    train(tiny_config(play_path, run, max_steps=4))
+    for stale in ("chat_template.jinja", "adapter.safetensors", "judgements.json"):
+        (run / stale).write_text("the old run's")
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    diverging = tiny_config(play_path, run, max_steps=4, lr=1e30, warmup_steps=0)
+    with pytest.raises(GptkilnError, match="diverged.*the run it replaced is back in"):
+        train(diverging, overwrite=True)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert not (run / ".replaced").exists()
+    train(tiny_config(play_path, run, max_steps=4), overwrite=True)
+    left = {p.name for p in run.iterdir()}
+    assert not left & {"chat_template.jinja", "adapter.safetensors", "judgements.json"}
+    assert ".replaced" not in left and "trainer_state.pt" in left
+
+
 def test_gradient_accumulation_equals_the_bigger_batch(play_path, tmp_path):
     a = train(
         tiny_config(

@@ -260,10 +260,35 @@ def test_a_restart_resumes_only_from_a_checkpoint_and_an_overwrite_forgets_the_o
     assert resume_after_restart(run, False, True, restarted=False) == (False, True)
     assert resume_after_restart(run, False, True, restarted=True) == (True, False)
     checkpoints = _checkpoints(tmp_path, FakeTask())
-    checkpoints.forget_replaced(overwrite=False)
+    checkpoints.set_aside_replaced(overwrite=False)
     assert (run / TRAINER_STATE_FILE).exists()
-    checkpoints.forget_replaced(overwrite=True)
-    assert not (run / TRAINER_STATE_FILE).exists()
+    checkpoints.set_aside_replaced(overwrite=True)
+    assert not (run / TRAINER_STATE_FILE).exists()  # aside: a restart resumes nothing
+    assert (run / ".replaced" / TRAINER_STATE_FILE).read_bytes() == b"state"
+
+
+def test_a_run_stopped_before_its_first_checkpoint_leaves_the_replaced_run_to_keep(tmp_path):
+    """A hard stop (the process killed) before an --overwrite's first checkpoint leaves
+    ``.replaced``: a plain start is refused, naming it; another --overwrite keeps it aside
+    and deletes it at its own first checkpoint."""
+    from gptkiln.checkpoint import TRAINER_STATE_FILE, check_run_dir_for_training
+
+    run = tmp_path / "run"
+    (run / ".replaced").mkdir(parents=True)
+    (run / ".replaced" / TRAINER_STATE_FILE).write_bytes(b"old")
+    (run / "metrics.csv").write_text("step\n1\n")  # the stopped attempt's
+    with pytest.raises(GptkilnError, match="holds the run an --overwrite replaced"):
+        check_run_dir_for_training(run, resume=False, overwrite=False)
+    with pytest.raises(GptkilnError, match="move the files"):
+        check_run_dir_for_training(run, resume=True, overwrite=False)
+    task = FakeTask()
+    checkpoints = _checkpoints(tmp_path, task)
+    checkpoints.set_aside_replaced(overwrite=True)
+    assert not (run / "metrics.csv").exists()
+    assert (run / ".replaced" / TRAINER_STATE_FILE).read_bytes() == b"old"
+    model, optimizer = _trained(seed=0)
+    checkpoints.save(model, optimizer, FakeBatches(), Progress(1, 32, 1.0))
+    assert not (run / ".replaced").exists()
 
 
 # -- time and speed --------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from gptkiln.loading import (
 )
 from gptkiln.model import GPT
 from gptkiln.quantize import quantization_of
+from gptkiln.tokenizers import TOKENIZER_FILES
 
 ADAPTER_FILE = "adapter.safetensors"  # a LoRA run's adapters (`gptkiln.finetune.lora`)
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -368,6 +369,69 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
     return files + tensorboard_events(out_dir)
 
 
+REPLACED_DIR = ".replaced"
+"""Where ``train --overwrite`` keeps the run it replaces until the new run's first checkpoint."""
+
+
+def run_files(run_dir: str | os.PathLike) -> list[Path]:
+    """What a run of gptkiln writes in its directory, that is there: weights, config, trainer
+    state, adapters, tokenizer and chat template, metrics, plot, TensorBoard events, harness
+    results and judgements. Not its prepared data (``data/``), which a new run may read."""
+    run_dir = Path(run_dir)
+    names = (WEIGHTS_FILE, CONFIG_FILE, TRAINER_STATE_FILE, PREVIOUS_STATE_FILE, ADAPTER_FILE,
+             "metrics.csv", "loss.png", "judgements.json", "eval", TENSORBOARD_DIR,
+             *TOKENIZER_FILES)  # fmt: skip
+    return [run_dir / name for name in dict.fromkeys(names) if (run_dir / name).exists()]
+
+
+def set_aside_replaced(run_dir: str | os.PathLike) -> None:
+    """The start of a new run over an old one (``--overwrite``): the old run's files move into
+    ``RUN/.replaced``, so that none of them (a chat template, another tokenizer's, adapters)
+    stays beside the new run's and a restart never resumes it, while it is still whole should
+    the new run fail before its first checkpoint (`restore_replaced`); `drop_replaced` deletes
+    it once the new run has saved one. Where ``.replaced`` is there already (an attempt that
+    ended before its first checkpoint), it holds the replaced run, and the files here are that
+    attempt's: they go."""
+    run_dir = Path(run_dir)
+    aside = run_dir / REPLACED_DIR
+    files = run_files(run_dir)
+    if aside.exists():
+        for path in files:
+            _remove(path)
+        return
+    if files:
+        aside.mkdir()
+        for path in files:
+            os.replace(path, aside / path.name)
+
+
+def restore_replaced(run_dir: str | os.PathLike) -> bool:
+    """A new run that failed before its first checkpoint: its files go and the run it replaced
+    comes back in place. Whether there was one to bring back."""
+    run_dir = Path(run_dir)
+    aside = run_dir / REPLACED_DIR
+    if not aside.is_dir():
+        return False
+    for path in run_files(run_dir):
+        _remove(path)
+    for path in aside.iterdir():
+        os.replace(path, run_dir / path.name)
+    aside.rmdir()
+    return True
+
+
+def drop_replaced(run_dir: str | os.PathLike) -> None:
+    """The new run saved its first checkpoint: the run it replaced is deleted."""
+    shutil.rmtree(Path(run_dir) / REPLACED_DIR, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def tensorboard_events(run_dir: str | os.PathLike) -> list[Path]:
     """The TensorBoard event files of a run (``train --tensorboard``), in ``RUN/tensorboard/``."""
     return sorted((Path(run_dir) / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
@@ -381,6 +445,14 @@ def check_run_dir_for_training(
     if resume and overwrite:
         raise GptkilnError("--resume and --overwrite contradict each other; pass one of them")
     has_state = any((run_dir / f).is_file() for f in (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE))
+    aside = run_dir / REPLACED_DIR
+    if aside.is_dir() and not overwrite and not has_state:
+        raise GptkilnError(
+            f"{aside} holds the run an --overwrite replaced, and the run that replaced it "
+            f"stopped before its first checkpoint; move the files in {aside} back into "
+            f"{run_dir} to keep it (then --resume continues it), or pass --overwrite to start "
+            "afresh"
+        )
     if resume and not has_state:
         what = (
             "a model but no trainer_state.pt (saved for inference only)"

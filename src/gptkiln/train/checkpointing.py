@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from gptkiln import checkpoint
 from gptkiln import distributed as dist_utils
 from gptkiln.config import TrainConfig
 from gptkiln.errors import GptkilnError
@@ -57,6 +58,7 @@ class Checkpoints:
         self.guard, self.restarted = guard, restarted
         self.run_dir = Path(cfg.out)
         self.saved_step: int | None = None  # the step of the last checkpoint written or read
+        self.replacing = False  # an --overwrite's replaced run is set aside (rank 0)
 
     def due(self, step: int, last: bool) -> bool:
         """Whether the loop saves after step ``step``: every ``checkpoint_interval`` steps and
@@ -98,6 +100,9 @@ class Checkpoints:
             with self.guard.hold():  # a SIGTERM now would leave half a checkpoint
                 self.task.save(model_sd, state, train_config)
                 self.saved_step = step
+            if self.replacing:  # the new run has a checkpoint: the one it replaced goes
+                checkpoint.drop_replaced(self.run_dir)
+                self.replacing = False
         dist_utils.barrier(self.world)
         self.saved_step = step
 
@@ -150,13 +155,23 @@ class Checkpoints:
                 "or start a new run"
             )
 
-    def forget_replaced(self, overwrite: bool) -> None:
-        """Rank 0 of a new run over an old one (``overwrite``): the old trainer state goes, so
-        that a restart after a failure never resumes the replaced run."""
-        from gptkiln.checkpoint import TRAINER_STATE_FILE
-
+    def set_aside_replaced(self, overwrite: bool) -> None:
+        """Rank 0 of a new run over an old one (``overwrite``): the old run's files go into
+        ``RUN/.replaced`` (`checkpoint.set_aside_replaced`), so that a restart after a failure
+        never resumes it and none of its files stays beside the new run's; it is deleted at
+        the new run's first checkpoint, and put back if the run fails before one
+        (`restore_replaced`)."""
         if overwrite:
-            (self.run_dir / TRAINER_STATE_FILE).unlink(missing_ok=True)
+            checkpoint.set_aside_replaced(self.run_dir)
+            self.replacing = True
+
+    def restore_replaced(self) -> bool:
+        """Rank 0 of a run that failed before its first checkpoint: the run it replaced back in
+        place. Whether there was one."""
+        if not (self.replacing and self.world.is_main):
+            return False
+        self.replacing = False
+        return checkpoint.restore_replaced(self.run_dir)
 
 
 def start_mode(

@@ -101,6 +101,9 @@ class Trainer:
         except BaseException:
             # A bad input found while setting up: leave the group (this rank has no collective
             # in flight) so that the process exits with its code, not a gloo abort at exit.
+            checkpoints = getattr(self, "checkpoints", None)
+            if checkpoints is not None:
+                checkpoints.restore_replaced()
             self.close()
             raise
 
@@ -158,8 +161,8 @@ class Trainer:
             self.precision = resumed_precision(cfg.precision, progress.precision, self.device)
             self.log.keep_rows_until(self.step)
         elif self.world.is_main:
+            self.checkpoints.set_aside_replaced(overwrite)
             self.log.start_afresh()
-            self.checkpoints.forget_replaced(overwrite)
         self.optimizer_step = OptimizerStep(
             self.model, self.forward, self.optimizer, self.batches, cfg, self.device
         )
@@ -211,12 +214,18 @@ class Trainer:
                 if self.world.is_main:
                     self.log.plot()
                 sample = self.log_sample(bar)
-        except (RuntimeError, dist_utils.WorkerStopped) as e:
-            saved = self.checkpoints.saved_step
-            message = stopped_message(e, self.world, self.step, saved, self.run_dir)
-            if message is None:
-                raise
-            raise RunStopped(message) from e
+        except BaseException as e:
+            # before its first checkpoint, a run that replaced another (--overwrite) puts it back
+            restored = self.checkpoints.restore_replaced()
+            back = f"; the run it replaced is back in {self.run_dir}" if restored else ""
+            if isinstance(e, (RuntimeError, dist_utils.WorkerStopped)):
+                saved = self.checkpoints.saved_step
+                message = stopped_message(e, self.world, self.step, saved, self.run_dir)
+                if message is not None:
+                    raise RunStopped(message + back) from e
+            if back and type(e) is GptkilnError:
+                raise GptkilnError(f"{e}{back}") from None
+            raise
         finally:
             bar.close()
         train_loss, val_loss, val_bpc = (row.get(k) for k in ("train_loss", "val_loss", "val_bpc"))

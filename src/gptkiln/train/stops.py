@@ -16,13 +16,13 @@ def diverged_message(
     """Training diverged at ``step`` (``what``: the loss or weights that are not finite), the
     checkpoint is kept, and what to change."""
     if saved_step is None:
-        kept = "no checkpoint was written"
+        kept, then = "no checkpoint was written", "start again"
     else:
         kept = f"the checkpoint of step {saved_step} in {run_dir} is kept as it was"
+        then = "continue with --resume or start again with --overwrite"
     return (
         f"training diverged at step {step}: {what}; {kept}. Lower --lr (now "
-        f"{cfg.lr:g}) or lengthen --warmup-steps (now {cfg.warmup_steps}), then "
-        "continue with --resume or start again with --overwrite"
+        f"{cfg.lr:g}) or lengthen --warmup-steps (now {cfg.warmup_steps}), then {then}"
     )
 
 
