@@ -153,6 +153,42 @@ def test_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, error):
     assert path.read_bytes() == b"old contents" and os.listdir(tmp_path) == ["model.safetensors"]
 
 
+def test_a_writer_that_keeps_no_errno_is_read_by_the_free_space_left(tmp_path, monkeypatch):
+    """torch.save's stream writer on a full disk says only "unexpected pos" (and NumPy's tofile
+    "N requested and M written"): with under 1 MiB free, that is a full disk, in one line; with
+    room left, the error is raised as it is."""
+    import shutil
+
+    path = tmp_path / "trainer_state.pt"
+    path.write_bytes(b"old state")
+
+    def torch_full(tmp: str) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1024")
+
+    free = {"bytes": 4096}
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda d: usage._replace(free=free["bytes"]))
+    with pytest.raises(GptkilnError, match="no space left on the device writing"):
+        atomic_write(path, torch_full)
+    free["bytes"] = 10 << 30
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        atomic_write(path, torch_full)
+    assert path.read_bytes() == b"old state" and os.listdir(tmp_path) == [path.name]
+
+
+def test_a_full_disk_under_a_write_without_a_path_is_one_line(tmp_path, monkeypatch, capsys):
+    """An ENOSPC that names no file (a metrics row appended, a log) is the CLI's one line."""
+    from gptkiln.cli import info, main
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(info, "run", full)
+    assert main(["info", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no space left on the device" in err and len(err.splitlines()) == 1
+
+
 def test_failed_save_leaves_the_previous_checkpoint_loadable(run_dir, monkeypatch):
     before = load_model(run_dir).state_dict()
 

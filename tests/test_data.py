@@ -642,3 +642,27 @@ def test_dataloader_with_workers_gives_the_same_batches(tmp_path, play_path):
     assert loader.num_workers == 2
     parallel = [x for x, _ in loader]
     assert all(torch.equal(a, b) for a, b in zip(serial, parallel, strict=True))
+
+
+def test_a_full_disk_while_preparing_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
+    """NumPy's ``tofile`` on a full disk raises "N requested and M written" with no errno: with
+    under 1 MiB free that is a full disk, in one line, and the folder it made is gone."""
+    import importlib
+    import shutil
+
+    from gptkiln.errors import GptkilnError
+
+    preparing = importlib.import_module("gptkiln.data.prepare")  # the module, not its function
+
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be\n" * 50)
+
+    def full(*args, **kwargs):
+        raise OSError("1003854 requested and 524288 written")
+
+    monkeypatch.setattr(preparing, "_write_dataset", full)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda d: usage._replace(free=1000))
+    with pytest.raises(GptkilnError, match="no space left on the device writing .*out"):
+        preparing.prepare(text, tmp_path / "out", "char", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -28,7 +28,6 @@ needs (`read_checkpoint`).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -42,7 +41,7 @@ import torch
 from safetensors.torch import save_file
 
 from gptkiln.config import GPTConfig
-from gptkiln.errors import GptkilnError
+from gptkiln.errors import GptkilnError, out_of_space
 from gptkiln.loading import (
     CONFIG_FILE,
     FLOAT_FORMAT,
@@ -88,8 +87,9 @@ def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> Non
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
+        full = out_of_space(e, path.parent)  # asked before the partial file goes
         Path(tmp).unlink(missing_ok=True)
-        if _disk_full(e):  # safetensors and torch.save say so in their own words
+        if full:  # safetensors and torch.save say so in their own words, or not at all
             raise GptkilnError(
                 f"no space left on the device writing {path}; the file there before is kept as "
                 "it was: free some space, then run the command again (training: --resume)"
@@ -108,13 +108,6 @@ def _new_file_mode() -> int:
         umask = os.umask(0o022)
         os.umask(umask)
     return 0o666 & ~umask
-
-
-def _disk_full(error: BaseException) -> bool:
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        return True
-    text = str(error)
-    return "No space left on device" in text or "os error 28" in text
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -18,3 +18,28 @@ class RunStopped(GptkilnError):
     ended it): still one line that says where the last checkpoint is, but exit code 1."""
 
     exit_code = 1
+
+
+LOW_SPACE_BYTES = 1 << 20
+"""Below this much free space, a write that failed without saying why failed for want of it."""
+
+
+def out_of_space(error: BaseException, directory=None) -> bool:
+    """Whether ``error`` is a write that failed for want of space: its errno says so (no space,
+    over quota, over the file size limit) or its text does (safetensors' Rust "os error 28");
+    for a writer that keeps no errno (``torch.save``'s stream writer, NumPy's ``tofile``), when
+    ``directory``'s device has less than `LOW_SPACE_BYTES` left."""
+    import errno
+    import shutil
+
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return True
+    text = str(error)
+    if "No space left on device" in text or "os error 28" in text:
+        return True
+    if directory is None or not isinstance(error, (OSError, RuntimeError)):
+        return False
+    try:
+        return shutil.disk_usage(directory).free < LOW_SPACE_BYTES
+    except OSError:
+        return False

@@ -60,7 +60,7 @@ from gptkiln.cli.train import (
     load_recipe,
     train_config_from_args,
 )
-from gptkiln.errors import GptkilnError
+from gptkiln.errors import GptkilnError, out_of_space
 
 __all__ = [
     "COMMANDS",
@@ -171,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `gptkiln generate ... | head`
         return 0
     except OSError as e:
+        if not e.filename and out_of_space(e):  # a write of a log, a metrics row
+            return fail(
+                f"gptkiln {args.command}: error: no space left on the device ({e.strerror or e}); "
+                "free some space, then run the command again (training: --resume)"
+            )
         if not e.filename:  # not about a path the user gave: a real failure, with its traceback
             raise
         return fail(  # a path that cannot be read or written: permissions, a full disk, a file

@@ -45,7 +45,7 @@ from gptkiln.data.sources import (
     is_mixture,
     iter_pieces,
 )
-from gptkiln.errors import GptkilnError
+from gptkiln.errors import GptkilnError, out_of_space
 from gptkiln.tokenizers import (
     TOKENIZER_FILES,
     TOKENIZER_KINDS,
@@ -272,10 +272,16 @@ def prepare(
         spec = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None
         meta = _write_dataset(staging, run, tok, spec, val_fraction, batch_chars, progress, threads)
         _move_into_place(staging, out_dir)
-    except BaseException:
+    except BaseException as e:
+        full = out_of_space(e, staging)  # asked before the partial files go
         shutil.rmtree(staging, ignore_errors=True)
         if created and not any(out_dir.iterdir()):
             out_dir.rmdir()
+        if full:
+            raise GptkilnError(
+                f"no space left on the device writing {out_dir}; nothing was kept there: free "
+                "some space, then prepare again"
+            ) from None
         raise
     shutil.rmtree(staging, ignore_errors=True)
     return meta
