@@ -129,6 +129,16 @@ def test_scores_parse_numbers_in_range_only():
     assert parse_score("<think>It is 90.</think> nope") is None
 
 
+def test_a_placeholders_name_inside_an_entry_stays_that_text():
+    judge = Judge("http://localhost:1/v1", "m", prompt="Q: {input}\nA: {output}\nR: {response}")
+    asked = judge.question('Explain "{output}" and {response}.', "the answer", "{input}")
+    assert asked == 'Q: Explain "{output}" and {response}.\nA: the answer\nR: {input}'
+    from gptkiln.errors import GptkilnError
+
+    with pytest.raises(GptkilnError, match="--max-new-tokens must be >= 1"):
+        judge_run("no-such-run", judge, max_new_tokens=0)  # before anything is read
+
+
 def test_a_busy_judge_is_retried_with_backoff(run, tmp_path):
     outputs = [e["output"] for e in instructions(40)[34:38]]
     app = fake_judge(failures={outputs[0]: 2})
@@ -145,7 +155,7 @@ def test_an_unreachable_or_nonsense_judge_is_one_line_and_writes_nothing(run, fa
     url, _ = fake
     (run / "judgements-x.json").unlink(missing_ok=True)
     for judge_url, needle in (
-        (f"http://127.0.0.1:{free_port()}/v1", "did not answer after 1 attempts"),
+        (f"http://127.0.0.1:{free_port()}/v1", "did not answer after 1 attempt ("),
         (f"{url}/nonsense", "not an OpenAI chat completion"),
         ("localhost:1/v1", "http:// or https://"),
     ):

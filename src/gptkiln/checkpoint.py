@@ -374,7 +374,8 @@ def run_files(run_dir: str | os.PathLike) -> list[Path]:
     names = (WEIGHTS_FILE, CONFIG_FILE, TRAINER_STATE_FILE, PREVIOUS_STATE_FILE, ADAPTER_FILE,
              "metrics.csv", "loss.png", "judgements.json", "eval", TENSORBOARD_DIR,
              *TOKENIZER_FILES)  # fmt: skip
-    return [run_dir / name for name in dict.fromkeys(names) if (run_dir / name).exists()]
+    named = [run_dir / name for name in dict.fromkeys(names) if (run_dir / name).exists()]
+    return named + sorted(run_dir.glob("judgements-*.json"))  # `judge --name NAME`
 
 
 def set_aside_replaced(run_dir: str | os.PathLike) -> None:

@@ -84,11 +84,13 @@ class Judge:
             )
 
     def question(self, input: str, output: str, response: str) -> str:
-        # filled one by one: braces in the texts are never taken for placeholders
-        text = self.prompt
-        for name, value in (("{input}", input), ("{output}", output), ("{response}", response)):
-            text = text.replace(name, value)
-        return text
+        # the prompt's placeholders filled in one pass: a placeholder's name inside a text
+        # ("{output}" in an instruction about format strings) stays that text
+        values = {"{input}": input, "{output}": output, "{response}": response}
+        return _PLACEHOLDER.sub(lambda m: values[m.group(0)], self.prompt)
+
+
+_PLACEHOLDER = re.compile(r"\{input\}|\{output\}|\{response\}")
 
 
 def parse_score(answer: str) -> float | None:
@@ -174,7 +176,8 @@ def ask(judge: Judge, question: str, client) -> str:
             )
         return _content(reply, url)
     raise GptkilnError(
-        f"the judge at {url} did not answer after {judge.retries + 1} attempts ({why}); check "
+        f"the judge at {url} did not answer after {judge.retries + 1} "
+        f"attempt{'s' if judge.retries else ''} ({why}); check "
         "--judge-url and that the server runs"
     )
 
@@ -307,6 +310,10 @@ def answers(
     from gptkiln.finetune.templates import format_messages, format_prompt
     from gptkiln.loading import load_run
 
+    if max_new_tokens < 1:
+        raise GptkilnError(
+            f"--max-new-tokens must be >= 1 (an answer to judge), got {max_new_tokens}"
+        )
     model, tokenizer, cfg = load_run(run_dir, device=device)
     template = require_template(cfg, run_dir)
     chat = is_chat_template(template)
@@ -360,6 +367,10 @@ def judge_run(
     """
     from gptkiln.checkpoint import write_json
 
+    if max_new_tokens < 1:
+        raise GptkilnError(
+            f"--max-new-tokens must be >= 1 (the answers judged), got {max_new_tokens}"
+        )
     run_dir = Path(run_dir)
     items = test_entries(run_dir, data)
     if not items:
