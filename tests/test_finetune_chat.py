@@ -242,15 +242,15 @@ def test_show_examples_marks_the_trained_text_and_writes_nothing(work, tmp_path,
     argv = ["finetune", work / "base", "--task", "chat", "--data", data, "--show-examples", 2]
     code, out, err = cli(*argv, "--out", tmp_path / "never", capsys=capsys)
     assert code == 0, err
-    assert out.count("--- example") == 2
-    assert "<|im_start|>assistant\n«It is 0.<|im_end|>»\n<|im_start|>user" in out
+    assert out.count("--- example") == 2  # as training cuts them to the context (64)
+    assert "<|im_start|>assistant\n«It is 0.<|im_end|>»" in out
     assert not (tmp_path / "never").exists()  # nothing trained, nothing written
     code, out, err = cli(*argv, "--json", capsys=capsys)
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
     assert len(lines) == 2 and set(lines[0]) == {"ids", "trained"}
     encoder = ConversationEncoder(load_chat_template(work / "base"), load_tokenizer(work / "base"))
-    first = encoder.encode(conversations(1)[0]["messages"])
+    first = fit_length(encoder.encode(conversations(1)[0]["messages"]), 65)
     assert lines[0] == {"ids": first.ids, "trained": first.trained}
 
 
@@ -263,6 +263,12 @@ def test_max_length_cuts_at_a_turn_and_says_so_first(work, tmp_path, capsys):
     first = err.splitlines()[0]
     assert first.startswith("chat data: 40 conversations (messages format)")
     assert "40 cut at a turn boundary and 0 dropped" in first and "60 tokens" in first
+    argv = ["finetune", work / "base", "--task", "chat", "--data", work / "chat.jsonl"]
+    code, out, err = cli(*argv, "--max-length", 60, "--show-examples", 1, "--json", capsys=capsys)
+    shown = json.loads(out)  # --show-examples shows the example as training cuts it
+    assert code == 0 and 0 < len(shown["ids"]) <= 61 and shown["trained"][-1]
+    code, out, err = cli(*argv, "--max-length", 3, "--show-examples", 1, capsys=capsys)
+    assert code == 0 and "--- example 1: dropped, its first answer ends past 3 tokens" in out
 
 
 # -- bad input ------------------------------------------------------------------------------------

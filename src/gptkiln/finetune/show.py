@@ -38,12 +38,16 @@ def show_examples(ft: FinetuneConfig, n: int, as_json: bool = False) -> Iterator
     for number, (label, text, ids, trained) in enumerate(SHOWN[ft.task](ft, base_cfg, tokenizer)):
         if number == n * (2 if ft.task == "dpo" else 1):
             return
+        what = f"pair {number // 2 + 1}, {label}" if label else f"example {number + 1}"
+        if ids is None:  # the trainer drops it: too long for --max-length
+            if not as_json:
+                yield f"--- {what}: dropped, {text} ---"
+            continue
         if as_json:
             answer = {} if label is None else {"answer": label}
             yield json.dumps({**answer, "ids": ids, "trained": trained})
             continue
         text = text if text is not None else marked(tokenizer, ids, trained)
-        what = f"pair {number // 2 + 1}, {label}" if label else f"example {number + 1}"
         yield f"--- {what}: {len(ids)} tokens, {sum(trained)} trained ---\n{text}"
 
 
@@ -58,14 +62,33 @@ def marked(tokenizer, ids: Sequence[int], trained: Sequence[bool]) -> str:
     return "".join(out)
 
 
+def _limit(ft: FinetuneConfig, base_cfg: dict) -> int:
+    """The most ids an example may hold in training (`chat.example_limit`)."""
+    from gptkiln.finetune.chat import example_limit
+    from gptkiln.loading.load import read_stored
+
+    # any base (a run, a Hugging Face directory): its config from the weights' headers alone
+    context = read_stored(Path(ft.base), base_cfg, headers_only=True).config.context_length
+    return example_limit(ft, context)
+
+
 def _chat(ft: FinetuneConfig, base_cfg: dict, tokenizer):
-    from gptkiln.finetune.chat import read_chat_examples
+    """Each conversation as training sees it: cut at the last turn that fits the limit
+    (`chat.fit_length`; then shown as its ids), or dropped where its first answer does not."""
+    from gptkiln.finetune.chat import fit_length, read_chat_examples
 
     encoder, conversations, examples, _ = read_chat_examples(ft, Path(ft.base), base_cfg, tokenizer)
+    limit = _limit(ft, base_cfg)
     for messages, example in zip(conversations, examples, strict=True):
-        pieces = encoder.pieces(messages)
-        text = "".join(f"{MARK_START}{t}{MARK_END}" if learnt else t for t, learnt in pieces)
-        yield None, text, example.ids, example.trained
+        fitted = fit_length(example, limit)
+        if fitted is None:
+            yield None, f"its first answer ends past {limit - 1} tokens", None, None
+        elif fitted is not example:  # cut: the ids decoded, not the template's pieces
+            yield None, None, fitted.ids, fitted.trained
+        else:
+            pieces = encoder.pieces(messages)
+            text = "".join(f"{MARK_START}{t}{MARK_END}" if learnt else t for t, learnt in pieces)
+            yield None, text, example.ids, example.trained
 
 
 def _instruct(ft: FinetuneConfig, base_cfg: dict, tokenizer):
@@ -91,9 +114,20 @@ def _dpo(ft: FinetuneConfig, base_cfg: dict, tokenizer):
 
     template = conversation_template(ft, Path(ft.base), base_cfg, tokenizer)
     encoder = ConversationEncoder(template, tokenizer)
+    limit = _limit(ft, base_cfg)
     for pair in read_preferences(ft.data):
-        for label, example in zip(("chosen", "rejected"), encode_pair(encoder, pair), strict=True):
-            yield label, None, example.ids, example.trained
+        examples = encode_pair(encoder, pair)
+        longest = max(len(e.ids) for e in examples)
+        for label, example in zip(("chosen", "rejected"), examples, strict=True):
+            if longest > limit:  # the trainer drops the pair whole
+                yield (
+                    label,
+                    f"the pair's longer answer is {longest} tokens, past {limit}",
+                    None,
+                    None,
+                )
+            else:
+                yield label, None, example.ids, example.trained
 
 
 SHOWN = {"chat": _chat, "instruct": _instruct, "dpo": _dpo}
