@@ -833,6 +833,13 @@ def test_a_bad_labelled_file_is_one_line(name, content, needle, work, tmp_path, 
         (["--train-layers", "last-9"], "has 2 blocks"),
         (["--template", "nope"], "bundled"),
         (["--batch-size", "100"], "fewer than one step"),
+        # what only another task or LoRA reads is refused, not ignored
+        (["--beta", "0.5"], "--beta is for --task dpo"),
+        (["--dpo-loss", "ipo"], "--dpo-loss is for --task dpo"),
+        (["--max-length", "32"], "--max-length is for --task classify or chat or dpo"),
+        (["--text-column", "body"], "--text-column is for --task classify"),
+        (["--lora-alpha", "8"], "--lora-alpha shapes LoRA adapters: it needs --lora-rank"),
+        (["--lora-qkv", "fused"], "--lora-qkv shapes LoRA adapters"),
     ],
 )
 def test_bad_finetune_settings_are_one_line(flags, needle, work, tmp_path, capsys):

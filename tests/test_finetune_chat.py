@@ -233,7 +233,9 @@ def test_a_model_without_a_template_trains_on_chatml_and_keeps_it(tmp_path, caps
         capsys=capsys,
     )  # fmt: skip
     assert code == 0, err
-    assert "«It is 0.<|endoftext|>»" in out and "«You are welcome.<|endoftext|>»" in out
+    # the first answer; the conversation is cut after it to fit the context (128), as training
+    # cuts it
+    assert "«It is 0.<|endoftext|>»" in out and "You are welcome" not in out
 
 
 # -- --show-examples -----------------------------------------------------------------------------

@@ -511,6 +511,16 @@ FINETUNE_DEFAULTS = {
     "dpo": (0.05, 0.1, "all"),
 }
 DPO_LOSSES = ("sigmoid", "ipo")
+TASK_FIELDS = (
+    ("mask_prompt", False, ("instruct",)),
+    ("text_column", "text", ("classify",)),
+    ("label_column", "label", ("classify",)),
+    ("max_length", None, ("classify", "chat", "dpo")),
+    ("template", "alpaca", ("instruct", "chat", "dpo")),
+    ("beta", 0.1, ("dpo",)),
+    ("dpo_loss", "sigmoid", ("dpo",)),
+)
+"""FinetuneConfig's fields that only some tasks read: (name, default, those tasks)."""
 
 
 @dataclass
@@ -611,6 +621,22 @@ class FinetuneConfig:
             raise GptkilnError(
                 f"dpo_loss must be one of {', '.join(DPO_LOSSES)}, got {self.dpo_loss!r}"
             )
+        self._check_task_fields()
+
+    def _check_task_fields(self) -> None:
+        """A setting that only other tasks (or LoRA) read is refused, not ignored."""
+        for name, default, tasks in TASK_FIELDS:
+            if getattr(self, name) != default and self.task not in tasks:
+                flag = "--" + name.replace("_", "-")
+                raise GptkilnError(
+                    f"{flag} is for --task {' or '.join(tasks)}; --task {self.task} does not "
+                    "read it (drop it)"
+                )
+        if not self.lora:
+            for name, flag, unset in (("lora_alpha", "--lora-alpha", None),
+                                      ("lora_qkv", "--lora-qkv", "split")):  # fmt: skip
+                if getattr(self, name) != unset:
+                    raise GptkilnError(f"{flag} shapes LoRA adapters: it needs --lora-rank")
 
     @property
     def lora(self) -> bool:
