@@ -641,6 +641,26 @@ def test_an_overwrite_replaces_the_whole_run_and_one_that_fails_first_puts_it_ba
     assert ".replaced" not in left and "trainer_state.pt" in left
 
 
+def test_ctrl_c_says_where_the_last_checkpoint_is(play_path, tmp_path, monkeypatch):
+    """Ctrl-C while training ends with the step and the last checkpoint, as SIGTERM's line."""
+    calls = {"n": 0}
+    step = Trainer.train_step
+
+    def interrupted(self, total):
+        calls["n"] += 1
+        if calls["n"] == 6:  # in step 6, after the checkpoint of step 4
+            raise KeyboardInterrupt
+        return step(self, total)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt) as caught:
+        train(tiny_config(play_path, run))
+    assert str(caught.value) == (
+        f"at step 5; the last checkpoint, step 4, is in {run}: continue with --resume"
+    )
+
+
 def test_gradient_accumulation_equals_the_bigger_batch(play_path, tmp_path):
     a = train(
         tiny_config(

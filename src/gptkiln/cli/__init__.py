@@ -162,11 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except GptkilnError as e:
         return fail(f"gptkiln {args.command}: error: {e}", e.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         from gptkiln.launch import quiet_on_interrupt
 
-        if not quiet_on_interrupt():
-            print(f"gptkiln {args.command}: interrupted", file=sys.stderr)
+        if not quiet_on_interrupt():  # training says where its last checkpoint is
+            said = f" {e}" if str(e) else ""
+            print(f"gptkiln {args.command}: interrupted{said}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `gptkiln generate ... | head`
         return 0

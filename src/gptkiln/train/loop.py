@@ -28,7 +28,7 @@ from gptkiln.train.evaluation import TaskBenchmarks
 from gptkiln.train.optimizer_step import OptimizerStep, autocast_for
 from gptkiln.train.precision import PrecisionChoice, precision_for_run, resumed_precision
 from gptkiln.train.run_log import ProgressBar, RunLog, tensorboard_writer_class
-from gptkiln.train.stops import diverged_message, nothing_to_train, stopped_message
+from gptkiln.train.stops import diverged_message, nothing_to_train, stopped_message, where_kept
 from gptkiln.train.task import LanguageModeling, RunContext, Task
 from gptkiln.train.timing import Speedometer, TrainingClock
 
@@ -218,8 +218,12 @@ class Trainer:
             # before its first checkpoint, a run that replaced another (--overwrite) puts it back
             restored = self.checkpoints.restore_replaced()
             back = f"; the run it replaced is back in {self.run_dir}" if restored else ""
+            saved = self.checkpoints.saved_step
+            if isinstance(e, KeyboardInterrupt):  # Ctrl-C: the CLI says "interrupted" + this
+                raise KeyboardInterrupt(
+                    f"at step {self.step}; {where_kept(saved, self.run_dir)}{back}"
+                ) from None
             if isinstance(e, (RuntimeError, dist_utils.WorkerStopped)):
-                saved = self.checkpoints.saved_step
                 message = stopped_message(e, self.world, self.step, saved, self.run_dir)
                 if message is not None:
                     raise RunStopped(message + back) from e

@@ -48,12 +48,14 @@ def stopped_message(
     else:
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         why = f"lost contact with the other ranks ({first_line[:200]})"
+    return f"{who} stopped at step {step}: {why}; {where_kept(saved_step, run_dir)}"
+
+
+def where_kept(saved_step: int | None, run_dir: Path) -> str:
+    """Where a stopped run's last checkpoint is, and how to go on from it."""
     if saved_step is None:
-        where = "no checkpoint was written"
-    else:
-        where = f"the last checkpoint, step {saved_step}, is in {run_dir}"
-        where += ": continue with --resume"
-    return f"{who} stopped at step {step}: {why}; {where}"
+        return "no checkpoint was written"
+    return f"the last checkpoint, step {saved_step}, is in {run_dir}: continue with --resume"
 
 
 def nothing_to_train(
