@@ -774,6 +774,8 @@ BAD_INSTRUCTIONS = [
     ("a.json", '[{"instruction": "x", "input": 3, "output": "y"}]', '"input" is a JSON int'),
     ("a.json", '[{"instruction": " ", "input": "", "output": "y"}]', '"instruction" is empty'),
     ("a.jsonl", '{"instruction": "x", "output": "y"}\n{oops\n', "line 2"),
+    ("a.jsonl", '{"instruction": "x\ty", "output": "y"}\n', "raw line break or tab inside"),
+    ("a.jsonl", '{"instruction": "x", "output": "y\n', "Unterminated string starting, column"),
     ("a.txt", "hello", "unsupported file type"),
     ("a.json", b"[\x00\x01]", "binary"),
     ("a.json", '[{"instruction": "caf\xe9"}]'.encode("latin-1"), "not UTF-8"),

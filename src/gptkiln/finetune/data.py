@@ -58,7 +58,7 @@ def _json_records(path: Path, what: str) -> list[tuple[str, Any]]:
             values = json.loads(text)
         except json.JSONDecodeError as e:
             raise GptkilnError(
-                f"{path}: not valid JSON ({e.msg}, line {e.lineno} column {e.colno}); fix the "
+                f"{path}: not valid JSON ({_said(e)}, line {e.lineno} column {e.colno}); fix the "
                 f"file (a .json file holds one list of {what}; use .jsonl for one a line)"
             ) from None
         if not isinstance(values, list):
@@ -76,10 +76,18 @@ def _json_records(path: Path, what: str) -> list[tuple[str, Any]]:
             records.append((f"{path} line {number}", json.loads(line)))
         except json.JSONDecodeError as e:
             raise GptkilnError(
-                f"{path} line {number}: not valid JSON ({e.msg}, column {e.colno}); fix or "
+                f"{path} line {number}: not valid JSON ({_said(e)}, column {e.colno}); fix or "
                 "remove that line"
             ) from None
     return records
+
+
+def _said(error: json.JSONDecodeError) -> str:
+    """The JSON parser's words, whole: "Invalid control character at" is a raw tab or line
+    break inside a string (an unclosed one, or one that should be written \\n)."""
+    if error.msg == "Invalid control character at":
+        return "a raw line break or tab inside a string: close the string, or write it \\n"
+    return error.msg.removesuffix(" at")  # "Unterminated string starting at" ... column N
 
 
 def read_instructions(path: str | Path) -> list[dict[str, str]]:
