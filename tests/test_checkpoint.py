@@ -306,6 +306,15 @@ def test_read_checkpoint_detects_weights_and_state_of_different_saves(tmp_path):
     (tmp_path / TRAINER_STATE_FILE).write_bytes(b"PK\x03\x04 not a zip")
     with pytest.raises(GptkilnError, match="trainer_state.pt is truncated or corrupt"):
         read_checkpoint(tmp_path)
+    for garbage, said in ((b"garbage" * 10, "not a trainer state"),
+                          (None, "names objects that no trainer state holds")):  # fmt: skip
+        if garbage is None:
+            torch.save({**state, "path": Path("/")}, tmp_path / TRAINER_STATE_FILE)
+        else:
+            (tmp_path / TRAINER_STATE_FILE).write_bytes(garbage)
+        with pytest.raises(GptkilnError, match=said) as caught:
+            read_checkpoint(tmp_path)
+        assert "weights_only" not in str(caught.value)  # torch's advice to load it unsafely
 
 
 def test_a_crash_between_the_files_of_a_save_leaves_a_resumable_pair(tmp_path, monkeypatch):
