@@ -294,3 +294,15 @@ def test_bad_pairs_are_one_line(work, tmp_path, capsys, records, needle):
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_pairs_with_one_answer_as_both_are_counted_in_the_data_line(work, tmp_path, capsys):
+    rows = pairs(40)
+    rows[3]["rejected"] = rows[3]["chosen"]  # no signal: the loss is log 2 whatever the model
+    data = tmp_path / "same.json"
+    data.write_text(json.dumps(rows), encoding="utf-8")
+    ft = FinetuneConfig(base=str(work / "reference"), data=str(data), task="dpo")
+    finetune(ft, quick(ft, tmp_path / "run", max_steps=1))
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("dpo data:"))
+    assert "1 with one answer as chosen and rejected (no signal)" in line, line

@@ -148,10 +148,13 @@ class PreferenceTuning(FineTuning):
         self.reference = None if self.tuner is not None else self._frozen_copy()
         self.set_example_batches(n_train, n_test, len(self.pairs))
         if ctx.world.is_main:
+            same = sum(p.chosen == p.rejected for p in self.pairs)  # the loss cannot move them
+            alike = f", {same:,} with one answer as chosen and rejected (no signal)" if same else ""
+            reference = "the base, adapters off" if self.tuner is not None else "a frozen copy"
             print(
                 f"dpo data: {len(pairs):,} pairs, {len(pairs) - len(encoded):,} dropped (longer "
-                f"than {limit - 1} tokens); beta {ft.beta:g}, {ft.dpo_loss} loss, reference: "
-                + ("the base, adapters off" if self.tuner is not None else "a frozen copy"),
+                f"than {limit - 1} tokens){alike}; beta {ft.beta:g}, {ft.dpo_loss} loss, "
+                f"reference: {reference}",
                 file=sys.stderr,
                 flush=True,
             )
