@@ -796,3 +796,11 @@ def test_compile_is_on_with_cuda_and_off_elsewhere_unless_asked(play_path, tmp_p
     assert not compiles(unset, "cpu") and not compiles(unset, "mps")
     assert not compiles(dataclasses.replace(unset, compile=False), "cuda")
     assert compiles(dataclasses.replace(unset, compile=True), "cpu")
+
+
+def test_a_corpus_too_small_to_split_leaves_no_run_directory(tmp_path):
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n")
+    with pytest.raises(GptkilnError, match="corpus too small"):
+        train(tiny_config(blank, tmp_path / "run"))
+    assert not (tmp_path / "run").exists()

@@ -155,14 +155,20 @@ class LanguageModeling:
         if world.is_main and not _prepared_matches(
             data_dir, source, cfg.tokenizer, cfg.val_fraction, cfg.text_field
         ):
-            prepare(
-                source,
-                data_dir,
-                tokenizer=cfg.tokenizer,
-                val_fraction=cfg.val_fraction,
-                text_field=cfg.text_field,
-                progress=cfg.progress,
-            )
+            made = not self.run_dir.exists()
+            try:
+                prepare(
+                    source,
+                    data_dir,
+                    tokenizer=cfg.tokenizer,
+                    val_fraction=cfg.val_fraction,
+                    text_field=cfg.text_field,
+                    progress=cfg.progress,
+                )
+            except BaseException:
+                if made and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
+                    self.run_dir.rmdir()  # a run directory this attempt made, and left empty
+                raise
         dist_utils.barrier(world)
         return load_prepared(data_dir)
 
