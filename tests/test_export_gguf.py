@@ -347,11 +347,14 @@ def test_a_flag_of_another_direction_or_an_out_that_is_the_input_is_refused(tmp_
     """``convert to-hf --type bf16`` would write float32 without a word: refused, as is
     converting a run onto itself (``--out`` the run: its trainer state would be lost)."""
     _, _, run = tiny_run(tmp_path, "qwen3", "bpe")
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
     before = sorted(p.name for p in run.iterdir())
     for argv, said in (
         (["to-hf", str(run), "--out", str(tmp_path / "hf"), "--type", "bf16"], "--type is for"),
         (["to-gguf", str(run), "--out", str(tmp_path / "m.gguf"), "--float-head"], "--float-head"),
         (["to-hf", str(run), "--out", str(run), "--overwrite"], "is what convert to-hf reads"),
+        (["gguf", str(tmp_path), "--out", str(tmp_path / "r")], "is a directory; give the path"),
+        (["hf", str(tmp_path / "x.gguf"), "--out", str(tmp_path / "r")], "convert gguf` makes"),
     ):
         assert main(["convert", *argv]) == 2
         err = capsys.readouterr().err.strip()

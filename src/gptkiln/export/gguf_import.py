@@ -82,6 +82,8 @@ def open_gguf(path: Path) -> Any:
     """A `gguf.GGUFReader` of ``path``, or one line saying why it cannot be read."""
     import gguf
 
+    if path.is_dir():
+        raise GptkilnError(f"{path} is a directory; give the path of a .gguf file in it")
     if not path.is_file():
         raise GptkilnError(f"{path}: no such file; give the path of a .gguf file")
     try:

@@ -29,8 +29,13 @@ def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
             f"`gptkiln train --out DIR` or `gptkiln convert`"
         )
     if run_dir.is_file():
+        gguf = (
+            " (a GGUF file: `gptkiln convert gguf` makes a run of it)"
+            if run_dir.suffix.lower() == ".gguf"
+            else ""
+        )
         raise GptkilnError(
-            f"{run_dir} is a file, not a run directory; give the directory that holds "
+            f"{run_dir} is a file, not a run directory{gguf}; give the directory that holds "
             f"{CONFIG_FILE} (made by `gptkiln train --out DIR` or `gptkiln convert`)"
         )
     if not path.is_file():
