@@ -173,6 +173,13 @@ def test_a_writer_that_keeps_no_errno_is_read_by_the_free_space_left(tmp_path, m
     free["bytes"] = 10 << 30
     with pytest.raises(RuntimeError, match="unexpected pos"):
         atomic_write(path, torch_full)
+    free["bytes"] = 4096
+
+    def denied(tmp: str) -> None:  # an errno of its own: not a full disk, however little is left
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    with pytest.raises(PermissionError):
+        atomic_write(path, denied)
     assert path.read_bytes() == b"old state" and os.listdir(tmp_path) == [path.name]
 
 

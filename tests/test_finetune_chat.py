@@ -320,3 +320,16 @@ def test_an_hf_dataset_folder_reads_as_its_file_does(tmp_path):
     write_jsonl(tmp_path / "ds" / "train.jsonl", conversations(3))
     ours, fmt = read_conversations(f"hf:{tmp_path / 'ds'}")
     assert fmt == "messages" and ours == [r["messages"] for r in conversations(3)]
+
+
+def test_a_run_saved_with_a_setting_its_task_never_read_still_resumes(work, tmp_path):
+    """Before a chat run refused --beta (a dpo setting), one could be saved with it: its resume
+    compares only what the task reads, so the run still continues."""
+    ft = FinetuneConfig(base=str(work / "base"), data=str(work / "chat.jsonl"), task="chat")
+    finetune(ft, quick(ft, tmp_path / "run", max_steps=1))
+    path = tmp_path / "run" / "config.json"
+    saved = json.loads(path.read_text())
+    saved["finetune"]["config"].update(beta=0.2, lora_alpha=8.0, text_column="body")
+    path.write_text(json.dumps(saved))
+    result = finetune(ft, quick(ft, tmp_path / "run", max_steps=2), resume=True)
+    assert result.steps == 2

@@ -260,7 +260,8 @@ def test_show_examples_of_pairs_are_the_chosen_and_rejected_rows(work, capsys):
     assert "It is 0.<|im_end|>»" in out and "I do not know, maybe 3?<|im_end|>»" in out
     code, out, err = cli(*argv, "--show-examples", 1, "--max-length", 4, capsys=capsys)
     assert code == 0 and "--- pair 1, chosen: dropped, the pair's longer answer is" in out
-    assert out.count("dropped") == 2  # the pair goes whole, as training drops it
+    assert "--- pair 1, rejected: dropped" in out  # the pair goes whole, as training drops it
+    assert "trained ---" not in out  # none fits: every pair said dropped, none shown
 
 
 @pytest.mark.parametrize(

@@ -411,3 +411,27 @@ def test_an_epochs_order_is_torchs_permutation_held_in_four_bytes_an_item():
         assert torch.equal(perm.long(), expected)
     first = torch.randperm(100_003, generator=torch.Generator().manual_seed(7))[:3].tolist()
     assert order.ids(0, 0) == first
+
+
+def test_a_failed_attempt_with_restarts_left_keeps_the_replaced_run_aside(tmp_path, monkeypatch):
+    """With torchrun restarts left, a failure before the first checkpoint leaves the replaced
+    run in .replaced (the next attempt must start afresh, not resume it); on the last attempt
+    it comes back. A .replaced beside a run with its own trainer state is stale and goes."""
+    from gptkiln.checkpoint import TRAINER_STATE_FILE, check_run_dir_for_training
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / TRAINER_STATE_FILE).write_bytes(b"old")
+    checkpoints = _checkpoints(tmp_path, FakeTask())
+    checkpoints.set_aside_replaced(overwrite=True)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    assert not checkpoints.restore_replaced()
+    assert not (run / TRAINER_STATE_FILE).exists()  # a restart resumes nothing
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert checkpoints.restore_replaced()  # the last attempt: the old run back
+    assert (run / TRAINER_STATE_FILE).read_bytes() == b"old"
+    (run / ".replaced").mkdir()
+    (run / ".replaced" / "config.json").write_text("{}")
+    check_run_dir_for_training(run, resume=True, overwrite=False)
+    assert not (run / ".replaced").exists()

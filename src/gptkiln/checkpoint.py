@@ -28,9 +28,11 @@ needs (`read_checkpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import zlib
@@ -76,14 +78,12 @@ def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> Non
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = _new_temporary(path)
     try:
         write_fn(tmp)
-        # mkstemp makes the file 0600: give it the mode of the file it replaces, else the one
-        # the user's umask gives a new file, as open() would (a run or an export shared with
-        # another user or a container stays readable)
-        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.is_file() else _new_file_mode())
+        if path.is_file():  # the mode of the file it replaces (where the filesystem allows)
+            with contextlib.suppress(OSError):
+                os.chmod(tmp, path.stat().st_mode & 0o777)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -99,16 +99,17 @@ def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> Non
     _fsync_dir(path.parent)
 
 
-def _new_file_mode() -> int:
-    """The mode ``open`` gives a new file under this process's umask: read from
-    /proc/self/status where Linux gives it, else set and put back at once."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        umask = os.umask(0o022)
-        os.umask(umask)
-    return 0o666 & ~umask
+def _new_temporary(path: Path) -> str:
+    """A new empty file beside ``path`` under a name no one else has, made with the mode the
+    user's umask gives any new file (``mkstemp``'s 0600 would leave a run or an export that
+    another user or a container reads unreadable)."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return str(tmp)
+        except FileExistsError:
+            continue
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -390,6 +391,8 @@ def set_aside_replaced(run_dir: str | os.PathLike) -> None:
     run_dir = Path(run_dir)
     aside = run_dir / REPLACED_DIR
     files = run_files(run_dir)
+    if aside.exists() and (run_dir / TRAINER_STATE_FILE).is_file():
+        drop_replaced(run_dir)  # stale: the run here saved a checkpoint after it was set aside
     if aside.exists():
         for path in files:
             _remove(path)
@@ -416,8 +419,17 @@ def restore_replaced(run_dir: str | os.PathLike) -> bool:
 
 
 def drop_replaced(run_dir: str | os.PathLike) -> None:
-    """The new run saved its first checkpoint: the run it replaced is deleted."""
-    shutil.rmtree(Path(run_dir) / REPLACED_DIR, ignore_errors=True)
+    """The new run saved its first checkpoint: the run it replaced is deleted (renamed first,
+    so that a stop halfway never leaves part of it as ``.replaced``)."""
+    aside = Path(run_dir) / REPLACED_DIR
+    if not aside.exists():
+        return
+    going = aside.with_name(f"{REPLACED_DIR}.{os.getpid()}.deleting")
+    try:
+        os.replace(aside, going)
+    except OSError:
+        going = aside
+    shutil.rmtree(going, ignore_errors=True)
 
 
 def _remove(path: Path) -> None:
@@ -441,6 +453,8 @@ def check_run_dir_for_training(
         raise GptkilnError("--resume and --overwrite contradict each other; pass one of them")
     has_state = any((run_dir / f).is_file() for f in (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE))
     aside = run_dir / REPLACED_DIR
+    if aside.is_dir() and has_state:
+        drop_replaced(run_dir)  # stale: the run here saved a checkpoint after it was set aside
     if aside.is_dir() and not overwrite and not has_state:
         raise GptkilnError(
             f"{aside} holds the run an --overwrite replaced, and the run that replaced it "

@@ -52,6 +52,12 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
+def restarts_left() -> bool:
+    """Whether torchrun would restart the workers should this attempt fail (a
+    ``--max-restarts`` not used up yet)."""
+    return restart_count() < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+
+
 def collective_timeout() -> datetime.timedelta:
     """How long a collective may wait for the other ranks: GPTKILN_DIST_TIMEOUT seconds (300)."""
     return datetime.timedelta(

@@ -26,18 +26,21 @@ LOW_SPACE_BYTES = 1 << 20
 
 def out_of_space(error: BaseException, directory=None) -> bool:
     """Whether ``error`` is a write that failed for want of space: its errno says so (no space,
-    over quota, over the file size limit) or its text does (safetensors' Rust "os error 28");
-    for a writer that keeps no errno (``torch.save``'s stream writer, NumPy's ``tofile``), when
-    ``directory``'s device has less than `LOW_SPACE_BYTES` left."""
+    over quota) or its text does (safetensors' Rust "os error 28"); for a writer that keeps no
+    errno (``torch.save``'s stream writer, NumPy's ``tofile``), when ``directory``'s device has
+    less than `LOW_SPACE_BYTES` left. An error with another errno (a permission, a read-only
+    disk, a file over the size limit) is not."""
     import errno
     import shutil
 
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(error)
     if "No space left on device" in text or "os error 28" in text:
         return True
     if directory is None or not isinstance(error, (OSError, RuntimeError)):
+        return False
+    if isinstance(error, OSError) and error.errno is not None:
         return False
     try:
         return shutil.disk_usage(directory).free < LOW_SPACE_BYTES

@@ -100,7 +100,9 @@ def check_convert_flags(args: argparse.Namespace) -> None:
                 f"{flag} is for convert {' and '.join(directions)}, not convert "
                 f"{args.direction}; leave it out"
             )
-    if Path(args.out).resolve() == Path(args.path).resolve():
+    # (merge-lora and quantize refuse it in words of their own: `convert.merge_lora`, ...)
+    same = Path(args.out).resolve() == Path(args.path).resolve()
+    if same and args.direction not in ("merge-lora", "quantize"):
         raise GptkilnError(
             f"--out {args.out} is what convert {args.direction} reads; write somewhere else"
         )

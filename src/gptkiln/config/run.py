@@ -523,6 +523,19 @@ TASK_FIELDS = (
 """FinetuneConfig's fields that only some tasks read: (name, default, those tasks)."""
 
 
+def read_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """A saved fine-tuning config's values with those its task (or, without LoRA, LoRA) never
+    read set to their defaults: what a resume compares (a run saved before such settings were
+    refused may hold one)."""
+    out = dict(values)
+    for name, default, tasks in TASK_FIELDS:
+        if out.get("task", "instruct") not in tasks:
+            out[name] = default
+    if out.get("train_layers") != "lora":
+        out["lora_alpha"], out["lora_qkv"] = None, "split"
+    return out
+
+
 @dataclass
 class FinetuneConfig:
     """What a fine-tuning run starts from, learns and trains; the loop's own settings (steps,

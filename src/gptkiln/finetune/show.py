@@ -35,14 +35,16 @@ def show_examples(ft: FinetuneConfig, n: int, as_json: bool = False) -> Iterator
     base = Path(ft.base)
     base_cfg = read_config(base)
     tokenizer = load_run_tokenizer(base, base_cfg)
+    shown, wanted = 0, n * (2 if ft.task == "dpo" else 1)  # a pair is two rows
     for number, (label, text, ids, trained) in enumerate(SHOWN[ft.task](ft, base_cfg, tokenizer)):
-        if number == n * (2 if ft.task == "dpo" else 1):
+        if shown == wanted:
             return
         what = f"pair {number // 2 + 1}, {label}" if label else f"example {number + 1}"
-        if ids is None:  # the trainer drops it: too long for --max-length
+        if ids is None:  # the trainer drops it (too long): said, not counted among the N
             if not as_json:
                 yield f"--- {what}: dropped, {text} ---"
             continue
+        shown += 1
         if as_json:
             answer = {} if label is None else {"answer": label}
             yield json.dumps({**answer, "ids": ids, "trained": trained})

@@ -18,6 +18,7 @@ import torch
 
 from gptkiln import distributed as dist_utils
 from gptkiln.config import FinetuneConfig, TrainConfig
+from gptkiln.config.run import read_fields
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.lora import LoraSpec, add_lora
 from gptkiln.model import GPT
@@ -298,6 +299,7 @@ class FineTuning:
         }
         defaults = {f.name: f.default for f in dataclasses.fields(FinetuneConfig)}
         then = {**defaults, **saved.get("config", {}), "base": saved.get("base")}  # older runs
+        then = read_fields(then)  # a setting its task never read, saved before it was refused
         settings = {**now["config"], "base": now["base"]}
         settings.pop("data")  # compared by its contents, below
         diffs = [

@@ -46,7 +46,6 @@ from gptkiln.serve.parsing import (
     compile_grammar,
     nth_sample,
     prompt_ids,
-    refuse_stop_strings,
     refuse_unsupported,
     response_grammar,
     sample_config,
@@ -284,7 +283,6 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
         cfg = sample_config(req, [ids for _, ids in prompts], served.context)
         grammar = response_grammar(req.response_format, served.grammars)
         if grammar is not None:  # the first use of a schema compiles it: off the event loop
-            refuse_stop_strings(req, "response_format")
             await asyncio.to_thread(compile_grammar, grammar, served.grammars, "response_format")
         queue, seqs = served.submit(
             prompts,
@@ -325,7 +323,6 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
         )
         if grammar is not None:
             param = "response_format" if req.response_format is not None else "tools"
-            refuse_stop_strings(req, param)
             await asyncio.to_thread(compile_grammar, grammar, served.grammars, param)
         top = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:

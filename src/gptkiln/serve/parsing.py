@@ -323,18 +323,6 @@ def response_grammar(fmt: ResponseFormat | None, grammars: Grammars | None) -> s
         raise OpenAIError(400, f"response_format: {e}", "response_format") from None
 
 
-def refuse_stop_strings(req: CompletionRequest | ChatCompletionRequest, param: str) -> None:
-    """A constrained answer (``param``: its ``response_format`` or ``tools``) ends where its
-    grammar ends; a stop string would cut it short of that, into JSON that does not parse."""
-    if req.stop:
-        raise OpenAIError(
-            400,
-            f"stop strings would cut the answer that {param} constrains into invalid JSON (its "
-            "grammar ends it by itself): send the request without stop",
-            "stop",
-        )
-
-
 def compile_grammar(grammar: str, grammars: Grammars, param: str) -> None:
     """Compile (and cache) a grammar once before its rows are queued: what the engine cannot
     enforce is a 400 naming it (``param``), never a row decoding free text."""

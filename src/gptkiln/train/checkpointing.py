@@ -101,8 +101,8 @@ class Checkpoints:
                 self.task.save(model_sd, state, train_config)
                 self.saved_step = step
             if self.replacing:  # the new run has a checkpoint: the one it replaced goes
+                self.replacing = False  # first: a stop while it goes must not bring it back
                 checkpoint.drop_replaced(self.run_dir)
-                self.replacing = False
         dist_utils.barrier(self.world)
         self.saved_step = step
 
@@ -167,8 +167,12 @@ class Checkpoints:
 
     def restore_replaced(self) -> bool:
         """Rank 0 of a run that failed before its first checkpoint: the run it replaced back in
-        place. Whether there was one."""
-        if not (self.replacing and self.world.is_main):
+        place. Whether there was one. Not while torchrun would restart the workers: the next
+        attempt must start afresh as this one did, not resume the replaced run; it finds it
+        still aside."""
+        if not (self.replacing and self.saved_step is None and self.world.is_main):
+            return False
+        if dist_utils.restarts_left():
             return False
         self.replacing = False
         return checkpoint.restore_replaced(self.run_dir)
