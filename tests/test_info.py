@@ -186,3 +186,19 @@ def test_a_padded_vocabulary_is_named_beside_its_ids(tmp_path):
     assert info.parameters == model.num_parameters()
     assert "vocabulary 50,257 in 50,304 rows (padded);" in info.summary()
     assert "padded_vocab_size" not in info.summary()  # said once, in words
+
+
+def test_a_fine_tunes_preset_is_its_bases(run, tmp_path):
+    """A fine-tune's config.json records the loop's settings, whose ``model`` is a default, not
+    the model it tuned: its preset is read from its base (none where the base is gone)."""
+    tuned = tmp_path / "tuned"
+    shutil.copytree(run, tuned)
+    cfg = json.loads((tuned / "config.json").read_text())
+    cfg["train"]["model"] = "qwen3-baby-untied"  # what a fine-tune's TrainConfig holds
+    cfg["finetune"] = {"base": str(run), "config": {"task": "instruct"}}
+    (tuned / "config.json").write_text(json.dumps(cfg))
+    info = run_info(tuned)
+    assert (info.preset, info.preset_changes) == ("tiny", {"context_length": 32})
+    cfg["finetune"]["base"] = str(tmp_path / "gone")
+    (tuned / "config.json").write_text(json.dumps(cfg))
+    assert run_info(tuned).preset != "qwen3-baby-untied"

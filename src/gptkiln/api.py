@@ -658,7 +658,7 @@ def run_info(path: str | os.PathLike) -> RunInfo:
     }
     states = [run_dir / n for n in (ADAPTER_FILE, TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)]
     files.update({f.name: f.stat().st_size for f in states if f.is_file()})
-    preset, changes = _preset_of(config, train)
+    preset, changes = _preset_of(config, _model_train_settings(cfg))
     info = dict(
         path=str(run_dir),
         kind="huggingface" if hf else "run",
@@ -712,6 +712,25 @@ def run_info(path: str | os.PathLike) -> RunInfo:
             "its training settings, trainer state or metrics"
         )
     return RunInfo(**info)
+
+
+def _model_train_settings(cfg: dict, depth: int = 0) -> dict | None:
+    """The training settings that made a run's model: its own, or a fine-tune's base's (its own
+    are the loop's, whose ``model`` is a default), followed up a chain of fine-tunes; None
+    where they cannot be read (a base moved away, a Hugging Face base)."""
+    info = cfg.get("finetune")
+    if not info:
+        return cfg.get("train") if isinstance(cfg.get("train"), dict) else None
+    from gptkiln.loading import read_config
+
+    base = info.get("base") if isinstance(info, dict) else None
+    if not base or depth > 8:
+        return None
+    try:
+        base_cfg = read_config(base)
+    except GptkilnError:
+        return None
+    return None if "model_type" in base_cfg else _model_train_settings(base_cfg, depth + 1)
 
 
 def _preset_of(config: Any, train: dict | None) -> tuple[str | None, dict[str, Any]]:
