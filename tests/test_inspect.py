@@ -341,6 +341,17 @@ def test_bad_inspect_flags_get_one_line(flags, needle, run_dir, tmp_path, capsys
     assert out == "" and not (tmp_path / "x.png").exists()  # refused before any output
 
 
+def test_an_out_that_is_no_png_path_gets_one_line_before_the_model_runs(run_dir, tmp_path, capsys):
+    (tmp_path / "adir").mkdir()
+    for out, needle in (("a.txt", "give a path ending in .png"), ("adir", "is a directory")):
+        code, printed, err = cli(
+            "inspect", run_dir, "--prompt", "To", "--out", tmp_path / out, capsys=capsys
+        )
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+        assert printed == ""  # refused before the table
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
+
+
 def test_an_empty_prompt_or_a_missing_run_gets_one_line(run_dir, tmp_path, capsys):
     code, _, err = cli("inspect", run_dir, "--prompt", "", capsys=capsys)
     assert code == 2 and "prompt is empty" in err

@@ -610,3 +610,15 @@ def test_journey_plot_has_four_annotated_panels_with_the_future_grey(tmp_path, m
     ]  # row "journey"
     assert len(axes[3].texts) == 21 and axes[3].texts[0].get_text() == "1.00"  # lower triangle
     assert axes[3].images[0].get_array().mask[0, 5] and not axes[2].images[0].get_array().mask.any()
+
+
+def test_the_journey_command_takes_help_and_refuses_a_path_that_is_no_png(tmp_path, capsys):
+    from gptkiln.teaching import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and "usage: python -m gptkiln.teaching" in capsys.readouterr().out
+    assert main([str(tmp_path / "x.txt")]) == 2
+    assert "give a path ending in .png" in capsys.readouterr().err
+    assert main([str(tmp_path)]) == 2 and "is a directory" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

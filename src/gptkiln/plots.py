@@ -18,6 +18,22 @@ from pathlib import Path
 from typing import Any
 
 
+def check_png_path(path: str | os.PathLike, flag: str) -> Path:
+    """``path`` as the PNG to write, or one line saying why it cannot be one: an extension
+    other than .png (matplotlib would refuse it, or add .png to a path without one, so the file
+    would not be where it was said to be), or a directory there."""
+    from gptkiln.errors import GptkilnError
+
+    path = Path(path)
+    if path.is_dir():
+        raise GptkilnError(
+            f"{flag} {path} is a directory; give a file to write, e.g. {path / 'attention.png'}"
+        )
+    if path.suffix.lower() != ".png":
+        raise GptkilnError(f"{flag} {path}: the picture is a PNG; give a path ending in .png")
+    return path
+
+
 def plot_losses(rows: Sequence[dict], path: str | os.PathLike) -> None:
     """Draw rows of metrics (step, tokens, train_loss, val_loss) to a PNG at ``path``."""
     plot_metric(rows, path, "loss")

@@ -437,7 +437,35 @@ def plot_journey_attention(path: str | os.PathLike) -> Path:
     )
 
 
-if __name__ == "__main__":  # python -m gptkiln.teaching [OUT.png]
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gptkiln.teaching [OUT.png]``: chapter 3's matrices as a picture."""
+    import argparse
     import sys
 
-    print(f"wrote {plot_journey_attention(sys.argv[1] if len(sys.argv) > 1 else 'journey.png')}")
+    from gptkiln.errors import GptkilnError
+    from gptkiln.plots import check_png_path
+
+    parser = argparse.ArgumentParser(
+        prog="python -m gptkiln.teaching",
+        description="Draw chapter 3's attention matrices over the book's six words as one PNG.",
+    )
+    parser.add_argument(
+        "out", nargs="?", default="journey.png", help="the PNG (default: %(default)s)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        print(f"wrote {plot_journey_attention(check_png_path(args.out, 'OUT'))}")
+    except GptkilnError as e:
+        print(f"python -m gptkiln.teaching: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(
+            f"python -m gptkiln.teaching: error: {e.filename or args.out}: {e.strerror or e}",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -94,9 +94,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     from gptkiln.devices import resolve_device
     from gptkiln.inspect import check_view, inspect_run, pick
-    from gptkiln.plots import plot_attention
+    from gptkiln.plots import check_png_path, plot_attention
 
     check_prompt_text(args.prompt)
+    check_png_path(args.out, "--out")  # before the model runs
     result = inspect_run(
         args.run_dir,
         args.prompt,
