@@ -695,3 +695,17 @@ def test_the_harness_command_line_runs_the_gptkiln_model(setup):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "|kiln_mc|" in proc.stdout and "acc_norm" in proc.stdout
     assert "gptkiln ({'run': " in proc.stdout
+
+
+def test_the_harness_default_cuda_device_falls_back_to_the_cpu_here(setup, capsys):
+    """``python -m gptkiln.evaluate`` gets the harness's --device default, cuda:0: on a machine
+    without CUDA the model loads on the CPU, saying so, as the harness's hf model does."""
+    import torch
+
+    from gptkiln.evaluate import GptkilnLM
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: cuda:0 is taken as it is")
+    lm = GptkilnLM(str(setup["root"] / "run"), device="cuda:0", batch_size=3)
+    assert next(lm.model.parameters()).device.type == "cpu"
+    assert "--device cuda:0: no CUDA here" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,7 +90,7 @@ class GptkilnLM(TemplateLM):
 
         model, tokenizer, _ = load_run(
             run,
-            device=resolve_device(str(device or "cpu")),
+            device=resolve_device(_available(device)),
             dtype=_dtype(dtype),
             quantize=quantize,
         )
@@ -362,3 +363,14 @@ def _dtype(name: str | None) -> torch.dtype | None:
     if name not in dtypes:
         raise GptkilnError(f"dtype {name!r}: choose one of {', '.join(dtypes)} (or leave it out)")
     return dtypes[name]
+
+
+def _available(device: str | None) -> str:
+    """The device to load on: ``device``, but the CPU where it names CUDA and none is here, as
+    the harness's own ``hf`` model does (its ``--device`` defaults to ``cuda:0``), saying so."""
+    device = str(device or "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"note: --device {device}: no CUDA here, so the model runs on the CPU",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return "cpu"
+    return device

@@ -415,9 +415,9 @@ def main() -> None:
     discovery."""
     try:
         harness()
-    except GptkilnError as e:
+        from lm_eval.__main__ import cli_evaluate
+
+        cli_evaluate()
+    except GptkilnError as e:  # the model's own refusals (a run, a device, an argument)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    from lm_eval.__main__ import cli_evaluate
-
-    cli_evaluate()
