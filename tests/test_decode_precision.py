@@ -96,6 +96,11 @@ def test_generate_takes_the_precision_flag(runs, capsys):
         "generate", quantized, "--prompt", "AB", "--precision", "bf16", capsys=capsys
     )
     assert_one_line_error(code, err, "int8 weights, so it decodes at int8")
+    code, _, err = cli(  # a float run quantized as it loads: the two flags conflict
+        "generate", runs["fp32"], "--prompt", "AB", "--quantize", "int8", "--precision", "fp32",
+        capsys=capsys,
+    )  # fmt: skip
+    assert_one_line_error(code, err, "--quantize int8 makes the weights int8", "drop --quantize")
 
 
 def test_on_a_gpu_the_precision_asked_is_the_weights_dtype():

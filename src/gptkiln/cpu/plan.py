@@ -75,7 +75,15 @@ def ready_for_decoding(
 
 def loading_quantize(quantize: str | None, precision: str | None) -> str | None:
     """What a run is quantized to as it loads: ``int8`` where asked by ``quantize`` or by
-    ``precision``, else None (as stored)."""
+    ``precision``, else None (as stored). ``--quantize int8`` beside a float precision is one
+    line: int8 weights decode at int8 only."""
+    from gptkiln.errors import GptkilnError
+
+    if quantize == "int8" and precision not in (None, "int8"):
+        raise GptkilnError(
+            f"--quantize int8 makes the weights int8, which decode at int8 only; drop --quantize "
+            f"to decode at {precision}, or --precision {precision} to decode at int8"
+        )
     return "int8" if precision == "int8" else quantize
 
 
