@@ -413,6 +413,24 @@ def test_chat_keeps_the_latest_turns_that_fit_the_context(instruct_run):
             assert chat.prompt("Go.") == expected, (max_new, fits)
 
 
+def test_chat_notes_a_message_past_the_context_and_refuses_bytes_not_utf8(instruct_run):
+    import io
+
+    from gptkiln.chat import Chat, run_chat
+    from gptkiln.config import SampleConfig
+    from gptkiln.errors import GptkilnError
+
+    run, _ = instruct_run
+    chat = Chat(run, SampleConfig(max_new_tokens=200, temperature=0))
+    said = []
+    chat.on_notice = said.append
+    chat.prompt("Go. " * 20)  # its template alone is past the 56 tokens left
+    assert len(said) == 1 and "the model sees only its last 56" in said[0], said
+    bad = io.StringIO("Hi \udcff there\n")  # how Python keeps a byte that is not UTF-8
+    with pytest.raises(GptkilnError, match="not valid UTF-8"):
+        run_chat(chat, interactive=False, stdin=bad, stdout=io.StringIO())
+
+
 @pytest.fixture(scope="module")
 def lora_runs(work):
     """A LoRA run trained 8 steps at once, and one trained 4 steps then resumed to 8."""

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import TextIO
 
 from gptkiln.config import SampleConfig
+from gptkiln.errors import GptkilnError
 
 COMMANDS = "/reset forgets the conversation, /exit (or Ctrl-D) leaves, Ctrl-C stops a response"
 
@@ -50,6 +51,7 @@ class Chat:
         stop = tuple(cfg.stop) + self.template.stop_strings()
         self.cfg = SampleConfig(**{**cfg.__dict__, "stop": stop})
         self.turns: list[tuple[str, str]] = []
+        self.on_notice = lambda text: print(f"note: {text}", file=sys.stderr, flush=True)
 
     def reset(self) -> None:
         self.turns.clear()
@@ -63,10 +65,16 @@ class Chat:
         turns = list(self.turns)
         while True:
             text = format_conversation(self.template, turns, message)
-            if (
-                not turns
-                or len(encode_prompt(self.tokenizer, text, templated=self.templated)) <= room
-            ):
+            length = len(encode_prompt(self.tokenizer, text, templated=self.templated))
+            if length <= room:
+                return text
+            if not turns:  # the message alone: the model sees its last tokens, as generate's
+                self.on_notice(
+                    f"your message in its template is {length} tokens, more than the {room} the "
+                    f"context ({self.model.config.context_length}) leaves beside "
+                    f"--max-new-tokens {self.cfg.max_new_tokens}: the model sees only its last "
+                    f"{room}; shorten it or lower --max-new-tokens"
+                )
                 return text
             turns.pop(0)
 
@@ -125,6 +133,15 @@ def run_chat(
             break
         message = line.strip()
         if not message:
+            continue
+        try:
+            message.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8, kept by Python as surrogates
+            if not interactive:
+                raise GptkilnError(
+                    "a message on stdin is not valid UTF-8 text; send the messages in UTF-8"
+                ) from None
+            stdout.write("(that message is not valid UTF-8 text; type it again)\n")
             continue
         if message == "/exit":
             break
