@@ -116,6 +116,11 @@ def test_complete_takes_a_model_and_its_tokenizer(run):
     assert model.training  # left as it was given
 
 
+def test_one_text_is_one_prompt_not_its_characters(run):
+    cfg = SampleConfig(max_new_tokens=4, temperature=0)
+    assert texts(complete(run, "The cat", cfg)) == texts(complete(run, ["The cat"], cfg))
+
+
 def test_cli_prints_each_sample_after_a_separator_line(run, capsys):
     args = ["generate", run, "--max-new-tokens", "8", "--seed", "5", "--temperature", "1"]
     code, out, err = cli(*args, "--prompt", "ab", "--prompt", "The cat", "--num-samples", "2",

@@ -181,7 +181,7 @@ class Completion:
 
 def complete(
     run_or_model: str | os.PathLike | GPT,
-    prompts: Sequence[str],
+    prompts: str | Sequence[str],
     cfg: SampleConfig | None = None,
     *,
     num_samples: int = 1,
@@ -203,7 +203,8 @@ def complete(
     Args:
         run_or_model: a run directory (or an imported Hugging Face one), or a `GPT` (then
             ``tokenizer`` is needed, and ``device`` is the model's own).
-        prompts: the texts to continue (an empty one starts from end-of-text).
+        prompts: the texts to continue, or one text (not its characters as prompts; an empty
+            one starts from end-of-text).
         cfg: how to sample, and when a sample ends (``stop`` strings, ``max_new_tokens``).
         num_samples: samples per prompt (>= 1).
         tokenizer: the tokenizer of a `GPT` given as ``run_or_model``.
@@ -224,7 +225,7 @@ def complete(
     from gptkiln.sampling import generate_batched
 
     cfg = cfg or SampleConfig()
-    prompts = list(prompts)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise GptkilnError(f"{name} must be a whole number >= 1, got {value!r}")
