@@ -533,6 +533,22 @@ def test_nproc_says_a_workers_bad_input_once_and_exits_2(prepared, tmp_path, lau
     assert lines[0].startswith("gptkiln train: error: --sample-prompt 'Ω'"), output
 
 
+def test_nproc_says_bad_data_found_while_preparing_once_and_exits_2(tmp_path, launches):
+    """Rank 0 prepares the text and finds a bad line halfway (past what the launcher checks):
+    every rank stops with its line, printed once, no traceback, no run directory left."""
+    rows = [{"text": "to be or not to be " * 20}] * 30
+    rows[15] = {"body": "x"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    values = settings(bad, tmp_path / "run")
+    job = launches.start([sys.executable, "-m", "gptkiln", "train", "--nproc", "2", *flags(values)])
+    output = launches.finish(job)
+    assert job.returncode == 2, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and 'bad.jsonl line 16: no string "text" field' in lines[0], output
+    assert not (tmp_path / "run").exists()
+
+
 def test_tokens_per_second_counts_every_rank_once(prepared, tmp_path, launches):
     # Under a clock that moves 1 s per reading every step takes 1 s, so tokens/s is the tokens
     # of one step of the whole world, 2 x B x 32 (it had been counted world_size times over).

@@ -804,3 +804,17 @@ def test_a_corpus_too_small_to_split_leaves_no_run_directory(tmp_path):
     with pytest.raises(GptkilnError, match="corpus too small"):
         train(tiny_config(blank, tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_resume_keeps_the_runs_prepared_data(play_path, tmp_path):
+    """A resume with other text, whose char alphabet is not the run's, is refused before the
+    run's data/ is touched (it was prepared anew into data/ first, and the old tokens lost)."""
+    run = tmp_path / "run"
+    train(tiny_config(play_path, run, max_steps=4))
+    before = {p.name: p.read_bytes() for p in (run / "data").iterdir() if p.is_file()}
+    other = tmp_path / "other.txt"
+    other.write_text("ZQXJ 0123456789 {}[]<>\n" * 200)
+    with pytest.raises(GptkilnError, match="another 'char' tokenizer"):
+        train(tiny_config(other, run, max_steps=8), resume=True)
+    assert {p.name: p.read_bytes() for p in (run / "data").iterdir() if p.is_file()} == before
+    assert not (run / ".data-next").exists()

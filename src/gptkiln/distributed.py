@@ -231,6 +231,16 @@ def any_rank(flag: bool, world: World) -> bool:
     return bool(value.item())
 
 
+def error_of_rank_0(error: BaseException | None, world: World) -> str | None:
+    """Rank 0's error message, on every rank (None: rank 0 had none), so that each rank can
+    stop with the same line (the launcher prints a line once where the ranks' agree)."""
+    if not world.distributed:
+        return None if error is None else str(error)
+    said = [None if error is None else str(error)]
+    dist.broadcast_object_list(said, src=0)
+    return said[0]
+
+
 def all_equal(value: int, world: World) -> bool:
     """Whether every rank passed the same integer."""
     if not world.distributed:

@@ -8,6 +8,8 @@ Fine-tuning's tasks (`gptkiln.finetune`) implement the same protocol, so `gptkil
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -112,7 +114,7 @@ class LanguageModeling:
         self.data = self._load_data()
         self.tokenizer = self.data.tokenizer
         if ctx.resume:
-            self._check_same_tokenizer()
+            self._check_same_tokenizer(self.tokenizer)
         self._check_sample_prompt()
         self.model_config = model_config_for(
             cfg, self.tokenizer.vocab_size, self._resumed(), str(ctx.device)
@@ -145,32 +147,55 @@ class LanguageModeling:
 
     # -- set-up ------------------------------------------------------------------------------
     def _load_data(self):
-        from gptkiln.data.prepare import is_prepared, load_prepared, prepare
+        """The run's data: a prepared folder as it is, or text prepared into ``RUN/data`` (by
+        rank 0; every rank learns whether it failed, so the others stop at once, quietly). A
+        resume whose data must be prepared anew prepares it beside the old (``RUN/.data-next``)
+        and keeps it only once its tokenizer is the run's: a refused resume loses nothing."""
+        from gptkiln.data.prepare import is_prepared, load_prepared
 
         cfg, world = self.cfg, self.ctx.world
         if is_prepared(cfg.data):
             return load_prepared(cfg.data)
         data_dir = self.run_dir / "data"
-        source = cfg.data
+        error = None
         if world.is_main and not _prepared_matches(
-            data_dir, source, cfg.tokenizer, cfg.val_fraction, cfg.text_field
+            data_dir, cfg.data, cfg.tokenizer, cfg.val_fraction, cfg.text_field
         ):
-            made = not self.run_dir.exists()
             try:
-                prepare(
-                    source,
-                    data_dir,
-                    tokenizer=cfg.tokenizer,
-                    val_fraction=cfg.val_fraction,
-                    text_field=cfg.text_field,
-                    progress=cfg.progress,
-                )
-            except BaseException:
-                if made and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
-                    self.run_dir.rmdir()  # a run directory this attempt made, and left empty
-                raise
-        dist_utils.barrier(world)
+                self._prepare_into(data_dir)
+            except GptkilnError as e:
+                error = e
+        said = dist_utils.error_of_rank_0(error, world)  # also the barrier after prepare
+        if error is not None:
+            raise error
+        if said is not None:  # the same line as rank 0's: the launcher prints it once
+            raise GptkilnError(said)
         return load_prepared(data_dir)
+
+    def _prepare_into(self, data_dir: Path) -> None:
+        """Rank 0: prepare ``--data`` into ``data_dir``; see `_load_data`."""
+        from gptkiln.data.prepare import load_prepared, prepare
+
+        cfg = self.cfg
+        staged = self.ctx.resume and data_dir.exists()
+        target = self.run_dir / ".data-next" if staged else data_dir
+        if staged:
+            shutil.rmtree(target, ignore_errors=True)  # an attempt that stopped halfway
+        made = not self.run_dir.exists()
+        try:
+            prepare(cfg.data, target, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction,
+                    text_field=cfg.text_field, progress=cfg.progress)  # fmt: skip
+            if staged:
+                self._check_same_tokenizer(load_prepared(target).tokenizer)
+        except BaseException:
+            if staged:
+                shutil.rmtree(target, ignore_errors=True)
+            if made and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
+                self.run_dir.rmdir()  # a run directory this attempt made, and left empty
+            raise
+        if staged:  # the new data checked: it replaces the old
+            shutil.rmtree(data_dir)
+            os.replace(target, data_dir)
 
     def _resumed(self) -> GPTConfig | None:
         """The model config the checkpoint being resumed saved (None for a new run, or where
@@ -185,7 +210,7 @@ class LanguageModeling:
         except GptkilnError:
             return None
 
-    def _check_same_tokenizer(self) -> None:
+    def _check_same_tokenizer(self, tokenizer) -> None:
         """A resumed run reads its data with the tokenizer it was trained with (the same kind
         and size are not enough: two char alphabets or two trained BPEs differ in their ids)."""
         from gptkiln.tokenizers import META_FILE, load_tokenizer
@@ -193,11 +218,11 @@ class LanguageModeling:
         if not (self.run_dir / META_FILE).is_file():
             return
         saved = load_tokenizer(self.run_dir)
-        if saved.fingerprint() != self.tokenizer.fingerprint():
+        if saved.fingerprint() != tokenizer.fingerprint():
             raise GptkilnError(
                 f"{self.run_dir} was trained with another {saved.kind!r} tokenizer than the one "
-                f"of --data {self.cfg.data or 'shakespeare'} ({self.tokenizer.kind!r}, "
-                f"{self.tokenizer.vocab_size:,} ids): its ids would mean other text. Resume with "
+                f"of --data {self.cfg.data or 'shakespeare'} ({tokenizer.kind!r}, "
+                f"{tokenizer.vocab_size:,} ids): its ids would mean other text. Resume with "
                 "the data the run was trained on, prepare new text with the run's tokenizer "
                 "(gptkiln prepare TEXT --tokenizer RUN_DIR --out DIR), or start a new run with "
                 "--overwrite"
