@@ -240,6 +240,19 @@ def test_a_mixture_builds_char_and_bpe_tokenizers_from_the_mixed_text(tmp_path, 
     assert meta["train_tokens"] + meta["val_tokens"] == len(data.train) + len(data.val)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_a_char_mixture_knows_the_characters_of_documents_the_draw_never_takes(tmp_path, seed):
+    """Each member's next documents are encoded ahead of the draw: a character only in a
+    document never drawn (here the last of b) must still be in the alphabet."""
+    (tmp_path / "a.jsonl").write_text('{"text": "aaaa bbbb cccc"}\n')
+    (tmp_path / "b.jsonl").write_text(
+        '{"text": "xxxx yyyy zzzz"}\n{"text": "xxx"}\n{"text": "Q#!"}\n'
+    )
+    mix = [f"{tmp_path / 'a.jsonl'}:1", f"{tmp_path / 'b.jsonl'}:1"]
+    prepare(None, tmp_path / "out", "char", 0.3, mix=mix, seed=seed, progress=False)
+    assert load_prepared(tmp_path / "out").tokenizer.vocab_size > 0
+
+
 def test_a_yaml_mixture_is_a_source_whose_checksums_follow_its_files(tmp_path, sources):
     root, _ = sources
     yaml_path = root / "mix.yaml"

@@ -34,6 +34,7 @@ from gptkiln.data.mixture import (
     Mixture,
     check_source,
     load_mixture,
+    member_pieces,
     mixed_text,
     source_checksums,
     write_mixture,
@@ -320,6 +321,10 @@ class _Run:
             return mixed_text(self.mixture, self.seed, self.piece_chars)
         return (text for _, text in self.pieces())
 
+    def _every_members_text(self) -> Iterator[tuple[bool, str]]:
+        for pieces in member_pieces(self.mixture, self.piece_chars):
+            yield from ((True, text) for _, text in pieces)
+
     def tokenizer(self, spec, progress: bool) -> Tokenizer:
         """Survey what needs surveying (a single source's characters, for its split; a char
         alphabet), then build or load the tokenizer; refuse one that cannot join documents."""
@@ -331,7 +336,9 @@ class _Run:
             counted = _surveyed(self.pieces(), self.survey, want_charset=False, progress=progress)
             texts = lambda: counted  # noqa: E731
         elif self.mixture is None or want_charset:
-            pieces = self.pieces() if self.mixture is None else ((True, t) for t in self.texts())
+            # a mixture's alphabet: every member read whole, not only what the draw takes, since
+            # each member's next documents are encoded ahead of the draw (`write_mixture`)
+            pieces = self.pieces() if self.mixture is None else self._every_members_text()
             self.survey = _survey(pieces, want_charset=want_charset, progress=progress)
         tok = _make_tokenizer(spec, texts, self.survey)
         if self.mixture is None and kind == "bpe":
