@@ -666,3 +666,23 @@ def test_a_full_disk_while_preparing_is_one_line_and_leaves_no_folder(tmp_path, 
     with pytest.raises(GptkilnError, match="no space left on the device writing .*out"):
         preparing.prepare(text, tmp_path / "out", "char", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_prepare_refuses_an_out_inside_its_folder_and_clears_a_killed_prepares_staging(
+    tmp_path,
+):
+    from gptkiln.data.prepare import prepare
+    from gptkiln.errors import GptkilnError
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("to be or not to be\n" * 40)
+    for out in (texts, texts / "data"):
+        with pytest.raises(GptkilnError, match="inside the folder it reads"):
+            prepare(texts, out, "char", progress=False)
+    assert sorted(p.name for p in texts.iterdir()) == ["a.txt"]
+    out = tmp_path / "out"
+    (out / ".prepare-killed").mkdir(parents=True)  # what a prepare killed halfway leaves
+    (out / ".prepare-killed" / "train.bin").write_bytes(b"\0" * 64)
+    prepare(texts, out, "char", progress=False)
+    assert not list(out.glob(".prepare-*"))

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> None:
 
     if args.source is None and not args.mix:
         raise GptkilnError(
-            "gptkiln prepare: give a SOURCE to prepare (a file, a folder, hf:NAME, a .yaml "
+            "give a SOURCE to prepare (a file, a folder, hf:NAME, a .yaml "
             "mixture or shakespeare), or several with --mix SOURCE:WEIGHT ..."
         )
     meta = prepare(

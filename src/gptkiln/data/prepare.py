@@ -199,10 +199,21 @@ def _append(encoded, eot_id, dtype, files, counts, chars, bar) -> None:
 _MODEL_FILES = ("model.safetensors", "trainer_state.pt", "trainer_state.prev.pt")
 
 
-def _check_out_dir(out_dir: Path) -> None:
-    """Prepared data replaces earlier prepared data, never a model or a file."""
+def _check_out_dir(out_dir: Path, source=None) -> None:
+    """Prepared data replaces earlier prepared data, never a model, a file, or the folder of
+    the text it is prepared from."""
     if out_dir.exists() and not out_dir.is_dir():
         raise GptkilnError(f"--out {out_dir} is a file; give the path of a directory to write")
+    folder = Path(source) if isinstance(source, (str, os.PathLike)) else None
+    if folder is not None and folder.is_dir():
+        inside = (
+            out_dir.resolve() == folder.resolve() or folder.resolve() in out_dir.resolve().parents
+        )
+        if inside:
+            raise GptkilnError(
+                f"--out {out_dir} is inside the folder it reads ({folder}): its files would be "
+                "read as text next time; prepare into a folder outside it"
+            )
     model_files = [n for n in _MODEL_FILES if (out_dir / n).exists()]
     if model_files:
         raise GptkilnError(
@@ -261,13 +272,15 @@ def prepare(
         mixture.check()
     else:
         check_source(source, text_field=text_field)
-    _check_out_dir(Path(out_dir))
+    _check_out_dir(Path(out_dir), source)
     _kind_to_build(tokenizer)  # an unknown tokenizer name fails before any reading
     run = _Run(source, mixture, text_field, seed, min(PIECE_CHARS, batch_chars))
     tok = run.tokenizer(tokenizer, progress)
     out_dir = Path(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(".prepare-*"):  # of a prepare killed halfway (SIGTERM, SIGKILL)
+        shutil.rmtree(stale, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
     try:
         spec = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None
