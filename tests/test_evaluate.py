@@ -706,6 +706,9 @@ def test_the_harness_default_cuda_device_falls_back_to_the_cpu_here(setup, capsy
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: cuda:0 is taken as it is")
-    lm = GptkilnLM(str(setup["root"] / "run"), device="cuda:0", batch_size=3)
+    run = setup["root"] / "run"
+    lm = GptkilnLM.create_from_arg_string(f"run={run}", {"device": "cuda:0", "batch_size": 3})
     assert next(lm.model.parameters()).device.type == "cpu"
     assert "--device cuda:0: no CUDA here" in capsys.readouterr().err
+    with pytest.raises(GptkilnError, match="CUDA is not available"):  # from Python: refused
+        GptkilnLM(str(run), device="cuda:0", batch_size=3)

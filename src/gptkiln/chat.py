@@ -68,13 +68,13 @@ class Chat:
             length = len(encode_prompt(self.tokenizer, text, templated=self.templated))
             if length <= room:
                 return text
-            if not turns:  # the message alone: the model sees its last tokens, as generate's
-                self.on_notice(
-                    f"your message in its template is {length} tokens, more than the {room} the "
-                    f"context ({self.model.config.context_length}) leaves beside "
-                    f"--max-new-tokens {self.cfg.max_new_tokens}: the model sees only its last "
-                    f"{room}; shorten it or lower --max-new-tokens"
-                )
+            if not turns:  # the message alone: past the context, its start is cut
+                context = self.model.config.context_length
+                if length > context:
+                    self.on_notice(
+                        f"your message in its template is {length} tokens, past the model's "
+                        f"context of {context}: the model sees only its last {context}"
+                    )
                 return text
             turns.pop(0)
 
@@ -129,6 +129,8 @@ def run_chat(
         except KeyboardInterrupt:
             stdout.write(f"\n({COMMANDS})\n")
             continue
+        except UnicodeDecodeError:  # a strict stdin (a UTF-8 locale) refuses the bytes itself
+            line = "\udcff"  # refused below as any bytes that are not UTF-8
         if not interactive and not line:  # end of input
             break
         message = line.strip()

@@ -282,9 +282,10 @@ def member_pieces(mixture: Mixture, piece_chars: int) -> list[Iterator[tuple[boo
 
 
 def mixed_text(mixture: Mixture, seed: int, piece_chars: int) -> Iterator[str]:
-    """The mixture's text drawn by *characters* (the pieces, in order): what a ``char`` or
-    ``bpe`` tokenizer is built from, before there are tokens to count. For ``char`` (one token
-    a character) it is exactly the text :func:`write_mixture` writes."""
+    """The mixture's text drawn by *characters* (the pieces, in order): what a ``bpe``
+    tokenizer is built from, before there are tokens to count. (A ``char`` one takes every
+    member's characters: `write_mixture` encodes each member's next documents ahead of the
+    draw.)"""
     streams = [
         ((s, t, len(t)) for s, t in pieces) for pieces in member_pieces(mixture, piece_chars)
     ]

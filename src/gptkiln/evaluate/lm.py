@@ -90,7 +90,7 @@ class GptkilnLM(TemplateLM):
 
         model, tokenizer, _ = load_run(
             run,
-            device=resolve_device(_available(device)),
+            device=resolve_device(str(device or "cpu")),
             dtype=_dtype(dtype),
             quantize=quantize,
         )
@@ -103,7 +103,10 @@ class GptkilnLM(TemplateLM):
         an evaluation's own, so on the CPU freed memory is kept for reuse
         (`gptkiln.allocator.keep_freed_memory`, as ``gptkiln evaluate`` does): every batch's
         logits would otherwise be mapped and zero-filled again, page by page."""
-        lm = super().create_from_arg_string(arg_string, additional_config)
+        config = dict(additional_config or {})
+        if "device" in config:  # the harness's --device, cuda:0 unless given
+            config["device"] = _available(config["device"])
+        lm = super().create_from_arg_string(arg_string, config)
         if lm.device.type == "cpu":
             from gptkiln.allocator import keep_freed_memory
 
@@ -366,8 +369,9 @@ def _dtype(name: str | None) -> torch.dtype | None:
 
 
 def _available(device: str | None) -> str:
-    """The device to load on: ``device``, but the CPU where it names CUDA and none is here, as
-    the harness's own ``hf`` model does (its ``--device`` defaults to ``cuda:0``), saying so."""
+    """The device the harness's command line asks for: ``device``, but the CPU where it names
+    CUDA and none is here, as the harness's own ``hf`` model does (its ``--device`` defaults to
+    ``cuda:0``), saying so. (Called from Python, the model refuses such a device.)"""
     device = str(device or "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         print(f"note: --device {device}: no CUDA here, so the model runs on the CPU",
