@@ -183,8 +183,6 @@ def start_mode(
 ) -> tuple[bool, bool, bool]:
     """(resume, overwrite, restarted) for this attempt of the run, the same on every rank, or
     an error. ``restarted``: torchrun restarted the workers after a failure."""
-    from gptkiln import checkpoint
-
     # Any rank: restart counts are per machine, and an agent whose workers were healthy
     # restarts them without counting it.
     restarted = dist_utils.any_rank(dist_utils.restart_count() > 0, world)
@@ -207,9 +205,7 @@ def resume_after_restart(
     continues from the checkpoint the failed attempt left in ``run_dir``, whatever the command
     line said (it is the same command); before any checkpoint, it starts as the command says.
     """
-    from gptkiln.checkpoint import TRAINER_STATE_FILE
-
-    if restarted and (run_dir / TRAINER_STATE_FILE).is_file():
+    if restarted and (run_dir / checkpoint.TRAINER_STATE_FILE).is_file():
         return True, False
     return resume, overwrite
 
