@@ -137,6 +137,20 @@ def test_stop_strings_n_seeds_echo_and_logprobs(client, run_dir):
     )
 
 
+def test_streamed_text_offsets_are_the_whole_answers(client):
+    """The emoji is two GPT-2 tokens, each decoding to a replacement character: the offsets of a
+    stream count each token's own text, as the whole answer does, not the text a chunk carries."""
+    ask = dict(model=NAME, prompt="Smile \U0001f600", max_tokens=6, temperature=0, echo=True)
+    whole = client.completions.create(**ask, logprobs=0).choices[0].logprobs
+    offsets, tokens = [], []
+    for chunk in client.completions.create(**ask, logprobs=0, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            offsets += chunk.choices[0].logprobs.text_offset
+            tokens += chunk.choices[0].logprobs.tokens
+    assert tokens == whole.tokens and len(tokens) > 6
+    assert offsets == whole.text_offset
+
+
 def test_a_prompt_of_token_ids_and_an_empty_prompt(client, url, run_dir):
     tokenizer = load_tokenizer("gpt2")
     ids = tokenizer.encode("Hello, I am")

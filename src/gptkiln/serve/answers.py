@@ -70,7 +70,7 @@ class Answer:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_name = model_name
-        self.offsets: dict[int, int] = {}  # a streamed choice's text so far, for logprobs
+        self.offsets: dict[int, int] = {}  # a streamed choice's text_offset so far
 
     def _completion(self, choices: list[Choice], usage: Usage | None = None) -> dict[str, Any]:
         return Completion(
@@ -204,10 +204,11 @@ class Answer:
         self.offsets = {s.index: 0 for s in seqs}
         if self.req.echo:
             for seq in seqs:
-                text, _ = self._prompt_of(seq.index)
-                self.offsets[seq.index] = len(text)
+                text, prompt = self._prompt_of(seq.index)
                 if self.req.logprobs is None:
                     yield self._chunk(Choice(text=text, index=seq.index))
+                else:
+                    self.offsets[seq.index] = sum(len(self.tokenizer.decode([t])) for t in prompt)
 
     def _chunks(self, event: PromptLogprobs | Token | Done) -> Iterator[str]:
         """A chunk a token (its text may be "" while held back), a last one per choice with
@@ -220,7 +221,9 @@ class Answer:
             lp = None
             if event.logprobs is not None:
                 lp = self._logprobs([event.id], [event.logprobs], self.offsets[event.index])
-            self.offsets[event.index] += len(event.text)
+                # counted as the whole answer counts them (each token's own text), not by the
+                # text this chunk carries, which a held-back stop string or split character moves
+                self.offsets[event.index] += len(self.tokenizer.decode([event.id]))
             yield self._chunk(Choice(text=event.text, index=event.index, logprobs=lp))
         elif isinstance(event, Done):
             yield self._chunk(
