@@ -655,8 +655,8 @@ def test_run_directory_config_records_model_train_and_tokenizer(run_dir):
 def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
     play_path, tmp_path, capsys
 ):
-    """Prepared data fixed its tokenizer and split: a --tokenizer or --val-fraction flag that
-    disagrees would be silently ignored, so it is one line and exit 2 (naming both when both
+    """Prepared data fixed its tokenizer, split and text field: a --tokenizer, --val-fraction or
+    --text-field flag that disagrees would be silently ignored, so it is one line and exit 2 (naming both when both
     disagree), and no run directory is made; a recipe's disagreeing setting is a note; settings
     that agree (or none) train."""
     from gptkiln.data.prepare import prepare
@@ -672,6 +672,7 @@ def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
         (["--data", char, "--tokenizer", "gpt2"], ["--tokenizer gpt2:", "the char tokenizer"]),
         (["--data", char, "--val-fraction", "0.2"], ["val_fraction 0.1", "drop --val-fraction"]),
         (["--data", bpe, "--tokenizer", "bpe:400"], ["a BPE tokenizer of 300 ids"]),
+        (["--data", char, "--text-field", "body"], ["the field 'text'", "drop --text-field"]),
         (
             ["--data", char, "--tokenizer", "bpe", "--val-fraction", "0.3"],
             [
@@ -686,7 +687,7 @@ def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
         assert not run.exists()
     agreeing = [
         ["--data", char],
-        ["--data", char, "--tokenizer", "char", "--val-fraction", "0.1"],
+        ["--data", char, "--tokenizer", "char", "--val-fraction", "0.1", "--text-field", "text"],
         ["--data", bpe, "--tokenizer", "bpe:300", "--val-fraction", "0.2"],
         ["--data", bpe, "--tokenizer", "bpe"],
         ["--data", big, "--tokenizer", "bpe:8000"],  # as prepared, though it holds fewer ids

@@ -137,11 +137,11 @@ def _chosen_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str
 
 
 def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: str | None):
-    """Prepared data has its tokenizer and its split already, and training keeps them. A
-    ``--tokenizer`` or ``--val-fraction`` flag that contradicts them would be ignored, so it is
-    refused; a recipe's (made for preparing raw text) gets a note on stderr. ``bpe`` alone
-    agrees with a BPE of any size; ``bpe:N`` with one prepared as ``bpe:N`` (a small corpus can
-    give fewer ids than N) or of N ids."""
+    """Prepared data has its tokenizer, its split and the field its text came from already, and
+    training keeps them. A ``--tokenizer``, ``--val-fraction`` or ``--text-field`` flag that
+    contradicts them would be ignored, so it is refused; a recipe's (made for preparing raw
+    text) gets a note on stderr. ``bpe`` alone agrees with a BPE of any size; ``bpe:N`` with one
+    prepared as ``bpe:N`` (a small corpus can give fewer ids than N) or of N ids."""
     import math
     import shlex
 
@@ -158,6 +158,9 @@ def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: 
         if not math.isclose(cfg.val_fraction, fraction, rel_tol=1e-9):
             has = f"split with val_fraction {fraction}"
             clashes.append(("val_fraction", str(cfg.val_fraction), has))
+    field = meta.get("text_field", "text")  # prepare records it when not "text"
+    if "text_field" in given and cfg.text_field != field:
+        clashes.append(("text_field", cfg.text_field, f"read from the field {field!r}"))
     flags = [c for c in clashes if given[c[0]] == "flag"]
     for name, asked, has in clashes:
         if given[name] == "recipe" and not flags and os.environ.get("RANK", "0") == "0":
