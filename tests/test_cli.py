@@ -656,9 +656,9 @@ def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
     play_path, tmp_path, capsys
 ):
     """Prepared data fixed its tokenizer, split and text field: a --tokenizer, --val-fraction or
-    --text-field flag that disagrees would be silently ignored, so it is one line and exit 2 (naming both when both
-    disagree), and no run directory is made; a recipe's disagreeing setting is a note; settings
-    that agree (or none) train."""
+    --text-field flag that disagrees would be silently ignored, so it is one line and exit 2
+    (naming both when both disagree), and no run directory is made; a recipe's disagreeing
+    setting is a note; settings that agree (or none) train."""
     from gptkiln.data.prepare import prepare
 
     char, bpe, big = tmp_path / "char", tmp_path / "bpe", tmp_path / "bpe-8000"
