@@ -118,6 +118,7 @@ def test_bad_sources_through_prepare(tmp_path, capsys):
         (["--max-time", "3min"], "--max-time"),
         (["--tokenizer", "morse"], "morse"),
         (["--tokenizer", "bpe:2147483648"], "bpe:2147483648"),
+        (["--tokenizer", "/"], "gptkiln prepare TEXT --tokenizer / --out DATA"),  # a folder's
         (["--data", ""], "empty name"),
         (["--config", "no-such-recipe"], "no-such-recipe"),
         (["--nproc", "0"], "nproc"),

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from gptkiln.config.checks import _check_seed, _check_types, _from_dict, _positive_int
@@ -391,11 +392,18 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check_types(self, "training config")
         # Names first: a wrong preset or tokenizer must fail before any data is prepared.
-        from gptkiln.tokenizers import parse_tokenizer_spec
+        from gptkiln.tokenizers import TOKENIZER_KINDS, parse_tokenizer_spec
 
         if self.model not in PRESETS:
             raise GptkilnError(
                 f"unknown model preset {self.model!r}; choose one of: {', '.join(PRESETS)}"
+            )
+        if self.tokenizer not in TOKENIZER_KINDS and Path(self.tokenizer).is_dir():
+            raise GptkilnError(
+                f"--tokenizer {self.tokenizer}: training takes a tokenizer by name (gpt2, char, "
+                "bpe:N); to train with the one saved in that folder, prepare the text with it "
+                f"first: gptkiln prepare TEXT --tokenizer {self.tokenizer} --out DATA, then "
+                "gptkiln train --data DATA"
             )
         parse_tokenizer_spec(self.tokenizer)
         positive = ["batch_size", "grad_accum", "eval_interval", "eval_batches"]
