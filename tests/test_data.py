@@ -2,8 +2,11 @@
 
 import hashlib
 import json
+import os
 import pickle
 import re
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -682,7 +685,33 @@ def test_prepare_refuses_an_out_inside_its_folder_and_clears_a_killed_prepares_s
             prepare(texts, out, "char", progress=False)
     assert sorted(p.name for p in texts.iterdir()) == ["a.txt"]
     out = tmp_path / "out"
-    (out / ".prepare-killed").mkdir(parents=True)  # what a prepare killed halfway leaves
-    (out / ".prepare-killed" / "train.bin").write_bytes(b"\0" * 64)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name in (".prepare-killed", f".prepare-{dead.pid}-x1"):  # what killed prepares leave
+        (out / name).mkdir(parents=True)
+        (out / name / "train.bin").write_bytes(b"\0" * 64)
+    running = out / f".prepare-{os.getppid()}-x2"  # another prepare's, still going
+    running.mkdir()
     prepare(texts, out, "char", progress=False)
-    assert not list(out.glob(".prepare-*"))
+    assert list(out.glob(".prepare-*")) == [running]
+
+
+def test_a_failed_prepare_leaves_no_folder_it_made(tmp_path, monkeypatch):
+    import importlib
+
+    preparing = importlib.import_module("gptkiln.data.prepare")  # the module, not its function
+
+    text = tmp_path / "a.txt"
+    text.write_text("to be or not to be\n" * 40)
+    (tmp_path / "kept").mkdir()
+
+    def fails(*args, **kwargs):
+        raise ValueError("halfway")
+
+    monkeypatch.setattr(preparing, "_write_dataset", fails)
+    with pytest.raises(ValueError, match="halfway"):
+        preparing.prepare(
+            text, tmp_path / "kept" / "new" / "deeper" / "out", "char", progress=False
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "kept"]
+    assert not any((tmp_path / "kept").iterdir())

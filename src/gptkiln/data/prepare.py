@@ -64,6 +64,7 @@ BATCH_CHARS = 8 << 20
 """Characters encoded per batch (8 Mi): enough pieces to keep every core busy, while the ids of
 one batch (a few tens of MB as Python ints) bound the memory."""
 FILES = ("meta.json", "train.bin", "val.bin")
+STAGING_PREFIX = ".prepare-"  # then the preparing process's id: a hidden folder in --out
 _SPLITS = ("train", "val")
 
 
@@ -277,11 +278,10 @@ def prepare(
     run = _Run(source, mixture, text_field, seed, min(PIECE_CHARS, batch_chars))
     tok = run.tokenizer(tokenizer, progress)
     out_dir = Path(out_dir)
-    created = not out_dir.exists()
+    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # the folders made here
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob(".prepare-*"):  # of a prepare killed halfway (SIGTERM, SIGKILL)
-        shutil.rmtree(stale, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
+    _clear_stale_staging(out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out_dir))
     try:
         spec = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None
         meta = _write_dataset(staging, run, tok, spec, val_fraction, batch_chars, progress, threads)
@@ -289,8 +289,10 @@ def prepare(
     except BaseException as e:
         full = out_of_space(e, staging)  # asked before the partial files go
         shutil.rmtree(staging, ignore_errors=True)
-        if created and not any(out_dir.iterdir()):
-            out_dir.rmdir()
+        for folder in made:  # innermost first; a folder something else wrote into stays
+            if any(folder.iterdir()):
+                break
+            folder.rmdir()
         if full:
             raise GptkilnError(
                 f"no space left on the device writing {out_dir}; nothing was kept there: free "
@@ -299,6 +301,29 @@ def prepare(
         raise
     shutil.rmtree(staging, ignore_errors=True)
     return meta
+
+
+def _clear_stale_staging(out_dir: Path) -> None:
+    """Remove the staging folders that prepares killed halfway (SIGTERM, SIGKILL) left in
+    ``out_dir``; one whose prepare is still running (its process id is in the name) stays."""
+    for stale in out_dir.glob(f"{STAGING_PREFIX}*"):
+        pid = stale.name[len(STAGING_PREFIX) :].partition("-")[0]
+        if not (pid.isdigit() and _running(int(pid))):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` is alive on this machine (assumed so where that can't be asked
+    without harm: on Windows ``os.kill`` would end it)."""
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        return True
+    return True
 
 
 def _mixture_of(source, mix, text_field: str) -> Mixture | None:
