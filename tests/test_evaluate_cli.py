@@ -84,6 +84,25 @@ def test_evaluate_prints_the_table_and_writes_the_json_into_the_run(setup, capsy
         )  # the table rounds to 4 places
 
 
+def test_quiet_evaluate_shows_no_bar_of_the_harness_and_no_git_complaint(
+    setup, tmp_path, monkeypatch, capfd
+):
+    """--quiet: no bar at all, the harness's own (building requests, tokenizing pairs) too; and
+    outside a git repository, not git's "fatal" from the harness asking for the commit."""
+    from gptkiln.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["evaluate", setup["run"], "--tasks", "kiln_mc", "--include-path", setup["tasks"]]
+    args += ["--output-path", tmp_path / "scores.json"]
+    assert main([str(a) for a in args]) == 0
+    err = capfd.readouterr().err
+    assert "it/s]" in err and "fatal" not in err  # the bars, without --quiet
+    assert main([str(a) for a in [*args, "--quiet"]]) == 0
+    err = capfd.readouterr().err
+    assert "it/s]" not in err and "fatal" not in err, err
+    assert json.loads((tmp_path / "scores.json").read_text())["git_hash"] is None
+
+
 def test_output_path_log_samples_limit_num_fewshot_seed_and_batch_size_reach_the_harness(
     setup, tmp_path, capsys, monkeypatch
 ):

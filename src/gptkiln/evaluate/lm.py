@@ -207,6 +207,10 @@ class GptkilnLM(TemplateLM):
         }
 
     # -- the three kinds of request ------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        """The harness's own (it tokenizes the pairs, with a bar of its own: off as ours is)."""
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self._progress)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """The harness's tokenized pairs: ((context, continuation) strings or None, context ids,
         continuation ids) -> (log-probability, is greedy)."""

@@ -5,10 +5,12 @@ samples written."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -156,6 +158,44 @@ def run_harness(
     )
 
 
+@contextlib.contextmanager
+def harness_output(progress: bool):
+    """The harness asks git for the working folder's commit, which prints "fatal: not a git
+    repository" outside one: here it asks with git's complaint kept. Without ``progress``, the
+    bars the harness makes with no way to turn them off (building requests; ``datasets``
+    loading a task's data) are off while it runs."""
+    harness()  # installed, or one line saying how
+    import datasets
+    import lm_eval.api.task
+    import lm_eval.evaluator
+    from tqdm import tqdm
+
+    saved = lm_eval.evaluator.get_git_commit_hash, lm_eval.api.task.tqdm
+    bars = datasets.is_progress_bar_enabled()
+    lm_eval.evaluator.get_git_commit_hash = _git_commit
+    if not progress:
+        lm_eval.api.task.tqdm = functools.partial(tqdm, disable=True)
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash, lm_eval.api.task.tqdm = saved
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _git_commit() -> str | None:
+    """The working folder's ``git describe --always``, as the harness records it; None outside
+    a repository or without git."""
+    try:
+        done = subprocess.run(
+            ["git", "describe", "--always"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
 def check_settings(num_fewshot: int | None, limit: int | float | None) -> None:
     """One line for a number of few-shot examples or a limit the harness cannot take."""
     if num_fewshot is not None and num_fewshot < 0:
@@ -269,18 +309,19 @@ def evaluate_run(
         dtype=dtype,
         progress=progress,
     )
-    manager, built = load_tasks(tasks, include_path)
-    folder, path = _output_paths(run_dir, output_path)
-    results = run_harness(
-        lm,
-        manager,
-        built,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        log_samples=log_samples,
-        seed=seed,
-        bootstrap_iters=bootstrap_iters,
-    )
+    with harness_output(progress):
+        manager, built = load_tasks(tasks, include_path)
+        folder, path = _output_paths(run_dir, output_path)
+        results = run_harness(
+            lm,
+            manager,
+            built,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            log_samples=log_samples,
+            seed=seed,
+            bootstrap_iters=bootstrap_iters,
+        )
     model_args = {"run": str(run_dir)} | ({"quantize": quantize} if quantize else {})
     model_args |= {"dtype": dtype} if dtype else {}
     results["config"].update(model="gptkiln", model_args=model_args, device=device)
@@ -319,21 +360,23 @@ def evaluate_model(
     Returns:
         The results and their table; ``path`` is None when nothing was written.
     """
-    manager, built = load_tasks(tasks, include_path)
+    with harness_output(progress=False):  # a trainer's own bar is showing
+        manager, built = load_tasks(tasks, include_path)
     lm = GptkilnLM.from_model(
         model, tokenizer, batch_size=batch_size, source=source, progress=False
     )
     folder, path = (None, None) if output_path is None else _output_paths(None, output_path)
     try:
-        results = run_harness(
-            lm,
-            manager,
-            built,
-            num_fewshot=num_fewshot,
-            limit=limit,
-            seed=seed,
-            bootstrap_iters=bootstrap_iters,
-        )
+        with harness_output(progress=False):
+            results = run_harness(
+                lm,
+                manager,
+                built,
+                num_fewshot=num_fewshot,
+                limit=limit,
+                seed=seed,
+                bootstrap_iters=bootstrap_iters,
+            )
     finally:
         lm.release()  # a trainer's model goes on as it was
     results["config"].update(model="gptkiln", model_args={"source": source})
