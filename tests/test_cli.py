@@ -125,6 +125,9 @@ def test_bad_sources_through_prepare(tmp_path, capsys):
         (["--nproc", "2", "--data", "/no/such/corpus.txt"], "corpus.txt"),  # before torchrun
         (["--beta1", "-0.5"], "beta1"),
         (["--beta2", "1"], "beta2"),
+        (["--optimizer", "adamw", "--adamw-lr", "0.01"], "--adamw-lr acts only with --optimizer"),
+        (["--config", "baseline", "--muon-momentum", "0.9"], "this run has --optimizer adamw"),
+        (["--schedule", "cosine", "--cooldown", "0.3"], "drop --cooldown"),
     ],
 )
 def test_bad_train_flags(flags, needle, tmp_path, capsys, play_path):

@@ -203,8 +203,31 @@ def _tokenizer_clash(asked: str, meta: dict[str, Any]) -> str | None:
     return None if agrees else f"prepared with {made}"
 
 
+# Settings that act only under one choice of another: (setting, the choice's setting, value).
+ONLY_WITH = [
+    ("muon_momentum", "optimizer", "muon"),
+    ("adamw_lr", "optimizer", "muon"),
+    ("embedding_lr", "optimizer", "muon"),
+    ("cooldown", "schedule", "wsd"),
+]
+
+
+def check_flags_act(cfg: TrainConfig, given: dict[str, str]) -> None:
+    """A flag that would do nothing under the run's other choices (``--adamw-lr`` with
+    ``--optimizer adamw``, ``--cooldown`` with ``--schedule cosine``) is refused rather than
+    ignored. Only flags: a recipe's or a default's setting for the other choice stays quiet."""
+    for name, choice, value in ONLY_WITH:
+        if given.get(name) == "flag" and getattr(cfg, choice) != value:
+            flag, other = "--" + name.replace("_", "-"), "--" + choice
+            raise GptkilnError(
+                f"{flag} acts only with {other} {value}, and this run has {other} "
+                f"{getattr(cfg, choice)}; drop {flag}, or train with {other} {value}"
+            )
+
+
 def run(args: argparse.Namespace) -> None:
     cfg, given = _chosen_config(args)
+    check_flags_act(cfg, given)
     check_prepared_data_agrees(cfg, given, args.config)
     if args.nproc is not None:
         _check_before_launch(cfg, args)
