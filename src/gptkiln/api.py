@@ -226,16 +226,7 @@ def complete(
 
     cfg = cfg or SampleConfig()
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise GptkilnError(f"{name} must be a whole number >= 1, got {value!r}")
-    if not prompts:
-        raise GptkilnError("no prompts to complete; give at least one (an empty one is allowed)")
-    if cfg.seed is not None and cfg.seed + num_samples - 1 >= 2**63:
-        raise GptkilnError(
-            f"seed {cfg.seed} + num_samples - 1 is past 2**63 - 1, the largest seed; "
-            "give a smaller seed"
-        )
+    _check_completing(prompts, cfg, num_samples, batch_size)
     model, tokenizer, precision = _model_and_tokenizer(
         run_or_model, tokenizer, device, quantize, precision
     )
@@ -269,6 +260,20 @@ def complete(
         )
         for (i, j), stream in zip(rows, streams)
     ]
+
+
+def _check_completing(prompts: list, cfg: SampleConfig, num_samples, batch_size) -> None:
+    """`complete`'s own settings, refused in one line each before anything loads."""
+    for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GptkilnError(f"{name} must be a whole number >= 1, got {value!r}")
+    if not prompts:
+        raise GptkilnError("no prompts to complete; give at least one (an empty one is allowed)")
+    if cfg.seed is not None and cfg.seed + num_samples - 1 >= 2**63:
+        raise GptkilnError(
+            f"seed {cfg.seed} + num_samples - 1 is past 2**63 - 1, the largest seed; "
+            "give a smaller seed"
+        )
 
 
 def load_for_decoding(
