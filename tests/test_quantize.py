@@ -185,6 +185,31 @@ def test_a_quantized_model_generates_with_the_kv_cache_as_without(batch):
     assert set(tuner.chosen()) and all(key[4] == "int8" for key in tuner.chosen())
 
 
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-baby"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_run_quantizes_to_fp32_norms_and_generates(tmp_path, preset, dtype):
+    """Real checkpoints are mostly bf16: the norms and biases that stay float become fp32 with
+    the int8 products' outputs, whether quantized on load or saved quantized (as an older
+    `convert quantize` saved them, bf16) and loaded; the cache is fp32 (ln_f's dtype)."""
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(preset, vocab_size=61, context_length=32)
+    save_model(GPT(config).to(dtype).eval(), tmp_path / "half")
+    on_load = load_model(tmp_path / "half", quantize="int8")
+    older = quantize_model(load_model(tmp_path / "half"))
+    for tensor in older.parameters():  # as saved before the norms were made fp32
+        if tensor.is_floating_point() and tensor.dim() == 1 and tensor.numel() == config.n_embd:
+            tensor.data = tensor.data.to(dtype)
+    assert any(t.dtype == dtype for t in older.state_dict().values())
+    save_model(older, tmp_path / "older")
+    for model in (on_load, load_model(tmp_path / "older")):
+        floats = [t for t in model.state_dict().values() if t.is_floating_point()]
+        assert floats and all(t.dtype == torch.float32 for t in floats)
+        ids = generate(model, [1, 2, 3], max_new_tokens=6, temperature=0)
+        assert ids == generate(model, [1, 2, 3], max_new_tokens=6, temperature=0, use_cache=False)
+        with torch.no_grad():
+            assert torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all()
+
+
 def test_a_bad_quantize_value_is_refused_in_one_line():
     assert check_quantize(None) is None and check_quantize("int8") == "int8"
     for bad in ("int4", "INT8", ""):

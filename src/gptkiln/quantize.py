@@ -2,7 +2,8 @@
 
 Decoding one token reads every weight once, so at batch 1 its speed is bounded by memory
 bandwidth; int8 weights are a quarter of fp32's bytes. Only the weights are quantized: the
-activations, and so every sum, stay in the model's float dtype.
+activations, and so every sum, are fp32 (a bf16 or fp16 checkpoint's float tensors that stay,
+its norms and biases, become fp32 with it: `float32_rest`).
 
 **The scheme.** Symmetric, one scale per output channel (per row of an (out, in) weight)::
 
@@ -189,7 +190,19 @@ def quantize_model(model: GPT, method: str = "int8", *, embedding_and_head: bool
             model.lm_head = Int8Linear(model.wte.weight, model.wte.scale, None)
         else:
             model.lm_head = Int8Linear.from_float(head)
+    float32_rest(model)
     return model
+
+
+def float32_rest(model: nn.Module) -> None:
+    """The tensors of a quantized model that stay float (norms, biases, the position embedding,
+    the scales) made fp32, as its int8 products and embedding give: a bf16 or fp16 checkpoint's
+    norms would otherwise meet fp32 activations (and its KV cache take their dtype). Exact: every
+    bf16 and fp16 value is an fp32 one. On the meta device it changes dtypes only."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point() and tensor.dtype != torch.float32:
+                tensor.data = tensor.data.float()
 
 
 def int8_modules(config: GPTConfig, embedding_and_head: bool) -> list[str]:

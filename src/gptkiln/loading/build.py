@@ -19,7 +19,13 @@ import torch
 from gptkiln.config import GPTConfig
 from gptkiln.loading.checks import check_state_dict
 from gptkiln.model import GPT
-from gptkiln.quantize import check_scales, quantization_of, quantize_model, tie_quantized_head
+from gptkiln.quantize import (
+    check_scales,
+    float32_rest,
+    quantization_of,
+    quantize_model,
+    tie_quantized_head,
+)
 
 
 @dataclass
@@ -72,6 +78,7 @@ def build_model(
     if quantization is not None:
         tie_quantized_head(model)
         check_scales(model, source)
+        float32_rest(model)  # a bf16 checkpoint's norms, assigned as stored
     model.init_buffers()  # RoPE's tables, which no checkpoint stores, off the meta device
     model.to(device=device, dtype=dtype)
     return model.eval()
