@@ -136,6 +136,24 @@ def test_bad_train_flags(flags, needle, tmp_path, capsys, play_path):
     assert not (tmp_path / "r" / "model.safetensors").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="names devices this machine lacks")
+@pytest.mark.parametrize(
+    "device, needle",
+    [
+        ("mps", "cannot run on mps here"),  # torch names it; a Linux build cannot run it
+        ("xpu", "cannot run on xpu here"),
+        ("meta", "holds shapes, not values"),
+        ("cuda:1", "CUDA is not available here"),
+        ("gpu", "is not a torch device"),  # quoted: "--device 'gpu'"
+    ],
+)
+def test_a_device_this_build_cannot_run_on_is_one_line(run_dir, capsys, device, needle):
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine runs mps")
+    code, _, err = cli("generate", run_dir, "--prompt", "I", "--device", device, capsys=capsys)
+    assert_one_line_error(code, err, device, needle)
+
+
 def test_generate_streams_and_is_seeded(run_dir, capsys):
     args = ["generate", run_dir, "--prompt", "I had", "--max-new-tokens", "20", "--seed", "1"]
     code, out1, _ = cli(*args, capsys=capsys)

@@ -11,19 +11,47 @@ def resolve_device(spec: str = "auto") -> str:
     """``auto`` picks cuda, then mps, then cpu; any torch device string is used as given."""
     if spec != "auto":
         try:
-            torch.device(spec)
+            device = torch.device(spec)
         except RuntimeError as e:
             raise GptkilnError(
                 f"--device {spec!r} is not a torch device ({e}); try cpu or cuda"
             ) from None
-        if spec.startswith("cuda") and not torch.cuda.is_available():
-            raise GptkilnError(f"--device {spec}: CUDA is not available here; use --device cpu")
+        _check_usable(spec, device)
         return spec
     if torch.cuda.is_available():
         return "cuda"
     if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         return "mps"
     return "cpu"
+
+
+def _check_usable(spec: str, device: torch.device) -> None:
+    """One line for a device torch names but this machine or build cannot run on: CUDA absent
+    or a GPU index past the last; ``meta`` (shapes, no values); any other kind (mps, xpu, ...)
+    that a tensor cannot be made on. CUDA is asked without making a tensor, which would open
+    a context on the first GPU in every process of a torchrun launch."""
+    if device.type == "cpu":
+        return
+    if device.type == "meta":
+        raise GptkilnError(f"--device {spec}: holds shapes, not values; use --device cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GptkilnError(f"--device {spec}: CUDA is not available here; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise GptkilnError(
+                f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s), "
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}; give one of those"
+            )
+        return
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, NotImplementedError) as e:
+        said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        said = f" ({said})" if 0 < len(said) <= 100 else ""  # not the dispatcher's long list
+        raise GptkilnError(
+            f"--device {spec}: this torch build cannot run on {device.type} here{said}; use "
+            "--device cpu"
+        ) from None
 
 
 def cpu_bf16_features() -> list[str]:
