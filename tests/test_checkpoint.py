@@ -483,6 +483,9 @@ def test_a_written_file_has_the_umasks_mode_or_the_mode_of_the_file_it_replaces(
     def write(tmp):
         Path(tmp).write_text("x")
 
+    def safetensors_write(tmp):  # it makes its file 0600 whatever the umask
+        save_file({"x": torch.zeros(2)}, tmp)
+
     old = os.umask(0o027)
     try:
         atomic_write(tmp_path / "new.txt", write)
@@ -490,5 +493,7 @@ def test_a_written_file_has_the_umasks_mode_or_the_mode_of_the_file_it_replaces(
         (tmp_path / "new.txt").chmod(0o600)
         atomic_write(tmp_path / "new.txt", write)
         assert (tmp_path / "new.txt").stat().st_mode & 0o777 == 0o600
+        atomic_write(tmp_path / "model.safetensors", safetensors_write)
+        assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(old)

@@ -80,10 +80,12 @@ def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> Non
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _new_temporary(path)
     try:
+        mode = os.stat(tmp).st_mode & 0o777  # the umask's, for a new file
         write_fn(tmp)
-        if path.is_file():  # the mode of the file it replaces (where the filesystem allows)
-            with contextlib.suppress(OSError):
-                os.chmod(tmp, path.stat().st_mode & 0o777)
+        if path.is_file():  # the mode of the file it replaces
+            mode = path.stat().st_mode & 0o777
+        with contextlib.suppress(OSError):  # where the filesystem allows; safetensors' 0600 too
+            os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
