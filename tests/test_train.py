@@ -641,6 +641,30 @@ def test_an_overwrite_replaces_the_whole_run_and_one_that_fails_first_puts_it_ba
     assert ".replaced" not in left and "trainer_state.pt" in left
 
 
+def test_an_overwrite_on_other_text_keeps_the_old_data_until_its_first_checkpoint(
+    play_path, tmp_path
+):
+    """A new run over a run's data prepares its own text beside it: one that fails before its
+    first checkpoint, in its set-up (a sample prompt the new alphabet lacks) or while training
+    (diverging), leaves the old run's ``data/`` as it was; one that saves replaces it."""
+    run = tmp_path / "run"
+    train(tiny_config(play_path, run, max_steps=4))
+    data = {p.name: p.read_bytes() for p in (run / "data").iterdir()}
+    other = tmp_path / "other.txt"
+    other.write_text("abc abc cab bac\n" * 400)
+    for failing, said in [
+        (dict(sample_prompt="ROMEO:"), "not in"),
+        (dict(lr=1e30, warmup_steps=0, sample_prompt="cab"), "diverged"),
+    ]:
+        with pytest.raises(GptkilnError, match=said):
+            train(tiny_config(other, run, max_steps=4, **failing), overwrite=True)
+        assert {p.name: p.read_bytes() for p in (run / "data").iterdir()} == data
+        assert not (run / ".replaced-data").exists() and not (run / ".data-next").exists()
+    train(tiny_config(other, run, max_steps=4, sample_prompt="cab"), overwrite=True)
+    assert (run / "data" / "train.bin").read_bytes() != data["train.bin"]
+    assert not (run / ".replaced-data").exists()
+
+
 def test_ctrl_c_says_where_the_last_checkpoint_is(play_path, tmp_path, monkeypatch):
     """Ctrl-C while training ends with the step and the last checkpoint, as SIGTERM's line."""
     calls = {"n": 0}

@@ -368,6 +368,9 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
 
 REPLACED_DIR = ".replaced"
 """Where ``train --overwrite`` keeps the run it replaces until the new run's first checkpoint."""
+REPLACED_DATA_DIR = ".replaced-data"
+"""Where a new run that prepares other text into ``RUN/data`` keeps the data there before it,
+until its first checkpoint (the data is prepared before the run's files are set aside)."""
 
 
 def run_files(run_dir: str | os.PathLike) -> list[Path]:
@@ -409,9 +412,10 @@ def restore_replaced(run_dir: str | os.PathLike) -> bool:
     """A new run that failed before its first checkpoint: its files go and the run it replaced
     comes back in place. Whether there was one to bring back."""
     run_dir = Path(run_dir)
+    restored = restore_replaced_data(run_dir)
     aside = run_dir / REPLACED_DIR
     if not aside.is_dir():
-        return False
+        return restored
     for path in run_files(run_dir):
         _remove(path)
     for path in aside.iterdir():
@@ -420,18 +424,41 @@ def restore_replaced(run_dir: str | os.PathLike) -> bool:
     return True
 
 
+def set_aside_replaced_data(run_dir: Path, prepared: Path) -> None:
+    """A new run's text, prepared in ``prepared``, takes the place of ``RUN/data``: the data
+    there goes to ``RUN/.replaced-data`` (unless an attempt that stopped before its first
+    checkpoint put the replaced run's there already: then the data here is that attempt's)."""
+    data, aside = run_dir / "data", run_dir / REPLACED_DATA_DIR
+    if aside.exists():
+        shutil.rmtree(data)
+    else:
+        os.replace(data, aside)
+    os.replace(prepared, data)
+
+
+def restore_replaced_data(run_dir: str | os.PathLike) -> bool:
+    """The data a failed new run replaced, back in ``RUN/data``; whether there was any."""
+    data, aside = Path(run_dir) / "data", Path(run_dir) / REPLACED_DATA_DIR
+    if not aside.is_dir():
+        return False
+    shutil.rmtree(data, ignore_errors=True)
+    os.replace(aside, data)
+    return True
+
+
 def drop_replaced(run_dir: str | os.PathLike) -> None:
     """The new run saved its first checkpoint: the run it replaced is deleted (renamed first,
     so that a stop halfway never leaves part of it as ``.replaced``)."""
-    aside = Path(run_dir) / REPLACED_DIR
-    if not aside.exists():
-        return
-    going = aside.with_name(f"{REPLACED_DIR}.{os.getpid()}.deleting")
-    try:
-        os.replace(aside, going)
-    except OSError:
-        going = aside
-    shutil.rmtree(going, ignore_errors=True)
+    for name in (REPLACED_DIR, REPLACED_DATA_DIR):
+        aside = Path(run_dir) / name
+        if not aside.exists():
+            continue
+        going = aside.with_name(f"{name}.{os.getpid()}.deleting")
+        try:
+            os.replace(aside, going)
+        except OSError:
+            going = aside
+        shutil.rmtree(going, ignore_errors=True)
 
 
 def _remove(path: Path) -> None:
@@ -455,7 +482,7 @@ def check_run_dir_for_training(
         raise GptkilnError("--resume and --overwrite contradict each other; pass one of them")
     has_state = any((run_dir / f).is_file() for f in (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE))
     aside = run_dir / REPLACED_DIR
-    if aside.is_dir() and has_state:
+    if has_state and (aside.is_dir() or (run_dir / REPLACED_DATA_DIR).is_dir()):
         drop_replaced(run_dir)  # stale: the run here saved a checkpoint after it was set aside
     if aside.is_dir() and not overwrite and not has_state:
         raise GptkilnError(

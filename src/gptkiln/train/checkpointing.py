@@ -100,7 +100,8 @@ class Checkpoints:
             with self.guard.hold():  # a SIGTERM now would leave half a checkpoint
                 self.task.save(model_sd, state, train_config)
                 self.saved_step = step
-            if self.replacing:  # the new run has a checkpoint: the one it replaced goes
+            aside = (self.run_dir / checkpoint.REPLACED_DATA_DIR).exists()
+            if self.replacing or aside:  # the new run has a checkpoint: what it replaced goes
                 self.replacing = False  # first: a stop while it goes must not bring it back
                 checkpoint.drop_replaced(self.run_dir)
         dist_utils.barrier(self.world)
@@ -170,10 +171,10 @@ class Checkpoints:
         place. Whether there was one. Not while torchrun would restart the workers: the next
         attempt must start afresh as this one did, not resume the replaced run; it finds it
         still aside."""
-        if not (self.replacing and self.saved_step is None and self.world.is_main):
+        if not (self.saved_step is None and self.world.is_main) or dist_utils.restarts_left():
             return False
-        if dist_utils.restarts_left():
-            return False
+        if not self.replacing:  # a new run's data may have taken the place of a run's
+            return checkpoint.restore_replaced_data(self.run_dir)
         self.replacing = False
         return checkpoint.restore_replaced(self.run_dir)
 

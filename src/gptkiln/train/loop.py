@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from gptkiln import checkpoint
 from gptkiln import distributed as dist_utils
 from gptkiln.config import TrainConfig
 from gptkiln.devices import resolve_device
@@ -104,6 +105,8 @@ class Trainer:
             checkpoints = getattr(self, "checkpoints", None)
             if checkpoints is not None:
                 checkpoints.restore_replaced()
+            elif self.world.is_main and not dist_utils.restarts_left():
+                checkpoint.restore_replaced_data(self.run_dir)  # the data a new run replaced
             self.close()
             raise
 

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gptkiln import checkpoint
 from gptkiln import distributed as dist_utils
 from gptkiln.config import GPTConfig, TrainConfig
 from gptkiln.config.model import rounded_vocab
@@ -150,7 +151,9 @@ class LanguageModeling:
         """The run's data: a prepared folder as it is, or text prepared into ``RUN/data`` (by
         rank 0; every rank learns whether it failed, so the others stop at once, quietly). A
         resume whose data must be prepared anew prepares it beside the old (``RUN/.data-next``)
-        and keeps it only once its tokenizer is the run's: a refused resume loses nothing."""
+        and keeps it only once its tokenizer is the run's: a refused resume loses nothing. A new
+        run over a run's data prepares it there too, and the old data waits in
+        ``RUN/.replaced-data`` until the first checkpoint (`checkpoint.restore_replaced`)."""
         from gptkiln.data.prepare import is_prepared, load_prepared
 
         cfg, world = self.cfg, self.ctx.world
@@ -177,7 +180,7 @@ class LanguageModeling:
         from gptkiln.data.prepare import load_prepared, prepare
 
         cfg = self.cfg
-        staged = self.ctx.resume and data_dir.exists()
+        staged = data_dir.exists()  # a run's data: kept whole until the new is prepared
         target = self.run_dir / ".data-next" if staged else data_dir
         if staged:
             shutil.rmtree(target, ignore_errors=True)  # an attempt that stopped halfway
@@ -185,7 +188,7 @@ class LanguageModeling:
         try:
             prepare(cfg.data, target, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction,
                     text_field=cfg.text_field, progress=cfg.progress)  # fmt: skip
-            if staged:
+            if staged and self.ctx.resume:
                 self._check_same_tokenizer(load_prepared(target).tokenizer)
         except BaseException:
             if staged:
@@ -193,9 +196,11 @@ class LanguageModeling:
             if made and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
                 self.run_dir.rmdir()  # a run directory this attempt made, and left empty
             raise
-        if staged:  # the new data checked: it replaces the old
+        if staged and self.ctx.resume:  # the new data checked: it replaces the old
             shutil.rmtree(data_dir)
             os.replace(target, data_dir)
+        elif staged:  # a new run: the old data waits aside until its first checkpoint
+            checkpoint.set_aside_replaced_data(self.run_dir, target)
 
     def _resumed(self) -> GPTConfig | None:
         """The model config the checkpoint being resumed saved (None for a new run, or where
