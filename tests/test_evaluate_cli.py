@@ -103,6 +103,15 @@ def test_quiet_evaluate_shows_no_bar_of_the_harness_and_no_git_complaint(
     assert json.loads((tmp_path / "scores.json").read_text())["git_hash"] is None
 
 
+def test_an_output_path_over_a_runs_file_is_refused(setup, capsys):
+    run = setup["run"]
+    config = (run / "config.json").read_bytes()
+    code, _, err = cli("evaluate", run, "--tasks", "kiln_mc", "--include-path", setup["tasks"],
+                       "--output-path", run / "config.json", "--quiet", capsys=capsys)  # fmt: skip
+    assert_one_line_error(code, err, "--output-path", "a file of the run in")
+    assert (run / "config.json").read_bytes() == config
+
+
 def test_output_path_log_samples_limit_num_fewshot_seed_and_batch_size_reach_the_harness(
     setup, tmp_path, capsys, monkeypatch
 ):

@@ -352,6 +352,23 @@ def test_an_out_that_is_no_png_path_gets_one_line_before_the_model_runs(run_dir,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
 
 
+def test_an_out_or_json_over_a_runs_file_or_each_other_is_refused(run_dir, tmp_path, capsys):
+    """The picture and the JSON never replace a file of the run (its config.json, loss.png)
+    or each other."""
+    (run_dir / "loss.png").write_bytes(b"\x89PNG, as training plots it")
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    picture = tmp_path / "a.png"
+    for flags, needle in (
+        (["--out", run_dir / "loss.png"], "a file of the run in"),
+        (["--out", picture, "--json", run_dir / "config.json"], "--json"),
+        (["--out", picture, "--json", picture], "is --out's picture too"),
+    ):
+        code, printed, err = cli("inspect", run_dir, "--prompt", "To", *flags, capsys=capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+        assert printed == ""
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
 def test_an_empty_prompt_or_a_missing_run_gets_one_line(run_dir, tmp_path, capsys):
     code, _, err = cli("inspect", run_dir, "--prompt", "", capsys=capsys)
     assert code == 2 and "prompt is empty" in err

@@ -139,6 +139,26 @@ def test_a_placeholders_name_inside_an_entry_stays_that_text():
         judge_run("no-such-run", judge, max_new_tokens=0)  # before anything is read
 
 
+@pytest.mark.parametrize("name", ["../../config", "a/b", "", "x y"])
+def test_a_name_that_is_not_a_plain_name_is_refused_before_anything_is_read(name):
+    """--name makes judgements-NAME.json: a path in it wrote over the run's config.json."""
+    from gptkiln.errors import GptkilnError
+
+    with pytest.raises(GptkilnError, match="give a plain name"):
+        judge_run("no-such-run", Judge("http://localhost:1/v1", "m"), name=name)
+
+
+@pytest.mark.parametrize(
+    "settings, needle",
+    [(dict(timeout=float("nan")), "--timeout a number > 0"), (dict(max_tokens=0), ">= 1")],
+)
+def test_a_timeout_not_a_number_or_no_room_for_the_score_is_refused(settings, needle):
+    from gptkiln.errors import GptkilnError
+
+    with pytest.raises(GptkilnError, match=needle):
+        Judge("http://localhost:1/v1", "m", **settings)
+
+
 def test_a_busy_judge_is_retried_with_backoff(run, tmp_path):
     outputs = [e["output"] for e in instructions(40)[34:38]]
     app = fake_judge(failures={outputs[0]: 2})

@@ -385,6 +385,19 @@ def run_files(run_dir: str | os.PathLike) -> list[Path]:
     return named + sorted(run_dir.glob("judgements-*.json"))  # `judge --name NAME`
 
 
+def check_not_a_run_file(path: str | os.PathLike, flag: str) -> None:
+    """One line when writing ``path`` would replace a file of the run in its folder (weights,
+    config, trainer state, tokenizer, metrics, plot, ...): an output named after one by slip."""
+    path = Path(path)
+    if not (path.exists() and (path.parent / CONFIG_FILE).is_file()):
+        return
+    if any(path.resolve() == f.resolve() for f in run_files(path.parent)):
+        raise GptkilnError(
+            f"{flag} {path}: a file of the run in {path.parent}, which writing there would "
+            "replace; give another path"
+        )
+
+
 def set_aside_replaced(run_dir: str | os.PathLike) -> None:
     """The start of a new run over an old one (``--overwrite``): the old run's files move into
     ``RUN/.replaced``, so that none of them (a chat template, another tokenizer's, adapters)

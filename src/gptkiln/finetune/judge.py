@@ -15,6 +15,7 @@ backoff on a connection error, a timeout, a 429 or a 5xx; a judge that never ans
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -77,10 +78,15 @@ class Judge:
                 f"the judge's prompt lacks {', '.join(missing)}; write each of "
                 f"{', '.join(PLACEHOLDERS)} in it once"
             )
-        if self.concurrency < 1 or self.retries < 0 or self.timeout <= 0:
+        if self.concurrency < 1 or self.retries < 0 or not 0 < self.timeout < math.inf:
             raise GptkilnError(
-                "--concurrency must be >= 1, --retries >= 0 and --timeout > 0, got "
+                "--concurrency must be >= 1, --retries >= 0 and --timeout a number > 0, got "
                 f"{self.concurrency}, {self.retries} and {self.timeout}"
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise GptkilnError(
+                f"--judge-max-tokens must be >= 1 (the judge's answer holds the score), got "
+                f"{self.max_tokens}"
             )
 
     def question(self, input: str, output: str, response: str) -> str:
@@ -370,6 +376,11 @@ def judge_run(
     if max_new_tokens < 1:
         raise GptkilnError(
             f"--max-new-tokens must be >= 1 (the answers judged), got {max_new_tokens}"
+        )
+    if name is not None and not re.fullmatch(r"[\w.-]+", name):
+        raise GptkilnError(
+            f"--name {name!r}: the verdict goes to RUN/judgements-NAME.json, so give a plain "
+            "name (letters, digits, '.', '_', '-'), e.g. --name gpt4o"
         )
     run_dir = Path(run_dir)
     items = test_entries(run_dir, data)
