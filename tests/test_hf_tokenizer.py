@@ -182,6 +182,30 @@ def test_serving_a_run_stops_on_any_stop_id(tmp_path, monkeypatch):
     assert slot.stream.done
 
 
+def test_a_gpt2_of_a_tokenizer_of_its_own_is_read_with_that_tokenizer(tmp_path, capsys):
+    """A GPT-2 checkpoint of another vocabulary than OpenAI's (trained on a tokenizer of its
+    own) is read with its tokenizer.json, not GPT-2's BPE (whose ids it does not have); one of
+    GPT-2's size without a tokenizer.json keeps OpenAI's."""
+    folder = write_qwen3_dir(tmp_path / "hf")
+    tok = load_tokenizer(folder)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32,
+                                     vocab_size=tok.vocab_size)  # fmt: skip
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    model, loaded, _ = load_run(folder)
+    assert isinstance(loaded, HFTokenizer) and loaded.vocab_size == tok.vocab_size
+    code, out, err = cli("generate", folder, "--prompt", "Hello", "--raw",
+                         "--max-new-tokens", "3", capsys=capsys)  # fmt: skip
+    assert code == 0 and out.startswith("Hello"), err
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (folder / name).unlink()
+    code, _, err = cli("generate", folder, "--prompt", "Hello", capsys=capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "a Hugging Face model folder without its tokenizer; copy tokenizer.json" in err
+    config.vocab_size = 50257
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    assert load_run(folder)[1].kind == "gpt2"
+
+
 def test_a_run_without_its_tokenizer_json_is_one_line(tmp_path, capsys):
     tok = load_tokenizer(write_llama3_dir(tmp_path / "l"))
     model = GPT(GPTConfig.from_name("tiny", vocab_size=tok.vocab_size, context_length=64))

@@ -11,6 +11,7 @@ Writing this format is `gptkiln.interop`'s job.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -65,14 +66,33 @@ def read(
     return StoredModel(config, sd, str(hf_dir), files)
 
 
-def tokenizer_name(hf_dir: Path, cfg: dict[str, Any]) -> str:
-    """GPT-2's BPE, which every GPT-2 checkpoint uses."""
-    return "gpt2"
+def tokenizer_name(hf_dir: Path, cfg: dict[str, Any]) -> str | None:
+    """``"gpt2"``: OpenAI's BPE, which GPT-2's checkpoints and their fine-tunes use; ``"hf"``
+    for a GPT-2 trained on a tokenizer of its own (its tokenizer.json, of another size, or one
+    that does not read: loading it says why); None for a model smaller than GPT-2's
+    vocabulary with no tokenizer.json."""
+    own = hf_dir / "tokenizer.json"
+    if own.is_file():
+        return "gpt2" if _tokenizer_size(own) == GPT2_VOCAB_SIZE else "hf"
+    return "gpt2" if cfg.get("vocab_size", GPT2_VOCAB_SIZE) >= GPT2_VOCAB_SIZE else None
 
 
 def tokenizer_source(hf_dir: Path, cfg: dict[str, Any]) -> str:
-    """``"gpt2"``: `gptkiln.tokenizers.load_tokenizer`'s own GPT-2 BPE (tiktoken)."""
-    return "gpt2"
+    """``"gpt2"`` (`gptkiln.tokenizers.load_tokenizer`'s own GPT-2 BPE, tiktoken), or the
+    directory itself for a GPT-2 of a tokenizer of its own."""
+    return "gpt2" if tokenizer_name(hf_dir, cfg) == "gpt2" else str(hf_dir)
+
+
+def _tokenizer_size(path: Path) -> int | None:
+    """The ids of a tokenizer.json (its model's vocabulary and the added tokens past it); None
+    when it does not read as one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        ids = set(data["model"]["vocab"].values())
+        ids.update(token["id"] for token in data.get("added_tokens") or [])
+        return len(ids)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def config_from_hf(hf_config: Mapping[str, Any], source: str = "Hugging Face config") -> GPTConfig:

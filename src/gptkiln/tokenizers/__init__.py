@@ -120,6 +120,15 @@ def encode_prompt(tokenizer: Tokenizer, text: str, *, templated: bool = False) -
     return [tokenizer.eot_id]
 
 
+def _json_or_empty(path: Path) -> dict:
+    """A JSON object file's contents; {} when it does not read as one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     """Load ``"gpt2"``, or the tokenizer saved in a directory by :meth:`Tokenizer.save`.
 
@@ -133,6 +142,13 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     if is_hf_tokenizer_dir(directory):  # a Hugging Face model's directory, or a run keeping one
         return HFTokenizer.load(directory)
     if not meta_path.is_file():
+        if (directory / "config.json").is_file() and "model_type" in _json_or_empty(
+            directory / "config.json"
+        ):
+            raise GptkilnError(
+                f"{directory} is a Hugging Face model folder without its tokenizer; copy "
+                "tokenizer.json and tokenizer_config.json from the model's repository into it"
+            )
         what = "is not a directory" if not directory.is_dir() else f"has no {META_FILE}"
         raise GptkilnError(
             f"tokenizer {str(spec)!r}: {what}; pass 'gpt2' or a directory saved by a tokenizer "
