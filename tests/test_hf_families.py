@@ -201,6 +201,14 @@ def test_a_config_json_as_older_transformers_wrote_it_reads_the_same(tmp_path):
         torch.testing.assert_close(model(idx), hf_logits(hf, idx), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("scaling", ["llama3", ["llama3"], 8.0])
+def test_a_rope_scaling_that_is_not_an_object_is_one_line(scaling):
+    from gptkiln.errors import GptkilnError
+
+    with pytest.raises(GptkilnError, match="should be a JSON object"):
+        config_from_hf({"model_type": "llama", "rope_scaling": scaling})
+
+
 def test_a_minimal_config_json_means_transformers_defaults():
     for model_type, cls in (("llama", "LlamaConfig"), ("qwen3", "Qwen3Config")):
         theirs = getattr(transformers, cls)().to_dict()

@@ -238,8 +238,9 @@ def rope_from_hf(hf: Mapping[str, Any], source: str) -> tuple[float, dict[str, f
     A RoPE type other than `ROPE_TYPES` is refused in one line."""
     params = hf.get("rope_parameters")
     if params is None:
+        scaling = hf.get("rope_scaling") or {}
         params = {"rope_theta": hf.get("rope_theta", DEFAULT_ROPE_THETA)}
-        params.update(hf.get("rope_scaling") or {})
+        params = {**params, **scaling} if isinstance(scaling, dict) else scaling
     if not isinstance(params, dict):
         raise GptkilnError(
             f"{source}: rope_parameters / rope_scaling should be a JSON object, got {params!r}; "
