@@ -504,3 +504,14 @@ def test_a_non_loopback_host_needs_a_key(capsys):
     assert "--max-batch" in capsys.readouterr().err
     assert cli_main(["serve", "runs/none"]) == 2  # no such run: one line, before any server
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(run_dir, capsys):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert cli_main(["serve", str(run_dir), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--port {port}: cannot listen there" in err, err
+    assert "pick another --port" in err

@@ -18,8 +18,10 @@ uvicorn.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -117,37 +119,69 @@ def serve(
     from gptkiln.loading import check_language_model
     from gptkiln.serve.app import create_app
 
-    model, tokenizer, run_cfg, precision = load_for_decoding(run_dir, device, quantize, precision)
-    check_language_model(model, run_dir)  # a classifier's scores are not next tokens
-    template = run_template(run_cfg, run_dir)  # an instruction-tuned run's: it can chat
-    model.eval()
-    name = model_name or Path(run_dir).resolve().name
-    app = create_app(
-        model,
-        tokenizer,
-        model_name=name,
-        template=template,
-        max_batch=max_batch,
-        max_queue=max_queue,
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        prefix_cache_bytes=prefix_cache_mb << 20,
-    )
-    app.state.batcher.precision = precision  # read once, as the batcher prepares its model
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    print(
-        f"gptkiln serve: {run_dir} as {name!r} (context {model.config.context_length}, "
-        f"{max_batch} sequences at once); playground {url}/, API {url}/v1"
-        + _chat_notice(template)
-        + (
-            f"; {precision_notice(precision)}"
-            if device == "cpu"
-            else f"; on {device} at {precision}"
-        ),
-        file=sys.stderr,
-        flush=True,
-    )
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    with bind(host, port) as listening:  # before the model loads: a port in use is said at once
+        model, tokenizer, run_cfg, precision = load_for_decoding(
+            run_dir, device, quantize, precision
+        )
+        check_language_model(model, run_dir)  # a classifier's scores are not next tokens
+        template = run_template(run_cfg, run_dir)  # an instruction-tuned run's: it can chat
+        model.eval()
+        name = model_name or Path(run_dir).resolve().name
+        app = create_app(
+            model,
+            tokenizer,
+            model_name=name,
+            template=template,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            api_key=api_key,
+            max_body_bytes=max_body_bytes,
+            prefix_cache_bytes=prefix_cache_mb << 20,
+        )
+        app.state.batcher.precision = precision  # read once, as the batcher prepares its model
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        print(
+            f"gptkiln serve: {run_dir} as {name!r} (context {model.config.context_length}, "
+            f"{max_batch} sequences at once); playground {url}/, API {url}/v1"
+            + _chat_notice(template)
+            + (
+                f"; {precision_notice(precision)}"
+                if device == "cpu"
+                else f"; on {device} at {precision}"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+        uvicorn.Server(config).run(sockets=[listening])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` for uvicorn to listen on, or one line saying
+    why it cannot be (a name that does not resolve, a port in use or below 1024 without root,
+    an address that is not this machine's) instead of uvicorn's log lines and exit 3."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise GptkilnError(
+            f"--host {host}: not an address this machine can resolve ({e.strerror}); give an "
+            "IP address, e.g. 127.0.0.1"
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        hint = {
+            errno.EADDRINUSE: "something else listens there: stop it or pick another --port",
+            errno.EACCES: "ports below 1024 need root: pick another --port, e.g. 8000",
+            errno.EADDRNOTAVAIL: "it is not an address of this machine: give one that is",
+        }.get(e.errno, "check --host and --port")
+        raise GptkilnError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror}); {hint}"
+        ) from None
+    return sock
 
 
 def _chat_notice(template) -> str:
