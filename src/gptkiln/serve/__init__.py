@@ -119,47 +119,45 @@ def serve(
     from gptkiln.loading import check_language_model
     from gptkiln.serve.app import create_app
 
-    with bind(host, port) as listening:  # before the model loads: a port in use is said at once
-        model, tokenizer, run_cfg, precision = load_for_decoding(
-            run_dir, device, quantize, precision
-        )
-        check_language_model(model, run_dir)  # a classifier's scores are not next tokens
-        template = run_template(run_cfg, run_dir)  # an instruction-tuned run's: it can chat
-        model.eval()
-        name = model_name or Path(run_dir).resolve().name
-        app = create_app(
-            model,
-            tokenizer,
-            model_name=name,
-            template=template,
-            max_batch=max_batch,
-            max_queue=max_queue,
-            api_key=api_key,
-            max_body_bytes=max_body_bytes,
-            prefix_cache_bytes=prefix_cache_mb << 20,
-        )
-        app.state.batcher.precision = precision  # read once, as the batcher prepares its model
-        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        print(
-            f"gptkiln serve: {run_dir} as {name!r} (context {model.config.context_length}, "
-            f"{max_batch} sequences at once); playground {url}/, API {url}/v1"
-            + _chat_notice(template)
-            + (
-                f"; {precision_notice(precision)}"
-                if device == "cpu"
-                else f"; on {device} at {precision}"
-            ),
-            file=sys.stderr,
-            flush=True,
-        )
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
-        uvicorn.Server(config).run(sockets=[listening])
+    check_can_listen(host, port)  # before the model loads: a port in use is said at once
+    model, tokenizer, run_cfg, precision = load_for_decoding(run_dir, device, quantize, precision)
+    check_language_model(model, run_dir)  # a classifier's scores are not next tokens
+    template = run_template(run_cfg, run_dir)  # an instruction-tuned run's: it can chat
+    model.eval()
+    name = model_name or Path(run_dir).resolve().name
+    app = create_app(
+        model,
+        tokenizer,
+        model_name=name,
+        template=template,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        prefix_cache_bytes=prefix_cache_mb << 20,
+    )
+    app.state.batcher.precision = precision  # read once, as the batcher prepares its model
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    print(
+        f"gptkiln serve: {run_dir} as {name!r} (context {model.config.context_length}, "
+        f"{max_batch} sequences at once); playground {url}/, API {url}/v1"
+        + _chat_notice(template)
+        + (
+            f"; {precision_notice(precision)}"
+            if device == "cpu"
+            else f"; on {device} at {precision}"
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host``:``port`` for uvicorn to listen on, or one line saying
-    why it cannot be (a name that does not resolve, a port in use or below 1024 without root,
-    an address that is not this machine's) instead of uvicorn's log lines and exit 3."""
+def check_can_listen(host: str, port: int) -> None:
+    """Bind a socket to ``host``:``port`` as uvicorn will (and let it go): one line saying why
+    it cannot be (a name that does not resolve, a port in use or below 1024 without root, an
+    address that is not this machine's), before the model loads, instead of uvicorn's log
+    lines and exit 3 after it."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
@@ -181,7 +179,7 @@ def bind(host: str, port: int) -> socket.socket:
         raise GptkilnError(
             f"--host {host} --port {port}: cannot listen there ({e.strerror}); {hint}"
         ) from None
-    return sock
+    sock.close()
 
 
 def _chat_notice(template) -> str:
