@@ -653,7 +653,7 @@ def test_an_overwrite_on_other_text_keeps_the_old_data_until_its_first_checkpoin
     other = tmp_path / "other.txt"
     other.write_text("abc abc cab bac\n" * 400)
     for failing, said in [
-        (dict(sample_prompt="ROMEO:"), "not in"),
+        (dict(sample_prompt="ZEBRA"), "not in"),
         (dict(lr=1e30, warmup_steps=0, sample_prompt="cab"), "diverged"),
     ]:
         with pytest.raises(GptkilnError, match=said):
@@ -663,6 +663,23 @@ def test_an_overwrite_on_other_text_keeps_the_old_data_until_its_first_checkpoin
     train(tiny_config(other, run, max_steps=4, sample_prompt="cab"), overwrite=True)
     assert (run / "data" / "train.bin").read_bytes() != data["train.bin"]
     assert not (run / ".replaced-data").exists()
+
+
+def test_the_default_sample_prompt_gives_way_on_a_corpus_without_its_characters(tmp_path, capsys):
+    """A char run on text without "ROMEO:"'s letters samples from end-of-text (here, one
+    document: the alphabet's first character), with a note; a prompt given that the corpus
+    lacks is still refused."""
+    from gptkiln.config.run import DEFAULT_SAMPLE_PROMPT
+
+    text = tmp_path / "zh.txt"
+    text.write_text("床前明月光，疑是地上霜。\n\n举头望明月，低头思故乡。\n" * 60)
+    cfg = tiny_config(text, tmp_path / "run", max_steps=6, sample_prompt=DEFAULT_SAMPLE_PROMPT)
+    train(cfg)
+    err = capsys.readouterr().err
+    assert "lacks characters of the default --sample-prompt 'ROMEO:'" in err
+    assert "samples start from its first token" in err  # one document: no end-of-text
+    with pytest.raises(GptkilnError, match="--sample-prompt 'ROMEO!'"):
+        train(tiny_config(text, tmp_path / "run2", max_steps=6, sample_prompt="ROMEO!"))
 
 
 def test_ctrl_c_says_where_the_last_checkpoint_is(play_path, tmp_path, monkeypatch):

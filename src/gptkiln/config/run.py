@@ -80,6 +80,8 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise GptkilnError(f"top_p must be in (0, 1] (1 keeps all tokens), got {top_p}")
 
 
+DEFAULT_SAMPLE_PROMPT = "ROMEO:"
+"""The samples' prompt while training: the bundled plays' (`TrainConfig.sample_prompt`)."""
 VOCAB_MULTIPLE = 64
 """What a new run on CUDA rounds its model's vocabulary up to a multiple of (``--pad-vocab``'s
 default there; nanoGPT's 50,304 for GPT-2's 50,257): the head's matmul in whole tensor-core
@@ -321,7 +323,12 @@ class TrainConfig:
     sample_interval: int = setting(
         600, "evaluation and samples", "print a sample every N steps, and one at the end (>= 1)"
     )
-    sample_prompt: str = setting("ROMEO:", "evaluation and samples", "the samples' prompt")
+    sample_prompt: str = setting(
+        DEFAULT_SAMPLE_PROMPT,
+        "evaluation and samples",
+        "the samples' prompt (the default, where the corpus lacks its characters: the "
+        "end-of-text token)",
+    )
     sample_tokens: int = setting(60, "evaluation and samples", "tokens per sample (>= 0)")
     tensorboard: bool = setting(
         False,

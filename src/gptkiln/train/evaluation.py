@@ -126,8 +126,9 @@ def sample_text(
 ) -> str:
     """A short sample from ``prompt`` (top-k 50, temperature 0.8) for watching a run learn."""
     from gptkiln.sampling import generate
+    from gptkiln.tokenizers import encode_prompt
 
-    ids = tokenizer.encode(prompt)
+    ids = encode_prompt(tokenizer, prompt)  # an empty prompt starts from end-of-text
     cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=0.8, top_k=50, seed=seed)
     new = generate(model, ids, cfg, eot_id=tokenizer.eot_id, use_cache=use_cache)
     return prompt + tokenizer.decode(new)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,7 +21,7 @@ from gptkiln import checkpoint
 from gptkiln import distributed as dist_utils
 from gptkiln.config import GPTConfig, TrainConfig
 from gptkiln.config.model import rounded_vocab
-from gptkiln.config.run import VOCAB_MULTIPLE
+from gptkiln.config.run import DEFAULT_SAMPLE_PROMPT, VOCAB_MULTIPLE
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
 from gptkiln.train.data_order import Batches, eval_batches
@@ -275,10 +276,25 @@ class LanguageModeling:
                 )
 
     def _check_sample_prompt(self) -> None:
-        """The prompt of the samples while training: encodable, checked before step 1."""
+        """The prompt of the samples while training: encodable, checked before step 1. The
+        default prompt (the bundled plays' ``ROMEO:``) that another corpus's characters lack
+        gives way to the end-of-text token (or the tokenizer's first token), with a note."""
+        self.sample_prompt = self.cfg.sample_prompt
         try:
             ids = self.tokenizer.encode(self.cfg.sample_prompt)
         except GptkilnError as e:
+            if self.cfg.sample_prompt == DEFAULT_SAMPLE_PROMPT:
+                eot = self.tokenizer.eot_id
+                self.sample_prompt = "" if eot is not None else self.tokenizer.decode([0])
+                if self.ctx.world.is_main:
+                    start = "the end-of-text token" if eot is not None else "its first token"
+                    print(
+                        f"note: this corpus lacks characters of the default --sample-prompt "
+                        f"{DEFAULT_SAMPLE_PROMPT!r}: samples start from {start} (give one "
+                        "with --sample-prompt)",
+                        file=sys.stderr,
+                    )
+                return
             raise GptkilnError(
                 f"--sample-prompt {self.cfg.sample_prompt!r}: {e}; pass a prompt in the "
                 "corpus's alphabet with --sample-prompt"
@@ -313,7 +329,7 @@ class LanguageModeling:
     def sample(self, model: GPT, use_cache: bool) -> str:
         cfg = self.cfg
         return sample_text(
-            model, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens, cfg.seed, use_cache
+            model, self.tokenizer, self.sample_prompt, cfg.sample_tokens, cfg.seed, use_cache
         )
 
     def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
