@@ -394,8 +394,8 @@ def test_weights_that_stop_being_finite_stop_the_run_before_a_sample_or_a_save(
 def test_a_sample_prompt_outside_the_alphabet_fails_before_training(tmp_path):
     corpus = tmp_path / "lower.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 60)
-    with pytest.raises(GptkilnError, match="--sample-prompt 'ROMEO:'.*'R'"):
-        Trainer(tiny_config(corpus, tmp_path / "run", sample_prompt="ROMEO:"))
+    with pytest.raises(GptkilnError, match="--sample-prompt 'JULIET:'.*'J'"):
+        Trainer(tiny_config(corpus, tmp_path / "run", sample_prompt="JULIET:"))
     with pytest.raises(GptkilnError, match="--sample-prompt is empty"):
         Trainer(tiny_config(corpus, tmp_path / "run", sample_prompt=""))
     assert not (tmp_path / "run" / "model.safetensors").exists()
