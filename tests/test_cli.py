@@ -154,6 +154,14 @@ def test_a_device_this_build_cannot_run_on_is_one_line(run_dir, capsys, device, 
     assert_one_line_error(code, err, device, needle)
 
 
+def test_a_misspelt_flag_is_named_by_its_command_with_the_nearest_flag(run_dir, capsys):
+    code, _, err = cli("train", "--max-stpes", "5", capsys=capsys)
+    assert_one_line_error(code, err, "gptkiln train: error: unrecognized arguments: --max-stpes 5",
+                          "did you mean --max-steps?", "see 'gptkiln train --help'")  # fmt: skip
+    code, _, err = cli("generate", run_dir, "--prompt", "I", "--tempreature=0.5", capsys=capsys)
+    assert_one_line_error(code, err, "gptkiln generate: error:", "did you mean --temperature?")
+
+
 def test_generate_streams_and_is_seeded(run_dir, capsys):
     args = ["generate", run_dir, "--prompt", "I had", "--max-new-tokens", "20", "--seed", "1"]
     code, out1, _ = cli(*args, capsys=capsys)

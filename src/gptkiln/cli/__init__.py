@@ -123,7 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add_parser in COMMANDS:
         add_parser(sub)
+    parser.commands = sub.choices  # each command's parser, which says what it does not know
     return parser
+
+
+def _unrecognized(words: list[str], command: argparse.ArgumentParser) -> str:
+    """The usage error of flags a command does not have: named by the command, with the
+    nearest flag it has for each misspelt one."""
+    import difflib
+
+    flags = [f for f in command._option_string_actions if f.startswith("--")]
+    near = []
+    for word in words:
+        flag = word.split("=", 1)[0]
+        if flag.startswith("--") and (close := difflib.get_close_matches(flag, flags, n=1)):
+            near.append(f"{flag}: did you mean {close[0]}?")
+    return "unrecognized arguments: " + " ".join(words) + "".join(f" ({n})" for n in near)
 
 
 RENAMED = {"eval": "perplexity"}
@@ -151,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         return fail(
             f"gptkiln {words[0]}: error: renamed; run 'gptkiln {RENAMED[words[0]]}' (same flags)"
         )
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the command's usage error, not the top-level parser's
+        command = parser.commands[args.command]
+        command.error(_unrecognized(extra, command))
     args.argv = words  # what `train --nproc` reruns
     device = getattr(args, "device", "auto")
     if args.command in DECODING and (device == "cpu" or (device == "auto" and not _has_gpu())):
