@@ -863,3 +863,20 @@ def test_a_tie_at_the_nucleus_edge_running_past_4096_or_top_ks_k_is_ranked_whole
         kept = logits_to_probs(row, 1.0, top_k, top_p) > 0
         assert int(kept.sum()) == head + tie
         assert torch.equal(kept, whole_sort_top_p(row, 1.0, top_k, top_p) > 0)
+
+
+@pytest.mark.parametrize(
+    "prompts, settings, needle",
+    [
+        ("ROMEO:", {}, "takes token ids, not text"),
+        ([5, 10**6], {}, "the prompt holds 1000000, not a token id of this model"),
+        ([[5], [-1]], {}, "prompt 1 holds -1"),
+        ([[5], [2.0]], {}, "prompt 1 holds 2.0"),
+        ([5], {"max_new_token": 3}, "no setting max_new_token; SampleConfig's are: max_new_tokens"),
+    ],
+)
+def test_generate_from_python_says_what_is_wrong_in_one_line(model, prompts, settings, needle):
+    """A learner's slips at generate(): text for ids, an id past the vocabulary, a misspelt
+    setting; each one GptkilnError line, not an error deep in torch."""
+    with pytest.raises(GptkilnError, match=needle):
+        generate(model, prompts, max_new_tokens=2, **settings)

@@ -12,7 +12,9 @@ the cache is set and the first token is out, as ``prepare(model, rows, steps)``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from numbers import Integral
 
 import numpy as np
 import torch
@@ -752,6 +754,30 @@ def _before_end(ids: list[int], ends: Sequence[int]) -> list[int]:
     return ids[:cut]
 
 
+def _prompt_rows(prompts, vocab_size: int) -> tuple[bool, list[list[int]]]:
+    """(whether ``prompts`` is one prompt, its rows of ids), each id checked to be one of the
+    model's: text, or an id past the vocabulary, is one line, not an error deep in torch."""
+    if isinstance(prompts, str):
+        raise GptkilnError(
+            "generate() takes token ids, not text: pass tokenizer.encode(text), or use "
+            "gptkiln.api.complete(run, text) for text in and out"
+        )
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):  # (T,) one prompt, (B, T) a batch
+        prompts = prompts.tolist()
+    single = len(prompts) > 0 and isinstance(prompts[0], Integral)
+    batch = [list(prompts)] if single else [list(p) for p in prompts]
+    for n, row in enumerate(batch):
+        bad = [t for t in row if isinstance(t, bool) or not isinstance(t, Integral)]
+        bad += [t for t in row if isinstance(t, Integral) and not 0 <= t < vocab_size]
+        if bad:
+            where = "the prompt" if single else f"prompt {n}"
+            raise GptkilnError(
+                f"{where} holds {bad[0]!r}, not a token id of this model (0 to {vocab_size - 1}); "
+                "encode prompts with the model's own tokenizer"
+            )
+    return single, batch
+
+
 def generate(
     model: GPT,
     prompts: Sequence[Sequence[int]] | Sequence[int] | torch.Tensor | np.ndarray,
@@ -777,13 +803,16 @@ def generate(
     """
     cfg = cfg or SampleConfig()
     if overrides:
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(SampleConfig)})
+        if unknown:
+            raise GptkilnError(
+                f"generate() has no setting {', '.join(unknown)}; SampleConfig's are: "
+                + ", ".join(f.name for f in dataclasses.fields(SampleConfig))
+            )
         cfg = SampleConfig(**{**cfg.__dict__, **overrides})
     if tokenizer is not None and eot_id is None:
         eot_id = stop_ids_of(tokenizer)
-    if isinstance(prompts, (torch.Tensor, np.ndarray)):  # (T,) one prompt, (B, T) a batch
-        prompts = prompts.tolist()
-    single = len(prompts) > 0 and isinstance(prompts[0], int)
-    batch = [list(prompts)] if single else [list(p) for p in prompts]
+    single, batch = _prompt_rows(prompts, model.config.vocab_size)
     if cfg.stop and tokenizer is None:
         raise GptkilnError("stop strings need the tokenizer: generate(..., tokenizer=tokenizer)")
     ends = end_ids(eot_id) if cfg.stop_at_eos else ()
