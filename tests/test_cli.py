@@ -162,6 +162,23 @@ def test_a_misspelt_flag_is_named_by_its_command_with_the_nearest_flag(run_dir, 
     assert_one_line_error(code, err, "gptkiln generate: error:", "did you mean --temperature?")
 
 
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["generate", "RUN", "--prompt", "a", "--stop", "\udcff"], "--stop"),
+        (["train", "--sample-prompt", "a\udcffb", "--out", "OUT"], "--sample-prompt"),
+        (["info", "r\udcff"], "RUN"),
+    ],
+)
+def test_an_argument_that_is_not_utf8_is_one_line_naming_it(argv, named, run_dir, tmp_path, capsys):
+    """Bytes that are not UTF-8 on the command line (kept by Python as surrogates) are refused
+    before the command runs, whichever flag holds them."""
+    argv = [{"RUN": run_dir, "OUT": tmp_path / "out"}.get(a, a) for a in argv]
+    code, _, err = cli(*argv, capsys=capsys)
+    assert_one_line_error(code, err, f"{named} is not valid UTF-8 text")
+    assert not (tmp_path / "out").exists()
+
+
 def test_generate_streams_and_is_seeded(run_dir, capsys):
     args = ["generate", run_dir, "--prompt", "I had", "--max-new-tokens", "20", "--seed", "1"]
     code, out1, _ = cli(*args, capsys=capsys)

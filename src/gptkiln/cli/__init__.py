@@ -127,6 +127,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _not_utf8(args: argparse.Namespace, command: argparse.ArgumentParser) -> str | None:
+    """The first argument whose bytes are not UTF-8 (Python keeps them as surrogates, which
+    fail wherever the text is encoded: a tokenizer, a file, a JSON body), as ``command`` names
+    it (its flag, or its metavar)."""
+    for action in command._actions:
+        value = getattr(args, action.dest, None)
+        for text in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    return (
+                        action.option_strings[-1]
+                        if action.option_strings
+                        else (action.metavar or action.dest.upper())
+                    )
+    return None
+
+
 def _unrecognized(words: list[str], command: argparse.ArgumentParser) -> str:
     """The usage error of flags a command does not have: named by the command, with the
     nearest flag it has for each misspelt one."""
@@ -171,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # the command's usage error, not the top-level parser's
         command = parser.commands[args.command]
         command.error(_unrecognized(extra, command))
+    if bad := _not_utf8(args, parser.commands[args.command]):
+        return fail(
+            f"gptkiln {args.command}: error: {bad} is not valid UTF-8 text; pass it in UTF-8"
+        )
     args.argv = words  # what `train --nproc` reruns
     device = getattr(args, "device", "auto")
     if args.command in DECODING and (device == "cpu" or (device == "auto" and not _has_gpu())):
