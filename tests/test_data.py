@@ -671,6 +671,17 @@ def test_a_full_disk_while_preparing_is_one_line_and_leaves_no_folder(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_a_mixture_seed_out_of_range_is_one_line(tmp_path):
+    from gptkiln.data.prepare import prepare
+
+    text = tmp_path / "a.txt"
+    text.write_text("to be or not to be\n" * 40)
+    for seed in (-1, 2**63):
+        with pytest.raises(GptkilnError, match="a mixture's seed is a whole number"):
+            prepare(None, tmp_path / "out", "char", mix=[f"{text}:1", f"{text}:2"], seed=seed)
+    assert not (tmp_path / "out").exists()
+
+
 def test_prepare_refuses_an_out_inside_its_folder_and_clears_a_killed_prepares_staging(
     tmp_path,
 ):

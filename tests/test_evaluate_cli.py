@@ -224,6 +224,8 @@ def test_bad_numbers_are_one_line(setup, tmp_path, capsys):
         (["--limit", "many"], "argument --limit: 'many' is not a number"),
         (["--num-fewshot", "-1"], "num_fewshot must be >= 0"),
         (["--batch-size", "0"], "batch_size must be a whole number >= 1, got 0"),
+        (["--seed", "-1"], "seed must be a whole number in [0, 2**32), got -1"),
+        (["--seed", str(2**32)], "seed must be a whole number in [0, 2**32)"),
     ]:
         code, _, err = cli("evaluate", setup["run"], "--tasks", "kiln_mc", "--include-path",
                            setup["tasks"], "--output-path", tmp_path, *flags,

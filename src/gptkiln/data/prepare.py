@@ -266,6 +266,8 @@ def prepare(
         raise GptkilnError(f"batch_chars {batch_chars!r}: must be a positive number of characters")
     if threads is not None and threads < 1:
         raise GptkilnError(f"threads {threads!r}: must be at least 1")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise GptkilnError(f"seed {seed!r}: a mixture's seed is a whole number in [0, 2**63)")
     if not isinstance(text_field, str) or not text_field:
         raise GptkilnError(f"text_field {text_field!r}: name the field that holds the text")
     mixture = _mixture_of(source, mix, text_field)

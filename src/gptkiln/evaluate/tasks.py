@@ -142,7 +142,7 @@ def run_harness(
     few-shot sampling); None keeps its defaults (0, 1234, 1234, 1234)."""
     import lm_eval
 
-    check_settings(num_fewshot, limit)
+    check_settings(num_fewshot, limit, seed)
     seeds = {} if seed is None else dict.fromkeys(
         ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seed
     )  # fmt: skip
@@ -196,8 +196,13 @@ def _git_commit() -> str | None:
     return done.stdout.strip() or None if done.returncode == 0 else None
 
 
-def check_settings(num_fewshot: int | None, limit: int | float | None) -> None:
-    """One line for a number of few-shot examples or a limit the harness cannot take."""
+def check_settings(
+    num_fewshot: int | None, limit: int | float | None, seed: int | None = None
+) -> None:
+    """One line for a number of few-shot examples, a limit or a seed the harness cannot take
+    (NumPy's seeds are below 2**32)."""
+    if seed is not None and not 0 <= seed < 2**32:
+        raise GptkilnError(f"seed must be a whole number in [0, 2**32), got {seed}")
     if num_fewshot is not None and num_fewshot < 0:
         raise GptkilnError(f"num_fewshot must be >= 0, got {num_fewshot}")
     if limit is not None and not limit > 0:
@@ -298,7 +303,7 @@ def evaluate_run(
     harness()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise GptkilnError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
-    check_settings(num_fewshot, limit)
+    check_settings(num_fewshot, limit, seed)
     # the model first: a missing run or a classifier is refused before the harness reads its
     # task index (seconds) and logs what it makes of the tasks
     lm = GptkilnLM(
