@@ -504,6 +504,8 @@ def test_a_non_loopback_host_needs_a_key(capsys):
     assert "--max-batch" in capsys.readouterr().err
     assert cli_main(["serve", "runs/none"]) == 2  # no such run: one line, before any server
     assert "does not exist" in capsys.readouterr().err
+    assert cli_main(["serve", "runs/none", "--model-name", " "]) == 2
+    assert "--model-name is empty" in capsys.readouterr().err
 
 
 def test_a_port_in_use_is_one_line_before_the_model_loads(run_dir, capsys):

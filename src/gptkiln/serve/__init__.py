@@ -119,6 +119,8 @@ def serve(
     from gptkiln.loading import check_language_model
     from gptkiln.serve.app import create_app
 
+    if model_name is not None and not model_name.strip():
+        raise GptkilnError("--model-name is empty; give the name clients pass as model")
     check_can_listen(host, port)  # before the model loads: a port in use is said at once
     model, tokenizer, run_cfg, precision = load_for_decoding(run_dir, device, quantize, precision)
     check_language_model(model, run_dir)  # a classifier's scores are not next tokens
