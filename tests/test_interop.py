@@ -323,6 +323,22 @@ def test_book_checkpoint_with_gpt2_tokenizer_prompt(tmp_path):
     assert got == expected[0, len(prompt) :].tolist()
 
 
+def test_a_book_model_with_its_head_tied_to_the_embedding_converts_tied(tmp_path):
+    """The book's weight-tying exercise (``out_head.weight = tok_emb.weight``) saves one tensor
+    under both names: the run is tied, the same logits; --n-head 0 is one line."""
+    ch04, book = book_model(seed=2)
+    book.out_head.weight = book.tok_emb.weight
+    torch.save(book.state_dict(), tmp_path / "model.pth")
+    import_book(tmp_path / "model.pth", tmp_path / "run", n_head=2)
+    model = load_model(tmp_path / "run")
+    assert model.config.tie_embeddings
+    prompt = torch.tensor([[7, 1, 64, 33]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt), book(prompt), rtol=0, atol=1e-5)
+    with pytest.raises(GptkilnError, match="--n-head 0: the attention heads"):
+        import_book(tmp_path / "model.pth", n_head=0)
+
+
 def test_book_conversion_infers_the_config_and_needs_n_head():
     _, book = book_model()
     config, sd = book_state_dict_to_gptkiln(book.state_dict(), n_head=4)

@@ -61,6 +61,18 @@ def read_book(path: str | os.PathLike, n_head: int = 12) -> StoredModel:
     return StoredModel(config, sd, str(path), [path])
 
 
+def _tied(sd: Mapping[str, torch.Tensor]) -> bool:
+    """Whether the head is the token embedding itself (one tensor, or one storage)."""
+    head, embedding = sd.get("out_head.weight"), sd["tok_emb.weight"]
+    if head is None or head.shape != embedding.shape:
+        return False
+    return head is embedding or (
+        head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
+        and head.stride() == embedding.stride()
+        and head.storage_offset() == embedding.storage_offset()
+    )
+
+
 def book_state_dict_to_gptkiln(
     sd: Mapping[str, torch.Tensor], n_head: int = 12, source: str = "book state dict"
 ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
@@ -68,9 +80,11 @@ def book_state_dict_to_gptkiln(
 
     The config is read off the shapes: vocab_size and n_embd from ``tok_emb``, context_length
     from ``pos_emb``, n_layer from the ``trf_blocks.N`` keys, qkv_bias from whether
-    ``W_query.bias`` exists; the head is untied (``out_head`` is its own matrix). The number of
-    heads leaves no trace in the shapes (heads are a reshape of the same matrices), so it is an
-    argument: 12 for the book's 124M model (GPT_CONFIG_124M), else what the model was built with.
+    ``W_query.bias`` exists; the head is untied (``out_head`` is its own matrix), or tied where
+    ``out_head.weight`` is ``tok_emb.weight`` itself (the book's weight-tying exercise). The
+    number of heads leaves no trace in the shapes (heads are a reshape of the same matrices), so
+    it is an argument: 12 for the book's 124M model (GPT_CONFIG_124M), else what the model was
+    built with.
     Dropout is 0. ``W_query``, ``W_key``, ``W_value`` are stacked, in that order, into ``c_attn``;
     the ``att.mask`` buffers are dropped.
     """
@@ -82,6 +96,8 @@ def book_state_dict_to_gptkiln(
         )
     vocab_size, n_embd = sd["tok_emb.weight"].shape
     layers = {int(m.group(1)) for k in sd if (m := _BOOK_KEY.match(k))}
+    if isinstance(n_head, bool) or not isinstance(n_head, int) or n_head < 1:
+        raise GptkilnError(f"--n-head {n_head}: the attention heads, a whole number >= 1")
     if n_embd % n_head:
         raise GptkilnError(
             f"{source}: n_embd {n_embd} is not divisible by n_head {n_head}; pass "
@@ -95,10 +111,12 @@ def book_state_dict_to_gptkiln(
         n_embd=n_embd,
         dropout=0.0,
         qkv_bias="trf_blocks.0.att.W_query.bias" in sd,
-        tie_embeddings=False,
+        tie_embeddings=_tied(sd),
     )
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
+        if key == "out_head.weight" and config.tie_embeddings:
+            continue  # the head is the embedding (the book's weight-tying exercise): kept once
         m = _BOOK_KEY.match(key)
         if key in _BOOK_TOP:
             out[_BOOK_TOP[key]] = value
