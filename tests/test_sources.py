@@ -496,3 +496,32 @@ def test_train_reads_its_text_field_and_prepares_again_when_it_changes(tmp_path,
 
     assert _prepared_matches(run / "data", tmp_path / "d.parquet", "gpt2", 0.1, "content")
     assert not _prepared_matches(run / "data", tmp_path / "d.parquet", "gpt2", 0.1, "text")
+
+
+def test_a_folder_gptkiln_wrote_is_not_read_as_text(tmp_path):
+    """Prepared data, a damaged one, or a run: their JSON and tokenizer files were read as
+    documents ("char_vocab.json line 1: no text field"); each is now named for what it is."""
+    from gptkiln.data import prepare
+    from gptkiln.errors import GptkilnError
+
+    text = tmp_path / "a.txt"
+    text.write_text("to be or not to be\n" * 40)
+    prepare(text, tmp_path / "data", "char", progress=False)
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "train.bin").write_bytes((tmp_path / "data" / "train.bin").read_bytes())
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "model.safetensors").write_bytes(b"")
+    (run / "char_vocab.json").write_text('{"chars": ["a"]}')
+    for folder, needle in (
+        (tmp_path / "data", "is prepared data, not text"),
+        (damaged, r"but no meta.json \(damaged\)"),
+        (run, "is a model's folder, not text"),
+    ):
+        with pytest.raises(GptkilnError, match=needle):
+            list(iter_documents(folder))
+        with pytest.raises(GptkilnError, match=needle):
+            prepare(folder, tmp_path / "out", "char", progress=False)
+    assert not (tmp_path / "out").exists()

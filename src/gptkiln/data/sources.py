@@ -135,6 +135,7 @@ def source_files(source: str | os.PathLike | None) -> list[Path]:
         return [] if folder is None else sorted(p for p in folder.rglob("*") if p.is_file())
     if path.is_file():
         return [path]
+    _check_not_gptkilns(path)
     files = [
         p
         for p in path.rglob("*")
@@ -271,6 +272,24 @@ def check_single_source(
             check_parquet(file, text_field)
         else:
             check_not_binary(file)
+
+
+def _check_not_gptkilns(folder: Path) -> None:
+    """A folder gptkiln wrote (prepared data, a run) is not text: its JSON and tokenizer files
+    would be read as documents. One line saying what it is and what to give instead."""
+    if (folder / "train.bin").is_file() and not (folder / "meta.json").is_file():
+        raise GptkilnError(
+            f"{folder} holds prepared data's train.bin but no meta.json (damaged), not text; "
+            "prepare the text it came from again"
+        )
+    if (folder / "meta.json").is_file() and (folder / "train.bin").is_file():
+        raise GptkilnError(
+            f"{folder} is prepared data, not text: give it as it is where prepared data is "
+            "taken (train --data, perplexity --data), or prepare the text it came from"
+        )
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        data = f" or its prepared data, {folder / 'data'}" if (folder / "data").is_dir() else ""
+        raise GptkilnError(f"{folder} is a model's folder, not text; give the text{data}")
 
 
 def iter_documents(
