@@ -179,6 +179,32 @@ def test_an_argument_that_is_not_utf8_is_one_line_naming_it(argv, named, run_dir
     assert not (tmp_path / "out").exists()
 
 
+def test_an_out_that_is_a_file_and_a_data_folder_for_a_run_are_named(play_path, tmp_path, capsys):
+    from gptkiln.data.prepare import prepare
+
+    (tmp_path / "notes.txt").write_text("mine")
+    code, _, err = cli("train", "--data", play_path, "--out", tmp_path / "notes.txt",
+                       "--model", "tiny", capsys=capsys)  # fmt: skip
+    assert_one_line_error(code, err, "notes.txt is a file; give a folder for the run")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    prepare(play_path, tmp_path / "data", "char", progress=False)
+    code, _, err = cli("info", tmp_path / "data", capsys=capsys)
+    assert_one_line_error(code, err, "is prepared data, not a run", "gptkiln train --data")
+
+
+def test_perplexity_reads_a_source_as_prepare_names_it(monkeypatch):
+    """--data hf:NAME or shakespeare reached the reader as a Path, which is neither."""
+    import gptkiln.data.sources as sources
+    from gptkiln.api import eval_tokens
+    from gptkiln.tokenizers import load_tokenizer
+
+    seen = []
+    monkeypatch.setattr(sources, "iter_documents", lambda data: seen.append(data) or ["a b"])
+    for name in ("hf:owner/name", "shakespeare"):
+        assert eval_tokens(name, load_tokenizer("gpt2")) == [64, 275]
+    assert seen == ["hf:owner/name", "shakespeare"]
+
+
 def test_generate_streams_and_is_seeded(run_dir, capsys):
     args = ["generate", run_dir, "--prompt", "I had", "--max-new-tokens", "20", "--seed", "1"]
     code, out1, _ = cli(*args, capsys=capsys)

@@ -463,9 +463,7 @@ def eval_tokens(data: str | os.PathLike, tokenizer):
     from gptkiln.data.prepare import is_prepared, load_prepared
     from gptkiln.data.sources import iter_documents
 
-    data = Path(data)
-
-    if is_prepared(data):
+    if is_prepared(data):  # else a source as prepare takes it (a path, hf:NAME, shakespeare)
         prepared = load_prepared(data)
         if prepared.tokenizer.fingerprint() != tokenizer.fingerprint():
             same_kind = prepared.tokenizer.kind == tokenizer.kind

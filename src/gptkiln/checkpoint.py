@@ -493,6 +493,8 @@ def check_run_dir_for_training(
     run_dir = Path(run_dir)
     if resume and overwrite:
         raise GptkilnError("--resume and --overwrite contradict each other; pass one of them")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise GptkilnError(f"--out {run_dir} is a file; give a folder for the run")
     has_state = any((run_dir / f).is_file() for f in (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE))
     aside = run_dir / REPLACED_DIR
     if has_state and (aside.is_dir() or (run_dir / REPLACED_DATA_DIR).is_dir()):

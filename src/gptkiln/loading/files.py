@@ -38,6 +38,11 @@ def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
             f"{run_dir} is a file, not a run directory{gguf}; give the directory that holds "
             f"{CONFIG_FILE} (made by `gptkiln train --out DIR` or `gptkiln convert`)"
         )
+    if not path.is_file() and (run_dir / "meta.json").is_file():
+        raise GptkilnError(
+            f"{run_dir} is prepared data, not a run; train a model on it with "
+            f"`gptkiln train --data {run_dir} --out RUN`"
+        )
     if not path.is_file():
         raise GptkilnError(
             f"{run_dir} is not a gptkiln run directory ({CONFIG_FILE} is missing); "
