@@ -339,6 +339,24 @@ def test_a_book_model_with_its_head_tied_to_the_embedding_converts_tied(tmp_path
         import_book(tmp_path / "model.pth", n_head=0)
 
 
+def test_a_pth_that_is_more_than_tensors_is_refused_without_torchs_unsafe_advice(tmp_path):
+    """A pickle naming code (here os.getcwd, harmless) is not run, and the message does not
+    repeat torch's advice to load it with weights_only=False."""
+    import os
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (os.getcwd, ())
+
+    torch.save({"tok_emb.weight": torch.zeros(2, 2), "x": Payload()}, tmp_path / "model.pth",
+               pickle_module=pickle)  # fmt: skip
+    with pytest.raises(GptkilnError) as caught:
+        import_book(tmp_path / "model.pth", n_head=1)
+    said = str(caught.value)
+    assert "it names objects that no state dict holds" in said and "weights_only" not in said
+
+
 def test_book_conversion_infers_the_config_and_needs_n_head():
     _, book = book_model()
     config, sd = book_state_dict_to_gptkiln(book.state_dict(), n_head=4)

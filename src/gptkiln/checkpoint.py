@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import secrets
 import shutil
 import tempfile
@@ -56,6 +55,7 @@ from gptkiln.loading import (
     run_model_config,
     safetensors_metadata,
 )
+from gptkiln.loading.files import unpickler_said
 from gptkiln.model import GPT
 from gptkiln.quantize import quantization_of
 from gptkiln.tokenizers import TOKENIZER_FILES
@@ -662,24 +662,13 @@ def matching_trainer_state(
     return None, f"{weights_name} is from step {weights_step} but {', '.join(steps)}"
 
 
-def _unpickler_said(message: str) -> str:
-    """What torch's safe unpickler found, from its "Weights only load failed" message, without
-    the advice to load the file unsafely: not a pickle at all, or one that names objects no
-    trainer state holds."""
-    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\. |\n|$)", message)
-    what = found.group(1).strip() if found else "not plain data"
-    if what.startswith("Unsupported global"):
-        return f"it names objects that no trainer state holds ({what})"
-    return f"not a trainer state: {what}"
-
-
 def _load_trainer_state(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # a truncated zip, or a pickle that is not plain data
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         if reason.startswith("Weights only load failed"):  # torch's advice is not for this file
-            reason = _unpickler_said(str(e))
+            reason = unpickler_said(str(e), "trainer state")
         raise GptkilnError(
             f"{path} is truncated or corrupt ({reason}); restore it, or drop --resume to start "
             f"a new run"

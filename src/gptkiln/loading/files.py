@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,20 @@ def _corrupt(path: Path, e: Exception) -> GptkilnError:
     return GptkilnError(f"{path} is truncated or corrupt ({reason}); restore it or re-run training")
 
 
+def unpickler_said(message: str, holder: str) -> str:
+    """What torch's safe unpickler found, from its "Weights only load failed" message, without
+    its advice to load the file unsafely (which would run any code a pickle holds): not a
+    pickle at all, or one that names objects no ``holder`` (a state dict, a trainer state)
+    holds."""
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\. |\n|$)", message) or re.search(
+        r"^(Trying to load unsupported GLOBAL \S+)", message, re.M
+    )
+    what = found.group(1).strip() if found else "not plain data"
+    if what.startswith(("Unsupported global", "Trying to load unsupported GLOBAL")):
+        return f"it names objects that no {holder} holds ({what})"
+    return f"not a {holder}: {what}"
+
+
 def load_torch_file(path: Path) -> dict[str, Any]:
     """``torch.load`` of plain data only (weights_only), memory-mapped where the format allows."""
     try:
@@ -126,6 +141,8 @@ def load_torch_file(path: Path) -> dict[str, Any]:
         raise GptkilnError(f"{path} does not exist; give the path of the checkpoint file") from None
     except Exception as e:  # truncated zip, or a pickle that is more than tensors
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "Weights only load failed" in str(e):
+            reason = unpickler_said(str(e), "state dict")
         raise GptkilnError(
             f"{path} cannot be read as a PyTorch state dict ({reason}); is it "
             f"truncated, or not a plain state dict?"
