@@ -215,6 +215,20 @@ def test_a_minimal_config_json_means_transformers_defaults():
         assert config_from_hf({"model_type": model_type}) == config_from_hf(theirs), model_type
 
 
+def test_sharded_pickles_are_named_as_what_is_not_read(tmp_path):
+    from gptkiln.errors import GptkilnError
+
+    hf = hf_model("qwen3-gqa", seed=4)
+    hf.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").unlink()  # as older transformers saved shards:
+    shard = "pytorch_model-00001-of-00001.bin"
+    torch.save(hf.state_dict(), tmp_path / "hf" / shard)
+    index = {"weight_map": dict.fromkeys(hf.state_dict(), shard)}
+    (tmp_path / "hf" / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    with pytest.raises(GptkilnError, match=r"holds pytorch_model.bin shards \(pickles\)"):
+        load_model(tmp_path / "hf")
+
+
 def test_sharded_safetensors_read_as_one_file(tmp_path):
     hf = hf_model("qwen3-gqa", seed=4)
     hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")

@@ -36,6 +36,12 @@ def hf_weights_files(hf_dir: Path) -> list[Path]:
         return _shards(hf_dir)
     if (hf_dir / HF_BIN_FILE).is_file():
         return [hf_dir / HF_BIN_FILE]
+    if (hf_dir / f"{HF_BIN_FILE}.index.json").is_file():
+        raise GptkilnError(
+            f"{hf_dir} holds {HF_BIN_FILE} shards (pickles), which gptkiln does not read; save "
+            "the model as safetensors with transformers (AutoModelForCausalLM.from_pretrained("
+            "DIR).save_pretrained(NEW_DIR)), or download the repository's safetensors files"
+        )
     raise GptkilnError(
         f"{hf_dir} has a config.json but no {WEIGHTS_FILE}, {HF_INDEX_FILE} (with its "
         f"shards) or {HF_BIN_FILE}; copy the weights files into it"
