@@ -352,6 +352,9 @@ def test_train_refuses_bad_tasks_before_preparing_the_data(play_path, tmp_path, 
     code, _, err = cli(*train_args(play_path, run, *tasks), capsys=capsys)
     assert_one_line_error(code, err, "gptkiln train: error:", "the task file does not parse")
     assert not (run / "data").exists()  # refused before the text was prepared
+    tasks = ["--eval-tasks", "broken", "--eval-tasks-include-path", tmp_path / "nope"]
+    code, _, err = cli(*train_args(play_path, run, *tasks), capsys=capsys)
+    assert_one_line_error(code, err, "--eval-tasks-include-path", "nope: not a folder")
 
 
 @pytest.mark.parametrize(

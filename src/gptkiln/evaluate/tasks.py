@@ -41,16 +41,18 @@ def task_names(tasks: str | Sequence[str]) -> list[str]:
     return names
 
 
-def check_task_files(include_path: str | os.PathLike | None, names: Sequence[str]) -> None:
+def check_task_files(
+    include_path: str | os.PathLike | None, names: Sequence[str], flag: str = "--include-path"
+) -> None:
     """One line for a task file that does not parse: every YAML file under ``include_path``
-    and every task given as a YAML file (the harness would skip such a file and then call its
-    task unknown)."""
+    (given as ``flag``) and every task given as a YAML file (the harness would skip such a file
+    and then call its task unknown)."""
     files = [Path(n) for n in names if n.endswith((".yaml", ".yml")) and Path(n).is_file()]
     if include_path is not None:
         folder = Path(include_path)
         if not folder.is_dir():
             raise GptkilnError(
-                f"--include-path {folder}: not a folder; give the folder of your task YAML files"
+                f"{flag} {folder}: not a folder; give the folder of your task YAML files"
             )
         files += sorted(p for p in folder.rglob("*") if p.suffix in (".yaml", ".yml"))
     for path in files:
@@ -82,14 +84,19 @@ def _matches(manager, name: str) -> list[str]:
     return []
 
 
-def load_tasks(tasks: str | Sequence[str], include_path: str | os.PathLike | None = None):
+def load_tasks(
+    tasks: str | Sequence[str],
+    include_path: str | os.PathLike | None = None,
+    flag: str = "--include-path",
+):
     """(the harness's task index, the tasks and groups to run) for task names, glob patterns
     (``mmlu_*``) or YAML files; tasks of one's own under ``include_path`` load without reading
     the harness's index when every name is found there. An unknown task, a file that does not
-    parse or a task that cannot be built (its dataset, its config) is one line."""
+    parse or a task that cannot be built (its dataset, its config) is one line, which names
+    ``include_path`` as ``flag``."""
     harness()
     names = task_names(tasks)
-    check_task_files(include_path, names)
+    check_task_files(include_path, names, flag)
     path = None if include_path is None else str(Path(include_path).resolve())
     manager = task_manager(path, False) if path else None
     if manager is None or not all(_matches(manager, n) or _is_file(n) for n in names):
@@ -104,7 +111,7 @@ def load_tasks(tasks: str | Sequence[str], include_path: str | os.PathLike | Non
             raise GptkilnError(
                 f"unknown task {name!r}: not among the harness's {len(manager.all_tasks):,} "
                 f"tasks{where}; {hint}list them with `lm_eval ls tasks`, or give "
-                "--include-path DIR for task YAMLs of your own"
+                f"{flag} DIR for task YAMLs of your own"
             )
         specs.extend(found or [name])
     return manager, [obj for spec in specs for obj in _build(manager, spec)]

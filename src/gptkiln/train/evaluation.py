@@ -168,7 +168,8 @@ class TaskBenchmarks:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
         limit = cfg.eval_tasks_limit
         self.limit = int(limit) if limit is not None and limit >= 1 else limit
-        load_tasks(cfg.eval_tasks, cfg.eval_tasks_include_path)  # bad tasks: before step 1
+        flag = "--eval-tasks-include-path"
+        load_tasks(cfg.eval_tasks, cfg.eval_tasks_include_path, flag)  # bad tasks: before step 1
 
     def due(self, step: int, last: bool) -> bool:
         """Whether the tasks run after optimizer step ``step`` (``last``: the final one)."""
