@@ -497,3 +497,15 @@ def test_a_written_file_has_the_umasks_mode_or_the_mode_of_the_file_it_replaces(
         assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(old)
+
+
+def test_a_folder_it_may_not_write_in_is_named_not_the_temporary_file(tmp_path, monkeypatch):
+    import gptkiln.checkpoint as checkpoint
+
+    def refused(path):
+        raise PermissionError(13, "Permission denied", str(path.with_name(".x.1234.tmp")))
+
+    monkeypatch.setattr(checkpoint, "_new_temporary", refused)
+    with pytest.raises(PermissionError) as caught:
+        checkpoint.atomic_write(tmp_path / "out.gguf", lambda tmp: None)
+    assert caught.value.filename == str(tmp_path) and ".tmp" not in str(caught.value)

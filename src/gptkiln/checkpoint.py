@@ -78,7 +78,10 @@ def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> Non
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_temporary(path)
+    try:
+        tmp = _new_temporary(path)
+    except OSError as e:  # a folder it may not write in: named, not the temporary file's name
+        raise OSError(e.errno, e.strerror, str(path.parent)) from None
     try:
         mode = os.stat(tmp).st_mode & 0o777  # the umask's, for a new file
         write_fn(tmp)
