@@ -509,3 +509,19 @@ def test_a_folder_it_may_not_write_in_is_named_not_the_temporary_file(tmp_path, 
     with pytest.raises(PermissionError) as caught:
         checkpoint.atomic_write(tmp_path / "out.gguf", lambda tmp: None)
     assert caught.value.filename == str(tmp_path) and ".tmp" not in str(caught.value)
+
+
+def test_weights_this_user_may_not_read_are_named_so_not_corrupt(tmp_path, monkeypatch):
+    import os
+
+    from gptkiln.loading.files import read_safetensors
+
+    save_file({"x": torch.zeros(2)}, tmp_path / "model.safetensors")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if mode == os.R_OK else real(p, mode))
+    monkeypatch.setattr(
+        "safetensors.torch.load_file",
+        lambda *a, **k: (_ for _ in ()).throw(OSError("No such file or directory (os error 2)")),
+    )
+    with pytest.raises(GptkilnError, match="this user may not read it"):
+        read_safetensors(tmp_path / "model.safetensors")

@@ -110,6 +110,13 @@ def read_safetensors_header(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _corrupt(path: Path, e: Exception) -> GptkilnError:
+    """Why a weights file did not read: one this user may not read (safetensors says "No such
+    file" for that), else its bytes."""
+    if path.is_file() and not os.access(path, os.R_OK):
+        return GptkilnError(
+            f"{path}: this user may not read it (permission denied); ask its owner to make it "
+            f"readable (chmod a+r {path}), or copy the run"
+        )
     reason = str(e).splitlines()[0] if str(e) else type(e).__name__
     return GptkilnError(f"{path} is truncated or corrupt ({reason}); restore it or re-run training")
 
