@@ -622,3 +622,16 @@ def test_the_journey_command_takes_help_and_refuses_a_path_that_is_no_png(tmp_pa
     assert "give a path ending in .png" in capsys.readouterr().err
     assert main([str(tmp_path)]) == 2 and "is a directory" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("layer", ["causal", "multihead"])
+def test_an_input_longer_than_the_context_is_a_sentence(layer):
+    from gptkiln.teaching import CausalAttention, MultiHeadAttention
+
+    built = {
+        "causal": lambda: CausalAttention(3, 2, 4, 0.0),
+        "multihead": lambda: MultiHeadAttention(3, 4, 4, 0.0, num_heads=2),
+    }[layer]()
+    with pytest.raises(ValueError, match="the input has 6 tokens, more than this layer's"):
+        built(torch.rand(2, 6, 3))
+    assert built(torch.rand(2, 4, 3)).shape[:2] == (2, 4)  # the context itself still fits

@@ -178,6 +178,19 @@ class SelfAttentionLinear(nn.Module):
         return context_vec
 
 
+def _fits_context(x: torch.Tensor, mask: torch.Tensor) -> int:
+    """The number of tokens in ``x`` (B, T, d_in), which the causal mask must cover: a longer
+    input is a sentence saying so, not a shape mismatch inside ``masked_fill``."""
+    num_tokens, context_length = x.shape[1], mask.shape[0]
+    if num_tokens > context_length:
+        raise ValueError(
+            f"the input has {num_tokens} tokens, more than this layer's context_length "
+            f"{context_length} (its causal mask's size); build it with a larger context_length "
+            "or pass fewer tokens"
+        )
+    return num_tokens
+
+
 class CausalAttention(nn.Module):
     """Single-head causal attention with dropout. Called CausalAttention in the book.
 
@@ -224,7 +237,7 @@ class CausalAttention(nn.Module):
             Attention weights, shape (B, T, T); zero above the diagonal, and (before dropout)
             each row sums to 1.
         """
-        num_tokens = x.shape[1]
+        num_tokens = _fits_context(x, self.mask)
         queries = self.W_query(x)  # (B, T, d_out)
         keys = self.W_key(x)  # (B, T, d_out)
         attn_scores = queries @ keys.transpose(1, 2)  # (B, T, d_out) @ (B, d_out, T) -> (B, T, T)
@@ -359,7 +372,7 @@ class MultiHeadAttention(nn.Module):
             Attention weights, shape (B, nh, T, T); zero above the diagonal, and (before
             dropout) each row sums to 1.
         """
-        num_tokens = x.shape[1]
+        num_tokens = _fits_context(x, self.mask)
         queries = self._split_heads(self.W_query(x))  # (B, nh, T, hs)
         keys = self._split_heads(self.W_key(x))  # (B, nh, T, hs)
         # One matmul for all heads: PyTorch batches over the leading (B, nh) dimensions.
