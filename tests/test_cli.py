@@ -179,6 +179,15 @@ def test_an_argument_that_is_not_utf8_is_one_line_naming_it(argv, named, run_dir
     assert not (tmp_path / "out").exists()
 
 
+def test_a_file_whose_name_is_not_utf8_is_read(tmp_path, capsys):
+    """A Latin-1 file name is a good name: only text that is not a path there is refused."""
+    latin = tmp_path / "caf\udce9.txt"  # the byte 0xE9, as Python keeps it
+    latin.write_text("to be or not to be\n" * 40)
+    code, out, err = cli("prepare", latin, "--tokenizer", "char", "--out", tmp_path / "o",
+                         capsys=capsys)  # fmt: skip
+    assert code == 0, err
+
+
 def test_an_out_that_is_a_file_and_a_data_folder_for_a_run_are_named(play_path, tmp_path, capsys):
     from gptkiln.data.prepare import prepare
 
@@ -723,6 +732,27 @@ def test_run_directory_config_records_model_train_and_tokenizer(run_dir):
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["model"]["n_layer"] == 2 and cfg["train"]["max_steps"] == 6
     assert cfg["tokenizer"] == "char"
+
+
+def test_a_prepared_mixture_of_another_field_takes_that_text_field(tmp_path, capsys):
+    """A mixture records each member's field in its own entry, not at the top: --text-field
+    as prepared is no clash."""
+    import json
+
+    from gptkiln.data.prepare import prepare
+
+    rows = "".join(
+        json.dumps({"content": f"to be or not to be, line {i}"}) + "\n" for i in range(300)
+    )
+    (tmp_path / "a.jsonl").write_text(rows)
+    (tmp_path / "b.jsonl").write_text(rows)
+    mixed = tmp_path / "mixed"
+    prepare(None, mixed, "char", mix=[f"{tmp_path / 'a.jsonl'}:1", f"{tmp_path / 'b.jsonl'}:1"],
+            text_field="content", progress=False)  # fmt: skip
+    short = ["--model", "tiny", "--context-length", "16", "--max-steps", "1", "--no-progress"]
+    short += ["--sample-prompt", "to", "--out", tmp_path / "run"]
+    code, _, err = cli("train", "--data", mixed, "--text-field", "content", *short, capsys=capsys)
+    assert code == 0, err
 
 
 def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(

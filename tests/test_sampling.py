@@ -880,3 +880,11 @@ def test_generate_from_python_says_what_is_wrong_in_one_line(model, prompts, set
     setting; each one GptkilnError line, not an error deep in torch."""
     with pytest.raises(GptkilnError, match=needle):
         generate(model, prompts, max_new_tokens=2, **settings)
+
+
+def test_a_batch_of_tensor_or_array_rows_is_the_batch_of_lists(model):
+    import numpy as np
+
+    lists = generate(model, [[1, 2, 3], [4, 5, 6]], max_new_tokens=3, temperature=0)
+    rows = [torch.tensor([1, 2, 3]), np.array([4, 5, 6])]
+    assert generate(model, rows, max_new_tokens=3, temperature=0) == lists

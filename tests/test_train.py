@@ -654,7 +654,7 @@ def test_an_overwrite_on_other_text_keeps_the_old_data_until_its_first_checkpoin
     other.write_text("abc abc cab bac\n" * 400)
     for failing, said in [
         (dict(sample_prompt="ZEBRA"), "not in"),
-        (dict(lr=1e30, warmup_steps=0, sample_prompt="cab"), "diverged"),
+        (dict(lr=1e30, warmup_steps=0, sample_prompt="cab"), "diverged.*the run it replaced"),
     ]:
         with pytest.raises(GptkilnError, match=said):
             train(tiny_config(other, run, max_steps=4, **failing), overwrite=True)
@@ -663,6 +663,22 @@ def test_an_overwrite_on_other_text_keeps_the_old_data_until_its_first_checkpoin
     train(tiny_config(other, run, max_steps=4, sample_prompt="cab"), overwrite=True)
     assert (run / "data" / "train.bin").read_bytes() != data["train.bin"]
     assert not (run / ".replaced-data").exists()
+
+
+def test_a_new_run_never_sets_aside_text_of_ones_own_in_its_data_folder(tmp_path):
+    """RUN/data that holds the text itself (a file, or the whole --data folder) is not the
+    run's prepared data: never moved aside or deleted."""
+    own = tmp_path / "proj" / "data" / "input.txt"
+    own.parent.mkdir(parents=True)
+    own.write_text("to be or not to be, that is the question\n" * 80)
+    train(tiny_config(own, tmp_path / "proj", max_steps=4, sample_prompt="to"))
+    assert own.read_text().startswith("to be") and (tmp_path / "proj" / "trainer_state.pt").exists()
+    folder = tmp_path / "proj2" / "data"
+    folder.mkdir(parents=True)
+    (folder / "a.txt").write_text(own.read_text())
+    with pytest.raises(GptkilnError, match="inside the folder it reads"):
+        train(tiny_config(folder, tmp_path / "proj2", max_steps=4, sample_prompt="to"))
+    assert (folder / "a.txt").read_text() == own.read_text()
 
 
 def test_the_default_sample_prompt_gives_way_on_a_corpus_without_its_characters(tmp_path, capsys):

@@ -503,11 +503,13 @@ def check_run_dir_for_training(
     if has_state and (aside.is_dir() or (run_dir / REPLACED_DATA_DIR).is_dir()):
         drop_replaced(run_dir)  # stale: the run here saved a checkpoint after it was set aside
     if aside.is_dir() and not overwrite and not has_state:
+        data = run_dir / REPLACED_DATA_DIR
+        data_back = f" (and {data} back as its data/)" if data.is_dir() else ""
         raise GptkilnError(
             f"{aside} holds the run an --overwrite replaced, and the run that replaced it "
             f"stopped before its first checkpoint; move the files in {aside} back into "
-            f"{run_dir} to keep it (then --resume continues it), or pass --overwrite to start "
-            "afresh"
+            f"{run_dir}{data_back} to keep it (then --resume continues it), or pass --overwrite "
+            "to start afresh"
         )
     if resume and not has_state:
         what = (

@@ -765,7 +765,8 @@ def _prompt_rows(prompts, vocab_size: int) -> tuple[bool, list[list[int]]]:
     if isinstance(prompts, (torch.Tensor, np.ndarray)):  # (T,) one prompt, (B, T) a batch
         prompts = prompts.tolist()
     single = len(prompts) > 0 and isinstance(prompts[0], Integral)
-    batch = [list(prompts)] if single else [list(p) for p in prompts]
+    rows = [prompts] if single else prompts
+    batch = [r.tolist() if isinstance(r, (torch.Tensor, np.ndarray)) else list(r) for r in rows]
     for n, row in enumerate(batch):
         bad = [t for t in row if isinstance(t, bool) or not isinstance(t, Integral)]
         bad += [t for t in row if isinstance(t, Integral) and not 0 <= t < vocab_size]

@@ -130,11 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _not_utf8(args: argparse.Namespace, command: argparse.ArgumentParser) -> str | None:
     """The first argument whose bytes are not UTF-8 (Python keeps them as surrogates, which
     fail wherever the text is encoded: a tokenizer, a file, a JSON body), as ``command`` names
-    it (its flag, or its metavar)."""
+    it (its flag, or its metavar). The name of a file or folder that is there is not text: a
+    Latin-1 file name is a good one."""
     for action in command._actions:
         value = getattr(args, action.dest, None)
         for text in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(text, str):
+            if isinstance(text, str) and not os.path.lexists(text):
                 try:
                     text.encode("utf-8")
                 except UnicodeEncodeError:

@@ -159,7 +159,8 @@ def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: 
             has = f"split with val_fraction {fraction}"
             clashes.append(("val_fraction", str(cfg.val_fraction), has))
     field = meta.get("text_field", "text")  # prepare records it when not "text"
-    if "text_field" in given and cfg.text_field != field:
+    mixed = "mix" in meta  # a mixture records each member's field, in its entry
+    if "text_field" in given and cfg.text_field != field and not mixed:
         clashes.append(("text_field", cfg.text_field, f"read from the field {field!r}"))
     flags = [c for c in clashes if given[c[0]] == "flag"]
     for name, asked, has in clashes:

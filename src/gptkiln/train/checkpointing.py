@@ -166,17 +166,18 @@ class Checkpoints:
             checkpoint.set_aside_replaced(self.run_dir)
             self.replacing = True
 
-    def restore_replaced(self) -> bool:
+    def restore_replaced(self) -> str | None:
         """Rank 0 of a run that failed before its first checkpoint: the run it replaced back in
-        place. Whether there was one. Not while torchrun would restart the workers: the next
-        attempt must start afresh as this one did, not resume the replaced run; it finds it
-        still aside."""
+        place, or only the data it replaced; what came back, in words ("the run it replaced"),
+        or None. Not while torchrun would restart the workers: the next attempt must start
+        afresh as this one did, not resume the replaced run; it finds it still aside."""
         if not (self.saved_step is None and self.world.is_main) or dist_utils.restarts_left():
-            return False
+            return None
         if not self.replacing:  # a new run's data may have taken the place of a run's
-            return checkpoint.restore_replaced_data(self.run_dir)
+            restored = checkpoint.restore_replaced_data(self.run_dir)
+            return "the data it replaced" if restored else None
         self.replacing = False
-        return checkpoint.restore_replaced(self.run_dir)
+        return "the run it replaced" if checkpoint.restore_replaced(self.run_dir) else None
 
 
 def start_mode(

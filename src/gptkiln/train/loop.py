@@ -220,7 +220,7 @@ class Trainer:
         except BaseException as e:
             # before its first checkpoint, a run that replaced another (--overwrite) puts it back
             restored = self.checkpoints.restore_replaced()
-            back = f"; the run it replaced is back in {self.run_dir}" if restored else ""
+            back = f"; {restored} is back in {self.run_dir}" if restored else ""
             saved = self.checkpoints.saved_step
             if isinstance(e, KeyboardInterrupt):  # Ctrl-C: the CLI says "interrupted" + this
                 raise KeyboardInterrupt(

@@ -178,10 +178,13 @@ class LanguageModeling:
 
     def _prepare_into(self, data_dir: Path) -> None:
         """Rank 0: prepare ``--data`` into ``data_dir``; see `_load_data`."""
-        from gptkiln.data.prepare import load_prepared, prepare
+        from gptkiln.data.prepare import is_prepared, load_prepared, prepare
 
         cfg = self.cfg
-        staged = data_dir.exists()  # a run's data: kept whole until the new is prepared
+        # A run's prepared data is kept whole until the new is prepared (and, for a new run,
+        # until its first checkpoint); a folder of anything else there, or one that holds the
+        # text itself, is prepare's to refuse or to write beside, and is never set aside.
+        staged = is_prepared(data_dir) and not _inside(cfg.data, data_dir)
         target = self.run_dir / ".data-next" if staged else data_dir
         if staged:
             shutil.rmtree(target, ignore_errors=True)  # an attempt that stopped halfway
@@ -395,6 +398,14 @@ def _windows(text: str) -> list[int] | None:
             f"the whole context, e.g. 0,16,16,0), got {text!r}"
         ) from None
     return windows if any(windows) else None
+
+
+def _inside(source, folder: Path) -> bool:
+    """Whether a local ``source`` (a file or folder) is ``folder`` or lies inside it."""
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).exists():
+        return False
+    path, folder = Path(source).resolve(), folder.resolve()
+    return path == folder or folder in path.parents
 
 
 def _prepared_matches(
