@@ -179,13 +179,17 @@ def test_an_argument_that_is_not_utf8_is_one_line_naming_it(argv, named, run_dir
     assert not (tmp_path / "out").exists()
 
 
-def test_a_file_whose_name_is_not_utf8_is_read(tmp_path, capsys):
-    """A Latin-1 file name is a good name: only text that is not a path there is refused."""
+def test_a_file_whose_name_is_not_utf8_is_read(run_dir, tmp_path, capsys, monkeypatch):
+    """A Latin-1 file name is a good name: only text that is not a path there is refused, and
+    an argument documented as TEXT is text even where a file has its name."""
     latin = tmp_path / "caf\udce9.txt"  # the byte 0xE9, as Python keeps it
     latin.write_text("to be or not to be\n" * 40)
     code, out, err = cli("prepare", latin, "--tokenizer", "char", "--out", tmp_path / "o",
                          capsys=capsys)  # fmt: skip
     assert code == 0, err
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli("generate", run_dir, "--prompt", latin.name, capsys=capsys)
+    assert_one_line_error(code, err, "--prompt is not valid UTF-8 text")
 
 
 def test_an_out_that_is_a_file_and_a_data_folder_for_a_run_are_named(play_path, tmp_path, capsys):

@@ -130,12 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _not_utf8(args: argparse.Namespace, command: argparse.ArgumentParser) -> str | None:
     """The first argument whose bytes are not UTF-8 (Python keeps them as surrogates, which
     fail wherever the text is encoded: a tokenizer, a file, a JSON body), as ``command`` names
-    it (its flag, or its metavar). The name of a file or folder that is there is not text: a
-    Latin-1 file name is a good one."""
+    it (its flag, or its metavar). An argument documented as ``TEXT`` is always text; of any
+    other, the name of a file or folder that is there is not: a Latin-1 file name is good."""
     for action in command._actions:
         value = getattr(args, action.dest, None)
+        text_only = action.metavar == "TEXT"
         for text in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(text, str) and not os.path.lexists(text):
+            if isinstance(text, str) and (text_only or not os.path.lexists(text)):
                 try:
                     text.encode("utf-8")
                 except UnicodeEncodeError:

@@ -15,7 +15,6 @@ import textwrap
 from typing import Any
 
 from gptkiln.config import SampleConfig
-from gptkiln.errors import GptkilnError
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -75,14 +74,6 @@ def fail(line: str, code: int = 2) -> int:
 def note(message: str) -> None:
     """A library's notice (a cropped prompt, a fallback taken), on stderr, apart from output."""
     print(f"note: {message}", file=sys.stderr)
-
-
-def check_prompt_text(prompt: str) -> None:
-    """Refuse a ``--prompt`` of bytes that are not UTF-8 (Python keeps them as surrogates)."""
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:  # undecodable bytes on the command line
-        raise GptkilnError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8") from None
 
 
 def keep_freed_memory_on_cpu(device: str) -> None:

@@ -16,7 +16,6 @@ from gptkiln.cli.common import (
     add_quantize_flag,
     add_run_argument,
     add_sampling_flags,
-    check_prompt_text,
     example,
     note,
     sample_config,
@@ -211,11 +210,9 @@ def _complete(
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
-    """The prompts of ``--prompt`` (repeated) or ``--prompt-file``, checked to be UTF-8 text."""
-    prompts = args.prompt if args.prompt_file is None else read_prompt_file(args.prompt_file)
-    for prompt in prompts:
-        check_prompt_text(prompt)
-    return prompts
+    """The prompts of ``--prompt`` (repeated) or ``--prompt-file``: UTF-8 text (a ``--prompt``'s
+    bytes are checked as every ``TEXT`` argument's are, by `gptkiln.cli.main`)."""
+    return args.prompt if args.prompt_file is None else read_prompt_file(args.prompt_file)
 
 
 def read_prompt_file(path: str) -> list[str]:

@@ -10,7 +10,6 @@ from gptkiln.cli.common import (
     add_device_flag,
     add_quantize_flag,
     add_run_argument,
-    check_prompt_text,
     example,
     note,
 )
@@ -98,7 +97,6 @@ def run(args: argparse.Namespace) -> None:
     from gptkiln.inspect import check_view, inspect_run, pick
     from gptkiln.plots import check_png_path, plot_attention
 
-    check_prompt_text(args.prompt)
     check_png_path(args.out, "--out")  # before the model runs
     check_not_a_run_file(args.out, "--out")
     if args.json:
