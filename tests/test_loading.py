@@ -128,3 +128,15 @@ def test_one_step_an_entry_and_fine_tuning_registered_by_the_package(steps):
         steps.register("finetune", lambda model, entry, run_dir: model)
     assert load_steps.steps_for({"finetune": {}, "train": {}}) == [("finetune", gptkiln._finetuned)]
     assert load_steps.steps_for({"finetune": None}) == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_that_are_not_finite_are_refused_by_name(tmp_path, bad):
+    model = tiny()
+    with torch.no_grad():
+        model.h[1].mlp.c_fc.weight[0, 3] = bad
+    save_model(model, tmp_path / "run")
+    with pytest.raises(GptkilnError, match=r"not finite .*: h\.1\.mlp\.c_fc\.weight;"):
+        load_model(tmp_path / "run")
+    save_model(tiny(), tmp_path / "good")
+    load_model(tmp_path / "good")  # finite weights load

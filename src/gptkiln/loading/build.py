@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from gptkiln.config import GPTConfig
-from gptkiln.loading.checks import check_state_dict
+from gptkiln.loading.checks import check_finite, check_state_dict
 from gptkiln.model import GPT
 from gptkiln.quantize import (
     check_scales,
@@ -64,9 +64,11 @@ def build_model(
 
     ``source`` names where the weights came from, for error messages. ``quantization`` (what a
     quantized run's config.json records) builds the quantized model and assigns ``sd``'s int8
-    weights and scales to it; every name, shape and dtype is checked first.
+    weights and scales to it; every name, shape and dtype is checked first, and every float
+    weight is finite (`check_finite`).
     """
     check_state_dict(sd, config, source, quantization)
+    check_finite(sd, source)
     model = _meta_model(config, quantization)
     sd = dict(sd)
     if config.tie_embeddings:

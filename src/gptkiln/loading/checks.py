@@ -160,6 +160,27 @@ def check_dtypes(
         )
 
 
+def check_finite(sd: Mapping[str, torch.Tensor], source: str) -> None:
+    """Raise one GptkilnError naming the float tensors of ``sd`` that hold a NaN or an infinity.
+
+    Training never saves such weights (it stops at the step that made them), so they come from a
+    damaged or edited file; a model built from them would write the same token for every prompt.
+    One min/max pass per tensor reads the weights once and allocates nothing their size.
+    """
+    bad = []
+    for name, t in sd.items():
+        if t.is_floating_point() and t.device.type != "meta" and t.numel():
+            low, high = torch.aminmax(t.detach())
+            if not (torch.isfinite(low) and torch.isfinite(high)):
+                bad.append(name)
+    if bad:
+        raise GptkilnError(
+            f"{source} holds weights that are not finite (NaN or infinity): {_names(bad)}; the "
+            "file is damaged or was written by a run that diverged: restore it, or load an "
+            "earlier checkpoint"
+        )
+
+
 def weights_dims(sd: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """The model sizes a state dict (gptkiln names) holds: ``n_layer`` from its ``h.N`` blocks,
     ``vocab_size`` and ``n_embd`` from ``wte.weight``, ``context_length`` from ``wpe.weight``
