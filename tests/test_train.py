@@ -875,3 +875,21 @@ def test_a_refused_resume_keeps_the_runs_prepared_data(play_path, tmp_path):
         train(tiny_config(other, run, max_steps=8), resume=True)
     assert {p.name: p.read_bytes() for p in (run / "data").iterdir() if p.is_file()} == before
     assert not (run / ".data-next").exists()
+
+
+def test_a_micro_batch_whose_logits_cannot_fit_in_free_memory_is_refused_before_a_step(
+    play_path, tmp_path, monkeypatch
+):
+    """4 windows of 32 positions of the plays' char ids: their logits and gradient at 2 bytes
+    each. With less free than that the run stops before its first step, nothing written."""
+    from gptkiln.train import loop
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(loop, "free_memory", lambda device: 1000)
+    with pytest.raises(GptkilnError, match=r"4 windows of 32 tokens needs at least .* GiB for its "
+                       r"logits \(128 positions x \d+ ids.*lower --batch-size"):  # fmt: skip
+        train(tiny_config(play_path, run))
+    assert not (run / "model.safetensors").exists()
+    monkeypatch.setattr(loop, "free_memory", lambda device: 4 * 128 * 200)  # enough for 200 ids
+    train(tiny_config(play_path, run, max_steps=1), overwrite=True)
+    assert (run / "model.safetensors").exists()

@@ -84,3 +84,21 @@ def _cpuinfo_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.partition(":")[2].split())
     return set()
+
+
+def free_memory(device: str | torch.device) -> int | None:
+    """Bytes the device has free now: the CPU's MemAvailable (Linux), a GPU's free memory; None
+    where it cannot be told."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

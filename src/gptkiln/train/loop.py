@@ -19,8 +19,8 @@ import torch
 
 from gptkiln import checkpoint
 from gptkiln import distributed as dist_utils
-from gptkiln.config import TrainConfig
-from gptkiln.devices import resolve_device
+from gptkiln.config import GPTConfig, TrainConfig
+from gptkiln.devices import free_memory, resolve_device
 from gptkiln.errors import GptkilnError, RunStopped
 from gptkiln.model import GPT
 from gptkiln.optim import make_optimizer
@@ -129,6 +129,7 @@ class Trainer:
         self.task = (task or LanguageModeling)(context)
         self.tokenizer = self.task.tokenizer
         self.batches = self.task.batches
+        check_logits_fit(self.task.model.config, self.batches.get(0, 0)[0], self.device)
         # measured on the bare model, before a wrapper would synchronise its backward
         self.precision: PrecisionChoice | None = None
         if not resume:
@@ -339,6 +340,28 @@ def check_one_gpu_each(device: str, env) -> None:
             f"--device {device} would put all {local_procs} processes of this machine on one "
             "GPU; pass --device cuda (process i takes cuda:i) and choose the GPUs with "
             "CUDA_VISIBLE_DEVICES"
+        )
+
+
+def check_logits_fit(config: GPTConfig, inputs: torch.Tensor, device: str) -> None:
+    """Refuse, before anything runs, a micro-batch whose logits alone cannot fit in the memory
+    the device has free (a --context-length or --batch-size far past the machine), which would
+    otherwise grow for minutes and end in the kernel's out-of-memory kill. The bound is low on
+    purpose: the logits and their gradient at 2 bytes each, nothing else of the step."""
+    if config.num_classes:  # a classifier's head scores a few classes, not the vocabulary
+        return
+    positions = inputs.numel()
+    needed = 2 * 2 * positions * config.vocab_size
+    free = free_memory(device)
+    if free is not None and needed > free:
+        windows, length = inputs.shape
+        where = "this machine's memory" if torch.device(device).type == "cpu" else device
+        raise GptkilnError(
+            f"a micro-batch of {windows:,} windows of {length:,} tokens needs at least "
+            f"{needed / 2**30:.1f} GiB for its logits ({positions:,} positions x "
+            f"{config.vocab_size:,} ids, and their gradient), more than the "
+            f"{free / 2**30:.1f} GiB free in {where}; lower --batch-size (keeping the step's "
+            "size with --grad-accum) or --context-length"
         )
 
 
