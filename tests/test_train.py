@@ -893,3 +893,36 @@ def test_a_micro_batch_whose_logits_cannot_fit_in_free_memory_is_refused_before_
     monkeypatch.setattr(loop, "free_memory", lambda device: 4 * 128 * 200)  # enough for 200 ids
     train(tiny_config(play_path, run, max_steps=1), overwrite=True)
     assert (run / "model.safetensors").exists()
+
+
+def test_from_python_prepared_data_keeps_its_settings_and_config_json_says_so(play_path, tmp_path):
+    """A setting left at its default takes the prepared data's value (config.json records the
+    char tokenizer the run used, not the default BPE); one set to something else is refused,
+    as the CLI refuses its flag."""
+    from gptkiln.data.prepare import prepare
+
+    data = tmp_path / "data"
+    prepare(play_path, data, tokenizer="char", val_fraction=0.2, progress=False)
+    run = tmp_path / "run"
+    defaults = dict(tokenizer=TrainConfig.tokenizer, val_fraction=TrainConfig.val_fraction)
+    train(tiny_config(data, run, max_steps=1, **defaults))
+    recorded = json.loads((run / "config.json").read_text())["train"]
+    assert (recorded["tokenizer"], recorded["val_fraction"]) == ("char", 0.2)
+    with pytest.raises(GptkilnError, match=r"val_fraction=0\.5: data .* was split with "
+                       r"val_fraction 0\.2, which training keeps"):  # fmt: skip
+        train(tiny_config(data, tmp_path / "other", val_fraction=0.5))
+    with pytest.raises(GptkilnError, match="tokenizer='gpt2'.*prepared with the char tokenizer"):
+        train(tiny_config(data, tmp_path / "other", tokenizer="gpt2", val_fraction=0.2))
+
+
+@pytest.mark.parametrize(
+    "setting", [dict(adamw_lr=0.01), dict(embedding_lr=0.5), dict(muon_momentum=0.5)]
+)
+def test_from_python_a_setting_of_the_optimizer_not_used_is_refused(play_path, tmp_path, setting):
+    """``optimizer="adamw"`` reads none of Muon's settings; ``schedule="cosine"`` no cooldown."""
+    with pytest.raises(GptkilnError, match=f"{next(iter(setting))}=.* acts only with "
+                       "optimizer='muon', and this run has optimizer='adamw'"):  # fmt: skip
+        train(tiny_config(play_path, tmp_path / "run", **setting))
+    with pytest.raises(GptkilnError, match="cooldown=0.3 acts only with schedule=.wsd."):
+        train(tiny_config(play_path, tmp_path / "run", cooldown=0.3))
+    assert not (tmp_path / "run").exists()

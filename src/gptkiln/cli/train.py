@@ -138,92 +138,55 @@ def _chosen_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str
 
 def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: str | None):
     """Prepared data has its tokenizer, its split and the field its text came from already, and
-    training keeps them. A ``--tokenizer``, ``--val-fraction`` or ``--text-field`` flag that
-    contradicts them would be ignored, so it is refused; a recipe's (made for preparing raw
-    text) gets a note on stderr. ``bpe`` alone agrees with a BPE of any size; ``bpe:N`` with one
-    prepared as ``bpe:N`` (a small corpus can give fewer ids than N) or of N ids."""
-    import math
+    training keeps them (`gptkiln.train.agreement`). A ``--tokenizer``, ``--val-fraction`` or
+    ``--text-field`` flag that contradicts them would be ignored, so it is refused; a recipe's
+    (made for preparing raw text) gets a note on stderr, and the data's value."""
     import shlex
 
     from gptkiln.data.prepare import is_prepared, read_meta
+    from gptkiln.train.agreement import prepared_clashes
 
     meta = read_meta(cfg.data) if is_prepared(cfg.data) else None
     if meta is None:  # text to prepare, or damaged data: loading it names what is wrong
         return
-    clashes = []  # (setting, what was asked, what the data has)
-    if "tokenizer" in given and (has := _tokenizer_clash(cfg.tokenizer, meta)):
-        clashes.append(("tokenizer", cfg.tokenizer, has))
-    fraction = meta.get("val_fraction")
-    if "val_fraction" in given and isinstance(fraction, (int, float)):
-        if not math.isclose(cfg.val_fraction, fraction, rel_tol=1e-9):
-            has = f"split with val_fraction {fraction}"
-            clashes.append(("val_fraction", str(cfg.val_fraction), has))
-    field = meta.get("text_field", "text")  # prepare records it when not "text"
-    mixed = "mix" in meta  # a mixture records each member's field, in its entry
-    if "text_field" in given and cfg.text_field != field and not mixed:
-        clashes.append(("text_field", cfg.text_field, f"read from the field {field!r}"))
+    clashes = [c for c in prepared_clashes(cfg, meta) if c[0] in given]
     flags = [c for c in clashes if given[c[0]] == "flag"]
-    for name, asked, has in clashes:
-        if given[name] == "recipe" and not flags and os.environ.get("RANK", "0") == "0":
-            print(
-                f"note: --config {recipe} sets {name}: {asked}, but --data {cfg.data} was {has}, "
-                "which training keeps",
-                file=sys.stderr,
-            )
     if flags:
         names = " and ".join("--" + name.replace("_", "-") for name, _, _ in flags)
-        asked = " ".join(f"--{name.replace('_', '-')} {value}" for name, value, _ in flags)
+        asked = " ".join(f"--{name.replace('_', '-')} {getattr(cfg, name)}" for name, _, _ in flags)
         source = shlex.quote(str(meta["source"])) if meta.get("source") else "TEXT"
         raise GptkilnError(
-            f"{asked}: --data {cfg.data} was {' and '.join(has for _, _, has in flags)}, which "
+            f"{asked}: --data {cfg.data} was {' and '.join(has for _, has, _ in flags)}, which "
             f"training keeps; drop {names} to train on it as it is, or prepare the text again: "
             f"gptkiln prepare {source} {asked} --out NEW_DIR"
         )
-
-
-def _tokenizer_clash(asked: str, meta: dict[str, Any]) -> str | None:
-    """How prepared data (its ``meta``) was tokenized, when a ``--tokenizer`` spec disagrees;
-    None when it agrees or the data does not say."""
-    from gptkiln.tokenizers import parse_tokenizer_spec
-
-    made, spec = meta.get("tokenizer"), meta.get("tokenizer_spec")
-    if not isinstance(made, str):
-        return None
-    kind, size = parse_tokenizer_spec(asked)
-    if made == "bpe":
-        sizes = {meta.get("vocab_size")}
-        try:
-            sizes.add(parse_tokenizer_spec(spec)[1])  # the N asked for when prepared
-        except GptkilnError:  # prepared with a run's tokenizer: the spec is its folder
-            pass
-        agrees = kind == "bpe" and (":" not in asked or size in sizes)
-        made = f"a BPE tokenizer of {meta.get('vocab_size')} ids"
-    else:
-        agrees = kind == made
-        made = f"the {made} tokenizer"
-    return None if agrees else f"prepared with {made}"
-
-
-# Settings that act only under one choice of another: (setting, the choice's setting, value).
-ONLY_WITH = [
-    ("muon_momentum", "optimizer", "muon"),
-    ("adamw_lr", "optimizer", "muon"),
-    ("embedding_lr", "optimizer", "muon"),
-    ("cooldown", "schedule", "wsd"),
-]
+    for name, has, value in clashes:
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"note: --config {recipe} sets {name}: {getattr(cfg, name)}, but --data "
+                f"{cfg.data} was {has}, which training keeps",
+                file=sys.stderr,
+            )
+        setattr(cfg, name, value)
 
 
 def check_flags_act(cfg: TrainConfig, given: dict[str, str]) -> None:
     """A flag that would do nothing under the run's other choices (``--adamw-lr`` with
     ``--optimizer adamw``, ``--cooldown`` with ``--schedule cosine``) is refused rather than
-    ignored. Only flags: a recipe's or a default's setting for the other choice stays quiet."""
+    ignored. A recipe's setting for the other choice stays quiet, and goes back to its default
+    (it does nothing; `gptkiln.train.agreement` refuses one set from Python)."""
+    from gptkiln.train.agreement import ONLY_WITH, default_of
+
     for name, choice, value in ONLY_WITH:
-        if given.get(name) == "flag" and getattr(cfg, choice) != value:
+        if getattr(cfg, choice) == value or name not in given:
+            continue
+        if given[name] == "flag":
             flag, other = "--" + name.replace("_", "-"), "--" + choice
             raise GptkilnError(
                 f"{flag} acts only with {other} {value}, and this run has {other} "
                 f"{getattr(cfg, choice)}; drop {flag}, or train with {other} {value}"
             )
+        setattr(cfg, name, default_of(name))
 
 
 def run(args: argparse.Namespace) -> None:

@@ -24,6 +24,7 @@ from gptkiln.devices import free_memory, resolve_device
 from gptkiln.errors import GptkilnError, RunStopped
 from gptkiln.model import GPT
 from gptkiln.optim import make_optimizer
+from gptkiln.train.agreement import check_settings_act
 from gptkiln.train.checkpointing import Checkpoints, Progress, start_mode
 from gptkiln.train.evaluation import TaskBenchmarks
 from gptkiln.train.optimizer_step import OptimizerStep, autocast_for
@@ -117,6 +118,7 @@ class Trainer:
         overwrite: bool,
         task: Callable[[RunContext], Task] | None,
     ) -> None:
+        check_settings_act(cfg)
         if self.device == "cuda":
             self.device = f"cuda:{self.world.local_rank}"
         self.guard = dist_utils.TerminationGuard()

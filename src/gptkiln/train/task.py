@@ -24,6 +24,7 @@ from gptkiln.config.model import rounded_vocab
 from gptkiln.config.run import DEFAULT_SAMPLE_PROMPT, VOCAB_MULTIPLE
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
+from gptkiln.train.agreement import keep_prepared_settings
 from gptkiln.train.data_order import Batches, eval_batches
 from gptkiln.train.evaluation import evaluate, evaluate_text, sample_text
 
@@ -155,11 +156,13 @@ class LanguageModeling:
         and keeps it only once its tokenizer is the run's: a refused resume loses nothing. A new
         run over a run's data prepares it there too, and the old data waits in
         ``RUN/.replaced-data`` until the first checkpoint (`checkpoint.restore_replaced`)."""
-        from gptkiln.data.prepare import is_prepared, load_prepared
+        from gptkiln.data.prepare import is_prepared, load_prepared, read_meta
 
         cfg, world = self.cfg, self.ctx.world
         if is_prepared(cfg.data):
-            return load_prepared(cfg.data)
+            data = load_prepared(cfg.data)
+            keep_prepared_settings(cfg, read_meta(cfg.data) or {})
+            return data
         data_dir = self.run_dir / "data"
         error = None
         if world.is_main and not _prepared_matches(
