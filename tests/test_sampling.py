@@ -888,3 +888,18 @@ def test_a_batch_of_tensor_or_array_rows_is_the_batch_of_lists(model):
     lists = generate(model, [[1, 2, 3], [4, 5, 6]], max_new_tokens=3, temperature=0)
     rows = [torch.tensor([1, 2, 3]), np.array([4, 5, 6])]
     assert generate(model, rows, max_new_tokens=3, temperature=0) == lists
+
+
+def test_generate_stream_decodes_in_eval_mode_and_takes_generates_arguments():
+    """A model fresh from GPT() is in train mode: the stream turns dropout off as generate()
+    does, and gives the mode back; one flat prompt and SampleConfig fields as keywords work."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=100, context_length=16, n_layer=2, n_head=2, n_embd=16,
+                      dropout=0.5))  # fmt: skip
+    cfg = SampleConfig(max_new_tokens=6, temperature=0)
+    runs = [[t.tolist() for t in generate_stream(m, [[1, 2, 3]], cfg)] for _ in range(2)]
+    assert runs[0] == runs[1] and m.training
+    flat = [t.tolist() for t in generate_stream(m, [1, 2, 3], max_new_tokens=6, temperature=0)]
+    assert flat == runs[0] and [t[0] for t in flat] == generate(m, [1, 2, 3], cfg)
+    with pytest.raises(GptkilnError, match="generate_stream.. has no setting max_new"):
+        next(generate_stream(m, [1, 2, 3], max_new=3))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from numbers import Integral
+from typing import Any
 
 import numpy as np
 import torch
@@ -471,8 +472,8 @@ class HostTokens:
 @torch.inference_mode()
 def generate_stream(
     model: GPT,
-    prompts: Sequence[Sequence[int]],
-    cfg: SampleConfig,
+    prompts: Sequence[Sequence[int]] | Sequence[int] | torch.Tensor | np.ndarray,
+    cfg: SampleConfig | None = None,
     eot_id: int | Sequence[int] | None = None,
     use_cache: bool = True,
     *,
@@ -480,8 +481,13 @@ def generate_stream(
     row_seeds: Sequence[int | None] | None = None,
     prepare: Prepare | None = None,
     read_ahead: bool | None = None,
+    **overrides,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,) per step, until max_new_tokens or every row ended.
+
+    ``prompts`` and ``overrides`` as `generate`'s: one prompt (a list of ids, a 1-D tensor or
+    array) is one row, each step a (1,) tensor. The model decodes in eval mode (no dropout)
+    and goes back to its mode when the stream ends or is closed.
 
     A row ends at ``eot_id`` (any of them, when several: a tokenizer's `stop_ids`; with
     ``cfg.stop_at_eos``) or, when ``streams`` are given (one
@@ -507,12 +513,25 @@ def generate_stream(
     launch is cheap; an eager step's launch is the host's work, which reading ahead would only
     delay.
     """
+    cfg = _sample_config(cfg, overrides, "generate_stream")
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     if cfg.stop and streams is None:
         raise GptkilnError(
             "stop strings need the generated text: pass streams=[TextStream(tokenizer.decode, "
             "stop, eot_id) ...], one a row (or call generate(..., tokenizer=...))"
         )
+    prompts = _prompt_rows(prompts, model.config.vocab_size)[1]
+    was_training = model.training
+    model.eval()
+    try:
+        yield from _stream(model, prompts, cfg, eot_id, use_cache, streams, row_seeds, prepare,
+                           read_ahead)  # fmt: skip
+    finally:
+        model.train(was_training)
+
+
+def _stream(model, prompts, cfg, eot_id, use_cache, streams, row_seeds, prepare, read_ahead):
+    """`generate_stream`'s steps, its arguments checked."""
     ends = end_ids(eot_id)
     steps = _Steps(model, prompts, cfg, ends[0] if ends else 0, use_cache, row_seeds)
     ended = _Ends(steps.rows, cfg, ends, streams, steps.device)
@@ -754,6 +773,20 @@ def _before_end(ids: list[int], ends: Sequence[int]) -> list[int]:
     return ids[:cut]
 
 
+def _sample_config(cfg: SampleConfig | None, overrides: dict[str, Any], caller: str):
+    """``cfg`` (a default `SampleConfig` when None) with ``overrides`` set, each a field."""
+    cfg = cfg or SampleConfig()
+    if not overrides:
+        return cfg
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(SampleConfig)})
+    if unknown:
+        raise GptkilnError(
+            f"{caller}() has no setting {', '.join(unknown)}; SampleConfig's are: "
+            + ", ".join(f.name for f in dataclasses.fields(SampleConfig))
+        )
+    return SampleConfig(**{**cfg.__dict__, **overrides})
+
+
 def _prompt_rows(prompts, vocab_size: int) -> tuple[bool, list[list[int]]]:
     """(whether ``prompts`` is one prompt, its rows of ids), each id checked to be one of the
     model's: text, or an id past the vocabulary, is one line, not an error deep in torch."""
@@ -802,15 +835,7 @@ def generate(
     server, cut the text before the stop string). ``prepare`` and ``read_ahead``: as
     `generate_stream`'s.
     """
-    cfg = cfg or SampleConfig()
-    if overrides:
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(SampleConfig)})
-        if unknown:
-            raise GptkilnError(
-                f"generate() has no setting {', '.join(unknown)}; SampleConfig's are: "
-                + ", ".join(f.name for f in dataclasses.fields(SampleConfig))
-            )
-        cfg = SampleConfig(**{**cfg.__dict__, **overrides})
+    cfg = _sample_config(cfg, overrides, "generate")
     if tokenizer is not None and eot_id is None:
         eot_id = stop_ids_of(tokenizer)
     single, batch = _prompt_rows(prompts, model.config.vocab_size)
