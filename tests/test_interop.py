@@ -371,7 +371,16 @@ def test_book_conversion_infers_the_config_and_needs_n_head():
     expected = torch.cat([block.W_query.weight, block.W_key.weight, block.W_value.weight])
     assert torch.equal(sd["h.1.attn.c_attn.weight"], expected)
     with pytest.raises(GptkilnError, match="not divisible by n_head 12; pass"):
-        book_state_dict_to_gptkiln({**book.state_dict(), "tok_emb.weight": torch.zeros(100, 20)})
+        book_state_dict_to_gptkiln(
+            {**book.state_dict(), "tok_emb.weight": torch.zeros(100, 20)}, n_head=12
+        )
+    # unsaid, the heads are GPT-2's at its widths, and another width's are asked for
+    with pytest.raises(GptkilnError, match="32 wide is none of GPT-2's sizes.*pass the number"):
+        book_state_dict_to_gptkiln(book.state_dict())
+    ch04 = pytest.importorskip("llms_from_scratch.ch04")
+    cfg = dict(vocab_size=10, context_length=4, emb_dim=768, n_heads=12, n_layers=1,
+               drop_rate=0.0, qkv_bias=True)  # fmt: skip
+    assert book_state_dict_to_gptkiln(ch04.GPTModel(cfg).state_dict())[0].n_head == 12
     with pytest.raises(GptkilnError, match="not a state dict of the book's GPTModel"):
         book_state_dict_to_gptkiln({"wte.weight": torch.zeros(3, 4)})
     with pytest.raises(GptkilnError, match="unexpected trf_blocks.0.extra.weight"):

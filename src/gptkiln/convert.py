@@ -217,7 +217,7 @@ def quantize_run(
 def import_book(
     path: str | os.PathLike,
     out_run_dir: str | os.PathLike | None = None,
-    n_head: int = 12,
+    n_head: int | None = None,
     *,
     overwrite: bool = False,
 ) -> GPT | None:
@@ -228,7 +228,8 @@ def import_book(
         path: the .pth file (read with ``torch.load(weights_only=True)``).
         out_run_dir: where to write a gptkiln run directory (with the gpt2 tokenizer, which the
             book uses); None returns the model instead.
-        n_head: attention heads; shapes cannot tell (see `loading.book_state_dict_to_gptkiln`).
+        n_head: attention heads, which shapes cannot tell; None: GPT-2's for the width (see
+            `loading.book_state_dict_to_gptkiln`).
 
     Returns:
         The GPT when out_run_dir is None, else None.

@@ -42,10 +42,11 @@ _BOOK_BLOCK = {
 }
 _BOOK_KEY = re.compile(r"^trf_blocks\.(\d+)\.(.+)$")
 _QKV = ("W_query", "W_key", "W_value")
+_GPT2_HEADS = {768: 12, 1024: 16, 1280: 20, 1600: 25}  # GPT-2's heads at each width (124M-1558M)
 _BOOK_STACKED = re.compile(r"^att\.(mask|(W_query|W_key|W_value)\.(weight|bias))$")  # handled apart
 
 
-def read_book(path: str | os.PathLike, n_head: int = 12) -> StoredModel:
+def read_book(path: str | os.PathLike, n_head: int | None = None) -> StoredModel:
     """The config and gptkiln weights of a ``model.pth`` saved from the book's ``GPTModel``,
     read with ``torch.load(weights_only=True)``; ``n_head`` as `book_state_dict_to_gptkiln`."""
     path = Path(path)
@@ -74,7 +75,7 @@ def _tied(sd: Mapping[str, torch.Tensor]) -> bool:
 
 
 def book_state_dict_to_gptkiln(
-    sd: Mapping[str, torch.Tensor], n_head: int = 12, source: str = "book state dict"
+    sd: Mapping[str, torch.Tensor], n_head: int | None = None, source: str = "book state dict"
 ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """Config and gptkiln weights from a state dict of the book's ``GPTModel``.
 
@@ -83,8 +84,9 @@ def book_state_dict_to_gptkiln(
     ``W_query.bias`` exists; the head is untied (``out_head`` is its own matrix), or tied where
     ``out_head.weight`` is ``tok_emb.weight`` itself (the book's weight-tying exercise). The
     number of heads leaves no trace in the shapes (heads are a reshape of the same matrices), so
-    it is an argument: 12 for the book's 124M model (GPT_CONFIG_124M), else what the model was
-    built with.
+    it is an argument: what the model was built with. None takes GPT-2's for the width (12 heads
+    at 768, the book's GPT_CONFIG_124M; 16 at 1024, 20 at 1280, 25 at 1600) and refuses another
+    width, whose heads cannot be guessed.
     Dropout is 0. ``W_query``, ``W_key``, ``W_value`` are stacked, in that order, into ``c_attn``;
     the ``att.mask`` buffers are dropped.
     """
@@ -96,6 +98,14 @@ def book_state_dict_to_gptkiln(
         )
     vocab_size, n_embd = sd["tok_emb.weight"].shape
     layers = {int(m.group(1)) for k in sd if (m := _BOOK_KEY.match(k))}
+    if n_head is None:
+        n_head = _GPT2_HEADS.get(n_embd)
+        if n_head is None:
+            raise GptkilnError(
+                f"{source}: a model {n_embd} wide is none of GPT-2's sizes, and its file does not "
+                "record its attention heads; pass the number it was built with (n_head=..., "
+                "--n-head N; the book's cfg['n_heads'])"
+            )
     if isinstance(n_head, bool) or not isinstance(n_head, int) or n_head < 1:
         raise GptkilnError(f"--n-head {n_head}: the attention heads, a whole number >= 1")
     if n_embd % n_head:

@@ -168,12 +168,13 @@ def load_hf(
     return _build(stored, hf_dir, device=device, dtype=dtype, steps=False, quantize=quantize)
 
 
-def load_book(path: str | os.PathLike, n_head: int = 12) -> GPT:
+def load_book(path: str | os.PathLike, n_head: int | None = None) -> GPT:
     """A GPT with the weights of a ``model.pth`` saved from the book's ``GPTModel``
     (``torch.save(model.state_dict())``, or the book's ``{"model_state_dict": ...,
     "optimizer_state_dict": ...}``), read with ``torch.load(weights_only=True)``.
 
-    ``n_head``: attention heads; shapes cannot tell (see `book_state_dict_to_gptkiln`).
+    ``n_head``: attention heads, which shapes cannot tell; None: GPT-2's for the model's width,
+    and an error for another width (see `book_state_dict_to_gptkiln`).
     """
     stored = read_book(path, n_head)
     return build_model(stored.config, stored.state_dict, stored.source)
