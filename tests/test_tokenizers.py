@@ -252,6 +252,25 @@ def test_char_decode_refuses_ids_outside_its_vocabulary(bad):
         tok.decode([bad])
 
 
+@pytest.mark.parametrize("past", [0, 5, -2])
+def test_bpe_and_gpt2_decode_refuse_ids_outside_their_vocabulary(gpt2, chinese_bpe, past):
+    """As the char tokenizer: one line, not tiktoken's KeyError or an id Hugging Face's decode
+    drops unsaid."""
+    for tok in (gpt2, chinese_bpe):
+        bad = past if past < 0 else tok.vocab_size + past
+        assert tok.decode([tok.vocab_size - 1]) == tok.decode([tok.vocab_size - 1])  # in range
+        with pytest.raises(GptkilnError, match=f"id {bad} is outside its vocabulary of "
+                           f"{tok.vocab_size}"):  # fmt: skip
+            tok.decode([1, bad])
+
+
+def test_train_bpe_tokenizer_takes_one_text_as_one_document(play_text):
+    """A str is one text, not an iterable of one-character documents (257 ids, no merges)."""
+    text = play_text[:20_000]
+    assert train_bpe_tokenizer(text, 400).vocab_size == train_bpe_tokenizer([text], 400).vocab_size
+    assert train_bpe_tokenizer(text, 400).vocab_size > 257
+
+
 def test_char_tokenizer_rejects_unsorted_vocab():
     with pytest.raises(GptkilnError, match="sorted"):
         CharTokenizer(["b", "a"], with_eot=False)

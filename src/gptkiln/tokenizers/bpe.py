@@ -75,7 +75,14 @@ class BPETokenizer(Tokenizer):
         return arrays
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < self.vocab_size:  # Hugging Face's decode would drop it unsaid
+                raise GptkilnError(
+                    f"bpe tokenizer: id {i} is outside its vocabulary of {self.vocab_size}; "
+                    "were these ids made by another tokenizer?"
+                )
+        return self._hf.decode(ids, skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         piece = self._hf.id_to_token(int(token_id))
@@ -134,16 +141,19 @@ def check_bpe_vocab_size(vocab_size: int) -> int:
     return vocab_size
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+def train_bpe_tokenizer(texts: Iterable[str] | str, vocab_size: int) -> BPETokenizer:
     """Train a byte-level BPE with ``vocab_size`` ids (including ``<|endoftext|>``, id 0).
 
     The pre-tokenizer splits like GPT-2 (same regex) and maps bytes to printable characters, so any
     UTF-8 text round-trips exactly. A corpus too small for ``vocab_size`` gives fewer ids.
+    ``texts``: the documents, or one str (one document).
     """
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     check_bpe_vocab_size(vocab_size)
+    if isinstance(texts, str):  # one text, not an iterable of one-character documents
+        texts = [texts]
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()

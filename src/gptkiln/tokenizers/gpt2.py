@@ -126,7 +126,14 @@ class GPT2Tokenizer(Tokenizer):
             return list(pool.map(encode, texts))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._encoding.decode(list(ids))
+        try:
+            return self._encoding.decode(list(ids))
+        except (KeyError, OverflowError, TypeError):  # tiktoken's for an id it has no bytes of
+            bad = next((i for i in ids if not 0 <= int(i) < self.vocab_size), None)
+            raise GptkilnError(
+                f"gpt2 tokenizer: id {bad} is outside its vocabulary of {self.vocab_size}; "
+                "were these ids made by another tokenizer?"
+            ) from None
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._encoding.decode_single_token_bytes(int(token_id))
