@@ -635,3 +635,19 @@ def test_an_input_longer_than_the_context_is_a_sentence(layer):
     with pytest.raises(ValueError, match="the input has 6 tokens, more than this layer's"):
         built(torch.rand(2, 6, 3))
     assert built(torch.rand(2, 4, 3)).shape[:2] == (2, 4)  # the context itself still fits
+
+
+@pytest.mark.parametrize("layer", ["causal", "multihead"])
+def test_an_input_without_its_batch_dimension_is_a_sentence(layer):
+    """The 6x3 journey inputs as the book's self-attention takes them, given to a layer that
+    takes a batch: a sentence naming the shape, not an IndexError, nor its width called
+    tokens."""
+    from gptkiln.teaching import CausalAttention, MultiHeadAttention
+
+    built = {
+        "causal": lambda: CausalAttention(3, 2, 6, 0.0),
+        "multihead": lambda: MultiHeadAttention(3, 2, 6, 0.0, num_heads=2),
+    }[layer]()
+    with pytest.raises(ValueError, match=r"shape \(6, 3\); .*\(B, T, d_in\).*unsqueeze\(0\)"):
+        built(JOURNEY_EMBEDDINGS)
+    assert built(JOURNEY_EMBEDDINGS.unsqueeze(0)).shape == (1, 6, 2)

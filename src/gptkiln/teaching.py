@@ -180,7 +180,15 @@ class SelfAttentionLinear(nn.Module):
 
 def _fits_context(x: torch.Tensor, mask: torch.Tensor) -> int:
     """The number of tokens in ``x`` (B, T, d_in), which the causal mask must cover: a longer
-    input is a sentence saying so, not a shape mismatch inside ``masked_fill``."""
+    input is a sentence saying so, not a shape mismatch inside ``masked_fill``; so is one
+    without its batch dimension (the 6x3 inputs as the book's self-attention takes them)."""
+    if x.dim() != 3:
+        shape = tuple(x.shape)
+        fix = " (one sequence: x.unsqueeze(0), as the book stacks two: torch.stack((x, x)))"
+        raise ValueError(
+            f"the input has shape {shape}; these layers take a batch, (B, T, d_in)"
+            + (fix if x.dim() == 2 else "")
+        )
     num_tokens, context_length = x.shape[1], mask.shape[0]
     if num_tokens > context_length:
         raise ValueError(
@@ -393,9 +401,9 @@ class MultiHeadAttention(nn.Module):
         Returns:
             Context vectors, shape (B, T, d_out).
         """
+        attn_weights = self.attention_weights(x)  # (B, nh, T, T); checks x's shape first
         b, num_tokens, _ = x.shape
         values = self._split_heads(self.W_value(x))  # (B, nh, T, hs)
-        attn_weights = self.attention_weights(x)  # (B, nh, T, T)
         context_vec = attn_weights @ values  # (B, nh, T, hs)
         context_vec = context_vec.transpose(1, 2)  # (B, T, nh, hs)
         # transpose leaves the memory strided; view needs it contiguous.
