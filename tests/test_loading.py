@@ -140,3 +140,10 @@ def test_weights_that_are_not_finite_are_refused_by_name(tmp_path, bad):
         load_model(tmp_path / "run")
     save_model(tiny(), tmp_path / "good")
     load_model(tmp_path / "good")  # finite weights load
+
+
+def test_a_run_saved_without_a_tokenizer_says_how_to_give_it_one(tmp_path):
+    save_model(tiny(), tmp_path / "run")  # no tokenizer: the model loads alone
+    load_model(tmp_path / "run")
+    with pytest.raises(GptkilnError, match=r"saved without its tokenizer .*tokenizer\.save\(dir\)"):
+        load_run_tokenizer(tmp_path / "run")

@@ -92,5 +92,13 @@ def tokenizer_name(run_dir: Path, cfg: dict[str, Any]) -> str | None:
 
 
 def tokenizer_source(run_dir: Path, cfg: dict[str, Any]) -> str:
-    """What `gptkiln.tokenizers.load_tokenizer` loads the run's tokenizer from: its files."""
+    """What `gptkiln.tokenizers.load_tokenizer` loads the run's tokenizer from: its files. A run
+    saved without any (``save_model(model, dir)`` with no tokenizer) is one line saying how to
+    give it one."""
+    if not (run_dir / "tokenizer_meta.json").exists():
+        raise GptkilnError(
+            f"{run_dir} holds a model saved without its tokenizer (no tokenizer_meta.json); "
+            "save the tokenizer its ids are of into it (tokenizer.save(dir), e.g. "
+            "load_tokenizer('gpt2').save(dir)), or load the model alone (load_model)"
+        )
     return str(run_dir)
