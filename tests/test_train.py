@@ -681,19 +681,28 @@ def test_a_new_run_never_sets_aside_text_of_ones_own_in_its_data_folder(tmp_path
     assert (folder / "a.txt").read_text() == own.read_text()
 
 
-def test_the_default_sample_prompt_gives_way_on_a_corpus_without_its_characters(tmp_path, capsys):
-    """A char run on text without "ROMEO:"'s letters samples from end-of-text (here, one
-    document: the alphabet's first character), with a note; a prompt given that the corpus
-    lacks is still refused."""
+def test_the_default_sample_prompt_is_the_plays_and_another_corpus_samples_from_its_start(
+    tmp_path, capsys
+):
+    """ "ROMEO:" is the bundled plays' prompt: a run on other text (here one without its
+    letters, and one with them) samples from end-of-text, or without one (a char run on one
+    document) from the alphabet's first character; sample_tokens=0 prints no sample at all; a
+    prompt given that the corpus lacks is still refused."""
     from gptkiln.config.run import DEFAULT_SAMPLE_PROMPT
 
     text = tmp_path / "zh.txt"
     text.write_text("床前明月光，疑是地上霜。\n\n举头望明月，低头思故乡。\n" * 60)
     cfg = tiny_config(text, tmp_path / "run", max_steps=6, sample_prompt=DEFAULT_SAMPLE_PROMPT)
-    train(cfg)
-    err = capsys.readouterr().err
-    assert "lacks characters of the default --sample-prompt 'ROMEO:'" in err
-    assert "samples start from its first token" in err  # one document: no end-of-text
+    assert train(cfg).sample.startswith("\n")  # "\n" is the alphabet's first character
+    english = tmp_path / "en.txt"
+    english.write_text("ROMEO: I am here. MERCUTIO: And I am there, to be or not to be.\n" * 80)
+    cfg = tiny_config(english, tmp_path / "en", max_steps=6, sample_prompt=DEFAULT_SAMPLE_PROMPT)
+    assert not train(cfg).sample.startswith("ROMEO:")
+    capsys.readouterr()
+    train(tiny_config(english, tmp_path / "quiet", max_steps=6, sample_tokens=0))
+    assert "--- sample" not in capsys.readouterr().out
+    with pytest.raises(GptkilnError, match="sample_interval .* got 0 .no samples: sample_tokens 0"):
+        TrainConfig(sample_interval=0)
     with pytest.raises(GptkilnError, match="--sample-prompt 'ROMEO!'"):
         train(tiny_config(text, tmp_path / "run2", max_steps=6, sample_prompt="ROMEO!"))
 

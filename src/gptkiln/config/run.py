@@ -321,15 +321,19 @@ class TrainConfig:
         "evaluate on fixed training batches too (off: the train loss is the last step's)",
     )
     sample_interval: int = setting(
-        600, "evaluation and samples", "print a sample every N steps, and one at the end (>= 1)"
+        600,
+        "evaluation and samples",
+        "print a sample every N steps, and one at the end (>= 1; no samples: --sample-tokens 0)",
     )
     sample_prompt: str = setting(
         DEFAULT_SAMPLE_PROMPT,
         "evaluation and samples",
-        "the samples' prompt (the default, where the corpus lacks its characters: the "
-        "end-of-text token)",
+        "the samples' prompt (the default is the bundled plays'; on another corpus samples "
+        "start from the end-of-text token)",
     )
-    sample_tokens: int = setting(60, "evaluation and samples", "tokens per sample (>= 0)")
+    sample_tokens: int = setting(
+        60, "evaluation and samples", "tokens per sample (>= 0; 0: no samples)"
+    )
     tensorboard: bool = setting(
         False,
         "evaluation and samples",
@@ -414,7 +418,12 @@ class TrainConfig:
             )
         parse_tokenizer_spec(self.tokenizer)
         positive = ["batch_size", "grad_accum", "eval_interval", "eval_batches"]
-        positive += ["sample_interval", "checkpoint_interval"]
+        positive += ["checkpoint_interval"]
+        if self.sample_interval < 1:
+            raise GptkilnError(
+                f"sample_interval must be a whole number >= 1, got {self.sample_interval!r} "
+                "(no samples: sample_tokens 0, --sample-tokens 0)"
+            )
         for name in positive:
             _positive_int(name, getattr(self, name))
         for name in ("max_steps", "epochs", "warmup_steps", "sample_tokens"):

@@ -323,7 +323,10 @@ class Trainer:
 
     # -- what the loop hands on --------------------------------------------------------------
     def log_sample(self, bar) -> str | None:
-        """Every rank generates (FSDP needs all of them); rank 0 prints."""
+        """Every rank generates (FSDP needs all of them); rank 0 prints. None with
+        ``sample_tokens`` 0: no samples."""
+        if self.cfg.sample_tokens == 0:
+            return None
         use_cache = self.cfg.parallel != "fsdp"
         return self.log.log_sample(self.raw_model, self.step, use_cache, bar)
 

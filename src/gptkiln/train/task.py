@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -283,24 +282,17 @@ class LanguageModeling:
 
     def _check_sample_prompt(self) -> None:
         """The prompt of the samples while training: encodable, checked before step 1. The
-        default prompt (the bundled plays' ``ROMEO:``) that another corpus's characters lack
-        gives way to the end-of-text token (or the tokenizer's first token), with a note."""
+        default prompt (``ROMEO:``) is the bundled plays'; on another corpus the samples start
+        from the end-of-text token (or the tokenizer's first token, where it has none), as a
+        document does."""
         self.sample_prompt = self.cfg.sample_prompt
+        if self.cfg.sample_prompt == DEFAULT_SAMPLE_PROMPT and not self._plays():
+            eot = self.tokenizer.eot_id
+            self.sample_prompt = "" if eot is not None else self.tokenizer.decode([0])
+            return
         try:
             ids = self.tokenizer.encode(self.cfg.sample_prompt)
         except GptkilnError as e:
-            if self.cfg.sample_prompt == DEFAULT_SAMPLE_PROMPT:
-                eot = self.tokenizer.eot_id
-                self.sample_prompt = "" if eot is not None else self.tokenizer.decode([0])
-                if self.ctx.world.is_main:
-                    start = "the end-of-text token" if eot is not None else "its first token"
-                    print(
-                        f"note: this corpus lacks characters of the default --sample-prompt "
-                        f"{DEFAULT_SAMPLE_PROMPT!r}: samples start from {start} (give one "
-                        "with --sample-prompt)",
-                        file=sys.stderr,
-                    )
-                return
             raise GptkilnError(
                 f"--sample-prompt {self.cfg.sample_prompt!r}: {e}; pass a prompt in the "
                 "corpus's alphabet with --sample-prompt"
@@ -310,6 +302,12 @@ class LanguageModeling:
                 "--sample-prompt is empty; samples while training need at least one token, "
                 "e.g. --sample-prompt 'The'"
             )
+
+    def _plays(self) -> bool:
+        """Whether the run trains on the bundled plays alone (prepared or not)."""
+        from gptkiln.data.sources import DEFAULT_SOURCE
+
+        return self.data.meta.get("source") == DEFAULT_SOURCE and "mix" not in self.data.meta
 
     # -- what the loop asks --------------------------------------------------------------------
     def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
