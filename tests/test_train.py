@@ -935,3 +935,10 @@ def test_from_python_a_setting_of_the_optimizer_not_used_is_refused(play_path, t
     with pytest.raises(GptkilnError, match="cooldown=0.3 acts only with schedule=.wsd."):
         train(tiny_config(play_path, tmp_path / "run", cooldown=0.3))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_warm_up_as_long_as_the_run_gets_a_note(play_path, tmp_path, capsys):
+    train(tiny_config(play_path, tmp_path / "a", max_steps=3, warmup_steps=3))
+    assert "the warm-up of 3 steps lasts the whole run of 3" in capsys.readouterr().err
+    train(tiny_config(play_path, tmp_path / "b", max_steps=4, warmup_steps=3))
+    assert "warm-up" not in capsys.readouterr().err

@@ -213,6 +213,14 @@ class Trainer:
             message := nothing_to_train(self.run_dir, self.step, total, clock, self.cfg.max_time)
         ):
             print(message, file=sys.stderr)
+        warmup = self.cfg.warmup_steps
+        if self.world.is_main and self.step == 0 and not self.cfg.max_time and warmup >= total:
+            print(
+                f"note: the warm-up of {warmup} steps lasts the whole run of {total}: the "
+                f"learning rate never reaches --lr {self.cfg.lr:g} (nor decays); lower "
+                "--warmup-steps",
+                file=sys.stderr,
+            )
         bar = ProgressBar(self.cfg.progress and self.world.is_main, total, self.step, clock)
         try:
             with self.guard:
