@@ -726,3 +726,19 @@ def test_a_failed_prepare_leaves_no_folder_it_made(tmp_path, monkeypatch):
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "kept"]
     assert not any((tmp_path / "kept").iterdir())
+
+
+def test_create_dataloader_takes_the_books_call(gpt2, play_text):
+    """``create_dataloader_v1(txt, batch_size=8, max_length=4, stride=4, shuffle=False)`` as
+    chapter 2 calls it: text, tokenized with GPT-2's BPE; the book's other defaults. (The book's
+    own function downloads GPT-2's files: its dataset, with ours, stands in.)"""
+    ch02 = pytest.importorskip("llms_from_scratch.ch02")
+    text = play_text[:20_000]
+    ours = create_dataloader(text, batch_size=8, max_length=4, stride=4, shuffle=False)
+    dataset = ch02.GPTDatasetV1(text, gpt2._encoding, max_length=4, stride=4)
+    book = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=False, drop_last=True)
+    for (x, y), (bx, by) in zip(ours, book, strict=True):
+        assert torch.equal(x, bx) and torch.equal(y, by)
+    assert next(iter(create_dataloader(text)))[0].shape == (4, 256)  # the book's defaults
+    with pytest.raises(GptkilnError, match="got text, not token ids; tokenize it first"):
+        SlidingWindowDataset(text, 4, 1)

@@ -21,6 +21,11 @@ from gptkiln.tokenizers import Tokenizer, load_tokenizer
 
 
 def _as_tokens(tokens) -> np.ndarray:
+    if isinstance(tokens, str):
+        raise GptkilnError(
+            "tokens: got text, not token ids; tokenize it first (tokenizer.encode(text)), or "
+            "window it with windows_from_text(text, tokenizer, max_length, stride)"
+        )
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.numpy()
     array = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens, dtype=np.int64)
@@ -162,22 +167,27 @@ class AlignedWindowDataset(RandomWindowDataset):
 def create_dataloader(
     tokens,
     *,
-    batch_size: int,
-    max_length: int,
-    stride: int,
-    shuffle: bool,
-    drop_last: bool,
-    seed: int,
+    batch_size: int = 4,
+    max_length: int = 256,
+    stride: int = 128,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    seed: int = 123,
     num_workers: int = 0,
+    tokenizer: Tokenizer | str | os.PathLike = "gpt2",
 ) -> DataLoader:
     """A DataLoader of ``(input_ids, target_ids)`` batches, each ``(batch_size, max_length)``.
 
-    Called ``create_dataloader_v1`` in the book, which tokenizes text first; here ``tokens`` are
-    ids already (see :func:`windows_from_text` for text). The shuffle order comes from a
-    ``torch.Generator`` seeded with ``seed``: two loaders with the same seed give the same batches.
+    The book's ``create_dataloader_v1``, with its defaults: ``tokens`` are token ids, or text,
+    which ``tokenizer`` (GPT-2's BPE, as the book's) tokenizes first (`windows_from_text`). The
+    shuffle order comes from a ``torch.Generator`` seeded with ``seed`` (the book's 123): two
+    loaders with the same seed give the same batches.
     """
     _check_positive(batch_size=batch_size)
-    dataset = SlidingWindowDataset(tokens, max_length, stride)
+    if isinstance(tokens, str):
+        dataset = windows_from_text(tokens, tokenizer, max_length, stride)
+    else:
+        dataset = SlidingWindowDataset(tokens, max_length, stride)
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(
         dataset,
