@@ -121,6 +121,30 @@ def test_one_text_is_one_prompt_not_its_characters(run):
     assert texts(complete(run, "The cat", cfg)) == texts(complete(run, ["The cat"], cfg))
 
 
+def test_the_text_functions_take_sample_settings_as_keywords_and_refuse_ids(run):
+    """As generate(): ``max_new_tokens=4`` is SampleConfig(max_new_tokens=4); token ids given
+    where text is wanted are one line naming generate()."""
+    from gptkiln.errors import GptkilnError
+
+    cfg = SampleConfig(max_new_tokens=4, temperature=0)
+    assert texts(complete(run, "ab", max_new_tokens=4, temperature=0)) == texts(
+        complete(run, "ab", cfg)
+    )
+    assert "".join(stream_text(run, "ab", max_new_tokens=4, temperature=0)) == "".join(
+        stream_text(run, "ab", cfg)
+    )
+    assert generate_text(run, "ab", max_new_tokens=4, temperature=0) == generate_text(
+        run, "ab", cfg
+    )
+    with pytest.raises(GptkilnError, match=r"complete\(\) has no setting max_new"):
+        complete(run, "ab", max_new=4)
+    with pytest.raises(GptkilnError, match=r"complete\(\) takes text, and prompt 2 is a list; "
+                       r"for token ids use gptkiln.generate"):  # fmt: skip
+        complete(run, ["ab", [1, 2, 3]])
+    with pytest.raises(GptkilnError, match=r"stream_text\(\) takes text, and the prompt is a"):
+        next(stream_text(run, [1, 2, 3]))
+
+
 def test_cli_prints_each_sample_after_a_separator_line(run, capsys):
     args = ["generate", run, "--max-new-tokens", "8", "--seed", "5", "--temperature", "1"]
     code, out, err = cli(*args, "--prompt", "ab", "--prompt", "The cat", "--num-samples", "2",

@@ -33,8 +33,10 @@ def stream_text(
     raw: bool = False,
     quantize: str | None = None,
     precision: str | None = None,
+    **overrides,
 ) -> Iterator[str]:
-    """Yield the generated text piece by piece as tokens are chosen.
+    """Yield the generated text piece by piece as tokens are chosen. ``overrides`` set
+    `SampleConfig` fields, as `gptkiln.generate`'s do (``max_new_tokens=20``).
 
     The text ends at end-of-text or right before a stop string of ``cfg.stop``. An empty prompt
     starts from the end-of-text token (unconditional generation). A prompt longer than the
@@ -55,8 +57,10 @@ def stream_text(
     from gptkiln.finetune.runs import run_template
     from gptkiln.finetune.templates import format_prompt
     from gptkiln.loading import check_language_model
+    from gptkiln.sampling import sample_config
 
-    cfg = cfg or SampleConfig()
+    cfg = sample_config(cfg, overrides, "stream_text")
+    _check_texts([prompt], "stream_text")
     model, tokenizer, run_cfg, precision = load_for_decoding(run_dir, device, quantize, precision)
     check_language_model(model, run_dir)
     template = None if raw else run_template(run_cfg, run_dir)
@@ -192,8 +196,10 @@ def complete(
     quantize: str | None = None,
     templated: bool = False,
     precision: str | None = None,
+    **overrides,
 ) -> list[Completion]:
-    """``num_samples`` samples for each prompt, generated together in batches.
+    """``num_samples`` samples for each prompt, generated together in batches. ``overrides``
+    set `SampleConfig` fields, as `gptkiln.generate`'s do (``max_new_tokens=20``).
 
     Sample ``j`` of a prompt is drawn from its own generator seeded with ``cfg.seed + j``, so
     sample 0 is what the prompt gives alone with ``cfg.seed``, and no sample depends on the
@@ -222,9 +228,9 @@ def complete(
     Returns:
         The samples, prompt by prompt, each prompt's in order of ``index``.
     """
-    from gptkiln.sampling import generate_batched
+    from gptkiln.sampling import generate_batched, sample_config
 
-    cfg = cfg or SampleConfig()
+    cfg = sample_config(cfg, overrides, "complete")
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     _check_completing(prompts, cfg, num_samples, batch_size)
     model, tokenizer, precision = _model_and_tokenizer(
@@ -269,11 +275,24 @@ def _check_completing(prompts: list, cfg: SampleConfig, num_samples, batch_size)
             raise GptkilnError(f"{name} must be a whole number >= 1, got {value!r}")
     if not prompts:
         raise GptkilnError("no prompts to complete; give at least one (an empty one is allowed)")
+    _check_texts(prompts, "complete")
     if cfg.seed is not None and cfg.seed + num_samples - 1 >= 2**63:
         raise GptkilnError(
             f"seed {cfg.seed} + num_samples - 1 is past 2**63 - 1, the largest seed; "
             "give a smaller seed"
         )
+
+
+def _check_texts(prompts: list, caller: str) -> None:
+    """Prompts of the text-level functions are text: token ids are one line pointing to the
+    functions that take them."""
+    for n, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            where = "the prompt" if len(prompts) == 1 else f"prompt {n + 1}"
+            raise GptkilnError(
+                f"{caller}() takes text, and {where} is a {type(prompt).__name__}; for token "
+                "ids use gptkiln.generate(model, ids) (gptkiln.loading.load_run gives the model)"
+            )
 
 
 def load_for_decoding(
@@ -357,10 +376,11 @@ def generate_text(
     device: str = "cpu",
     quantize: str | None = None,
     precision: str | None = None,
+    **overrides,
 ) -> str:
-    """The prompt followed by the generated text."""
+    """The prompt followed by the generated text; ``overrides`` as `stream_text`'s."""
     pieces = stream_text(
-        run_dir, prompt, cfg, device=device, quantize=quantize, precision=precision
+        run_dir, prompt, cfg, device=device, quantize=quantize, precision=precision, **overrides
     )
     return prompt + "".join(pieces)
 

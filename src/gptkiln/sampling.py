@@ -513,7 +513,7 @@ def generate_stream(
     launch is cheap; an eager step's launch is the host's work, which reading ahead would only
     delay.
     """
-    cfg = _sample_config(cfg, overrides, "generate_stream")
+    cfg = sample_config(cfg, overrides, "generate_stream")
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     if cfg.stop and streams is None:
         raise GptkilnError(
@@ -773,7 +773,7 @@ def _before_end(ids: list[int], ends: Sequence[int]) -> list[int]:
     return ids[:cut]
 
 
-def _sample_config(cfg: SampleConfig | None, overrides: dict[str, Any], caller: str):
+def sample_config(cfg: SampleConfig | None, overrides: dict[str, Any], caller: str):
     """``cfg`` (a default `SampleConfig` when None) with ``overrides`` set, each a field."""
     cfg = cfg or SampleConfig()
     if not overrides:
@@ -835,7 +835,7 @@ def generate(
     server, cut the text before the stop string). ``prepare`` and ``read_ahead``: as
     `generate_stream`'s.
     """
-    cfg = _sample_config(cfg, overrides, "generate")
+    cfg = sample_config(cfg, overrides, "generate")
     if tokenizer is not None and eot_id is None:
         eot_id = stop_ids_of(tokenizer)
     single, batch = _prompt_rows(prompts, model.config.vocab_size)
