@@ -11,6 +11,7 @@ from gptkiln.teaching_families import (
     apply_rope,
     attend_with_rope,
     compare_families,
+    compute_rope_params,
     feed_forward,
     grouped_query_attention,
     kv_cache_bytes_per_token,
@@ -57,6 +58,21 @@ def test_step_3_rope_is_the_books():
     torch.testing.assert_close(cos, book_cos, rtol=0, atol=1e-6)
     x = torch.randn(1, 2, 32, 16)
     torch.testing.assert_close(apply_rope(x, cos, sin), qwen3.apply_rope(x, book_cos, book_sin))
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_step_3_the_books_calls_in_its_argument_order(scaled):
+    """``compute_rope_params(head_dim, theta_base, context_length, freq_config)`` positionally,
+    as the book calls it, and ``apply_rope`` on fewer tokens than the tables' rows."""
+    freq = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_context_length=16) if scaled else None  # fmt: skip
+    cos, sin = compute_rope_params(16, 500_000, 64, freq)
+    book_cos, book_sin = llama3.compute_rope_params(16, 500_000, 64, freq)
+    assert cos.shape == (64, 16)
+    torch.testing.assert_close(cos, book_cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, book_sin, rtol=0, atol=1e-6)
+    x = torch.randn(2, 4, 5, 16)  # 5 tokens, 64 rows
+    torch.testing.assert_close(apply_rope(x, cos, sin), llama3.apply_rope(x, book_cos, book_sin))
 
 
 @pytest.mark.parametrize(

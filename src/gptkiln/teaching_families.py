@@ -5,7 +5,8 @@ Each step swaps one of GPT-2's components for another and keeps the rest of the 
 
 1. `rms_norm`: RMSNorm replaces LayerNorm: scale by the root mean square, no mean, no bias.
 2. `feed_forward`: a SiLU-gated MLP (SwiGLU) replaces expand-GELU-project.
-3. `rope_tables` / `apply_rope`: rotary position embeddings turn each head's queries and keys
+3. `compute_rope_params` / `apply_rope`: rotary position embeddings (`rope_tables` with the
+   book's arguments) turn each head's queries and keys
    by angles that grow with the position, instead of adding a learned position vector to the
    token's embedding; attention then sees how far apart two tokens are.
 4. `grouped_query_attention`: several query heads share one key/value head, which divides the
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from gptkiln import positions
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.model import (
@@ -39,7 +41,6 @@ from gptkiln.model import (
     GroupedQueryAttention,
     RMSNorm,
     SwiGLU,
-    apply_rope,
     rope_tables,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "SwiGLU",
     "GroupedQueryAttention",
     "rope_tables",
+    "compute_rope_params",
     "apply_rope",
     "rms_norm",
     "feed_forward",
@@ -78,6 +80,28 @@ def feed_forward(emb_dim: int, hidden_dim: int) -> SwiGLU:
     ``hidden_dim`` is about 8/3 x C where GPT-2's is 4 x C, for the same parameters.
     """
     return SwiGLU(_config(emb_dim, hidden_dim=hidden_dim))
+
+
+def compute_rope_params(
+    head_dim: int,
+    theta_base: float = 10_000,
+    context_length: int = 4096,
+    freq_config: dict[str, float] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin, (context_length, head_dim) each: the book's ``compute_rope_params``,
+    its arguments in its order (``freq_config``: Llama 3.1's scaling, the keys of
+    `gptkiln.config.ROPE_SCALING_KEYS`), computed by the model's own `rope_tables`."""
+    cos, sin = rope_tables(head_dim, context_length, theta_base, freq_config)
+    return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The book's ``apply_rope``: x (B, nh, T, hs) rotated by the first T rows of tables as
+    `compute_rope_params` gives them (the model's `gptkiln.positions.apply_rope` takes the rows
+    of its positions)."""
+    T = x.shape[2]
+    return positions.apply_rope(x, cos[:T], sin[:T])
 
 
 def grouped_query_attention(
