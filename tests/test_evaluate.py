@@ -689,7 +689,7 @@ def test_the_harness_command_line_runs_the_gptkiln_model(setup):
     proc = subprocess.run(
         [sys.executable, "-m", "gptkiln.evaluate", "--model", "gptkiln",
          "--model_args", f"run={setup['root'] / 'run'}", "--tasks", "kiln_mc",
-         "--include_path", str(setup["tasks"]), "--limit", "2", "--device", "cpu"],
+         "--include_path", str(setup["tasks"]), "--limit", "2"],  # --device: cuda:0 unsaid
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -708,6 +708,10 @@ def test_the_harness_default_cuda_device_falls_back_to_the_cpu_here(setup, capsy
         pytest.skip("CUDA is here: cuda:0 is taken as it is")
     run = setup["root"] / "run"
     lm = GptkilnLM.create_from_arg_string(f"run={run}", {"device": "cuda:0", "batch_size": 3})
+    assert next(lm.model.parameters()).device.type == "cpu"
+    assert "--device cuda:0: no CUDA here" in capsys.readouterr().err
+    # lm-eval 0.4.13's command line passes the model's arguments as a dict
+    lm = GptkilnLM.create_from_arg_obj({"run": str(run)}, {"device": "cuda:0", "batch_size": 3})
     assert next(lm.model.parameters()).device.type == "cpu"
     assert "--device cuda:0: no CUDA here" in capsys.readouterr().err
     with pytest.raises(GptkilnError, match="CUDA is not available"):  # from Python: refused

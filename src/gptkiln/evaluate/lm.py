@@ -99,14 +99,24 @@ class GptkilnLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
-        """The harness's constructor for ``--model gptkiln --model_args ...``: the process is
-        an evaluation's own, so on the CPU freed memory is kept for reuse
-        (`gptkiln.allocator.keep_freed_memory`, as ``gptkiln evaluate`` does): every batch's
-        logits would otherwise be mapped and zero-filled again, page by page."""
-        config = dict(additional_config or {})
-        if "device" in config:  # the harness's --device, cuda:0 unless given
-            config["device"] = _available(config["device"])
-        lm = super().create_from_arg_string(arg_string, config)
+        """The harness's constructor for ``--model gptkiln --model_args run=RUN,...``; see
+        `_harnessed`."""
+        config = _harness_config(additional_config)
+        return cls._harnessed(super().create_from_arg_string(arg_string, config))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """The harness's constructor for model arguments given as a dict (what its command line
+        builds in lm-eval 0.4.13); see `_harnessed`."""
+        config = _harness_config(additional_config)
+        return cls._harnessed(super().create_from_arg_obj(arg_dict, config))
+
+    @staticmethod
+    def _harnessed(lm: GptkilnLM) -> GptkilnLM:
+        """A model the harness made: the process is an evaluation's own, so on the CPU freed
+        memory is kept for reuse (`gptkiln.allocator.keep_freed_memory`, as ``gptkiln
+        evaluate`` does): every batch's logits would otherwise be mapped and zero-filled
+        again, page by page."""
         if lm.device.type == "cpu":
             from gptkiln.allocator import keep_freed_memory
 
@@ -370,6 +380,15 @@ def _dtype(name: str | None) -> torch.dtype | None:
     if name not in dtypes:
         raise GptkilnError(f"dtype {name!r}: choose one of {', '.join(dtypes)} (or leave it out)")
     return dtypes[name]
+
+
+def _harness_config(additional_config: dict | None) -> dict:
+    """The harness's settings for the model, its ``--device`` (cuda:0 unless given) the CPU
+    where no CUDA is here (`_available`)."""
+    config = dict(additional_config or {})
+    if config.get("device") is not None:
+        config["device"] = _available(config["device"])
+    return config
 
 
 def _available(device: str | None) -> str:
