@@ -81,6 +81,9 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 DEFAULT_SAMPLE_PROMPT = "ROMEO:"
+# what `train`, `gptkiln prepare` and `gptkiln.data.prepare` tokenize text with, unsaid: a BPE
+# trained on the corpus ("gpt2" for GPT-2's weights and export)
+DEFAULT_TOKENIZER = "bpe:16384"
 """The samples' prompt while training: the bundled plays' (`TrainConfig.sample_prompt`)."""
 VOCAB_MULTIPLE = 64
 """What a new run on CUDA rounds its model's vocabulary up to a multiple of (``--pad-vocab``'s
@@ -156,7 +159,7 @@ class TrainConfig:
         "the JSON key, or Parquet or dataset column, of --data that holds the text",
     )
     tokenizer: str = setting(
-        "bpe:16384",  # trained on the corpus; "gpt2" for GPT-2's weights and export
+        DEFAULT_TOKENIZER,
         "data",
         "gpt2 (OpenAI's BPE) | char | bpe:N (a byte-level BPE of N ids trained on the text; "
         "bpe alone: 8192); prepared data keeps its own",

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gptkiln.config.run import DEFAULT_TOKENIZER
 from gptkiln.data.encoding import encoded_batches
 from gptkiln.data.mixture import (
     Mixture,
@@ -226,7 +227,7 @@ def _check_out_dir(out_dir: Path, source=None) -> None:
 def prepare(
     source: str | os.PathLike | None,
     out_dir: str | os.PathLike,
-    tokenizer: str | os.PathLike | Tokenizer = "gpt2",
+    tokenizer: str | os.PathLike | Tokenizer = DEFAULT_TOKENIZER,
     val_fraction: float = 0.1,
     *,
     text_field: str = DEFAULT_TEXT_FIELD,
@@ -245,7 +246,8 @@ def prepare(
         out_dir: folder to write (created; files of an earlier prepare there are replaced).
         tokenizer: ``"gpt2"``, ``"char"``, ``"bpe"`` (``bpe:N`` for N ids; default
             :data:`~gptkiln.tokenizers.DEFAULT_BPE_VOCAB_SIZE`), a folder holding a saved tokenizer
-            (e.g. earlier prepared data, to share its vocabulary), or a :class:`Tokenizer`.
+            (e.g. earlier prepared data, to share its vocabulary), or a :class:`Tokenizer`;
+            unsaid, ``bpe:16384``, as ``gptkiln prepare`` and ``train`` (`DEFAULT_TOKENIZER`).
             ``char`` and ``bpe`` are built from the whole source (train and validation).
         val_fraction: share of the characters, taken from the end, that becomes ``val.bin``.
         text_field: the JSON key or column that holds the text (JSON, Parquet, datasets).
