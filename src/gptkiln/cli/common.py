@@ -122,7 +122,8 @@ def add_precision_flag(p: argparse.ArgumentParser) -> None:
         "--precision",
         choices=("fp32", "bf16", "int8"),
         help="what a CPU decodes at: fp32 (exact), bf16 (bf16 weights, fp32 activations, as "
-        "llama.cpp's bf16 file), int8 (int8 weights, 8-bit activations, as its q8_0; "
+        "llama.cpp's bf16 file), int8 (int8 weights, as its q8_0; activations in 8 bits "
+        "where the CPU has AVX-512 VNNI, in fp32 elsewhere; "
         "quantizes a float run as it loads) (default: the run's own: int8 for a quantized "
         "run, bf16 for a bf16 one, else fp32); on a GPU, fp32 or bf16 casts the weights to it",
     )
@@ -164,7 +165,6 @@ def add_sampling_flags(
     p: argparse.ArgumentParser,
     helps: dict[str, str],
     defaults: dict[str, Any],
-    metavars: bool = True,
 ) -> None:
     """The `SAMPLING_FLAGS` that ``helps`` names (``--max-new-tokens`` for ``max_new_tokens``),
     in that order, each with its help.
@@ -173,8 +173,6 @@ def add_sampling_flags(
         p: the command's parser.
         helps: {field: help} of the flags the command takes.
         defaults: {field: default} where the command's differs from `SampleConfig`'s.
-        metavars: False shows each flag's name as its value (``--top-k TOP_K``), as ``chat``
-            always has, instead of ``K``.
     """
     fields = {f.name: f.default for f in dataclasses.fields(SampleConfig)}
     for name, (kind, metavar) in SAMPLING_FLAGS.items():
@@ -185,7 +183,7 @@ def add_sampling_flags(
         else:
             value = dict(type=kind, default=defaults.get(name, fields[name]))
         flag = "--" + name.replace("_", "-")
-        p.add_argument(flag, metavar=metavar if metavars else None, help=helps[name], **value)
+        p.add_argument(flag, metavar=metavar, help=helps[name], **value)
 
 
 def sample_config(args: argparse.Namespace) -> SampleConfig:

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import typing
 
 from gptkiln.cli.common import (
     add_device_flag,
@@ -20,6 +21,7 @@ from gptkiln.cli.common import (
     sample_config,
 )
 from gptkiln.cli.judge import add_judge_endpoint_flags, judge_of, print_verdict
+from gptkiln.cli.train import flag_shape
 from gptkiln.config import FinetuneConfig, TrainConfig
 
 
@@ -250,10 +252,13 @@ def _add_loop_flags(p: argparse.ArgumentParser) -> None:
     from gptkiln.finetune import FINETUNE_TRAIN_DEFAULTS
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    hints = typing.get_type_hints(TrainConfig)
     for name, text in FINETUNE_LOOP_FLAGS.items():
         default = FINETUNE_TRAIN_DEFAULTS.get(name, fields[name].default)
         flag = "--" + name.replace("_", "-")
-        shown = "" if name == "lr" else f" (default: {default})"  # lr: its help names both
+        said = ("on" if default else "off") if isinstance(default, bool) else default
+        shown = "" if name == "lr" else f" (default: {said})"  # lr: its help names both
+        kind, choices, metavar = flag_shape(name, hints)
         if isinstance(default, bool):
             p.add_argument(
                 flag,
@@ -264,9 +269,10 @@ def _add_loop_flags(p: argparse.ArgumentParser) -> None:
         else:
             p.add_argument(
                 flag,
-                type=type(default),
+                type=kind,
+                choices=choices,
                 default=argparse.SUPPRESS,
-                metavar=name.upper(),
+                metavar=metavar,
                 help=text + shown,
             )
 
@@ -352,9 +358,11 @@ def add_classify_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "classify",
         help="the label of texts, by a classifier from `gptkiln finetune --task classify`",
+        description="Label texts with a classifier fine-tuned by `gptkiln finetune --task "
+        "classify`: one line a text, its label, a tab, and each class's probability.",
         epilog=example('gptkiln classify runs/spam --text "You won a prize! Call now"'),
     )
-    add_run_argument(p, help="a run fine-tuned with --task classify", metavar=None)
+    add_run_argument(p, help="a run fine-tuned with --task classify")
     p.add_argument(
         "--text",
         action="append",
@@ -362,7 +370,7 @@ def add_classify_parser(sub: argparse._SubParsersAction) -> None:
         help="a text to classify; repeat for more (one line of output each: the "
         "label, a tab, each class's probability)",
     )
-    add_device_flag(p, devices="cpu | cuda | cuda:N | mps")
+    add_device_flag(p)
     p.set_defaults(func=run_classify)
 
 
@@ -391,20 +399,23 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "chat",
         help="chat with an instruction-tuned run (streams; /reset, /exit, Ctrl-C stops a reply)",
-        description="Chat with a run from `gptkiln finetune` (instruct): each message and the "
-        "conversation so far go through the run's prompt template. At a terminal: line "
+        description="Chat with a run from `gptkiln finetune` (instruct, chat or dpo), or a model "
+        "with a chat template of its own (a Hugging Face instruct model): each message and the "
+        "conversation so far go through the run's template. At a terminal: line "
         "editing, /reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops a "
         "response. From a pipe (or --plain): a message a line in, each response out.",
         epilog=example("gptkiln chat runs/instruct --temperature 0.7 --seed 1"),
     )
-    add_run_argument(p, help="a run fine-tuned with --task instruct", metavar=None)
+    add_run_argument(
+        p, help="a fine-tuned run (instruct, chat or dpo), or a model with a chat template"
+    )
     p.add_argument(
         "--plain",
         action="store_true",
         help="no prompts or banner, responses only (the default when stdin is not a terminal)",
     )
-    add_sampling_flags(p, CHAT_SAMPLING_HELP, CHAT_SAMPLING_DEFAULTS, metavars=False)
-    add_device_flag(p, devices="cpu | cuda | cuda:N | mps")
+    add_sampling_flags(p, CHAT_SAMPLING_HELP, CHAT_SAMPLING_DEFAULTS)
+    add_device_flag(p)
     add_precision_flag(p)
     p.set_defaults(func=run_chat)
 

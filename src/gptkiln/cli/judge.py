@@ -27,12 +27,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "--judge-model gpt-4o-mini --json",
         ),
     )
-    add_run_argument(p, help="a fine-tuned run (instruct or chat) whose answers are judged")
+    add_run_argument(p, help="a fine-tuned run (instruct, chat or dpo) whose answers are judged")
     p.add_argument(
         "--data",
         metavar="FILE",
         help="test entries: instruction entries {instruction, input, output} or conversations "
-        "whose last message is the answer (default: the test split of an instruct run's data)",
+        "whose last message is the answer (default: the test split of the data the run was "
+        "fine-tuned on)",
     )
     add_judge_endpoint_flags(p)
     p.add_argument(
@@ -91,7 +92,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=True,
         help="a progress bar of the judged entries, at a terminal (default: on)",
     )
-    add_device_flag(p, devices="cpu | cuda | cuda:N | mps")
+    add_device_flag(p)
     p.set_defaults(func=run_judge)
 
 

@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         + "then open http://127.0.0.1:8000/ or point an OpenAI client at "
         "http://127.0.0.1:8000/v1\n",
     )
-    add_run_argument(p, metavar=None)
+    add_run_argument(p)
     p.add_argument(
         "--host",
         metavar="ADDRESS",
@@ -89,7 +89,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="memory for the keys and values of prompt prefixes kept for later prompts that "
         "start the same way, >= 0 (default: 256; 0 turns prefix caching off)",
     )
-    add_device_flag(p, devices="cpu | cuda | mps | auto")
+    add_device_flag(p)
     add_quantize_flag(p)
     add_precision_flag(p)
     p.set_defaults(func=run)

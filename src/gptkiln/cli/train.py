@@ -79,13 +79,12 @@ def add_train_flags(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentG
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         help = f"{f.metadata.get('help', '')} (default: {_shown_default(f)})".lstrip()
-        kind, choices = _flag_type(hints[f.name])
+        kind, choices, metavar = flag_shape(f.name, hints)
         group = groups.get(f.metadata.get("group"), p)  # tests hold every field to a group
         if kind is bool:
             action = argparse.BooleanOptionalAction
             group.add_argument(flag, action=action, default=argparse.SUPPRESS, help=help)
         else:
-            metavar = None if choices else _FIELD_METAVARS.get(f.name, _TYPE_METAVARS[kind])
             group.add_argument(
                 flag,
                 type=kind,
@@ -95,6 +94,16 @@ def add_train_flags(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentG
                 help=help,
             )
     return groups
+
+
+def flag_shape(name: str, hints: dict[str, Any] | None = None) -> tuple[type, list | None, Any]:
+    """(type, choices or None, metavar) of the flag of `TrainConfig` field ``name``: what
+    ``train`` and ``finetune`` (its loop's flags) both show."""
+    hints = hints or typing.get_type_hints(TrainConfig)
+    kind, choices = _flag_type(hints[name])
+    if kind is bool or choices:
+        return kind, choices, None
+    return kind, choices, _FIELD_METAVARS.get(name, _TYPE_METAVARS[kind])
 
 
 def _flag_type(hint: Any) -> tuple[type, list | None]:
