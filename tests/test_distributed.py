@@ -633,7 +633,7 @@ def test_a_sigterm_during_a_checkpoint_write_waits_for_the_write_to_finish(signu
 
     finished = []
     before = signal.getsignal(signum)
-    raised = (WorkerStopped, "SIGTERM") if signum == signal.SIGTERM else (KeyboardInterrupt, "")
+    raised = (WorkerStopped, "SIGTERM") if signum == signal.SIGTERM else (KeyboardInterrupt, None)
     with TerminationGuard() as guard, pytest.raises(raised[0], match=raised[1]):
         with guard.hold():
             os.kill(os.getpid(), signum)
