@@ -942,3 +942,21 @@ def test_a_warm_up_as_long_as_the_run_gets_a_note(play_path, tmp_path, capsys):
     assert "the warm-up of 3 steps lasts the whole run of 3" in capsys.readouterr().err
     train(tiny_config(play_path, tmp_path / "b", max_steps=4, warmup_steps=3))
     assert "warm-up" not in capsys.readouterr().err
+
+
+def test_a_presets_sizes_are_settings_of_their_own(play_path, tmp_path):
+    """``n_layer``, ``n_head``, ``n_kv_head``, ``n_embd`` over the preset (nanoGPT's --n_layer
+    ...): the run's model has them, config.json records them, and a size the family cannot
+    take is one line."""
+    from gptkiln.loading import load_model
+
+    run = tmp_path / "run"
+    train(tiny_config(play_path, run, model="llama3-baby", n_layer=3, n_head=8, n_kv_head=4,
+                      n_embd=64, max_steps=1))  # fmt: skip
+    config = load_model(run).config
+    assert (config.n_layer, config.n_head, config.n_kv_head, config.n_embd) == (3, 8, 4, 64)
+    assert json.loads((run / "config.json").read_text())["train"]["n_layer"] == 3
+    with pytest.raises(GptkilnError, match="n_kv_head"):
+        train(tiny_config(play_path, tmp_path / "gpt2", n_kv_head=1, max_steps=1))
+    with pytest.raises(GptkilnError, match="n_layer must be a whole number >= 1"):
+        TrainConfig(n_layer=0)

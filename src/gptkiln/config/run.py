@@ -170,6 +170,22 @@ class TrainConfig:
     context_length: int | None = setting(
         None, "model", "tokens the model sees at once (>= 1)", unset="the preset's"
     )
+    n_layer: int | None = setting(None, "model", "transformer blocks (>= 1)", unset="the preset's")
+    n_head: int | None = setting(
+        None, "model", "attention (query) heads a block (>= 1)", unset="the preset's"
+    )
+    n_kv_head: int | None = setting(
+        None,
+        "model",
+        "key/value heads a block, dividing --n-head (llama3, qwen3; gpt2 has one a query head)",
+        unset="the preset's",
+    )
+    n_embd: int | None = setting(
+        None,
+        "model",
+        "the embedding width (>= 1; the preset's MLP width is kept where it names one)",
+        unset="the preset's",
+    )
     dropout: float | None = setting(None, "model", "dropout rate, in [0, 1)", unset="the preset's")
     tie_embeddings: bool | None = setting(
         None, "model", "share the token embedding with the output head", unset="the preset's"
@@ -433,7 +449,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value < 0:
                 raise GptkilnError(f"{name} must be a whole number >= 0, got {value!r}")
-        for name in ("context_length", "stride", "pad_vocab"):
+        for name in ("context_length", "stride", "pad_vocab", "n_layer", "n_head", "n_kv_head",
+                     "n_embd"):  # fmt: skip
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if self.max_steps == 0 and self.epochs == 0:

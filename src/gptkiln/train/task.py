@@ -370,8 +370,9 @@ def model_config_for(
         "vocab_size": vocab_size,
         "padded_vocab_size": padded if padded and padded > vocab_size else None,
     }
-    if cfg.context_length is not None:
-        overrides["context_length"] = cfg.context_length
+    for name in ("context_length", "n_layer", "n_head", "n_kv_head", "n_embd"):
+        if getattr(cfg, name) is not None:
+            overrides[name] = getattr(cfg, name)
     if cfg.dropout is not None:
         overrides["dropout"] = cfg.dropout
     if cfg.tie_embeddings is not None:
