@@ -375,10 +375,12 @@ def test_a_directory_with_any_file_of_a_checkpoint_counts_as_one(tmp_path, run_d
     only_prev = tmp_path / "p"
     only_prev.mkdir()
     (only_prev / PREVIOUS_STATE_FILE).write_bytes(b"state")
-    for directory in (only_weights, only_prev):
-        with pytest.raises(GptkilnError, match="already holds a checkpoint"):
-            check_run_dir_for_training(directory, resume=False, overwrite=False)
-    check_run_dir_for_training(only_prev, resume=True, overwrite=False)  # a save cut short
+    with pytest.raises(GptkilnError, match="already holds a model .saved without a training"):
+        check_run_dir_for_training(only_weights, resume=False, overwrite=False)
+    for resume in (False, True):  # a first save cut short: nothing to resume, --overwrite
+        with pytest.raises(GptkilnError, match="cut short .*pass --overwrite"):
+            check_run_dir_for_training(only_prev, resume=resume, overwrite=False)
+    check_run_dir_for_training(only_prev, resume=False, overwrite=True)
 
 
 class _Note:  # any class of code: a trainer state holding one is refused, not executed
@@ -397,7 +399,9 @@ def test_trainer_state_is_read_as_plain_data_only(tmp_path):
 
 def test_run_dir_checks_for_training(tmp_path, run_dir):
     check_run_dir_for_training(tmp_path / "new", resume=False, overwrite=False)
-    with pytest.raises(GptkilnError, match="already holds a checkpoint.*--resume.*--overwrite"):
+    with pytest.raises(
+        GptkilnError, match="already holds a model .*cannot be resumed.*--overwrite"
+    ):
         check_run_dir_for_training(run_dir, resume=False, overwrite=False)
     check_run_dir_for_training(run_dir, resume=False, overwrite=True)
     with pytest.raises(GptkilnError, match="cannot resume.*no trainer_state.pt"):
@@ -525,3 +529,42 @@ def test_weights_this_user_may_not_read_are_named_so_not_corrupt(tmp_path, monke
     )
     with pytest.raises(GptkilnError, match="this user may not read it"):
         read_safetensors(tmp_path / "model.safetensors")
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def test_an_overwrites_first_checkpoint_cut_short_never_costs_the_run_it_replaced(tmp_path):
+    """A kill after the new run's trainer state but before its config.json: that is no
+    checkpoint, so the replaced run stays in .replaced, and both a resume and a plain train
+    say so, rather than drop it as a run that had saved."""
+    from gptkiln.checkpoint import REPLACED_DIR, set_aside_replaced
+
+    model, run = tiny_model(), tmp_path / "run"
+    write_checkpoint(run, model.config, model.state_dict(), _trained_state(model))
+    before = _files(run)
+    set_aside_replaced(run)
+    torch.save({"step": 2}, run / TRAINER_STATE_FILE)  # the new run's first save, cut short
+    for resume in (False, True):
+        with pytest.raises(GptkilnError, match=r"\.replaced holds the run an --overwrite"):
+            check_run_dir_for_training(run, resume=resume, overwrite=False)
+    assert _files(run / REPLACED_DIR) == before
+    set_aside_replaced(run)  # another --overwrite: the cut-short files go, the old run stays
+    assert _files(run / REPLACED_DIR) == before and not (run / TRAINER_STATE_FILE).exists()
+
+
+def test_a_set_aside_stopped_halfway_puts_the_run_back_whole(tmp_path):
+    """A kill while an --overwrite moves the old run's files aside (into .replacing, which
+    becomes .replaced only when every file is in): the next start moves them back."""
+    from gptkiln.checkpoint import SETTING_ASIDE_DIR
+
+    model, run = tiny_model(), tmp_path / "run"
+    write_checkpoint(run, model.config, model.state_dict(), _trained_state(model))
+    before = _files(run)
+    (run / SETTING_ASIDE_DIR).mkdir()
+    for name in (WEIGHTS_FILE, CONFIG_FILE):  # the first files moved when the kill came
+        os.replace(run / name, run / SETTING_ASIDE_DIR / name)
+    check_run_dir_for_training(run, resume=True, overwrite=False)
+    assert _files(run) == before and not (run / SETTING_ASIDE_DIR).exists()
+    read_checkpoint(run)

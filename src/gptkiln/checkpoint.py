@@ -346,6 +346,30 @@ def has_checkpoint(run_dir: str | os.PathLike) -> bool:
     return any((run_dir / name).exists() for name in names)
 
 
+def has_whole_checkpoint(run_dir: str | os.PathLike) -> bool:
+    """Whether run_dir holds a checkpoint a resume can take: config.json, the weights (a LoRA
+    run's adapters) and the trainer state saved with them (`matching_trainer_state`, its
+    tensors memory-mapped, not read). A save cut short before its last file holds none."""
+    run_dir = Path(run_dir)
+    weights = next((run_dir / n for n in (ADAPTER_FILE, WEIGHTS_FILE) if (run_dir / n).is_file()),
+                   None)  # fmt: skip
+    if weights is None or not (run_dir / CONFIG_FILE).is_file():
+        return False
+    try:
+        return matching_trainer_state(run_dir, _weights_step(weights), mmap=True)[0] is not None
+    except GptkilnError:  # a damaged file: resuming says what is wrong with it
+        return False
+
+
+def _weights_step(weights: Path) -> str | None:
+    """The training step a weights file records (None: none, or a file safetensors cannot
+    read)."""
+    try:
+        return safetensors_metadata(weights).get("step")
+    except GptkilnError:
+        return None
+
+
 def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
     """Check ``out_dir`` before a converted or downloaded model is written there: refuse a file,
     and a directory that already holds a model unless ``overwrite``.
@@ -371,6 +395,8 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
 
 REPLACED_DIR = ".replaced"
 """Where ``train --overwrite`` keeps the run it replaces until the new run's first checkpoint."""
+SETTING_ASIDE_DIR = ".replacing"
+"""Where the files of a run being set aside gather before the folder becomes ``.replaced``."""
 REPLACED_DATA_DIR = ".replaced-data"
 """Where a new run that prepares other text into ``RUN/data`` keeps the data there before it,
 until its first checkpoint (the data is prepared before the run's files are set aside)."""
@@ -411,17 +437,31 @@ def set_aside_replaced(run_dir: str | os.PathLike) -> None:
     attempt's: they go."""
     run_dir = Path(run_dir)
     aside = run_dir / REPLACED_DIR
+    finish_setting_aside(run_dir)
     files = run_files(run_dir)
-    if aside.exists() and (run_dir / TRAINER_STATE_FILE).is_file():
+    if aside.exists() and has_whole_checkpoint(run_dir):
         drop_replaced(run_dir)  # stale: the run here saved a checkpoint after it was set aside
     if aside.exists():
         for path in files:
             _remove(path)
         return
-    if files:
-        aside.mkdir()
+    if files:  # moved into a folder of their own first, so that a stop halfway splits nothing
+        going = run_dir / SETTING_ASIDE_DIR
+        going.mkdir()
         for path in files:
-            os.replace(path, aside / path.name)
+            os.replace(path, going / path.name)
+        os.replace(going, aside)
+
+
+def finish_setting_aside(run_dir: str | os.PathLike) -> None:
+    """A set-aside (`set_aside_replaced`) that stopped halfway: the files it had moved go back
+    beside the others, so the run is whole in its directory again."""
+    going = Path(run_dir) / SETTING_ASIDE_DIR
+    if not going.is_dir():
+        return
+    for path in going.iterdir():
+        os.replace(path, Path(run_dir) / path.name)
+    going.rmdir()
 
 
 def restore_replaced(run_dir: str | os.PathLike) -> bool:
@@ -498,11 +538,13 @@ def check_run_dir_for_training(
         raise GptkilnError("--resume and --overwrite contradict each other; pass one of them")
     if run_dir.exists() and not run_dir.is_dir():
         raise GptkilnError(f"--out {run_dir} is a file; give a folder for the run")
+    finish_setting_aside(run_dir)
     has_state = any((run_dir / f).is_file() for f in (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE))
+    whole = has_state and has_whole_checkpoint(run_dir)
     aside = run_dir / REPLACED_DIR
-    if has_state and (aside.is_dir() or (run_dir / REPLACED_DATA_DIR).is_dir()):
+    if whole and (aside.is_dir() or (run_dir / REPLACED_DATA_DIR).is_dir()):
         drop_replaced(run_dir)  # stale: the run here saved a checkpoint after it was set aside
-    if aside.is_dir() and not overwrite and not has_state:
+    if aside.is_dir() and not overwrite and not whole:
         data = run_dir / REPLACED_DATA_DIR
         data_back = f" (and {data} back as its data/)" if data.is_dir() else ""
         raise GptkilnError(
@@ -520,7 +562,19 @@ def check_run_dir_for_training(
         raise GptkilnError(
             f"cannot resume {run_dir}: it holds {what}; drop --resume to start a new run"
         )
+    if has_state and not whole and not overwrite and not (run_dir / CONFIG_FILE).is_file():
+        raise GptkilnError(
+            f"{run_dir} holds the start of a first checkpoint that was cut short (a trainer "
+            "state, no config.json): there is nothing to resume; pass --overwrite to start "
+            "afresh, or choose another --out"
+        )
     if not resume and not overwrite and has_checkpoint(run_dir):
+        if not has_state:
+            raise GptkilnError(
+                f"{run_dir} already holds a model (saved without a training state, so it "
+                "cannot be resumed); pass --overwrite to train a new one there, or choose "
+                "another --out"
+            )
         raise GptkilnError(
             f"{run_dir} already holds a checkpoint; pass --resume to continue it, "
             f"--overwrite to start afresh, or choose another --out"

@@ -205,10 +205,13 @@ def resume_after_restart(
 
     When torchrun has ``restarted`` the workers after a failure (``--max-restarts``), the run
     continues from the checkpoint the failed attempt left in ``run_dir``, whatever the command
-    line said (it is the same command); before any checkpoint, it starts as the command says.
+    line said (it is the same command); before any whole checkpoint, it starts as the command
+    says, over what a first save cut short left.
     """
-    if restarted and (run_dir / checkpoint.TRAINER_STATE_FILE).is_file():
+    if restarted and checkpoint.has_whole_checkpoint(run_dir):
         return True, False
+    if restarted and checkpoint.has_checkpoint(run_dir) and not resume:
+        return False, True  # the failed attempt's first save, cut short: it starts again
     return resume, overwrite
 
 
