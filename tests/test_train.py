@@ -960,3 +960,37 @@ def test_a_presets_sizes_are_settings_of_their_own(play_path, tmp_path):
         train(tiny_config(play_path, tmp_path / "gpt2", n_kv_head=1, max_steps=1))
     with pytest.raises(GptkilnError, match="n_layer must be a whole number >= 1"):
         TrainConfig(n_layer=0)
+
+
+def test_a_resume_that_fails_while_it_rewrites_metrics_csv_keeps_the_file(
+    play_path, tmp_path, monkeypatch
+):
+    """A resume trims metrics.csv to its checkpoint's rows: written beside it and renamed, so
+    a failure halfway (a kill, a full disk) leaves the whole history, not the rows so far."""
+    from gptkiln.train import run_log
+
+    run = tmp_path / "run"
+    train(tiny_config(play_path, run, max_steps=8))
+    before = (run / "metrics.csv").read_bytes()
+    real = run_log.RunLog._write_rows
+
+    def fails_after_a_row(self, path, rows, mode):
+        real(self, path, rows[:1], mode)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_log.RunLog, "_write_rows", fails_after_a_row)
+    with pytest.raises(GptkilnError, match="no space left"):
+        train(tiny_config(play_path, run, max_steps=12), resume=True)
+    assert (run / "metrics.csv").read_bytes() == before
+
+
+def test_a_metrics_csv_that_is_not_utf8_is_one_line(tmp_path):
+    from gptkiln.train import read_metrics
+
+    path = tmp_path / "metrics.csv"
+    path.write_bytes(b"step,tokens,train_loss\n1,8,2.5\ngarbage\xff\n")
+    with pytest.raises(GptkilnError, match=r"metrics.csv line 3 is not UTF-8 text; fix that line"):
+        read_metrics(path)
+    path.write_bytes(b"step,tokens,train_loss\n1,8,2.5\n\x00\x00\n")
+    with pytest.raises(GptkilnError, match=r"line 3.*\\x00"):
+        read_metrics(path)

@@ -95,7 +95,10 @@ def plot_metric(
         tasks_ax.legend(fontsize=7, loc="best")
         tasks_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    from gptkiln.checkpoint import atomic_write  # a run's file: never left half-written
+
+    suffix = Path(path).suffix.lstrip(".") or "png"
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format=suffix))
     plt.close(fig)
 
 

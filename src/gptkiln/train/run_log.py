@@ -32,17 +32,30 @@ task's own columns go between tokens and lr."""
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """Rows of a metrics.csv as dicts of floats (empty cells become None)."""
     rows = []
-    with open(path, newline="") as f:
-        for line, row in enumerate(csv.DictReader(f), start=2):
+    fix = "fix that line, or delete the file to drop the run's loss history"
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        try:
+            for line, row in enumerate(reader, start=2):
+                try:
+                    rows.append(
+                        {k: (float(v) if v not in ("", None) else None) for k, v in row.items()}
+                    )
+                except (TypeError, ValueError):
+                    shown = repr(",".join(map(str, row.values())))[1:-1]  # a NUL as \x00
+                    raise GptkilnError(
+                        f"{path} line {line}: not a row of numbers ({shown}); {fix}"
+                    ) from None
+        except csv.Error as e:  # a NUL byte
+            raise GptkilnError(f"{path} line {reader.line_num} ({e}); {fix}") from None
+        except UnicodeDecodeError:  # read a block at a time: the line is found in the bytes
+            data = Path(path).read_bytes()
             try:
-                rows.append(
-                    {k: (float(v) if v not in ("", None) else None) for k, v in row.items()}
-                )
-            except (TypeError, ValueError):
-                raise GptkilnError(
-                    f"{path} line {line}: not a row of numbers ({','.join(map(str, row.values()))}"
-                    "); fix that line, or delete the file to drop the run's loss history"
-                ) from None
+                data.decode("utf-8")
+                line = "?"
+            except UnicodeDecodeError as e:
+                line = data[: e.start].count(b"\n") + 1
+            raise GptkilnError(f"{path} line {line} is not UTF-8 text; {fix}") from None
     return rows
 
 
@@ -167,11 +180,13 @@ class RunLog:
         if not (self.world.is_main and self.metrics_path.exists()):
             return
         rows = [r for r in read_metrics(self.metrics_path) if r["step"] <= step]
-        self.metrics_path.unlink()
         for row in rows:
-            row["step"] = int(row["step"])
-            row["tokens"] = int(row["tokens"])
-            self._append(row)
+            row["step"], row["tokens"] = int(row["step"]), int(row["tokens"])
+        self.fields += [
+            k for k in dict.fromkeys(k for r in rows for k in r) if k not in self.fields
+        ]
+        with self.guard.hold():  # written whole beside it, then in its place: never half a file
+            self._rewrite(rows)
         self.history = rows
 
     def open_tensorboard(self, purge_step: int | None) -> None:
@@ -289,9 +304,13 @@ class RunLog:
             rows = read_metrics(self.metrics_path)
             for old in rows:
                 old["step"], old["tokens"] = int(old["step"]), int(old["tokens"])
-            fresh = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
-            self._write_rows(fresh, [*rows, row], "w")
-            os.replace(fresh, self.metrics_path)
+            self._rewrite([*rows, row])
+
+    def _rewrite(self, rows: list[dict]) -> None:
+        """metrics.csv as ``rows``, written atomically (`checkpoint.atomic_write`)."""
+        from gptkiln.checkpoint import atomic_write
+
+        atomic_write(self.metrics_path, lambda tmp: self._write_rows(Path(tmp), rows, "w"))
 
     def _write_rows(self, path: Path, rows: list[dict], mode: str) -> None:
         new = mode == "w" or not path.exists()
