@@ -568,3 +568,13 @@ def test_a_set_aside_stopped_halfway_puts_the_run_back_whole(tmp_path):
     check_run_dir_for_training(run, resume=True, overwrite=False)
     assert _files(run) == before and not (run / SETTING_ASIDE_DIR).exists()
     read_checkpoint(run)
+
+
+def test_weights_no_training_wrote_take_no_trainer_state(tmp_path):
+    """A conversion cut short over a run (`convert hf --out RUN --overwrite`) leaves its weights
+    beside the old run's trainer state: they record no step, so a resume refuses them."""
+    model, run = tiny_model(), tmp_path / "run"
+    write_checkpoint(run, model.config, model.state_dict(), _trained_state(model))
+    save_model(tiny_model(seed=1), run)  # the new weights; the old trainer state not yet gone
+    with pytest.raises(GptkilnError, match="records no training step .* is not its"):
+        read_checkpoint(run)

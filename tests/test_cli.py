@@ -774,7 +774,17 @@ def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
     meta = prepare(play_path, big, "bpe:8000", progress=False)
     assert meta["vocab_size"] < 8000  # a small corpus: fewer ids than asked for
     run = tmp_path / "run"
-    short = ["--model", "tiny", "--max-steps", "2", "--no-progress", "--out", run]
+    short = [
+        "--model",
+        "tiny",
+        "--max-steps",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--no-progress",
+        "--out",
+        run,
+    ]
     refused = [
         (["--data", char, "--tokenizer", "gpt2"], ["--tokenizer gpt2:", "the char tokenizer"]),
         (["--data", char, "--val-fraction", "0.2"], ["val_fraction 0.1", "drop --val-fraction"]),

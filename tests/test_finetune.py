@@ -895,7 +895,7 @@ def test_chat_and_classify_refuse_runs_of_the_other_kind(work, instruct_run, cla
         work / "base",
         capsys=capsys,
     )
-    assert_one_line_error(code, err, "already holds a checkpoint")
+    assert_one_line_error(code, err, "already holds a model")
 
 
 def test_serve_refuses_a_classifier_in_one_line(classifier, capsys, monkeypatch):

@@ -683,7 +683,7 @@ def unpack_tensors(tree: Any) -> Any:
 def _matching_trainer_state(
     run_dir: Path, weights_step: str | None, weights: Path | None = None
 ) -> dict[str, Any]:
-    """The trainer state saved with the weights of step ``weights_step`` (None: the current)."""
+    """The trainer state saved with the weights of step ``weights_step``."""
     state, why = matching_trainer_state(run_dir, weights_step, weights=weights)
     if state is not None:
         return state
@@ -701,8 +701,8 @@ def matching_trainer_state(
     mmap: bool = False,
     weights: str | os.PathLike | None = None,
 ) -> tuple[dict[str, Any] | None, str]:
-    """(the trainer state saved with the weights of step ``weights_step``, None: the current
-    one; or None and why there is none). This is what resuming takes; `gptkiln info` asks it
+    """(the trainer state saved with the weights of step ``weights_step``; or None and why
+    there is none: also where the weights record no step, as no training wrote them). This is what resuming takes; `gptkiln info` asks it
     whether a run can be resumed (``mmap``: its tensors are not read until used; ``weights``:
     the weights file the step is of, for the message: model.safetensors unless given)."""
     run_dir = Path(run_dir)
@@ -711,13 +711,18 @@ def matching_trainer_state(
     ]
     if not paths:
         return None, f"{TRAINER_STATE_FILE} is missing"
+    weights_name = (Path(weights) if weights else run_dir / WEIGHTS_FILE).name
+    if weights_step is None:  # weights no training wrote: a trainer state there is another's
+        return None, (
+            f"{weights_name} records no training step (written by a conversion or save_model, "
+            f"not by training), so the {paths[0].name} beside it is not its"
+        )
     steps = []
     for path in paths:
         state = _load_trainer_state(path, mmap=mmap)
-        if weights_step is None or str(state.get("step")) == weights_step:
+        if str(state.get("step")) == weights_step:
             return state, f"{path.name} matches the weights (step {state.get('step')})"
         steps.append(f"{path.name} from step {state.get('step')}")
-    weights_name = (Path(weights) if weights else run_dir / WEIGHTS_FILE).name
     return None, f"{weights_name} is from step {weights_step} but {', '.join(steps)}"
 
 
