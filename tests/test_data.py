@@ -742,3 +742,34 @@ def test_create_dataloader_takes_the_books_call(gpt2, play_text):
     assert next(iter(create_dataloader(text)))[0].shape == (4, 256)  # the book's defaults
     with pytest.raises(GptkilnError, match="got text, not token ids; tokenize it first"):
         SlidingWindowDataset(text, 4, 1)
+
+
+def test_a_prepare_stopped_while_it_replaces_a_folder_leaves_no_prepared_data(
+    play_path, tmp_path, monkeypatch
+):
+    """Preparing other text into a prepared folder renames its files in one by one: stopped
+    halfway (here after the first), the folder is not taken for prepared data (its old
+    meta.json went first), not one whose meta.json describes files partly replaced."""
+    import importlib
+
+    from gptkiln.data.prepare import is_prepared
+
+    prepare_module = importlib.import_module("gptkiln.data.prepare")
+
+    out = tmp_path / "data"
+    prepare(play_path, out, "char", progress=False)
+    other = tmp_path / "other.txt"
+    other.write_text(play_path.read_text()[::-1])
+    real, moved = os.replace, []
+
+    def stops_after_one(src, dst):
+        if moved and str(src).startswith(str(tmp_path)):
+            raise KeyboardInterrupt
+        moved.append(dst)
+        real(src, dst)
+
+    monkeypatch.setattr(prepare_module.os, "replace", stops_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(other, out, "char", progress=False)
+    monkeypatch.undo()
+    assert not is_prepared(out)

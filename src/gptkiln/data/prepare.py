@@ -480,7 +480,10 @@ def _mix_meta(mixture: Mixture, mixed) -> list[dict]:
 
 
 def _move_into_place(staging: Path, out_dir: Path) -> None:
-    """Rename staged files over the final names, ``meta.json`` last; drop stale tokenizer files."""
+    """Rename staged files over the final names, ``meta.json`` last; drop stale tokenizer files.
+    The old ``meta.json`` goes first: a stop halfway leaves a folder that is no prepared data
+    (`is_prepared`), never one whose meta.json describes files partly replaced."""
+    (out_dir / "meta.json").unlink(missing_ok=True)
     for name in TOKENIZER_FILES:
         if not (staging / name).exists():
             (out_dir / name).unlink(missing_ok=True)
