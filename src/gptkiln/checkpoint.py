@@ -702,9 +702,10 @@ def matching_trainer_state(
     weights: str | os.PathLike | None = None,
 ) -> tuple[dict[str, Any] | None, str]:
     """(the trainer state saved with the weights of step ``weights_step``; or None and why
-    there is none: also where the weights record no step, as no training wrote them). This is what resuming takes; `gptkiln info` asks it
-    whether a run can be resumed (``mmap``: its tensors are not read until used; ``weights``:
-    the weights file the step is of, for the message: model.safetensors unless given)."""
+    there is none: also where the weights record no step, as no training wrote them). This is
+    what resuming takes; `gptkiln info` asks it whether a run can be resumed (``mmap``: its
+    tensors are not read until used; ``weights``: the weights file the step is of, for the
+    message: model.safetensors unless given)."""
     run_dir = Path(run_dir)
     paths = [
         p for p in (run_dir / TRAINER_STATE_FILE, run_dir / PREVIOUS_STATE_FILE) if p.is_file()
