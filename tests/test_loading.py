@@ -143,7 +143,17 @@ def test_weights_that_are_not_finite_are_refused_by_name(tmp_path, bad):
 
 
 def test_a_run_saved_without_a_tokenizer_says_how_to_give_it_one(tmp_path):
+    """...and one that keeps a Hugging Face tokenizer's files, as load_tokenizer's own advice
+    says to copy in, loads with it."""
+    import shutil
+
+    from hf_tokenizer_dirs import write_llama3_dir
+
     save_model(tiny(), tmp_path / "run")  # no tokenizer: the model loads alone
     load_model(tmp_path / "run")
     with pytest.raises(GptkilnError, match=r"saved without its tokenizer .*tokenizer\.save\(dir\)"):
         load_run_tokenizer(tmp_path / "run")
+    hf = write_llama3_dir(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf / name, tmp_path / "run" / name)
+    assert load_run_tokenizer(tmp_path / "run").kind == "hf"

@@ -259,9 +259,11 @@ def test_bpe_and_gpt2_decode_refuse_ids_outside_their_vocabulary(gpt2, chinese_b
     for tok in (gpt2, chinese_bpe):
         bad = past if past < 0 else tok.vocab_size + past
         assert tok.decode([tok.vocab_size - 1]) == tok.decode([tok.vocab_size - 1])  # in range
-        with pytest.raises(GptkilnError, match=f"id {bad} is outside its vocabulary of "
-                           f"{tok.vocab_size}"):  # fmt: skip
+        said = f"id {bad} is (outside its vocabulary of |not one of its ){tok.vocab_size}"
+        with pytest.raises(GptkilnError, match=said):
             tok.decode([1, bad])
+    with pytest.raises(GptkilnError, match="id 1.5 is not one of its 50257 ids"):
+        gpt2.decode([1, 1.5])
 
 
 def test_train_bpe_tokenizer_takes_one_text_as_one_document(play_text):

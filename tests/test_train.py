@@ -684,20 +684,21 @@ def test_a_new_run_never_sets_aside_text_of_ones_own_in_its_data_folder(tmp_path
 def test_the_default_sample_prompt_is_the_plays_and_another_corpus_samples_from_its_start(
     tmp_path, capsys
 ):
-    """ "ROMEO:" is the bundled plays' prompt: a run on other text (here one without its
-    letters, and one with them) samples from end-of-text, or without one (a char run on one
-    document) from the alphabet's first character; sample_tokens=0 prints no sample at all; a
-    prompt given that the corpus lacks is still refused."""
-    from gptkiln.config.run import DEFAULT_SAMPLE_PROMPT
-
+    """Unset, the sample prompt is "ROMEO:" on the bundled plays alone: a run on other text
+    (here one without its letters, and one with them) samples from end-of-text, or without one
+    (a char run on one document) from the alphabet's first character; "ROMEO:" given (a
+    recipe's) is kept; sample_tokens=0 prints no sample at all; a prompt given that the corpus
+    lacks is still refused."""
     text = tmp_path / "zh.txt"
     text.write_text("床前明月光，疑是地上霜。\n\n举头望明月，低头思故乡。\n" * 60)
-    cfg = tiny_config(text, tmp_path / "run", max_steps=6, sample_prompt=DEFAULT_SAMPLE_PROMPT)
+    cfg = tiny_config(text, tmp_path / "run", max_steps=6, sample_prompt=None)
     assert train(cfg).sample.startswith("\n")  # "\n" is the alphabet's first character
     english = tmp_path / "en.txt"
     english.write_text("ROMEO: I am here. MERCUTIO: And I am there, to be or not to be.\n" * 80)
-    cfg = tiny_config(english, tmp_path / "en", max_steps=6, sample_prompt=DEFAULT_SAMPLE_PROMPT)
+    cfg = tiny_config(english, tmp_path / "en", max_steps=6, sample_prompt=None)
     assert not train(cfg).sample.startswith("ROMEO:")
+    cfg = tiny_config(english, tmp_path / "given", max_steps=6, sample_prompt="ROMEO:")
+    assert train(cfg).sample.startswith("ROMEO:")
     capsys.readouterr()
     train(tiny_config(english, tmp_path / "quiet", max_steps=6, sample_tokens=0))
     assert "--- sample" not in capsys.readouterr().out
@@ -895,7 +896,7 @@ def test_a_micro_batch_whose_logits_cannot_fit_in_free_memory_is_refused_before_
 
     run = tmp_path / "run"
     monkeypatch.setattr(loop, "free_memory", lambda device: 1000)
-    with pytest.raises(GptkilnError, match=r"4 windows of 32 tokens needs at least .* GiB for its "
+    with pytest.raises(GptkilnError, match=r"4 windows of 32 tokens needs at least .* KiB for its "
                        r"logits \(128 positions x \d+ ids.*lower --batch-size"):  # fmt: skip
         train(tiny_config(play_path, run))
     assert not (run / "model.safetensors").exists()
@@ -938,9 +939,9 @@ def test_from_python_a_setting_of_the_optimizer_not_used_is_refused(play_path, t
 
 
 def test_a_warm_up_as_long_as_the_run_gets_a_note(play_path, tmp_path, capsys):
-    train(tiny_config(play_path, tmp_path / "a", max_steps=3, warmup_steps=3))
-    assert "the warm-up of 3 steps lasts the whole run of 3" in capsys.readouterr().err
-    train(tiny_config(play_path, tmp_path / "b", max_steps=4, warmup_steps=3))
+    train(tiny_config(play_path, tmp_path / "a", max_steps=3, warmup_steps=4))
+    assert "the warm-up of 4 steps outlasts the run of 3" in capsys.readouterr().err
+    train(tiny_config(play_path, tmp_path / "b", max_steps=3, warmup_steps=3))  # lr at step 3
     assert "warm-up" not in capsys.readouterr().err
 
 
@@ -956,8 +957,10 @@ def test_a_presets_sizes_are_settings_of_their_own(play_path, tmp_path):
     config = load_model(run).config
     assert (config.n_layer, config.n_head, config.n_kv_head, config.n_embd) == (3, 8, 4, 64)
     assert json.loads((run / "config.json").read_text())["train"]["n_layer"] == 3
-    with pytest.raises(GptkilnError, match="n_kv_head"):
+    with pytest.raises(GptkilnError, match="n_kv_head 1: tiny is a GPT-2, which has one"):
         train(tiny_config(play_path, tmp_path / "gpt2", n_kv_head=1, max_steps=1))
+    with pytest.raises(GptkilnError, match="n_embd 32 is not a whole number of heads of n_head 3"):
+        train(tiny_config(play_path, tmp_path / "gpt2", n_head=3, max_steps=1))
     with pytest.raises(GptkilnError, match="n_layer must be a whole number >= 1"):
         TrainConfig(n_layer=0)
 
@@ -994,3 +997,35 @@ def test_a_metrics_csv_that_is_not_utf8_is_one_line(tmp_path):
     path.write_bytes(b"step,tokens,train_loss\n1,8,2.5\n\x00\x00\n")
     with pytest.raises(GptkilnError, match=r"line 3.*\\x00"):
         read_metrics(path)
+
+
+def test_train_leaves_the_callers_config_as_it_was_and_records_a_setting_it_can_read(
+    play_path, tmp_path
+):
+    """What a run takes from prepared data is its own: the caller's TrainConfig is unchanged.
+    Data prepared with a folder's tokenizer records a tokenizer setting TrainConfig takes."""
+    from gptkiln.data.prepare import prepare
+
+    first = tmp_path / "first"
+    prepare(play_path, first, "bpe:300", progress=False)
+    again = tmp_path / "again"
+    prepare(play_path, again, first, progress=False)  # the tokenizer of a folder
+    cfg = tiny_config(again, tmp_path / "run", max_steps=1, tokenizer=TrainConfig.tokenizer)
+    train(cfg)
+    assert cfg.tokenizer == TrainConfig.tokenizer
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
+    assert TrainConfig.from_dict(recorded).tokenizer.startswith("bpe:")
+
+
+def test_the_logits_bound_reads_packed_rows_as_rows(monkeypatch):
+    """A packed fine-tuning batch is (B, 2, T), ids and segments: B rows of T positions."""
+    from gptkiln.config import GPTConfig
+    from gptkiln.train import loop
+
+    config = GPTConfig(vocab_size=1000, context_length=1024, n_layer=1, n_head=1, n_embd=8)
+    monkeypatch.setattr(loop, "free_memory", lambda device: 8 * 1024 * 1000 * 4 - 1)
+    said = r"8 windows of 1,024 tokens needs at least 31.2 MiB .*\(8,192 positions"
+    with pytest.raises(GptkilnError, match=said):
+        loop.check_logits_fit(config, torch.zeros(8, 2, 1024, dtype=torch.long), "cpu")
+    monkeypatch.setattr(loop, "free_memory", lambda device: 8 * 1024 * 1000 * 4)
+    loop.check_logits_fit(config, torch.zeros(8, 2, 1024, dtype=torch.long), "cpu")

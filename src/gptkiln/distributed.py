@@ -161,9 +161,13 @@ def parallelize(model: nn.Module, world: World, strategy: str) -> nn.Module:
     # rank computes the same from the config (`GPT.init_buffers`): broadcasting them from rank
     # 0 before every forward would only cost time (67 MB a step for Llama 3.2's 131,072
     # positions), so they are synced once, at the start (torch 2.13's forward_sync_buffers;
-    # broadcast_buffers=False, the same but for that one sync, warns that it is deprecated).
-    # GPT-2 has none, so for it nothing changes.
-    return DDP(model, device_ids=device_ids, forward_sync_buffers=False)
+    # broadcast_buffers=False, the same but for that one sync, warns from 2.13 that it is
+    # deprecated, and is what an older torch has). GPT-2 has none: for it nothing changes.
+    import inspect
+
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        return DDP(model, device_ids=device_ids, forward_sync_buffers=False)
+    return DDP(model, device_ids=device_ids, broadcast_buffers=False)
 
 
 def shard(model: nn.Module) -> nn.Module:

@@ -81,10 +81,11 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 DEFAULT_SAMPLE_PROMPT = "ROMEO:"
-# what `train`, `gptkiln prepare` and `gptkiln.data.prepare` tokenize text with, unsaid: a BPE
-# trained on the corpus ("gpt2" for GPT-2's weights and export)
+"""The samples' prompt while training on the bundled plays, where `TrainConfig.sample_prompt`
+is unset (on other text, samples start from end-of-text)."""
 DEFAULT_TOKENIZER = "bpe:16384"
-"""The samples' prompt while training: the bundled plays' (`TrainConfig.sample_prompt`)."""
+"""What ``train``, ``gptkiln prepare`` and `gptkiln.data.prepare` tokenize text with, unsaid: a
+BPE trained on the corpus (``gpt2`` for GPT-2's weights and export)."""
 VOCAB_MULTIPLE = 64
 """What a new run on CUDA rounds its model's vocabulary up to a multiple of (``--pad-vocab``'s
 default there; nanoGPT's 50,304 for GPT-2's 50,257): the head's matmul in whole tensor-core
@@ -344,11 +345,11 @@ class TrainConfig:
         "evaluation and samples",
         "print a sample every N steps, and one at the end (>= 1; no samples: --sample-tokens 0)",
     )
-    sample_prompt: str = setting(
-        DEFAULT_SAMPLE_PROMPT,
+    sample_prompt: str | None = setting(
+        None,
         "evaluation and samples",
-        "the samples' prompt (the default is the bundled plays'; on another corpus samples "
-        "start from the end-of-text token)",
+        "the samples' prompt",
+        unset=f"{DEFAULT_SAMPLE_PROMPT} on the bundled plays, the end-of-text token on other text",
     )
     sample_tokens: int = setting(
         60, "evaluation and samples", "tokens per sample (>= 0; 0: no samples)"

@@ -170,7 +170,10 @@ def check_finite(sd: Mapping[str, torch.Tensor], source: str) -> None:
     bad = []
     for name, t in sd.items():
         if t.is_floating_point() and t.device.type != "meta" and t.numel():
-            low, high = torch.aminmax(t.detach())
+            try:
+                low, high = torch.aminmax(t.detach())
+            except (NotImplementedError, RuntimeError):  # float8, which aminmax has no kernel of
+                low, high = torch.aminmax(t.detach().float())
             if not (torch.isfinite(low) and torch.isfinite(high)):
                 bad.append(name)
     if bad:

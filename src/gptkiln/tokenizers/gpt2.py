@@ -128,11 +128,11 @@ class GPT2Tokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         try:
             return self._encoding.decode(list(ids))
-        except (KeyError, OverflowError, TypeError):  # tiktoken's for an id it has no bytes of
-            bad = next((i for i in ids if not 0 <= int(i) < self.vocab_size), None)
+        except (KeyError, OverflowError, TypeError, ValueError):  # an id it has no bytes of
             raise GptkilnError(
-                f"gpt2 tokenizer: id {bad} is outside its vocabulary of {self.vocab_size}; "
-                "were these ids made by another tokenizer?"
+                f"gpt2 tokenizer: id {_bad_id(ids, self.vocab_size)} is not one of its "
+                f"{self.vocab_size} ids (0 to {self.vocab_size - 1}); were these ids made by "
+                "another tokenizer?"
             ) from None
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -159,3 +159,15 @@ class GPT2Tokenizer(Tokenizer):
     def _count_chars(self) -> np.ndarray:
         pieces = [self.token_bytes(i) for i in range(GPT2_EOT_ID)]
         return _lead_bytes_per_piece([*pieces, b""])
+
+
+def _bad_id(ids: Sequence, size: int) -> str:
+    """The first of ``ids`` that is no whole number in [0, size), as written."""
+    for i in ids:
+        try:
+            whole = int(i)
+        except (TypeError, ValueError):
+            return repr(i)
+        if whole != i or not 0 <= whole < size:
+            return repr(i)
+    return "?"

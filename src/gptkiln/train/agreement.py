@@ -60,8 +60,7 @@ def prepared_clashes(cfg: TrainConfig, meta: dict[str, Any]) -> list[tuple[str, 
     N) or of N ids. A mixture records each member's field, so its field is no clash."""
     clashes = []
     if has := _tokenizer_clash(cfg.tokenizer, meta):
-        spec = meta.get("tokenizer_spec")
-        clashes.append(("tokenizer", has, spec if isinstance(spec, str) else meta["tokenizer"]))
+        clashes.append(("tokenizer", has, _spec_of(meta)))
     fraction = meta.get("val_fraction")
     if isinstance(fraction, (int, float)) and not math.isclose(
         cfg.val_fraction, fraction, rel_tol=1e-9
@@ -87,7 +86,28 @@ def keep_prepared_settings(cfg: TrainConfig, meta: dict[str, Any]) -> None:
             "or prepare the text again with them (gptkiln.data.prepare)"
         )
     for name, _, value in clashes:
-        setattr(cfg, name, value)
+        if value is not None:
+            setattr(cfg, name, value)
+
+
+def _spec_of(meta: dict[str, Any]) -> str | None:
+    """The tokenizer setting that says how prepared data was tokenized, as a `TrainConfig`
+    takes it (``gpt2``, ``char``, ``bpe:N``; a BPE made from a folder's tokenizer by its size);
+    None for a kind no setting names (a Hugging Face tokenizer)."""
+    from gptkiln.tokenizers import parse_tokenizer_spec
+
+    made, spec = meta.get("tokenizer"), meta.get("tokenizer_spec")
+    if made in ("gpt2", "char"):
+        return made
+    if made != "bpe":
+        return None
+    for candidate in (spec, f"bpe:{meta.get('vocab_size')}"):
+        try:
+            if isinstance(candidate, str) and parse_tokenizer_spec(candidate)[0] == "bpe":
+                return candidate
+        except GptkilnError:  # a folder's tokenizer: its spec is the folder
+            continue
+    return None
 
 
 def _tokenizer_clash(asked: str, meta: dict[str, Any]) -> str | None:

@@ -7,6 +7,7 @@ run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -92,7 +93,9 @@ class Trainer:
         overwrite: bool = False,
         task: Callable[[RunContext], Task] | None = None,
     ):
-        self.cfg, self.run_dir = cfg, Path(cfg.out)
+        # the run's own copy: what it takes from prepared data (`agreement`) stays its own
+        self.cfg = cfg = dataclasses.replace(cfg)
+        self.run_dir = Path(cfg.out)
         self.device = resolve_device(cfg.device)
         check_one_gpu_each(self.device, os.environ)
         self.owns_process_group = dist_utils.launched_by_torchrun() and not dist_utils.initialized()
@@ -214,9 +217,9 @@ class Trainer:
         ):
             print(message, file=sys.stderr)
         warmup = self.cfg.warmup_steps
-        if self.world.is_main and self.step == 0 and not self.cfg.max_time and warmup >= total:
+        if self.world.is_main and self.step == 0 and not self.cfg.max_time and warmup > total:
             print(
-                f"note: the warm-up of {warmup} steps lasts the whole run of {total}: the "
+                f"note: the warm-up of {warmup} steps outlasts the run of {total}: the "
                 f"learning rate never reaches --lr {self.cfg.lr:g} (nor decays); lower "
                 "--warmup-steps",
                 file=sys.stderr,
@@ -363,19 +366,26 @@ def check_logits_fit(config: GPTConfig, inputs: torch.Tensor, device: str) -> No
     purpose: the logits and their gradient at 2 bytes each, nothing else of the step."""
     if config.num_classes:  # a classifier's head scores a few classes, not the vocabulary
         return
-    positions = inputs.numel()
+    windows, length = inputs.shape[0], inputs.shape[-1]  # packed rows: (B, 2, T), ids first
+    positions = windows * length
     needed = 2 * 2 * positions * config.vocab_size
     free = free_memory(device)
     if free is not None and needed > free:
-        windows, length = inputs.shape
         where = "this machine's memory" if torch.device(device).type == "cpu" else device
         raise GptkilnError(
             f"a micro-batch of {windows:,} windows of {length:,} tokens needs at least "
-            f"{needed / 2**30:.1f} GiB for its logits ({positions:,} positions x "
+            f"{_size(needed)} for its logits ({positions:,} positions x "
             f"{config.vocab_size:,} ids, and their gradient), more than the "
-            f"{free / 2**30:.1f} GiB free in {where}; lower --batch-size (keeping the step's "
+            f"{_size(free)} free in {where}; lower --batch-size (keeping the step's "
             "size with --grad-accum) or --context-length"
         )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:,} bytes"
 
 
 def compiles(cfg: TrainConfig, device: str | torch.device) -> bool:

@@ -281,14 +281,14 @@ class LanguageModeling:
                 )
 
     def _check_sample_prompt(self) -> None:
-        """The prompt of the samples while training: encodable, checked before step 1. The
-        default prompt (``ROMEO:``) is the bundled plays'; on another corpus the samples start
-        from the end-of-text token (or the tokenizer's first token, where it has none), as a
-        document does."""
+        """The prompt of the samples while training: encodable, checked before step 1. Unset,
+        it is ``ROMEO:`` on the bundled plays, and on other text the end-of-text token (or the
+        tokenizer's first token, where it has none), as a document starts."""
         self.sample_prompt = self.cfg.sample_prompt
-        if self.cfg.sample_prompt == DEFAULT_SAMPLE_PROMPT and not self._plays():
+        if self.sample_prompt is None:
             eot = self.tokenizer.eot_id
-            self.sample_prompt = "" if eot is not None else self.tokenizer.decode([0])
+            start = "" if eot is not None else self.tokenizer.decode([0])
+            self.sample_prompt = DEFAULT_SAMPLE_PROMPT if self._plays() else start
             return
         try:
             ids = self.tokenizer.encode(self.cfg.sample_prompt)
@@ -386,7 +386,29 @@ def model_config_for(
         overrides["logit_softcap"] = cfg.logit_softcap or None  # 0: no cap
     if cfg.attention_windows is not None:
         overrides["attention_windows"] = _windows(cfg.attention_windows)
+    _check_sizes(cfg)
     return GPTConfig.from_name(cfg.model, **overrides)
+
+
+def _check_sizes(cfg: TrainConfig) -> None:
+    """The size settings over a preset, in their own words (the model config's would name its
+    fields, head_dim and family, which no setting of a run changes)."""
+    preset = GPTConfig.from_name(cfg.model)
+    heads = cfg.n_head or preset.n_head
+    if cfg.n_kv_head is not None and preset.family == "gpt2":
+        raise GptkilnError(
+            f"n_kv_head {cfg.n_kv_head}: {cfg.model} is a GPT-2, which has one key/value head a "
+            "query head; key/value heads of their own are the llama3-* and qwen3-* presets'"
+        )
+    if (
+        (cfg.n_embd or cfg.n_head)
+        and preset.head_dim is None
+        and (cfg.n_embd or preset.n_embd) % heads
+    ):
+        raise GptkilnError(
+            f"n_embd {cfg.n_embd or preset.n_embd} is not a whole number of heads of n_head "
+            f"{heads} ({cfg.model}'s own where not set); choose sizes whose ratio is whole"
+        )
 
 
 def _windows(text: str) -> list[int] | None:
