@@ -1029,3 +1029,19 @@ def test_the_logits_bound_reads_packed_rows_as_rows(monkeypatch):
         loop.check_logits_fit(config, torch.zeros(8, 2, 1024, dtype=torch.long), "cpu")
     monkeypatch.setattr(loop, "free_memory", lambda device: 8 * 1024 * 1000 * 4)
     loop.check_logits_fit(config, torch.zeros(8, 2, 1024, dtype=torch.long), "cpu")
+
+
+def test_a_run_directory_is_trained_by_one_run_at_a_time(play_path, tmp_path):
+    """A second run into a directory another is training (here, set up and not yet fitted) is
+    one line; once the first lets it go, it trains. A refused new run leaves no folder."""
+    first = Trainer(tiny_config(play_path, tmp_path / "run", max_steps=2))
+    try:
+        with pytest.raises(GptkilnError, match="is being written by another training run"):
+            train(tiny_config(play_path, tmp_path / "run", max_steps=2), overwrite=True)
+        first.fit()
+    finally:
+        first.close()
+    train(tiny_config(play_path, tmp_path / "run", max_steps=4), resume=True)
+    with pytest.raises(GptkilnError):
+        train(tiny_config(play_path, tmp_path / "new" / "run", max_steps=2, adamw_lr=0.1))
+    assert not (tmp_path / "new").exists()

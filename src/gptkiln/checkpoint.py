@@ -529,6 +529,51 @@ def tensorboard_events(run_dir: str | os.PathLike) -> list[Path]:
     return sorted((Path(run_dir) / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
 
 
+class RunLock:
+    """A run directory held by one training process at a time: an exclusive ``flock`` on the
+    directory itself (no file in it), taken before anything there is read or moved, and let go
+    when the run ends (the kernel lets it go when the process dies). A second ``train`` or
+    ``finetune`` into the same directory is one line, not two runs writing one metrics.csv.
+
+    A directory the lock made (a new run's) is removed again when the run leaves it empty.
+    Where ``fcntl`` is missing (Windows) nothing is locked."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self.fd: int | None = None
+        self.made: list[Path] = []
+
+    def acquire(self) -> None:
+        try:
+            import fcntl
+        except ImportError:
+            return
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            return  # a file: the run's checks refuse it in their words
+        self.made = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run_dir, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            self.release()
+            raise GptkilnError(
+                f"{self.run_dir} is being written by another training run (a gptkiln train or "
+                "finetune still going); wait for it to end, or choose another --out"
+            ) from None
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor lets the lock go
+            self.fd = None
+        for path in self.made:  # deepest first: a new run's folders it left empty
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        self.made = []
+
+
 def check_run_dir_for_training(
     run_dir: str | os.PathLike, *, resume: bool, overwrite: bool
 ) -> None:

@@ -101,7 +101,10 @@ class Trainer:
         self.owns_process_group = dist_utils.launched_by_torchrun() and not dist_utils.initialized()
         self.world = dist_utils.setup(self.device)
         self.log: RunLog | None = None  # what close() closes, set in _set_up
+        self.lock = checkpoint.RunLock(self.run_dir)
         try:
+            if self.world.is_main:
+                self.lock.acquire()
             self._set_up(cfg, resume, overwrite, task)
         except BaseException:
             # A bad input found while setting up: leave the group (this rank has no collective
@@ -188,9 +191,11 @@ class Trainer:
         return self.batches.tokens(self.step)
 
     def close(self) -> None:
-        """Close the TensorBoard log; leave the process group, if this trainer joined it."""
+        """Close the TensorBoard log, let the run directory go; leave the process group, if
+        this trainer joined it."""
         if self.log is not None:
             self.log.close()
+        self.lock.release()
         if self.owns_process_group:
             dist_utils.teardown()
 
@@ -234,6 +239,7 @@ class Trainer:
         except BaseException as e:
             # before its first checkpoint, a run that replaced another (--overwrite) puts it back
             restored = self.checkpoints.restore_replaced()
+            self.lock.release()  # no collective: another rank may still be inside one
             back = f"; {restored} is back in {self.run_dir}" if restored else ""
             saved = self.checkpoints.saved_step
             if isinstance(e, KeyboardInterrupt):  # Ctrl-C: the CLI says "interrupted" + this
