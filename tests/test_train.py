@@ -456,6 +456,22 @@ def test_windows_sampling_refuses_a_resume_with_another_step_size(play_path, tmp
     # the same 4 windows a step, split another way, is the same walk
     train(tiny_config(play_path, run, max_steps=8, batch_size=2, grad_accum=2, **cfg), resume=True)
     assert read_checkpoint(run)[1]["step"] == 8
+    # so is each epoch's shuffle, by the seed, and the sampling itself
+    with pytest.raises(GptkilnError, match="trained with --seed 1337 and this resume asks for 7"):
+        train(tiny_config(play_path, run, max_steps=12, seed=7, **cfg), resume=True)
+    with pytest.raises(GptkilnError, match="--sampling windows and this resume asks for random"):
+        train(tiny_config(play_path, run, max_steps=12, **{**cfg, "sampling": "random"}),
+              resume=True)  # fmt: skip
+
+
+def test_a_resume_on_data_prepared_anew_says_so(play_path, tmp_path, capsys):
+    """Another --val-fraction (or other text) prepares RUN/data again: the resume goes on, and
+    says its losses are of the new split from there."""
+    run = tmp_path / "run"
+    train(tiny_config(play_path, run, max_steps=4))
+    capsys.readouterr()
+    train(tiny_config(play_path, run, max_steps=8, val_fraction=0.2), resume=True)
+    assert "prepared anew for this resume" in capsys.readouterr().err
 
 
 def test_another_alphabet_of_the_same_size_is_refused_by_resume_and_perplexity(tmp_path):

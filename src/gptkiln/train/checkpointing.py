@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,6 +85,8 @@ class Checkpoints:
                 "step": step,
                 "tokens": progress.tokens,
                 "global_batch": batches.global_batch,
+                "seed": self.cfg.seed,  # with sampling, the data order: a resume keeps both
+                "sampling": self.cfg.sampling,
                 "world_size": self.world.world_size,
                 "optimizer": optim_sd,
                 "optimizer_kind": self.cfg.optimizer,  # adamw | muon: what optimizer holds
@@ -132,6 +135,7 @@ class Checkpoints:
             precision=state.get("precision"),
         )
         self._check_same_global_batch(state.get("global_batch"), batches)
+        self._check_same_order(state, batches)
         if self.world.is_main and self.restarted:
             print(
                 f"torchrun restarted the workers: resuming from step {step} in {self.run_dir}",
@@ -144,6 +148,25 @@ class Checkpoints:
         if self.device.startswith("cuda") and len(cuda_rng) == self.world.world_size:
             torch.cuda.set_rng_state(cuda_rng[self.world.rank], self.device)
         return progress
+
+    def _check_same_order(self, state: dict[str, Any], batches: BatchSource) -> None:
+        """A resume keeps the data order the run was trained in: its ``--sampling``, and where
+        it walks epochs, the ``--seed`` each epoch's shuffle is drawn from (another would read
+        some windows twice and skip others, as another batch would). A checkpoint from before
+        they were saved is taken as it is."""
+        saved = {k: state.get(k) for k in ("sampling", "seed")}
+        if saved["sampling"] is not None and saved["sampling"] != self.cfg.sampling:
+            changed = ("sampling", saved["sampling"], self.cfg.sampling)
+        elif batches.walks_epochs and saved["seed"] not in (None, self.cfg.seed):
+            changed = ("seed", saved["seed"], self.cfg.seed)
+        else:
+            return
+        flag, was, now = f"--{changed[0]}", changed[1], changed[2]
+        raise GptkilnError(
+            f"{self.run_dir} was trained with {flag} {was} and this resume asks for {now}: the "
+            f"order of its data depends on it, so another would read some of it twice and "
+            f"skip other parts. Resume with {flag} {was}, or start a new run"
+        )
 
     def _check_same_global_batch(self, saved_batch: int | None, batches: BatchSource) -> None:
         if batches.walks_epochs and saved_batch not in (None, batches.global_batch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -205,6 +206,12 @@ class LanguageModeling:
         if staged and self.ctx.resume:  # the new data checked: it replaces the old
             shutil.rmtree(data_dir)
             os.replace(target, data_dir)
+            print(
+                f"note: --data {cfg.data or 'shakespeare'} is not what {data_dir} was prepared "
+                "from (other text, or another split or field): prepared anew for this resume, "
+                "so the losses from here on are of the new data and its validation split",
+                file=sys.stderr,
+            )
         elif staged:  # a new run: the old data waits aside until its first checkpoint
             checkpoint.set_aside_replaced_data(self.run_dir, target)
 
