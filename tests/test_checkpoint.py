@@ -156,7 +156,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, error):
 def test_a_writer_that_keeps_no_errno_is_read_by_the_free_space_left(tmp_path, monkeypatch):
     """torch.save's stream writer on a full disk says only "unexpected pos" (and NumPy's tofile
     "N requested and M written"): with under 1 MiB free, that is a full disk, in one line; with
-    room left, the error is raised as it is."""
+    room left (a file size limit, a quota), a write that failed, in one line too."""
     import shutil
 
     path = tmp_path / "trainer_state.pt"
@@ -171,8 +171,9 @@ def test_a_writer_that_keeps_no_errno_is_read_by_the_free_space_left(tmp_path, m
     with pytest.raises(GptkilnError, match="no space left on the device writing"):
         atomic_write(path, torch_full)
     free["bytes"] = 10 << 30
-    with pytest.raises(RuntimeError, match="unexpected pos"):
+    with pytest.raises(GptkilnError, match=r"could not write .*unexpected pos.*ulimit -f"):
         atomic_write(path, torch_full)
+    assert path.read_bytes() == b"old state"
     free["bytes"] = 4096
 
     def denied(tmp: str) -> None:  # an errno of its own: not a full disk, however little is left
@@ -578,3 +579,17 @@ def test_weights_no_training_wrote_take_no_trainer_state(tmp_path):
     save_model(tiny_model(seed=1), run)  # the new weights; the old trainer state not yet gone
     with pytest.raises(GptkilnError, match="records no training step .* is not its"):
         read_checkpoint(run)
+
+
+def test_a_rename_that_fails_names_the_file_it_was_to_be(tmp_path, monkeypatch):
+    """Not the temporary file, gone by the time the message is read."""
+    import gptkiln.checkpoint as checkpoint_module
+
+    def refused(src, dst):
+        raise PermissionError(errno.EPERM, "Operation not permitted", src, None, dst)
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", refused)
+    with pytest.raises(PermissionError) as caught:
+        atomic_write(tmp_path / "model.safetensors", lambda tmp: Path(tmp).write_bytes(b"x"))
+    assert caught.value.filename == str(tmp_path / "model.safetensors")
+    assert os.listdir(tmp_path) == []

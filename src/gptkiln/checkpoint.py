@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -78,6 +79,7 @@ def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> Non
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    existed = path.exists()
     try:
         tmp = _new_temporary(path)
     except OSError as e:  # a folder it may not write in: named, not the temporary file's name
@@ -95,13 +97,27 @@ def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> Non
     except BaseException as e:
         full = out_of_space(e, path.parent)  # asked before the partial file goes
         Path(tmp).unlink(missing_ok=True)
+        kept = "the file there before is kept as it was" if existed else "nothing was written"
+        again = "run the command again (a run that saved a checkpoint: with --resume)"
         if full:  # safetensors and torch.save say so in their own words, or not at all
             raise GptkilnError(
-                f"no space left on the device writing {path}; the file there before is kept as "
-                "it was: free some space, then run the command again (training: --resume)"
+                f"no space left on the device writing {path}; {kept}: free some space, then {again}"
             ) from None
+        if isinstance(e, RuntimeError) and _WRITER_FAILED.search(str(e)):  # torch.save's
+            said = str(e).splitlines()[0]
+            raise GptkilnError(
+                f"could not write {path} ({said}); {kept}: check the disk's space, your quota "
+                f"and file size limit (ulimit -f), then {again}"
+            ) from None
+        if isinstance(e, OSError) and e.filename == tmp:  # named by the file it was to be
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     _fsync_dir(path.parent)
+
+
+# torch.save's stream writer failing to write (a file size limit, a quota, an I/O error): it
+# keeps no errno, only "unexpected pos N vs M" or "failed writing file"
+_WRITER_FAILED = re.compile(r"unexpected pos|failed writing|file write failed")
 
 
 def _new_temporary(path: Path) -> str:

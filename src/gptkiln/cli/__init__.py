@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         if not e.filename and out_of_space(e):  # a write of a log, a metrics row
             return fail(
                 f"gptkiln {args.command}: error: no space left on the device ({e.strerror or e}); "
-                "free some space, then run the command again (training: --resume)"
+                "free some space, then run the command again (a run that saved a checkpoint: "
+                "with --resume)"
             )
         if not e.filename:  # not about a path the user gave: a real failure, with its traceback
             raise
