@@ -1061,3 +1061,15 @@ def test_a_run_directory_is_trained_by_one_run_at_a_time(play_path, tmp_path):
     with pytest.raises(GptkilnError):
         train(tiny_config(play_path, tmp_path / "new" / "run", max_steps=2, adamw_lr=0.1))
     assert not (tmp_path / "new").exists()
+
+
+def test_a_config_json_edited_away_from_its_weights_is_named_on_resume(play_path, tmp_path):
+    """The flags are the run's: what is wrong is config.json, and --overwrite (what a changed
+    model is told) would lose the good weights."""
+    run = tmp_path / "run"
+    train(tiny_config(play_path, run, max_steps=4))
+    config = json.loads((run / "config.json").read_text())
+    config["model"]["n_layer"] = 3
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(GptkilnError, match="config.json does not belong to its weights .*restore"):
+        train(tiny_config(play_path, run, max_steps=8), resume=True)

@@ -643,8 +643,21 @@ def check_run_dir_for_training(
 
 
 def check_same_model_config(run_dir: str | os.PathLike, model_config: GPTConfig) -> None:
-    """Refuse to resume a run with a model config other than the one it was saved with."""
+    """Refuse to resume a run with a model config other than the one it was saved with; first,
+    one whose config.json does not fit its own weights (edited by hand, or another run's): the
+    flags are not what is wrong then, and --overwrite would lose the weights."""
+    from gptkiln.loading import check_state_dict
+    from gptkiln.loading.load import read_stored
+
     run_dir = Path(run_dir)
+    stored = read_stored(run_dir, read_config(run_dir), headers_only=True)  # damage: its line
+    try:
+        check_state_dict(stored.state_dict, stored.config, stored.source, stored.quantization)
+    except GptkilnError as e:
+        raise GptkilnError(
+            f"cannot resume {run_dir}: its {CONFIG_FILE} does not belong to its weights ({e}); "
+            f"restore the {CONFIG_FILE} saved with them"
+        ) from None
     saved = run_model_config(read_config(run_dir), run_dir / CONFIG_FILE).to_dict()
     diffs = [
         f"{k} {saved[k]!r} in the checkpoint, {v!r} now"
@@ -796,6 +809,6 @@ def _load_trainer_state(path: Path, *, mmap: bool = False) -> dict[str, Any]:
         if reason.startswith("Weights only load failed"):  # torch's advice is not for this file
             reason = unpickler_said(str(e), "trainer state")
         raise GptkilnError(
-            f"{path} is truncated or corrupt ({reason}); restore it, or drop --resume to start "
-            f"a new run"
+            f"{path} is truncated or corrupt ({reason}); restore it, or start a new run there "
+            "with --overwrite"
         ) from None
