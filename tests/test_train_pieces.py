@@ -251,12 +251,18 @@ def test_a_restart_by_torchrun_says_where_it_resumes(tmp_path, capsys):
 
 
 def test_a_restart_resumes_only_from_a_checkpoint_and_an_overwrite_forgets_the_old_one(tmp_path):
-    from gptkiln.checkpoint import TRAINER_STATE_FILE
+    from gptkiln.checkpoint import TRAINER_STATE_FILE, write_checkpoint
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
 
     run = tmp_path / "run"
     run.mkdir()
     assert resume_after_restart(run, False, True, restarted=True) == (False, True)  # none yet
-    (run / TRAINER_STATE_FILE).write_bytes(b"state")
+    (run / TRAINER_STATE_FILE).write_bytes(b"state")  # a first save cut short: no checkpoint
+    assert resume_after_restart(run, False, False, restarted=True) == (False, True)
+    model = GPT(GPTConfig(vocab_size=20, context_length=8, n_layer=1, n_head=1, n_embd=8))
+    write_checkpoint(run, model.config, model.state_dict(), {"step": 4, "rng": []})
+    state = (run / TRAINER_STATE_FILE).read_bytes()
     assert resume_after_restart(run, False, True, restarted=False) == (False, True)
     assert resume_after_restart(run, False, True, restarted=True) == (True, False)
     checkpoints = _checkpoints(tmp_path, FakeTask())
@@ -264,7 +270,7 @@ def test_a_restart_resumes_only_from_a_checkpoint_and_an_overwrite_forgets_the_o
     assert (run / TRAINER_STATE_FILE).exists()
     checkpoints.set_aside_replaced(overwrite=True)
     assert not (run / TRAINER_STATE_FILE).exists()  # aside: a restart resumes nothing
-    assert (run / ".replaced" / TRAINER_STATE_FILE).read_bytes() == b"state"
+    assert (run / ".replaced" / TRAINER_STATE_FILE).read_bytes() == state
 
 
 def test_a_run_stopped_before_its_first_checkpoint_leaves_the_replaced_run_to_keep(tmp_path):
@@ -416,7 +422,8 @@ def test_an_epochs_order_is_torchs_permutation_held_in_four_bytes_an_item():
 def test_a_failed_attempt_with_restarts_left_keeps_the_replaced_run_aside(tmp_path, monkeypatch):
     """With torchrun restarts left, a failure before the first checkpoint leaves the replaced
     run in .replaced (the next attempt must start afresh, not resume it); on the last attempt
-    it comes back. A .replaced beside a run with its own trainer state is stale and goes."""
+    it comes back. A .replaced beside a run with a whole checkpoint of its own is stale and
+    goes."""
     from gptkiln.checkpoint import TRAINER_STATE_FILE, check_run_dir_for_training
 
     run = tmp_path / "run"
@@ -431,7 +438,13 @@ def test_a_failed_attempt_with_restarts_left_keeps_the_replaced_run_aside(tmp_pa
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert checkpoints.restore_replaced()  # the last attempt: the old run back
     assert (run / TRAINER_STATE_FILE).read_bytes() == b"old"
+    from gptkiln.checkpoint import write_checkpoint
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+
+    model = GPT(GPTConfig(vocab_size=20, context_length=8, n_layer=1, n_head=1, n_embd=8))
+    write_checkpoint(run, model.config, model.state_dict(), {"step": 4, "rng": []})
     (run / ".replaced").mkdir()
     (run / ".replaced" / "config.json").write_text("{}")
-    check_run_dir_for_training(run, resume=True, overwrite=False)
+    check_run_dir_for_training(run, resume=True, overwrite=False)  # beside a whole checkpoint
     assert not (run / ".replaced").exists()
