@@ -593,3 +593,18 @@ def test_a_rename_that_fails_names_the_file_it_was_to_be(tmp_path, monkeypatch):
         atomic_write(tmp_path / "model.safetensors", lambda tmp: Path(tmp).write_bytes(b"x"))
     assert caught.value.filename == str(tmp_path / "model.safetensors")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_restore_stopped_halfway_is_finished_by_the_next_start(tmp_path):
+    """The replaced run goes back through .restoring: a stop halfway leaves the rest there, and
+    the next start moves it in, rather than take the files back so far for the whole run."""
+    from gptkiln.checkpoint import RESTORING_DIR
+
+    model, run = tiny_model(), tmp_path / "run"
+    write_checkpoint(run, model.config, model.state_dict(), _trained_state(model))
+    (run / "metrics.csv").write_text("step,tokens\n4,32\n")
+    before = _files(run)
+    (run / RESTORING_DIR).mkdir()
+    os.replace(run / "metrics.csv", run / RESTORING_DIR / "metrics.csv")  # not yet back
+    check_run_dir_for_training(run, resume=True, overwrite=False)
+    assert _files(run) == before and not (run / RESTORING_DIR).exists()

@@ -906,3 +906,25 @@ def test_serve_refuses_a_classifier_in_one_line(classifier, capsys, monkeypatch)
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("it served a classifier"))
     code, _, err = cli("serve", classifier[0], capsys=capsys)
     assert_one_line_error(code, err, "is a classifier", "gptkiln classify")
+
+
+def test_info_reads_a_lora_runs_step_off_its_adapters_and_a_first_save_cut_short_is_named(
+    lora_runs, tmp_path
+):
+    """Its base's weights (here saved by save_model: no step) are not the run's; and a first
+    save stopped before adapter.safetensors (config.json is written first) is nothing to
+    resume, said in one line that names --overwrite, for a plain start and a resume alike."""
+    import shutil
+
+    from gptkiln.api import run_info
+    from gptkiln.checkpoint import check_run_dir_for_training
+
+    run, _, _ = lora_runs
+    info = run_info(run)
+    assert info.resumable and info.steps_done == 8, info.resume_note
+    cut = tmp_path / "cut"
+    shutil.copytree(run, cut)
+    (cut / "adapter.safetensors").unlink()
+    for resume in (False, True):
+        with pytest.raises(GptkilnError, match="first checkpoint that was cut short.*--overwrite"):
+            check_run_dir_for_training(cut, resume=resume, overwrite=False)

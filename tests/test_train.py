@@ -464,6 +464,22 @@ def test_windows_sampling_refuses_a_resume_with_another_step_size(play_path, tmp
               resume=True)  # fmt: skip
 
 
+def test_a_trainer_state_from_before_the_order_was_saved_is_checked_by_config_json(
+    play_path, tmp_path
+):
+    """A checkpoint saved before the trainer state recorded --seed: config.json's record of
+    the run's seed stands in, so the first resume of it cannot change the order either."""
+    run = tmp_path / "run"
+    cfg = dict(sampling="windows", checkpoint_interval=4)
+    train(tiny_config(play_path, run, max_steps=4, **cfg))
+    state = torch.load(run / "trainer_state.pt", weights_only=True)
+    del state["seed"], state["sampling"]
+    torch.save(state, run / "trainer_state.pt")
+    with pytest.raises(GptkilnError, match="trained with --seed 1337 and this resume asks for 7"):
+        train(tiny_config(play_path, run, max_steps=8, seed=7, **cfg), resume=True)
+    train(tiny_config(play_path, run, max_steps=8, **cfg), resume=True)
+
+
 def test_a_resume_on_data_prepared_anew_says_so(play_path, tmp_path, capsys):
     """Another --val-fraction (or other text) prepares RUN/data again: the resume goes on, and
     says its losses are of the new split from there."""

@@ -258,6 +258,12 @@ def test_a_restart_resumes_only_from_a_checkpoint_and_an_overwrite_forgets_the_o
     run = tmp_path / "run"
     run.mkdir()
     assert resume_after_restart(run, False, True, restarted=True) == (False, True)  # none yet
+    from gptkiln.checkpoint import save_model
+
+    save_model(GPT(GPTConfig(vocab_size=20, context_length=8, n_layer=1, n_head=1, n_embd=8)),
+               tmp_path / "model")  # fmt: skip
+    # a restart over a model no training wrote (a refused first attempt): refused again
+    assert resume_after_restart(tmp_path / "model", False, False, True) == (False, False)
     (run / TRAINER_STATE_FILE).write_bytes(b"state")  # a first save cut short: no checkpoint
     assert resume_after_restart(run, False, False, restarted=True) == (False, True)
     model = GPT(GPTConfig(vocab_size=20, context_length=8, n_layer=1, n_head=1, n_embd=8))

@@ -715,9 +715,12 @@ def run_info(path: str | os.PathLike) -> RunInfo:
         info["history"] = "none: an imported Hugging Face model has no training history"
         info["resume_note"] = "it has no trainer state; train it further as a new run"
         return RunInfo(**info)
-    weights_step = safetensors_metadata(weights_files[0]).get("step")
+    # a LoRA run's step is its adapters' (its base's weights are another's, or none's)
+    adapters = run_dir / ADAPTER_FILE
+    stepped = adapters if adapters.is_file() else weights_files[0]
+    weights_step = safetensors_metadata(stepped).get("step")
     try:
-        state, why = matching_trainer_state(run_dir, weights_step, mmap=True)
+        state, why = matching_trainer_state(run_dir, weights_step, mmap=True, weights=stepped)
     except GptkilnError as e:  # a truncated or corrupt trainer state
         state, why = None, str(e).split(";")[0]
     info["resumable"], info["resume_note"] = state is not None, why

@@ -29,6 +29,7 @@ needs (`read_checkpoint`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -377,6 +378,31 @@ def has_whole_checkpoint(run_dir: str | os.PathLike) -> bool:
         return False
 
 
+def first_save_cut_short(run_dir: str | os.PathLike) -> bool:
+    """Whether run_dir holds what a first training save leaves when it is stopped before its
+    last file: a trainer state (which only training writes), and no whole checkpoint, since
+    config.json or the weights it was to go with (a LoRA run's adapters) never came."""
+    run_dir = Path(run_dir)
+    if not (run_dir / TRAINER_STATE_FILE).is_file() or has_whole_checkpoint(run_dir):
+        return False
+    if not (run_dir / CONFIG_FILE).is_file():
+        return True
+    from gptkiln.loading.base import BASE_ENTRY
+
+    try:
+        adapters = read_config(run_dir).get(BASE_ENTRY) is not None or _lora_run(run_dir)
+    except GptkilnError:
+        return False
+    weights = run_dir / (ADAPTER_FILE if adapters else WEIGHTS_FILE)
+    return not weights.is_file()
+
+
+def _lora_run(run_dir: Path) -> bool:
+    """Whether a run's config.json records LoRA fine-tuning (its weights: adapter.safetensors)."""
+    finetune = read_config(run_dir).get("finetune")
+    return isinstance(finetune, dict) and bool(finetune.get("lora"))
+
+
 def _weights_step(weights: Path) -> str | None:
     """The training step a weights file records (None: none, or a file safetensors cannot
     read)."""
@@ -413,6 +439,8 @@ REPLACED_DIR = ".replaced"
 """Where ``train --overwrite`` keeps the run it replaces until the new run's first checkpoint."""
 SETTING_ASIDE_DIR = ".replacing"
 """Where the files of a run being set aside gather before the folder becomes ``.replaced``."""
+RESTORING_DIR = ".restoring"
+"""Where the replaced run's files wait while they go back (`restore_replaced`)."""
 REPLACED_DATA_DIR = ".replaced-data"
 """Where a new run that prepares other text into ``RUN/data`` keeps the data there before it,
 until its first checkpoint (the data is prepared before the run's files are set aside)."""
@@ -470,14 +498,18 @@ def set_aside_replaced(run_dir: str | os.PathLike) -> None:
 
 
 def finish_setting_aside(run_dir: str | os.PathLike) -> None:
-    """A set-aside (`set_aside_replaced`) that stopped halfway: the files it had moved go back
-    beside the others, so the run is whole in its directory again."""
-    going = Path(run_dir) / SETTING_ASIDE_DIR
-    if not going.is_dir():
-        return
-    for path in going.iterdir():
-        os.replace(path, Path(run_dir) / path.name)
-    going.rmdir()
+    """A set-aside (`set_aside_replaced`) or a restore (`restore_replaced`) that stopped
+    halfway: the files it had moved go back beside the others, so the run is whole in its
+    directory again. Ranks that do it at once take each file once."""
+    for name in (SETTING_ASIDE_DIR, RESTORING_DIR):  # either way, its files back in the run
+        going = Path(run_dir) / name
+        if not going.is_dir():
+            continue
+        for path in list(going.iterdir()):
+            with contextlib.suppress(FileNotFoundError):  # another rank moved it first
+                os.replace(path, Path(run_dir) / path.name)
+        with contextlib.suppress(OSError):
+            going.rmdir()
 
 
 def restore_replaced(run_dir: str | os.PathLike) -> bool:
@@ -490,9 +522,9 @@ def restore_replaced(run_dir: str | os.PathLike) -> bool:
         return restored
     for path in run_files(run_dir):
         _remove(path)
-    for path in aside.iterdir():
-        os.replace(path, run_dir / path.name)
-    aside.rmdir()
+    back = run_dir / RESTORING_DIR  # from here a stop halfway is finished by the next start
+    os.replace(aside, back)
+    finish_setting_aside(run_dir)
     return True
 
 
@@ -571,8 +603,10 @@ class RunLock:
         fd = os.open(self.run_dir, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
             os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return  # a filesystem without flock (some network ones): nothing is locked
             self.release()
             raise GptkilnError(
                 f"{self.run_dir} is being written by another training run (a gptkiln train or "
@@ -623,11 +657,11 @@ def check_run_dir_for_training(
         raise GptkilnError(
             f"cannot resume {run_dir}: it holds {what}; drop --resume to start a new run"
         )
-    if has_state and not whole and not overwrite and not (run_dir / CONFIG_FILE).is_file():
+    if not overwrite and first_save_cut_short(run_dir):
         raise GptkilnError(
             f"{run_dir} holds the start of a first checkpoint that was cut short (a trainer "
-            "state, no config.json): there is nothing to resume; pass --overwrite to start "
-            "afresh, or choose another --out"
+            "state without the weights it goes with): there is nothing to resume; pass "
+            "--overwrite to start afresh, or choose another --out"
         )
     if not resume and not overwrite and has_checkpoint(run_dir):
         if not has_state:
@@ -700,7 +734,8 @@ def read_adapter_checkpoint(
     path = run_dir / ADAPTER_FILE
     if not path.is_file():
         raise GptkilnError(
-            f"cannot resume {run_dir}: {ADAPTER_FILE} is missing; drop --resume to start a new run"
+            f"cannot resume {run_dir}: {ADAPTER_FILE} is missing; restore it, or start a new "
+            "run there with --overwrite"
         )
     sd = read_safetensors(path)
     state = _matching_trainer_state(run_dir, safetensors_metadata(path).get("step"), path)

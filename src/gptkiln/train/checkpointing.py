@@ -8,6 +8,7 @@ this module decides what goes in them, so every task resumes exactly.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,9 +153,13 @@ class Checkpoints:
     def _check_same_order(self, state: dict[str, Any], batches: BatchSource) -> None:
         """A resume keeps the data order the run was trained in: its ``--sampling``, and where
         it walks epochs, the ``--seed`` each epoch's shuffle is drawn from (another would read
-        some windows twice and skip others, as another batch would). A checkpoint from before
-        they were saved is taken as it is."""
-        saved = {k: state.get(k) for k in ("sampling", "seed")}
+        some windows twice and skip others, as another batch would). A trainer state from
+        before they were saved in it is checked against config.json's record of them."""
+        recorded = {}  # a trainer state from before they were saved: config.json's record
+        if state.get("seed") is None:
+            with contextlib.suppress(GptkilnError, OSError):
+                recorded = checkpoint.read_config(self.run_dir).get("train") or {}
+        saved = {k: state.get(k, recorded.get(k)) for k in ("sampling", "seed")}
         if saved["sampling"] is not None and saved["sampling"] != self.cfg.sampling:
             changed = ("sampling", saved["sampling"], self.cfg.sampling)
         elif batches.walks_epochs and saved["seed"] not in (None, self.cfg.seed):
@@ -233,8 +238,8 @@ def resume_after_restart(
     """
     if restarted and checkpoint.has_whole_checkpoint(run_dir):
         return True, False
-    if restarted and checkpoint.has_checkpoint(run_dir) and not resume:
-        return False, True  # the failed attempt's first save, cut short: it starts again
+    if restarted and not resume and checkpoint.first_save_cut_short(run_dir):
+        return False, True  # the failed attempt's first save: it starts again, over it
     return resume, overwrite
 
 

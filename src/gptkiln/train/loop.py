@@ -103,8 +103,7 @@ class Trainer:
         self.log: RunLog | None = None  # what close() closes, set in _set_up
         self.lock = checkpoint.RunLock(self.run_dir)
         try:
-            if self.world.is_main:
-                self.lock.acquire()
+            self._lock_run_dir()
             self._set_up(cfg, resume, overwrite, task)
         except BaseException:
             # A bad input found while setting up: leave the group (this rank has no collective
@@ -116,6 +115,21 @@ class Trainer:
                 checkpoint.restore_replaced_data(self.run_dir)  # the data a new run replaced
             self.close()
             raise
+
+    def _lock_run_dir(self) -> None:
+        """Rank 0 takes the run directory (`checkpoint.RunLock`); a directory another run holds
+        stops every rank with rank 0's line, before any other collective."""
+        error = None
+        if self.world.is_main:
+            try:
+                self.lock.acquire()
+            except GptkilnError as e:
+                error = e
+        said = dist_utils.error_of_rank_0(error, self.world)
+        if error is not None:
+            raise error
+        if said is not None:
+            raise GptkilnError(said)
 
     def _set_up(
         self,
