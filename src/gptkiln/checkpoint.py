@@ -383,7 +383,8 @@ def first_save_cut_short(run_dir: str | os.PathLike) -> bool:
     last file: a trainer state (which only training writes), and no whole checkpoint, since
     config.json or the weights it was to go with (a LoRA run's adapters) never came."""
     run_dir = Path(run_dir)
-    if not (run_dir / TRAINER_STATE_FILE).is_file() or has_whole_checkpoint(run_dir):
+    states = (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)
+    if not any((run_dir / n).is_file() for n in states) or has_whole_checkpoint(run_dir):
         return False
     if not (run_dir / CONFIG_FILE).is_file():
         return True
