@@ -151,7 +151,14 @@ class Trainer:
         self.task = (task or LanguageModeling)(context)
         self.tokenizer = self.task.tokenizer
         self.batches = self.task.batches
-        check_logits_fit(self.task.model.config, self.batches.get(0, 0)[0], self.device)
+        error = None  # rank 0's free memory decides for all: no rank goes on into a collective
+        if self.world.is_main:
+            try:
+                check_logits_fit(self.task.model.config, self.batches.get(0, 0)[0], self.device)
+            except GptkilnError as e:
+                error = e
+        if (said := dist_utils.error_of_rank_0(error, self.world)) is not None:
+            raise GptkilnError(said)
         # measured on the bare model, before a wrapper would synchronise its backward
         self.precision: PrecisionChoice | None = None
         if not resume:
