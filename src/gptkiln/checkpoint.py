@@ -384,24 +384,26 @@ def first_save_cut_short(run_dir: str | os.PathLike) -> bool:
     config.json or the weights it was to go with (a LoRA run's adapters) never came."""
     run_dir = Path(run_dir)
     states = (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)
-    if not any((run_dir / n).is_file() for n in states) or has_whole_checkpoint(run_dir):
-        return False
+    has_state = any((run_dir / n).is_file() for n in states)
+    return has_state and not has_whole_checkpoint(run_dir) and _weights_missing(run_dir)
+
+
+def _weights_missing(run_dir: Path) -> bool:
+    """Whether config.json, or the weights file it names the run by, is missing: the
+    adapters of a LoRA run (its config.json records ``"lora"``, or a base by reference), else
+    model.safetensors."""
     if not (run_dir / CONFIG_FILE).is_file():
         return True
     from gptkiln.loading.base import BASE_ENTRY
 
     try:
-        adapters = read_config(run_dir).get(BASE_ENTRY) is not None or _lora_run(run_dir)
+        cfg = read_config(run_dir)
     except GptkilnError:
         return False
-    weights = run_dir / (ADAPTER_FILE if adapters else WEIGHTS_FILE)
-    return not weights.is_file()
-
-
-def _lora_run(run_dir: Path) -> bool:
-    """Whether a run's config.json records LoRA fine-tuning (its weights: adapter.safetensors)."""
-    finetune = read_config(run_dir).get("finetune")
-    return isinstance(finetune, dict) and bool(finetune.get("lora"))
+    finetune = cfg.get("finetune")
+    lora = isinstance(finetune, dict) and bool(finetune.get("lora"))
+    adapters = lora or cfg.get(BASE_ENTRY) is not None
+    return not (run_dir / (ADAPTER_FILE if adapters else WEIGHTS_FILE)).is_file()
 
 
 def _weights_step(weights: Path) -> str | None:
@@ -658,7 +660,7 @@ def check_run_dir_for_training(
         raise GptkilnError(
             f"cannot resume {run_dir}: it holds {what}; drop --resume to start a new run"
         )
-    if not overwrite and first_save_cut_short(run_dir):
+    if not overwrite and has_state and not whole and _weights_missing(run_dir):  # cut short
         raise GptkilnError(
             f"{run_dir} holds the start of a first checkpoint that was cut short (a trainer "
             "state without the weights it goes with): there is nothing to resume; pass "
