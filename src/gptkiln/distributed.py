@@ -13,12 +13,15 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from gptkiln.errors import GptkilnError
 
 DEFAULT_TIMEOUT_S = 300.0
 # Words in the errors a collective raises when a peer died, hung or lost its network (gloo's
@@ -245,6 +248,22 @@ def error_of_rank_0(error: BaseException | None, world: World) -> str | None:
     said = [None if error is None else str(error)]
     dist.broadcast_object_list(said, src=0)
     return said[0]
+
+
+def rank_0_checks(check: Callable[[], None], world: World) -> None:
+    """Run ``check`` on rank 0 alone; a GptkilnError it raises stops every rank with its line
+    (`error_of_rank_0`), so that no rank goes on into a collective the others left."""
+    error = None
+    if world.is_main:
+        try:
+            check()
+        except GptkilnError as e:
+            error = e
+    said = error_of_rank_0(error, world)
+    if error is not None:
+        raise error
+    if said is not None:
+        raise GptkilnError(said)
 
 
 def all_equal(value: int, world: World) -> bool:

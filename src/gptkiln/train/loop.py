@@ -103,7 +103,8 @@ class Trainer:
         self.log: RunLog | None = None  # what close() closes, set in _set_up
         self.lock = checkpoint.RunLock(self.run_dir)
         try:
-            self._lock_run_dir()
+            # rank 0 takes the directory; one another run holds stops every rank
+            dist_utils.rank_0_checks(self.lock.acquire, self.world)
             self._set_up(cfg, resume, overwrite, task)
         except BaseException:
             # A bad input found while setting up: leave the group (this rank has no collective
@@ -115,21 +116,6 @@ class Trainer:
                 checkpoint.restore_replaced_data(self.run_dir)  # the data a new run replaced
             self.close()
             raise
-
-    def _lock_run_dir(self) -> None:
-        """Rank 0 takes the run directory (`checkpoint.RunLock`); a directory another run holds
-        stops every rank with rank 0's line, before any other collective."""
-        error = None
-        if self.world.is_main:
-            try:
-                self.lock.acquire()
-            except GptkilnError as e:
-                error = e
-        said = dist_utils.error_of_rank_0(error, self.world)
-        if error is not None:
-            raise error
-        if said is not None:
-            raise GptkilnError(said)
 
     def _set_up(
         self,
@@ -151,14 +137,9 @@ class Trainer:
         self.task = (task or LanguageModeling)(context)
         self.tokenizer = self.task.tokenizer
         self.batches = self.task.batches
-        error = None  # rank 0's free memory decides for all: no rank goes on into a collective
-        if self.world.is_main:
-            try:
-                check_logits_fit(self.task.model.config, self.batches.get(0, 0)[0], self.device)
-            except GptkilnError as e:
-                error = e
-        if (said := dist_utils.error_of_rank_0(error, self.world)) is not None:
-            raise GptkilnError(said)
+        first = self.batches.get(0, 0)[0]  # rank 0's free memory decides for every rank
+        config = self.task.model.config
+        dist_utils.rank_0_checks(lambda: check_logits_fit(config, first, self.device), self.world)
         # measured on the bare model, before a wrapper would synchronise its backward
         self.precision: PrecisionChoice | None = None
         if not resume:
