@@ -27,6 +27,7 @@ from gptkiln.finetune.dpo import answer_only, dpo_loss, sequence_log_probs
 from gptkiln.loading import load_model
 from gptkiln.tokenizers import load_tokenizer
 from gptkiln.train import read_metrics
+from gptkiln.train.precision import measure_step_seconds as real_measure
 
 QWEN3 = (Path(__file__).parent / "chat_templates" / "qwen3-0.6b.jinja").read_text("utf-8")
 
@@ -307,3 +308,31 @@ def test_pairs_with_one_answer_as_both_are_counted_in_the_data_line(work, tmp_pa
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if x.startswith("dpo data:"))
     assert "1 with one answer as chosen and rejected (no signal)" in line, line
+
+
+def test_auto_precision_measures_dpo_on_its_pairs(work, tmp_path, monkeypatch, capsys):
+    """`--precision auto` times DPO's own step (policy and reference over chosen and rejected
+    rows), on an even number of rows so each measured batch holds whole pairs."""
+    import gptkiln.train.precision as precision
+    from gptkiln.finetune.dpo import PreferenceTuning
+    from gptkiln.train import Trainer
+
+    rows = []
+
+    def measure(model, x, y, tokens, loss):
+        def counting(forward, x, y):
+            rows.append(x.shape[0])
+            return loss(forward, x, y)
+
+        return real_measure(model, x, y, tokens, budget_s=0.0, loss=counting)
+
+    monkeypatch.setattr(precision, "cpu_bf16_features", lambda: ["AMX"])
+    monkeypatch.setattr(precision, "measure_step_seconds", measure)
+    ft = FinetuneConfig(base=str(work / "reference"), data=str(work / "pairs.json"), task="dpo")
+    out = tmp_path / "run"
+    trainer = Trainer(
+        quick(ft, out, max_steps=1, precision="auto"), task=lambda ctx: PreferenceTuning(ctx, ft)
+    )
+    trainer.close()
+    assert rows and all(n >= 2 and n % 2 == 0 for n in rows)
+    assert "a training step of this model measured" in capsys.readouterr().out

@@ -24,6 +24,7 @@ from gptkiln.finetune.task import Example, collate_packed, pack
 from gptkiln.model import GPT
 from gptkiln.tokenizers import load_tokenizer
 from gptkiln.train import read_metrics
+from gptkiln.train.precision import measure_step_seconds as real_measure
 
 QWEN3 = (Path(__file__).parent / "chat_templates" / "qwen3-0.6b.jinja").read_text("utf-8")
 
@@ -185,3 +186,30 @@ def test_packed_instructions_have_the_loss_of_their_book_batches(tmp_path):
         batch = collate_instructions([task.ids[i] for i in rows], task.pad_id, 512, lengths)
         _, alone = model(*batch)
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_precision_measures_a_packed_run_on_its_own_loss(work, tmp_path, monkeypatch, capsys):
+    """`--precision auto` times the step the run takes: packed (B, 2, T) windows through the
+    task's loss, not the model's own forward of them."""
+    import gptkiln.train.precision as precision
+    from gptkiln.finetune.chat import ChatTuning
+    from gptkiln.train import Trainer
+
+    measured = []
+
+    def measure(model, x, y, tokens, loss):
+        measured.append((x.shape, tokens, loss))
+        return real_measure(model, x, y, tokens, budget_s=0.0, loss=loss)
+
+    monkeypatch.setattr(precision, "cpu_bf16_features", lambda: ["AMX"])
+    monkeypatch.setattr(precision, "measure_step_seconds", measure)
+    ft = FinetuneConfig(
+        base=str(work / "base"), data=str(work / "chat.json"), task="chat", pack=True
+    )
+    cfg = quick(ft, tmp_path / "run", max_steps=1, precision="auto")
+    trainer = Trainer(cfg, task=lambda ctx: ChatTuning(ctx, ft))
+    trainer.close()
+    [(shape, tokens, loss)] = measured
+    assert len(shape) == 3 and shape[1] == 2 and tokens == shape[0] * shape[2]
+    assert loss == trainer.task.training_loss
+    assert "a training step of this model measured" in capsys.readouterr().out

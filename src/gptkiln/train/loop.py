@@ -144,7 +144,12 @@ class Trainer:
         self.precision: PrecisionChoice | None = None
         if not resume:
             self.precision = precision_for_run(
-                cfg.precision, self.device, self.task.model, self.batches.get(0, 0), self.world
+                cfg.precision,
+                self.device,
+                self.task.model,
+                self.batches.get(0, 0),
+                self.world,
+                getattr(self.task, "training_loss", None),
             )
         self.model = dist_utils.parallelize(self.task.model, self.world, cfg.parallel)
         self.compiled = compiles(cfg, self.device)

@@ -25,6 +25,9 @@ MARGIN = 1.10
 """How much faster a bf16 step must measure for ``auto`` to choose it: below that, the gain is
 within the measurement's noise and not worth bf16's coarser rounding."""
 
+Loss = Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]
+"""A task's ``training_loss(forward, x, y)``."""
+
 MEASURE_ROW = 32
 """Positions per measured row (fewer when the context is shorter)."""
 
@@ -102,13 +105,16 @@ def precision_for_run(
     model: torch.nn.Module,
     batch: tuple[torch.Tensor, torch.Tensor],
     world: dist_utils.World,
+    loss: Loss | None = None,
 ) -> PrecisionChoice:
     """`choose_precision` for a fresh run, measuring ``model`` on its first micro-batch
-    (``batch``, ``(B, T)`` inputs); with several processes, bf16 only when every one measured
-    it faster, so that all train alike."""
+    (``batch``: ``(B, T)`` inputs, or a packed task's ``(B, 2, T)``) with the loss the run
+    trains on (``loss``: a task's ``training_loss``; None: the model's own); with several
+    processes, bf16 only when every one measured it faster, so that all train alike."""
     x, y = (t.to(device) for t in batch)
+    tokens = x.shape[0] * x.shape[-1]
     choice = choose_precision(
-        requested, device, lambda: measure_step_seconds(model, x, y, tokens=x.numel())
+        requested, device, lambda: measure_step_seconds(model, x, y, tokens, loss=loss)
     )
     if requested == "auto" and dist_utils.any_rank(not choice.bf16, world) and choice.bf16:
         return PrecisionChoice("fp32", "auto: another process measured bf16 no faster")
@@ -133,10 +139,12 @@ def measure_step_seconds(
     tokens: int,
     budget_s: float = MEASURE_SECONDS,
     max_rounds: int = 3,
+    loss: Loss | None = None,
 ) -> tuple[float, float]:
     """Seconds of a forward and backward of ``model`` over a micro-batch of ``tokens`` input
     tokens, (fp32, bf16 autocast), predicted from timed steps of `MEASURE_ROWS` rows of ``x``'s
-    first row (cut to `MEASURE_ROW` positions when the targets are per position).
+    first row (cut to `MEASURE_ROW` positions when the targets are per position), or of twice as
+    many rows with a task's own ``loss``, which may pair them (DPO's chosen and rejected halves).
 
     Each of the four (precision, size) steps runs once to warm up (the first calls build
     oneDNN's kernels), then in alternating rounds until ``budget_s`` or ``max_rounds``; the
@@ -146,18 +154,20 @@ def measure_step_seconds(
 
     Args:
         model: the model as it trains (not yet wrapped for several processes).
-        x: a training batch's inputs, ``(B, T)``, on the model's device.
+        x: a training batch's inputs, ``(B, T)`` (``(B, 2, T)`` packed), on the model's device.
         y: its targets, ``(B, T)``, or ``(B,)`` for a classifier.
         tokens: input tokens of the run's micro-batch (``batch_size * T``).
+        loss: the run's ``training_loss(forward, x, y)``; None: the model's own.
     """
-    sizes = [_rows(x, y, rows) for rows in MEASURE_ROWS]
+    pairs = 1 if loss is None else 2
+    sizes = [_rows(x, y, rows * pairs) for rows in MEASURE_ROWS]
     device_type = x.device.type
 
     def step(bf16: bool, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         t0 = time.perf_counter()
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-            _, loss = model(*batch)
-        loss.backward()
+            value = model(*batch)[1] if loss is None else loss(model, *batch)
+        value.backward()
         return time.perf_counter() - t0
 
     runs = [(bf16, size) for size in range(len(sizes)) for bf16 in (False, True)]
@@ -173,7 +183,7 @@ def measure_step_seconds(
                 break
     for p in model.parameters():
         p.grad = None
-    small, large = (s[0].numel() for s in sizes)
+    small, large = (s[0].shape[0] * s[0].shape[-1] for s in sizes)
 
     def predicted(bf16: bool) -> float:
         t_small, t_large = best[bf16, 0], best[bf16, 1]
@@ -187,6 +197,6 @@ def _rows(x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple[torch.Tensor, to
     """``rows`` copies of the batch's first row (its first `MEASURE_ROW` positions when the
     targets are per position; a classifier's row is kept whole, its label with it)."""
     x, y = x[:1], y[:1]
-    if y.shape == x.shape:
-        x, y = x[:, :MEASURE_ROW], y[:, :MEASURE_ROW]
+    if y.dim() > 1:
+        x, y = x[..., :MEASURE_ROW], y[..., :MEASURE_ROW]
     return x.repeat(rows, *([1] * (x.dim() - 1))), y.repeat(rows, *([1] * (y.dim() - 1)))
