@@ -190,3 +190,23 @@ def test_info_says_what_a_run_exports_to(tmp_path):
     )
     save_model(model, tmp_path / "classifier")
     assert run_info(tmp_path / "classifier").exports.startswith("nothing: a classifier")
+
+
+@pytest.mark.parametrize("kind", ["bpe", "char", "gpt2"])
+def test_a_gpt2_export_comes_back_with_its_own_tokenizer(tmp_path, kind):
+    """``convert hf`` of an exported GPT-2 keeps the tokenizer it was trained on: GPT-2's BPE as
+    gpt2, a ``bpe:N`` or ``char`` one as its tokenizer.json (not GPT-2's, whose ids the model
+    has no rows for), so the round trip generates and fine-tunes as the run did."""
+    from gptkiln.convert import import_hf
+    from gptkiln.loading import load_run
+
+    model, tokenizer, run = tiny_run(tmp_path, "gpt2", kind)
+    import_hf(export_hf(run, tmp_path / "hf"), tmp_path / "back")
+    back, back_tokenizer, cfg = load_run(tmp_path / "back")
+    assert cfg["tokenizer"] == ("gpt2" if kind == "gpt2" else "hf")
+    ids = tokenizer.encode(MIXED)
+    assert back_tokenizer.encode(MIXED) == ids and back_tokenizer.decode(ids) == MIXED
+    assert back_tokenizer.eot_id == tokenizer.eot_id
+    prompt = tokenizer.encode("To be, or not")
+    greedy = dict(max_new_tokens=12, temperature=0, stop_at_eos=False)
+    assert generate(back.eval(), prompt, **greedy) == generate(model, prompt, **greedy)

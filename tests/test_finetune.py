@@ -881,6 +881,38 @@ def test_bad_finetune_settings_are_one_line(flags, needle, work, tmp_path, capsy
     assert_one_line_error(code, err, needle)
 
 
+@pytest.mark.parametrize("task", ["instruct", "classify", "chat", "dpo"])
+def test_a_base_whose_tokenizer_outgrows_its_model_is_one_line(task, work, tmp_path, capsys):
+    """Token ids the base has no embedding for (tokenizer files that are not the model's) are
+    one line before training, in every task, not an IndexError in the first step."""
+    tokenizer = build_char_tokenizer([CHARS], with_eot=True)
+    config = GPTConfig.from_name("tiny", vocab_size=8, context_length=64)
+    save_model(GPT(config), tmp_path / "base", tokenizer=tokenizer)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]
+    data = {
+        "instruct": (work / "instructions.json"),
+        "classify": (work / "labelled.csv"),
+        "chat": [{"messages": chat}] * 20,
+        "dpo": [{"prompt": "hi", "chosen": "ho", "rejected": "hum"}] * 20,
+    }[task]
+    if isinstance(data, list):
+        (tmp_path / "data.json").write_text(json.dumps(data))
+        data = tmp_path / "data.json"
+    code, _, err = cli(
+        "finetune",
+        tmp_path / "base",
+        "--task",
+        task,
+        "--data",
+        data,
+        "--out",
+        tmp_path / "r",
+        capsys=capsys,
+    )
+    assert_one_line_error(code, err, "beyond the model's 8", "do not belong to this model")
+    assert not (tmp_path / "r" / "model.safetensors").exists()
+
+
 def test_chat_and_classify_refuse_runs_of_the_other_kind(work, instruct_run, classifier, capsys):
     code, _, err = cli("chat", work / "base", capsys=capsys)
     assert_one_line_error(code, err, "not instruction-tuned", "gptkiln finetune")

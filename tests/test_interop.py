@@ -242,8 +242,9 @@ def test_export_without_qkv_bias_or_tying_keeps_logits(tmp_path, tied, gelu):
         torch.testing.assert_close(hf_logits(reloaded, idx), model(idx), rtol=0, atol=1e-5)
 
 
-def test_exported_tokenizer_loads_in_transformers(hf_dir, tmp_path):
-    _, path = hf_dir
+def test_exported_tokenizer_loads_in_transformers(tmp_path):
+    path = tmp_path / "hf"
+    tiny_hf_model(vocab_size=50257).save_pretrained(path)  # GPT-2's vocabulary, its BPE's ids
     import_hf(path, tmp_path / "run")
     export_hf(tmp_path / "run", tmp_path / "out")
     tokenizer = transformers.GPT2TokenizerFast.from_pretrained(tmp_path / "out")
@@ -253,6 +254,18 @@ def test_exported_tokenizer_loads_in_transformers(hf_dir, tmp_path):
     assert special["eos_token"] == special["bos_token"] == special["unk_token"] == "<|endoftext|>"
     assert tokenizer.eos_token == tokenizer.bos_token == "<|endoftext|>"
     assert tokenizer.eos_token_id == 50256
+
+
+def test_a_gpt2_smaller_than_gpt2s_vocabulary_imports_without_a_tokenizer(hf_dir, tmp_path):
+    """A GPT-2 of 100 ids with no tokenizer.json is not of GPT-2's BPE (whose ids reach
+    50,256): it imports as a run without a tokenizer, which says so, not with GPT-2's."""
+    from gptkiln.loading import load_run_tokenizer
+
+    _, path = hf_dir
+    import_hf(path, tmp_path / "run")
+    assert not (tmp_path / "run" / "tokenizer_meta.json").exists()
+    with pytest.raises(GptkilnError, match="saved without its tokenizer"):
+        load_run_tokenizer(tmp_path / "run")
 
 
 def test_state_dict_round_trip_through_hf_names():
@@ -419,12 +432,13 @@ def test_download_offline_fails_fast_without_touching_the_network(tmp_path, monk
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
 
 
-def test_download_imports_what_the_hub_client_returns(hf_dir, tmp_path, monkeypatch):
+def test_download_imports_what_the_hub_client_returns(tmp_path, monkeypatch):
     import huggingface_hub
 
     from gptkiln.loading import load_run
 
-    hf, path = hf_dir
+    hf, path = tiny_hf_model(vocab_size=50257), tmp_path / "hf"  # GPT-2's vocabulary
+    hf.save_pretrained(path)
     calls = []
 
     def fake_snapshot_download(repo_id, **kwargs):

@@ -74,11 +74,12 @@ def import_hf(
         hf_dir: a directory with config.json and model.safetensors (or its shards and
             model.safetensors.index.json, or pytorch_model.bin).
         out_run_dir: where to write a gptkiln run directory; None returns the model instead. A
-            GPT-2 run gets the gpt2 tokenizer (every GPT-2 checkpoint uses GPT-2's BPE); a Llama
-            or Qwen3 run keeps the directory's tokenizer files as they are (`HF_TOKENIZER_FILES`:
-            tokenizer.json, tokenizer_config.json, special_tokens_map.json,
-            generation_config.json, chat_template.jinja, those present) and records
-            ``"tokenizer": "hf"`` and config.json's bos/eos/pad ids, which `export_hf` writes back.
+            GPT-2 run of GPT-2's BPE gets the gpt2 tokenizer; a Llama or Qwen3 run, or a GPT-2
+            trained on a tokenizer of its own (a ``bpe:N`` run through ``to-hf``), keeps the
+            directory's tokenizer files as they are (`HF_TOKENIZER_FILES`: tokenizer.json,
+            tokenizer_config.json, special_tokens_map.json, generation_config.json,
+            chat_template.jinja, those present) and records ``"tokenizer": "hf"`` and
+            config.json's bos/eos/pad ids, which `export_hf` writes back.
         overwrite: replace a model already in out_run_dir (see `checkpoint.check_out_dir`).
 
     Returns:
@@ -88,7 +89,7 @@ def import_hf(
     model = load_hf(hf_dir)
     if out_run_dir is None:
         return model
-    if model.config.family == "gpt2":
+    if tokenizer_name(hf_dir) == "gpt2":
         _save_with_gpt2_tokenizer(model, out_run_dir, stale)
     else:
         _save_with_hf_tokenizer(model, Path(hf_dir), Path(out_run_dir), stale)
@@ -104,10 +105,11 @@ def _save_with_gpt2_tokenizer(model: GPT, out_run_dir, stale: list[Path]) -> Non
 
 
 def _save_with_hf_tokenizer(model: GPT, hf_dir: Path, out_dir: Path, stale: list[Path]) -> None:
-    """Write the run of a Llama / Qwen3 directory: its tokenizer's files copied as they are
-    (first, so that the config.json written last finds them), what config.json says of BOS, EOS
-    and padding recorded beside the model (where a tokenizer reading the run's config.json finds
-    them, as in a Hugging Face one), then the ``stale`` files of the run it replaced dropped."""
+    """Write the run of a Llama / Qwen3 directory, or of a GPT-2 of a tokenizer of its own: its
+    tokenizer's files copied as they are (first, so that the config.json written last finds
+    them), what config.json says of BOS, EOS and padding recorded beside the model (where a
+    tokenizer reading the run's config.json finds them, as in a Hugging Face one), then the
+    ``stale`` files of the run it replaced dropped."""
     save_model(model, out_dir, extra=_carry_hf_tokenizer(hf_dir, read_config(hf_dir), out_dir))
     drop_files(stale)
 

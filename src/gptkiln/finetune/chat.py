@@ -184,7 +184,7 @@ class ChatTuning(FineTuning):
             ft, base, read_config(base), self.tokenizer
         )
         self.pad_id = self.tokenizer.eot_id if self.tokenizer.eot_id is not None else 0
-        self.build_model()
+        self.build_model(e.ids for e in examples)
         max_tokens = example_limit(ft, self.model_config.context_length)
         fitted = [fit_length(e, max_tokens) for e in examples]
         cut = sum(f is not None and f is not e for f, e in zip(fitted, examples, strict=True))

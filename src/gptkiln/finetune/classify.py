@@ -83,7 +83,7 @@ class Classification(FineTuning):
         except GptkilnError as e:
             raise GptkilnError(f"--data {ft.data}: {e}") from None
         self.pad_id = self.tokenizer.eot_id if self.tokenizer.eot_id is not None else 0
-        self.build_model(num_classes=len(self.classes))
+        self.build_model(ids, num_classes=len(self.classes))
         ctx_len = self.model_config.context_length
         self.max_length = self._max_length([ids[i] for i in train], ctx_len)
         self.x = pad_texts(ids, self.max_length, self.pad_id)  # (N, max_length)

@@ -124,11 +124,11 @@ class PreferenceTuning(FineTuning):
         template = conversation_template(ft, base, read_config(base), self.tokenizer)
         self.encoder = ConversationEncoder(template, self.tokenizer)
         self.pad_id = self.tokenizer.eot_id if self.tokenizer.eot_id is not None else 0
-        self.build_model()
+        rows = [encode_pair(self.encoder, pair) for pair in pairs]
+        self.build_model(row.ids for pair in rows for row in pair)
         limit = example_limit(ft, self.model_config.context_length)
         encoded, self.dropped = [], []  # the split is of the pairs kept
-        for number, pair in enumerate(pairs):
-            chosen, rejected = encode_pair(self.encoder, pair)
+        for number, (pair, (chosen, rejected)) in enumerate(zip(pairs, rows, strict=True)):
             if max(len(chosen.ids), len(rejected.ids)) <= limit:
                 encoded.append((pair, chosen, rejected))
             else:

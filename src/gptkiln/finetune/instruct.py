@@ -108,7 +108,7 @@ class InstructionTuning(FineTuning):
                 "tokenizer has one (gpt2, bpe, or char prepared from several documents)"
             )
         self.ids, self.prompt_lengths = encode_entries(ft, self.tokenizer, self.template, entries)
-        self.build_model()
+        self.build_model(self.ids)
         self.ctx_len = self.model_config.context_length
         self.set_example_batches(n_train, n_test, len(entries))
         self.held_out = entries[self.val_ids[0]]

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,10 +191,13 @@ class FineTuning:
         self.split: dict[str, int] = {}
 
     # -- the model ---------------------------------------------------------------------------
-    def build_model(self, num_classes: int | None = None) -> None:
-        """Load the base, give it a classifier head when asked, choose what trains."""
+    def build_model(
+        self, sequences: Iterable[Sequence[int]], num_classes: int | None = None
+    ) -> None:
+        """Load the base, check the data's token ids (``sequences``) have embeddings in it, give
+        it a classifier head when asked, choose what trains."""
         from gptkiln.finetune.data import data_digest
-        from gptkiln.loading import load_model
+        from gptkiln.loading import check_ids_fit, load_model
 
         ctx, ft = self.ctx, self.ft
         self.data_sha256 = data_digest(ft.data)  # the data is read and checked by now
@@ -209,6 +212,8 @@ class FineTuning:
                 f"{ft.base} is a classifier; instruction tuning needs a language model (a "
                 "pretrained run or a Hugging Face model directory)"
             )
+        highest = max((max(ids) for ids in sequences if len(ids)), default=-1)
+        check_ids_fit(highest, model, self.tokenizer, ft.base)  # not an IndexError in a step
         model.train()
         if self.lora is None:
             train_only(model, ft.train_layers)
