@@ -843,3 +843,24 @@ def test_an_empty_prompt_generates_from_end_of_text_or_is_one_line_without_it(tm
     save_model(GPT(GPTConfig.from_name("tiny", vocab_size=2)), tmp_path / "char", tokenizer=chars)
     code, _, err = cli("generate", tmp_path / "char", "--prompt", "", capsys=capsys)
     assert_one_line_error(code, err, "prompt is empty", "no end-of-text")
+
+
+@pytest.mark.parametrize(
+    "direction, flags, needle",
+    [
+        ("to-hf", ["--method", "int8"], "--method is for convert quantize, not convert to-hf"),
+        ("to-hf", ["--type", "f32"], "--type is for convert to-gguf"),
+        ("to-gguf", ["--float-head"], "--float-head is for convert quantize"),
+        ("quantize", ["--max-shard-size", "50GB"], "--max-shard-size is for convert to-hf"),
+        ("merge-lora", ["--n-head", "12"], "--n-head is for convert book"),
+    ],
+)
+def test_a_convert_flag_of_another_direction_is_refused_even_at_its_default(
+    direction, flags, needle, run_dir, tmp_path, capsys
+):
+    """A flag the direction does not read is one line, given at its default value too (it
+    would have been ignored, and the user believes it did something)."""
+    out = tmp_path / "o"
+    code, _, err = cli("convert", direction, run_dir, "--out", out, *flags, capsys=capsys)
+    assert_one_line_error(code, err, needle)
+    assert not out.exists()

@@ -21,7 +21,8 @@ DIRECTIONS = {
 
 
 # the flags that only some directions read, with their defaults: given to another direction,
-# one is refused rather than ignored
+# one is refused rather than ignored, even at its default value (argparse's default is None, so
+# a flag given can be told from one left out; `check_convert_flags` fills the defaults in)
 DIRECTION_FLAGS = {
     "n_head": ("--n-head", None, ("book",)),
     "method": ("--method", "int8", ("quantize",)),
@@ -54,7 +55,7 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--n-head",
         type=int,
-        default=DIRECTION_FLAGS["n_head"][1],
+        default=None,
         metavar="N",
         help="attention heads of a book model, which its file does not record (>= 1) "
         "(default: GPT-2's at the model's width: 12 at 768, the book's 124M; 16 at 1024, 20 at "
@@ -62,41 +63,46 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--method",
-        default=DIRECTION_FLAGS["method"][1],
+        default=None,
         metavar="METHOD",
-        help="quantize: the quantization, int8 (default: %(default)s)",
+        help=f"quantize: the quantization, int8 (default: {DIRECTION_FLAGS['method'][1]})",
     )
     p.add_argument(
         "--float-head",
         action="store_true",
+        default=None,
         help="quantize: keep the output head and token embedding in fp32 (default: int8 too)",
     )
     p.add_argument(
         "--max-shard-size",
-        default=DIRECTION_FLAGS["max_shard_size"][1],
+        default=None,
         metavar="SIZE",
         help="to-hf: weights larger than this are written as shards with an index, as "
-        "transformers' save_pretrained does (e.g. 5GB, 500MB) (default: %(default)s)",
+        "transformers' save_pretrained does (e.g. 5GB, 500MB) (default: "
+        f"{DIRECTION_FLAGS['max_shard_size'][1]})",
     )
     p.add_argument(
         "--type",
-        default=DIRECTION_FLAGS["type"][1],
+        default=None,
         choices=["f32", "f16", "bf16", "q8_0"],
         help="to-gguf: the weights' type in the file (q8_0: llama.cpp's 8-bit blocks) "
-        "(default: %(default)s)",
+        f"(default: {DIRECTION_FLAGS['type'][1]})",
     )
     add_overwrite_flag(p)
     p.set_defaults(func=run_convert)
 
 
 def check_convert_flags(args: argparse.Namespace) -> None:
-    """A flag another direction reads, and ``--out`` the very thing converted, are refused."""
+    """A flag another direction reads, and ``--out`` the very thing converted, are refused;
+    the defaults of the flags left out are filled in."""
     from pathlib import Path
 
     from gptkiln.errors import GptkilnError
 
     for name, (flag, default, directions) in DIRECTION_FLAGS.items():
-        if getattr(args, name) != default and args.direction not in directions:
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif args.direction not in directions:
             raise GptkilnError(
                 f"{flag} is for convert {' and '.join(directions)}, not convert "
                 f"{args.direction}; leave it out"
