@@ -210,3 +210,37 @@ def test_a_gpt2_export_comes_back_with_its_own_tokenizer(tmp_path, kind):
     prompt = tokenizer.encode("To be, or not")
     greedy = dict(max_new_tokens=12, temperature=0, stop_at_eos=False)
     assert generate(back.eval(), prompt, **greedy) == generate(model, prompt, **greedy)
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "overwrite"])
+def test_an_export_cut_short_leaves_its_out_as_it_was(tmp_path, monkeypatch, existing):
+    """Files are written beside ``--out`` and moved in whole: a failure in the last file (a
+    full disk, Ctrl-C) leaves an earlier export byte for byte, or no directory at all; the
+    next export completes, dropping the first's files it no longer writes (its shards)."""
+    import gptkiln.export.hf as hf_export
+
+    _, _, run = tiny_run(tmp_path, "gpt2", "bpe")
+    out = tmp_path / "hf"
+    if existing:
+        export_hf(run, out, max_shard_size=20_000)  # sharded, so the second leaves shards stale
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if existing else None
+    assert not existing or "model.safetensors.index.json" in before
+    real = hf_export.write_json
+
+    def cut_at_config(path, data):
+        if path.name == "config.json":
+            raise KeyboardInterrupt
+        real(path, data)
+
+    monkeypatch.setattr(hf_export, "write_json", cut_at_config)
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(run, out, overwrite=True)
+    if existing:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    else:
+        assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["gpt2-bpe", *["hf"] * existing])
+    monkeypatch.setattr(hf_export, "write_json", real)
+    export_hf(run, out, overwrite=True)
+    assert not list(out.glob("model-*")) and (out / "model.safetensors").is_file()
+    assert transformers.AutoModelForCausalLM.from_pretrained(out) is not None

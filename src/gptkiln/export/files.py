@@ -1,9 +1,13 @@
-"""Files an export or import writes: copied atomically, written as JSON or text atomically, and
-the stale ones of what they replace dropped (the writes themselves: `gptkiln.checkpoint`)."""
+"""Files an export or import writes: copied atomically, written as JSON or text atomically, the
+stale ones of what they replace dropped (the writes themselves: `gptkiln.checkpoint`), and a
+directory of them written aside and moved into place whole (`staged`)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from gptkiln.checkpoint import atomic_write
@@ -29,3 +33,32 @@ def drop_files(stale: list[Path]) -> None:
     """Remove the files of ``stale`` (a replaced model's, written over), those present."""
     for path in stale:
         path.unlink(missing_ok=True)
+
+
+STAGE_SUFFIX = ".writing"
+"""``OUT`` is written as ``.OUT.writing`` beside it first (`staged`)."""
+
+
+@contextlib.contextmanager
+def staged(out_dir: Path, last: str) -> Iterator[Path]:
+    """A directory to write ``out_dir``'s files in, beside it (``.NAME.writing``), moved into
+    place when the block ends: a new ``out_dir`` by one rename, an existing one file by file
+    (renames only, ``last`` the last of them, each keeping the mode of the file it replaces).
+    A block that raises, a full disk or Ctrl-C, removes what it wrote and leaves ``out_dir`` as
+    it was, or absent; a stage a killed run left is removed by the next."""
+    out_dir = Path(os.path.abspath(out_dir))
+    stage = out_dir.with_name(f".{out_dir.name}{STAGE_SUFFIX}")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        yield stage
+        if not out_dir.exists():
+            os.replace(stage, out_dir)
+            return
+        names = sorted((p.name for p in stage.iterdir()), key=lambda name: name == last)
+        for name in names:
+            with contextlib.suppress(OSError):
+                shutil.copymode(out_dir / name, stage / name)
+            shutil.move(stage / name, out_dir / name)  # a rename on one filesystem
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)

@@ -30,7 +30,7 @@ import torch
 
 from gptkiln.checkpoint import atomic_write, check_out_dir, write_json, write_safetensors
 from gptkiln.errors import GptkilnError
-from gptkiln.export.files import copy_files, drop_files, write_text
+from gptkiln.export.files import copy_files, drop_files, staged, write_text
 from gptkiln.export.templates import run_chat_jinja
 from gptkiln.interop import config_to_hf, gptkiln_state_dict_to_hf, without_vocab_padding
 from gptkiln.loading import (
@@ -96,16 +96,17 @@ def export_hf(
     if dequantized and on_note:
         on_note(f"{run_dir} is quantized (int8): its weights are written dequantized, as float32")
     hf_config = {**config_to_hf(config), "dtype": _dtype_name(sd)}  # refuses what it cannot hold
-    written = _write_hf_weights(out_dir, gptkiln_state_dict_to_hf(sd, config), shard_bytes)
-    kind = tokenizer_name(run_dir)
-    if kind is not None:
-        tokenizer = load_run_tokenizer(run_dir, cfg)
-        written += write_hf_tokenizer(tokenizer, run_dir, cfg, out_dir, config.context_length)
-        hf_config.update(_token_ids(tokenizer, cfg))
+    with staged(out_dir, last=CONFIG_FILE) as stage:  # an export cut short leaves no half of one
+        written = _write_hf_weights(stage, gptkiln_state_dict_to_hf(sd, config), shard_bytes)
+        kind = tokenizer_name(run_dir)
+        if kind is not None:
+            tokenizer = load_run_tokenizer(run_dir, cfg)
+            written += write_hf_tokenizer(tokenizer, run_dir, cfg, stage, config.context_length)
+            hf_config.update(_token_ids(tokenizer, cfg))
+        write_json(stage / CONFIG_FILE, hf_config)
     stale += [out_dir / name for name in _STALE_EXPORT_FILES if name not in written]
     stale += [p for p in out_dir.glob("model-*.safetensors") if _SHARD_NAMES.match(p.name)
               and p.name not in written]  # fmt: skip
-    write_json(out_dir / CONFIG_FILE, hf_config)
     drop_files(stale)
     return out_dir
 
