@@ -657,13 +657,8 @@ def run_info(path: str | os.PathLike) -> RunInfo:
     state, memory-mapped), the best and last validation loss (metrics.csv), file sizes, and
     whether it can be resumed (a trainer state that matches the weights' step).
     """
-    from gptkiln.checkpoint import (
-        ADAPTER_FILE,
-        PREVIOUS_STATE_FILE,
-        TRAINER_STATE_FILE,
-        matching_trainer_state,
-    )
-    from gptkiln.loading import describe_weights, read_config, safetensors_metadata, tokenizer_name
+    from gptkiln.checkpoint import ADAPTER_FILE, PREVIOUS_STATE_FILE, TRAINER_STATE_FILE
+    from gptkiln.loading import describe_weights, read_config, tokenizer_name
     from gptkiln.quantize import read_quantization
 
     run_dir = Path(path)
@@ -714,10 +709,22 @@ def run_info(path: str | os.PathLike) -> RunInfo:
     if hf:
         info["history"] = "none: an imported Hugging Face model has no training history"
         info["resume_note"] = "it has no trainer state; train it further as a new run"
-        return RunInfo(**info)
+    else:
+        info.update(_training_history(run_dir, weights_files[0], train))
+    return RunInfo(**info)
+
+
+def _training_history(run_dir: Path, weights: Path, train: dict | None) -> dict[str, Any]:
+    """`run_info`'s entries of a run's training: steps done and planned, tokens seen, the best
+    and last validation loss, and whether it resumes (a trainer state that matches the step of
+    ``weights``, or of a LoRA run's adapters)."""
+    from gptkiln.checkpoint import ADAPTER_FILE, matching_trainer_state
+    from gptkiln.loading import safetensors_metadata
+
+    info: dict[str, Any] = dict(steps_done=None, steps_total=None, tokens_seen=None)
     # a LoRA run's step is its adapters' (its base's weights are another's, or none's)
     adapters = run_dir / ADAPTER_FILE
-    stepped = adapters if adapters.is_file() else weights_files[0]
+    stepped = adapters if adapters.is_file() else weights
     weights_step = safetensors_metadata(stepped).get("step")
     try:
         state, why = matching_trainer_state(run_dir, weights_step, mmap=True, weights=stepped)
@@ -738,7 +745,7 @@ def run_info(path: str | os.PathLike) -> RunInfo:
             "none recorded: a model saved for inference (e.g. by gptkiln convert), without "
             "its training settings, trainer state or metrics"
         )
-    return RunInfo(**info)
+    return info
 
 
 def _model_train_settings(cfg: dict, depth: int = 0) -> dict | None:
