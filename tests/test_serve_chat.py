@@ -434,3 +434,30 @@ def test_a_message_that_cannot_fit_is_refused_on_the_page_before_it_is_sent(brow
     assert f"at most {256 - count}" in error
     assert browser.find_element("id", "chat-input").get_attribute("value") == "Repeat sun."
     assert chats_answered() == sent  # the page said it; the server never heard
+
+
+def test_a_64_token_chat_model_answers_with_max_tokens_left_as_the_page_set_it(
+    browser, tmp_path, monkeypatch
+):
+    """Max tokens the person has not set is what fits the conversation: on a 64-token model
+    (the README's tour) the page sized it for an empty message, and the first real message
+    was refused."""
+    from gptkiln.tokenizers import GPT2Tokenizer
+
+    tokenizer = GPT2Tokenizer()
+    torch.manual_seed(0)
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=64)
+    template = {"finetune": {"task": "instruct", "template": ALPACA.to_dict()}}
+    run = save_model(GPT(config), tmp_path / "small", tokenizer=tokenizer, extra=template)
+    message = "Repeat the word, please."
+    count = len(tokenizer.encode(format_conversation(ALPACA, [], message)))
+    empty = len(tokenizer.encode(format_conversation(ALPACA, [], "")))
+    assert count + min(100, 64 - empty) > 64  # what the page first sized would not fit
+    with ServerThread(served_app(run, monkeypatch)) as url:
+        browser.get(url)
+        wait_for(lambda: "context 64" in browser.find_element("id", "model-info").text)
+        wait_for(lambda: browser.find_element("id", "tab-chat").is_displayed())
+        browser.find_element("id", "tab-chat").click()
+        say(browser, message)  # Max tokens untouched, as a new user leaves it
+        assert browser.find_element("id", "chat-status").get_attribute("data-state") == "done"
+        assert browser.find_element("id", "max-tokens").get_attribute("value") == str(64 - count)
