@@ -302,6 +302,38 @@ BAD = [
     ("too long", {"messages": [{"role": "user", "content": "x" * 300}]}, "messages", "shorten"),
     ("a bad temperature", {"messages": [USER], "temperature": 3}, "temperature", "[0, 2]"),
     ("five stop strings", {"messages": [USER], "stop": list("abcde")}, "stop", "up to 4"),
+    # a field inside another is described as itself, not as the object around it
+    (
+        "a schema name with a space",
+        {
+            "messages": [USER],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a b"}},
+        },
+        "response_format.json_schema.name",
+        "1 to 64 letters",
+    ),
+    (
+        "an unknown format type",
+        {"messages": [USER], "response_format": {"type": "yaml"}},
+        "response_format.type",
+        '"text", "json_object" or "json_schema", got "yaml"',
+    ),
+    (
+        "tool call arguments as an object",
+        {
+            "messages": [
+                USER,
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "1", "type": "function", "function": {"name": "f", "arguments": {}}}
+                    ],
+                },
+            ]
+        },
+        "messages[1].tool_calls[0].function.arguments",
+        "a JSON object as a string",
+    ),
 ]
 
 
@@ -461,3 +493,34 @@ def test_a_64_token_chat_model_answers_with_max_tokens_left_as_the_page_set_it(
         say(browser, message)  # Max tokens untouched, as a new user leaves it
         assert browser.find_element("id", "chat-status").get_attribute("data-state") == "done"
         assert browser.find_element("id", "max-tokens").get_attribute("value") == str(64 - count)
+
+
+def test_nulls_mean_the_defaults_and_developer_is_system(client, url, runs):
+    """OpenAI's nullable fields sent as null take their defaults (agent frameworks send them),
+    and a ``developer`` message is the system message under OpenAI's newer name."""
+    nulls = dict.fromkeys(
+        ("temperature", "top_p", "n", "stream", "logprobs", "presence_penalty",
+         "frequency_penalty", "seed", "stop", "stream_options", "response_format"),
+    )  # fmt: skip
+    body = {"messages": [USER], "max_tokens": 6, **nulls}
+    with_nulls = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert with_nulls.status_code == 200, with_nulls.text
+    [choice] = with_nulls.json()["choices"]  # n: 1, not streamed, no logprobs
+    assert choice["logprobs"] is None and choice["message"]["content"] is not None
+    echo = {"prompt": "Repeat", "max_tokens": 0, "echo": None, "temperature": None, "n": None}
+    completion = httpx.post(f"{url}/v1/completions", json=echo)
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"] == ""  # echo: false
+
+    system = "Answer in French."
+    greedy_body = {"max_tokens": 8, "temperature": 0}
+    as_system = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "system", "content": system}, USER], **greedy_body},
+    ).json()["choices"][0]["message"]["content"]
+    as_developer = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "developer", "content": system}, USER], **greedy_body},
+    )
+    assert as_developer.status_code == 200, as_developer.text
+    assert as_developer.json()["choices"][0]["message"]["content"] == as_system

@@ -55,7 +55,25 @@ class OpenAIError(Exception):
         }
 
 
-class StreamOptions(BaseModel):
+class Request(BaseModel):
+    """A request's shape: a ``null`` given for a field with a default means the default, as
+    OpenAI's spec makes such fields nullable (hand-written clients and agent frameworks send
+    ``"temperature": null``); a required field stays required."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or fields[k].is_required()
+        }
+
+
+class StreamOptions(Request):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
@@ -65,7 +83,7 @@ def _finite(default: float, low: float, high: float, *, gt: bool = False) -> Any
     return Field(default, le=high, allow_inf_nan=False, **bounds)
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Request):
     """``response_format.json_schema``: the schema an answer must follow. ``strict`` is taken
     and the schema is always enforced (a keyword the engine cannot enforce is a 400)."""
 
@@ -77,7 +95,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Request):
     """``response_format``: ``text`` (free), ``json_object`` (any JSON object) or
     ``json_schema`` (JSON valid against ``json_schema.schema``)."""
 
@@ -87,7 +105,7 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(Request):
     """``POST /v1/completions``: OpenAI's fields, their defaults and ranges; ``top_k`` added."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -149,7 +167,8 @@ class ChatMessage(BaseModel):
     ``content`` may come as a list of text parts, as agent frameworks send it: their texts
     joined by newlines (as vLLM joins them). An answer sent back as the ``openai`` client dumps
     it is taken too: its ``refusal`` and ``annotations`` are not used, and ``audio`` and
-    ``function_call`` are null."""
+    ``function_call`` are null. A ``developer`` message is a ``system`` one, as OpenAI now
+    names it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -167,6 +186,8 @@ class ChatMessage(BaseModel):
     def _joined_text(self) -> ChatMessage:
         if isinstance(self.content, list):
             self.content = "\n".join(part.text for part in self.content)
+        if self.role == "developer":  # OpenAI's newer name for the system message
+            self.role = "system"
         return self
 
 
@@ -203,7 +224,7 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(Request):
     """``POST /v1/chat/completions``: OpenAI's fields for text chat, ``top_k`` added. Without
     ``max_tokens`` (or its newer name ``max_completion_tokens``) the answer may fill the
     context, as OpenAI's does."""
@@ -233,7 +254,7 @@ class ChatCompletionRequest(BaseModel):
     parallel_tool_calls: bool | None = None
 
 
-class InspectRequest(BaseModel):
+class InspectRequest(Request):
     """``POST /v1/inspect`` (gptkiln's own): a prompt seen through the model (`gptkiln.inspect`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -244,7 +265,7 @@ class InspectRequest(BaseModel):
     max_tokens: int = Field(32, ge=1, le=MAX_INSPECT_TOKENS)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Request):
     """``POST /v1/tokenize`` (gptkiln's own, answered in the shape of vLLM's ``/tokenize``): how
     many tokens a prompt, or chat messages in the run's template, take of the context. The page
     sizes and checks its fields by it before it sends a request."""
@@ -280,16 +301,37 @@ FIELD_KINDS = {
     "response_format": 'an object {"type": "text" | "json_object" | "json_schema", '
     '"json_schema": {"name", "schema", "strict"}}',
     "response_format.json_schema.schema": "a JSON schema (an object)",
+    "response_format.type": '"text", "json_object" or "json_schema"',
+    "response_format.json_schema": 'an object {"name", "schema", "strict"}',
+    "response_format.json_schema.name": "a name of 1 to 64 letters, digits, _ or -",
+    "response_format.json_schema.description": "a string",
+    "response_format.json_schema.strict": "true, false or null",
+    "stream_options.include_usage": "true or false",
 }
 CHAT_FIELD_KINDS = {
-    "response_format.json_schema.schema": FIELD_KINDS["response_format.json_schema.schema"],
+    **{
+        k: v
+        for k, v in FIELD_KINDS.items()
+        if k.startswith(("response_format.", "stream_options."))
+    },
     "tools.function.parameters": "a JSON schema (an object) or null",
+    "tools.type": '"function"',
+    "tools.function": 'an object {"name", "description", "parameters"}',
+    "tools.function.name": "a name of 1 to 64 letters, digits, _ or -",
+    "tools.function.description": "a string",
+    "tools.function.strict": "true, false or null",
+    "tool_choice.function.name": "a string",
     "messages": "a list of objects {role, content}",
-    "messages.role": "one of system, user, assistant, tool",
+    "messages.role": "one of system (or developer), user, assistant, tool",
     "messages.content": 'text (a string), a list of {"type": "text", "text": ...} parts, or null',
     "messages.name": "a string",
     "messages.tool_calls": 'a list of {"id", "type": "function", "function": {"name", '
     '"arguments"}}',
+    "messages.tool_calls.id": "a string",
+    "messages.tool_calls.type": '"function"',
+    "messages.tool_calls.function": 'an object {"name", "arguments"}',
+    "messages.tool_calls.function.name": "a string",
+    "messages.tool_calls.function.arguments": "a JSON object as a string (json.dumps of it)",
     "messages.tool_call_id": "the id of the tool call this message answers",
     "messages.refusal": "a string or null",
     "messages.annotations": "a list or null",
@@ -364,31 +406,36 @@ def validation_error(error: ValidationError, kinds: dict[str, str] = FIELD_KINDS
         )
     if not loc:
         return OpenAIError(400, f"the body must be a JSON object ({first['msg']})")
-    field, where, kind_of = loc[0], loc[0], loc[0]
-    if len(loc) >= 3 and loc[1].isdigit():  # a field of a list's object: messages[1].content
-        where = f"{field}[{loc[1]}].{'.'.join(loc[2:])}"
-        kind_of = f"{field}.{loc[2]}"
-    elif field == "response_format" and len(loc) >= 2:  # response_format.json_schema.name
-        where = ".".join(part.replace("schema_", "schema") for part in loc)
-    if kind == "extra_forbidden":
-        path = ".".join(loc) if where == field else where
-        known = [k for k in kinds if "." not in k]
-        if where != field:
-            known = [k.split(".", 1)[1] for k in kinds if k.startswith(f"{field}.")]
+    field = loc[0]
+    where = (
+        field
+        + "".join(  # messages[1].tool_calls[0].function.arguments
+            f"[{part}]" if part.isdigit() else f".{part.replace('schema_', 'schema')}"
+            for part in loc[1:]
+        )
+    )
+    dotted = ".".join(part.replace("schema_", "schema") for part in loc if not part.isdigit())
+    if kind == "extra_forbidden":  # the fields of the object it is in: its siblings in kinds
+        parent = dotted.rpartition(".")[0]
+        prefix = f"{parent}." if parent else ""
+        known = [
+            k.removeprefix(prefix)
+            for k in kinds
+            if k.startswith(prefix) and "." not in k.removeprefix(prefix)
+        ]
         return OpenAIError(
             400,
-            f"unknown field {path!r}; the fields are: {', '.join(known)}",
-            param=path,
+            f"unknown field {where!r}; the fields are: {', '.join(known)}",
+            param=where,
             code="unknown_field",
         )
     if kind == "missing":
         return OpenAIError(400, f"{where} is required", param=where, code="missing_field")
     got = first.get("input")
     shown = json.dumps(got)[:80] if _jsonable(got) else type(got).__name__
-    dotted = ".".join(part.replace("schema_", "schema") for part in loc if not part.isdigit())
-    what = kinds.get(dotted) or kinds.get(kind_of)
+    what = kinds.get(dotted)
     if what is None:  # a field inside one whose description would mislead: pydantic's words
-        what = kinds[field] if dotted == field and field in kinds else _said(first["msg"])
+        what = _said(first["msg"])
     return OpenAIError(
         400, f"{where} must be {what}, got {shown}", param=where, code="invalid_value"
     )
