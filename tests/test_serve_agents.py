@@ -224,6 +224,17 @@ def test_json_object_and_a_stream_parse(client):
     Person.model_validate_json(text)
 
 
+def test_the_schema_true_is_any_json_value(client):
+    """``true`` is a JSON schema (any value), as ``{}`` is: both constrain the answer to JSON."""
+    for schema in (True, {}):
+        r = client.chat.completions.create(
+            **ask(messages=USER, seed=5, temperature=1),
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )
+        if r.choices[0].finish_reason == "stop":
+            json.loads(r.choices[0].message.content)
+
+
 def test_a_cut_answer_says_length(client):
     schema = {"name": "p", "schema": Person.model_json_schema()}
     r = client.chat.completions.create(
@@ -357,6 +368,15 @@ def test_a_streamed_tool_call_reads_as_openais(client):
                 "response_format": {
                     "type": "json_schema",
                     "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": False},
                 }
             },
             "response_format",

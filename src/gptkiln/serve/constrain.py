@@ -103,9 +103,14 @@ class Grammars:
             return self._lltok
 
     def json_schema(self, schema: Any) -> str:
-        """The grammar text of a JSON schema (``{"type": "object"}`` for any object)."""
+        """The grammar text of a JSON schema (``{"type": "object"}`` for any object; ``true``,
+        as ``{}``, any JSON value; ``false`` none, which is refused)."""
         import llguidance
 
+        if schema is False:
+            raise GrammarError("the schema false accepts no value; send one an answer can meet")
+        if schema is True:
+            schema = {}  # the same schema as an object, which takes llguidance's options
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         except ValueError as e:
