@@ -368,9 +368,12 @@ def test_a_body_over_the_limit_is_413(url):
 def test_the_api_key_is_required_when_set(run_dir):
     with ServerThread(make_app(run_dir, api_key="s3cret")) as url:
         body = {"prompt": "Hi", "max_tokens": 2}
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-            r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+        for given in ("", "Bearer wrong", "s3cret", "Basic s3cret", "Bearer s3cret2"):
+            r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": given})
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        for scheme in ("bearer", "BEARER"):  # the scheme's name is case-insensitive (RFC 9110)
+            keyed = {"Authorization": f"{scheme} s3cret"}
+            assert httpx.post(f"{url}/v1/completions", json=body, headers=keyed).status_code == 200
         r = httpx.get(f"{url}/v1/models")
         assert r.status_code == 401
         assert httpx.post(f"{url}/v1/inspect", json={"prompt": "Hi"}).status_code == 401

@@ -451,9 +451,10 @@ class Guard:
             raise
 
     def _authorized(self, scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        expected = b"Bearer " + self.api_key.encode("utf-8")
-        return hmac.compare_digest(given, expected)
+        """``Authorization: Bearer KEY``, the scheme's name in any case (RFC 9110)."""
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        ok = hmac.compare_digest(given.strip(b" "), self.api_key.encode("utf-8"))
+        return ok and scheme.lower() == b"bearer"
 
     def _too_large(self) -> OpenAIError:
         return OpenAIError(
