@@ -151,6 +151,45 @@ def test_streamed_text_offsets_are_the_whole_answers(client):
     assert offsets == whole.text_offset
 
 
+def spelled(tokenizer, text: str, lp) -> None:
+    """The scored tokens spell ``text``, the last perhaps running past its end where a stop
+    string begins inside it: each begins in the text at its offset (a character's pieces at
+    that character); none begins past it (a stop string's tokens, the end-of-text)."""
+    ids = lp.model_extra["token_ids"]
+    assert tokenizer.decode(ids).startswith(text) and len(tokenizer.decode(ids[:-1])) < len(text)
+    for k, offset in enumerate(lp.text_offset):
+        assert offset == len(tokenizer.decode(ids[:k]).rstrip("\ufffd")) < len(text)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_logprob_tokens_spell_the_text_past_a_stop_string_and_inside_characters(
+    client, run_dir, stream
+):
+    """A stop string cuts the text, and its tokens go from the logprobs too; a character of
+    several tokens puts each at the character's offset (not one place a token further)."""
+    tokenizer = load_tokenizer("gpt2")
+    prompt = "a\ua66eb\U0001d518c"  # 'a', three tokens of one character, 'b', ...
+    free = expected(run_dir, prompt, max_new_tokens=12, temperature=0)
+    stop = free[5:8]
+    ask = dict(model=NAME, prompt=prompt, max_tokens=12, temperature=0, echo=True, logprobs=0)
+    ask["stop"] = [stop]
+    if stream:
+        text, offsets, ids = "", [], []
+        for chunk in client.completions.create(**ask, stream=True):
+            choice = chunk.choices[0]
+            text += choice.text
+            if choice.logprobs is not None:
+                offsets += choice.logprobs.text_offset
+                ids += choice.logprobs.model_extra["token_ids"]
+        lp = type("Lp", (), {"text_offset": offsets, "model_extra": {"token_ids": ids}})
+    else:
+        choice = client.completions.create(**ask).choices[0]
+        text, lp = choice.text, choice.logprobs
+    assert text == prompt + free[: free.index(stop)]
+    assert lp.text_offset[:5] == [0, 1, 1, 1, 2]  # the second character is three tokens
+    spelled(tokenizer, text, lp)
+
+
 def test_a_prompt_of_token_ids_and_an_empty_prompt(client, url, run_dir):
     tokenizer = load_tokenizer("gpt2")
     ids = tokenizer.encode("Hello, I am")

@@ -524,3 +524,22 @@ def test_nulls_mean_the_defaults_and_developer_is_system(client, url, runs):
     )
     assert as_developer.status_code == 200, as_developer.text
     assert as_developer.json()["choices"][0]["message"]["content"] == as_system
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_logprobs_end_where_the_content_does(client, stream):
+    """A stop string's tokens are not in the content, nor in its logprobs: the scored tokens'
+    bytes spell the content."""
+    ask = dict(model=NAME, messages=[USER], max_tokens=30, temperature=0, logprobs=True)
+    free = client.chat.completions.create(**ask).choices[0].message.content
+    stop = free.strip()[2:4]
+    ask["stop"] = [stop]
+    if stream:
+        chunks = [c for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        scored = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    else:
+        got = client.chat.completions.create(**ask).choices[0]
+        content, scored = got.message.content, got.logprobs.content
+    assert content == free[: free.index(stop)]
+    assert b"".join(bytes(t.bytes) for t in scored).decode("utf-8") == content

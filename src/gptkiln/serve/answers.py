@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 import uuid
@@ -58,6 +59,37 @@ class Collected:
     used: int = 0
 
 
+class Scores:
+    """A choice's scored tokens, each with where its text begins in the choice's text, given
+    out once the text given out reaches them: the tokens of a stop string, and the end-of-text
+    token, are past the text and never given out, so the tokens given out spell the text.
+
+    A token's place counts the characters its bytes before it complete (a UTF-8 decoder fed
+    token by token): a token inside a character (byte-level BPE) begins where that character
+    does, as the text, which holds the character once, has it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._at = 0  # characters the tokens added so far complete
+        self._shown = 0  # characters of text given out
+        self._pending: list[tuple[int, TokenLogprobs | None, int]] = []
+
+    def add(self, token: int, entry: TokenLogprobs | None) -> None:
+        self._pending.append((token, entry, self._at))
+        self._at += len(self._decoder.decode(self.tokenizer.token_bytes(token)))
+
+    def release(self, text: str, done: bool = False) -> list[tuple[int, TokenLogprobs | None, int]]:
+        """The tokens whose text begins within the text given out, now ``text`` more; at the
+        end (``done``) the rest are dropped."""
+        self._shown += len(text)
+        ready = 0
+        while ready < len(self._pending) and self._pending[ready][2] < self._shown:
+            ready += 1
+        out, self._pending = self._pending[:ready], [] if done else self._pending[ready:]
+        return out
+
+
 class Answer:
     """Turns a completion request's events into OpenAI's ``text_completion`` objects, whole or
     as chunks. The event loops (`whole`, `stream`) are shared with `ChatAnswer`; the shapes
@@ -70,7 +102,7 @@ class Answer:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_name = model_name
-        self.offsets: dict[int, int] = {}  # a streamed choice's text_offset so far
+        self.scores: dict[int, Scores] = {}  # a streamed choice's tokens, when scored
 
     def _completion(self, choices: list[Choice], usage: Usage | None = None) -> dict[str, Any]:
         return Completion(
@@ -92,17 +124,13 @@ class Answer:
             total_tokens=prompt_tokens + completion_tokens,
         )
 
-    def _logprobs(
-        self, ids: list[int], scored: list[TokenLogprobs | None], offset: int = 0
-    ) -> Logprobs:
-        """OpenAI's logprobs object for tokens ``ids`` whose text starts at ``offset``."""
+    def _logprobs(self, scored: list[tuple[int, TokenLogprobs | None, int]]) -> Logprobs:
+        """OpenAI's logprobs object for tokens given out by `Scores` (id, scores, offset)."""
         out = Logprobs()
-        for token, entry in zip(ids, scored):
-            text = self.tokenizer.decode([token])
-            out.tokens.append(text)
+        for token, entry, offset in scored:
+            out.tokens.append(self.tokenizer.decode([token]))
             out.token_ids.append(token)
             out.text_offset.append(offset)
-            offset += len(text)
             if entry is None:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
@@ -115,6 +143,13 @@ class Answer:
             out.top_logprobs.append(top)
             out.top_token_ids.append([alt for alt, _ in entry.top])
         return out
+
+    def _scores(self, tokens: list[tuple[int, TokenLogprobs | None]], text: str) -> list:
+        """A whole choice's tokens whose text begins in ``text`` (`Scores`)."""
+        scores = Scores(self.tokenizer)
+        for token, entry in tokens:
+            scores.add(token, entry)
+        return scores.release(text, done=True)
 
     async def whole(self, queue: asyncio.Queue, seqs: list[Sequence], request: Request):
         """Wait for every choice; None if the client left first (that cancels them)."""
@@ -156,12 +191,11 @@ class Answer:
             head = prompt_text if self.req.echo else ""
             logprobs = None
             if self.req.logprobs is not None:
-                ids = [t for t, _ in got.tokens[i]]
-                scored = [lp for _, lp in got.tokens[i]]
+                tokens = got.tokens[i]
                 if self.req.echo:
-                    scored = got.prompt_scores.get(i, [None] * len(prompt)) + scored
-                    ids = prompt + ids
-                logprobs = self._logprobs(ids, scored)
+                    entries = got.prompt_scores.get(i, [None] * len(prompt))
+                    tokens = list(zip(prompt, entries, strict=True)) + tokens
+                logprobs = self._logprobs(self._scores(tokens, head + got.texts[i]))
             choices.append(
                 Choice(
                     text=head + got.texts[i],
@@ -201,33 +235,34 @@ class Answer:
 
     def _opening(self, seqs: list[Sequence]) -> Iterator[str]:
         """With ``echo``, each prompt first (with its logprobs, they come as an event)."""
-        self.offsets = {s.index: 0 for s in seqs}
-        if self.req.echo:
+        if self.req.logprobs is not None:
+            self.scores = {s.index: Scores(self.tokenizer) for s in seqs}
+        if self.req.echo and self.req.logprobs is None:
             for seq in seqs:
-                text, prompt = self._prompt_of(seq.index)
-                if self.req.logprobs is None:
-                    yield self._chunk(Choice(text=text, index=seq.index))
-                else:
-                    self.offsets[seq.index] = sum(len(self.tokenizer.decode([t])) for t in prompt)
+                yield self._chunk(Choice(text=self._prompt_of(seq.index)[0], index=seq.index))
 
     def _chunks(self, event: PromptLogprobs | Token | Done) -> Iterator[str]:
-        """A chunk a token (its text may be "" while held back), a last one per choice with
-        its finish_reason (and the text held back until then)."""
+        """A chunk a token (its text may be "" while held back; its scores once its text is
+        out), a last one per choice with its finish_reason (and the text held back until
+        then)."""
         if isinstance(event, PromptLogprobs):
             text, prompt = self._prompt_of(event.index)
-            lp = self._logprobs(prompt, event.entries)
+            scores = self.scores[event.index]
+            for token, entry in zip(prompt, event.entries, strict=True):
+                scores.add(token, entry)
+            lp = self._logprobs(scores.release(text))
             yield self._chunk(Choice(text=text, index=event.index, logprobs=lp))
-        elif isinstance(event, Token):
+        elif isinstance(event, Token | Done):
             lp = None
-            if event.logprobs is not None:
-                lp = self._logprobs([event.id], [event.logprobs], self.offsets[event.index])
-                # counted as the whole answer counts them (each token's own text), not by the
-                # text this chunk carries, which a held-back stop string or split character moves
-                self.offsets[event.index] += len(self.tokenizer.decode([event.id]))
-            yield self._chunk(Choice(text=event.text, index=event.index, logprobs=lp))
-        elif isinstance(event, Done):
+            scores = self.scores.get(event.index)
+            if scores is not None:
+                if isinstance(event, Token):
+                    scores.add(event.id, event.logprobs)
+                ready = scores.release(event.text, done=isinstance(event, Done))
+                lp = self._logprobs(ready) if ready else None
+            reason = event.reason if isinstance(event, Done) else None
             yield self._chunk(
-                Choice(text=event.text, index=event.index, finish_reason=event.reason)
+                Choice(text=event.text, index=event.index, logprobs=lp, finish_reason=reason)
             )
 
     def _usage_chunk(self, usage: Usage) -> str:
@@ -252,7 +287,6 @@ class ChatAnswer(Answer):
         super().__init__(req, prompts, tokenizer, model_name)
         self.tool_family = tool_family
         self.held: dict[int, str] = {}  # a streamed choice's text, while it may be a call
-        self.held_scores: dict[int, list[TokenLogprob]] = {}
 
     def _shape(self, got: Collected, indexes: list[int]) -> dict[str, Any]:
         choices = []
@@ -260,7 +294,8 @@ class ChatAnswer(Answer):
             content, calls, reason = self._read_calls(got.texts[i], got.reasons[i])
             logprobs = None
             if self.req.logprobs:
-                logprobs = ChatLogprobs(content=[self._scored(t, lp) for t, lp in got.tokens[i]])
+                scored = self._scores(got.tokens[i], got.texts[i])
+                logprobs = ChatLogprobs(content=[self._scored(t, lp) for t, lp, _ in scored])
             reply = ChatReply(content=content, tool_calls=calls or None)
             choices.append(
                 ChatChoice(index=i, message=reply, logprobs=logprobs, finish_reason=reason)
@@ -299,6 +334,8 @@ class ChatAnswer(Answer):
         )
 
     def _opening(self, seqs: list[Sequence]) -> Iterator[str]:
+        if self.req.logprobs:
+            self.scores = {s.index: Scores(self.tokenizer) for s in seqs}
         for seq in seqs:
             yield self._delta(ChatChunkChoice(index=seq.index, delta={"role": "assistant"}))
 
@@ -310,8 +347,13 @@ class ChatAnswer(Answer):
             yield from self._tool_chunks(event)
             return
         scored = None
-        if isinstance(event, Token) and event.logprobs is not None:
-            scored = ChatLogprobs(content=[self._scored(event.id, event.logprobs)])
+        scores = self.scores.get(event.index) if isinstance(event, Token | Done) else None
+        if scores is not None:
+            if isinstance(event, Token):
+                scores.add(event.id, event.logprobs)
+            ready = scores.release(event.text, done=isinstance(event, Done))
+            if ready:
+                scored = ChatLogprobs(content=[self._scored(t, lp) for t, lp, _ in ready])
         if isinstance(event, Token | Done) and (event.text or scored is not None):
             delta = {"content": event.text}
             yield self._delta(ChatChunkChoice(index=event.index, delta=delta, logprobs=scored))
@@ -326,13 +368,17 @@ class ChatAnswer(Answer):
             return
         i = event.index
         self.held[i] = self.held.get(i, "") + event.text
-        if isinstance(event, Token) and event.logprobs is not None:
-            self.held_scores.setdefault(i, []).append(self._scored(event.id, event.logprobs))
+        scores = self.scores.get(i)
+        if isinstance(event, Token) and scores is not None:
+            scores.add(event.id, event.logprobs)
         if not isinstance(event, Done):
             return
-        content, calls, reason = self._read_calls(self.held.pop(i), event.reason)
-        scores = self.held_scores.pop(i, None)
-        logprobs = None if scores is None else ChatLogprobs(content=scores)
+        text = self.held.pop(i)
+        content, calls, reason = self._read_calls(text, event.reason)
+        logprobs = None
+        if scores is not None:
+            scored = scores.release(text, done=True)
+            logprobs = ChatLogprobs(content=[self._scored(t, lp) for t, lp, _ in scored])
         if content or logprobs is not None:
             delta = {"content": content or ""}
             yield self._delta(ChatChunkChoice(index=i, delta=delta, logprobs=logprobs))
