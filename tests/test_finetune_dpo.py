@@ -336,3 +336,39 @@ def test_auto_precision_measures_dpo_on_its_pairs(work, tmp_path, monkeypatch, c
     trainer.close()
     assert rows and all(n >= 2 and n % 2 == 0 for n in rows)
     assert "a training step of this model measured" in capsys.readouterr().out
+
+
+def test_dpo_and_chat_tuning_start_from_a_chat_run_of_any_tokenizer(tmp_path):
+    """A chat-tuned run of a gptkiln tokenizer (gpt2 here) keeps its ChatML template but no
+    tokenizer_config.json: a DPO or another chat run from it ends turns with the tokenizer's
+    end-of-text, as the first run did (it was refused: "names no eos_token")."""
+    from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.tokenizers import GPT2Tokenizer
+
+    tokenizer = GPT2Tokenizer()
+    torch.manual_seed(0)
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=64)
+    save_model(GPT(config), tmp_path / "base", tokenizer=tokenizer)
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": p["prompt"]},
+                {"role": "assistant", "content": p["chosen"]},
+            ]
+        }
+        for p in pairs(20)
+    ]
+    (tmp_path / "chats.json").write_text(json.dumps(chats))
+    (tmp_path / "pairs.json").write_text(json.dumps(pairs(20)))
+    chat = FinetuneConfig(
+        base=str(tmp_path / "base"), data=str(tmp_path / "chats.json"), task="chat"
+    )
+    finetune(chat, quick(chat, tmp_path / "chat", max_steps=1))
+    assert not (tmp_path / "chat" / "tokenizer_config.json").exists()
+    for task, data in (("dpo", "pairs.json"), ("chat", "chats.json")):
+        ft = FinetuneConfig(base=str(tmp_path / "chat"), data=str(tmp_path / data), task=task)
+        finetune(ft, quick(ft, tmp_path / f"{task}-again", max_steps=1))
+        stored = (tmp_path / f"{task}-again" / "chat_template.jinja").read_text()
+        assert stored == (tmp_path / "chat" / "chat_template.jinja").read_text()

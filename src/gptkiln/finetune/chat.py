@@ -15,6 +15,7 @@ the lines the run starts with.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +56,9 @@ def conversation_template(ft: FinetuneConfig, base: Path, base_cfg: dict, tokeni
         )
     else:
         template = run_template(base_cfg, base)
+        if isinstance(template, ChatTemplate):  # a chat-tuned run keeps no tokenizer_config.json
+            named = {**tokenizer_special_tokens(tokenizer), **template.special_tokens}
+            template = dataclasses.replace(template, special_tokens=named)
     if template is None:
         if tokenizer.eot_id is None:
             raise GptkilnError(
