@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import random
 import shutil
 import string
@@ -183,6 +184,47 @@ def test_the_collate_equals_the_books_on_its_own_1100_entries(tmp_path):
     for start in range(0, len(items), 8):
         (bx, by), (ox, oy) = _book_and_ours(items[start : start + 8], 1024)
         assert torch.equal(bx, ox) and torch.equal(by, oy)
+
+
+def test_a_masked_prompt_that_fills_the_context_is_dropped_not_a_nan(work, tmp_path, capsys):
+    """With --mask-prompt, an entry whose prompt fills the context has no token to learn: it
+    is dropped and counted (a batch of only such entries was a NaN loss, "training
+    diverged"), --show-examples says so, and the judge's test split is of the entries kept;
+    when every entry is such, one line."""
+    from gptkiln.finetune.judge import test_entries
+
+    entries = instructions(40)
+    for i in (0, 5, 36):  # their prompts alone are past the context
+        entries[i] = {**entries[i], "input": "moon " * 60}  # 300 characters: past 256
+    data = tmp_path / "long.json"
+    data.write_text(json.dumps(entries))
+    ft = FinetuneConfig(base=str(work / "base"), data=str(data), mask_prompt=True)
+    result = finetune(ft, quick(ft, tmp_path / "run", max_steps=12, batch_size=1))
+    err = capsys.readouterr().err
+    assert "note: 3 of 40 entries dropped: with --mask-prompt their prompt fills" in err
+    assert math.isfinite(result.val_loss)
+    info = json.loads((tmp_path / "run" / "config.json").read_text())["finetune"]
+    assert info["dropped"] == [0, 5, 36] and sum(info["split"].values()) == 37
+    kept = [e for i, e in enumerate(entries) if i not in (0, 5, 36)]
+    test = kept[info["split"]["train"] : info["split"]["train"] + info["split"]["test"]]
+    assert [output for _, output in test_entries(tmp_path / "run", None)] == [
+        e["output"] for e in test
+    ]
+    argv = ["finetune", work / "base", "--data", data, "--mask-prompt", "--show-examples", 1]
+    code, out, _ = cli(*argv, capsys=capsys)
+    assert code == 0 and out.startswith("--- example 1: dropped, its prompt fills the context")
+    data.write_text(json.dumps([{**e, "input": "moon " * 60} for e in entries]))
+    code, _, err = cli(
+        "finetune",
+        work / "base",
+        "--data",
+        data,
+        "--mask-prompt",
+        "--out",
+        tmp_path / "r",
+        capsys=capsys,
+    )
+    assert_one_line_error(code, err, "no entry's prompt leaves a response token", "256 tokens")
 
 
 def test_mask_prompt_leaves_only_the_response_as_targets():

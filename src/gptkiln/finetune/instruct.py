@@ -82,6 +82,17 @@ def learnt_ids(
     return [*ids, end_id], [j >= first for j in range(len(ids) + 1)]
 
 
+def fitted_example(
+    ids: Sequence[int], prompt_len: int | None, end_id: int, ctx_len: int
+) -> Example | None:
+    """An example as training sees it (`learnt_ids`, cut to the context: ``ctx_len`` inputs
+    and their targets); None when nothing of it is left to learn, a ``--mask-prompt`` prompt
+    that fills the context (its batch's loss would be 0 / 0)."""
+    shown, trained = learnt_ids(ids, prompt_len, end_id)
+    example = Example(shown[: ctx_len + 1], trained[: ctx_len + 1])
+    return example if any(example.trained) else None
+
+
 class InstructionTuning(FineTuning):
     """`Task` of instruction fine-tuning; the split is the book's: the first 1 - val - test of
     the entries train, the next ``test_fraction`` are the test set, the last the validation set.
@@ -96,10 +107,12 @@ class InstructionTuning(FineTuning):
         super().__init__(ctx, ft)
         self.template = load_template(ft.template)
         entries = read_instructions(ft.data)
-        sizes = split_sizes(len(entries), ft.val_fraction, ft.test_fraction)
-        check_splits(ft.data, len(entries), sizes, ft.val_fraction)
-        n_train, n_val, n_test = sizes
-        self.split = {"train": n_train, "val": n_val, "test": n_test}
+        check_splits(
+            ft.data,
+            len(entries),
+            split_sizes(len(entries), ft.val_fraction, ft.test_fraction),
+            ft.val_fraction,
+        )
         self.pad_id = self.tokenizer.eot_id
         if self.pad_id is None:
             raise GptkilnError(
@@ -110,6 +123,11 @@ class InstructionTuning(FineTuning):
         self.ids, self.prompt_lengths = encode_entries(ft, self.tokenizer, self.template, entries)
         self.build_model(self.ids)
         self.ctx_len = self.model_config.context_length
+        entries = self._drop_unlearnable(entries)  # the split is of the entries kept
+        sizes = split_sizes(len(entries), ft.val_fraction, ft.test_fraction)
+        check_splits(ft.data, len(entries), sizes, ft.val_fraction)
+        n_train, n_val, n_test = sizes
+        self.split = {"train": n_train, "val": n_val, "test": n_test}
         self.set_example_batches(n_train, n_test, len(entries))
         self.held_out = entries[self.val_ids[0]]
         self.say_what_trains()
@@ -123,11 +141,41 @@ class InstructionTuning(FineTuning):
     def width(self, ids: Sequence[int]) -> int:
         return min(max(len(self.ids[i]) for i in ids), self.ctx_len)
 
-    def example(self, i: int) -> Example:
-        """As `collate_instructions` learns it: with its end-of-text, cut to the context."""
+    def _drop_unlearnable(self, entries: list[dict]) -> list[dict]:
+        """The entries that leave a token to learn in the context (`fitted_example`); with
+        ``--mask-prompt``, those whose prompt fills it are dropped, as chat drops a
+        conversation whose first answer does not fit, and counted in a line."""
+        self.dropped: list[int] = []
+        if self.prompt_lengths is None:
+            return entries
+        self.dropped = [i for i in range(len(entries)) if self.example(i) is None]
+        if not self.dropped:
+            return entries
+        ft, n = self.ft, len(entries)
+        if len(self.dropped) == n:
+            raise GptkilnError(
+                f"--data {ft.data}: with --mask-prompt no entry's prompt leaves a response token "
+                f"inside the model's context of {self.ctx_len} tokens, so there is nothing to "
+                "learn; shorten the prompts or the template, or leave out --mask-prompt"
+            )
+        gone = set(self.dropped)
+        keep = [i for i in range(n) if i not in gone]
+        self.ids = [self.ids[i] for i in keep]
+        self.prompt_lengths = [self.prompt_lengths[i] for i in keep]
+        if self.ctx.world.is_main:
+            print(
+                f"note: {len(gone):,} of {n:,} entries dropped: with --mask-prompt their prompt "
+                f"fills the model's context of {self.ctx_len} tokens, leaving no response token "
+                "to learn",
+                file=sys.stderr,
+            )
+        return [entries[i] for i in keep]
+
+    def example(self, i: int) -> Example | None:
+        """As `collate_instructions` learns it: with its end-of-text, cut to the context (None:
+        nothing of it left to learn, `fitted_example`)."""
         prompt_len = None if self.prompt_lengths is None else self.prompt_lengths[i]
-        ids, trained = learnt_ids(self.ids[i], prompt_len, self.pad_id)
-        return Example(ids[: self.ctx_len + 1], trained[: self.ctx_len + 1])
+        return fitted_example(self.ids[i], prompt_len, self.pad_id, self.ctx_len)
 
     def pack_width(self) -> int:
         return self.ctx_len
@@ -143,7 +191,7 @@ class InstructionTuning(FineTuning):
             )
 
     def task_info(self) -> dict:
-        return {"template": self.template.to_dict(), "pad_id": self.pad_id}
+        return {"template": self.template.to_dict(), "pad_id": self.pad_id, "dropped": self.dropped}
 
     # -- what the loop asks --------------------------------------------------------------------
     def sample(self, model, use_cache: bool) -> str:

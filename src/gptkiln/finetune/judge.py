@@ -266,9 +266,10 @@ def _test_split(run_dir: Path, info: dict) -> list[tuple[list[dict], str]]:
             "judge; give the test entries with --data FILE"
         )
     test = slice(split["train"], split["train"] + split["test"])
-    if task == "instruct":
-        return [(_instruction_messages(e), e["output"]) for e in read_instructions(source)[test]]
     dropped = set(info.get("dropped") or ())
+    if task == "instruct":
+        entries = [e for i, e in enumerate(read_instructions(source)) if i not in dropped]
+        return [(_instruction_messages(e), e["output"]) for e in entries[test]]
     if task == "dpo":
         pairs = [p for i, p in enumerate(read_preferences(source)) if i not in dropped]
         return [(p.prompt, p.chosen) for p in pairs[test]]

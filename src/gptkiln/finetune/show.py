@@ -64,14 +64,19 @@ def marked(tokenizer, ids: Sequence[int], trained: Sequence[bool]) -> str:
     return "".join(out)
 
 
+def _context(ft: FinetuneConfig, base_cfg: dict) -> int:
+    """The base's context length, from its config and the weights' headers alone (any base: a
+    run, a Hugging Face directory)."""
+    from gptkiln.loading.load import read_stored
+
+    return read_stored(Path(ft.base), base_cfg, headers_only=True).config.context_length
+
+
 def _limit(ft: FinetuneConfig, base_cfg: dict) -> int:
     """The most ids an example may hold in training (`chat.example_limit`)."""
     from gptkiln.finetune.chat import example_limit
-    from gptkiln.loading.load import read_stored
 
-    # any base (a run, a Hugging Face directory): its config from the weights' headers alone
-    context = read_stored(Path(ft.base), base_cfg, headers_only=True).config.context_length
-    return example_limit(ft, context)
+    return example_limit(ft, _context(ft, base_cfg))
 
 
 def _chat(ft: FinetuneConfig, base_cfg: dict, tokenizer):
@@ -94,19 +99,24 @@ def _chat(ft: FinetuneConfig, base_cfg: dict, tokenizer):
 
 
 def _instruct(ft: FinetuneConfig, base_cfg: dict, tokenizer):
+    """Each entry as training sees it: cut to the context, or dropped where (with
+    ``--mask-prompt``) its prompt fills it (`instruct.fitted_example`)."""
     from gptkiln.finetune.data import read_instructions
-    from gptkiln.finetune.instruct import encode_entries, learnt_ids
+    from gptkiln.finetune.instruct import encode_entries, fitted_example
     from gptkiln.finetune.templates import load_template
 
     if tokenizer.eot_id is None:
         raise GptkilnError(f"{ft.base}'s tokenizer has no end-of-text token to end examples with")
     template = load_template(ft.template)
     ids, prompt_lengths = encode_entries(ft, tokenizer, template, read_instructions(ft.data))
+    context = _context(ft, base_cfg)
     for i, example in enumerate(ids):
-        shown, trained = learnt_ids(
-            example, None if prompt_lengths is None else prompt_lengths[i], tokenizer.eot_id
-        )
-        yield None, None, shown, trained
+        prompt_len = None if prompt_lengths is None else prompt_lengths[i]
+        fitted = fitted_example(example, prompt_len, tokenizer.eot_id, context)
+        if fitted is None:
+            yield None, f"its prompt fills the context of {context} tokens", None, None
+        else:
+            yield None, None, fitted.ids, fitted.trained
 
 
 def _dpo(ft: FinetuneConfig, base_cfg: dict, tokenizer):
