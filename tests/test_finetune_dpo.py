@@ -372,3 +372,45 @@ def test_dpo_and_chat_tuning_start_from_a_chat_run_of_any_tokenizer(tmp_path):
         finetune(ft, quick(ft, tmp_path / f"{task}-again", max_steps=1))
         stored = (tmp_path / f"{task}-again" / "chat_template.jinja").read_text()
         assert stored == (tmp_path / "chat" / "chat_template.jinja").read_text()
+
+
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
+def test_a_base_with_dropout_trains_dpo_without_it_from_ln_2(tmp_path, lora, capsys):
+    """DPO turns the base's dropout off, as TRL's does: a training step's loss starts at ln 2
+    exactly (the policy is the reference), and a LoRA run's reference is the same twice."""
+    from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.finetune.dpo import PreferenceTuning
+    from gptkiln.model import GPT
+    from gptkiln.tokenizers import GPT2Tokenizer
+    from gptkiln.train import Trainer
+
+    tokenizer = GPT2Tokenizer()
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(
+        "tiny", vocab_size=tokenizer.vocab_size, context_length=64, dropout=0.3
+    )
+    save_model(GPT(config), tmp_path / "base", tokenizer=tokenizer)
+    (tmp_path / "pairs.json").write_text(json.dumps(pairs(20)))
+    ft = FinetuneConfig(
+        base=str(tmp_path / "base"), data=str(tmp_path / "pairs.json"), task="dpo", lora_rank=lora
+    )
+    cfg = quick(ft, tmp_path / "run", max_steps=1)
+    trainer = Trainer(cfg, task=lambda c: PreferenceTuning(c, ft))
+    trainer.close()
+    assert "the base's dropout off" in capsys.readouterr().err
+    task, (x, y) = trainer.task, trainer.batches.get(0, 0)
+    task.model.train()
+    torch.manual_seed(1)
+    assert task.training_loss(task.model, x, y).item() == pytest.approx(math.log(2), abs=1e-6)
+    assert torch.equal(task.reference_log_probs(x, y), task.reference_log_probs(x, y))
+
+
+def test_pairs_all_without_a_preference_are_one_line(work, tmp_path, capsys):
+    same = [{**p, "rejected": p["chosen"]} for p in pairs(20)]
+    (tmp_path / "same.json").write_text(json.dumps(same))
+    code, _, err = cli(
+        "finetune", work / "reference", "--task", "dpo", "--data", tmp_path / "same.json",
+        "--out", tmp_path / "r", capsys=capsys,
+    )  # fmt: skip
+    assert code == 2 and "DPO has nothing to learn" in err and len(err.strip().splitlines()) == 1

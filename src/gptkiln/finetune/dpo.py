@@ -108,6 +108,22 @@ def encode_pair(encoder: ConversationEncoder, pair) -> tuple[Example, Example]:
     )
 
 
+def disable_dropout(model: torch.nn.Module) -> bool:
+    """Turn ``model``'s dropout off (its ``nn.Dropout`` layers and attention's rate), as TRL's
+    DPO does: with it on, the policy's log-probabilities are noisy against the reference's, so
+    the loss no longer starts at ln 2, and a LoRA run's reference (the same model, adapters
+    off) would draw new noise at each use. Whether any was on."""
+    was_on = False
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            was_on |= module.p > 0
+            module.p = 0.0
+        elif isinstance(getattr(module, "dropout", None), float):  # attention's rate
+            was_on |= module.dropout > 0
+            module.dropout = 0.0
+    return was_on
+
+
 class PreferenceTuning(FineTuning):
     """`Task` of DPO; the split is instruct's (train, test, validation)."""
 
@@ -126,6 +142,7 @@ class PreferenceTuning(FineTuning):
         self.pad_id = self.tokenizer.eot_id if self.tokenizer.eot_id is not None else 0
         rows = [encode_pair(self.encoder, pair) for pair in pairs]
         self.build_model(row.ids for pair in rows for row in pair)
+        dropout = disable_dropout(self.model)  # before the reference copies the model
         limit = example_limit(ft, self.model_config.context_length)
         encoded, self.dropped = [], []  # the split is of the pairs kept
         for number, (pair, (chosen, rejected)) in enumerate(zip(pairs, rows, strict=True)):
@@ -141,6 +158,11 @@ class PreferenceTuning(FineTuning):
         self.pairs = [p for p, _, _ in encoded]
         self.chosen = [c for _, c, _ in encoded]
         self.rejected = [r for _, _, r in encoded]
+        if all(p.chosen == p.rejected for p in self.pairs):
+            raise GptkilnError(
+                f"--data {ft.data}: every pair has one answer as both chosen and rejected, so "
+                "DPO has nothing to learn; give each prompt a preferred and a worse answer"
+            )
         sizes = split_sizes(len(encoded), ft.val_fraction, ft.test_fraction)
         check_splits(ft.data, len(encoded), sizes, ft.val_fraction)
         n_train, n_val, n_test = sizes
@@ -151,10 +173,11 @@ class PreferenceTuning(FineTuning):
             same = sum(p.chosen == p.rejected for p in self.pairs)  # the loss cannot move them
             alike = f", {same:,} with one answer as chosen and rejected (no signal)" if same else ""
             reference = "the base, adapters off" if self.tuner is not None else "a frozen copy"
+            off = "; the base's dropout off, as TRL's DPO turns it off" if dropout else ""
             print(
                 f"dpo data: {len(pairs):,} pairs, {len(pairs) - len(encoded):,} dropped (longer "
                 f"than {limit - 1} tokens){alike}; beta {ft.beta:g}, {ft.dpo_loss} loss, "
-                f"reference: {reference}",
+                f"reference: {reference}{off}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -203,7 +226,7 @@ class PreferenceTuning(FineTuning):
     # -- what the loop asks --------------------------------------------------------------------
     def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
         """The loss, mean rewards, margin and accuracy of the fixed validation batches, and of
-        the training batches with --eval-train (None without)."""
+        the training batches unless --no-eval-train (None then)."""
         values: dict[str, float | None] = dict.fromkeys(self.columns)
         was_training = model.training
         model.eval()
