@@ -21,6 +21,7 @@ from test_cli import cli
 from gptkiln.chat_template import load_chat_template
 from gptkiln.cli import main
 from gptkiln.config import FinetuneConfig
+from gptkiln.errors import GptkilnError
 from gptkiln.finetune import finetune, train_config
 from gptkiln.finetune.chat import ConversationEncoder, collate_examples
 from gptkiln.finetune.dpo import answer_only, dpo_loss, sequence_log_probs
@@ -414,3 +415,27 @@ def test_pairs_all_without_a_preference_are_one_line(work, tmp_path, capsys):
         "--out", tmp_path / "r", capsys=capsys,
     )  # fmt: skip
     assert code == 2 and "DPO has nothing to learn" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_full_dpo_run_resumes_only_against_the_reference_it_started_with(work, tmp_path):
+    """Full DPO's reference is the base, read again on a resume: a base whose weights changed
+    since is refused in one line (the run would go on against another reference), as a LoRA
+    run's changed base is."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(work / "reference", base)
+    ft = FinetuneConfig(base=str(base), data=str(work / "pairs.json"), task="dpo")
+    settings = dict(eval_interval=2, checkpoint_interval=2)
+    finetune(ft, quick(ft, tmp_path / "run", max_steps=2, **settings))
+    info = json.loads((tmp_path / "run" / "config.json").read_text())["finetune"]
+    assert [f["name"] for f in info["reference_weights"]["files"]] == ["model.safetensors"]
+    finetune(ft, quick(ft, tmp_path / "run", max_steps=3, **settings), resume=True)  # the same
+    weights = load_file(base / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 0.01
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(GptkilnError, match="has changed since the run was trained on it"):
+        finetune(ft, quick(ft, tmp_path / "run", max_steps=4, **settings), resume=True)

@@ -167,6 +167,7 @@ class PreferenceTuning(FineTuning):
         check_splits(ft.data, len(encoded), sizes, ft.val_fraction)
         n_train, n_val, n_test = sizes
         self.split = {"train": n_train, "val": n_val, "test": n_test}
+        self.reference_weights: dict | None = None  # full DPO's reference, its files' records
         self.reference = None if self.tuner is not None else self._frozen_copy()
         self.set_example_batches(n_train, n_test, len(self.pairs))
         if ctx.world.is_main:
@@ -184,10 +185,23 @@ class PreferenceTuning(FineTuning):
         self.say_what_trains()
 
     def _frozen_copy(self):
-        """The reference of full DPO: the starting model, frozen (on a resume, the base again)."""
-        from gptkiln.loading import load_model
+        """The reference of full DPO: the starting model, frozen; on a resume, the base again,
+        checked to be the one the run started from (its weights files' records, kept as
+        ``reference_weights``: the same size and time, or else the same SHA-256)."""
+        from gptkiln.loading import describe_weights, load_model, read_config
+        from gptkiln.loading.base import base_reference, check_base_files
 
-        model = load_model(self.ft.base) if self.ctx.resume else copy.deepcopy(self.model)
+        base, then = Path(self.ft.base), None
+        if self.ctx.resume:
+            then = (read_config(self.run_dir).get("finetune") or {}).get("reference_weights")
+            if then is not None:  # (a run from before it was kept: unchecked)
+                check_base_files(self.run_dir, base, then)
+            model = load_model(base)
+        else:
+            model = copy.deepcopy(self.model)
+        self.reference_weights = then or base_reference(
+            base, describe_weights(base)[2], self.run_dir
+        )
         return model.to(self.ctx.device).eval().requires_grad_(False)
 
     def width(self, ids: Sequence[int]) -> int:
@@ -280,7 +294,12 @@ class PreferenceTuning(FineTuning):
 
         t = self.encoder.template
         template = t.to_dict() if isinstance(t, PromptTemplate) else None
-        return {"template": template, "pad_id": self.pad_id, "dropped": self.dropped}
+        return {
+            "template": template,
+            "pad_id": self.pad_id,
+            "dropped": self.dropped,
+            "reference_weights": self.reference_weights,
+        }
 
     def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
         save_chat_template(self.run_dir, self.encoder.template)
