@@ -21,6 +21,7 @@ from test_cli import cli
 
 from gptkiln.checkpoint import save_model
 from gptkiln.config import FinetuneConfig, GPTConfig
+from gptkiln.errors import GptkilnError
 from gptkiln.finetune import finetune, train_config
 from gptkiln.finetune.judge import BOOK_PROMPT, Judge, judge_run, parse_score
 from gptkiln.model import GPT
@@ -305,3 +306,28 @@ def test_the_books_ollama_judges_where_one_runs(run, capsys):
     assert code == 0, err
     last = json.loads(out.strip().splitlines()[-1])
     assert last["entries"] == 4 and last["scored"] + last["unparsed"] == 4
+
+
+def test_the_test_split_is_of_the_data_as_the_run_was_trained_on_it(tmp_path, monkeypatch):
+    """Without --data the judge reads the run's own test split: found from any folder (the
+    data was named relative to where finetune ran), and refused once the file changed."""
+    from gptkiln.finetune.judge import test_entries
+
+    tokenizer = build_char_tokenizer([CHARS], with_eot=True)
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=512)
+    save_model(GPT(config), tmp_path / "base", tokenizer=tokenizer)
+    (tmp_path / "made").mkdir()
+    data = tmp_path / "made" / "instructions.json"
+    entries = instructions(40)
+    data.write_text(json.dumps(entries))
+    monkeypatch.chdir(tmp_path / "made")
+    ft = FinetuneConfig(base=str(tmp_path / "base"), data="instructions.json")  # relative
+    settings = dict(batch_size=4, progress=False, precision="fp32", sample_interval=100)
+    finetune(ft, train_config(ft, out=str(tmp_path / "run"), max_steps=1, **settings))
+    monkeypatch.chdir(tmp_path)  # elsewhere: "instructions.json" is not here
+    split = json.loads((tmp_path / "run" / "config.json").read_text())["finetune"]["split"]
+    test = entries[split["train"] : split["train"] + split["test"]]
+    assert [out for _, out in test_entries(tmp_path / "run", None)] == [e["output"] for e in test]
+    data.write_text(json.dumps(entries[::-1]))
+    with pytest.raises(GptkilnError, match="has changed since .* was fine-tuned on it"):
+        test_entries(tmp_path / "run", None)

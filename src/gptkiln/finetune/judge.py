@@ -265,6 +265,7 @@ def _test_split(run_dir: Path, info: dict) -> list[tuple[list[dict], str]]:
             f"{run_dir} records no test split of instructions, conversations or pairs to "
             "judge; give the test entries with --data FILE"
         )
+    source = _trained_data(run_dir, info, source)
     test = slice(split["train"], split["train"] + split["test"])
     dropped = set(info.get("dropped") or ())
     if task == "instruct":
@@ -280,6 +281,32 @@ def _test_split(run_dir: Path, info: dict) -> list[tuple[list[dict], str]]:
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         out.append((messages[:last], messages[last]["content"]))
     return out
+
+
+def _trained_data(run_dir: Path, info: dict, source: str) -> str:
+    """The data file a run was fine-tuned on, as it was then: found as it was given (from the
+    folder the run was made in: its ``data_path``, where recorded) and unchanged since (its
+    SHA-256 is the run's ``data_sha256``), so its test split is the run's own."""
+    from gptkiln.data import hub
+    from gptkiln.finetune.data import data_digest
+
+    if hub.is_hf_spec(source):
+        return source
+    found = next(
+        (p for p in (source, info.get("data_path")) if p is not None and Path(p).is_file()), None
+    )
+    if found is None:
+        raise GptkilnError(
+            f"{run_dir} was fine-tuned on {info.get('data_path') or source}, which is gone; "
+            "restore it to judge the run's test split, or give test entries with --data FILE"
+        )
+    if info.get("data_sha256") not in (None, data_digest(found)):
+        raise GptkilnError(
+            f"{found} has changed since {run_dir} was fine-tuned on it (its SHA-256 differs), "
+            "so its test split is no longer the run's; restore it, or give test entries with "
+            "--data FILE"
+        )
+    return found
 
 
 def _first_is_instruction(path: str) -> bool:

@@ -282,6 +282,7 @@ class FineTuning:
             "base": str(Path(self.ft.base).resolve()),
             "config": self.ft.to_dict(),
             "data_sha256": self.data_sha256,
+            "data_path": data_path(self.ft.data),
             "split": self.split,
             "lora": None if self.lora is None else self.lora.to_dict(),
             **self.task_info(),
@@ -449,6 +450,14 @@ class FineTuning:
                 "these LoRA settings; resume with the run's settings, or pass --overwrite"
             )
         return {**self.model.state_dict(), **adapters}, state
+
+
+def data_path(data: str) -> str:
+    """Where ``--data`` is, wherever a later command runs from: a file's absolute path (an
+    ``hf:`` dataset as given)."""
+    from gptkiln.data import hub
+
+    return data if hub.is_hf_spec(data) else str(Path(data).resolve())
 
 
 def loss_summary(row: dict) -> str:
