@@ -331,3 +331,17 @@ def test_the_test_split_is_of_the_data_as_the_run_was_trained_on_it(tmp_path, mo
     data.write_text(json.dumps(entries[::-1]))
     with pytest.raises(GptkilnError, match="has changed since .* was fine-tuned on it"):
         test_entries(tmp_path / "run", None)
+
+
+def test_an_instruction_with_a_blank_line_is_prompted_as_it_was_trained(run, fake, tmp_path):
+    """The run answers an entry in its template as training wrote it: an instruction holding a
+    blank line, with no input, gets no ### Input: section (it was split at the blank line)."""
+    from gptkiln.finetune.judge import answers, test_entries
+    from gptkiln.finetune.templates import ALPACA, format_prompt
+
+    entry = {"instruction": "Say hi.\n\nThen stop.", "input": "", "output": "hi"}
+    data = tmp_path / "blank.json"
+    data.write_text(json.dumps([entry]))
+    [judged] = answers(run, test_entries(run, str(data)), max_new_tokens=2)
+    prompt = format_prompt(ALPACA, entry["instruction"], "")
+    assert "### Input:" not in prompt and judged.input == prompt.rsplit("\n\n### Response:", 1)[0]

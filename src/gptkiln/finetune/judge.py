@@ -316,15 +316,22 @@ def _first_is_instruction(path: str) -> bool:
     return bool(records) and isinstance(records[0][1], dict) and "instruction" in records[0][1]
 
 
+ENTRY_KEY = "instruction_entry"
+"""Where an instruction entry's message keeps its (instruction, input), for a prompt template."""
+
+
 def _instruction_messages(entry: dict) -> list[dict]:
+    """An instruction entry as one user message (for a chat template); the entry itself kept
+    beside it (`ENTRY_KEY`), so a prompt template writes it as it was trained, even where its
+    instruction holds a blank line."""
     content = f"{entry['instruction']}\n\n{entry['input']}" if entry.get("input") else None
-    return [{"role": "user", "content": content or entry["instruction"]}]
+    pair = (entry["instruction"], entry.get("input") or "")
+    return [{"role": "user", "content": content or entry["instruction"], ENTRY_KEY: pair}]
 
 
 def _instruction_entry(messages: list[dict]) -> tuple[str, str]:
-    """(instruction, input) back from `_instruction_messages`."""
-    instruction, _, input = messages[-1]["content"].partition("\n\n")
-    return instruction, input
+    """(instruction, input) of `_instruction_messages`."""
+    return messages[-1][ENTRY_KEY]
 
 
 def answers(
@@ -353,8 +360,9 @@ def answers(
     chat = is_chat_template(template)
     prompts = []
     for messages, _ in items:
-        if chat or len(messages) > 1:
-            prompts.append(format_messages(template, messages))
+        if chat or len(messages) > 1 or ENTRY_KEY not in messages[-1]:
+            plain = [{k: v for k, v in m.items() if k != ENTRY_KEY} for m in messages]
+            prompts.append(format_messages(template, plain))
         else:
             prompts.append(format_prompt(template, *_instruction_entry(messages)))
     sample = SampleConfig(
