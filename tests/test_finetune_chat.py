@@ -274,6 +274,9 @@ def test_max_length_cuts_at_a_turn_and_says_so_first(work, tmp_path, capsys):
 
 
 # -- bad input ------------------------------------------------------------------------------------
+EMPTY_ANSWER = {"role": "assistant", "content": ""}
+
+
 @pytest.mark.parametrize(
     "records, needle",
     [
@@ -282,6 +285,17 @@ def test_max_length_cuts_at_a_turn_and_says_so_first(work, tmp_path, capsys):
         ([{"messages": [{"role": "user", "content": "hi"}]}], "no assistant message"),
         ([{"conversations": [{"from": "bot", "value": "x"}]}], "from 'bot'"),
         ([{"messages": [{"role": "user", "content": 3}]}], "not text"),
+        (
+            [
+                {
+                    "messages": [
+                        {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": ""},
+                    ]
+                }
+            ],
+            "messages[1] is an assistant's message with no text",
+        ),
     ],
 )
 def test_bad_conversations_are_one_line(work, tmp_path, capsys, records, needle):

@@ -275,6 +275,12 @@ def test_show_examples_of_pairs_are_the_chosen_and_rejected_rows(work, capsys):
             [{"prompt": [{"role": "oracle", "content": "q"}], "chosen": "a", "rejected": "b"}],
             "role",
         ),
+        ([{"prompt": 7, "chosen": "a", "rejected": "b"}], '"prompt" is a JSON number'),
+        ([{"prompt": None, "chosen": "a", "rejected": "b"}], '"prompt" is null'),
+        (
+            [{"prompt": "q", "chosen": [{"role": "assistant", "content": " "}], "rejected": "b"}],
+            "no text, which would teach an empty answer",
+        ),
     ],
 )
 def test_bad_pairs_are_one_line(work, tmp_path, capsys, records, needle):

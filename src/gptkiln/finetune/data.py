@@ -245,6 +245,7 @@ _CHAT_HELP = (
     '...]} or ShareGPT\'s {"conversations": [{"from": "human" | "gpt" | "system", "value": '
     '"..."}, ...]}'
 )
+_JSON_KINDS = {dict: "object", int: "number", float: "number", bool: "boolean"}
 _PAIR_HELP = (
     'each record is {"prompt": "...", "chosen": "...", "rejected": "..."} (or messages lists '
     "for each; or chosen and rejected whole conversations that share their start)"
@@ -310,10 +311,13 @@ def conversation_of(where: str, record: Any) -> tuple[list[dict[str, str]], str]
     raise GptkilnError(f"{where}: no messages or conversations (keys: {keys}); {_CHAT_HELP}")
 
 
-def checked_messages(where: str, messages: Any, field: str) -> list[dict[str, str]]:
-    """``messages`` as ``[{"role", "content"}]`` (other keys dropped), each checked."""
+def checked_messages(
+    where: str, messages: Any, field: str, help: str = _CHAT_HELP
+) -> list[dict[str, str]]:
+    """``messages`` as ``[{"role", "content"}]`` (other keys dropped), each checked: a role of
+    `MESSAGE_ROLES`, text, and an assistant's not empty (it would teach an empty answer)."""
     if not isinstance(messages, list) or not messages:
-        raise GptkilnError(f'{where}: "{field}" is not a list of messages; {_CHAT_HELP}')
+        raise GptkilnError(f'{where}: "{field}" is not a list of messages; {help}')
     checked = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
@@ -327,6 +331,11 @@ def checked_messages(where: str, messages: Any, field: str) -> list[dict[str, st
             raise GptkilnError(
                 f"{where}: {field}[{i}] content is a {type(content).__name__}, not text; "
                 "give each message its text"
+            )
+        if role == "assistant" and not content.strip():
+            raise GptkilnError(
+                f"{where}: {field}[{i}] is an assistant's message with no text, which would "
+                "teach an empty answer; give it its answer, or remove the record"
             )
         checked.append({"role": role, "content": content})
     return checked
@@ -369,9 +378,14 @@ def read_preferences(source: str | Path) -> list[Preference]:
             keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
             raise GptkilnError(f"{where}: no chosen and rejected (has: {keys}); {_PAIR_HELP}")
         prompt = record.get("prompt")
+        if prompt is None and "prompt" in record:
+            raise GptkilnError(
+                f'{where}: "prompt" is null; give the prompt (text or messages), or leave the '
+                f"key out for chosen and rejected whole conversations; {_PAIR_HELP}"
+            )
         if prompt is None:
-            chosen = checked_messages(where, record["chosen"], "chosen")
-            rejected = checked_messages(where, record["rejected"], "rejected")
+            chosen = checked_messages(where, record["chosen"], "chosen", _PAIR_HELP)
+            rejected = checked_messages(where, record["rejected"], "rejected", _PAIR_HELP)
             if chosen[:-1] != rejected[:-1] or "assistant" != chosen[-1]["role"]:
                 raise GptkilnError(
                     f"{where}: chosen and rejected conversations must share all but their last "
@@ -383,7 +397,12 @@ def read_preferences(source: str | Path) -> list[Preference]:
             continue
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
-        messages = checked_messages(where, prompt, "prompt")
+        elif not isinstance(prompt, list):
+            raise GptkilnError(
+                f'{where}: "prompt" is a JSON {_JSON_KINDS.get(type(prompt), "value")}, not text '
+                f"or a list of messages; {_PAIR_HELP}"
+            )
+        messages = checked_messages(where, prompt, "prompt", _PAIR_HELP)
         answers = [_answer(where, record[k], k) for k in ("chosen", "rejected")]
         pairs.append(Preference(messages, *answers))
     if not pairs:
@@ -393,7 +412,7 @@ def read_preferences(source: str | Path) -> list[Preference]:
 
 def _answer(where: str, value: Any, field: str) -> str:
     if isinstance(value, list):
-        messages = checked_messages(where, value, field)
+        messages = checked_messages(where, value, field, _PAIR_HELP)
         if len(messages) != 1 or messages[0]["role"] != "assistant":
             raise GptkilnError(f'{where}: "{field}" must be one assistant message; {_PAIR_HELP}')
         value = messages[0]["content"]
