@@ -15,7 +15,7 @@ from gptkiln.cli import build_parser, main, train_config_from_args
 from gptkiln.config import GPTConfig, SampleConfig, TrainConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
-from gptkiln.train import model_config_for
+from gptkiln.train import model_config_for, read_metrics
 
 
 def cli(*argv, capsys):
@@ -128,6 +128,10 @@ def test_bad_sources_through_prepare(tmp_path, capsys):
         (["--optimizer", "adamw", "--adamw-lr", "0.01"], "--adamw-lr acts only with --optimizer"),
         (["--config", "baseline", "--muon-momentum", "0.9"], "this run has --optimizer adamw"),
         (["--schedule", "cosine", "--cooldown", "0.3"], "drop --cooldown"),
+        (["--no-decay-lr", "--cooldown", "0.3"], "--cooldown acts only with --decay-lr"),
+        (["--no-decay-lr", "--min-lr", "1e-5"], "this run has --no-decay-lr; drop --min-lr"),
+        (["--sampling", "random", "--stride", "16"], "--stride acts only with --sampling windows"),
+        (["--epochs", "3", "--max-steps", "2"], "--epochs acts only with --max-steps 0"),
     ],
 )
 def test_bad_train_flags(flags, needle, tmp_path, capsys, play_path):
@@ -864,3 +868,15 @@ def test_a_convert_flag_of_another_direction_is_refused_even_at_its_default(
     code, _, err = cli("convert", direction, run_dir, "--out", out, *flags, capsys=capsys)
     assert_one_line_error(code, err, needle)
     assert not out.exists()
+
+
+def test_epochs_alone_decide_the_run(tmp_path, capsys, play_path):
+    """``--epochs N`` without ``--max-steps`` is a run of N epochs (the default max_steps
+    would otherwise win and the flag do nothing)."""
+    argv = ["train", "--data", play_path, "--out", tmp_path / "r", "--model", "tiny"]
+    argv += ["--context-length", 32, "--batch-size", 64, "--epochs", 1, "--no-progress"]
+    code, out, err = cli(*argv, capsys=capsys)
+    assert code == 0, err
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())["train"]
+    assert (saved["max_steps"], saved["epochs"]) == (0, 1)
+    assert read_metrics(tmp_path / "r" / "metrics.csv")[-1]["step"] > 1

@@ -184,18 +184,30 @@ def check_flags_act(cfg: TrainConfig, given: dict[str, str]) -> None:
     ``--optimizer adamw``, ``--cooldown`` with ``--schedule cosine``) is refused rather than
     ignored. A recipe's setting for the other choice stays quiet, and goes back to its default
     (it does nothing; `gptkiln.train.agreement` refuses one set from Python)."""
-    from gptkiln.train.agreement import ONLY_WITH, default_of
+    from gptkiln.train.agreement import FLAG_ONLY_WITH, ONLY_WITH, default_of
 
-    for name, choice, value in ONLY_WITH:
+    if given.get("epochs") == "flag" and given.get("max_steps") != "flag":
+        cfg.max_steps = 0  # --epochs N alone: the epochs decide (max_steps 0)
+    for name, choice, value in ONLY_WITH + FLAG_ONLY_WITH:
         if getattr(cfg, choice) == value or name not in given:
             continue
         if given[name] == "flag":
-            flag, other = "--" + name.replace("_", "-"), "--" + choice
+            flag = "--" + name.replace("_", "-")
+            wanted, now = _flag_of(choice, value), _flag_of(choice, getattr(cfg, choice))
             raise GptkilnError(
-                f"{flag} acts only with {other} {value}, and this run has {other} "
-                f"{getattr(cfg, choice)}; drop {flag}, or train with {other} {value}"
+                f"{flag} acts only with {wanted}, and this run has {now}; drop {flag}, or train "
+                f"with {wanted}"
             )
         setattr(cfg, name, default_of(name))
+
+
+def _flag_of(name: str, value) -> str:
+    """A setting's value as its flag reads: ``--sampling windows``, ``--decay-lr`` or
+    ``--no-decay-lr`` for a switch."""
+    flag = name.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
 
 
 def run(args: argparse.Namespace) -> None:

@@ -322,10 +322,12 @@ class TrainConfig:
         "wsd",
         "optimisation",
         "the decay after warm-up: cosine to --min-lr | wsd = warm-up, stable at --lr, then a "
-        "straight line to --min-lr over the last --cooldown of the run",
+        "straight line to --min-lr over the last --cooldown of the steps after warm-up",
     )
     cooldown: float = setting(
-        0.5, "optimisation", "with --schedule wsd: the share of the run that decays, in (0, 1]"
+        0.5,
+        "optimisation",
+        "with --schedule wsd: the share of the steps after warm-up that decays, in (0, 1]",
     )
     eval_interval: int = setting(
         100,

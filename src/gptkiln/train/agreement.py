@@ -24,6 +24,15 @@ ONLY_WITH = [
     ("adamw_lr", "optimizer", "muon"),
     ("embedding_lr", "optimizer", "muon"),
     ("cooldown", "schedule", "wsd"),
+    ("cooldown", "decay_lr", True),
+    ("stride", "sampling", "windows"),
+]
+# More, refused as flags (`gptkiln.cli.train`) but not from Python, where a value off
+# `TrainConfig`'s default is taken as set: fine-tuning's own defaults (a constant rate with
+# min_lr 0, epochs 2 that a max_steps overrides) would read as set.
+FLAG_ONLY_WITH = [
+    ("min_lr", "decay_lr", True),
+    ("epochs", "max_steps", 0),
 ]
 
 
