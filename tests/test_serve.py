@@ -190,6 +190,36 @@ def test_logprob_tokens_spell_the_text_past_a_stop_string_and_inside_characters(
     spelled(tokenizer, text, lp)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_echo_scores_every_prompt_token_even_one_the_prompt_text_lacks(client, stream):
+    """An empty prompt is the end-of-text token, whose text the echoed prompt ("") lacks: it is
+    scored all the same, and so is every generated token after it (none is taken for one
+    past the text)."""
+    ask = dict(model=NAME, prompt="", max_tokens=6, temperature=0, echo=True, logprobs=0)
+    if stream:
+        ids, text = [], ""
+        for chunk in client.completions.create(**ask, stream=True):
+            text += chunk.choices[0].text
+            if chunk.choices[0].logprobs is not None:
+                ids += chunk.choices[0].logprobs.model_extra["token_ids"]
+    else:
+        choice = client.completions.create(**ask).choices[0]
+        ids, text = choice.logprobs.model_extra["token_ids"], choice.text
+    eot = load_tokenizer("gpt2").eot_id
+    assert ids[0] == eot and len(ids) == 1 + 6, (ids, text)
+
+
+def test_a_null_max_tokens_fills_the_context(client, url):
+    """``max_tokens: null`` on completions is the rest of the context (as vLLM's), not the
+    default 16: a null for a field that takes one keeps its meaning."""
+    body = {"prompt": "Hello", "max_tokens": None, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body).json()
+    assert r["usage"]["completion_tokens"] > 16 or r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 64 or (
+        r["choices"][0]["finish_reason"] == "stop"
+    )
+
+
 def test_a_prompt_of_token_ids_and_an_empty_prompt(client, url, run_dir):
     tokenizer = load_tokenizer("gpt2")
     ids = tokenizer.encode("Hello, I am")

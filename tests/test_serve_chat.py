@@ -284,6 +284,7 @@ BAD = [
     ),
     ("a missing role", {"messages": [{"content": "x"}]}, "messages[0].role", "required"),
     ("messages not a list", {"messages": "Repeat sun."}, "messages", "list"),
+    ("a message not an object", {"messages": ["hi"]}, "messages[0]", "an object {role"),
     ("no messages", {"max_tokens": 3}, "messages", "required"),
     (
         "an unknown message field",

@@ -79,6 +79,13 @@ class Scores:
         self._pending.append((token, entry, self._at))
         self._at += len(self._decoder.decode(self.tokenizer.token_bytes(token)))
 
+    def release_all(self) -> list[tuple[int, TokenLogprobs | None, int]]:
+        """Every token added so far, as the text it decodes to were given out (an echoed
+        prompt: its ids, a BOS the tokenizer adds or the end-of-text of an empty prompt
+        included, though the prompt's text lacks them)."""
+        out, self._pending, self._shown = self._pending, [], self._at
+        return out
+
     def release(self, text: str, done: bool = False) -> list[tuple[int, TokenLogprobs | None, int]]:
         """The tokens whose text begins within the text given out, now ``text`` more; at the
         end (``done``) the rest are dropped."""
@@ -144,12 +151,21 @@ class Answer:
             out.top_token_ids.append([alt for alt, _ in entry.top])
         return out
 
-    def _scores(self, tokens: list[tuple[int, TokenLogprobs | None]], text: str) -> list:
-        """A whole choice's tokens whose text begins in ``text`` (`Scores`)."""
+    def _scores(
+        self,
+        tokens: list[tuple[int, TokenLogprobs | None]],
+        text: str,
+        prompt: list[tuple[int, TokenLogprobs | None]] = (),
+    ) -> list:
+        """A whole choice's tokens whose text begins in ``text`` (`Scores`), after the echoed
+        ``prompt``'s tokens, all of them."""
         scores = Scores(self.tokenizer)
+        for token, entry in prompt:
+            scores.add(token, entry)
+        echoed = scores.release_all()
         for token, entry in tokens:
             scores.add(token, entry)
-        return scores.release(text, done=True)
+        return echoed + scores.release(text, done=True)
 
     async def whole(self, queue: asyncio.Queue, seqs: list[Sequence], request: Request):
         """Wait for every choice; None if the client left first (that cancels them)."""
@@ -191,11 +207,11 @@ class Answer:
             head = prompt_text if self.req.echo else ""
             logprobs = None
             if self.req.logprobs is not None:
-                tokens = got.tokens[i]
+                echoed = []
                 if self.req.echo:
                     entries = got.prompt_scores.get(i, [None] * len(prompt))
-                    tokens = list(zip(prompt, entries, strict=True)) + tokens
-                logprobs = self._logprobs(self._scores(tokens, head + got.texts[i]))
+                    echoed = list(zip(prompt, entries, strict=True))
+                logprobs = self._logprobs(self._scores(got.tokens[i], got.texts[i], echoed))
             choices.append(
                 Choice(
                     text=head + got.texts[i],
@@ -250,7 +266,7 @@ class Answer:
             scores = self.scores[event.index]
             for token, entry in zip(prompt, event.entries, strict=True):
                 scores.add(token, entry)
-            lp = self._logprobs(scores.release(text))
+            lp = self._logprobs(scores.release_all())
             yield self._chunk(Choice(text=text, index=event.index, logprobs=lp))
         elif isinstance(event, Token | Done):
             lp = None

@@ -10,6 +10,7 @@ Responses follow OpenAI's legacy completions API (``text_completion`` objects, s
 from __future__ import annotations
 
 import json
+import typing
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -56,9 +57,11 @@ class OpenAIError(Exception):
 
 
 class Request(BaseModel):
-    """A request's shape: a ``null`` given for a field with a default means the default, as
-    OpenAI's spec makes such fields nullable (hand-written clients and agent frameworks send
-    ``"temperature": null``); a required field stays required."""
+    """A request's shape: a ``null`` given for a field that cannot hold one, but has a
+    default, means the default, as OpenAI's spec makes such fields nullable (hand-written
+    clients and agent frameworks send ``"temperature": null``). A field that can be null keeps
+    its null (completions' ``max_tokens``: the rest of the context); a required one stays
+    required."""
 
     @model_validator(mode="before")
     @classmethod
@@ -69,8 +72,15 @@ class Request(BaseModel):
         return {
             k: v
             for k, v in data.items()
-            if v is not None or k not in fields or fields[k].is_required()
+            if v is not None
+            or k not in fields
+            or fields[k].is_required()
+            or _takes_null(fields[k].annotation)
         }
+
+
+def _takes_null(annotation: Any) -> bool:
+    return annotation is None or type(None) in typing.get_args(annotation)
 
 
 class StreamOptions(Request):
@@ -322,6 +332,7 @@ CHAT_FIELD_KINDS = {
     "tools.function.strict": "true, false or null",
     "tool_choice.function.name": "a string",
     "messages": "a list of objects {role, content}",
+    "messages[]": "an object {role, content}",
     "messages.role": "one of system (or developer), user, assistant, tool",
     "messages.content": 'text (a string), a list of {"type": "text", "text": ...} parts, or null',
     "messages.name": "a string",
@@ -338,6 +349,7 @@ CHAT_FIELD_KINDS = {
     "messages.audio": "null (this server reads text)",
     "messages.function_call": "null (send tool_calls)",
     "tools": 'a list of {"type": "function", "function": {"name", "description", "parameters"}}',
+    "tools[]": '{"type": "function", "function": {"name", "description", "parameters"}}',
     "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name"}}',
     "parallel_tool_calls": "true or false",
     "logprobs": "true or false",
@@ -415,13 +427,15 @@ def validation_error(error: ValidationError, kinds: dict[str, str] = FIELD_KINDS
         )
     )
     dotted = ".".join(part.replace("schema_", "schema") for part in loc if not part.isdigit())
+    if len(loc) == 2 and loc[1].isdigit():  # an item of a list: described as one
+        dotted = f"{field}[]"
     if kind == "extra_forbidden":  # the fields of the object it is in: its siblings in kinds
         parent = dotted.rpartition(".")[0]
         prefix = f"{parent}." if parent else ""
         known = [
             k.removeprefix(prefix)
             for k in kinds
-            if k.startswith(prefix) and "." not in k.removeprefix(prefix)
+            if k.startswith(prefix) and "." not in k.removeprefix(prefix) and "[]" not in k
         ]
         return OpenAIError(
             400,
