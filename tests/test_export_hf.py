@@ -244,3 +244,25 @@ def test_an_export_cut_short_leaves_its_out_as_it_was(tmp_path, monkeypatch, exi
     export_hf(run, out, overwrite=True)
     assert not list(out.glob("model-*")) and (out / "model.safetensors").is_file()
     assert transformers.AutoModelForCausalLM.from_pretrained(out) is not None
+
+
+def test_an_export_into_a_writable_out_whose_folder_is_not_stages_inside_it(tmp_path, monkeypatch):
+    """Where --out's folder may not be written (a mounted volume), the files are written
+    inside --out and moved into place there."""
+    from pathlib import Path
+
+    _, _, run = tiny_run(tmp_path, "gpt2", "bpe")
+    out = tmp_path / "volume" / "hf"
+    out.mkdir(parents=True)
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self.parent == out.parent and self.name.endswith(".writing"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    export_hf(run, out, overwrite=True)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["hf"]
+    assert (out / "model.safetensors").is_file() and not (out / ".writing").exists()
+    assert transformers.AutoModelForCausalLM.from_pretrained(out) is not None

@@ -324,9 +324,11 @@ def test_the_test_split_is_of_the_data_as_the_run_was_trained_on_it(tmp_path, mo
     ft = FinetuneConfig(base=str(tmp_path / "base"), data="instructions.json")  # relative
     settings = dict(batch_size=4, progress=False, precision="fp32", sample_interval=100)
     finetune(ft, train_config(ft, out=str(tmp_path / "run"), max_steps=1, **settings))
-    monkeypatch.chdir(tmp_path)  # elsewhere: "instructions.json" is not here
     split = json.loads((tmp_path / "run" / "config.json").read_text())["finetune"]["split"]
     test = entries[split["train"] : split["train"] + split["test"]]
+    monkeypatch.chdir(tmp_path)  # elsewhere: "instructions.json" is not here
+    assert [out for _, out in test_entries(tmp_path / "run", None)] == [e["output"] for e in test]
+    (tmp_path / "instructions.json").write_text(json.dumps(entries[:30]))  # another of the name
     assert [out for _, out in test_entries(tmp_path / "run", None)] == [e["output"] for e in test]
     data.write_text(json.dumps(entries[::-1]))
     with pytest.raises(GptkilnError, match="has changed since .* was fine-tuned on it"):

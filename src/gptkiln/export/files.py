@@ -41,15 +41,23 @@ STAGE_SUFFIX = ".writing"
 
 @contextlib.contextmanager
 def staged(out_dir: Path, last: str) -> Iterator[Path]:
-    """A directory to write ``out_dir``'s files in, beside it (``.NAME.writing``), moved into
-    place when the block ends: a new ``out_dir`` by one rename, an existing one file by file
-    (renames only, ``last`` the last of them, each keeping the mode of the file it replaces).
+    """A directory to write ``out_dir``'s files in, beside it (``.NAME.writing``; inside an
+    existing ``out_dir``, ``.writing``, where its folder may not be written), moved into place
+    when the block ends: a new ``out_dir`` by one rename, an existing one file by file (renames
+    only, ``last`` the last of them, each keeping the mode of the file it replaces).
     A block that raises, a full disk or Ctrl-C, removes what it wrote and leaves ``out_dir`` as
     it was, or absent; a stage a killed run left is removed by the next."""
     out_dir = Path(os.path.abspath(out_dir))
     stage = out_dir.with_name(f".{out_dir.name}{STAGE_SUFFIX}")
     shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
+    try:
+        stage.mkdir(parents=True)
+    except PermissionError:  # --out is writable, its folder not (a mounted volume): inside it
+        if not out_dir.is_dir():
+            raise
+        stage = out_dir / STAGE_SUFFIX
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir()
     try:
         yield stage
         if not out_dir.exists():

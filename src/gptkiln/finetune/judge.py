@@ -292,21 +292,22 @@ def _trained_data(run_dir: Path, info: dict, source: str) -> str:
 
     if hub.is_hf_spec(source):
         return source
-    found = next(
-        (p for p in (source, info.get("data_path")) if p is not None and Path(p).is_file()), None
-    )
-    if found is None:
+    recorded = info.get("data_path")  # absolute; the name as given is of the folder it ran in
+    found = [p for p in dict.fromkeys((recorded, source)) if p is not None and Path(p).is_file()]
+    if not found:
         raise GptkilnError(
-            f"{run_dir} was fine-tuned on {info.get('data_path') or source}, which is gone; "
-            "restore it to judge the run's test split, or give test entries with --data FILE"
+            f"{run_dir} was fine-tuned on {recorded or source}, which is gone; restore it to "
+            "judge the run's test split, or give test entries with --data FILE"
         )
-    if info.get("data_sha256") not in (None, data_digest(found)):
+    digest = info.get("data_sha256")
+    same = next((p for p in found if digest is None or data_digest(p) == digest), None)
+    if same is None:
         raise GptkilnError(
-            f"{found} has changed since {run_dir} was fine-tuned on it (its SHA-256 differs), "
+            f"{found[0]} has changed since {run_dir} was fine-tuned on it (its SHA-256 differs), "
             "so its test split is no longer the run's; restore it, or give test entries with "
             "--data FILE"
         )
-    return found
+    return same
 
 
 def _first_is_instruction(path: str) -> bool:
