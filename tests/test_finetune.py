@@ -1002,3 +1002,24 @@ def test_info_reads_a_lora_runs_step_off_its_adapters_and_a_first_save_cut_short
     for resume in (False, True):
         with pytest.raises(GptkilnError, match="first checkpoint that was cut short.*--overwrite"):
             check_run_dir_for_training(cut, resume=resume, overwrite=False)
+
+
+def test_a_lora_run_fine_tunes_again_in_full_and_with_dpo(work, lora_runs, tmp_path, capsys):
+    """A LoRA run's merged weights load frozen: a full fine-tune of it trains every parameter
+    again (it trained none: "element 0 of tensors does not require grad"), and full DPO from it
+    keeps its reference's files, the base's base and the adapters, by paths from the run."""
+    lora, _, _ = lora_runs
+    ft = FinetuneConfig(base=str(lora), data=str(work / "instructions.json"))
+    result = finetune(ft, quick(ft, tmp_path / "full", max_steps=2))
+    assert math.isfinite(result.val_loss)
+    assert "parameters train (100.00%)" in capsys.readouterr().err
+    pairs = [
+        {"prompt": e["instruction"], "chosen": e["output"], "rejected": "no"}
+        for e in instructions(20)
+    ]
+    (tmp_path / "pairs.json").write_text(json.dumps(pairs))
+    dpo = FinetuneConfig(base=str(lora), data=str(tmp_path / "pairs.json"), task="dpo")
+    finetune(dpo, quick(dpo, tmp_path / "dpo", max_steps=1))
+    info = json.loads((tmp_path / "dpo" / "config.json").read_text())["finetune"]
+    names = [f["name"] for f in info["reference_weights"]["files"]]
+    assert names[-1] == "adapter.safetensors" and names[0].startswith("../")

@@ -188,6 +188,7 @@ class PreferenceTuning(FineTuning):
         """The reference of full DPO: the starting model, frozen; on a resume, the base again,
         checked to be the one the run started from (its weights files' records, kept as
         ``reference_weights``: the same size and time, or else the same SHA-256)."""
+        from gptkiln.checkpoint import ADAPTER_FILE
         from gptkiln.loading import describe_weights, load_model, read_config
         from gptkiln.loading.base import base_reference, check_base_files
 
@@ -199,9 +200,11 @@ class PreferenceTuning(FineTuning):
             model = load_model(base)
         else:
             model = copy.deepcopy(self.model)
-        self.reference_weights = then or base_reference(
-            base, describe_weights(base)[2], self.run_dir
-        )
+        if then is None:  # the weights files, and a LoRA base's adapters merged into them
+            adapters = base / ADAPTER_FILE
+            files = describe_weights(base)[2] + ([adapters] if adapters.is_file() else [])
+            then = base_reference(base, files, self.run_dir)
+        self.reference_weights = then
         return model.to(self.ctx.device).eval().requires_grad_(False)
 
     def width(self, ids: Sequence[int]) -> int:

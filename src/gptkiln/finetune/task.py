@@ -90,7 +90,9 @@ def train_only(model: GPT, train_layers: str) -> None:
     """Freeze all but what ``train_layers`` names: ``"all"`` freezes nothing; ``"last-N"``
     leaves the last N blocks, the final norm and the head (the book's chapter 6: the last block,
     ``final_norm`` and the new ``out_head``) training."""
-    if train_layers == "all":
+    if train_layers == "all":  # a LoRA run's merged weights load frozen: all train again
+        for p in model.parameters():
+            p.requires_grad_(p.is_floating_point())
         return
     n = int(train_layers.removeprefix("last-"))
     if n > model.config.n_layer:

@@ -42,7 +42,7 @@ def file_sha256(path: Path) -> str:
 def _file_record(path: Path, directory: Path) -> dict[str, Any]:
     stat = path.stat()
     return {
-        "name": path.relative_to(directory).as_posix(),
+        "name": Path(os.path.relpath(path, directory)).as_posix(),  # a base's base: ../
         "size": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
         "sha256": file_sha256(path),
