@@ -955,6 +955,20 @@ def test_a_base_whose_tokenizer_outgrows_its_model_is_one_line(task, work, tmp_p
     assert not (tmp_path / "r" / "model.safetensors").exists()
 
 
+def test_a_base_without_a_row_for_its_end_of_text_is_one_line(work, tmp_path, capsys):
+    """The end-of-text that ends each example (and pads) is checked too, not only the data's
+    ids: a model one row short of its tokenizer was an IndexError in the first step."""
+    tokenizer = build_char_tokenizer([CHARS], with_eot=True)
+    assert tokenizer.eot_id == tokenizer.vocab_size - 1
+    config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size - 1, context_length=64)
+    save_model(GPT(config), tmp_path / "base", tokenizer=tokenizer)
+    code, _, err = cli(
+        "finetune", tmp_path / "base", "--data", work / "instructions.json", "--out",
+        tmp_path / "r", capsys=capsys,
+    )  # fmt: skip
+    assert_one_line_error(code, err, f"gave id {tokenizer.eot_id:,}", "do not belong")
+
+
 def test_chat_and_classify_refuse_runs_of_the_other_kind(work, instruct_run, classifier, capsys):
     code, _, err = cli("chat", work / "base", capsys=capsys)
     assert_one_line_error(code, err, "not instruction-tuned", "gptkiln finetune")

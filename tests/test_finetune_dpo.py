@@ -279,7 +279,7 @@ def test_show_examples_of_pairs_are_the_chosen_and_rejected_rows(work, capsys):
         ([{"prompt": None, "chosen": "a", "rejected": "b"}], '"prompt" is null'),
         (
             [{"prompt": "q", "chosen": [{"role": "assistant", "content": " "}], "rejected": "b"}],
-            "no text, which would teach an empty answer",
+            "chosen[0] is an assistant's message with no text",
         ),
     ],
 )

@@ -334,8 +334,8 @@ def checked_messages(
             )
         if role == "assistant" and not content.strip():
             raise GptkilnError(
-                f"{where}: {field}[{i}] is an assistant's message with no text, which would "
-                "teach an empty answer; give it its answer, or remove the record"
+                f"{where}: {field}[{i}] is an assistant's message with no text; give it its "
+                "answer, or remove the record"
             )
         checked.append({"role": role, "content": content})
     return checked

@@ -196,8 +196,8 @@ class FineTuning:
     def build_model(
         self, sequences: Iterable[Sequence[int]], num_classes: int | None = None
     ) -> None:
-        """Load the base, check the data's token ids (``sequences``) have embeddings in it, give
-        it a classifier head when asked, choose what trains."""
+        """Load the base, check the data's token ids (``sequences``) and the end-of-text have
+        embeddings in it, give it a classifier head when asked, choose what trains."""
         from gptkiln.finetune.data import data_digest
         from gptkiln.loading import check_ids_fit, load_model
 
@@ -215,6 +215,8 @@ class FineTuning:
                 "pretrained run or a Hugging Face model directory)"
             )
         highest = max((max(ids) for ids in sequences if len(ids)), default=-1)
+        if self.tokenizer.eot_id is not None:  # each example's end, and the padding
+            highest = max(highest, self.tokenizer.eot_id)
         check_ids_fit(highest, model, self.tokenizer, ft.base)  # not an IndexError in a step
         model.train()
         if self.lora is None:
