@@ -880,3 +880,34 @@ def test_epochs_alone_decide_the_run(tmp_path, capsys, play_path):
     saved = json.loads((tmp_path / "r" / "config.json").read_text())["train"]
     assert (saved["max_steps"], saved["epochs"]) == (0, 1)
     assert read_metrics(tmp_path / "r" / "metrics.csv")[-1]["step"] > 1
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 51539607552 bytes."
+        ),
+        MemoryError(),
+    ],
+)
+def test_out_of_memory_is_one_line(error, tmp_path, capsys, play_path, monkeypatch):
+    """A model too big for the machine (``--n-embd 65536``: 51 GB) is one line, not torch's
+    48-line traceback; another RuntimeError keeps its traceback (a bug to see whole)."""
+    import gptkiln.train
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(gptkiln.train, "train", fail)
+    argv = ["train", "--data", play_path, "--out", tmp_path / "r", "--model", "tiny"]
+    code, _, err = cli(*argv, capsys=capsys)
+    assert_one_line_error(code, err, "out of memory", "use a smaller model")
+    monkeypatch.setattr(
+        gptkiln.train,
+        "train",
+        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shapes do not match")),
+    )
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cli(*argv, capsys=capsys)

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -694,7 +695,13 @@ def test_prepare_refuses_an_out_inside_its_folder_and_clears_a_killed_prepares_s
     for out in (texts, texts / "data"):
         with pytest.raises(GptkilnError, match="inside the folder it reads"):
             prepare(texts, out, "char", progress=False)
+    # one file of the folder, prepared into the folder: it would then read as that file's data
+    with pytest.raises(GptkilnError, match="is the folder a.txt is in"):
+        prepare(texts / "a.txt", texts, "char", progress=False)
     assert sorted(p.name for p in texts.iterdir()) == ["a.txt"]
+    prepare(texts / "a.txt", texts / "data", "char", progress=False)  # a folder of its own
+    assert (texts / "data" / "meta.json").is_file()
+    shutil.rmtree(texts / "data")
     out = tmp_path / "out"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -215,6 +215,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `gptkiln generate ... | head`
         return 0
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        said = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        return fail(
+            f"gptkiln {args.command}: error: out of memory ({said}); use a smaller model "
+            "(--n-layer, --n-embd), --batch-size or --context-length, or a machine with more "
+            "memory (a run's last checkpoint is kept)"
+        )
     except OSError as e:
         if not e.filename and out_of_space(e):  # a write of a log, a metrics row
             return fail(
@@ -229,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
             "its permissions and the free space"
         )
     return 0
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is a failed allocation: Python's MemoryError, torch's
+    OutOfMemoryError (CUDA), or its CPU allocator's RuntimeError ("can't allocate memory")."""
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
+        return True
+    return "can't allocate memory" in str(error) or "out of memory" in str(error).lower()
 
 
 QUICK_EXIT = frozenset({"generate", "perplexity", "info", "inspect"})

@@ -216,6 +216,12 @@ def _check_out_dir(out_dir: Path, source=None) -> None:
                 f"--out {out_dir} is inside the folder it reads ({folder}): its files would be "
                 "read as text next time; prepare into a folder outside it"
             )
+    elif folder is not None and folder.is_file() and out_dir.resolve() == folder.resolve().parent:
+        raise GptkilnError(
+            f"--out {out_dir} is the folder {folder.name} is in: the folder would then read as "
+            "prepared data of that file alone, its other texts unseen; prepare into a folder of "
+            "its own"
+        )
     model_files = [n for n in _MODEL_FILES if (out_dir / n).exists()]
     if model_files:
         raise GptkilnError(
