@@ -490,6 +490,25 @@ def test_a_resume_on_data_prepared_anew_says_so(play_path, tmp_path, capsys):
     assert "prepared anew for this resume" in capsys.readouterr().err
 
 
+def test_a_bpe_run_resumes_on_other_text_read_with_its_own_tokenizer(play_path, tmp_path, capsys):
+    """A resume on other text tokenizes it with the run's own BPE: training a ``bpe:N`` again
+    on the new text made another tokenizer, and every such resume was refused."""
+    from gptkiln.data.prepare import load_prepared
+    from gptkiln.loading import load_run_tokenizer
+
+    run, other = tmp_path / "run", tmp_path / "other.txt"
+    lines = Path(play_path).read_text().splitlines()
+    other.write_text("\n".join(lines).upper())  # another BPE, were it trained again
+    train(tiny_config(play_path, run, max_steps=4, tokenizer="bpe:300"))
+    capsys.readouterr()
+    train(tiny_config(other, run, max_steps=8, tokenizer="bpe:300"), resume=True)
+    assert "prepared anew for this resume" in capsys.readouterr().err
+    text = "To be, or not to be"
+    assert load_prepared(run / "data").tokenizer.encode(text) == load_run_tokenizer(run).encode(
+        text
+    )
+
+
 def test_another_alphabet_of_the_same_size_is_refused_by_resume_and_perplexity(tmp_path):
     # Two char tokenizers of 9 ids each: their ids mean different letters.
     from gptkiln.api import perplexity_of_run
@@ -913,7 +932,8 @@ def test_a_refused_resume_keeps_the_runs_prepared_data(play_path, tmp_path):
     before = {p.name: p.read_bytes() for p in (run / "data").iterdir() if p.is_file()}
     other = tmp_path / "other.txt"
     other.write_text("ZQXJ 0123456789 {}[]<>\n" * 200)
-    with pytest.raises(GptkilnError, match="another 'char' tokenizer"):
+    with pytest.raises(GptkilnError, match="read with the run's own tokenizer: char tokenizer: "
+                       "character 'Z' .* is not in its vocabulary"):  # fmt: skip
         train(tiny_config(other, run, max_steps=8), resume=True)
     assert {p.name: p.read_bytes() for p in (run / "data").iterdir() if p.is_file()} == before
     assert not (run / ".data-next").exists()

@@ -192,9 +192,21 @@ class LanguageModeling:
         if staged:
             shutil.rmtree(target, ignore_errors=True)  # an attempt that stopped halfway
         made = not self.run_dir.exists()
+        # a resume reads the new text with the run's own tokenizer (a bpe:N trained again on
+        # other text would be another tokenizer, which the resume must refuse)
+        tokenizer = self._run_tokenizer() if self.ctx.resume else None
         try:
-            prepare(cfg.data, target, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction,
-                    text_field=cfg.text_field, progress=cfg.progress)  # fmt: skip
+            try:
+                prepare(cfg.data, target, tokenizer=tokenizer or cfg.tokenizer,
+                        val_fraction=cfg.val_fraction, text_field=cfg.text_field,
+                        progress=cfg.progress)  # fmt: skip
+            except GptkilnError as e:
+                if tokenizer is None:
+                    raise
+                raise GptkilnError(
+                    f"cannot resume {self.run_dir} on --data {cfg.data}, read with the run's own "
+                    f"tokenizer: {e}; resume on text it can read, or train a new run"
+                ) from None
             if staged and self.ctx.resume:
                 self._check_same_tokenizer(load_prepared(target).tokenizer)
         except BaseException:
@@ -214,6 +226,16 @@ class LanguageModeling:
             )
         elif staged:  # a new run: the old data waits aside until its first checkpoint
             checkpoint.set_aside_replaced_data(self.run_dir, target)
+
+    def _run_tokenizer(self):
+        """The tokenizer of the run being resumed, from its files; None where it keeps none
+        (the resume then refuses in its own words)."""
+        from gptkiln.loading import load_run_tokenizer
+
+        try:
+            return load_run_tokenizer(self.run_dir)
+        except GptkilnError:
+            return None
 
     def _resumed(self) -> GPTConfig | None:
         """The model config the checkpoint being resumed saved (None for a new run, or where
