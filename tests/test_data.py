@@ -696,9 +696,11 @@ def test_prepare_refuses_an_out_inside_its_folder_and_clears_a_killed_prepares_s
         with pytest.raises(GptkilnError, match="inside the folder it reads"):
             prepare(texts, out, "char", progress=False)
     # one file of the folder, prepared into the folder: it would then read as that file's data
-    with pytest.raises(GptkilnError, match="is the folder a.txt is in"):
+    (texts / "b.txt").write_text("that is the question\n" * 40)
+    with pytest.raises(GptkilnError, match=r"is the folder a.txt is in, beside other texts \(b"):
         prepare(texts / "a.txt", texts, "char", progress=False)
-    assert sorted(p.name for p in texts.iterdir()) == ["a.txt"]
+    assert sorted(p.name for p in texts.iterdir()) == ["a.txt", "b.txt"]
+    (texts / "b.txt").unlink()
     prepare(texts / "a.txt", texts / "data", "char", progress=False)  # a folder of its own
     assert (texts / "data" / "meta.json").is_file()
     shutil.rmtree(texts / "data")

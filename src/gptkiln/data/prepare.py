@@ -217,11 +217,18 @@ def _check_out_dir(out_dir: Path, source=None) -> None:
                 "read as text next time; prepare into a folder outside it"
             )
     elif folder is not None and folder.is_file() and out_dir.resolve() == folder.resolve().parent:
-        raise GptkilnError(
-            f"--out {out_dir} is the folder {folder.name} is in: the folder would then read as "
-            "prepared data of that file alone, its other texts unseen; prepare into a folder of "
-            "its own"
-        )
+        from gptkiln.data.sources import _is_usable
+
+        others = sorted(
+            p.name for p in out_dir.iterdir() if p.is_file() and p.name != folder.name
+            and _is_usable(p)
+        )  # fmt: skip
+        if others:  # (the text alone in a run's data/ is a layout of its own: prepared beside)
+            raise GptkilnError(
+                f"--out {out_dir} is the folder {folder.name} is in, beside other texts "
+                f"({', '.join(others[:3])}): the folder would then read as prepared data of "
+                f"{folder.name} alone, the others unseen; prepare into a folder of its own"
+            )
     model_files = [n for n in _MODEL_FILES if (out_dir / n).exists()]
     if model_files:
         raise GptkilnError(
