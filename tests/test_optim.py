@@ -48,4 +48,5 @@ def test_a_time_budget_further_along_than_the_steps_leads_the_cosine():
     assert lr_at(20, **kw, time_used=0.5) == pytest.approx(0.1 + 0.5 * 0.9)  # half the time
     assert lr_at(20, **kw, time_used=1.0) == 0.1 and lr_at(20, **kw, time_used=1.3) == 0.1
     assert lr_at(5, **kw, time_used=0.9) == lr_at(5, **kw)  # warm-up is counted in steps
+    assert lr_at(5, **kw, time_used=1.0) == 0.1  # ... until the budget ends in it: the floor
     assert lr_at(20, **{**kw, "decay": False}, time_used=0.7) == 1.0

@@ -248,12 +248,14 @@ def test_max_time_ends_the_run_at_the_first_step_past_the_budget(play_path, tmp_
     assert (run / "loss.png").is_file()
     rows = read_metrics(run / "metrics.csv")
     assert [r["step"] for r in rows] == [2, 4, 6]
-    # step s (1-based) is given the lr of the time spent before it: s - 1.5 s of 5
+    # step s (1-based) is given the lr of the time it will have spent at its end, foreseen as
+    # the time at its start (the evaluation after the step before included: s - 1 s) and one
+    # step more (0.5 s) of 5; the last step, ending past the budget, is at the floor
     schedule = dict(lr=1e-3, min_lr=1e-4, warmup_steps=1, total_steps=1000)
     for row in rows:
-        used = (row["step"] - 1.5) / (cfg.max_time * 60)
+        used = (row["step"] - 0.5) / (cfg.max_time * 60)
         assert row["lr"] == lr_at(int(row["step"]) - 1, **schedule, time_used=used)
-    assert rows[-1]["lr"] < 1.3e-4 < 9e-4 < lr_at(5, **schedule)  # by steps alone: near the top
+    assert rows[-1]["lr"] == 1e-4 < 9e-4 < lr_at(5, **schedule)  # by steps alone: near the top
 
 
 def test_a_time_budgeted_run_resumes_with_the_time_it_has_left(play_path, tmp_path, monkeypatch):

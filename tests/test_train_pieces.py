@@ -311,8 +311,10 @@ def test_the_clock_spends_a_budget_and_without_one_never_runs_out():
     clock = TrainingClock(0.1, World())  # 6 seconds
     clock.record(3.0)
     assert clock.time_used() == 0.5 and not clock.out_of_time()
+    clock.record(4.5, step_seconds=1.5)  # the next step foreseen to end at 6 s: the budget
+    assert clock.time_used() == 1.0 and not clock.out_of_time()
     clock.record(6.0)
-    assert clock.out_of_time() and clock.seconds == 6.0
+    assert clock.out_of_time() and clock.seconds == 6.0 and clock.step_seconds == 1.5
 
 
 def test_tokens_per_second_leave_out_the_compiling_step_then_average():

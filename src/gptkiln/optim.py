@@ -216,10 +216,12 @@ def lr_at(
     https://arxiv.org/abs/2405.18392; modded-nanogpt's schedule). Constant lr when ``decay``
     is False, as in the book's chapter 5.
 
-    ``time_used`` is the share of a time budget spent before this step (0 without one): the
-    decay follows whichever of the steps and the time is further along, so a run cut by its
-    time budget still ends at ``min_lr``.
+    ``time_used`` is the share of a time budget spent by the end of this step, foreseen (0
+    without one): the decay follows whichever of the steps and the time is further along, so a
+    run cut by its time budget still ends at ``min_lr``, from warm-up too.
     """
+    if decay and time_used >= 1.0:
+        return min_lr
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if not decay:

@@ -281,13 +281,16 @@ class Trainer:
         while self.step < total and not clock.out_of_time():
             dist_utils.fail_for_test(self.step, self.world)
             t0 = now()
-            origin = t0 - clock.seconds if origin is None else origin
+            if origin is None:
+                origin = t0 - clock.seconds
+            elif clock.budget_s is not None:  # the evaluation, sample or save just done counts
+                clock.record(t0 - origin)
             step_tokens = self.batches.tokens(self.step)
             lr, loss = self.train_step(total)
             self.step += 1
             self.tokens += step_tokens
             t1 = now()
-            clock.record(t1 - origin)
+            clock.record(t1 - origin, t1 - t0)
             # the compile time is no step's speed: kept out of tokens/s
             if speed.add(step_tokens, t1 - t0) and self.world.is_main:
                 bar.compiled(self.step, t1 - t0)

@@ -23,20 +23,30 @@ class TrainingClock:
         self.budget_s = None if max_time is None else max_time * 60
         self.world = world
         self.seconds = 0.0  # what trainer_state.pt calls train_seconds
+        self.step_seconds = 0.0  # the last step's, to foresee where the next one ends
 
     def out_of_time(self) -> bool:
         return self.budget_s is not None and self.seconds >= self.budget_s
 
     def time_used(self) -> float:
-        """The budget spent so far, 0 to 1 (0.0 without a budget): the schedule's ``time_used``."""
-        return 0.0 if self.budget_s is None else self.seconds / self.budget_s
+        """The budget spent by the end of the step about to run, as the last step took, 0 to
+        1 and past (0.0 without a budget): the schedule's ``time_used``. Foreseen, so that the
+        step that ends past the budget, the run's last, has the schedule's end (``min_lr``)."""
+        if self.budget_s is None:
+            return 0.0
+        return (self.seconds + self.step_seconds) / self.budget_s
 
-    def record(self, seconds: float) -> None:
-        """Record ``seconds`` of training so far. With a time budget, every rank takes the
+    def record(self, seconds: float, step_seconds: float | None = None) -> None:
+        """Record ``seconds`` of training so far (evaluations, samples and checkpoints
+        included), and how long the last step took. With a time budget, every rank takes the
         slowest rank's clock, so all agree on the learning rate and on the last step."""
         if self.budget_s is not None:
             seconds = dist_utils.all_reduce_max(seconds, self.world)
+            if step_seconds is not None:
+                step_seconds = dist_utils.all_reduce_max(step_seconds, self.world)
         self.seconds = seconds
+        if step_seconds is not None:
+            self.step_seconds = step_seconds
 
 
 class Speedometer:
