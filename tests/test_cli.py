@@ -903,7 +903,7 @@ def test_out_of_memory_is_one_line(error, tmp_path, capsys, play_path, monkeypat
     monkeypatch.setattr(gptkiln.train, "train", fail)
     argv = ["train", "--data", play_path, "--out", tmp_path / "r", "--model", "tiny"]
     code, _, err = cli(*argv, capsys=capsys)
-    assert_one_line_error(code, err, "out of memory", "use a smaller model")
+    assert_one_line_error(code, err, "out of memory", "ask for less where the command takes it")
     monkeypatch.setattr(
         gptkiln.train,
         "train",
@@ -911,3 +911,14 @@ def test_out_of_memory_is_one_line(error, tmp_path, capsys, play_path, monkeypat
     )
     with pytest.raises(RuntimeError, match="shapes do not match"):
         cli(*argv, capsys=capsys)
+
+
+def test_a_recipes_idle_min_lr_stays_where_its_default_would_not_fit(tmp_path, capsys, play_path):
+    """A recipe of a constant low rate with min_lr 0 trains: its idle min_lr is left as it is
+    (reset to the default 1e-4, it was past the recipe's lr of 5e-5 and refused)."""
+    recipe = tmp_path / "low.yaml"
+    recipe.write_text("lr: 0.00005\ndecay_lr: false\nmin_lr: 0.0\nmodel: tiny\n")
+    argv = ["train", "--config", recipe, "--data", play_path, "--out", tmp_path / "r"]
+    code, _, err = cli(*argv, "--max-steps", 2, "--context-length", 32, "--no-progress",
+                       capsys=capsys)  # fmt: skip
+    assert code == 0, err

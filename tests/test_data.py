@@ -701,6 +701,11 @@ def test_prepare_refuses_an_out_inside_its_folder_and_clears_a_killed_prepares_s
         prepare(texts / "a.txt", texts, "char", progress=False)
     assert sorted(p.name for p in texts.iterdir()) == ["a.txt", "b.txt"]
     (texts / "b.txt").unlink()
+    for fraction in (0.1, 0.2):  # alone in its folder (a run's data/): prepared beside, again
+        prepare(texts / "a.txt", texts, "char", val_fraction=fraction, progress=False)
+    assert (texts / "a.txt").is_file() and (texts / "meta.json").is_file()
+    for name in [p.name for p in texts.iterdir() if p.name != "a.txt"]:
+        (texts / name).unlink()
     prepare(texts / "a.txt", texts / "data", "char", progress=False)  # a folder of its own
     assert (texts / "data" / "meta.json").is_file()
     shutil.rmtree(texts / "data")

@@ -249,6 +249,7 @@ def test_an_export_cut_short_leaves_its_out_as_it_was(tmp_path, monkeypatch, exi
 def test_an_export_into_a_writable_out_whose_folder_is_not_stages_inside_it(tmp_path, monkeypatch):
     """Where --out's folder may not be written (a mounted volume), the files are written
     inside --out and moved into place there."""
+    import errno
     from pathlib import Path
 
     _, _, run = tiny_run(tmp_path, "gpt2", "bpe")
@@ -257,8 +258,8 @@ def test_an_export_into_a_writable_out_whose_folder_is_not_stages_inside_it(tmp_
     real_mkdir = Path.mkdir
 
     def mkdir(self, *args, **kwargs):
-        if self.parent == out.parent and self.name.endswith(".writing"):
-            raise PermissionError(13, "Permission denied", str(self))
+        if self.parent == out.parent and self.name.endswith(".writing"):  # a read-only mount
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
         return real_mkdir(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "mkdir", mkdir)

@@ -197,16 +197,21 @@ def test_echo_scores_every_prompt_token_even_one_the_prompt_text_lacks(client, s
     past the text)."""
     ask = dict(model=NAME, prompt="", max_tokens=6, temperature=0, echo=True, logprobs=0)
     if stream:
-        ids, text = [], ""
+        ids, offsets, text = [], [], ""
         for chunk in client.completions.create(**ask, stream=True):
             text += chunk.choices[0].text
             if chunk.choices[0].logprobs is not None:
                 ids += chunk.choices[0].logprobs.model_extra["token_ids"]
+                offsets += chunk.choices[0].logprobs.text_offset
     else:
         choice = client.completions.create(**ask).choices[0]
         ids, text = choice.logprobs.model_extra["token_ids"], choice.text
-    eot = load_tokenizer("gpt2").eot_id
-    assert ids[0] == eot and len(ids) == 1 + 6, (ids, text)
+        offsets = choice.logprobs.text_offset
+    tokenizer = load_tokenizer("gpt2")
+    assert ids[0] == tokenizer.eot_id and len(ids) == 1 + 6, (ids, text)
+    # offsets in the text given back: the end-of-text at 0 (the prompt is ""), then each
+    # generated token where its text begins, "<|endoftext|>"'s 13 characters not counted
+    assert offsets == [0] + [len(tokenizer.decode(ids[1 : k + 1])) for k in range(6)]
 
 
 def test_a_null_max_tokens_fills_the_context(client, url):

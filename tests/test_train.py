@@ -250,10 +250,11 @@ def test_max_time_ends_the_run_at_the_first_step_past_the_budget(play_path, tmp_
     assert [r["step"] for r in rows] == [2, 4, 6]
     # step s (1-based) is given the lr of the time it will have spent at its end, foreseen as
     # the time at its start (the evaluation after the step before included: s - 1 s) and one
-    # step more (0.5 s) of 5; the last step, ending past the budget, is at the floor
+    # step more as the last took (0.5 s; none known at step 2: the first step, which compiles,
+    # is no measure) of 5; the last step, ending past the budget, is at the floor
     schedule = dict(lr=1e-3, min_lr=1e-4, warmup_steps=1, total_steps=1000)
     for row in rows:
-        used = (row["step"] - 0.5) / (cfg.max_time * 60)
+        used = (row["step"] - 1 + 0.5 * (row["step"] > 2)) / (cfg.max_time * 60)
         assert row["lr"] == lr_at(int(row["step"]) - 1, **schedule, time_used=used)
     assert rows[-1]["lr"] == 1e-4 < 9e-4 < lr_at(5, **schedule)  # by steps alone: near the top
 
@@ -509,6 +510,10 @@ def test_a_bpe_run_resumes_on_other_text_read_with_its_own_tokenizer(play_path, 
     assert load_prepared(run / "data").tokenizer.encode(text) == load_run_tokenizer(run).encode(
         text
     )
+    train(tiny_config(other, run, max_steps=10, tokenizer="bpe:300"), resume=True)
+    assert "prepared anew" not in capsys.readouterr().err  # the same text: its data reused
+    with pytest.raises(GptkilnError, match="another 'bpe' tokenizer|another tokenizer"):
+        train(tiny_config(other, run, max_steps=12, tokenizer="char"), resume=True)
 
 
 def test_another_alphabet_of_the_same_size_is_refused_by_resume_and_perplexity(tmp_path):

@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         said = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         return fail(
-            f"gptkiln {args.command}: error: out of memory ({said}); use a smaller model "
-            "(--n-layer, --n-embd), --batch-size or --context-length, or a machine with more "
-            "memory (a run's last checkpoint is kept)"
+            f"gptkiln {args.command}: error: out of memory ({said}); ask for less where the "
+            "command takes it (a smaller model, --batch-size, --context-length), free memory, "
+            "or use a machine with more"
         )
     except OSError as e:
         if not e.filename and out_of_space(e):  # a write of a log, a metrics row

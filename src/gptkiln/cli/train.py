@@ -191,6 +191,9 @@ def check_flags_act(cfg: TrainConfig, given: dict[str, str]) -> None:
     for name, choice, value in ONLY_WITH + FLAG_ONLY_WITH:
         if getattr(cfg, choice) == value or name not in given:
             continue
+        if given[name] != "flag" and (name, choice, value) in FLAG_ONLY_WITH:
+            continue  # a recipe's idle min_lr or epochs: harmless where it is (its default may
+            # not be: min_lr 1e-4 is past a constant lr of 5e-5)
         if given[name] == "flag":
             flag = "--" + name.replace("_", "-")
             wanted, now = _flag_of(choice, value), _flag_of(choice, getattr(cfg, choice))

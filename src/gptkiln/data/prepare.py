@@ -219,9 +219,10 @@ def _check_out_dir(out_dir: Path, source=None) -> None:
     elif folder is not None and folder.is_file() and out_dir.resolve() == folder.resolve().parent:
         from gptkiln.data.sources import _is_usable
 
+        own = {*FILES, *TOKENIZER_FILES}  # an earlier prepare's own files here
         others = sorted(
             p.name for p in out_dir.iterdir() if p.is_file() and p.name != folder.name
-            and _is_usable(p)
+            and p.name not in own and _is_usable(p)
         )  # fmt: skip
         if others:  # (the text alone in a run's data/ is a layout of its own: prepared beside)
             raise GptkilnError(
@@ -249,6 +250,7 @@ def prepare(
     progress: bool = True,
     batch_chars: int = BATCH_CHARS,
     threads: int | None = None,
+    tokenizer_spec: str | None = None,
 ) -> dict:
     """Tokenize ``source`` into ``out_dir``: ``train.bin``, ``val.bin``, ``meta.json``, tokenizer.
 
@@ -271,6 +273,9 @@ def prepare(
         batch_chars: characters per encoding batch; lower it to save memory (memory use is a
             few times this, whatever the corpus size).
         threads: encoding threads of the ``gpt2`` tokenizer (default: every core).
+        tokenizer_spec: what ``meta.json`` records as asked for (a later run reuses data of
+            its spec); default ``tokenizer`` when it is a name. For a :class:`Tokenizer`, the
+            spec it was made from (a resumed run's own tokenizer: its ``bpe:N``).
 
     Returns:
         The contents of ``meta.json``.
@@ -300,7 +305,9 @@ def prepare(
     _clear_stale_staging(out_dir)
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out_dir))
     try:
-        spec = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None
+        if tokenizer_spec is None and isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer_spec = str(tokenizer)
+        spec = tokenizer_spec
         meta = _write_dataset(staging, run, tok, spec, val_fraction, batch_chars, progress, threads)
         _move_into_place(staging, out_dir)
     except BaseException as e:

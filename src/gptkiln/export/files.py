@@ -5,6 +5,7 @@ directory of them written aside and moved into place whole (`staged`)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 from collections.abc import Iterator
@@ -52,8 +53,8 @@ def staged(out_dir: Path, last: str) -> Iterator[Path]:
     shutil.rmtree(stage, ignore_errors=True)
     try:
         stage.mkdir(parents=True)
-    except PermissionError:  # --out is writable, its folder not (a mounted volume): inside it
-        if not out_dir.is_dir():
+    except OSError as e:  # --out is writable, its folder not (a mounted volume): inside it
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not out_dir.is_dir():
             raise
         stage = out_dir / STAGE_SUFFIX
         shutil.rmtree(stage, ignore_errors=True)

@@ -79,11 +79,14 @@ class Scores:
         self._pending.append((token, entry, self._at))
         self._at += len(self._decoder.decode(self.tokenizer.token_bytes(token)))
 
-    def release_all(self) -> list[tuple[int, TokenLogprobs | None, int]]:
-        """Every token added so far, as the text it decodes to were given out (an echoed
-        prompt: its ids, a BOS the tokenizer adds or the end-of-text of an empty prompt
-        included, though the prompt's text lacks them)."""
-        out, self._pending, self._shown = self._pending, [], self._at
+    def release_all(self, text: str) -> list[tuple[int, TokenLogprobs | None, int]]:
+        """Every token added so far, an echoed prompt's, whose text is ``text``: its ids may
+        decode to more (a BOS the tokenizer adds, the end-of-text of an empty prompt), so their
+        offsets are counted back from the end of ``text`` (a token before it at 0), and the
+        tokens after start at its end."""
+        extra = self._at - len(text)
+        out = [(t, e, max(0, at - extra)) for t, e, at in self._pending]
+        self._pending, self._at, self._shown = [], len(text), len(text)
         return out
 
     def release(self, text: str, done: bool = False) -> list[tuple[int, TokenLogprobs | None, int]]:
@@ -156,13 +159,14 @@ class Answer:
         tokens: list[tuple[int, TokenLogprobs | None]],
         text: str,
         prompt: list[tuple[int, TokenLogprobs | None]] = (),
+        prompt_text: str = "",
     ) -> list:
         """A whole choice's tokens whose text begins in ``text`` (`Scores`), after the echoed
-        ``prompt``'s tokens, all of them."""
+        ``prompt``'s tokens (``prompt_text``), all of them."""
         scores = Scores(self.tokenizer)
         for token, entry in prompt:
             scores.add(token, entry)
-        echoed = scores.release_all()
+        echoed = scores.release_all(prompt_text)
         for token, entry in tokens:
             scores.add(token, entry)
         return echoed + scores.release(text, done=True)
@@ -211,7 +215,8 @@ class Answer:
                 if self.req.echo:
                     entries = got.prompt_scores.get(i, [None] * len(prompt))
                     echoed = list(zip(prompt, entries, strict=True))
-                logprobs = self._logprobs(self._scores(got.tokens[i], got.texts[i], echoed))
+                scored = self._scores(got.tokens[i], got.texts[i], echoed, head)
+                logprobs = self._logprobs(scored)
             choices.append(
                 Choice(
                     text=head + got.texts[i],
@@ -266,7 +271,7 @@ class Answer:
             scores = self.scores[event.index]
             for token, entry in zip(prompt, event.entries, strict=True):
                 scores.add(token, entry)
-            lp = self._logprobs(scores.release_all())
+            lp = self._logprobs(scores.release_all(text))
             yield self._chunk(Choice(text=text, index=event.index, logprobs=lp))
         elif isinstance(event, Token | Done):
             lp = None

@@ -281,7 +281,8 @@ class Trainer:
         while self.step < total and not clock.out_of_time():
             dist_utils.fail_for_test(self.step, self.world)
             t0 = now()
-            if origin is None:
+            first = origin is None  # this process's first step: compiles, warms up
+            if first:
                 origin = t0 - clock.seconds
             elif clock.budget_s is not None:  # the evaluation, sample or save just done counts
                 clock.record(t0 - origin)
@@ -290,7 +291,7 @@ class Trainer:
             self.step += 1
             self.tokens += step_tokens
             t1 = now()
-            clock.record(t1 - origin, t1 - t0)
+            clock.record(t1 - origin, None if first else t1 - t0)  # no step's time, the first
             # the compile time is no step's speed: kept out of tokens/s
             if speed.add(step_tokens, t1 - t0) and self.world.is_main:
                 bar.compiled(self.step, t1 - t0)

@@ -196,10 +196,10 @@ class LanguageModeling:
         # other text would be another tokenizer, which the resume must refuse)
         tokenizer = self._run_tokenizer() if self.ctx.resume else None
         try:
-            try:
+            try:  # (the run's tokenizer recorded as the spec it was made from, so reused later)
                 prepare(cfg.data, target, tokenizer=tokenizer or cfg.tokenizer,
                         val_fraction=cfg.val_fraction, text_field=cfg.text_field,
-                        progress=cfg.progress)  # fmt: skip
+                        progress=cfg.progress, tokenizer_spec=cfg.tokenizer)  # fmt: skip
             except GptkilnError as e:
                 if tokenizer is None:
                     raise
@@ -228,14 +228,18 @@ class LanguageModeling:
             checkpoint.set_aside_replaced_data(self.run_dir, target)
 
     def _run_tokenizer(self):
-        """The tokenizer of the run being resumed, from its files; None where it keeps none
-        (the resume then refuses in its own words)."""
+        """The tokenizer of the run being resumed, from its files, where ``--tokenizer`` names
+        its kind; None where it keeps none, or another kind is asked (the resume then refuses
+        in its own words)."""
         from gptkiln.loading import load_run_tokenizer
+        from gptkiln.tokenizers import parse_tokenizer_spec
 
         try:
-            return load_run_tokenizer(self.run_dir)
+            tokenizer = load_run_tokenizer(self.run_dir)
+            asked = parse_tokenizer_spec(self.cfg.tokenizer)[0]
         except GptkilnError:
             return None
+        return tokenizer if tokenizer.kind == asked else None
 
     def _resumed(self) -> GPTConfig | None:
         """The model config the checkpoint being resumed saved (None for a new run, or where
