@@ -1037,3 +1037,34 @@ def test_a_lora_run_fine_tunes_again_in_full_and_with_dpo(work, lora_runs, tmp_p
     info = json.loads((tmp_path / "dpo" / "config.json").read_text())["finetune"]
     names = [f["name"] for f in info["reference_weights"]["files"]]
     assert names[-1] == "adapter.safetensors" and names[0].startswith("../")
+
+
+def test_full_dpo_from_a_lora_run_resumes_after_the_lora_runs_base_moved(work, tmp_path):
+    """Full DPO's reference check follows the LoRA run it started from to wherever that run
+    now finds its base (moved, and its base_weights path set, as the LoRA run's own message
+    says): the same files, so the resume goes on; changed adapters are refused."""
+    import shutil
+
+    shutil.copytree(work / "base", tmp_path / "pre")
+    data = str(work / "instructions.json")
+    lora = FinetuneConfig(base=str(tmp_path / "pre"), data=data, lora_rank=4)
+    finetune(lora, quick(lora, tmp_path / "lora", max_steps=1))
+    pairs = [
+        {"prompt": e["instruction"], "chosen": e["output"], "rejected": "no"}
+        for e in instructions(20)
+    ]
+    (tmp_path / "pairs.json").write_text(json.dumps(pairs))
+    dpo = FinetuneConfig(base=str(tmp_path / "lora"), data=str(tmp_path / "pairs.json"), task="dpo")
+    settings = dict(checkpoint_interval=1, eval_interval=1)
+    finetune(dpo, quick(dpo, tmp_path / "dpo", max_steps=1, **settings))
+    (tmp_path / "models").mkdir()
+    shutil.move(tmp_path / "pre", tmp_path / "models" / "pre")
+    config = json.loads((tmp_path / "lora" / "config.json").read_text())
+    config["base_weights"]["path"] = str(tmp_path / "models" / "pre")
+    config["base_weights"]["relative"] = "../models/pre"
+    (tmp_path / "lora" / "config.json").write_text(json.dumps(config))
+    finetune(dpo, quick(dpo, tmp_path / "dpo", max_steps=2, **settings), resume=True)
+    adapters = tmp_path / "lora" / "adapter.safetensors"
+    adapters.write_bytes(adapters.read_bytes()[:-4] + b"\x00\x00\x80\x3f")  # one weight now 1.0
+    with pytest.raises(GptkilnError, match="reference, the base .* has changed since"):
+        finetune(dpo, quick(dpo, tmp_path / "dpo", max_steps=3, **settings), resume=True)

@@ -124,6 +124,25 @@ def disable_dropout(model: torch.nn.Module) -> bool:
     return was_on
 
 
+def _check_reference(run_dir: Path, base: Path, ref: dict, files: list[Path]) -> None:
+    """Full DPO's resume: the base's weights ``files`` (where it finds them now) are those of
+    ``ref``'s records, one for one: the same size and time, or else the same SHA-256."""
+    from gptkiln.loading.base import file_sha256
+
+    records = ref.get("files") or []
+    same = len(records) == len(files) and all(
+        f.stat().st_size == r.get("size")
+        and (f.stat().st_mtime_ns == r.get("mtime_ns") or file_sha256(f) == r.get("sha256"))
+        for r, f in zip(records, files)
+    )
+    if not same:
+        raise GptkilnError(
+            f"{run_dir}'s reference, the base {base}, has changed since the run was trained on "
+            "it (its weights files or their checksums differ); restore that base, or start the "
+            "DPO run again on this one"
+        )
+
+
 class PreferenceTuning(FineTuning):
     """`Task` of DPO; the split is instruct's (train, test, validation)."""
 
@@ -186,25 +205,25 @@ class PreferenceTuning(FineTuning):
 
     def _frozen_copy(self):
         """The reference of full DPO: the starting model, frozen; on a resume, the base again,
-        checked to be the one the run started from (its weights files' records, kept as
-        ``reference_weights``: the same size and time, or else the same SHA-256)."""
+        checked to be the one the run started from: its weights files where the base finds
+        them now (a LoRA base's base may have moved) against the records kept as
+        ``reference_weights`` (the same size and time, or else the same SHA-256)."""
         from gptkiln.checkpoint import ADAPTER_FILE
         from gptkiln.loading import describe_weights, load_model, read_config
-        from gptkiln.loading.base import base_reference, check_base_files
+        from gptkiln.loading.base import base_reference
 
-        base, then = Path(self.ft.base), None
+        base = Path(self.ft.base)
+        adapters = base / ADAPTER_FILE  # a LoRA base's adapters, merged into its weights
+        files = describe_weights(base)[2] + ([adapters] if adapters.is_file() else [])
+        then = None
         if self.ctx.resume:
             then = (read_config(self.run_dir).get("finetune") or {}).get("reference_weights")
             if then is not None:  # (a run from before it was kept: unchecked)
-                check_base_files(self.run_dir, base, then)
+                _check_reference(self.run_dir, base, then, files)
             model = load_model(base)
         else:
             model = copy.deepcopy(self.model)
-        if then is None:  # the weights files, and a LoRA base's adapters merged into them
-            adapters = base / ADAPTER_FILE
-            files = describe_weights(base)[2] + ([adapters] if adapters.is_file() else [])
-            then = base_reference(base, files, self.run_dir)
-        self.reference_weights = then
+        self.reference_weights = then or base_reference(base, files, self.run_dir)
         return model.to(self.ctx.device).eval().requires_grad_(False)
 
     def width(self, ids: Sequence[int]) -> int:
