@@ -305,9 +305,9 @@ def prepare(
     _clear_stale_staging(out_dir)
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out_dir))
     try:
-        if tokenizer_spec is None and isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer_spec = str(tokenizer)
         spec = tokenizer_spec
+        if spec is None and isinstance(tokenizer, (str, os.PathLike)):
+            spec = str(tokenizer)
         meta = _write_dataset(staging, run, tok, spec, val_fraction, batch_chars, progress, threads)
         _move_into_place(staging, out_dir)
     except BaseException as e:

@@ -127,14 +127,10 @@ def disable_dropout(model: torch.nn.Module) -> bool:
 def _check_reference(run_dir: Path, base: Path, ref: dict, files: list[Path]) -> None:
     """Full DPO's resume: the base's weights ``files`` (where it finds them now) are those of
     ``ref``'s records, one for one: the same size and time, or else the same SHA-256."""
-    from gptkiln.loading.base import file_sha256
+    from gptkiln.loading.base import matches_record
 
     records = ref.get("files") or []
-    same = len(records) == len(files) and all(
-        f.stat().st_size == r.get("size")
-        and (f.stat().st_mtime_ns == r.get("mtime_ns") or file_sha256(f) == r.get("sha256"))
-        for r, f in zip(records, files)
-    )
+    same = len(records) == len(files) and all(map(matches_record, files, records))
     if not same:
         raise GptkilnError(
             f"{run_dir}'s reference, the base {base}, has changed since the run was trained on "

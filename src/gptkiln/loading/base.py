@@ -81,6 +81,15 @@ def base_directory(run_dir: Path, ref: Any) -> Path:
     )
 
 
+def matches_record(path: Path, record: dict[str, Any]) -> bool:
+    """Whether the file ``path`` is the one `_file_record` recorded: the same size and time (no
+    read needed), or else the same size and SHA-256."""
+    stat = path.stat()
+    if stat.st_size != record.get("size"):
+        return False
+    return stat.st_mtime_ns == record.get("mtime_ns") or file_sha256(path) == record.get("sha256")
+
+
 def check_base_files(run_dir: Path, base_dir: Path, ref: dict[str, Any]) -> None:
     """The base's weights files are those the run was trained on: the same size and time (no
     read needed), or else the same SHA-256."""
@@ -91,10 +100,7 @@ def check_base_files(run_dir: Path, base_dir: Path, ref: dict[str, Any]) -> None
                 f"{run_dir}'s base {base_dir} has no {record['name']} any more; restore the base "
                 "the run was trained on"
             )
-        stat = path.stat()
-        if stat.st_size == record.get("size") and stat.st_mtime_ns == record.get("mtime_ns"):
-            continue
-        if stat.st_size != record.get("size") or file_sha256(path) != record.get("sha256"):
+        if not matches_record(path, record):
             raise GptkilnError(
                 f"{run_dir}'s base {path} has changed since the run was trained on it (its "
                 "checksum differs); restore that base, or train the run again on this one"

@@ -137,9 +137,11 @@ class Trainer:
         self.task = (task or LanguageModeling)(context)
         self.tokenizer = self.task.tokenizer
         self.batches = self.task.batches
-        first = self.batches.get(0, 0)[0]  # rank 0's free memory decides for every rank
+        first = self.batches.get(0, 0)  # rank 0's free memory decides for every rank
         config = self.task.model.config
-        dist_utils.rank_0_checks(lambda: check_logits_fit(config, first, self.device), self.world)
+        dist_utils.rank_0_checks(
+            lambda: check_logits_fit(config, first[0], self.device), self.world
+        )
         # measured on the bare model, before a wrapper would synchronise its backward
         self.precision: PrecisionChoice | None = None
         if not resume:
@@ -147,7 +149,7 @@ class Trainer:
                 cfg.precision,
                 self.device,
                 self.task.model,
-                self.batches.get(0, 0),
+                first,
                 self.world,
                 getattr(self.task, "training_loss", None),
             )
