@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,6 +155,29 @@ def test_a_build_that_does_not_load_is_built_again(tmp_path):
     built.write_bytes(b"not a library")  # truncated by a crash, say
     subprocess.run([sys.executable, "-c", check], env=env, check=True)
     assert built.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_library
+def test_a_private_build_beside_a_shared_cache_is_removed_as_the_process_exits(tmp_path):
+    cache, temp = tmp_path / "cache", tmp_path / "temp"
+    (cache / "cpu").mkdir(parents=True)
+    (cache / "cpu").chmod(0o777)  # others may write there: built in a private temporary
+    temp.mkdir()
+    env = {
+        **os.environ,
+        "GPTKILN_CACHE": str(cache),
+        "TMPDIR": str(temp),
+        "GPTKILN_CPU_INSTALL_BUILD": "0",
+    }
+    code = (
+        "from gptkiln.cpu import library as m; assert m.library() is not None; "
+        "print(m._private_temp())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "not loading compiled kernels" in done.stderr
+    assert Path(done.stdout.strip()).parent == temp  # it was there, and it is gone
+    assert list(temp.iterdir()) == []
 
 
 @needs_library

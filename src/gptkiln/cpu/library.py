@@ -27,6 +27,7 @@ share one pool of threads; a compiler without OpenMP (Apple's clang) builds the 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -263,7 +264,11 @@ def private_dir(where: Path) -> Path:
 
 @functools.cache
 def _private_temp() -> Path:
-    return Path(tempfile.mkdtemp(prefix="gptkiln-cpu-"))  # 0700, this user's
+    """A private (0700) temporary directory for this process's build, removed as it exits (a
+    library it has loaded stays mapped after its file is gone)."""
+    path = Path(tempfile.mkdtemp(prefix="gptkiln-cpu-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def _build(cc: str, kind: str, files: list[Path], path: Path) -> bool:
