@@ -467,3 +467,36 @@ def test_convert_quantize_float_head_keeps_the_head_and_embedding_fp32(float_run
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx), expected(idx), rtol=0, atol=0)
     assert ", the head and embedding float" in run_info(q).summary()
+
+
+def test_a_copy_written_over_a_run_either_replaces_it_whole_or_leaves_it(
+    float_run, tmp_path, monkeypatch
+):
+    """`quantize --overwrite` (as `convert`, `merge-lora`, `download`) writes the new run aside
+    and moves it in whole: a write that fails leaves the old run byte for byte, and one that
+    lands leaves no file of the old run's tokenizer beside the new one's."""
+    import gptkiln.checkpoint as checkpoint_module
+    from gptkiln.convert import quantize_run
+    from gptkiln.tokenizers import CHAR_VOCAB_FILE, CharTokenizer
+
+    old = tmp_path / "old"
+    chars = CharTokenizer([chr(c) for c in range(65, 104)], with_eot=True)
+    save_model(tiny_model(vocab_size=40), old, tokenizer=chars)
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    assert CHAR_VOCAB_FILE in before
+    write_json = checkpoint_module.write_json
+
+    def full_disk(path, obj):
+        if Path(path).name == CONFIG_FILE:
+            raise OSError(28, "No space left on device", str(path))
+        write_json(path, obj)
+
+    monkeypatch.setattr(checkpoint_module, "write_json", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        quantize_run(float_run, old, overwrite=True)
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    monkeypatch.setattr(checkpoint_module, "write_json", write_json)
+    quantize_run(float_run, old, overwrite=True)
+    assert sorted(p.name for p in old.iterdir()) == sorted(p.name for p in float_run.iterdir())
+    assert type(load_run(old)[1]).__name__ == "GPT2Tokenizer"

@@ -2,8 +2,9 @@
 and LoRA runs merged into plain ones, and float runs into quantized ones.
 
 Each reads with `gptkiln.loading` (the one way in), converts names with `gptkiln.interop` where
-the format asks for it, and writes with `gptkiln.checkpoint`'s atomic writes. None writes over a
-model without ``overwrite`` (`checkpoint.check_out_dir`).
+the format asks for it, and writes the run aside and moves it in whole (`export.files.staged_run`),
+so one that fails leaves the run it would replace as it was. None writes over a model without
+``overwrite`` (`checkpoint.check_out_dir`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from gptkiln.checkpoint import check_out_dir, save_model
 from gptkiln.errors import GptkilnError
-from gptkiln.export.files import copy_files, drop_files
+from gptkiln.export.files import copy_files, staged_run
 from gptkiln.export.hf import (  # (`gptkiln.export` writes the formats out; named here as before)
     DEFAULT_MAX_SHARD_SIZE as DEFAULT_MAX_SHARD_SIZE,
 )
@@ -97,32 +98,29 @@ def import_hf(
 
 
 def _save_with_gpt2_tokenizer(model: GPT, out_run_dir, stale: list[Path]) -> None:
-    """Write the run, then drop the ``stale`` files of the run it replaced."""
+    """Write the run whole (`staged_run`: the ``stale`` files of the run it replaced dropped)."""
     from gptkiln.tokenizers import load_tokenizer
 
-    save_model(model, out_run_dir, tokenizer=load_tokenizer("gpt2"))
-    drop_files(stale)
+    with staged_run(out_run_dir, stale) as stage:
+        save_model(model, stage, tokenizer=load_tokenizer("gpt2"))
 
 
 def _save_with_hf_tokenizer(model: GPT, hf_dir: Path, out_dir: Path, stale: list[Path]) -> None:
     """Write the run of a Llama / Qwen3 directory, or of a GPT-2 of a tokenizer of its own: its
     tokenizer's files copied as they are (first, so that the config.json written last finds
     them), what config.json says of BOS, EOS and padding recorded beside the model (where a
-    tokenizer reading the run's config.json finds them, as in a Hugging Face one), then the
-    ``stale`` files of the run it replaced dropped."""
-    save_model(model, out_dir, extra=_carry_hf_tokenizer(hf_dir, read_config(hf_dir), out_dir))
-    drop_files(stale)
+    tokenizer reading the run's config.json finds them, as in a Hugging Face one), the whole
+    run moved into place at once and the ``stale`` files of the run it replaced dropped."""
+    with staged_run(out_dir, stale) as stage:
+        save_model(model, stage, extra=_carry_hf_tokenizer(hf_dir, read_config(hf_dir), stage))
 
 
-def _carry_hf_tokenizer(src_dir: Path, cfg: dict, out_dir: Path) -> dict:
+def _carry_hf_tokenizer(src_dir: Path, cfg: dict, stage: Path) -> dict:
     """Copy the Hugging Face tokenizer's files of ``src_dir`` (a Hugging Face directory, or a
-    run that keeps them; ``cfg``: its config.json) into the run ``out_dir`` and drop any other
-    tokenizer's files there; the entries for the run's config.json: ``"tokenizer"`` (``"hf"``,
-    None without a tokenizer.json) and the bos/eos/pad ids."""
-    from gptkiln.tokenizers import TOKENIZER_FILES
-
-    copied = copy_files(src_dir, out_dir, HF_TOKENIZER_FILES)
-    drop_files([out_dir / n for n in {*TOKENIZER_FILES, *HF_TOKENIZER_FILES} if n not in copied])
+    run that keeps them; ``cfg``: its config.json) into ``stage`` (a `staged_run`'s, which drops
+    any other tokenizer's files); the entries for the run's config.json: ``"tokenizer"``
+    (``"hf"``, None without a tokenizer.json) and the bos/eos/pad ids."""
+    copied = copy_files(src_dir, stage, HF_TOKENIZER_FILES)
     extra = {key: cfg[key] for key in TOKEN_IDS if key in cfg}
     extra["tokenizer"] = "hf" if "tokenizer.json" in copied else None
     return extra
@@ -152,14 +150,9 @@ def merge_lora(
         )
     model, tokenizer, cfg = load_run(run_dir)  # the adapters merged
     merged = {**info, "lora": None, "merged_from": str(run_dir.resolve())}
-    save_model(
-        model,
-        out_dir,
-        train_config=cfg.get("train"),
-        tokenizer=tokenizer,
-        extra={"finetune": merged},
-    )
-    drop_files(stale)
+    with staged_run(out_dir, stale) as stage:
+        save_model(model, stage, train_config=cfg.get("train"), tokenizer=tokenizer,
+                   extra={"finetune": merged})  # fmt: skip
     return Path(out_dir)
 
 
@@ -208,10 +201,10 @@ def quantize_run(
     train = None if "model_type" in cfg else cfg.get("train")
     finetune = cfg.get("finetune")  # an instruction-tuned run keeps its template (LoRA: merged)
     extra = {"finetune": {k: v for k, v in finetune.items() if k != "lora"}} if finetune else {}
-    if kind == "hf":  # a Hugging Face tokenizer (a Llama / Qwen3 model's) is carried as it is
-        extra.update(_carry_hf_tokenizer(Path(run_dir), cfg, out_dir))
-    save_model(model, out_dir, train_config=train, tokenizer=tokenizer, extra=extra or None)
-    drop_files(stale)
+    with staged_run(out_dir, stale) as stage:
+        if kind == "hf":  # a Hugging Face tokenizer (a Llama / Qwen3 model's) is carried as is
+            extra.update(_carry_hf_tokenizer(Path(run_dir), cfg, stage))
+        save_model(model, stage, train_config=train, tokenizer=tokenizer, extra=extra or None)
     return out_dir
 
 

@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from gptkiln.checkpoint import atomic_write
+from gptkiln.checkpoint import CONFIG_FILE, atomic_write
 
 
 def copy_files(src_dir: Path, out_dir: Path, names: tuple[str, ...]) -> list[str]:
@@ -71,3 +71,18 @@ def staged(out_dir: Path, last: str) -> Iterator[Path]:
             shutil.move(stage / name, out_dir / name)  # a rename on one filesystem
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_run(out_dir: str | os.PathLike, stale: list[Path]) -> Iterator[Path]:
+    """A run directory written whole (an import, a merge, a quantized copy): `staged`, with
+    config.json moved in last, then the ``stale`` files of the run it replaces
+    (`checkpoint.check_out_dir`) and any tokenizer files the new run did not write dropped. A
+    write that fails or is cut short leaves the run that was there as it was."""
+    from gptkiln.tokenizers import TOKENIZER_FILES
+
+    out_dir = Path(out_dir)
+    with staged(out_dir, last=CONFIG_FILE) as stage:
+        yield stage
+        written = {p.name for p in stage.iterdir()}
+    drop_files(stale + [out_dir / n for n in TOKENIZER_FILES if n not in written])

@@ -29,7 +29,7 @@ import torch
 from gptkiln.checkpoint import check_out_dir, save_model
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
-from gptkiln.export.files import drop_files
+from gptkiln.export.files import staged_run
 from gptkiln.export.gguf import FAMILY_OF_ARCH, HF_TO_GGUF, ROPE_FREQS, rename, unpermute_rope
 from gptkiln.export.gguf_vocab import (
     CONTROL,
@@ -73,8 +73,8 @@ def import_gguf(
     model = build_model(
         config, module.hf_state_dict_to_gptkiln(hf_sd, config, str(path)), str(path)
     )
-    save_model(model, out, tokenizer=tokenizer)
-    drop_files(stale)
+    with staged_run(out, stale) as stage:
+        save_model(model, stage, tokenizer=tokenizer)
     return out
 
 
