@@ -128,6 +128,8 @@ LLAMA31_TOOLS_TEMPLATE = """{{- bos_token }}
 {%- endif %}
 """
 
+BAD_TYPE = {"type": "object", "properties": {"city": {"type": "strin"}}}
+NO_LIST = {"type": "object", "required": "city"}
 WEATHER = {
     "type": "function",
     "function": {
@@ -339,6 +341,20 @@ def test_a_tool_round_trip_with_required_and_a_named_function(client):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_a_schema_shown_to_the_model_may_use_what_no_grammar_enforces(client):
+    """Under ``auto`` a tool's parameters are only shown to the model: a format or keyword the
+    engine cannot enforce is taken (OpenAI's non-strict tools), what is not a schema is not."""
+    loose = {"type": "object", "properties": {"when": {"type": "string", "format": "my-date"}}}
+    tool = {"type": "function", "function": {"name": "plan", "parameters": loose}}
+    r = client.chat.completions.create(**ask(messages=USER, tools=[tool], max_tokens=4))
+    assert r.choices[0].message.role == "assistant"
+    with pytest.raises(openai.BadRequestError, match="Expected array for 'required'"):
+        bad = {**tool["function"], "parameters": NO_LIST}
+        client.chat.completions.create(
+            **ask(messages=USER, tools=[{"type": "function", "function": bad}], max_tokens=4)
+        )
+
+
 def test_a_streamed_tool_call_reads_as_openais(client):
     stream = client.chat.completions.create(
         **ask(messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=200), stream=True
@@ -384,6 +400,17 @@ def test_a_streamed_tool_call_reads_as_openais(client):
         (
             {"tools": [{"type": "function", "function": {"parameters": {}}}]},
             "tools[0].function.name",
+        ),
+        (  # not a schema, the call not forced: refused all the same, as OpenAI's
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_TYPE}}]},
+            "tools",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": NO_LIST}}],
+                "tool_choice": "auto",
+            },
+            "tools",
         ),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},

@@ -281,7 +281,15 @@ def check_tools(req: ChatCompletionRequest, template: PromptTemplate | ChatTempl
 def chat_grammar(
     req: ChatCompletionRequest, family: str | None, grammars: Grammars | None
 ) -> str | None:
-    """The grammar of a chat answer: its ``response_format`` or the tool call it must make."""
+    """The grammar of a chat answer: its ``response_format`` or the tool call it must make.
+    Every tool's parameters must be a JSON schema, a call forced or not (as OpenAI's)."""
+    for tool in (req.tools or []) if grammars is not None else []:
+        try:
+            grammars.check_schema(tool.function.parameters or {"type": "object"})
+        except GrammarError as e:
+            raise OpenAIError(
+                400, f"tools: the parameters of {tool.function.name!r}: {e}", "tools"
+            ) from None
     choice = req.tool_choice
     forced = family is not None and (choice == "required" or not isinstance(choice, str | None))
     if forced and req.response_format is not None and req.response_format.type != "text":
