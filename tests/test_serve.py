@@ -367,6 +367,7 @@ BAD = [
     ("token id out of range", {"prompt": [1, 99999999]}, 400, "prompt"),
     ("negative token id", {"prompt": [-1]}, 400, "prompt"),
     ("lone surrogate", b'{"prompt": "\\ud800"}', 400, None),  # not JSON text: no field
+    ("nested 300 deep", b'{"prompt": ' + b"[" * 300 + b"]" * 300 + b"}", 400, None),
     ("100k characters", {"prompt": "word " * 20000}, 400, "prompt"),
     ("max_tokens a string", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     ("max_tokens negative", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
@@ -411,6 +412,8 @@ def test_bad_input_is_a_clean_4xx_naming_the_field(url, body, status, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param
     if param:
         assert param.split(".")[-1] in error["message"]
+    if b"[[[" in (body if isinstance(body, bytes) else b""):
+        assert "too deep" in error["message"], error  # valid JSON: not said to be invalid
     assert httpx.get(f"{url}/health").status_code == 200
 
 

@@ -409,6 +409,14 @@ def validation_error(error: ValidationError, kinds: dict[str, str] = FIELD_KINDS
     # a union's member names the branch it tried (``str``, ``list[TextPart]``): not a field
     loc = [str(p) for i, p in enumerate(first["loc"]) if not (i and _union_member(str(p)))]
     kind = first["type"]
+    if kind == "json_invalid" and "recursion limit" in first["msg"]:  # valid JSON, too deep
+        where = first["msg"].rpartition(" exceeded ")[2]
+        return OpenAIError(
+            400,
+            f"the body nests arrays and objects too deep for the parser ({where}, past "
+            "about 250 levels); send a flatter one",
+            code="invalid_json",
+        )
     if kind == "json_invalid":
         return OpenAIError(
             400,
