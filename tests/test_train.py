@@ -448,6 +448,20 @@ def test_a_resume_with_another_batch_counts_the_tokens_each_step_really_took(pla
     assert result.tokens_seen == 1536
 
 
+def test_a_resume_trains_with_the_optimizer_settings_it_records(play_path, tmp_path):
+    """A resume that changes weight decay or betas trains with them (the saved state brings
+    back the old ones with the moments), as its config.json says."""
+    run = tmp_path / "run"
+    cfg = dict(eval_interval=4, checkpoint_interval=4, sample_interval=100)
+    train(tiny_config(play_path, run, max_steps=4, weight_decay=0.1, **cfg))
+    train(tiny_config(play_path, run, max_steps=8, weight_decay=0.0, beta2=0.9, **cfg), resume=True)
+    state = torch.load(run / "trainer_state.pt", weights_only=True)
+    groups = state["optimizer"]["param_groups"]
+    assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [(0.0, (0.9, 0.9))] * 2
+    recorded = json.loads((run / "config.json").read_text())["train"]
+    assert (recorded["weight_decay"], recorded["beta2"]) == (0.0, 0.9)
+
+
 def test_windows_sampling_refuses_a_resume_with_another_step_size(play_path, tmp_path):
     # An epoch of windows is walked in steps of batch_size x grad_accum x processes windows:
     # resumed with another size, some windows would be read twice and others never.

@@ -125,7 +125,12 @@ class Checkpoints:
                 f"for {self.cfg.optimizer}: the saved optimizer state is {saved_kind}'s. Resume "
                 f"with --optimizer {saved_kind}, or start a new run"
             )
+        # the saved state brings back each group's settings too: this resume's own (its weight
+        # decay, betas, learning-rate scales, Muon's momentum), which config.json records, win
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         dist_utils.load_full_state(model, optimizer, model_sd, state["optimizer"])
+        for group, own in zip(optimizer.param_groups, settings, strict=True):
+            group.update(own)
         step = self.saved_step = int(state["step"])
         progress = Progress(
             step=step,
