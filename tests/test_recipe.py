@@ -328,6 +328,24 @@ def test_aligned_windows_start_at_the_end_of_text_where_they_would_cross_it():
     assert moved > 100
 
 
+def test_aligned_windows_over_a_large_corpus_cost_no_memory_of_their_own():
+    """Nothing is indexed over the whole token array: a corpus of billions of tokens is read
+    only where the windows fall."""
+    import tracemalloc
+
+    import numpy as np
+
+    from gptkiln.data.windows import AlignedWindowDataset
+
+    tokens = np.ones(50_000_000, dtype=np.uint16)
+    tracemalloc.start()
+    aligned = AlignedWindowDataset(tokens, 64, 1000, 7, eot_id=0)
+    aligned[3]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1_000_000, peak
+
+
 def test_the_choices_are_off_in_every_preset_and_block_an_export():
     for name in PRESETS:
         assert GPTConfig.from_name(name).recipe_choices() == [], name

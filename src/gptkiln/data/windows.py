@@ -151,15 +151,16 @@ class AlignedWindowDataset(RandomWindowDataset):
 
     def __init__(self, tokens, max_length: int, num_samples: int, seed: int, eot_id: int) -> None:
         super().__init__(tokens, max_length, num_samples, seed)
-        self.ends = np.flatnonzero(self.tokens == eot_id)  # sorted, one a document
+        self.eot_id = eot_id
 
     def offset(self, index: int) -> int:
         start = super().offset(index)
-        at = int(np.searchsorted(self.ends, start, side="right"))  # the first end after start
-        if at < len(self.ends):
-            end = int(self.ends[at])
-            # before the last position the next document's tokens follow it in the window
-            if end < start + self.max_length and end + self.max_length < len(self.tokens):
+        # the first end of text after the window's first token: found in the window alone (no
+        # index of every document's end, which over billions of tokens would cost gigabytes)
+        ends = np.flatnonzero(self.tokens[start + 1 : start + self.max_length] == self.eot_id)
+        if len(ends):
+            end = start + 1 + int(ends[0])
+            if end + self.max_length < len(self.tokens):  # the next document's tokens follow
                 return end
         return start
 
