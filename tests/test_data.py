@@ -355,6 +355,42 @@ def test_small_pieces_never_cut_a_word_whatever_the_format(tmp_path, gpt2, kind)
     assert data.val.tolist() == gpt2.encode(text[split_idx:])
 
 
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def test_pieces_never_cut_a_pretoken_of_llama3s_pattern(tmp_path):
+    """Llama 3's and Qwen's pre-tokenizers join punctuation with the newlines after it
+    (``".\\n"``): a piece may not end between them, as it may for GPT-2's."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = "".join(f"Line {i} ends here.\nAnd then, more!\n\n" for i in range(400))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator([text], trainer=trainer)
+    assert ".\n" in {tok.decode([i]) for i in tok.encode("here.\nAnd").ids}  # joined
+    folder = tmp_path / "llama3-split"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+    path = tmp_path / "doc.txt"
+    path.write_text(text, encoding="utf-8")
+    prepare(path, tmp_path / "out", str(folder), 0.01, progress=False, batch_chars=64)
+    split_idx = int(0.99 * len(text))
+    data = load_prepared(tmp_path / "out")
+    assert data.train.tolist() == tok.encode(text[:split_idx]).ids
+    assert data.val.tolist() == tok.encode(text[split_idx:]).ids
+
+
 def test_prepare_joins_documents_with_eot_and_splits_the_straddler(tmp_path):
     docs = ["hello world", "foo bar baz", "the end"]  # 29 characters
     source = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])

@@ -25,10 +25,11 @@ module either a text stream or document strings; every source comes out of :func
 the same way, in bounded memory.
 
 Large documents are never held whole: :func:`iter_pieces` streams each document in pieces of
-about :data:`PIECE_CHARS` characters, cut just before a whitespace that follows a non-whitespace
-character. GPT-2's pre-tokenizer always splits there, so tokenizing the pieces one by one gives
-exactly the ids of tokenizing the whole document (for gpt2, bpe and char alike), whatever the
-piece size and file format. Only a stretch of more than :data:`MAX_PIECE_CHARS` characters with
+about :data:`PIECE_CHARS` characters, cut just before a space or newline that follows a letter
+or digit. GPT-2's, Llama 3's and Qwen's pre-tokenizers all split there (not after punctuation,
+which Llama 3's and Qwen's join with the newlines after it), so tokenizing the pieces one by one
+gives exactly the ids of tokenizing the whole document (for gpt2, bpe, char and hf alike),
+whatever the piece size and file format. Only a stretch of more than :data:`MAX_PIECE_CHARS` characters with
 no such spot (1 Mi: text without spaces, such as Chinese) is cut where it must be.
 """
 
@@ -65,7 +66,8 @@ cores, large enough that per-piece overhead vanishes."""
 MAX_PIECE_CHARS = 4 * PIECE_CHARS
 """How far a piece may grow while no safe cut comes: memory stays bounded, ids stay exact below."""
 
-_LAST_SAFE_CUT = re.compile(r".*\S(?=[ \n])", re.DOTALL)  # greedy: finds the last such spot
+# greedy: the last letter or digit (``\w`` but ``_``: Unicode's) before a space or newline
+_LAST_SAFE_CUT = re.compile(r".*[^\W_](?=[ \n])", re.DOTALL)
 _SOURCE_HELP = (
     "pass a .txt, .md, .jsonl, .json or .parquet file (the text ones may end in .gz or .zst), a "
     "folder of them, hf:NAME for a Hugging Face dataset, or 'shakespeare'"
