@@ -370,6 +370,38 @@ def test_an_optimizer_step_averages_its_micro_batches_at_the_scheduled_lr():
     assert all(p.grad is None for p in model.parameters())  # zeroed for the next step
 
 
+def test_micro_batches_of_uneven_learnt_tokens_make_the_step_one_batch_would():
+    """A fine-tuning step's gradient is the mean over every learnt token of the step, as one
+    batch of all its rows gives: a micro-batch of one learnt token weighs one token, not half."""
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, context_length=8, n_layer=1, n_head=2, n_embd=16))
+    model.eval()  # no dropout: the same forward either way
+    reference = copy.deepcopy(model)
+    x = torch.randint(0, 32, (2, 8))
+    y = torch.full((2, 8), -100)
+    y[0, 7] = 3  # one learnt token in the first row, six in the second
+    y[1, 2:] = torch.randint(0, 32, (6,))
+
+    class Rows:
+        def get(self, step, micro):
+            return x[micro : micro + 1], y[micro : micro + 1]
+
+    cfg = TrainConfig(out="unused", grad_accum=2, grad_clip=0.0, lr=0.1, warmup_steps=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = OptimizerStep(model, model, optimizer, Rows(), cfg, "cpu")
+    step.loss = lambda forward, x, y: forward(x, y)[1]
+    step.learnt = lambda x, y: (y != -100).sum()
+    lr, loss = step(1, total=10, time_used=0.0)
+    _, whole = reference(x, y)  # one batch of both rows
+    assert loss == pytest.approx(whole.item(), rel=1e-5)
+    whole.backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q - lr * q.grad, rtol=1e-5, atol=1e-6)
+
+
 # -- one line when a run stops ---------------------------------------------------------------
 def test_a_stop_from_outside_names_who_why_and_the_last_checkpoint(tmp_path):
     run, two = tmp_path / "run", World(rank=1, world_size=2)

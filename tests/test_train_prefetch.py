@@ -62,5 +62,8 @@ def test_an_optimizer_step_reads_ahead_on_cuda_only():
     model = torch.nn.Linear(3, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert OptimizerStep(model, model, opt, source, cfg, "cpu").batches is source
-    assert isinstance(OptimizerStep(model, model, opt, source, cfg, "cuda").batches, Prefetched)
+    step = OptimizerStep(model, model, opt, source, cfg, "cuda")
+    assert isinstance(step.batches, Prefetched)
+    step.close()  # the reader thread stops (Trainer.close)
+    assert step.batches._reader._shutdown
     on_gpu.close()

@@ -29,8 +29,9 @@ about :data:`PIECE_CHARS` characters, cut just before a space or newline that fo
 or digit. GPT-2's, Llama 3's and Qwen's pre-tokenizers all split there (not after punctuation,
 which Llama 3's and Qwen's join with the newlines after it), so tokenizing the pieces one by one
 gives exactly the ids of tokenizing the whole document (for gpt2, bpe, char and hf alike),
-whatever the piece size and file format. Only a stretch of more than :data:`MAX_PIECE_CHARS` characters with
-no such spot (1 Mi: text without spaces, such as Chinese) is cut where it must be.
+whatever the piece size and file format. Only a stretch of more than :data:`MAX_PIECE_CHARS`
+characters with no such spot (1 Mi: text without spaces, such as Chinese) is cut where it must
+be.
 """
 
 from __future__ import annotations

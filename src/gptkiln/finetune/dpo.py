@@ -255,6 +255,10 @@ class PreferenceTuning(FineTuning):
     def training_loss(self, forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.stats(forward, x, y).loss
 
+    def learnt(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss is a mean over pairs: a (2B, T) batch holds B."""
+        return torch.tensor(x.size(0) // 2, device=x.device)
+
     # -- what the loop asks --------------------------------------------------------------------
     def evaluate(self, model: torch.nn.Module, autocast) -> dict[str, float | None]:
         """The loss, mean rewards, margin and accuracy of the fixed validation batches, and of

@@ -373,6 +373,12 @@ class FineTuning:
                 flush=True,
             )
 
+    def learnt(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """What a batch's loss is the mean over: its learnt targets (a classifier's rows). The
+        optimizer step weighs each micro-batch by it, so that micro-batches and ranks of
+        uneven learnt tokens make the step one batch would (transformers' num_items_in_batch)."""
+        return (y != IGNORE_INDEX).sum()
+
     def training_loss(self, forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss of a batch: packed windows ((B, 2, T) inputs, ids and segments) or rows."""
         if x.dim() == 3:

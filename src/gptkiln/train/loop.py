@@ -101,6 +101,7 @@ class Trainer:
         self.owns_process_group = dist_utils.launched_by_torchrun() and not dist_utils.initialized()
         self.world = dist_utils.setup(self.device)
         self.log: RunLog | None = None  # what close() closes, set in _set_up
+        self.optimizer_step: OptimizerStep | None = None  # and this
         self.lock = checkpoint.RunLock(self.run_dir)
         try:
             # rank 0 takes the directory; one another run holds stops every rank
@@ -189,6 +190,8 @@ class Trainer:
         )
         self.optimizer_step.precision = self.precision.precision
         self.optimizer_step.loss = getattr(self.task, "training_loss", None)
+        self.optimizer_step.learnt = getattr(self.task, "learnt", None)
+        self.optimizer_step.world = self.world
         if self.world.is_main:
             print(self.precision.line(), flush=True)
         if cfg.tensorboard and self.world.is_main:
@@ -201,9 +204,11 @@ class Trainer:
 
     def close(self) -> None:
         """Close the TensorBoard log, let the run directory go; leave the process group, if
-        this trainer joined it."""
+        this trainer joined it; stop reading batches ahead."""
         if self.log is not None:
             self.log.close()
+        if self.optimizer_step is not None:
+            self.optimizer_step.close()
         self.lock.release()
         if self.owns_process_group:
             dist_utils.teardown()

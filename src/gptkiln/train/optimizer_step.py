@@ -12,7 +12,7 @@ from gptkiln import distributed as dist_utils
 from gptkiln.config import TrainConfig
 from gptkiln.optim import lr_at
 from gptkiln.train.precision import static_precision
-from gptkiln.train.prefetch import batches_for
+from gptkiln.train.prefetch import Prefetched, batches_for
 from gptkiln.train.task import BatchSource
 
 
@@ -42,6 +42,11 @@ class OptimizerStep:
     ``precision``: what the steps run in, ``"fp32"`` or ``"bf16"`` autocast (`Trainer` sets
     the one it resolved; ``cfg.precision`` until then). ``loss``: a task's own
     ``training_loss(forward, x, y)`` (DPO's), set by `Trainer`; None: the model's own loss.
+    ``learnt``: a task's ``learnt(x, y)``, how many items (learnt tokens, rows, pairs) a
+    micro-batch's loss is the mean of; with it the step's gradient is the mean over every item
+    of the step, on every rank, as one batch of them all would give (a fine-tuning step's
+    micro-batches hold uneven learnt tokens). None: each micro-batch weighs the same (pretraining:
+    every target is learnt). ``world``: the ranks, which count the items together.
     """
 
     def __init__(
@@ -58,6 +63,8 @@ class OptimizerStep:
         self.cfg, self.device = cfg, device
         self.precision = cfg.precision
         self.loss: Callable | None = None
+        self.learnt: Callable | None = None
+        self.world = dist_utils.World()
 
     def __call__(self, step: int, total: int, time_used: float) -> tuple[float, float]:
         """Step ``step`` of ``total`` (``time_used``: the fraction of a time budget spent, 0.0
@@ -77,6 +84,7 @@ class OptimizerStep:
         for group in self.optimizer.param_groups:  # a group's own peak: `optim.MuonAdamW`
             group["lr"] = lr * group.get("lr_scale", 1.0)
         loss_sum = torch.zeros((), device=self.device)
+        items = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
             x, y = self.batches.get(step, micro)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -86,10 +94,30 @@ class OptimizerStep:
                         _, loss = self.forward(x, y)
                     else:
                         loss = self.loss(self.forward, x, y)
-                (loss / cfg.grad_accum).backward()
-            loss_sum += loss.detach()
+                if self.learnt is None:
+                    (loss / cfg.grad_accum).backward()
+                    loss_sum += loss.detach()
+                else:  # the sum over the micro-batch's items; divided by the step's below
+                    n = self.learnt(x, y)
+                    (loss * n).backward()
+                    loss_sum += loss.detach() * n
+                    items += n
+        if self.learnt is None:
+            mean = loss_sum / cfg.grad_accum
+        else:
+            mean = loss_sum / items.clamp(min=1)
+            every = dist_utils.all_reduce_sum(items, self.world).clamp(min=1)
+            scale = self.world.world_size / every  # the ranks' gradients are averaged
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale.to(p.grad.dtype))
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return lr, loss_sum.item() / cfg.grad_accum
+        return lr, mean.item()
+
+    def close(self) -> None:
+        """Stop reading ahead (on CUDA a batch past the last step is being read, pinned)."""
+        if isinstance(self.batches, Prefetched):
+            self.batches.close()
