@@ -145,6 +145,28 @@ def test_ctrl_c_is_one_line_and_exit_130(agent, capsys, monkeypatch, tmp_path):
     monkeypatch.setattr("sys.argv", ["gptkiln", *argv])
     assert main(argv) == 130
     assert capsys.readouterr().err == "gptkiln train: interrupted\n"
+    # rank 0 left where its last checkpoint is: said as a one-process run says it
+    agent["lines"] = {0: "at step 95; the last checkpoint, step 90, is in run"}
+    assert main(argv) == 130
+    assert capsys.readouterr().err == (
+        "gptkiln train: interrupted at step 95; the last checkpoint, step 90, is in run\n"
+    )
+
+
+def test_a_worker_under_the_launcher_leaves_its_interrupt_for_the_launcher(
+    tmp_path, monkeypatch, capsys
+):
+    import gptkiln.train
+
+    def interrupted(cfg, **kwargs):
+        raise KeyboardInterrupt("at step 3; no checkpoint was written")
+
+    monkeypatch.setenv(launch.ERRORS_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(gptkiln.train, "train", interrupted)
+    assert main(["train", "--max-steps", "1", "--out", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err == ""
+    assert (tmp_path / "rank0.txt").read_text() == "at step 3; no checkpoint was written\n"
 
 
 def test_workers_report_their_error_line_and_only_rank_0_prints_it(tmp_path, monkeypatch):

@@ -69,8 +69,8 @@ def launch(nproc: int, args: list[str], command: str = "train") -> int:
         except ChildFailedError as e:
             return _report(e.failures, _lines(Path(folder)), command)
         except SignalException as e:  # the agent has already stopped the workers
-            if e.sigval == signal.SIGINT:
-                raise KeyboardInterrupt from None
+            if e.sigval == signal.SIGINT:  # said with rank 0's words (where its checkpoint is)
+                raise KeyboardInterrupt(_lines(Path(folder)).get(0, "")) from None
             print(f"gptkiln {command}: stopped by {e.sigval.name}", file=sys.stderr)
             return 128 + int(e.sigval)
         finally:

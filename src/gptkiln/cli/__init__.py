@@ -207,9 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     except GptkilnError as e:
         return fail(f"gptkiln {args.command}: error: {e}", e.exit_code)
     except KeyboardInterrupt as e:
-        from gptkiln.launch import quiet_on_interrupt
+        from gptkiln.launch import quiet_on_interrupt, report_error
 
-        if not quiet_on_interrupt():  # training says where its last checkpoint is
+        if quiet_on_interrupt():  # under --nproc the launcher says it, in rank 0's words
+            report_error(str(e))
+        else:  # training says where its last checkpoint is
             said = f" {e}" if str(e) else ""
             print(f"gptkiln {args.command}: interrupted{said}", file=sys.stderr)
         return 130
