@@ -8,6 +8,7 @@ that need them skip with a message where they are missing. Every model is tiny a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -129,6 +130,33 @@ def test_llama3_rope_scaling_goes_out_as_rope_freqs_and_back(tmp_path):
     import_gguf(export_gguf(tmp_path / "run", tmp_path / "m.gguf"), tmp_path / "back")
     back, _, _ = load_run(tmp_path / "back")
     torch.testing.assert_close(back.rope_cos, GPT(config).rope_cos, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+@pytest.mark.parametrize("scaling", [(32.0, 1.0, 4.0, 8192), (8.0, 1.0, 4.0, 8192), (8, 1, 2, 512)])
+def test_every_llama3_rope_scaling_is_read_back_from_its_rope_freqs(head_dim, theta, scaling):
+    """Whatever frequencies fall in the blend: none, one (head_dim 16 or 32 at theta 500000),
+    or several."""
+    from gptkiln.config import GPTConfig
+    from gptkiln.export.gguf import rope_factors
+    from gptkiln.export.gguf_import import _rope_scaling
+
+    factor, low, high, original = scaling
+    ours = dict(factor=factor, low_freq_factor=low, high_freq_factor=high)
+    config = GPTConfig.from_name(
+        "llama3-baby",
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling={**ours, "original_context_length": original},
+    )
+    factors = rope_factors(config)
+    got = _rope_scaling(factors, theta, head_dim, Path("m.gguf"))  # checks itself, or raises
+    if got is not None:
+        back = {k: got[k] for k in ("factor", "low_freq_factor", "high_freq_factor")}
+        back["original_context_length"] = got["original_max_position_embeddings"]
+        again = dataclasses.replace(config, rope_scaling=back)
+        torch.testing.assert_close(rope_factors(again), factors, rtol=1e-4, atol=1e-5)
 
 
 def converter() -> Path:
@@ -341,6 +369,48 @@ def test_a_llama_gguf_whose_head_count_is_missing_or_wrong_is_one_line(tmp_path,
         assert code == 2 and len(err.splitlines()) == 1, err
         assert "llama.attention.head_count" in err and "Traceback" not in err
         assert not (tmp_path / f"r-{case}").exists()
+
+
+def _rewritten(good: Path, bad: Path, **edits) -> Path:
+    """``good`` written again as ``bad`` with the metadata ``edits`` (a key's dots as ``__``)."""
+    import gguf
+
+    edits = {k.replace("__", "."): v for k, v in edits.items()}
+    reader = gguf.GGUFReader(good)
+    writer = gguf.GGUFWriter(str(bad), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = edits.get(field.name, field.contents())
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    return bad
+
+
+@pytest.mark.parametrize(
+    "edits, said",
+    [
+        ({"qwen3__attention__head_count": 0}, "qwen3.attention.head_count is 0"),
+        ({"qwen3__context_length": 0}, "qwen3.context_length is 0"),
+        ({"tokenizer__ggml__eos_token_id": 999999}, "eos_token_id is 999999, not an id"),
+        ({"tokenizer__ggml__bos_token_id": 999999}, "bos_token_id is 999999, not an id"),
+        ({"tokenizer__ggml__token_type": [1, 1]}, "and 2 token types for the"),
+        ({"tokenizer__ggml__tokens": ["a", "b"]}, "has 2 tokens"),
+    ],
+    ids=["no heads", "no context", "eos past the end", "bos past the end", "types", "tokens"],
+)
+def test_a_gguf_of_damaged_metadata_is_one_line(tmp_path, capsys, edits, said):
+    _, _, run = tiny_run(tmp_path, "qwen3", "gpt2")
+    bad = _rewritten(export_gguf(run, tmp_path / "good.gguf"), tmp_path / "bad.gguf", **edits)
+    code = main(["convert", "gguf", str(bad), "--out", str(tmp_path / "back")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and said in err, err
+    assert not (tmp_path / "back").exists()
 
 
 def test_a_flag_of_another_direction_or_an_out_that_is_the_input_is_refused(tmp_path, capsys):

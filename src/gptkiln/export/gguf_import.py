@@ -65,7 +65,7 @@ def import_gguf(
         )
     hf_sd, rope_freqs = _hf_state_dict(reader, arch, path)
     hf_config = _hf_config(meta, arch, hf_sd, rope_freqs, path)
-    vocab = _vocab(meta, path)
+    vocab = _vocab(meta, path, hf_config["vocab_size"])
     tokenizer = _tokenizer(vocab, meta, hf_config, path)
     stale = check_out_dir(out, overwrite=overwrite)
     module = _family_module(arch)
@@ -180,6 +180,15 @@ def _hf_config(
     def get(key: str, default: Any = ...) -> Any:
         return _value(meta, f"{arch}.{key}", path, default)
 
+    def count(key: str, default: Any = ...) -> int:  # a size: a whole number >= 1
+        value = get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GptkilnError(
+                f"{path}: {arch}.{key} is {value!r}, not a whole number >= 1; the file's "
+                "metadata is damaged, convert it again"
+            )
+        return value
+
     embed = "transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
     if embed not in sd:
         raise GptkilnError(f"{path}: no token_embd.weight; the file is incomplete")
@@ -189,16 +198,16 @@ def _hf_config(
         return {
             "model_type": "gpt2",
             "vocab_size": vocab_size,
-            "n_positions": get("context_length"),
+            "n_positions": count("context_length"),
             "n_embd": n_embd,
-            "n_layer": get("block_count"),
-            "n_head": get("attention.head_count"),
+            "n_layer": count("block_count"),
+            "n_head": count("attention.head_count"),
             "layer_norm_epsilon": _f32(get("attention.layer_norm_epsilon", 1e-5)),
             "activation_function": "gelu_new",
             "tie_word_embeddings": tied,
         }
-    n_head = get("attention.head_count")
-    head_dim = get("attention.key_length", n_embd // n_head)
+    n_head = count("attention.head_count")
+    head_dim = count("attention.key_length", n_embd // n_head or 1)
     theta = float(get("rope.freq_base", 10000.0))
     attn_bias = any(k.endswith("proj.bias") and "self_attn" in k for k in sd)
     mlp_bias = any(k.endswith("proj.bias") and ".mlp." in k for k in sd)
@@ -208,12 +217,12 @@ def _hf_config(
         "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": n_embd,
-        "intermediate_size": get("feed_forward_length"),
-        "num_hidden_layers": get("block_count"),
+        "intermediate_size": count("feed_forward_length"),
+        "num_hidden_layers": count("block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": get("attention.head_count_kv", n_head),
+        "num_key_value_heads": count("attention.head_count_kv", n_head),
         "head_dim": head_dim,
-        "max_position_embeddings": get("context_length"),
+        "max_position_embeddings": count("context_length"),
         "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": theta,
         "rope_scaling": _rope_scaling(rope_freqs, theta, head_dim, path),
@@ -254,12 +263,21 @@ def _rope_scaling(
     wavelen = 2 * math.pi * theta ** (i / head_dim)  # (hs/2,)
     f = factors.double()
     blend = (f > 1 + 1e-6) & (f < factor - 1e-6)
-    if int(blend.sum()) >= 2:  # s = (1/f - 1/factor) / (1 - 1/factor) = A / wavelen - B
-        s = (1 / f[blend] - 1 / factor) / (1 - 1 / factor)
+    s = (1 / f - 1 / factor) / (1 - 1 / factor)  # = (original / wavelen - low) / (high - low)
+    if int(blend.sum()) >= 2:  # low 1: s = A / wavelen - B, a line through any two
         x = 1 / wavelen[blend]
-        a = float((s[-1] - s[0]) / (x[-1] - x[0]))
-        b = float(a * x[0] - s[0])
+        a = float((s[blend][-1] - s[blend][0]) / (x[-1] - x[0]))
+        b = float(a * x[0] - s[blend][0])
         low, high, original = 1.0, round(1.0 + 1.0 / b, 4), float(round(a / b))
+    elif int(blend.sum()) == 1:  # one point (wavelength w0, blend s0) on a line of two unknowns
+        w0, s0 = float(wavelen[blend][0]), float(s[blend][0])
+        kept = wavelen[f <= 1 + 1e-6]
+        # the line through it whose original / high (where the blend starts) falls midway
+        # between the longest kept wavelength and w0: original = t w0, high = 1 + (t - 1) / s0
+        top = max(float(kept.max()) if len(kept) else 0.0, w0 * s0 * 1.001)
+        mid = math.sqrt(top * w0)
+        original = float(round(mid * (1 - s0) / (mid - w0 * s0) * w0))
+        low, high = 1.0, 1.0 + (original / w0 - 1.0) / s0
     else:  # no blend: the bounds anywhere in the gap between kept and divided frequencies
         kept, divided = wavelen[f <= 1 + 1e-6], wavelen[f >= factor - 1e-6]
         low_wavelen = float(divided.min()) * 0.999
@@ -286,19 +304,38 @@ def _rope_scaling(
     return scaling
 
 
-def _vocab(meta: dict[str, Any], path: Path) -> GGUFVocab:
+def _token_id(meta: dict[str, Any], key: str, rows: int, path: Path) -> int | None:
+    value = _value(meta, key, path, None)
+    if value is not None and (isinstance(value, bool) or not 0 <= value < rows):
+        raise GptkilnError(
+            f"{path}: {key} is {value!r}, not an id of its {rows:,} tokens; the file's metadata is "
+            "damaged, convert it again"
+        )
+    return value
+
+
+def _vocab(meta: dict[str, Any], path: Path, rows: int) -> GGUFVocab:
     model = _value(meta, "tokenizer.ggml.model", path)
     if model != "gpt2":
         raise GptkilnError(
             f"{path}: its tokenizer is llama.cpp's {model!r} model; gptkiln reads the byte-level "
             "BPE ('gpt2') that GPT-2, Llama 3 and Qwen3 use"
         )
-    bos = _value(meta, "tokenizer.ggml.bos_token_id", path, None)
-    eos = _value(meta, "tokenizer.ggml.eos_token_id", path, None)
-    eot = _value(meta, "tokenizer.ggml.eot_token_id", path, None)
+    tokens = list(_value(meta, "tokenizer.ggml.tokens", path))
+    types = [int(t) for t in _value(meta, "tokenizer.ggml.token_type", path)]
+    if len(tokens) != rows or len(types) != rows:
+        raise GptkilnError(
+            f"{path}: its vocabulary has {len(tokens):,} tokens and {len(types):,} token types "
+            f"for the {rows:,} rows of token_embd.weight; a GGUF has one of each a row: the file "
+            "is damaged, convert it again"
+        )
+    bos, eos, eot = (
+        _token_id(meta, f"tokenizer.ggml.{name}_token_id", rows, path)
+        for name in ("bos", "eos", "eot")
+    )
     return GGUFVocab(
-        tokens=list(_value(meta, "tokenizer.ggml.tokens", path)),
-        types=[int(t) for t in _value(meta, "tokenizer.ggml.token_type", path)],
+        tokens=tokens,
+        types=types,
         merges=list(_value(meta, "tokenizer.ggml.merges", path)),
         pre=_value(meta, "tokenizer.ggml.pre", path, "default"),
         bos_id=None if bos is None else int(bos),
