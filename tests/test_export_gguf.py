@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -371,6 +372,43 @@ def test_a_llama_gguf_whose_head_count_is_missing_or_wrong_is_one_line(tmp_path,
         assert not (tmp_path / f"r-{case}").exists()
 
 
+def test_an_exact_gelu_run_is_exported_with_a_note_that_llama_cpp_computes_tanh(tmp_path):
+    from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.tokenizers import build_char_tokenizer
+
+    chars = build_char_tokenizer(["to be or not to be\nthat is"], with_eot=True)
+    config = GPTConfig.from_name("tiny", vocab_size=chars.vocab_size, n_layer=1, gelu="exact")
+    save_model(GPT(config), tmp_path / "run", tokenizer=chars)
+    notes = []
+    export_gguf(tmp_path / "run", tmp_path / "m.gguf", on_note=notes.append)
+    assert len(notes) == 1 and "exact (erf) GELU" in notes[0] and "tanh" in notes[0]
+    save_model(GPT(dataclasses.replace(config, gelu="tanh")), tmp_path / "tanh", tokenizer=chars)
+    export_gguf(tmp_path / "tanh", tmp_path / "t.gguf", on_note=notes.append)
+    assert len(notes) == 1  # GPT-2's own GELU: nothing to say
+
+
+def test_a_tokenizer_without_an_end_of_text_is_refused_before_llama_cpp_stops_on_a_char(
+    tmp_path,
+):
+    """A char run of one text has no end-of-text: llama.cpp would take id 11 for it and end
+    every answer at that character."""
+    from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.tokenizers import build_char_tokenizer
+
+    chars = build_char_tokenizer(["I had always thought;\nJack Gisburn"], with_eot=False)
+    assert not chars.stop_ids and chars.vocab_size > 11
+    config = GPTConfig.from_name("qwen3-baby", vocab_size=chars.vocab_size, n_layer=1)
+    save_model(GPT(config), tmp_path / "run", tokenizer=chars)
+    eleven = re.escape(repr(chars.decode([11])))
+    with pytest.raises(GptkilnError, match=f"no end-of-text token.*id 11, {eleven}.*to-hf"):
+        export_gguf(tmp_path / "run", tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 def _rewritten(good: Path, bad: Path, **edits) -> Path:
     """``good`` written again as ``bad`` with the metadata ``edits`` (a key's dots as ``__``)."""
     import gguf
@@ -385,6 +423,8 @@ def _rewritten(good: Path, bad: Path, **edits) -> Path:
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         value = edits.get(field.name, field.contents())
         writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for key in edits.keys() - reader.fields.keys():  # a key the file did not have: a text
+        writer.add_key_value(key, edits[key], gguf.GGUFValueType.STRING)
     for t in reader.tensors:
         writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
@@ -401,8 +441,17 @@ def _rewritten(good: Path, bad: Path, **edits) -> Path:
         ({"tokenizer__ggml__bos_token_id": 999999}, "bos_token_id is 999999, not an id"),
         ({"tokenizer__ggml__token_type": [1, 1]}, "and 2 token types for the"),
         ({"tokenizer__ggml__tokens": ["a", "b"]}, "has 2 tokens"),
+        ({"tokenizer__chat_template": "{% if %}"}, "tokenizer.chat_template"),
     ],
-    ids=["no heads", "no context", "eos past the end", "bos past the end", "types", "tokens"],
+    ids=[
+        "no heads",
+        "no context",
+        "eos past the end",
+        "bos past the end",
+        "types",
+        "tokens",
+        "template",
+    ],  # fmt: skip
 )
 def test_a_gguf_of_damaged_metadata_is_one_line(tmp_path, capsys, edits, said):
     _, _, run = tiny_run(tmp_path, "qwen3", "gpt2")

@@ -267,3 +267,18 @@ def test_an_export_into_a_writable_out_whose_folder_is_not_stages_inside_it(tmp_
     assert sorted(p.name for p in out.parent.iterdir()) == ["hf"]
     assert (out / "model.safetensors").is_file() and not (out / ".writing").exists()
     assert transformers.AutoModelForCausalLM.from_pretrained(out) is not None
+
+
+@pytest.mark.parametrize("broken", ["tokenizer.json", "chat_template.jinja"])
+def test_an_import_refuses_a_tokenizer_or_template_it_could_not_use_later(tmp_path, broken):
+    """A garbage tokenizer.json, or a template jinja cannot compile, is one line at `convert
+    hf`, not a run that fails at its first generate or chat."""
+    from gptkiln.convert import import_hf
+
+    _, _, run = tiny_run(tmp_path, "qwen3", "bpe")
+    out = export_hf(run, tmp_path / "hf")
+    (out / broken).write_text("{% if %}garbage" if broken.endswith("jinja") else "garbage")
+    said = "not a readable tokenizers file" if broken == "tokenizer.json" else broken
+    with pytest.raises(GptkilnError, match=said):
+        import_hf(out, tmp_path / "back")
+    assert not (tmp_path / "back").exists()

@@ -110,7 +110,14 @@ def _save_with_hf_tokenizer(model: GPT, hf_dir: Path, out_dir: Path, stale: list
     tokenizer's files copied as they are (first, so that the config.json written last finds
     them), what config.json says of BOS, EOS and padding recorded beside the model (where a
     tokenizer reading the run's config.json finds them, as in a Hugging Face one), the whole
-    run moved into place at once and the ``stale`` files of the run it replaced dropped."""
+    run moved into place at once and the ``stale`` files of the run it replaced dropped. A
+    tokenizer.json or chat template that cannot be read is refused now, not at the first use."""
+    from gptkiln.chat_template import load_chat_template
+    from gptkiln.tokenizers import HFTokenizer
+
+    if (hf_dir / "tokenizer.json").is_file():
+        HFTokenizer.load(hf_dir)
+    load_chat_template(hf_dir)
     with staged_run(out_dir, stale) as stage:
         save_model(model, stage, extra=_carry_hf_tokenizer(hf_dir, read_config(hf_dir), stage))
 

@@ -196,6 +196,12 @@ def export_gguf(
         on_note(
             f"{run_dir} is quantized (int8): its weights are dequantized, then written as {type}"
         )
+    if model.config.mlp == "gelu" and model.config.gelu == "exact" and on_note:
+        on_note(
+            f"{run_dir} was trained with the exact (erf) GELU; llama.cpp's GPT-2 computes GPT-2's "
+            "tanh approximation, so its outputs differ slightly from gptkiln's (a Hugging Face "
+            "export, `convert to-hf`, keeps the exact one)"
+        )
     tokenizer = load_run_tokenizer(run_dir, cfg)
     config = model.config.unpadded()  # float_state_dict cut a padded vocabulary's rows
     vocab = gguf_vocab(tokenizer, config.vocab_size, str(run_dir))

@@ -384,6 +384,10 @@ def _tokenizer(vocab: GGUFVocab, meta: dict[str, Any], hf_config: dict, path: Pa
     if vocab.eos_id is not None:
         named["eos_token"] = vocab.tokens[vocab.eos_id]
     chat = _value(meta, "tokenizer.chat_template", path, None)
+    if chat is not None:  # a broken template refused now, not at the first chat
+        from gptkiln.chat_template import compile_template
+
+        compile_template(chat, f"{path} tokenizer.chat_template")
     tokenizer_config = {
         **named,
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -72,6 +72,14 @@ def gguf_vocab(tokenizer: Any, vocab_size: int, source: str) -> GGUFVocab:
         vocab.tokens.append(f"[PAD{i}]")
         vocab.types.append(UNUSED)
     stops = list(tokenizer.stop_ids)
+    if not stops:  # llama.cpp takes a GPT-2 vocabulary's id 11 for its end of text then
+        eleven = f" (id 11, {tokenizer.decode([11])!r})" if len(vocab.tokens) > 11 else ""
+        raise GptkilnError(
+            f"{source}: its tokenizer has no end-of-text token, so llama.cpp would take one of "
+            f"its characters for it{eleven} and stop there; export it to Hugging Face instead "
+            "(convert to-hf), or train on a corpus of documents (.jsonl or a folder), whose "
+            "tokenizer has one"
+        )
     vocab.stop_ids = stops
     vocab.eos_id = stops[0] if stops else None
     if tokenizer.kind == "hf":
