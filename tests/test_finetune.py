@@ -478,6 +478,28 @@ def test_chat_notes_a_message_past_the_context_and_refuses_bytes_not_utf8(instru
         run_chat(chat, interactive=False, stdin=strict, stdout=io.StringIO())
 
 
+def test_chat_says_what_it_decodes_at_and_that_earlier_turns_are_left_out_once(
+    instruct_run, monkeypatch, capsys
+):
+    """As generate does; and a conversation that outgrows the context says so once, not at
+    every turn."""
+    from gptkiln.chat import Chat
+    from gptkiln.config import SampleConfig
+
+    run, _ = instruct_run
+    monkeypatch.setattr("sys.stdin", io.StringIO("Repeat dog.\nRepeat cat.\n"))
+    code, _, err = cli("chat", run, "--max-new-tokens", 4, capsys=capsys)
+    assert code == 0 and err.count("note: decoding at fp32") == 1, err
+    chat = Chat(run, SampleConfig(max_new_tokens=1000, temperature=0))
+    said = []
+    chat.on_notice = said.append
+    chat.turns = [("Hi.", "hi")]  # 183 characters with the next message: more than 128 left
+    assert chat.prompt("Go.") == format_conversation(ALPACA, [], "Go.")
+    chat.turns = [("Hi.", "hi")] * 3
+    chat.prompt("Go.")
+    assert len(said) == 1 and "outgrown the model's context of 256" in said[0], said
+
+
 @pytest.fixture(scope="module")
 def lora_runs(work):
     """A LoRA run trained 8 steps at once, and one trained 4 steps then resumed to 8."""

@@ -52,6 +52,12 @@ class Chat:
         self.cfg = SampleConfig(**{**cfg.__dict__, "stop": stop})
         self.turns: list[tuple[str, str]] = []
         self.on_notice = lambda text: print(f"note: {text}", file=sys.stderr, flush=True)
+        self._said: set[str] = set()  # notes said once a chat (the precision, a window sliding)
+
+    def note_once(self, text: str) -> None:
+        if text not in self._said:
+            self._said.add(text)
+            self.on_notice(text)
 
     def reset(self) -> None:
         self.turns.clear()
@@ -61,15 +67,24 @@ class Chat:
         from gptkiln.finetune.templates import format_conversation
         from gptkiln.tokenizers import encode_prompt
 
-        room = self.model.config.context_length - self.cfg.max_new_tokens
+        context = self.model.config.context_length
+        # room for the answer: --max-new-tokens, at most half the context (a longer answer
+        # slides its window anyway), so that a model of a short context keeps some history
+        room = context - min(self.cfg.max_new_tokens, context // 2)
         turns = list(self.turns)
         while True:
             text = format_conversation(self.template, turns, message)
             length = len(encode_prompt(self.tokenizer, text, templated=self.templated))
+            if length <= room or not turns:
+                if len(turns) < len(self.turns):
+                    self.note_once(
+                        f"the conversation has outgrown the model's context of {context} tokens: "
+                        "its earliest turns are left out, more as it goes on (/reset starts "
+                        "afresh)"
+                    )
             if length <= room:
                 return text
             if not turns:  # the message alone: past the context, its start is cut
-                context = self.model.config.context_length
                 if length > context:
                     self.on_notice(
                         f"your message in its template is {length} tokens, past the model's "
@@ -89,6 +104,7 @@ class Chat:
             self.prompt(message),
             self.cfg,
             self.run_dir,
+            self.note_once,
             templated=self.templated,
             precision=self.precision,
         )
