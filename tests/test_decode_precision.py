@@ -70,11 +70,26 @@ def test_fp32_decoding_never_runs_bf16_copies_and_bf16_decoding_always_does(monk
     assert set(plan.kernels[1].values()) == {"bf16_rows"}  # no timing race: always its own
 
 
-def test_the_precision_is_said_first_and_in_info(runs):
+def said_for(precision: str) -> str:
+    """The start of the note for ``precision``: what this machine and setting really run."""
+    from gptkiln.cpu import specs
+
+    weight = "int8" if precision == "int8" else "float32"
+    if precision == "fp32" or specs.precision_for(weight, precision) == precision:
+        return f"decoding at {precision}"
+    return "decoding at " + ("fp32 (exact): bf16's" if precision == "bf16" else "int8 (int8 w")
+
+
+def test_the_precision_is_said_first_and_in_info(runs, monkeypatch):
     notices = []
     pieces = stream_text(runs["bf16"], "AB", GREEDY, on_notice=notices.append)
     text = "".join(pieces)
-    assert len(text) > 0 and notices[0].startswith("decoding at bf16")
+    # the suite's exact kernels: the note says bf16's loop does not run, and what does
+    assert len(text) > 0 and notices[0].startswith("decoding at fp32 (exact): bf16's own loop")
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")
+    notices.clear()
+    "".join(stream_text(runs["bf16"], "AB", GREEDY, on_notice=notices.append))
+    assert notices[0].startswith(said_for("bf16"))
     assert run_info(runs["bf16"]).decodes_at == "bf16"
     assert run_info(runs["fp32"]).decodes_at == "fp32"
     assert "decodes at  fp32 on a CPU" in run_info(runs["fp32"]).summary()
@@ -85,7 +100,7 @@ def test_generate_takes_the_precision_flag(runs, capsys):
         args = ["generate", runs["fp32"], "--prompt", "AB", "--temperature", "0"]
         code, out, err = cli(*args, "--max-new-tokens", 4, "--precision", precision, capsys=capsys)
         assert code == 0 and out.startswith("AB")
-        assert err.splitlines()[0].startswith(f"note: decoding at {precision}")  # first
+        assert err.splitlines()[0].startswith(f"note: {said_for(precision)}")  # first
     code, _, err = cli(
         "generate", runs["fp32"], "--prompt", "AB", "--precision", "fp16", capsys=capsys
     )

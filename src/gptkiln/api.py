@@ -323,11 +323,21 @@ def _say_precision(model, precision: str | None, on_notice) -> None:
 
 def precision_notice(precision: str) -> str:
     """The one line that says what a CPU decodes at, and how to choose another."""
+    from gptkiln.cpu import specs
+
     what = {
         "fp32": "fp32 (exact)",
         "bf16": "bf16 (bf16 weights, fp32 activations)",
         "int8": "int8 (int8 weights, 8-bit activations, as llama.cpp's q8_0)",
     }[precision]
+    weight = "int8" if precision == "int8" else "float32"
+    if precision != "fp32" and specs.precision_for(weight, precision) != precision:
+        what = (
+            "fp32 (exact)" if precision == "bf16" else "int8 (int8 weights, fp32 activations)"
+        ) + (
+            f": {precision}'s own loop cannot run here (no compiled kernel library, a CPU "
+            "without its instructions, or GPTKILN_EXACT_KERNELS=1)"
+        )
     return f"decoding at {what}; --precision fp32, bf16 or int8 chooses"
 
 
