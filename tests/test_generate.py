@@ -208,7 +208,8 @@ def test_prompts_from_a_file_or_standard_input(run, tmp_path, capsys, monkeypatc
     _, expected, _ = cli("generate", run, "--prompt", "ab", "--prompt", " The cat", *args,
                          capsys=capsys)  # fmt: skip
     prompts = tmp_path / "prompts.txt"
-    prompts.write_bytes(b"ab\r\n\n   \n The cat\n")  # blank lines skipped, spaces kept, CRLF
+    # blank lines skipped, spaces kept, CRLF, and a BOM (a Windows editor's) is no text
+    prompts.write_bytes(b"\xef\xbb\xbfab\r\n\n   \n The cat\n")
     code, out, err = cli("generate", run, "--prompt-file", prompts, *args, capsys=capsys)
     assert code == 0, err
     assert out == expected and len(out.splitlines()) == 2

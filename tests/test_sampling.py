@@ -872,6 +872,8 @@ def test_a_tie_at_the_nucleus_edge_running_past_4096_or_top_ks_k_is_ranked_whole
         ([5, 10**6], {}, "the prompt holds 1000000, not a token id of this model"),
         ([[5], [-1]], {}, "prompt 1 holds -1"),
         ([[5], [2.0]], {}, "prompt 1 holds 2.0"),
+        ([1.0, 2.0], {}, "the prompt holds 1.0"),
+        ([5, None], {}, "the prompt holds None"),
         ([5], {"max_new_token": 3}, "no setting max_new_token; SampleConfig's are: max_new_tokens"),
     ],
 )

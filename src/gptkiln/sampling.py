@@ -797,7 +797,8 @@ def _prompt_rows(prompts, vocab_size: int) -> tuple[bool, list[list[int]]]:
         )
     if isinstance(prompts, (torch.Tensor, np.ndarray)):  # (T,) one prompt, (B, T) a batch
         prompts = prompts.tolist()
-    single = len(prompts) > 0 and isinstance(prompts[0], Integral)
+    # one prompt of ids (a float or None among them refused below), or a batch of rows
+    single = len(prompts) > 0 and not isinstance(prompts[0], (Sequence, torch.Tensor, np.ndarray))
     rows = [prompts] if single else prompts
     batch = [r.tolist() if isinstance(r, (torch.Tensor, np.ndarray)) else list(r) for r in rows]
     for n, row in enumerate(batch):

@@ -236,7 +236,7 @@ def read_prompt_file(path: str) -> list[str]:
             f"--prompt-file {path} is a directory; give a text file with one prompt a line"
         ) from None
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a BOM (Windows editors write one) is no text
     except UnicodeDecodeError as e:
         raise GptkilnError(
             f"--prompt-file {name}: byte {e.start} is not UTF-8 text; save the file as UTF-8"
