@@ -342,13 +342,19 @@ def test_a_tool_round_trip_with_required_and_a_named_function(client):
 
 
 def test_a_schema_shown_to_the_model_may_use_what_no_grammar_enforces(client):
-    """Under ``auto`` a tool's parameters are only shown to the model: a format or keyword the
-    engine cannot enforce is taken (OpenAI's non-strict tools), what is not a schema is not."""
-    loose = {"type": "object", "properties": {"when": {"type": "string", "format": "my-date"}}}
+    """Under ``auto`` a tool's parameters are only shown to the model: a format, a look-ahead
+    pattern or a remote $ref no grammar enforces is taken (OpenAI's non-strict tools), what is
+    not a schema by JSON Schema's meta-schema is not."""
+    strong = {"type": "string", "pattern": "^(?=.*[A-Z])(?=.*\\d).{8,}$"}
+    loose = {
+        "type": "object",
+        "properties": {"when": {"type": "string", "format": "my-date"}, "pw": strong},
+        "$defs": {"far": {"$ref": "https://example.com/s.json"}},
+    }
     tool = {"type": "function", "function": {"name": "plan", "parameters": loose}}
     r = client.chat.completions.create(**ask(messages=USER, tools=[tool], max_tokens=4))
     assert r.choices[0].message.role == "assistant"
-    with pytest.raises(openai.BadRequestError, match="Expected array for 'required'"):
+    with pytest.raises(openai.BadRequestError, match="'city' is not of type 'array'"):
         bad = {**tool["function"], "parameters": NO_LIST}
         client.chat.completions.create(
             **ask(messages=USER, tools=[{"type": "function", "function": bad}], max_tokens=4)

@@ -116,25 +116,6 @@ class Grammars:
         except ValueError as e:
             raise GrammarError(f"not a JSON schema: {e}") from None
 
-    @staticmethod
-    def check_schema(schema: Any) -> None:
-        """Refuse what is not a JSON schema (a type no JSON value has, ``required`` not a list,
-        a ``$ref`` to nothing, ...) in a `GrammarError` naming it; keywords and formats the
-        engine could not enforce pass, for a schema only shown to the model (a tool's
-        parameters under ``tool_choice`` ``auto``)."""
-        import llguidance
-
-        if isinstance(schema, bool):
-            return
-        options = {**JSON_OPTIONS, "lenient": True}
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
-        except ValueError as e:
-            raise GrammarError(f"not a JSON schema: {e}") from None
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
-        if failed:
-            raise GrammarError(messages[0].strip().replace("\n", " "))
-
     def lark(self, source: str) -> str:
         """The grammar text of a Lark grammar (``%json {...}`` embeds a schema)."""
         import llguidance
@@ -163,6 +144,23 @@ class Grammars:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return Constraint(proto.deep_copy())
+
+
+def check_schema(schema: Any) -> None:
+    """Refuse what is not a JSON schema by its meta-schema (jsonschema's check: a type no JSON
+    value has, ``required`` not a list, ...) in a `GrammarError` naming where; what no grammar
+    could enforce (a look-ahead ``pattern``, a remote ``$ref``, an unknown format) passes, for a
+    schema only shown to the model (a tool's parameters under ``tool_choice`` ``auto``)."""
+    from jsonschema import SchemaError
+    from jsonschema.validators import validator_for
+
+    if isinstance(schema, bool):
+        return
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise GrammarError(f"{e.message}" + (f" (at {where})" if where else "")) from None
 
 
 class _Vocabulary:

@@ -12,7 +12,7 @@ from gptkiln.chat_template import ChatTemplate, is_chat_template
 from gptkiln.config import SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.templates import PromptTemplate, format_messages
-from gptkiln.serve.constrain import GrammarError, Grammars
+from gptkiln.serve.constrain import GrammarError, Grammars, check_schema
 from gptkiln.serve.schemas import (
     MAX_SEED,
     MAX_STOP_STRINGS,
@@ -283,9 +283,9 @@ def chat_grammar(
 ) -> str | None:
     """The grammar of a chat answer: its ``response_format`` or the tool call it must make.
     Every tool's parameters must be a JSON schema, a call forced or not (as OpenAI's)."""
-    for tool in (req.tools or []) if grammars is not None else []:
+    for tool in req.tools or []:
         try:
-            grammars.check_schema(tool.function.parameters or {"type": "object"})
+            check_schema(tool.function.parameters or {"type": "object"})
         except GrammarError as e:
             raise OpenAIError(
                 400, f"tools: the parameters of {tool.function.name!r}: {e}", "tools"
