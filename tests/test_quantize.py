@@ -500,3 +500,52 @@ def test_a_copy_written_over_a_run_either_replaces_it_whole_or_leaves_it(
     quantize_run(float_run, old, overwrite=True)
     assert sorted(p.name for p in old.iterdir()) == sorted(p.name for p in float_run.iterdir())
     assert type(load_run(old)[1]).__name__ == "GPT2Tokenizer"
+
+
+def test_a_copy_into_a_folder_that_holds_no_model_keeps_its_files(float_run, tmp_path):
+    """Only a run being replaced loses its tokenizer's files: a folder of prepared data (its
+    tokenizer.json) or of the user's own files keeps them."""
+    from gptkiln.convert import quantize_run
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "generation_config.json").write_text("{}")
+    quantize_run(float_run, folder)
+    assert (folder / "tokenizer.json").read_text() == "{}"
+    assert (folder / "generation_config.json").read_text() == "{}"
+
+
+def test_a_copy_over_a_run_on_another_filesystem_is_renamed_in_never_copied(
+    float_run, tmp_path, monkeypatch
+):
+    """--out a link to (or a mount of) another disk: the run is staged on that disk, so each
+    file moves in by a rename; a copy cut short by a full disk would ruin the file it replaces."""
+    import os
+    import shutil
+    import tempfile
+
+    from gptkiln.convert import quantize_run
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second filesystem (/dev/shm) beside the test's folder")
+    target = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        quantize_run(float_run, target / "run")
+        (tmp_path / "link").symlink_to(target / "run")
+        renames = []
+        real = os.replace
+
+        def replace(src, dst):
+            renames.append(os.stat(src).st_dev == os.stat(Path(dst).parent).st_dev)
+            real(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr(shutil, "move", lambda *a: pytest.fail("copied across disks"))
+        quantize_run(float_run, tmp_path / "link", overwrite=True)
+        assert renames and all(renames)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["float", "link"]  # no stage here
+        load_run(tmp_path / "link")
+    finally:
+        shutil.rmtree(target)

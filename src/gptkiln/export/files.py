@@ -47,15 +47,21 @@ def staged(out_dir: Path, last: str) -> Iterator[Path]:
     when the block ends: a new ``out_dir`` by one rename, an existing one file by file (renames
     only, ``last`` the last of them, each keeping the mode of the file it replaces).
     A block that raises, a full disk or Ctrl-C, removes what it wrote and leaves ``out_dir`` as
-    it was, or absent; a stage a killed run left is removed by the next."""
-    out_dir = Path(os.path.abspath(out_dir))
+    it was, or absent; a stage a killed run left is removed by the next. The stage is always
+    on ``out_dir``'s filesystem (a link's target's; inside a mount point), so that every move
+    is a rename, never a copy that a full disk could cut short over the file it replaces."""
+    out_dir = Path(os.path.realpath(out_dir))
     stage = out_dir.with_name(f".{out_dir.name}{STAGE_SUFFIX}")
-    shutil.rmtree(stage, ignore_errors=True)
-    try:
-        stage.mkdir(parents=True)
-    except OSError as e:  # --out is writable, its folder not (a mounted volume): inside it
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not out_dir.is_dir():
-            raise
+    inside = out_dir.is_dir() and os.stat(out_dir).st_dev != os.stat(out_dir.parent).st_dev
+    if not inside:
+        shutil.rmtree(stage, ignore_errors=True)
+        try:
+            stage.mkdir(parents=True)
+        except OSError as e:  # --out is writable, its folder not (a mounted volume): inside it
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not out_dir.is_dir():
+                raise
+            inside = True
+    if inside:
         stage = out_dir / STAGE_SUFFIX
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir()
@@ -68,7 +74,7 @@ def staged(out_dir: Path, last: str) -> Iterator[Path]:
         for name in names:
             with contextlib.suppress(OSError):
                 shutil.copymode(out_dir / name, stage / name)
-            shutil.move(stage / name, out_dir / name)  # a rename on one filesystem
+            os.replace(stage / name, out_dir / name)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
@@ -77,12 +83,16 @@ def staged(out_dir: Path, last: str) -> Iterator[Path]:
 def staged_run(out_dir: str | os.PathLike, stale: list[Path]) -> Iterator[Path]:
     """A run directory written whole (an import, a merge, a quantized copy): `staged`, with
     config.json moved in last, then the ``stale`` files of the run it replaces
-    (`checkpoint.check_out_dir`) and any tokenizer files the new run did not write dropped. A
-    write that fails or is cut short leaves the run that was there as it was."""
+    (`checkpoint.check_out_dir`) and, where a run was there, the files of its tokenizer the new
+    run did not write dropped (a folder that held no model keeps its files). A write that fails
+    or is cut short leaves the run that was there as it was."""
+    from gptkiln.checkpoint import has_checkpoint
     from gptkiln.tokenizers import TOKENIZER_FILES
 
     out_dir = Path(out_dir)
+    replacing = has_checkpoint(out_dir)
     with staged(out_dir, last=CONFIG_FILE) as stage:
         yield stage
         written = {p.name for p in stage.iterdir()}
-    drop_files(stale + [out_dir / n for n in TOKENIZER_FILES if n not in written])
+    others = [out_dir / n for n in TOKENIZER_FILES if n not in written] if replacing else []
+    drop_files(stale + others)
