@@ -135,29 +135,35 @@ def test_llama3_rope_scaling_goes_out_as_rope_freqs_and_back(tmp_path):
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 @pytest.mark.parametrize("theta", [10000.0, 500000.0])
-@pytest.mark.parametrize("scaling", [(32.0, 1.0, 4.0, 8192), (8.0, 1.0, 4.0, 8192), (8, 1, 2, 512)])
-def test_every_llama3_rope_scaling_is_read_back_from_its_rope_freqs(head_dim, theta, scaling):
+def test_llama3_rope_scalings_are_read_back_from_their_rope_freqs(head_dim, theta):
     """Whatever frequencies fall in the blend: none, one (head_dim 16 or 32 at theta 500000),
-    or several."""
+    or several; over a grid of factors, bounds and original contexts."""
+    import itertools
+
     from gptkiln.config import GPTConfig
     from gptkiln.export.gguf import rope_factors
     from gptkiln.export.gguf_import import _rope_scaling
 
-    factor, low, high, original = scaling
-    ours = dict(factor=factor, low_freq_factor=low, high_freq_factor=high)
-    config = GPTConfig.from_name(
-        "llama3-baby",
-        head_dim=head_dim,
-        rope_theta=theta,
-        rope_scaling={**ours, "original_context_length": original},
+    grid = itertools.product(
+        (4.0, 8.0, 32.0), (1.0, 2.0), (1.5, 2.0, 4.0), (64, 512, 8192, 32768, 100000)
     )
-    factors = rope_factors(config)
-    got = _rope_scaling(factors, theta, head_dim, Path("m.gguf"))  # checks itself, or raises
-    if got is not None:
-        back = {k: got[k] for k in ("factor", "low_freq_factor", "high_freq_factor")}
-        back["original_context_length"] = got["original_max_position_embeddings"]
-        again = dataclasses.replace(config, rope_scaling=back)
-        torch.testing.assert_close(rope_factors(again), factors, rtol=1e-4, atol=1e-5)
+    for factor, low, high, original in grid:
+        if high <= low:
+            continue
+        ours = dict(factor=factor, low_freq_factor=low, high_freq_factor=high)
+        config = GPTConfig.from_name(
+            "llama3-baby",
+            head_dim=head_dim,
+            rope_theta=theta,
+            rope_scaling={**ours, "original_context_length": original},
+        )
+        factors = rope_factors(config)
+        got = _rope_scaling(factors, theta, head_dim, Path("m.gguf"))  # checks itself, or raises
+        if got is not None:
+            back = {k: got[k] for k in ("factor", "low_freq_factor", "high_freq_factor")}
+            back["original_context_length"] = got["original_max_position_embeddings"]
+            again = dataclasses.replace(config, rope_scaling=back)
+            torch.testing.assert_close(rope_factors(again), factors, rtol=1e-4, atol=1e-5)
 
 
 def converter() -> Path:

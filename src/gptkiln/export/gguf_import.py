@@ -271,19 +271,27 @@ def _rope_scaling(
         low, high, original = 1.0, round(1.0 + 1.0 / b, 4), float(round(a / b))
     elif int(blend.sum()) == 1:  # one point (wavelength w0, blend s0) on a line of two unknowns
         w0, s0 = float(wavelen[blend][0]), float(s[blend][0])
-        kept = wavelen[f <= 1 + 1e-6]
-        # the line through it whose original / high (where the blend starts) falls midway
-        # between the longest kept wavelength and w0: original = t w0, high = 1 + (t - 1) / s0
-        top = max(float(kept.max()) if len(kept) else 0.0, w0 * s0 * 1.001)
-        mid = math.sqrt(top * w0)
-        original = float(round(mid * (1 - s0) / (mid - w0 * s0) * w0))
+        kept, divided = wavelen[f <= 1 + 1e-6], wavelen[f >= factor - 1e-6]
+        # low 1, original = t w0, high = 1 + (t - 1) / s0: t > 1 such that the divided stay
+        # past original (t < D / w0) and the kept below original / high, which falls from w0
+        # as t grows (t < K (1 - s0) / (K - w0 s0)); t the middle of what is left
+        top = float(kept.max()) if len(kept) else 0.0
+        ends = [float(divided.min()) / w0] if len(divided) else []
+        if top > w0 * s0:
+            ends.append(top * (1 - s0) / (top - w0 * s0))
+        t = math.sqrt(min(ends)) if ends else 2.0
+        original = float(round(t * w0))
+        if not 1 < original / w0 < (min(ends) if ends else math.inf):
+            original = t * w0  # rounded, it would leave the interval
         low, high = 1.0, 1.0 + (original / w0 - 1.0) / s0
     else:  # no blend: the bounds anywhere in the gap between kept and divided frequencies
         kept, divided = wavelen[f <= 1 + 1e-6], wavelen[f >= factor - 1e-6]
-        low_wavelen = float(divided.min()) * 0.999
+        low_wavelen = float(divided.min()) * 0.999  # original: below every divided one
         high_wavelen = float(kept.max()) * 1.001 if len(kept) else low_wavelen / 2
-        low, original = 1.0, float(math.ceil(low_wavelen))
-        high = round(original / min(high_wavelen, low_wavelen), 4)
+        original = float(math.floor(low_wavelen))  # a whole number where one fits the gap
+        if original <= high_wavelen:
+            original = low_wavelen
+        low, high = 1.0, original / high_wavelen  # original / high: above every kept one
     scaling = {
         "rope_type": "llama3",
         "factor": factor,
