@@ -414,7 +414,7 @@ def validation_error(error: ValidationError, kinds: dict[str, str] = FIELD_KINDS
         return OpenAIError(
             400,
             f"the body nests arrays and objects too deep for the parser ({where}, past "
-            "about 250 levels); send a flatter one",
+            "about 200 levels); send a flatter one",
             code="invalid_json",
         )
     if kind == "json_invalid":

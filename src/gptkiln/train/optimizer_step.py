@@ -68,7 +68,8 @@ class OptimizerStep:
 
     def __call__(self, step: int, total: int, time_used: float) -> tuple[float, float]:
         """Step ``step`` of ``total`` (``time_used``: the fraction of a time budget spent, 0.0
-        without one); (its learning rate, its mean loss on this rank)."""
+        without one); (its learning rate, its mean loss on this rank; with ``learnt``, per item
+        over every rank's)."""
         cfg = self.cfg
         lr = lr_at(
             step,
@@ -104,9 +105,10 @@ class OptimizerStep:
                     items += n
         if self.learnt is None:
             mean = loss_sum / cfg.grad_accum
-        else:
-            mean = loss_sum / items.clamp(min=1)
-            every = dist_utils.all_reduce_sum(items, self.world).clamp(min=1)
+        else:  # the loss and the items of every rank, in one collective
+            total, every = dist_utils.all_reduce_sum(torch.stack([loss_sum, items]), self.world)
+            every = every.clamp(min=1)
+            mean = total / every  # the same on every rank: the whole step's loss per item
             scale = self.world.world_size / every  # the ranks' gradients are averaged
             for p in self.model.parameters():
                 if p.grad is not None:
