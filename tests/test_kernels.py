@@ -562,23 +562,18 @@ def test_a_plan_drops_what_rounds_and_gives_the_model_back(monkeypatch):
         prepare_for_decoding(model, 1, precision="fp16")
 
 
-def test_a_rounding_precision_gives_a_row_the_same_numbers_whatever_ran_before_or_beside_it(
-    monkeypatch,
-):
-    """bf16 and q8_0 round on purpose: a layer takes the precision's kernel for every product of
-    few rows at once, a prefill's too, so a prompt's logits do not change once a batch of as
-    many rows was planned (a seeded sample alone and in a batch of two drew other tokens)."""
+def test_a_rounding_precision_takes_one_kernel_at_every_row_count(monkeypatch):
+    """bf16 and q8_0 round on purpose: whether a layer takes the precision's kernel is checked
+    on the same rows whatever the batch, so a seeded sample alone and in a batch of two run the
+    same arithmetic (one row's error alone was noise: it took q8_0 at two rows, not at one)."""
     monkeypatch.delenv("GPTKILN_EXACT_KERNELS")
     model = tiny_model()
-    rounded = lambda x, w, b: F.linear(x, w.to(torch.bfloat16).float(), b)  # noqa: E731
+
+    def rounded(x, w, b):  # near the reference on many rows, too far on one alone
+        y = F.linear(x, w.to(torch.bfloat16).float(), b)
+        return y * 1.5 if x.reshape(-1, x.size(-1)).size(0) == 1 else y
+
     offering(monkeypatch, float32={"linear": F.linear, "bf16_rows": rounded})
-    tuner.tune_decoding(model, rows=1, precision="bf16", one_call=False)
-    for layer in (model.h[0].attn.c_attn, model.lm_head):
-        kernels = planned.few_row_kernels(layer)
-        assert set(kernels) == set(range(1, products.FEW_ROWS + 1))
-        assert set(kernels.values()) == {rounded}
-    prompt = torch.tensor([[5, 9, 17]])
-    with torch.no_grad():
-        before = model(prompt)[0]
-        tuner.tune_decoding(model, rows=3, precision="bf16", one_call=False)
-        assert torch.equal(model(prompt)[0], before)
+    one = tuner.tune_decoding(model, rows=1, precision="bf16", one_call=False)
+    two = tuner.tune_decoding(model, rows=2, precision="bf16", one_call=False)
+    assert set(one.values()) == set(two.values()) == {"bf16_rows"}

@@ -94,8 +94,7 @@ def tune_decoding(
         for (family, shape), layers in groups.items():
             kernels = specs.offered(family, precision)
             names = ",".join(kernels)
-            own = any(name in specs.inexact() for name in kernels)
-            if own:
+            if any(name in specs.inexact() for name in kernels):
                 # a precision that rounds on purpose: its own kernel, checked on a slice of
                 # these weights each time (no timing: nothing worth keeping); never kept, where
                 # a fallback to the reference made for one model stayed for every other
@@ -117,12 +116,8 @@ def tune_decoding(
                     )
                 name = _CHOSEN[key]
             picked[shape] = name
-            # the precision's own arithmetic for any product of few rows, a prefill's too: a
-            # row's numbers never depend on the rows beside it, or on what ran before
-            counts = range(1, FEW_ROWS + 1) if own else (rows,)
             for layer in layers:
-                for count in counts:
-                    give_kernel(layer, count, kernels[name])
+                give_kernel(layer, rows, kernels[name])
                 drop_unused_copies(layer)
         if one_call:
             _tune_step(model, rows, repeats, stored, known, precision, clock)
@@ -179,8 +174,9 @@ def features() -> str:
 
 OWN_CHECK_ROWS = 8
 """Random input rows `_own` checks a rounding kernel on: the same for every row count, so that a
-layer takes one kernel whatever the batch (one row's error alone is noisy: 3.9% against 0.8% at
-eight for a 16384x128 int8 head)."""
+layer takes one kernel at every batch size (one row's error alone is noisy: 3.9% against 0.8% at
+eight for a 16384x128 int8 head, whose kernel then differed between a sample alone and in a
+batch of two)."""
 
 
 def _own(kernels: dict[str, Callable], layers: list[nn.Module]) -> str:
