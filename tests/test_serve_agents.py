@@ -130,6 +130,9 @@ LLAMA31_TOOLS_TEMPLATE = """{{- bos_token }}
 
 BAD_TYPE = {"type": "object", "properties": {"city": {"type": "strin"}}}
 NO_LIST = {"type": "object", "required": "city"}
+DEEP_NOT: dict = {"type": "object"}
+for _ in range(150):  # inside the JSON parser's depth, past what a check may recurse
+    DEEP_NOT = {"not": DEEP_NOT}
 WEATHER = {
     "type": "function",
     "function": {
@@ -417,6 +420,13 @@ def test_a_streamed_tool_call_reads_as_openais(client):
                 "tool_choice": "auto",
             },
             "tools",
+        ),
+        *(
+            (
+                {"tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}]},
+                "tools",
+            )
+            for bad in ({"type": "object", "$schema": 5}, {"$schema": ["x"]}, DEEP_NOT)
         ),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},

@@ -156,11 +156,15 @@ def check_schema(schema: Any) -> None:
 
     if isinstance(schema, bool):
         return
+    if not isinstance(schema.get("$schema", ""), str):
+        raise GrammarError("its $schema is not a string (the URI of a JSON Schema draft)")
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
         raise GrammarError(f"{e.message}" + (f" (at {where})" if where else "")) from None
+    except RecursionError:
+        raise GrammarError("it nests too deep to be checked; send a flatter schema") from None
 
 
 class _Vocabulary:
