@@ -265,7 +265,7 @@ def test_an_export_into_a_writable_out_whose_folder_is_not_stages_inside_it(tmp_
     monkeypatch.setattr(Path, "mkdir", mkdir)
     export_hf(run, out, overwrite=True)
     assert sorted(p.name for p in out.parent.iterdir()) == ["hf"]
-    assert (out / "model.safetensors").is_file() and not (out / ".writing").exists()
+    assert (out / "model.safetensors").is_file() and not (out / ".gptkiln-writing").exists()
     assert transformers.AutoModelForCausalLM.from_pretrained(out) is not None
 
 

@@ -5,7 +5,6 @@ directory of them written aside and moved into place whole (`staged`)."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 from collections.abc import Iterator
@@ -38,33 +37,29 @@ def drop_files(stale: list[Path]) -> None:
 
 STAGE_SUFFIX = ".writing"
 """``OUT`` is written as ``.OUT.writing`` beside it first (`staged`)."""
+INNER_STAGE = ".gptkiln-writing"
+"""Where the files for an existing ``OUT`` are written first, inside it (`staged`)."""
 
 
 @contextlib.contextmanager
 def staged(out_dir: Path, last: str) -> Iterator[Path]:
-    """A directory to write ``out_dir``'s files in, beside it (``.NAME.writing``; inside an
-    existing ``out_dir``, ``.writing``, where its folder may not be written), moved into place
-    when the block ends: a new ``out_dir`` by one rename, an existing one file by file (renames
-    only, ``last`` the last of them, each keeping the mode of the file it replaces).
-    A block that raises, a full disk or Ctrl-C, removes what it wrote and leaves ``out_dir`` as
-    it was, or absent; a stage a killed run left is removed by the next. The stage is always
-    on ``out_dir``'s filesystem (a link's target's; inside a mount point), so that every move
-    is a rename, never a copy that a full disk could cut short over the file it replaces."""
+    """A directory to write ``out_dir``'s files in, moved into place when the block ends: for a
+    new ``out_dir`` one beside it (``.NAME.writing``), renamed to it; inside an existing one
+    (`INNER_STAGE`), its files renamed into it one by one (``last`` the last of them, each keeping
+    the mode of the file it replaces). Every move is a rename within one directory, so none
+    crosses a filesystem or a mount (a link's target, a bind-mounted volume) as a copy that a full
+    disk could cut short over the file it replaces. A block that raises, a full disk or Ctrl-C,
+    removes what it wrote and leaves ``out_dir`` as it was, or absent; a stage a killed run left
+    is removed by the next."""
     out_dir = Path(os.path.realpath(out_dir))
-    stage = out_dir.with_name(f".{out_dir.name}{STAGE_SUFFIX}")
-    inside = out_dir.is_dir() and os.stat(out_dir).st_dev != os.stat(out_dir.parent).st_dev
-    if not inside:
-        shutil.rmtree(stage, ignore_errors=True)
-        try:
-            stage.mkdir(parents=True)
-        except OSError as e:  # --out is writable, its folder not (a mounted volume): inside it
-            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not out_dir.is_dir():
-                raise
-            inside = True
-    if inside:
-        stage = out_dir / STAGE_SUFFIX
+    if out_dir.is_dir():
+        stage = out_dir / INNER_STAGE
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir()
+    else:
+        stage = out_dir.with_name(f".{out_dir.name}{STAGE_SUFFIX}")
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(parents=True)
     try:
         yield stage
         if not out_dir.exists():
