@@ -252,6 +252,7 @@ def test_one_prompt_streams_to_the_terminal_as_it_is_generated(run, capsys, monk
         (["--prompt-file", "{tmp}/empty.txt"], ["empty.txt", "holds no prompt"]),
         (["--prompt-file", "{tmp}/blank.txt"], ["blank.txt", "holds no prompt"]),
         (["--prompt-file", "{tmp}/latin.txt"], ["latin.txt", "not UTF-8"]),
+        (["--prompt-file", "{tmp}/bom.txt"], ["bom.txt", "byte 7 is not UTF-8"]),
         (["--prompt-file", "{tmp}"], ["is a directory"]),
         (["--prompt", "ab", "--num-samples", "0"], ["num_samples", "got 0"]),
         (["--prompt", "ab", "--stop", ""], ["stop", "non-empty"]),
@@ -265,6 +266,7 @@ def test_bad_generate_input_is_one_line(argv, needles, run, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.txt").write_text("\n  \n\n")
     (tmp_path / "latin.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfcaf\xe9\n".replace(b"\xe9", b"e\xe9"))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     code, out, err = cli("generate", run, *argv, capsys=capsys)
     assert_one_line_error(code, err, *needles)

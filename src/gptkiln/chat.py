@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Iterator
 from typing import TextIO
@@ -55,8 +56,11 @@ class Chat:
         self._said: set[str] = set()  # notes said once a chat (the precision, a window sliding)
 
     def note_once(self, text: str) -> None:
-        if text not in self._said:
-            self._said.add(text)
+        """Say ``text`` unless a note of its kind was said (numbers aside: the window slides
+        at every long turn, with another count each time)."""
+        kind = re.sub(r"[0-9][0-9,]*", "N", text)
+        if kind not in self._said:
+            self._said.add(kind)
             self.on_notice(text)
 
     def reset(self) -> None:

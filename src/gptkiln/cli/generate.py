@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import dataclasses
 import json
 import sys
@@ -239,7 +240,8 @@ def read_prompt_file(path: str) -> list[str]:
         text = data.decode("utf-8-sig")  # a BOM (Windows editors write one) is no text
     except UnicodeDecodeError as e:
         raise GptkilnError(
-            f"--prompt-file {name}: byte {e.start} is not UTF-8 text; save the file as UTF-8"
+            f"--prompt-file {name}: byte {e.start + 3 * data.startswith(codecs.BOM_UTF8)} is "
+            "not UTF-8 text; save the file as UTF-8"
         ) from None
     prompts = [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
     if not prompts:

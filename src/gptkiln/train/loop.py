@@ -353,7 +353,8 @@ class Trainer:
         )
 
     def train_step(self, total: int) -> tuple[float, float]:
-        """One optimizer step over grad_accum micro-batches; (lr, mean loss on this rank)."""
+        """One optimizer step over grad_accum micro-batches; (lr, its mean loss: on this rank, or
+        per learnt item over every rank's in fine-tuning)."""
         return self.optimizer_step(self.step, total, self.clock.time_used())
 
     # -- what the loop hands on --------------------------------------------------------------

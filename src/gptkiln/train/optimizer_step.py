@@ -106,9 +106,9 @@ class OptimizerStep:
         if self.learnt is None:
             mean = loss_sum / cfg.grad_accum
         else:  # the loss and the items of every rank, in one collective
-            total, every = dist_utils.all_reduce_sum(torch.stack([loss_sum, items]), self.world)
+            summed, every = dist_utils.all_reduce_sum(torch.stack([loss_sum, items]), self.world)
             every = every.clamp(min=1)
-            mean = total / every  # the same on every rank: the whole step's loss per item
+            mean = summed / every  # the same on every rank: the whole step's loss per item
             scale = self.world.world_size / every  # the ranks' gradients are averaged
             for p in self.model.parameters():
                 if p.grad is not None:
