@@ -220,7 +220,10 @@ def test_a_missing_run_is_one_line(setup, tmp_path, capsys):
 
 def test_bad_numbers_are_one_line(setup, tmp_path, capsys):
     for flags, needle in [
-        (["--limit", "0"], "limit must be > 0"),
+        (["--limit", "0"], "limit must be a whole number of documents >= 1 or a fraction"),
+        (["--limit", "inf"], "limit must be a whole number"),
+        (["--limit", "1e30"], "limit must be a whole number"),
+        (["--limit", "2.5"], "limit must be a whole number"),
         (["--limit", "many"], "argument --limit: 'many' is not a number"),
         (["--num-fewshot", "-1"], "num_fewshot must be >= 0"),
         (["--batch-size", "0"], "batch_size must be a whole number >= 1, got 0"),
@@ -231,6 +234,12 @@ def test_bad_numbers_are_one_line(setup, tmp_path, capsys):
                            setup["tasks"], "--output-path", tmp_path, *flags,
                            capsys=capsys)  # fmt: skip
         assert_one_line_error(code, err, needle)
+    # more shots than the task has: found as the harness draws them (after datasets' progress)
+    code, _, err = cli("evaluate", setup["run"], "--tasks", "kiln_mc", "--include-path",
+                       setup["tasks"], "--output-path", tmp_path, "--num-fewshot", "100000",
+                       capsys=capsys)  # fmt: skip
+    assert code == 2 and "Traceback" not in err
+    assert "more examples than a task has to draw them from" in err.strip().splitlines()[-1]
 
 
 def test_without_the_harness_the_command_says_how_to_install_it(tmp_path, capsys, monkeypatch):

@@ -153,16 +153,24 @@ def run_harness(
     seeds = {} if seed is None else dict.fromkeys(
         ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seed
     )  # fmt: skip
-    return lm_eval.simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        task_manager=manager,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        log_samples=log_samples,
-        bootstrap_iters=bootstrap_iters,
-        **seeds,
-    )
+    try:
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=manager,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            log_samples=log_samples,
+            bootstrap_iters=bootstrap_iters,
+            **seeds,
+        )
+    except ValueError as e:  # the few-shot sampler's random.sample
+        if not str(e).startswith("Sample larger than population"):
+            raise
+        raise GptkilnError(
+            f"num_fewshot {num_fewshot}: more examples than a task has to draw them from "
+            "(its few-shot split, or its other documents); ask for fewer"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -212,8 +220,11 @@ def check_settings(
         raise GptkilnError(f"seed must be a whole number in [0, 2**32), got {seed}")
     if num_fewshot is not None and num_fewshot < 0:
         raise GptkilnError(f"num_fewshot must be >= 0, got {num_fewshot}")
-    if limit is not None and not limit > 0:
-        raise GptkilnError(f"limit must be > 0 (a count, or a fraction below 1), got {limit}")
+    whole = limit is not None and 1 <= limit <= 2**62 and float(limit).is_integer()
+    if limit is not None and not (whole or 0 < limit < 1):
+        raise GptkilnError(
+            f"limit must be a whole number of documents >= 1 or a fraction in (0, 1), got {limit}"
+        )
 
 
 def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
