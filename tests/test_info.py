@@ -125,6 +125,19 @@ def test_a_trainer_state_of_another_step_cannot_be_resumed(run, tmp_path, play_p
     assert_one_line_error(code, err, why)  # what info says is what resuming finds
 
 
+def test_a_run_copied_without_its_tokenizer_files_says_it_has_none(run, tmp_path, capsys):
+    """What every loading command refuses ("saved without its tokenizer") is not reported as
+    a tokenizer, nor as something to export."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(run / name, bare / name)
+    info = run_info(bare)
+    assert info.tokenizer is None and "none saved with it" in info.summary()
+    assert "not GGUF: it records no tokenizer" in info.exports
+    assert run_info(run).tokenizer == "char"
+
+
 def test_a_converted_run_and_a_hugging_face_directory_have_no_history(hf_and_converted, capsys):
     hf, converted, parameters = hf_and_converted
     info = run_info(converted)

@@ -602,7 +602,7 @@ class RunInfo:
         lines = [
             f"{self.path}: {what}",
             ("model", f"{preset}{shape}; {self.parameters:,} parameters{self._int8()}"),
-            ("tokenizer", f"{self.tokenizer or 'not recorded'}, {self.vocab_size:,} ids"),
+            ("tokenizer", f"{self.tokenizer or 'none saved with it'}, {self.vocab_size:,} ids"),
         ]
         if self.history:
             lines.append(("training", self.history))
@@ -688,6 +688,11 @@ def run_info(path: str | os.PathLike) -> RunInfo:
     states = [run_dir / n for n in (ADAPTER_FILE, TRAINER_STATE_FILE, PREVIOUS_STATE_FILE)]
     files.update({f.name: f.stat().st_size for f in states if f.is_file()})
     preset, changes = _preset_of(config, _model_train_settings(cfg))
+    kind = tokenizer_name(run_dir)
+    if not hf and not (run_dir / "tokenizer_meta.json").is_file():
+        from gptkiln.tokenizers import is_hf_tokenizer_dir
+
+        kind = kind if is_hf_tokenizer_dir(run_dir) else None  # recorded, but its files gone
     info = dict(
         path=str(run_dir),
         kind="huggingface" if hf else "run",
@@ -695,7 +700,7 @@ def run_info(path: str | os.PathLike) -> RunInfo:
         preset_changes=changes,
         model=config.to_dict(),
         parameters=sum(t.numel() for name, t in sd.items() if name not in scales),
-        tokenizer=tokenizer_name(run_dir),
+        tokenizer=kind,
         vocab_size=config.vocab_size,
         data=None if hf or train is None else _data_of(run_dir, train),
         steps_done=None,
@@ -707,7 +712,7 @@ def run_info(path: str | os.PathLike) -> RunInfo:
         resumable=False,
         history=None,
         quantization=quantization,
-        exports=_exports(config, tokenizer_name(run_dir)),
+        exports=_exports(config, kind),
         decodes_at=(
             "int8"
             if scales
