@@ -183,6 +183,7 @@ def test_a_large_json_array_streams_through_a_small_buffer(tmp_path, monkeypatch
     "content, message",
     [
         ('{"text": "a"} {"text": "b"}', "line 1: not valid JSON"),
+        ('{\n  "text": "a"\n}\n', "holds one JSON object, not records"),  # pretty-printed
         (
             '[{"text": "a"}, {"text": 3}]',
             'element 2: no string "text" field (keys: text); "text" holds a number',

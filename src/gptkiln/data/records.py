@@ -55,12 +55,30 @@ def json_texts(path: Path, text_field: str = DEFAULT_TEXT_FIELD) -> Iterator[str
     with open_bytes(path) as f:
         head = f.peek(64)[:64]
     if head.lstrip(b"\xef\xbb\xbf" + _WHITESPACE.encode())[:1] == b"{":
-        yield from jsonl_texts(path, text_field)
+        try:
+            yield from jsonl_texts(path, text_field)
+        except GptkilnError as e:  # JSON lines broken at their first line: one object whole?
+            if f"{path} line 1:" not in str(e) or not _one_object(path):
+                raise
+            raise GptkilnError(
+                f"{path} holds one JSON object, not records: write them as a JSON array "
+                f'([{{"{text_field}": ...}}, ...]) or as JSON lines (one object a line)'
+            ) from None
         return
     for number, record in _array_elements(path):
         text = record_text(record, text_field, f"{path} element {number}", True)
         if text:
             yield text
+
+
+def _one_object(path: Path) -> bool:
+    """Whether ``path`` (up to 64 MiB of it) is a single JSON object, laid over several lines."""
+    try:
+        with open_bytes(path) as f:
+            data = f.read(1 << 26)
+        return isinstance(json.loads(data.decode("utf-8-sig")), dict)
+    except (ValueError, UnicodeDecodeError):
+        return False
 
 
 def record_text(record, text_field: str, where: str, may_hold_escapes: bool) -> str:
