@@ -612,6 +612,11 @@ def test_a_task_that_cannot_be_built_is_one_line(tmp_path, setup):
         load_tasks("odd", tmp_path)
     with pytest.raises(GptkilnError, match="not a folder"):
         load_tasks("odd", tmp_path / "odd.yaml")
+    (tmp_path / "empty.jsonl").write_text("")  # a task over an empty data file
+    body = 'output_type: multiple_choice\ndoc_to_text: "{{q}}"\ndoc_to_target: 0\n'
+    task_yaml(tmp_path, "hollow", tmp_path / "empty.jsonl", body)
+    with pytest.raises(GptkilnError, match=r"^task 'hollow' could not be built: its data has no"):
+        load_tasks("hollow", tmp_path)
 
 
 def test_a_classifier_run_is_refused_in_one_line(tmp_path, setup):

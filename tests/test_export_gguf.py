@@ -145,7 +145,7 @@ def test_llama3_rope_scalings_are_read_back_from_their_rope_freqs(head_dim, thet
     from gptkiln.export.gguf_import import _rope_scaling
 
     grid = itertools.product(
-        (4.0, 8.0, 32.0), (1.0, 2.0), (1.5, 2.0, 4.0), (64, 512, 8192, 32768, 100000)
+        (4.0, 8.0, 29.429, 32.0), (1.0, 2.0), (1.5, 2.0, 4.0), (64, 512, 8192, 32768, 100000)
     )
     for factor, low, high, original in grid:
         if high <= low:

@@ -127,6 +127,8 @@ def _build(manager, spec: str) -> list:
         loaded = manager.load([spec])
     except Exception as e:  # the harness raises what its config, dataset or code raised
         reason = " ".join(str(e).split()) or type(e).__name__
+        if isinstance(e, StopIteration):  # datasets' reader found no record in a data file
+            reason = "its data has no documents (an empty data file?)"
         raise GptkilnError(f"task {spec!r} could not be built: {reason}") from None
     children = {c for kids in loaded["group_map"].values() for c in kids}
     groups = [g for name, g in loaded["groups"].items() if name not in children]

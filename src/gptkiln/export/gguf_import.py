@@ -262,7 +262,8 @@ def _rope_scaling(
     i = torch.arange(0, head_dim, 2, dtype=torch.float64)
     wavelen = 2 * math.pi * theta ** (i / head_dim)  # (hs/2,)
     f = factors.double()
-    blend = (f > 1 + 1e-6) & (f < factor - 1e-6)
+    kept_at, divided_at = f <= 1 + 1e-5, f >= factor * (1 - 1e-5)  # float32's own rounding
+    blend = ~kept_at & ~divided_at
     s = (1 / f - 1 / factor) / (1 - 1 / factor)  # = (original / wavelen - low) / (high - low)
     if int(blend.sum()) >= 2:  # low 1: s = A / wavelen - B, a line through any two
         x = 1 / wavelen[blend]
@@ -271,7 +272,7 @@ def _rope_scaling(
         low, high, original = 1.0, round(1.0 + 1.0 / b, 4), float(round(a / b))
     elif int(blend.sum()) == 1:  # one point (wavelength w0, blend s0) on a line of two unknowns
         w0, s0 = float(wavelen[blend][0]), float(s[blend][0])
-        kept, divided = wavelen[f <= 1 + 1e-6], wavelen[f >= factor - 1e-6]
+        kept, divided = wavelen[kept_at], wavelen[divided_at]
         # low 1, original = t w0, high = 1 + (t - 1) / s0: t > 1 such that the divided stay
         # past original (t < D / w0) and the kept below original / high, which falls from w0
         # as t grows (t < K (1 - s0) / (K - w0 s0)); t the middle of what is left
@@ -285,7 +286,7 @@ def _rope_scaling(
             original = t * w0  # rounded, it would leave the interval
         low, high = 1.0, 1.0 + (original / w0 - 1.0) / s0
     else:  # no blend: the bounds anywhere in the gap between kept and divided frequencies
-        kept, divided = wavelen[f <= 1 + 1e-6], wavelen[f >= factor - 1e-6]
+        kept, divided = wavelen[kept_at], wavelen[divided_at]
         low_wavelen = float(divided.min()) * 0.999  # original: below every divided one
         high_wavelen = float(kept.max()) * 1.001 if len(kept) else low_wavelen / 2
         original = float(math.floor(low_wavelen))  # a whole number where one fits the gap
