@@ -669,6 +669,7 @@ def run_info(path: str | os.PathLike) -> RunInfo:
     """
     from gptkiln.checkpoint import ADAPTER_FILE, PREVIOUS_STATE_FILE, TRAINER_STATE_FILE
     from gptkiln.loading import describe_weights, read_config, tokenizer_name
+    from gptkiln.loading.run import has_tokenizer_files
     from gptkiln.quantize import read_quantization
 
     run_dir = Path(path)
@@ -689,10 +690,8 @@ def run_info(path: str | os.PathLike) -> RunInfo:
     files.update({f.name: f.stat().st_size for f in states if f.is_file()})
     preset, changes = _preset_of(config, _model_train_settings(cfg))
     kind = tokenizer_name(run_dir)
-    if not hf and not (run_dir / "tokenizer_meta.json").is_file():
-        from gptkiln.tokenizers import is_hf_tokenizer_dir
-
-        kind = kind if is_hf_tokenizer_dir(run_dir) else None  # recorded, but its files gone
+    if not hf and not has_tokenizer_files(run_dir):
+        kind = None  # recorded, but its files gone: every loading command refuses the run
     info = dict(
         path=str(run_dir),
         kind="huggingface" if hf else "run",

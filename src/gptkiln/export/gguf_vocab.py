@@ -81,7 +81,7 @@ def gguf_vocab(tokenizer: Any, vocab_size: int, source: str) -> GGUFVocab:
             "tokenizer has one"
         )
     vocab.stop_ids = stops
-    vocab.eos_id = stops[0] if stops else None
+    vocab.eos_id = stops[0]
     if tokenizer.kind == "hf":
         vocab.bos_id = tokenizer.bos_id
         ids = tokenizer.encode("")  # what its post-processor adds to every text

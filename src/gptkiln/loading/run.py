@@ -91,13 +91,19 @@ def tokenizer_name(run_dir: Path, cfg: dict[str, Any]) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def has_tokenizer_files(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a tokenizer's files: gptkiln's (tokenizer_meta.json) or a
+    Hugging Face tokenizer's."""
+    from gptkiln.tokenizers import is_hf_tokenizer_dir
+
+    return (run_dir / "tokenizer_meta.json").exists() or is_hf_tokenizer_dir(run_dir)
+
+
 def tokenizer_source(run_dir: Path, cfg: dict[str, Any]) -> str:
     """What `gptkiln.tokenizers.load_tokenizer` loads the run's tokenizer from: its files (its
     own, or a Hugging Face tokenizer.json it keeps). A run saved without any (``save_model(model,
     dir)`` with no tokenizer) is one line saying how to give it one."""
-    from gptkiln.tokenizers import is_hf_tokenizer_dir
-
-    if not (run_dir / "tokenizer_meta.json").exists() and not is_hf_tokenizer_dir(run_dir):
+    if not has_tokenizer_files(run_dir):
         raise GptkilnError(
             f"{run_dir} holds a model saved without its tokenizer (no tokenizer_meta.json); "
             "save the tokenizer its ids are of into it (tokenizer.save(dir), e.g. "
