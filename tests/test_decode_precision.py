@@ -4,6 +4,7 @@ bf16 run decodes on the CPU over its own bf16 weights (fp32 activations)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_cli import assert_one_line_error, cli
 
 from gptkiln.api import run_info, stream_text
@@ -128,3 +129,72 @@ def test_on_a_gpu_the_precision_asked_is_the_weights_dtype():
     assert ready_for_decoding(model, "fp32", "meta") == "fp32"
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert ready_for_decoding(model, None, "meta") == "fp32"  # unasked: the weights' own
+
+
+def _rounding_reference(precision: str, layer, x: torch.Tensor) -> torch.Tensor:
+    """``layer``'s product of ``x`` as ``precision`` rounds it, by torch: bf16 weights, or
+    q8_0's 8-bit activations times the int8 weights."""
+    from gptkiln.cpu import products
+
+    if precision == "bf16":
+        return F.linear(x, layer.weight.to(torch.bfloat16).float(), layer.bias)
+    return products.dequantize_linear(products.q8_0(x), layer.weight, layer.scale, layer.bias)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_rounding_precision_rounds_every_forward_alike_whatever_was_tuned_before(
+    precision, monkeypatch
+):
+    """bf16 and int8 round on purpose, and a prefill rounds as the steps after it do: before any
+    row count is tuned (a first prompt), at a tuned count (a server's bucket, an earlier batch)
+    and past the loops' 64 rows alike; inside `exact_kernels` (evaluation) nothing rounds."""
+    from gptkiln.cpu import exact_kernels
+
+    if not specs.available(specs.BY_NAME["bf16_rows" if precision == "bf16" else "q8_rows"]):
+        pytest.skip(f"{precision}'s own loop does not run on this machine")
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")  # conftest's: the suite decodes exactly
+    torch.manual_seed(0)
+    config = GPTConfig.from_name("tiny", vocab_size=64, context_length=96, n_embd=64)
+    model = GPT(config).eval()  # 64 wide: q8_0 rounds whole chunks of two blocks
+    if precision == "int8":
+        model = quantize_model(model)
+    layer = model.h[0].mlp.c_fc
+    x, idx = torch.randn(90, 64), torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        exact, exact_logits = layer(x), model(idx)
+        rounded = _rounding_reference(precision, layer, x)
+    assert (rounded - exact).abs().max() > 1e-3  # the rounding shows at this size
+
+    prepare_for_decoding(model, steps=0, precision=precision)  # untuned, as a first prefill's
+    with torch.no_grad():
+        for rows in (90, 5, 1):
+            torch.testing.assert_close(layer(x[:rows]), rounded[:rows], rtol=1e-5, atol=1e-5)
+        first = model(idx)
+    assert (first - exact_logits).abs().max() > 1e-4
+    prepare_for_decoding(model, [1, 5], precision=precision)  # 5 rows tuned: a bucket's
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x[:5]), rounded[:5], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(idx), first, rtol=1e-5, atol=1e-5)
+
+    with exact_kernels():  # an evaluation's: every row count back to the weights' own numbers
+        prepare_for_decoding(model, steps=0, precision=precision)
+        with torch.no_grad():
+            for rows in (90, 5):
+                torch.testing.assert_close(layer(x[:rows]), exact[:rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(library.library() is None, reason="no C compiler: no bf16 loop here")
+def test_generate_plans_a_rounding_precision_before_its_first_prefill(monkeypatch):
+    from gptkiln.api import _decoding
+
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")
+    model, plain = tiny(), tiny()
+    layer = model.h[0].attn.c_attn
+    x = torch.randn(70, layer.in_features)
+    _decoding(model, "bf16")  # what generate and chat hand generate_stream
+    with torch.no_grad():
+        torch.testing.assert_close(
+            layer(x), _rounding_reference("bf16", layer, x), rtol=1e-5, atol=1e-5
+        )
+    _decoding(plain, None)  # fp32: nothing rounds, nothing to plan before the first token
+    assert getattr(plain, "decode_plan", None) is None

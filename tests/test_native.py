@@ -493,9 +493,13 @@ def test_an_int8_loop_leaves_to_the_reference_what_it_does_not_take(build, name,
     if name == "int8_rows":  # taken (made contiguous), and exact: the reference's numbers
         cases["a strided input"] = (torch.randn(3, 2 * width)[:, ::2], q, scale)
     for what, (x, weight, s) in cases.items():
+        expected = x
+        if name == "q8_rows" and what == "more rows than it keeps sums for":
+            expected = products.q8_0(x)  # a prefill's rows: rounded as the loop's, by torch
         torch.testing.assert_close(
-            kernel(x, weight, s, None), products.dequantize_linear(x, weight, s, None), msg=what
-        )
+            kernel(x, weight, s, None), products.dequantize_linear(expected, weight, s, None),
+            msg=what,
+        )  # fmt: skip
 
 
 @needs_int8_library
@@ -531,7 +535,7 @@ needs_bf16_rows_library = pytest.mark.skipif(
 
 
 @needs_bf16_rows_library
-@pytest.mark.parametrize("rows", [1, 3, 5, 64])
+@pytest.mark.parametrize("rows", [1, 3, 5, 64, 100])  # 100: a prefill's, past the loop's
 @pytest.mark.parametrize("n_out, n_in", [(4, 16), (97, 768), (50, 528)])
 def test_the_bf16_rows_kernel_is_f_linear_on_the_weights_rounded_to_bf16(build, rows, n_out, n_in):
     torch.manual_seed(rows * 1000 + n_out)
@@ -544,6 +548,9 @@ def test_the_bf16_rows_kernel_is_f_linear_on_the_weights_rounded_to_bf16(build, 
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
         reference = F.linear(x, w, bias)  # and within the tuner's tolerance of fp32's
         assert ((got - reference).norm() / reference.norm()).item() <= tuner.ACTIVATION_TOLERANCE
+    if rows > products.FEW_ROWS:  # a weight of bf16's values (a bf16 checkpoint): itself
+        exact16 = w.to(torch.bfloat16).float()
+        assert torch.equal(products.bf16_rows_linear(x, exact16, b), F.linear(x, exact16, b))
     assert id(w) in products._BF16_ROWS  # its copy, made once and kept with the weight
     copy = products._BF16_ROWS[id(w)][2]
     products.bf16_rows_linear(x, w, b)
@@ -607,7 +614,7 @@ def _q8_0(x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_q8_library
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 64, 100])  # 100: a prefill's, past the loop's
 @pytest.mark.parametrize("n_out, n_in", [(4, 64), (7, 128), (97, 768), (50, 1088)])
 def test_the_q8_rows_kernel_is_q8_0s_product(build, rows, n_out, n_in):
     # remainders as the other loops'; 1088 = 1024 + 64: an input wider than one chunk of k
@@ -644,6 +651,10 @@ def test_q8_rows_keeps_what_is_not_finite_not_finite(build):
     assert got[0].isnan().all()  # not rounded away to a finite number
     assert not got[1].isfinite().any() and not got[2].isfinite().any()
     assert torch.equal(got[3], products.q8_rows_linear(x[3:], q, scale, None)[0])
+    many = products.q8_rows_linear(x.repeat(20, 1), q, scale, None)  # past the loop: by torch
+    assert many[0].isnan().all()
+    assert not many[1].isfinite().any() and not many[2].isfinite().any()
+    assert many[3].isfinite().all()
 
 
 def test_q8_rows_is_not_offered_on_a_cpu_without_vnni(monkeypatch):

@@ -345,12 +345,17 @@ def _decoding(model, precision: str | None):
     """The decode backend's set-up `sampling.generate_stream` calls after a first token: on the
     CPU, `gptkiln.cpu.prepare_for_decoding` at ``precision`` (None: the model's own); on CUDA,
     `gptkiln.gpu.prepare_graphs` for a float model (CUDA graphs; an int8 one decodes eagerly);
-    elsewhere none."""
+    elsewhere none. On the CPU at a precision that rounds (bf16, int8) the model is planned at
+    once, untuned: the prompt's prefill rounds as the steps after it do, on a first call as on
+    a later one."""
     if model.wte.weight.device.type != "cpu":
         from gptkiln.gpu import graphs_for
 
         return graphs_for(model)
-    from gptkiln.cpu import prepare_for_decoding
+    from gptkiln.cpu import default_precision, prepare_for_decoding
+
+    if (precision or default_precision(model)) != "fp32":
+        prepare_for_decoding(model, steps=0, precision=precision)
 
     def prepare(model, rows: int, steps: int):
         return prepare_for_decoding(model, rows, steps, precision=precision)

@@ -22,7 +22,13 @@ from gptkiln.cpu import specs
 from gptkiln.cpu.memory import move_to_huge_pages
 from gptkiln.cpu.planned import few_row_kernels, plan_model, unplan, use_compiled_loops
 from gptkiln.cpu.threads import DecodeThreads
-from gptkiln.cpu.tuner import Clock, drop_unused_copies, keep_exact, tune_decoding
+from gptkiln.cpu.tuner import (
+    Clock,
+    drop_unused_copies,
+    keep_exact,
+    round_at_any_rows,
+    tune_decoding,
+)
 
 HUGE_PAGES_FROM = 128
 """Decodes of at least this many steps (and a server's, of no end) read their weights through
@@ -165,7 +171,10 @@ def prepare_for_decoding(
     one-call step. ``steps``: how many decode steps the caller will run at most (None: as many
     as come, a server's); a caller of one step needs no kernels; from `HUGE_PAGES_FROM` steps
     (or None) the weights move onto 2 MB pages (`gptkiln.cpu.memory`). ``one_call``: whether every
-    row of a step is at one position (False for a server's rows, each at its own). Returns the
+    row of a step is at one position (False for a server's rows, each at its own). At a
+    precision that rounds on purpose every layer that takes its kernel rounds at every row count
+    from this call on, prefills too (`gptkiln.cpu.tuner.round_at_any_rows`): a caller prepares
+    (``steps=0`` where it tunes later) before its first prefill. Returns the
     plan; the model decodes through it until `DecodePlan.release`. A model prepared before at
     the same precision keeps its plan (its row counts too); at another, that plan is released
     first."""
@@ -179,6 +188,9 @@ def prepare_for_decoding(
         plan = DecodePlan(model, precision)
         plan_model(model).decode_plan = plan
     use_compiled_loops(model)
+    if specs.exact_only():  # what an earlier tuning gave that rounds goes (an evaluation's)
+        plan.drop_inexact()
+    round_at_any_rows(model, precision)  # before the first prefill: it rounds as the steps do
     if steps is not None and steps < 1:
         return plan
     if steps is None or steps >= HUGE_PAGES_FROM:  # a long decode: its weights on 2 MB pages

@@ -10,7 +10,8 @@ own method. Every one of them checks grad mode first: a forward with autograd (a
 step, compiled or not) runs the layer's own code exactly.
 
 - a product (`gptkiln.model.Linear`, `gptkiln.quantize.Int8Linear`): ``few_row_kernels``, a
-  number of rows -> the kernel for it, used without autograd on the CPU in fp32;
+  number of rows -> the kernel for it (`ANY_ROWS`: for every other number, at a precision that
+  rounds), used without autograd on the CPU in fp32;
 - GPT-2's MLP (`gptkiln.model.MLP`, tanh GELU): ``c_fc``'s bias and the GELU in one pass of the
   library's loop (`gptkiln.cpu.loops.gelu_tanh_`), in place over the product's output;
 - an SDPA attention layer (`gptkiln.model.Attention`): one new token a row by the library's
@@ -106,8 +107,15 @@ def is_product(module: nn.Module) -> bool:
     return own_class(module) in (Linear, int8)
 
 
+ANY_ROWS = 0
+"""The key of a product's kernel for every number of rows no kernel of its own was given (a
+prefill's many rows): the kernel of a precision that rounds on purpose, so that a forward
+rounds alike whichever row counts were tuned before it (`gptkiln.cpu.tuner.round_at_any_rows`)."""
+
+
 def few_row_kernels(layer: nn.Module) -> dict:
-    """``layer``'s kernels by number of rows (empty for a layer no plan gave any)."""
+    """``layer``'s kernels by number of rows (`ANY_ROWS`: for the others; empty for a layer no
+    plan gave any)."""
     return layer.__dict__.get("few_row_kernels", {})
 
 
@@ -118,9 +126,9 @@ def give_kernel(layer: nn.Module, rows: int, kernel) -> None:
 
 class PlannedProduct(Planned):
     """A product (``nn.Linear``'s ``(x, weight, bias)`` or an int8 layer's ``(x, weight, scale,
-    bias)``) that runs ``few_row_kernels[rows]`` for a forward of that many rows without
-    autograd, on the CPU, with fp32 activations and the weights the kernels were tuned for;
-    the layer's own forward otherwise."""
+    bias)``) that runs ``few_row_kernels[rows]`` (else ``few_row_kernels[ANY_ROWS]``) for a
+    forward of that many rows without autograd, on the CPU, with fp32 activations and the
+    weights the kernels were tuned for; the layer's own forward otherwise."""
 
     planned_attributes = ("few_row_kernels",)
     few_row_kernels: dict
@@ -143,7 +151,9 @@ class PlannedProduct(Planned):
         tuned = self.scale if self.weight.dtype == torch.int8 else self.weight  # int8: the scales
         if x.dtype != torch.float32 or tuned.dtype != torch.float32:
             return None
-        return self.few_row_kernels.get(x.numel() // self.in_features)
+        kernels = self.few_row_kernels
+        kernel = kernels.get(x.numel() // self.in_features)
+        return kernels.get(ANY_ROWS) if kernel is None else kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # grad mode first: a compiled training step then never reads (or guards on) the dict

@@ -199,15 +199,41 @@ def q8_rows_linear(
     Measured on the 2-core Xeon over GPT-2 124M's 48 block products and head at batch 1 (a C
     benchmark of both loops, one process): 2.9-3.0 ms a step against `int8_rows_linear`'s
     5.2-5.5. For fp32 x of 1 to ``FEW_ROWS`` rows, an input width that is a multiple of 64,
-    contiguous int8 weight and fp32 scales; anything else goes to `int8_rows_linear`. Offered by
-    the spec table at the int8 precision, where the library has the VNNI loop."""
+    contiguous int8 weight and fp32 scales; more rows (a prefill) or tensors the loop refuses
+    round the same by torch (`q8_0`), and an input width that is no multiple of 64 goes to
+    `int8_rows_linear` (exact) at every row count. Offered by the spec table at the int8
+    precision, where the library has the VNNI loop."""
     y = None
     cpu = x.device.type == scale.device.type == "cpu"
     if cpu and scale.dtype == torch.float32 and scale.is_contiguous():
         lib = library()
         y = _by_row_loop(lib and lib.q8_rows_linear, x, qweight, (scale,), bias, torch.int8)
-    # a shape the loop refuses (an input not a multiple of 64 wide): the exact int8 loop
-    return int8_rows_linear(x, qweight, scale, bias) if y is None else y
+    if y is not None:
+        return y
+    if qweight.size(1) % Q8_BLOCKS_OF or x.dtype != torch.float32:
+        # an input the loop never takes (not a multiple of 64 wide): the exact int8 loop, at
+        # every row count alike
+        return int8_rows_linear(x, qweight, scale, bias)
+    # more rows than the loop takes (a prefill), or tensors it refuses: the same rounding, by
+    # torch (its sums in another order)
+    return dequantize_linear(q8_0(x), qweight, scale, bias)
+
+
+Q8_BLOCKS_OF = 64
+"""`q8_rows_linear`'s loop takes inputs a multiple of this wide (two blocks of 32 a chunk)."""
+
+
+def q8_0(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., in) as q8_0 rounds it, in fp32: each block of 32 values to the nearest of 255
+    steps of ``d = max |x_b| / 127`` (ties to even, as ``csrc/*/q8_rows.c``'s ``lrintf``); a block
+    holding what is not finite all NaN, so that it stays so in every output of its row."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    finite = blocks.isfinite().all(-1, keepdim=True)
+    seven = torch.full_like(amax, 127.0)
+    inv = torch.where(finite & (amax > 0), seven / torch.where(amax > 0, amax, 1.0), 0.0)
+    d = torch.where(finite, amax / seven, torch.nan)
+    return (torch.round(torch.where(finite, blocks, 0.0) * inv) * d).reshape(x.shape)
 
 
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -252,12 +278,21 @@ def bf16_rows_linear(
     `QUANTIZING_MARGIN`, left out by exact decoding), and its copy is weighed against the steps
     a caller will run (`_copy_costs`). Measured on the 2-core Xeon, GPT-2's 50,257x768 head at
     batch 1 in one process: 1.9 ms against ``F.linear``'s 4.2 (`bf16_linear` 4.5). For what
-    the loop does not take (`_by_row_loop`), ``F.linear`` on the fp32 weight."""
+    the loop does not take (`_by_row_loop`: a prefill's many rows), ``F.linear`` over the same
+    rounded weights: they round alike at every row count."""
     lib = library()
-    y = None
-    if lib is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
-        y = _by_row_loop(lib.bf16_rows_linear, x, bf16_copy(weight), (), bias, torch.bfloat16)
-    return F.linear(x, weight, bias) if y is None else y
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    rounded = bf16_copy(weight)
+    if lib is not None:
+        y = _by_row_loop(lib.bf16_rows_linear, x, rounded, (), bias, torch.bfloat16)
+        if y is not None:
+            return y
+    # more rows than the loop takes (a prefill), or tensors it refuses: the same rounded
+    # weights for torch's product; the weight itself where it holds bf16's values already (a
+    # bf16 checkpoint decoding in fp32), else widened for this call
+    same = _kept(_BF16_SAME, (weight,), lambda: torch.equal(rounded.to(weight.dtype), weight))
+    return F.linear(x, weight if same else rounded.to(x.dtype), bias)
 
 
 def bf16_copy(weight: torch.Tensor) -> torch.Tensor:
@@ -272,6 +307,9 @@ def bf16_copy(weight: torch.Tensor) -> torch.Tensor:
 
 _BF16_ROWS: dict[int, tuple] = {}
 """id(weight) -> (weakref of the weight, its version, the bf16 copy `bf16_rows_linear` reads)."""
+
+_BF16_SAME: dict[int, tuple] = {}
+"""id(weight) -> (weakref of the weight, its version, whether its bf16 copy equals it)."""
 
 
 # -- int8 weight-only products ------------------------------------------------------------------

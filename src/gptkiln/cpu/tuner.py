@@ -34,7 +34,7 @@ import torch.nn as nn
 from gptkiln.cpu import specs
 from gptkiln.cpu.blocks import FAMILIES, block_products, in_one_call, use_native_blocks
 from gptkiln.cpu.library import library
-from gptkiln.cpu.planned import few_row_kernels, give_kernel, is_product
+from gptkiln.cpu.planned import ANY_ROWS, few_row_kernels, give_kernel, is_product
 from gptkiln.cpu.products import _BF16, _BF16_ROWS, _PACKED, FEW_ROWS
 
 Clock = Callable[[], float]
@@ -83,11 +83,7 @@ def tune_decoding(
     use_for_inductor()  # `fused_int8`'s compiled loops, kept beside the choices
     stored = decode_kernel_choices()
     known = stored.entries()
-    groups: dict[tuple[str, tuple[int, int]], list[nn.Module]] = {}
-    for module in model.modules():
-        family = _family(module)
-        if family is not None:
-            groups.setdefault((family, tuple(module.weight.shape)), []).append(module)
+    groups = _groups(model)
     threads = torch.get_num_threads()
     picked = {}
     with torch.no_grad():
@@ -125,6 +121,35 @@ def tune_decoding(
         names = {kernel: name for name, kernel in specs.offered(family, precision).items()}
         picked[shape] = names.get(few_row_kernels(layers[0]).get(rows), picked[shape])
     return picked
+
+
+def round_at_any_rows(model: nn.Module, precision: str) -> None:
+    """Give every eligible layer (as `tune_decoding`'s) that ``precision`` rounds on purpose (bf16
+    weights; q8_0's activations) its precision's kernel for every row count without a tuned one
+    (`gptkiln.cpu.planned.ANY_ROWS`: a prefill's many rows, the window's re-prefill), where it
+    takes that kernel at any row count (`_own`); take it off the others. A forward's numbers are
+    then the precision's whichever row counts were tuned before it (a server's buckets, an
+    earlier batch in the same process), up to the order of the sums."""
+    with torch.no_grad():
+        for (family, _), layers in _groups(model).items():
+            kernels = specs.offered(family, precision)
+            rounds = any(name in specs.inexact() for name in kernels)
+            name = _own(kernels, layers) if rounds else None
+            for layer in layers:
+                if name in specs.inexact():
+                    give_kernel(layer, ANY_ROWS, kernels[name])
+                elif few_row_kernels(layer).pop(ANY_ROWS, None) is not None:
+                    drop_unused_copies(layer)
+
+
+def _groups(model: nn.Module) -> dict[tuple[str, tuple[int, int]], list[nn.Module]]:
+    """The eligible layers of ``model`` (`_family`) by weight kind and shape."""
+    groups: dict[tuple[str, tuple[int, int]], list[nn.Module]] = {}
+    for module in model.modules():
+        family = _family(module)
+        if family is not None:
+            groups.setdefault((family, tuple(module.weight.shape)), []).append(module)
+    return groups
 
 
 def _exact_choice(kernels, family, entry: str, layers, rows, stored, known, repeats, clock) -> str:

@@ -148,11 +148,12 @@ class GptkilnLM(TemplateLM):
         self._model, self._tokenizer, self._source = model, tokenizer, source
         self._batch_size, self._quantize, self._progress = batch_size, quantize, progress
         self._device = model.wte.weight.device
-        from gptkiln.cpu import prepare_for_decoding
+        from gptkiln.cpu import exact_kernels, prepare_for_decoding
 
         # the library's GELU and attention (their sums are torch's up to rounding, as the hf
         # backend's); no kernels yet: `generate_until` asks for them, `release` takes them off
-        self._plan = prepare_for_decoding(model, steps=0)
+        with exact_kernels():  # nothing that rounds on purpose, at any row count
+            self._plan = prepare_for_decoding(model, steps=0)
 
     def release(self) -> None:
         """Give the model back as it was before this LM (`gptkiln.cpu.DecodePlan.release`): a
@@ -301,11 +302,11 @@ class GptkilnLM(TemplateLM):
     def _score(self, pairs: Sequence[Pair], what: str, disable_tqdm: bool, greedy_too: bool):
         from tqdm.auto import tqdm
 
-        from gptkiln.cpu import prepare_for_decoding
+        from gptkiln.cpu import exact_kernels, prepare_for_decoding
 
         # scoring tunes nothing: what an earlier tuning gave that rounds goes
-        self._plan = prepare_for_decoding(self._model, steps=0)
-        self._plan.drop_inexact()
+        with exact_kernels():
+            self._plan = prepare_for_decoding(self._model, steps=0)
         with tqdm(
             total=len(pairs), desc=f"Running {what}", disable=disable_tqdm or not self._progress
         ) as bar:
