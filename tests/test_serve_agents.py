@@ -133,6 +133,11 @@ NO_LIST = {"type": "object", "required": "city"}
 DEEP_NOT: dict = {"type": "object"}
 for _ in range(150):  # inside the JSON parser's depth, past what a check may recurse
     DEEP_NOT = {"not": DEEP_NOT}
+ENDLESS = [
+    {"$ref": "#"},
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+]
 WEATHER = {
     "type": "function",
     "function": {
@@ -364,6 +369,54 @@ def test_a_schema_shown_to_the_model_may_use_what_no_grammar_enforces(client):
         )
 
 
+def test_a_forced_call_follows_parameters_that_refer_to_their_own_defs(client, qwen):
+    """Pydantic writes a nested model as ``$defs`` and a ``$ref`` from the parameters' own root:
+    the call's grammar puts the parameters inside a call object (one of several tools: inside
+    an ``anyOf``) and still finds them."""
+    import jsonschema
+
+    trip = {
+        "type": "object",
+        "$defs": {
+            "City": {
+                "type": "object",
+                "properties": {"name": {"enum": ["Oslo", "Rome"]}},
+                "required": ["name"],
+                "additionalProperties": False,
+            }
+        },
+        "properties": {"start": {"$ref": "#/$defs/City"}, "end": {"$ref": "#/$defs/City"}},
+        "required": ["start", "end"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "trip", "parameters": trip}}
+    for tools, choice in (([tool], "required"), ([CLOCK, tool], "required")):
+        r = client.chat.completions.create(
+            **ask(messages=USER, tools=tools, tool_choice=choice, max_tokens=200)
+        )
+        call = r.choices[0].message.tool_calls[0]
+        if call.function.name == "trip":
+            jsonschema.validate(json.loads(call.function.arguments), trip)
+    named = {"type": "function", "function": {"name": "trip"}}
+    r = client.chat.completions.create(
+        **ask(messages=USER, tools=[CLOCK, tool], tool_choice=named, max_tokens=200)
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), trip)
+
+
+def test_tokenize_counts_the_tools_a_chat_request_shows(client, qwen):
+    url = qwen[0]
+    plain = httpx.post(f"{url}/v1/tokenize", json={"messages": USER}).json()["count"]
+    body = {"messages": USER, "tools": [WEATHER]}
+    counted = httpx.post(f"{url}/v1/tokenize", json=body).json()["count"]
+    r = client.chat.completions.create(**ask(**body, max_tokens=1))
+    assert counted == r.usage.prompt_tokens > plain + 20  # the tool section is in the count
+    none = httpx.post(f"{url}/v1/tokenize", json={**body, "tool_choice": "none"}).json()
+    assert none["count"] == plain  # as chat: tool_choice none shows no tools
+    r = httpx.post(f"{url}/v1/tokenize", json={"prompt": "Hi", "tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
 def test_a_streamed_tool_call_reads_as_openais(client):
     stream = client.chat.completions.create(
         **ask(messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=200), stream=True
@@ -432,6 +485,39 @@ def test_a_streamed_tool_call_reads_as_openais(client):
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",
         ),
+        *(  # no finite value meets them: the grammar would let the end through, or never end
+            (
+                {
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": endless},
+                    }
+                },
+                "response_format",
+            )
+            for endless in ENDLESS
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": ENDLESS[-1]}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        (  # a call's arguments are an object, as OpenAI's
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
         ({"messages": [*USER, {"role": "tool", "content": "1"}]}, "messages[1].tool_call_id"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -492,6 +578,24 @@ def test_chat_logprobs_equal_the_completions_figures(client, qwen):
 
 
 # -- the template's tools, and reading calls back ----------------------------------------------
+@pytest.mark.parametrize("parallel, calls", [(None, 2), (True, 2), (False, 1)])
+def test_parallel_tool_calls_false_gives_one_call_a_turn(parallel, calls):
+    from gptkiln.serve.answers import ChatAnswer
+    from gptkiln.serve.schemas import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate(
+        {"messages": USER, "tools": [WEATHER, CLOCK], "parallel_tool_calls": parallel}
+    )
+    answer = ChatAnswer(req, [], None, NAME, tool_family=HERMES)
+    two = (
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    content, got, reason = answer._read_calls(two, "stop")
+    assert [c.function.name for c in got] == ["get_time", "get_weather"][:calls]
+    assert content is None and reason == "tool_calls"
+
+
 TOOL_CONVERSATION = [
     {"role": "system", "content": "You help."},
     *USER,
@@ -584,8 +688,18 @@ def test_a_template_without_tools_refuses_them(tmp_path, capsys):
         r = httpx.post(
             f"{url}/v1/chat/completions", json=ask(messages=USER, tools=[WEATHER]), timeout=60
         )
+        history = [  # counted as chat reads them: refused in words, not a failed assert
+            *USER,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ]},
+            {"role": "tool", "tool_call_id": "c1", "content": "r"},
+        ]  # fmt: skip
+        counted = httpx.post(f"{url}/v1/tokenize", json={"messages": history}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     assert "no tool section" in r.json()["error"]["message"]
+    assert counted.status_code == 400 and counted.json()["error"]["param"] == "messages"
+    assert counted.json()["error"]["code"] == "tools_not_supported"
 
 
 def _plain_qwen():

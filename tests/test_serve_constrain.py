@@ -196,3 +196,54 @@ def test_constrained_first_tokens_drawn_together_are_what_each_gets_alone(
     monkeypatch.setattr(choosing, "sample_rows", sample)
     assert run(seqs()) == alone
     assert filled[0] == 2 and sizes[0] == 2  # the first tokens' masks and draw, together
+
+
+@pytest.mark.parametrize(
+    "schema, endless",
+    [
+        ({"$ref": "#"}, True),
+        ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, True),
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, True),
+        ({"type": "array", "minItems": 1, "items": {"$ref": "#"}}, True),  # [[[...]]]
+        ({"oneOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]}, True),
+        # a way out: an optional property, an array that may be empty, another branch, no type
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}}, False),
+        ({"type": "array", "items": {"$ref": "#"}}, False),
+        (
+            {
+                "anyOf": [
+                    {"type": "null"},
+                    {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]},
+                ]
+            },
+            False,
+        ),  # fmt: skip
+        (
+            {"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+            False,
+        ),
+        ({"properties": {"a": {"$ref": "#"}}, "required": ["a"]}, False),  # a string meets it
+        (
+            {
+                "$ref": "#/$defs/n",
+                "$defs": {
+                    "n": {
+                        "type": "object",
+                        "required": ["k"],
+                        "properties": {"k": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+                    }
+                },
+            },
+            False,
+        ),  # fmt: skip
+        ({"$ref": "https://example.com/s.json"}, False),  # left to the engine
+    ],
+)
+def test_a_schema_no_finite_value_meets_is_refused_before_it_decodes(schema, endless):
+    from gptkiln.serve.constrain import check_finite
+
+    if endless:
+        with pytest.raises(GrammarError, match="no finite JSON value meets it"):
+            check_finite(schema)
+    else:
+        check_finite(schema)

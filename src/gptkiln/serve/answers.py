@@ -299,8 +299,9 @@ class ChatAnswer(Answer):
     first, then content pieces, then ``{}`` with the finish_reason. Each token's
     log-probabilities in OpenAI's chat shape when asked (``logprobs.content``). With tools in
     play (``tool_family``), the answer's tool calls are read back into ``tool_calls``
-    (`tools.parse_tool_calls`); a stream then holds its text until the end, when it sends the
-    content left and each call (its id and name, then its arguments)."""
+    (`tools.parse_tool_calls`; the first alone with ``parallel_tool_calls: false``); a stream
+    then holds its text until the end, when it sends the content left and each call (its id and
+    name, then its arguments)."""
 
     prefix = "chatcmpl"
 
@@ -334,6 +335,8 @@ class ChatAnswer(Answer):
         if self.tool_family is None:
             return text, [], reason
         content, calls = parse_tool_calls(self.tool_family, text)
+        if self.req.parallel_tool_calls is False:
+            calls = calls[:1]  # at most one call a turn, as OpenAI's
         return content, calls, "tool_calls" if calls and reason == "stop" else reason
 
     def _scored(self, token: int, entry: TokenLogprobs | None) -> TokenLogprob:

@@ -368,6 +368,8 @@ def _add_tokenize_route(app: FastAPI, served: Served) -> None:
         served.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give a prompt or messages (one of them) to count", "prompt")
+        if req.messages is None and (req.tools or req.tool_choice):
+            raise OpenAIError(400, "tools are counted with messages; send messages", "tools")
         if req.messages is None:
             prompts = await asyncio.to_thread(
                 prompt_ids, req.prompt, served.tokenizer, served.vocab
@@ -382,8 +384,10 @@ def _add_tokenize_route(app: FastAPI, served: Served) -> None:
             )
         else:
             check_messages(req.messages)  # as chat checks them: a tool result answers a call
+            check_tools(req, served.template)
+            tools = req.tools if req.tool_choice != "none" else None
             prompts = await asyncio.to_thread(
-                chat_prompt, served.template, req.messages, served.tokenizer
+                chat_prompt, served.template, req.messages, served.tokenizer, tools
             )
         return {"count": len(prompts[0][1]), "max_model_len": served.context}
 

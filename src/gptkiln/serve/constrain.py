@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+import urllib.parse
 from typing import Any
 
 from gptkiln.errors import GptkilnError
@@ -111,6 +112,7 @@ class Grammars:
             raise GrammarError("the schema false accepts no value; send one an answer can meet")
         if schema is True:
             schema = {}  # the same schema as an object, which takes llguidance's options
+        check_finite(schema)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         except ValueError as e:
@@ -165,6 +167,103 @@ def check_schema(schema: Any) -> None:
         raise GrammarError(f"{e.message}" + (f" (at {where})" if where else "")) from None
     except RecursionError:
         raise GrammarError("it nests too deep to be checked; send a flatter schema") from None
+
+
+FINITE_CHECK_STEPS = 20_000
+"""`check_finite` looks at most this many subschemas (a schema of many alternatives that refer to
+one another); past them it refuses nothing."""
+
+
+def check_finite(schema: Any) -> None:
+    """Refuse (`GrammarError`) a schema that no finite JSON value meets by its shape: a ``$ref``
+    that leads only back to itself (the engine's grammar of it is empty: it lets the end of
+    text through at once, or halfway), or a property that is required and whose schema requires
+    another of its own kind inside it, with no way out (the grammar never ends). A way out is
+    any alternative (``anyOf``, ``oneOf``, ``type`` lists, an untyped schema, which a string
+    meets) or a recursion that is not required (an optional property, an array that may be
+    empty). What the check cannot resolve (a remote ``$ref``) it leaves to the engine."""
+    if not _finite(schema, schema, set(), [FINITE_CHECK_STEPS]):
+        raise GrammarError(
+            "no finite JSON value meets it: a $ref leads back to itself before a value is "
+            "written, or a required property needs another of its own kind inside it; make the "
+            "recursion optional (leave it out of required, let it be null or an empty array)"
+        )
+
+
+def _finite(root: Any, node: Any, stack: set[int], budget: list[int]) -> bool:
+    """Whether some finite value meets ``node`` by its shape (True where unsure); ``stack``: the
+    subschemas being looked into above it (one of them again: no way out along this path)."""
+    if not isinstance(node, dict):
+        return node is not False
+    if budget[0] <= 0:
+        return True
+    budget[0] -= 1
+    if id(node) in stack:
+        return False
+    stack.add(id(node))
+    try:
+        return _finite_here(root, node, stack, budget)
+    finally:
+        stack.discard(id(node))
+
+
+def _finite_here(root: Any, node: dict, stack: set[int], budget: list[int]) -> bool:
+    def finite(sub: Any) -> bool:
+        return _finite(root, sub, stack, budget)
+
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not finite(_pointer(root, ref)):
+        return False
+    if "const" in node or "enum" in node:
+        return True  # the values listed
+    if isinstance(all_of := node.get("allOf"), list) and not all(finite(s) for s in all_of):
+        return False
+    for key in ("anyOf", "oneOf"):
+        subs = node.get(key)
+        if isinstance(subs, list) and subs and not any(finite(s) for s in subs):
+            return False
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list):
+        return True  # untyped: a string meets its object and array keywords
+    return any(_finite_of_type(node, t, finite) for t in types)
+
+
+def _finite_of_type(node: dict, kind: Any, finite) -> bool:
+    if kind == "object":
+        properties = node.get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        other = node.get("additionalProperties", True)
+        required = node.get("required")
+        names = required if isinstance(required, list) else []
+        return all(finite(properties.get(n, other)) for n in names if isinstance(n, str))
+    if kind == "array":
+        least = node.get("minItems", 0)
+        least = least if isinstance(least, int) else 0
+        prefix = node.get("prefixItems")
+        prefix = prefix if isinstance(prefix, list) else []
+        if not all(finite(s) for s in prefix[:least]):
+            return False
+        items = node.get("items", True)
+        return least <= len(prefix) or isinstance(items, list) or finite(items)
+    return True
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` (``#``, ``#/$defs/x``) names; True (anything: left to the
+    engine) for one this cannot follow."""
+    if not ref.startswith("#"):
+        return True
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return True
+    return node
 
 
 class _Vocabulary:

@@ -21,6 +21,7 @@ from gptkiln.serve.schemas import (
     CompletionRequest,
     OpenAIError,
     ResponseFormat,
+    TokenizeRequest,
     Tool,
 )
 from gptkiln.serve.tools import forced_call_grammar, template_messages, tool_family
@@ -87,7 +88,8 @@ def chat_prompt(
     dumped = [m.model_dump(exclude=UNUSED_MESSAGE_FIELDS) for m in messages]
     try:
         if tools or any(m.role == "tool" or m.tool_calls for m in messages):
-            assert isinstance(template, ChatTemplate)  # checked by `check_tools`
+            if not isinstance(template, ChatTemplate):  # `check_tools` says so first
+                raise _no_tool_section("tools" if tools else "messages")
             shown = None if not tools else [t.model_dump(exclude_none=True) for t in tools]
             text = template.render(template_messages(dumped), tools=shown)
         else:
@@ -242,9 +244,12 @@ def check_messages(messages: list[ChatMessage]) -> None:
             )
 
 
-def check_tools(req: ChatCompletionRequest, template: PromptTemplate | ChatTemplate) -> str | None:
+def check_tools(
+    req: ChatCompletionRequest | TokenizeRequest, template: PromptTemplate | ChatTemplate
+) -> str | None:
     """The tool-call family the answer is read with (None: no tools in play), once ``tools``,
-    ``tool_choice`` and the template agree; each disagreement a 400 naming the field."""
+    ``tool_choice`` and the template agree; each disagreement a 400 naming the field (a chat
+    request's, or the count of one)."""
     tools, choice = req.tools or [], req.tool_choice
     names = [t.function.name for t in tools]
     if len(set(names)) < len(names):
@@ -267,15 +272,19 @@ def check_tools(req: ChatCompletionRequest, template: PromptTemplate | ChatTempl
         return None
     family = tool_family(template) if isinstance(template, ChatTemplate) else None
     if family is None:
-        raise OpenAIError(
-            400,
-            "this model's chat template has no tool section gptkiln can use (a fine-tuned "
-            "run's prompt template, or a model template without tools), so it cannot be given "
-            "tools, tool calls or tool results: leave them out",
-            "tools" if tools else "messages",
-            code="tools_not_supported",
-        )
+        raise _no_tool_section("tools" if tools else "messages")
     return None if choice == "none" or not tools else family
+
+
+def _no_tool_section(param: str) -> OpenAIError:
+    return OpenAIError(
+        400,
+        "this model's chat template has no tool section gptkiln can use (a fine-tuned "
+        "run's prompt template, or a model template without tools), so it cannot be given "
+        "tools, tool calls or tool results: leave them out",
+        param,
+        code="tools_not_supported",
+    )
 
 
 def chat_grammar(
@@ -284,8 +293,12 @@ def chat_grammar(
     """The grammar of a chat answer: its ``response_format`` or the tool call it must make.
     Every tool's parameters must be a JSON schema, a call forced or not (as OpenAI's)."""
     for tool in req.tools or []:
+        parameters = tool.function.parameters or {"type": "object"}
         try:
-            check_schema(tool.function.parameters or {"type": "object"})
+            check_schema(parameters)
+            kind = parameters.get("type", "object") if isinstance(parameters, dict) else None
+            if kind != "object":  # a call's arguments are one JSON object
+                raise GrammarError(f"it must be a schema of type object, not {kind!r}")
         except GrammarError as e:
             raise OpenAIError(
                 400, f"tools: the parameters of {tool.function.name!r}: {e}", "tools"

@@ -277,13 +277,16 @@ class InspectRequest(Request):
 
 class TokenizeRequest(Request):
     """``POST /v1/tokenize`` (gptkiln's own, answered in the shape of vLLM's ``/tokenize``): how
-    many tokens a prompt, or chat messages in the run's template, take of the context. The page
-    sizes and checks its fields by it before it sends a request."""
+    many tokens a prompt, or chat messages in the run's template (with the ``tools`` a chat
+    request would show the model), take of the context. The page sizes and checks its fields by
+    it before it sends a request."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     model: str | None = None
 
 
@@ -384,7 +387,11 @@ INSPECT_FIELD_KINDS = {
 
 TOKENIZE_FIELD_KINDS = {
     "prompt": "a string",
-    **{k: v for k, v in CHAT_FIELD_KINDS.items() if k.split(".")[0] == "messages"},
+    **{
+        k: v
+        for k, v in CHAT_FIELD_KINDS.items()
+        if k.split(".")[0] in ("messages", "tools", "tools[]", "tool_choice")
+    },
     "model": "a string",
 }
 

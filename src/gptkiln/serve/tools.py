@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from gptkiln.chat_template import ChatTemplate
-from gptkiln.serve.constrain import JSON_OPTIONS, Grammars
+from gptkiln.serve.constrain import JSON_OPTIONS, Grammars, check_finite
 from gptkiln.serve.schemas import FunctionCall, Tool, ToolCall
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
@@ -41,27 +41,55 @@ def _arguments_key(family: str) -> str:
     return "arguments" if family == HERMES else "parameters"
 
 
-def call_schema(family: str, tool: Tool) -> dict[str, Any]:
-    """The JSON schema of one call of ``tool`` as the family writes it."""
+def call_schema(family: str, tool: Tool, at: str = "#") -> dict[str, Any]:
+    """The JSON schema of one call of ``tool`` as the family writes it, placed at ``at`` (a
+    JSON pointer) of the whole schema: the parameters' own local ``$ref``s (``#/$defs/X``, as
+    pydantic writes a nested model) are rebased to where the parameters now sit."""
+    key = _arguments_key(family)
     parameters = tool.function.parameters or {"type": "object"}
     return {
         "type": "object",
         "properties": {
             "name": {"const": tool.function.name},
-            _arguments_key(family): parameters,
+            key: _rebased(parameters, f"{at}/properties/{key}"),
         },
-        "required": ["name", _arguments_key(family)],
+        "required": ["name", key],
         "additionalProperties": False,
     }
 
 
+_VALUES = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are JSON values, not schemas: a ``$ref`` key inside them is data."""
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with every local ``$ref`` (``#...``) pointing under ``base`` instead."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _VALUES:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, base)
+    return out
+
+
 def forced_call_grammar(grammars: Grammars, family: str, tools: list[Tool]) -> str:
     """The grammar of one call of any of ``tools`` (one tool: that one), in the family's
-    wrapping."""
-    schemas = [call_schema(family, tool) for tool in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    wrapping. A schema that no finite call meets (`gptkiln.serve.constrain.check_finite`) is
+    refused."""
+    if len(tools) == 1:
+        schema = call_schema(family, tools[0])
+    else:
+        schema = {"anyOf": [call_schema(family, t, f"#/anyOf/{i}") for i, t in enumerate(tools)]}
     if family == LLAMA3_JSON:
         return grammars.json_schema(schema)
+    check_finite(schema)
     embedded = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
     start = json.dumps("<tool_call>\n")
     end = json.dumps("\n</tool_call>")
