@@ -219,7 +219,6 @@ def _add_trainable_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lora-rank",
         type=int,
-        default=0,
         metavar="R",
         help="LoRA adapters of rank R >= 1 on the attention and MLP projections, "
         "base frozen (default: 0, no LoRA; 16 with --train-layers lora)",

@@ -616,7 +616,7 @@ class FinetuneConfig:
     val_fraction: float | None = None
     test_fraction: float | None = None
     train_layers: str = "default"
-    lora_rank: int = 0
+    lora_rank: int | None = None  # None: unset (16 with train_layers "lora"); 0: no LoRA
     lora_alpha: float | None = None  # None = 2 x lora_rank
     lora_qkv: Literal["split", "fused"] = "split"
     lora_head: bool = False
@@ -643,8 +643,13 @@ class FinetuneConfig:
                 f"val_fraction + test_fraction must leave entries to train on, got "
                 f"{self.val_fraction} + {self.test_fraction}"
             )
-        if self.lora_rank < 0:
+        if self.lora_rank is not None and self.lora_rank < 0:
             raise GptkilnError(f"lora_rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
+        if self.lora_rank == 0 and self.train_layers == "lora":
+            raise GptkilnError(
+                "--lora-rank 0 means no LoRA, but --train-layers lora trains LoRA adapters; "
+                "give a rank >= 1, or leave --lora-rank out for 16"
+            )
         if self.lora_rank and self.train_layers not in ("default", "lora"):
             raise GptkilnError(
                 f"--lora-rank {self.lora_rank} trains LoRA adapters, but --train-layers "
@@ -654,6 +659,7 @@ class FinetuneConfig:
             self.train_layers = "lora" if self.lora_rank else layers
         if self.train_layers == "lora" and not self.lora_rank:
             self.lora_rank = 16
+        self.lora_rank = self.lora_rank or 0  # stored as a number: 0 without LoRA
         if self.lora_alpha is None and self.train_layers == "lora":
             self.lora_alpha = 2.0 * self.lora_rank
         if self.train_layers not in ("all", "lora") and not re.fullmatch(
