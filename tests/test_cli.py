@@ -922,3 +922,32 @@ def test_a_recipes_idle_min_lr_stays_where_its_default_would_not_fit(tmp_path, c
     code, _, err = cli(*argv, "--max-steps", 2, "--context-length", 32, "--no-progress",
                        capsys=capsys)  # fmt: skip
     assert code == 0, err
+
+
+def test_resume_alone_continues_with_the_runs_own_settings(play_path, tmp_path, capsys):
+    """``--resume`` takes what the run recorded for every flag not given (its data, model, lr
+    and schedule): an interrupted run goes on with only ``--out`` and ``--resume``, and ends
+    where one trained straight through with the same flags does; a flag given still wins."""
+    from safetensors.torch import load_file
+
+    flags = ["--data", play_path, "--model", "tiny", "--tokenizer", "char", "--context-length",
+             "32", "--lr", "0.02", "--schedule", "cosine", "--optimizer", "adamw",
+             "--warmup-steps", "3", "--eval-interval", "2", "--sample-tokens", "0",
+             "--batch-size", "3", "--no-progress"]  # fmt: skip
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert cli("train", *flags, "--max-steps", 6, "--out", straight, capsys=capsys)[0] == 0
+    assert cli("train", *flags, "--max-steps", 4, "--out", cut, capsys=capsys)[0] == 0
+    code, _, err = cli("train", "--out", cut, "--resume", "--max-steps", 6, capsys=capsys)
+    assert code == 0, err
+    a, b = load_file(straight / "model.safetensors"), load_file(cut / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [  # every column but the speed
+        [line.split(",")[:-1] for line in (run / "metrics.csv").read_text().splitlines()]
+        for run in (straight, cut)
+    ]
+    assert rows[0] == rows[1] and len(rows[0]) == 4
+    code, _, err = cli(  # a flag given wins over the record: here refused, as it would be
+        "train", "--out", cut, "--resume", "--max-steps", 8, "--optimizer", "muon",
+        capsys=capsys,
+    )  # fmt: skip
+    assert_one_line_error(code, err, "--optimizer adamw")

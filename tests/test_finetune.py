@@ -1095,3 +1095,20 @@ def test_full_dpo_from_a_lora_run_resumes_after_the_lora_runs_base_moved(work, t
     adapters.write_bytes(adapters.read_bytes()[:-4] + b"\x00\x00\x80\x3f")  # one weight now 1.0
     with pytest.raises(GptkilnError, match="reference, the base .* has changed since"):
         finetune(dpo, quick(dpo, tmp_path / "dpo", max_steps=3, **settings), resume=True)
+
+
+def test_resume_keeps_the_runs_own_loop_settings_where_no_flag_is_given(work, tmp_path, capsys):
+    """An interrupted fine-tuning goes on as it was set: ``--resume`` takes the run's recorded
+    lr, batch and cadence for every loop flag not given (not the fine-tuning defaults)."""
+    out = tmp_path / "ft"
+    base = ["finetune", work / "base", "--data", work / "instructions.json", "--out", out]
+    loop = ["--lr", "3e-3", "--batch-size", "4", "--eval-interval", "2", "--sample-tokens", "0",
+            "--no-progress"]  # fmt: skip
+    assert cli(*base, *loop, "--max-steps", 2, capsys=capsys)[0] == 0
+    code, _, err = cli(*base, "--resume", "--max-steps", 4, "--no-progress", capsys=capsys)
+    assert code == 0, err
+    rows = read_metrics(out / "metrics.csv")
+    assert [r["step"] for r in rows] == [2, 4]  # every 2 steps, as it was (the default: 10)
+    assert [r["lr"] for r in rows] == [3e-3, 3e-3]  # its lr (the default: 5e-5)
+    recorded = json.loads((out / "config.json").read_text())["train"]
+    assert recorded["batch_size"] == 4 and recorded["lr"] == 3e-3

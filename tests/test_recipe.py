@@ -466,11 +466,16 @@ def test_a_run_of_the_default_before_the_recipe_resumes_with_config_baseline(
     argv += ["--eval-batches", "1", "--sample-interval", "100", "--precision", "fp32"]
     assert main([*argv, "--config", "baseline", "--max-steps", "2"]) == 0
     capsys.readouterr()
-    # today's defaults (Muon, untied, 12 windows, WSD) would refuse its model, then its
-    # optimizer, then continue on another schedule and batch: one line names its recipe
-    assert main([*argv, "--max-steps", "3", "--resume"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "--config baseline --resume" in err and "\n" not in err
+    # a resume takes the run's recorded settings, not today's defaults (Muon, untied, 12
+    # windows, WSD, which would refuse its model): --resume alone continues it
+    from gptkiln.config import TrainConfig
+    from gptkiln.errors import GptkilnError
+    from gptkiln.train import train
+
+    today = TrainConfig(data=str(play_path), out=str(run), tokenizer="char", max_steps=3)
+    with pytest.raises(GptkilnError, match="which are now --config baseline"):
+        train(today, resume=True)  # from Python: today's defaults, named in one line
+    assert main(["train", "--out", str(run), "--max-steps", "3", "--resume"]) == 0
     assert main([*argv, "--config", "baseline", "--max-steps", "3", "--resume"]) == 0
     # its recipe with a setting changed on purpose resumes as before
     assert (

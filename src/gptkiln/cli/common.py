@@ -89,6 +89,27 @@ def keep_freed_memory_on_cpu(device: str) -> None:
 RUN_HELP = "a run directory, or a Hugging Face model directory (GPT-2, Llama 3 or Qwen3)"
 
 
+NOT_CARRIED_ON_RESUME = ("out", "progress", "precision")
+"""Settings a resume never takes from the run's record: where it is (given), the bar, and the
+precision (recorded as resolved: the trainer keeps the run's own unless another is asked)."""
+
+
+def recorded_settings(out: str, names) -> dict[str, Any]:
+    """What the run in ``out`` recorded (its config.json's ``train``) of the settings ``names``:
+    a resume continues with them where no flag or recipe gives another. {} where nothing is
+    recorded (no run there yet: the resume itself then says so)."""
+    import json
+    from pathlib import Path
+
+    try:
+        recorded = json.loads((Path(out) / "config.json").read_text(encoding="utf-8"))["train"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    return {k: v for k, v in recorded.items() if k in names and k not in NOT_CARRIED_ON_RESUME}
+
+
 def add_run_argument(
     p: argparse.ArgumentParser, help: str = RUN_HELP, metavar: str | None = "RUN"
 ) -> None:

@@ -18,6 +18,7 @@ from gptkiln.cli.common import (
     add_sampling_flags,
     example,
     keep_freed_memory_on_cpu,
+    recorded_settings,
     sample_config,
 )
 from gptkiln.cli.judge import add_judge_endpoint_flags, judge_of, print_verdict
@@ -97,7 +98,12 @@ def add_finetune_flags(p: argparse.ArgumentParser) -> None:
         'JSON line {"mean", "scored", "unparsed", "entries"}',
     )
     add_judge_endpoint_flags(p, after_training=True)
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out, with its recorded loop settings (--lr, --batch-size, "
+        "...) for each such flag not given",
+    )
     add_overwrite_flag(p, help="replace a run already in --out")
     _add_loop_flags(p)
 
@@ -288,6 +294,11 @@ def finetune_configs_from_args(
     loop = {k: v for k, v in vars(args).items() if k in FINETUNE_LOOP_FLAGS}
     if not args.out:
         raise GptkilnError("gptkiln finetune: --out DIR is required (the run directory to write)")
+    if args.resume:  # the run's own loop settings, where no flag gives another
+        given = loop
+        loop = {**recorded_settings(args.out, FINETUNE_LOOP_FLAGS), **given}
+        if "epochs" in given and "max_steps" not in given:
+            loop["max_steps"] = 0  # --epochs N alone: the epochs decide, as on a new run
     return ft, train_config(ft, out=args.out, **loop)
 
 

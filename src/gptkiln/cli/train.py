@@ -15,7 +15,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from gptkiln.cli.common import add_overwrite_flag, example, keep_freed_memory_on_cpu
+from gptkiln.cli.common import (
+    add_overwrite_flag,
+    example,
+    keep_freed_memory_on_cpu,
+    recorded_settings,
+)
 from gptkiln.config import TRAIN_GROUPS, TrainConfig
 from gptkiln.config.recipes import RECIPES_DIR, load_recipe
 from gptkiln.errors import GptkilnError
@@ -40,7 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     groups = add_train_flags(p)
     groups["checkpoints"].add_argument(
-        "--resume", action="store_true", help="continue the run in --out from its checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its checkpoint, with its recorded settings for "
+        "every flag not given",
     )
     add_overwrite_flag(groups["checkpoints"], help="start afresh over a run already in --out")
     groups["hardware"].add_argument(
@@ -132,16 +140,21 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def _chosen_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]:
     """The `TrainConfig` of `train_config_from_args`, and where each setting a person chose came
-    from: ``"recipe"`` or ``"flag"`` (a flag overrides the recipe)."""
-    values: dict[str, Any] = {}
-    given: dict[str, str] = {}
-    if getattr(args, "config", None):
-        values.update(load_recipe(args.config))
-        given.update(dict.fromkeys(values, "recipe"))
+    from: ``"run"`` (on ``--resume``, what the run recorded), ``"recipe"`` or ``"flag"``, each
+    over the one before it."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
+    recipe = load_recipe(args.config) if getattr(args, "config", None) else {}
     flags = {k: v for k, v in vars(args).items() if k in names}
-    values.update(flags)
-    given.update(dict.fromkeys(flags, "flag"))
+    recorded = {}
+    if getattr(args, "resume", False):  # the run's own settings, where none is given
+        out = flags.get("out", recipe.get("out", TrainConfig.out))
+        recorded = recorded_settings(out, names)
+    values = {**recorded, **recipe, **flags}
+    given = {
+        **dict.fromkeys(recorded, "run"),
+        **dict.fromkeys(recipe, "recipe"),
+        **dict.fromkeys(flags, "flag"),
+    }
     return TrainConfig.from_dict(values), given
 
 
@@ -170,7 +183,7 @@ def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: 
             f"gptkiln prepare {source} {asked} --out NEW_DIR"
         )
     for name, has, value in clashes:
-        if os.environ.get("RANK", "0") == "0":
+        if given[name] == "recipe" and os.environ.get("RANK", "0") == "0":
             print(
                 f"note: --config {recipe} sets {name}: {getattr(cfg, name)}, but --data "
                 f"{cfg.data} was {has}, which training keeps",

@@ -291,8 +291,9 @@ class LanguageModeling:
             raise GptkilnError(
                 f"cannot resume {self.run_dir}: it was trained with the settings of the default "
                 "run before it became the speedrun recipe (AdamW, qwen3-baby, 8 random windows "
-                "a step), which are now --config baseline; resume it with --config baseline "
-                "--resume, or start a new run with --overwrite"
+                "a step), which are now --config baseline; resume it with those settings "
+                "(gptkiln train --out RUN --resume takes them from the run), or start a new run "
+                "with --overwrite"
             )
 
     def _check_splits_hold_a_window(self) -> None:
