@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_tokenizer_dirs import write_qwen3_dir
-from test_cli import cli
+from test_cli import assert_one_line_error, cli
 
 from gptkiln.chat_template import load_chat_template
 from gptkiln.cli import main
@@ -113,11 +113,19 @@ def test_the_loss_equals_trls_dpo_trainer_on_the_same_model_batch_and_beta(work,
     beta, rows = 0.3, pairs(4)
     _, chosen, rejected, (x, y) = our_batch(work / "reference", rows)
     reference, policy = load_model(work / "reference"), nudged(work / "reference")
-    average = kind == "ipo"
+    n = (y != -100).sum(-1)
     with torch.no_grad():
-        pi = sequence_log_probs(policy(x), y, average)
-        ref = sequence_log_probs(reference(x), y, average)
-        ours = dpo_loss(pi[:4], pi[4:], ref[:4], ref[4:], beta, kind)
+        pi = sequence_log_probs(policy(x), y)
+        ref = sequence_log_probs(reference(x), y)
+        ours = dpo_loss(pi[:4], pi[4:], ref[:4], ref[4:], beta, kind, (n[:4], n[4:]))
+    conversations = [  # TRL renders them in the template itself
+        {
+            "prompt": [{"role": "user", "content": row["prompt"]}],
+            "chosen": [{"role": "assistant", "content": row["chosen"]}],
+            "rejected": [{"role": "assistant", "content": row["rejected"]}],
+        }
+        for row in rows
+    ]
 
     hf_policy = transformers.Qwen3ForCausalLM.from_pretrained(work / "reference").eval()
     hf_policy.load_state_dict(_hf_state_dict(policy, hf_policy))
@@ -136,29 +144,25 @@ def test_the_loss_equals_trls_dpo_trainer_on_the_same_model_batch_and_beta(work,
                 use_cpu=True,
                 bf16=False,  # TRL's default autocasts to bf16; gptkiln's side is fp32
             ),
-            train_dataset=Dataset.from_list(rows),
+            train_dataset=Dataset.from_list(conversations),
             processing_class=tokenizer,
         )
     examples = []
-    for c, r in zip(chosen, rejected, strict=True):
+    for c, r, theirs in zip(chosen, rejected, trainer.train_dataset, strict=True):
         start = c.trained.index(True)
         assert c.ids[:start] == r.ids[:start]  # one prompt, two answers
-        examples.append(
-            {
-                "prompt_ids": c.ids[:start],
-                "chosen_ids": c.ids[start:],
-                "rejected_ids": r.ids[start:],
-            }
-        )
+        ours_ids = {"prompt_ids": c.ids[:start], "chosen_ids": c.ids[start:],
+                    "rejected_ids": r.ids[start:]}  # fmt: skip
+        assert ours_ids == {k: list(theirs[k]) for k in ours_ids}  # TRL's own tokens
+        examples.append(ours_ids)
     batch = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)(examples)
     with torch.no_grad():
         theirs = trainer.compute_loss(hf_policy, batch)
     assert abs(ours.loss.item() - theirs.item()) < 1e-5, (ours.loss.item(), theirs.item())
-    if kind == "sigmoid":  # TRL's logged rewards: beta * (policy - reference) of each answer
-        logged = trainer._metrics["train"]
-        chosen_reward = logged["rewards/chosen"][-1] if "rewards/chosen" in logged else None
-        if chosen_reward is not None:
-            assert abs(ours.chosen_rewards.mean().item() - chosen_reward) < 1e-5
+    # TRL's logged rewards: beta * (policy - reference) of each answer, summed for ipo too
+    logged = next(m for m in trainer._metrics.values() if m.get("rewards/chosen"))  # its mode's
+    assert abs(ours.chosen_rewards.mean().item() - logged["rewards/chosen"][-1]) < 1e-5
+    assert abs(ours.rejected_rewards.mean().item() - logged["rewards/rejected"][-1]) < 1e-5
 
 
 def _hf_state_dict(model, hf_model) -> dict:
@@ -259,11 +263,16 @@ def test_show_examples_of_pairs_are_the_chosen_and_rejected_rows(work, capsys):
     code, out, err = cli(*argv, "--show-examples", 1, capsys=capsys)
     assert code == 0, err
     assert "--- pair 1, chosen" in out and "--- pair 1, rejected" in out
-    assert "It is 0.<|im_end|>»" in out and "I do not know, maybe 3?<|im_end|>»" in out
+    # the answer runs to the end of what the template renders (TRL's): the newline after too
+    assert "It is 0.<|im_end|>\n»" in out and "I do not know, maybe 3?<|im_end|>\n»" in out
     code, out, err = cli(*argv, "--show-examples", 1, "--max-length", 4, capsys=capsys)
-    assert code == 0 and "--- pair 1, chosen: dropped, the pair's longer answer is" in out
+    assert "--- pair 1, chosen: dropped, the pair's longer answer is" in out
     assert "--- pair 1, rejected: dropped" in out  # the pair goes whole, as training drops it
-    assert "trained ---" not in out  # none fits: every pair said dropped, none shown
+    assert "pair 2" not in out and "more pairs dropped, not shown" in out  # N said, the rest not
+    assert "trained ---" not in out  # none fits: refused, as training refuses it
+    assert_one_line_error(code, err, "no pair fits: the trainer drops every one")
+    code, out, err = cli(*argv, "--show-examples", 1, "--max-length", 4, "--json", capsys=capsys)
+    assert out == "" and code == 2 and "no pair fits" in err
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,11 @@ its adapters off, so no second copy is held), the loss is::
     ipo:      (logits - 1 / (2 beta))^2            (Azar et al. 2023, on mean log-probabilities,
                                                     as TRL computes it)
 
-and the rewards are ``beta * (pi - ref)`` of each answer; accuracy is the share of pairs whose
-chosen reward is the larger. These are TRL's ``DPOTrainer`` definitions (its ``sigmoid`` and
-``ipo`` loss types, no label smoothing), which the tests check the loss against.
+and the rewards are ``beta * (pi - ref)`` of each answer (summed log-probabilities, for either
+loss); accuracy is the share of pairs whose chosen reward is the larger. These are TRL's
+``DPOTrainer`` definitions (its ``sigmoid`` and ``ipo`` loss types, no label smoothing), and an
+answer is TRL's: every token the template renders after the prompt (with its generation
+prompt), which the tests check against TRL's own dataset and loss.
 """
 
 from __future__ import annotations
@@ -73,30 +75,37 @@ def dpo_loss(
     ref_rejected: torch.Tensor,
     beta: float,
     kind: str = "sigmoid",
+    lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> DPOStats:
-    """The DPO loss of pairs from their log-probabilities (B,) under the policy and the
-    reference (see the module's docstring)."""
+    """The DPO loss of pairs from their summed log-probabilities (B,) under the policy and the
+    reference (see the module's docstring); ``lengths``, each answer's learnt tokens (B,) for
+    the chosen and the rejected, are what ``ipo`` averages over."""
     logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
     if kind == "sigmoid":
         losses = -F.logsigmoid(beta * logits)
-    elif kind == "ipo":
+    elif kind == "ipo":  # on each answer's mean log-probability
+        n_chosen, n_rejected = lengths
+        logits = (policy_chosen - ref_chosen) / n_chosen - (policy_rejected - ref_rejected) / (
+            n_rejected
+        )
         losses = (logits - 1 / (2 * beta)) ** 2
     else:
         raise GptkilnError(f"dpo loss must be sigmoid or ipo, got {kind!r}")
-    chosen = beta * (policy_chosen - ref_chosen).detach()
+    chosen = beta * (policy_chosen - ref_chosen).detach()  # summed, whatever the loss
     rejected = beta * (policy_rejected - ref_rejected).detach()
     return DPOStats(losses.mean(), chosen, rejected)
 
 
 def answer_only(example: Example) -> Example:
-    """``example`` up to the end of its last assistant turn, learning that turn only (the
-    answer of a pair: what the template writes after it is no part of it)."""
+    """``example`` learning its last assistant turn only, to the end of what the template
+    renders (Qwen3's and ChatML's ``<|im_end|>\n``: its newline too). This is TRL's answer: the
+    whole conversation's tokens after the prompt's, the prompt rendered with the generation
+    prompt."""
     trained = list(example.trained)
-    end = max(i for i, t in enumerate(trained) if t) + 1
-    start = end
+    start = max(i for i, t in enumerate(trained) if t) + 1
     while start > 0 and trained[start - 1]:
         start -= 1
-    return Example(example.ids[:end], [start <= i for i in range(end)])
+    return Example(example.ids, [start <= i for i in range(len(example.ids))])
 
 
 def encode_pair(encoder: ConversationEncoder, pair) -> tuple[Example, Example]:
@@ -233,24 +242,25 @@ class PreferenceTuning(FineTuning):
 
     # -- the loss ------------------------------------------------------------------------------
     def reference_log_probs(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        average = self.ft.dpo_loss == "ipo"
         with torch.no_grad():
             if self.reference is not None:
-                return sequence_log_probs(self.reference(x), y, average)
+                return sequence_log_probs(self.reference(x), y)
             self.tuner.disable_adapter_layers()
             try:
-                return sequence_log_probs(self.model(x), y, average)
+                return sequence_log_probs(self.model(x), y)
             finally:
                 self.tuner.enable_adapter_layers()
 
     def stats(self, forward, x: torch.Tensor, y: torch.Tensor) -> DPOStats:
         """The DPO loss and rewards of one (2B, T) batch, the policy run by ``forward``."""
         half = x.size(0) // 2
-        policy = sequence_log_probs(forward(x), y, average=self.ft.dpo_loss == "ipo")
+        policy = sequence_log_probs(forward(x), y)
         ref = self.reference_log_probs(x, y)
+        n = (y != IGNORE_INDEX).sum(-1).clamp(min=1)  # each answer's learnt tokens
         return dpo_loss(
-            policy[:half], policy[half:], ref[:half], ref[half:], self.ft.beta, self.ft.dpo_loss
-        )
+            policy[:half], policy[half:], ref[:half], ref[half:], self.ft.beta, self.ft.dpo_loss,
+            (n[:half], n[half:]),
+        )  # fmt: skip
 
     def training_loss(self, forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.stats(forward, x, y).loss

@@ -36,13 +36,17 @@ def show_examples(ft: FinetuneConfig, n: int, as_json: bool = False) -> Iterator
     base_cfg = read_config(base)
     tokenizer = load_run_tokenizer(base, base_cfg)
     shown, wanted = 0, n * (2 if ft.task == "dpo" else 1)  # a pair is two rows
+    said = unsaid = 0  # rows the trainer drops: said (as many as are shown at most), counted
     for number, (label, text, ids, trained) in enumerate(SHOWN[ft.task](ft, base_cfg, tokenizer)):
         if shown == wanted:
-            return
+            break
         what = f"pair {number // 2 + 1}, {label}" if label else f"example {number + 1}"
         if ids is None:  # the trainer drops it (too long): said, not counted among the N
-            if not as_json:
+            if said == wanted:
+                unsaid += 1
+            elif not as_json:
                 yield f"--- {what}: dropped, {text} ---"
+            said += said < wanted
             continue
         shown += 1
         if as_json:
@@ -51,6 +55,14 @@ def show_examples(ft: FinetuneConfig, n: int, as_json: bool = False) -> Iterator
             continue
         text = text if text is not None else marked(tokenizer, ids, trained)
         yield f"--- {what}: {len(ids)} tokens, {sum(trained)} trained ---\n{text}"
+    unit = "pair" if ft.task == "dpo" else "example"
+    if unsaid and not as_json:
+        yield f"--- {unsaid // (2 if ft.task == 'dpo' else 1)} more {unit}s dropped, not shown ---"
+    if not shown and said:  # as training refuses it
+        raise GptkilnError(
+            f"--data {ft.data}: no {unit} fits: the trainer drops every one (too long); raise "
+            "--max-length or shorten them"
+        )
 
 
 def marked(tokenizer, ids: Sequence[int], trained: Sequence[bool]) -> str:
