@@ -1112,3 +1112,19 @@ def test_resume_keeps_the_runs_own_loop_settings_where_no_flag_is_given(work, tm
     assert [r["lr"] for r in rows] == [3e-3, 3e-3]  # its lr (the default: 5e-5)
     recorded = json.loads((out / "config.json").read_text())["train"]
     assert recorded["batch_size"] == 4 and recorded["lr"] == 3e-3
+    before = (out / "metrics.csv").read_bytes(), (out / "trainer_state.pt").read_bytes()
+    code, printed, err = cli(*base, "--resume", "--max-steps", 2, capsys=capsys)
+    assert code == 0 and "nothing to train" in err and "at step 4 of 2" in err
+    assert "done" not in printed and "sample" not in printed + err  # nor evaluated, sampled
+    assert before == ((out / "metrics.csv").read_bytes(), (out / "trainer_state.pt").read_bytes())
+
+
+def test_one_entry_is_refused_without_advice_it_cannot_follow(work, tmp_path, capsys):
+    entries = json.loads((work / "instructions.json").read_text())
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(entries[:1]))
+    code, _, err = cli(
+        "finetune", work / "base", "--data", one, "--out", tmp_path / "r", capsys=capsys
+    )
+    assert_one_line_error(code, err, "1 entry: fine-tuning needs 2 at least")
+    assert "--val-fraction" not in err  # no fraction below 1 gives one entry two splits

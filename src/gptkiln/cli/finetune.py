@@ -312,6 +312,8 @@ def run_finetune(args: argparse.Namespace) -> None:
     judge = _judge_after_training(args, ft)  # its flags checked before hours of training
     keep_freed_memory_on_cpu(cfg.device)
     result = finetune(ft, cfg, resume=args.resume, overwrite=args.overwrite)
+    if not result.trained:  # the line said why; the run is as it was
+        return
     last = result.history[-1] if result.history else {}
     scores = ", ".join(
         f"{k.replace('_', ' ')} {100 * v:.1f}%"

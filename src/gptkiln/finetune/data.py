@@ -223,6 +223,11 @@ def split_sizes(n: int, val_fraction: float, test_fraction: float) -> tuple[int,
 def check_splits(path: str | Path, n: int, sizes: tuple[int, int, int], val_fraction: float):
     """Refuse a split with no validation entry (evaluation needs one) or no training entry."""
     train, val, _ = sizes
+    if n < 2:
+        raise GptkilnError(
+            f"--data {path}: {n} {'entry' if n == 1 else 'entries'}: fine-tuning needs 2 at "
+            "least, one to train on and one to validate with; give more data"
+        )
     if val == 0:
         raise GptkilnError(
             f"--data {path}: {n} entries x --val-fraction {val_fraction:g} leaves no validation "

@@ -53,6 +53,7 @@ class TrainResult:
     sample: str | None
     history: list[dict] = field(default_factory=list)
     val_bpc: float | None = None  # bits per character of the validation text
+    trained: bool = True  # False: a resume with no step left (`stops.nothing_to_train`)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> TrainResult:
@@ -231,10 +232,13 @@ class Trainer:
                 died or hung past GPTKILN_DIST_TIMEOUT); the message names the last checkpoint.
         """
         clock, total = self.clock, self.batches.total_steps
-        if self.world.is_main and (
-            message := nothing_to_train(self.run_dir, self.step, total, clock, self.cfg.max_time)
-        ):
-            print(message, file=sys.stderr)
+        if message := nothing_to_train(self.run_dir, self.step, total, clock, self.cfg.max_time):
+            if self.world.is_main:  # the same on every rank: the step and clock are the run's
+                print(message, file=sys.stderr)
+            return TrainResult(  # no evaluation, sample or plot: nothing changed
+                self.run_dir, self.step, self.tokens, None, None, None, self.log.history,
+                trained=False,
+            )  # fmt: skip
         warmup = self.cfg.warmup_steps
         if self.world.is_main and self.step == 0 and not self.cfg.max_time and warmup > total:
             print(
