@@ -286,6 +286,7 @@ def test_show_examples_of_pairs_are_the_chosen_and_rejected_rows(work, capsys):
         ),
         ([{"prompt": 7, "chosen": "a", "rejected": "b"}], '"prompt" is a JSON number'),
         ([{"prompt": None, "chosen": "a", "rejected": "b"}], '"prompt" is null'),
+        ([{"chosen": "a", "rejected": "b"}], 'no "prompt" for the text answers'),
         (
             [{"prompt": "q", "chosen": [{"role": "assistant", "content": " "}], "rejected": "b"}],
             "chosen[0] is an assistant's message with no text",

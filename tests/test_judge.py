@@ -347,3 +347,31 @@ def test_an_instruction_with_a_blank_line_is_prompted_as_it_was_trained(run, fak
     [judged] = answers(run, test_entries(run, str(data)), max_new_tokens=2)
     prompt = format_prompt(ALPACA, entry["instruction"], "")
     assert "### Input:" not in prompt and judged.input == prompt.rsplit("\n\n### Response:", 1)[0]
+
+
+def test_a_thinking_models_reasoning_block_is_not_judged(run, tmp_path, monkeypatch):
+    """Qwen3's template opens every answer with ``<think>...</think>``: the judge scores the
+    answer after it, as a reader gets it."""
+    import gptkiln.api
+    from gptkiln.finetune.judge import answers, test_entries
+
+    class Done:
+        text = "<think>\n\n</think>\n\nYou are welcome."
+
+    monkeypatch.setattr(
+        gptkiln.api, "complete", lambda model, prompts, *a, **k: [Done] * len(prompts)
+    )
+    entry = {"instruction": "Thank you.", "input": "", "output": "You are welcome."}
+    data = tmp_path / "thanks.json"
+    data.write_text(json.dumps([entry]))
+    [judged] = answers(run, test_entries(run, str(data)), max_new_tokens=2)
+    assert judged.response == "You are welcome."
+
+
+def test_an_openai_key_goes_to_openai_only_unless_a_variable_is_named():
+    from gptkiln.cli.judge import key_env
+
+    assert key_env("https://api.openai.com/v1", None) == "OPENAI_API_KEY"
+    assert key_env("http://localhost:11434/v1", None) == ""  # Ollama, vLLM, a third party
+    assert key_env("https://openai.com.evil.example/v1", None) == ""
+    assert key_env("http://localhost:8000/v1", "JUDGE_KEY") == "JUDGE_KEY"

@@ -111,10 +111,10 @@ def add_judge_endpoint_flags(p: argparse.ArgumentParser, after_training: bool = 
     p.add_argument("--judge-model", required=required, metavar="NAME", help=model_help)
     p.add_argument(
         "--judge-key-env",
-        default="OPENAI_API_KEY",
         metavar="VAR",
-        help="the environment variable holding the API key, sent when set "
-        "(default: OPENAI_API_KEY)",
+        help="the environment variable holding the API key, sent when set (default: "
+        "OPENAI_API_KEY for an openai.com URL, none for any other host: an OpenAI key goes "
+        "to OpenAI only)",
     )
     if after_training:
         p.add_argument(
@@ -135,9 +135,20 @@ def judge_of(args: argparse.Namespace, prompt: str | None = None, **settings):
         url=args.judge_url,
         model=args.judge_model,
         prompt=prompt or BOOK_PROMPT,
-        key=os.environ.get(args.judge_key_env) or None,
+        key=os.environ.get(key_env(args.judge_url, args.judge_key_env), "") or None,
         **settings,
     )
+
+
+def key_env(url: str, asked: str | None) -> str:
+    """The environment variable whose key goes to ``url``: the one asked, else OpenAI's for an
+    openai.com host, else none ("")."""
+    from urllib.parse import urlsplit
+
+    if asked is not None:
+        return asked
+    host = (urlsplit(url).hostname or "").lower()
+    return "OPENAI_API_KEY" if host == "openai.com" or host.endswith(".openai.com") else ""
 
 
 def print_verdict(verdict, as_json: bool) -> None:

@@ -389,6 +389,11 @@ def read_preferences(source: str | Path) -> list[Preference]:
                 f"key out for chosen and rejected whole conversations; {_PAIR_HELP}"
             )
         if prompt is None:
+            if isinstance(record["chosen"], str) or isinstance(record["rejected"], str):
+                raise GptkilnError(  # text answers need the question they answer
+                    f'{where}: no "prompt" for the text answers chosen and rejected; give the '
+                    f"prompt, or whole conversations as chosen and rejected; {_PAIR_HELP}"
+                )
             chosen = checked_messages(where, record["chosen"], "chosen", _PAIR_HELP)
             rejected = checked_messages(where, record["rejected"], "rejected", _PAIR_HELP)
             if chosen[:-1] != rejected[:-1] or "assistant" != chosen[-1]["role"]:

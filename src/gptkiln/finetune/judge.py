@@ -344,7 +344,8 @@ def answers(
     device: str = "cpu",
 ) -> list[Entry]:
     """The run's greedy answer to each item, batched; the entries to judge (``input`` is each
-    prompt as the run's template writes it, without the trailing response header)."""
+    prompt as the run's template writes it, without the trailing response header; ``response``
+    the answer after any ``<think>...</think>`` block, as a judge of a thinking model reads it)."""
     from gptkiln.api import complete
     from gptkiln.chat_template import is_chat_template
     from gptkiln.config import SampleConfig
@@ -376,8 +377,8 @@ def answers(
         _shown_input(template, p, messages, chat)
         for p, (messages, _) in zip(prompts, items, strict=True)
     ]
-    return [
-        Entry(input=s, output=output, response=c.text.strip())
+    return [  # the answer a reader gets: a thinking model's reasoning block left out
+        Entry(input=s, output=output, response=_REASONING.sub("", c.text, count=1).strip())
         for s, (_, output), c in zip(shown, items, done, strict=True)
     ]
 
