@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from instruction_data import instructions
 from serving import ServerThread, free_port
-from test_cli import cli
+from test_cli import assert_one_line_error, cli
 
 from gptkiln.checkpoint import save_model
 from gptkiln.config import FinetuneConfig, GPTConfig
@@ -375,3 +375,11 @@ def test_an_openai_key_goes_to_openai_only_unless_a_variable_is_named():
     assert key_env("http://localhost:11434/v1", None) == ""  # Ollama, vLLM, a third party
     assert key_env("https://openai.com.evil.example/v1", None) == ""
     assert key_env("http://localhost:8000/v1", "JUDGE_KEY") == "JUDGE_KEY"
+
+
+def test_a_batch_size_below_1_is_refused_before_anything_is_answered(run, capsys):
+    code, _, err = cli(
+        "judge", run, "--judge-url", "http://localhost:1/v1", "--judge-model", "m",
+        "--batch-size", 0, capsys=capsys,
+    )  # fmt: skip
+    assert_one_line_error(code, err, "--batch-size must be a whole number >= 1")

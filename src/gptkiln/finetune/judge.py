@@ -357,6 +357,8 @@ def answers(
         raise GptkilnError(
             f"--max-new-tokens must be >= 1 (an answer to judge), got {max_new_tokens}"
         )
+    if batch_size < 1:  # before the model loads
+        raise GptkilnError(f"--batch-size must be a whole number >= 1, got {batch_size}")
     model, tokenizer, cfg = load_run(run_dir, device=device)
     template = require_template(cfg, run_dir)
     chat = is_chat_template(template)
@@ -415,6 +417,8 @@ def judge_run(
         raise GptkilnError(
             f"--max-new-tokens must be >= 1 (the answers judged), got {max_new_tokens}"
         )
+    if batch_size < 1:  # before the answering is announced
+        raise GptkilnError(f"--batch-size must be a whole number >= 1, got {batch_size}")
     if name is not None and not re.fullmatch(r"[\w.-]+", name):
         raise GptkilnError(
             f"--name {name!r}: the verdict goes to RUN/judgements-NAME.json, so give a plain "
