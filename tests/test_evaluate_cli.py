@@ -110,6 +110,13 @@ def test_an_output_path_over_a_runs_file_is_refused(setup, capsys):
                        "--output-path", run / "config.json", "--quiet", capsys=capsys)  # fmt: skip
     assert_one_line_error(code, err, "--output-path", "a file of the run in")
     assert (run / "config.json").read_bytes() == config
+    data = run.parent / "prepared"  # prepared data's meta.json, written by slip
+    data.mkdir(exist_ok=True)
+    (data / "meta.json").write_text('{"tokenizer": "char"}')
+    code, _, err = cli("evaluate", run, "--tasks", "kiln_mc", "--include-path", setup["tasks"],
+                       "--output-path", data / "meta.json", "--quiet", capsys=capsys)  # fmt: skip
+    assert_one_line_error(code, err, "--output-path", "a file of the prepared data in")
+    assert (data / "meta.json").read_text() == '{"tokenizer": "char"}'
 
 
 def test_output_path_log_samples_limit_num_fewshot_seed_and_batch_size_reach_the_harness(

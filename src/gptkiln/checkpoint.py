@@ -463,8 +463,16 @@ def run_files(run_dir: str | os.PathLike) -> list[Path]:
 
 def check_not_a_run_file(path: str | os.PathLike, flag: str) -> None:
     """One line when writing ``path`` would replace a file of the run in its folder (weights,
-    config, trainer state, tokenizer, metrics, plot, ...): an output named after one by slip."""
+    config, trainer state, tokenizer, metrics, plot, ...), or of prepared data (its
+    ``meta.json``, ``train.bin``, ...): an output named after one by slip."""
+    from gptkiln.data.prepare import is_prepared
+
     path = Path(path)
+    if path.is_file() and is_prepared(path.parent):  # any of its files: tokens, vocabulary
+        raise GptkilnError(
+            f"{flag} {path}: a file of the prepared data in {path.parent}, which writing there "
+            "would replace; give another path"
+        )
     if not (path.exists() and (path.parent / CONFIG_FILE).is_file()):
         return
     if any(path.resolve() == f.resolve() for f in run_files(path.parent)):
