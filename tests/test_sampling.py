@@ -865,6 +865,11 @@ def test_a_tie_at_the_nucleus_edge_running_past_4096_or_top_ks_k_is_ranked_whole
         assert torch.equal(kept, whole_sort_top_p(row, 1.0, top_k, top_p) > 0)
 
 
+def test_a_prompt_of_0_d_tensors_is_one_prompt_of_their_ids(model):
+    ids = generate(model, [torch.tensor(5), torch.tensor(6)], max_new_tokens=2, temperature=0)
+    assert ids == generate(model, [5, 6], max_new_tokens=2, temperature=0)  # one prompt
+
+
 @pytest.mark.parametrize(
     "prompts, settings, needle",
     [
@@ -874,6 +879,8 @@ def test_a_tie_at_the_nucleus_edge_running_past_4096_or_top_ks_k_is_ranked_whole
         ([[5], [2.0]], {}, "prompt 1 holds 2.0"),
         ([1.0, 2.0], {}, "the prompt holds 1.0"),
         ([5, None], {}, "the prompt holds None"),
+        ([torch.tensor(5), torch.tensor(99)], {}, "the prompt holds 99"),  # 0-d: one id each
+        ([[torch.tensor([5, 6])]], {}, "prompt 0 holds tensor"),
         ([5], {"max_new_token": 3}, "no setting max_new_token; SampleConfig's are: max_new_tokens"),
     ],
 )

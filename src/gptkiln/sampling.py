@@ -797,10 +797,20 @@ def _prompt_rows(prompts, vocab_size: int) -> tuple[bool, list[list[int]]]:
         )
     if isinstance(prompts, (torch.Tensor, np.ndarray)):  # (T,) one prompt, (B, T) a batch
         prompts = prompts.tolist()
-    # one prompt of ids (a float or None among them refused below), or a batch of rows
-    single = len(prompts) > 0 and not isinstance(prompts[0], (Sequence, torch.Tensor, np.ndarray))
+    # one prompt of ids (a float or None among them refused below), or a batch of rows; a 0-d
+    # tensor or array is one id
+    arrays = (torch.Tensor, np.ndarray)
+    first = prompts[0] if len(prompts) else None
+    single = first is not None and not (
+        isinstance(first, Sequence) or (isinstance(first, arrays) and first.ndim > 0)
+    )
     rows = [prompts] if single else prompts
-    batch = [r.tolist() if isinstance(r, (torch.Tensor, np.ndarray)) else list(r) for r in rows]
+    batch = [
+        r.tolist()
+        if isinstance(r, arrays)
+        else [t.item() if isinstance(t, arrays) and t.ndim == 0 else t for t in r]
+        for r in rows
+    ]
     for n, row in enumerate(batch):
         bad = [t for t in row if isinstance(t, bool) or not isinstance(t, Integral)]
         bad += [t for t in row if isinstance(t, Integral) and not 0 <= t < vocab_size]
