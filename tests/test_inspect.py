@@ -238,8 +238,13 @@ def test_the_grid_has_a_panel_per_layer_and_head_or_per_choice(char_tokenizer):
     assert [ax.get_title() for ax in panels(fig)] == ["layer 2 · head 0", "layer 2 · head 1"]
     ((fig, _),) = plots.attention_figures(result.attention, result.labels, heads=[1])
     assert [ax.get_title() for ax in panels(fig)] == [f"layer {i} · head 1" for i in range(3)]
-    ((fig, _),) = plots.attention_figures(result.attention, result.labels, [1], [0])
+    ((fig, _),) = plots.attention_figures(
+        result.attention, result.labels, [1], [0], title="run: " + repr(TEXT[:60])
+    )
     assert [ax.get_title() for ax in panels(fig)] == ["layer 1 · head 0"]
+    fig.canvas.draw()  # one narrow panel: its title lines wrap inside the figure
+    box = fig._suptitle.get_window_extent()
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width
 
 
 def test_a_grid_too_large_for_one_figure_becomes_one_file_per_layer(

@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import re
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -273,7 +274,10 @@ def _attention_figure(weights, labels, grid, side, title, group=1):
             else:
                 ax.set_ylabel("query", fontsize=7)
     sub = "rows: each token as a query; columns: the tokens it attends to; grey: the future"
-    fig.suptitle(f"{title}\n{sub}" if title else sub, fontsize=9)
+    # wrapped to the figure's width (~0.075 inch a character at 9 points): one panel is narrow
+    chars = max(24, int(fig.get_figwidth() / 0.075))
+    lines = [textwrap.fill(t, chars) for t in ((title, sub) if title else (sub,))]
+    fig.suptitle("\n".join(lines), fontsize=9)
     if every > 1:
         fig.supxlabel(f"(every {every}th token labelled)", fontsize=7)
     fig.colorbar(image, ax=axes, shrink=min(1.0, 4 / (nrows * side)), label="attention weight")
