@@ -166,6 +166,41 @@ def test_llama3_rope_scalings_are_read_back_from_their_rope_freqs(head_dim, thet
             torch.testing.assert_close(rope_factors(again), factors, rtol=1e-4, atol=1e-5)
 
 
+def test_rope_scalings_of_any_bounds_are_read_back_and_llama_31s_as_written():
+    """Bounds off any grid (a low factor other than 1, a context not a power of two) come back
+    as bounds that give the same frequencies; Llama 3.1's come back as its own numbers."""
+    import random
+
+    from gptkiln.config import GPTConfig
+    from gptkiln.export.gguf import rope_factors
+    from gptkiln.export.gguf_import import _rope_scaling
+
+    def config(head_dim, theta, factor, low, high, original):
+        ours = dict(factor=factor, low_freq_factor=low, high_freq_factor=high)
+        ours["original_context_length"] = original
+        return GPTConfig.from_name("llama3-baby", head_dim=head_dim, rope_theta=theta,
+                                   rope_scaling=ours)  # fmt: skip
+
+    llama31 = rope_factors(config(128, 500000.0, 8.0, 1.0, 4.0, 8192))
+    got = _rope_scaling(llama31, 500000.0, 128, Path("m.gguf"))
+    assert (got["factor"], got["low_freq_factor"], got["high_freq_factor"]) == (8.0, 1.0, 4.0)
+    assert got["original_max_position_embeddings"] == 8192
+    rng = random.Random(0)
+    for _ in range(300):
+        head_dim, theta = rng.choice([16, 32, 64, 128]), rng.uniform(1e3, 1e6)
+        low = rng.uniform(0.5, 4)
+        made = config(head_dim, theta, rng.uniform(1.5, 40), low, low + rng.uniform(0.1, 8),
+                      rng.randint(64, 65536))  # fmt: skip
+        factors = rope_factors(made).float()  # as the file stores them
+        got = _rope_scaling(factors, theta, head_dim, Path("m.gguf"))  # checks itself, or raises
+        if got is not None:
+            bounds = [got[k] for k in ("factor", "low_freq_factor", "high_freq_factor")]
+            back = config(head_dim, theta, *bounds, got["original_max_position_embeddings"])
+            torch.testing.assert_close(
+                rope_factors(back).double(), factors.double(), rtol=1e-4, atol=1e-5
+            )
+
+
 def converter() -> Path:
     """llama.cpp's convert_hf_to_gguf.py (its source tree's, or llama-cpp-python's sdist's, with
     gguf-py beside it): $LLAMA_CPP_CONVERT, else skip."""

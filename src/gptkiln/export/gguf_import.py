@@ -254,8 +254,6 @@ def _rope_scaling(
     """Llama 3's RoPE scaling from the per-frequency factors llama.cpp stores (`rope_freqs`):
     ``factor`` is the largest; the blend between is linear in 1 / wavelength, which gives its
     bounds (any bounds in the gaps give the same frequencies when there is no blend)."""
-    from gptkiln.export.gguf import rope_factors
-
     if factors is None or torch.allclose(factors, torch.ones_like(factors)):
         return None
     factor = float(factors.max())
@@ -265,26 +263,32 @@ def _rope_scaling(
     kept_at, divided_at = f <= 1 + 1e-5, f >= factor * (1 - 1e-5)  # float32's own rounding
     blend = ~kept_at & ~divided_at
     s = (1 / f - 1 / factor) / (1 - 1 / factor)  # = (original / wavelen - low) / (high - low)
-    if int(blend.sum()) >= 2:  # low 1: s = A / wavelen - B, a line through any two
+    if int(blend.sum()) >= 2:  # s = A / wavelen - B, a line through any two
+        # A = original / (high - low) and B = low / (high - low) fix the frequencies; of the
+        # bounds that give them, those whose original is a whole number (low = original B / A)
         x = 1 / wavelen[blend]
         a = float((s[blend][-1] - s[blend][0]) / (x[-1] - x[0]))
         b = float(a * x[0] - s[blend][0])
-        low, high, original = 1.0, round(1.0 + 1.0 / b, 4), float(round(a / b))
-    elif int(blend.sum()) == 1:  # one point (wavelength w0, blend s0) on a line of two unknowns
+        original = float(max(1, round(a / b)))
+        low = original * b / a
+        high = low * (1.0 + 1.0 / b)
+        rounded = {"factor": factor, "low_freq_factor": round(low, 4)}
+        rounded |= {"high_freq_factor": round(high, 4), "original_context_length": original}
+        if _gives(rounded, f, theta, head_dim):  # Llama 3.1's 1.0 and 4.0, not 0.99999994
+            low, high = rounded["low_freq_factor"], rounded["high_freq_factor"]
+    elif int(blend.sum()) == 1:  # one point (wavelength w0, blend s0): room for the bounds
         w0, s0 = float(wavelen[blend][0]), float(s[blend][0])
         kept, divided = wavelen[kept_at], wavelen[divided_at]
-        # low 1, original = t w0, high = 1 + (t - 1) / s0: t > 1 such that the divided stay
-        # past original (t < D / w0) and the kept below original / high, which falls from w0
-        # as t grows (t < K (1 - s0) / (K - w0 s0)); t the middle of what is left
-        top = float(kept.max()) if len(kept) else 0.0
-        ends = [float(divided.min()) / w0] if len(divided) else []
-        if top > w0 * s0:
-            ends.append(top * (1 - s0) / (top - w0 * s0))
-        t = math.sqrt(min(ends)) if ends else 2.0
-        original = float(round(t * w0))
-        if not 1 < original / w0 < (min(ends) if ends else math.inf):
-            original = t * w0  # rounded, it would leave the interval
-        low, high = 1.0, 1.0 + (original / w0 - 1.0) / s0
+        # with high = low + (original / w0 - low) / s0, the divided stay past original / low
+        # and the kept below original / high where low / original is in [lowest, 1 / w0)
+        lowest = 1 / float(divided.min()) if len(divided) else 0.0
+        if len(kept):
+            top = float(kept.max())
+            lowest = max(lowest, (1 / w0 - s0 / top) / (1 - s0))
+        ratio = math.sqrt(lowest / w0) if lowest > 0 else 0.5 / w0  # inside, away from the ends
+        original = float(max(1, round(1 / ratio)))
+        low = 1.0 if lowest <= 1 / original < 1 / w0 else original * ratio  # 1.0 where it fits
+        high = low + (original / w0 - low) / s0
     else:  # no blend: the bounds anywhere in the gap between kept and divided frequencies
         kept, divided = wavelen[kept_at], wavelen[divided_at]
         low_wavelen = float(divided.min()) * 0.999  # original: below every divided one
@@ -302,15 +306,25 @@ def _rope_scaling(
     }
     ours = {"factor": factor, "low_freq_factor": low, "high_freq_factor": high}
     ours["original_context_length"] = original
-    config = GPTConfig.from_name(
-        "llama3-baby", head_dim=head_dim, rope_theta=theta, rope_scaling=ours
-    )
-    if not torch.allclose(rope_factors(config).double(), f, rtol=1e-4, atol=1e-5):
+    if not _gives(ours, f, theta, head_dim):
         raise GptkilnError(
             f"{path}: its rope_freqs are not Llama 3's frequency scaling, the one gptkiln "
             "computes; the file is of a RoPE variant gptkiln does not handle"
         )
     return scaling
+
+
+def _gives(scaling: dict[str, float], factors: torch.Tensor, theta: float, head_dim: int) -> bool:
+    """Whether gptkiln's Llama 3 scaling of ``scaling`` gives ``factors`` (float32's rounding)."""
+    from gptkiln.export.gguf import rope_factors
+
+    try:
+        config = GPTConfig.from_name(
+            "llama3-baby", head_dim=head_dim, rope_theta=theta, rope_scaling=scaling
+        )
+    except GptkilnError:  # bounds out of order, a context that is no whole number
+        return False
+    return torch.allclose(rope_factors(config).double(), factors, rtol=1e-4, atol=1e-5)
 
 
 def _token_id(meta: dict[str, Any], key: str, rows: int, path: Path) -> int | None:
