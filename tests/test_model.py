@@ -199,6 +199,26 @@ def test_book_preset_draws_the_books_pytorch_default_weights():
         GPTConfig(init="xavier")
 
 
+def test_book_preset_under_the_books_seed_is_the_books_model_weight_for_weight():
+    """``torch.manual_seed(123); GPTModel(cfg)`` in the book, ``torch.manual_seed(123);
+    GPT(book-124m)`` here: the same draws in the same order, so the same numbers (shrunk)."""
+    ch04 = pytest.importorskip("llms_from_scratch.ch04")
+    from gptkiln.loading.book import book_state_dict_to_gptkiln
+
+    cfg = {"vocab_size": 100, "context_length": 32, "emb_dim": 64, "n_heads": 4, "n_layers": 2,
+           "drop_rate": 0.1, "qkv_bias": False}  # fmt: skip
+    torch.manual_seed(123)
+    book = ch04.GPTModel(cfg)
+    torch.manual_seed(123)
+    ours = GPT(GPTConfig.from_name("book-124m", vocab_size=100, context_length=32, n_embd=64,
+                                   n_head=4, n_layer=2))  # fmt: skip
+    _, expected = book_state_dict_to_gptkiln(book.state_dict(), n_head=4)
+    got = ours.state_dict()
+    assert expected.keys() <= got.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def test_gelu_by_sigmoid_is_the_tanh_gelu():
     x = torch.cat([torch.linspace(-30, 30, 10_001), torch.randn(10_000) * 3])
     torch.testing.assert_close(

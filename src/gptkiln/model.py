@@ -566,7 +566,8 @@ class GPT(nn.Module):
                 self._build(config)
         else:
             self._build(config)
-            self.reset_parameters()
+            if config.init != "pytorch":  # each layer's constructor drew PyTorch's own already
+                self.reset_parameters()
 
     def _build(self, config: GPTConfig) -> None:
         """The layers of ``config``, as each layer's own constructor initialises them."""
