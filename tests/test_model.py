@@ -419,3 +419,15 @@ def test_a_padded_vocabulary_is_the_same_model_over_the_tokenizers_ids(tied):
 def test_a_padded_vocabulary_is_refused_below_the_vocabulary():
     with pytest.raises(GptkilnError, match="padded_vocab_size .* must be at least vocab_size"):
         GPTConfig.from_name("tiny", vocab_size=100, padded_vocab_size=64)
+
+
+def test_the_books_chapter_4_generation_comes_out_of_book_124m_under_its_seed():
+    """The book's section 4.7: its untrained GPT_CONFIG_124M model, built after
+    torch.manual_seed(123), continues "Hello, I am" greedily with these six ids."""
+    torch.manual_seed(123)
+    model = GPT(GPTConfig.from_name("book-124m")).eval()
+    idx = torch.tensor([[15496, 11, 314, 716]])  # "Hello, I am"
+    with torch.no_grad():
+        for _ in range(6):
+            idx = torch.cat([idx, model(idx)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert idx.tolist() == [[15496, 11, 314, 716, 27018, 24086, 47843, 30961, 42348, 7267]]
