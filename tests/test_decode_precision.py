@@ -145,10 +145,12 @@ def _rounding_reference(precision: str, layer, x: torch.Tensor) -> torch.Tensor:
 def test_a_rounding_precision_rounds_every_forward_alike_whatever_was_tuned_before(
     precision, monkeypatch
 ):
-    """bf16 and int8 round on purpose, and a prefill rounds as the steps after it do: before any
-    row count is tuned (a first prompt), at a tuned count (a server's bucket, an earlier batch)
-    and past the loops' 64 rows alike; inside `exact_kernels` (evaluation) nothing rounds."""
+    """bf16 and int8 round on purpose, and a decoding's prefill rounds as its steps do: before
+    any row count is tuned (a first prompt), at a tuned count (a server's bucket, an earlier
+    batch) and past the loops' 64 rows alike. Outside a decoding (a perplexity, an inspection,
+    a caller's own forward) and inside `exact_kernels` (evaluation) nothing rounds."""
     from gptkiln.cpu import exact_kernels
+    from gptkiln.sampling import decoding
 
     if not specs.available(specs.BY_NAME["bf16_rows" if precision == "bf16" else "q8_rows"]):
         pytest.skip(f"{precision}'s own loop does not run on this machine")
@@ -166,19 +168,23 @@ def test_a_rounding_precision_rounds_every_forward_alike_whatever_was_tuned_befo
     assert (rounded - exact).abs().max() > 1e-3  # the rounding shows at this size
 
     prepare_for_decoding(model, steps=0, precision=precision)  # untuned, as a first prefill's
-    with torch.no_grad():
+    with torch.no_grad(), decoding():
         for rows in (90, 5, 1):
             torch.testing.assert_close(layer(x[:rows]), rounded[:rows], rtol=1e-5, atol=1e-5)
         first = model(idx)
     assert (first - exact_logits).abs().max() > 1e-4
     prepare_for_decoding(model, [1, 5], precision=precision)  # 5 rows tuned: a bucket's
-    with torch.no_grad():
+    with torch.no_grad(), decoding():
         torch.testing.assert_close(layer(x[:5]), rounded[:5], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model(idx), first, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the same planned model outside a decoding: the weights' numbers
+        for rows in (90, 5, 1):
+            torch.testing.assert_close(layer(x[:rows]), exact[:rows], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(idx), exact_logits, rtol=1e-5, atol=1e-5)
 
     with exact_kernels():  # an evaluation's: every row count back to the weights' own numbers
         prepare_for_decoding(model, steps=0, precision=precision)
-        with torch.no_grad():
+        with torch.no_grad(), decoding():
             for rows in (90, 5):
                 torch.testing.assert_close(layer(x[:rows]), exact[:rows], rtol=1e-5, atol=1e-5)
 
@@ -186,15 +192,41 @@ def test_a_rounding_precision_rounds_every_forward_alike_whatever_was_tuned_befo
 @pytest.mark.skipif(library.library() is None, reason="no C compiler: no bf16 loop here")
 def test_generate_plans_a_rounding_precision_before_its_first_prefill(monkeypatch):
     from gptkiln.api import _decoding
+    from gptkiln.sampling import decoding
 
     monkeypatch.delenv("GPTKILN_EXACT_KERNELS")
     model, plain = tiny(), tiny()
     layer = model.h[0].attn.c_attn
     x = torch.randn(70, layer.in_features)
     _decoding(model, "bf16")  # what generate and chat hand generate_stream
-    with torch.no_grad():
+    with torch.no_grad(), decoding():
         torch.testing.assert_close(
             layer(x), _rounding_reference("bf16", layer, x), rtol=1e-5, atol=1e-5
         )
     _decoding(plain, None)  # fp32: nothing rounds, nothing to plan before the first token
     assert getattr(plain, "decode_plan", None) is None
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_generation_leaves_the_models_other_forwards_exact(precision, monkeypatch):
+    """The plan stays on the model after a generation (the next one reuses it), but its
+    rounding is the decoding's: a perplexity or a forward of the same model after it has the
+    weights' own numbers, as before it (an int8 model decodes at int8 unasked)."""
+    from gptkiln.api import stream_from_model
+
+    if not specs.available(specs.BY_NAME["bf16_rows" if precision == "bf16" else "q8_rows"]):
+        pytest.skip(f"{precision}'s own loop does not run on this machine")
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=64, context_length=48, n_embd=64)).eval()
+    asked = precision
+    if precision == "int8":
+        model, asked = quantize_model(model), None  # its own precision
+    tokenizer = CharTokenizer([chr(c) for c in range(32, 95)], with_eot=True)
+    idx = torch.randint(0, 63, (2, 40))
+    with torch.no_grad():
+        before = model(idx)
+    text = "".join(stream_from_model(model, tokenizer, "AB" * 20, GREEDY, precision=asked))
+    assert text and getattr(model, "decode_plan", None) is not None  # planned, and kept
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), before, rtol=0, atol=1e-6)

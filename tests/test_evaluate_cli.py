@@ -348,7 +348,8 @@ def test_train_runs_the_tasks_on_the_final_weights_only_by_default_and_resumes(
     assert [(int(r["step"]), r["eval/play_mc/acc"] is not None) for r in rows] == [(3, True)]
     (first,) = (run / "eval").glob("results_*.json")
     assert json.loads(first.read_text())["n-samples"]["play_mc"]["effective"] == 2  # the limit
-    # resumed to step 6: the column kept, the new final weights evaluated and written
+    # resumed to step 6: the column kept, the new final weights evaluated and written (the
+    # run's recorded limit carried: no flag gives another)
     code, _, err = cli(*train_args(play_path, run, *tasks), "--resume", capsys=capsys)
     assert code == 0, err
     rows = read_metrics(run / "metrics.csv")
@@ -357,7 +358,7 @@ def test_train_runs_the_tasks_on_the_final_weights_only_by_default_and_resumes(
         (6, True),
     ]
     latest = max((run / "eval").glob("results_*.json"), key=lambda p: p.stat().st_mtime)
-    assert json.loads(latest.read_text())["n-samples"]["play_mc"]["effective"] == 3  # no limit
+    assert json.loads(latest.read_text())["n-samples"]["play_mc"]["effective"] == 2
 
 
 def test_train_refuses_bad_tasks_before_preparing_the_data(play_path, tmp_path, capsys):

@@ -192,6 +192,19 @@ def test_config_from_hf_reads_defaults_and_refuses_other_models():
         config_from_hf({"model_type": "gpt2", "layer_norm_epsilon": 1e-6})
     with pytest.raises(GptkilnError, match="model_type is 'llama'"):
         config_from_hf({"model_type": "llama"})
+    # a value of the wrong kind: one line naming the key and the file, not a TypeError
+    for bad, needle in (
+        ({"layer_norm_epsilon": None}, "layer_norm_epsilon is None, not a number"),
+        ({"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon is '1e-5', not a number"),
+        ({"n_embd": "64"}, "x/config.json: model config: n_embd must be a whole number"),
+        ({"n_embd": 64, "n_head": 12}, r"divisible by n_head \(12\)$"),  # no head_dim: GPT-2's
+    ):
+        with pytest.raises(GptkilnError, match=needle):
+            config_from_hf({"model_type": "gpt2", **bad}, "x/config.json")
+    from gptkiln.loading.hf_llama import config_from_hf as llama_config
+
+    with pytest.raises(GptkilnError, match="n_embd must be a whole number, got '64'"):
+        llama_config({"model_type": "llama", "hidden_size": "64"}, "x/config.json")
 
 
 # -- gptkiln -> Hugging Face -----------------------------------------------------------------
@@ -262,7 +275,9 @@ def test_a_gpt2_smaller_than_gpt2s_vocabulary_imports_without_a_tokenizer(hf_dir
     from gptkiln.loading import load_run_tokenizer
 
     _, path = hf_dir
-    import_hf(path, tmp_path / "run")
+    notes = []
+    import_hf(path, tmp_path / "run", on_note=notes.append)
+    assert len(notes) == 1 and "has no tokenizer.json" in notes[0]  # said at once
     assert not (tmp_path / "run" / "tokenizer_meta.json").exists()
     with pytest.raises(GptkilnError, match="saved without its tokenizer"):
         load_run_tokenizer(tmp_path / "run")

@@ -495,7 +495,7 @@ def test_an_int8_loop_leaves_to_the_reference_what_it_does_not_take(build, name,
     for what, (x, weight, s) in cases.items():
         expected = x
         if name == "q8_rows" and what == "more rows than it keeps sums for":
-            expected = products.q8_0(x)  # a prefill's rows: rounded as the loop's, by torch
+            expected = products.q8_0(x)  # a prefill's rows: rounded by the loop, 64 at a time
         torch.testing.assert_close(
             kernel(x, weight, s, None), products.dequantize_linear(expected, weight, s, None),
             msg=what,
@@ -548,9 +548,9 @@ def test_the_bf16_rows_kernel_is_f_linear_on_the_weights_rounded_to_bf16(build, 
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
         reference = F.linear(x, w, bias)  # and within the tuner's tolerance of fp32's
         assert ((got - reference).norm() / reference.norm()).item() <= tuner.ACTIVATION_TOLERANCE
-    if rows > products.FEW_ROWS:  # a weight of bf16's values (a bf16 checkpoint): itself
-        exact16 = w.to(torch.bfloat16).float()
-        assert torch.equal(products.bf16_rows_linear(x, exact16, b), F.linear(x, exact16, b))
+    if rows > products.FEW_ROWS:  # a prefill's rows through the loop: each as a step gets it
+        got = products.bf16_rows_linear(x, w, b)
+        assert torch.equal(got[70], products.bf16_rows_linear(x[70:71], w, b)[0])
     assert id(w) in products._BF16_ROWS  # its copy, made once and kept with the weight
     copy = products._BF16_ROWS[id(w)][2]
     products.bf16_rows_linear(x, w, b)
@@ -651,7 +651,7 @@ def test_q8_rows_keeps_what_is_not_finite_not_finite(build):
     assert got[0].isnan().all()  # not rounded away to a finite number
     assert not got[1].isfinite().any() and not got[2].isfinite().any()
     assert torch.equal(got[3], products.q8_rows_linear(x[3:], q, scale, None)[0])
-    many = products.q8_rows_linear(x.repeat(20, 1), q, scale, None)  # past the loop: by torch
+    many = products.q8_rows_linear(x.repeat(20, 1), q, scale, None)  # past 64 rows: in chunks
     assert many[0].isnan().all()
     assert not many[1].isfinite().any() and not many[2].isfinite().any()
     assert many[3].isfinite().all()
@@ -860,12 +860,12 @@ def _small_model(quantized: bool = False, name: str = "baby", **overrides):
 def _step_logits(model, prompts, steps: int):
     """Prefill ``prompts`` (left-padded), then ``steps`` greedy decode steps through
     ``model.forward``; the logits of every step (steps, B, V)."""
-    from gptkiln.sampling import left_pad
+    from gptkiln.sampling import decoding, left_pad
 
     idx, pad = left_pad(prompts, 0, "cpu")
     model.setup_cache(idx.size(0), 40, pad)
     out = []
-    with torch.no_grad():
+    with torch.no_grad(), decoding():  # a decoding's forwards: the one call may take the steps
         logits = model(idx, start_pos=0, last_only=True)[:, -1]
         pos = idx.size(1)
         for _ in range(steps):

@@ -879,6 +879,7 @@ def test_a_prompt_of_0_d_tensors_is_one_prompt_of_their_ids(model):
         ([[5], [2.0]], {}, "prompt 1 holds 2.0"),
         ([1.0, 2.0], {}, "the prompt holds 1.0"),
         ([5, None], {}, "the prompt holds None"),
+        ([None, 5], {}, "the prompt holds None"),
         ([torch.tensor(5), torch.tensor(99)], {}, "the prompt holds 99"),  # 0-d: one id each
         ([[torch.tensor([5, 6])]], {}, "prompt 0 holds tensor"),
         ([5], {"max_new_token": 3}, "no setting max_new_token; SampleConfig's are: max_new_tokens"),

@@ -198,6 +198,13 @@ def test_constrained_first_tokens_drawn_together_are_what_each_gets_alone(
     assert filled[0] == 2 and sizes[0] == 2  # the first tokens' masks and draw, together
 
 
+CHAIN = {
+    "$ref": "#/$defs/d0",
+    "$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(400)},
+}
+CHAIN["$defs"]["d400"] = {"type": "string"}
+
+
 @pytest.mark.parametrize(
     "schema, endless",
     [
@@ -237,6 +244,17 @@ def test_constrained_first_tokens_drawn_together_are_what_each_gets_alone(
             False,
         ),  # fmt: skip
         ({"$ref": "https://example.com/s.json"}, False),  # left to the engine
+        (
+            {
+                "type": "object",
+                "patternProperties": {"^x": {"type": "string"}},
+                "additionalProperties": False,
+                "required": ["xa"],
+            },
+            False,
+        ),  # {"xa": "s"}  # fmt: skip
+        ({"$ref": "#", "const": 1}, False),  # 1
+        (CHAIN, False),  # deeper than Python's stack: left to the engine, not a 500
     ],
 )
 def test_a_schema_no_finite_value_meets_is_refused_before_it_decodes(schema, endless):
@@ -247,3 +265,27 @@ def test_a_schema_no_finite_value_meets_is_refused_before_it_decodes(schema, end
             check_finite(schema)
     else:
         check_finite(schema)
+
+
+def test_a_tools_parameters_keep_their_refs_inside_a_forced_call():
+    """The parameters sit at /properties/arguments of a call's schema: their pointers follow
+    them there, property names that spell keywords included; an anchor is no pointer."""
+    from gptkiln.serve.tools import _rebased
+
+    parameters = {
+        "type": "object",
+        "$defs": {"Opt": {"enum": ["a", "b"]}},
+        "properties": {
+            "default": {"$ref": "#/$defs/Opt"},
+            "examples": {"type": "array", "items": {"$ref": "#/$defs/Opt"}},
+            "self": {"$ref": "#"},
+            "named": {"$ref": "#opt"},
+        },
+        "default": {"$ref": "#/not/a/schema"},  # a value: left as it is
+    }
+    got = _rebased(parameters, "#/properties/arguments")
+    assert got["properties"]["default"] == {"$ref": "#/properties/arguments/$defs/Opt"}
+    assert got["properties"]["examples"]["items"] == {"$ref": "#/properties/arguments/$defs/Opt"}
+    assert got["properties"]["self"] == {"$ref": "#/properties/arguments"}
+    assert got["properties"]["named"] == {"$ref": "#opt"}
+    assert got["default"] == {"$ref": "#/not/a/schema"}

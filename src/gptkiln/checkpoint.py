@@ -461,6 +461,21 @@ def run_files(run_dir: str | os.PathLike) -> list[Path]:
     return named + sorted(run_dir.glob("judgements-*.json"))  # `judge --name NAME`
 
 
+def _written_by_prepare(path: Path) -> bool:
+    """Whether ``path``, in a folder holding a ``meta.json``, is one `gptkiln prepare` writes
+    there (the meta, the tokens, the tokenizer's files) in a folder whose meta is gptkiln's."""
+    from gptkiln.data.prepare import read_meta
+
+    meta = read_meta(path.parent)
+    if meta is None or "tokenizer" not in meta:  # another tool's meta.json
+        return False
+    return (
+        path.name == "meta.json"
+        or path.suffix in (".bin", ".npy")
+        or (path.name.startswith(("tokenizer", "char_vocab", "vocab", "merges")))
+    )
+
+
 def check_not_a_run_file(path: str | os.PathLike, flag: str) -> None:
     """One line when writing ``path`` would replace a file of the run in its folder (weights,
     config, trainer state, tokenizer, metrics, plot, ...), or of prepared data (its
@@ -468,7 +483,7 @@ def check_not_a_run_file(path: str | os.PathLike, flag: str) -> None:
     from gptkiln.data.prepare import is_prepared
 
     path = Path(path)
-    if path.is_file() and is_prepared(path.parent):  # any of its files: tokens, vocabulary
+    if path.is_file() and is_prepared(path.parent) and _written_by_prepare(path):
         raise GptkilnError(
             f"{flag} {path}: a file of the prepared data in {path.parent}, which writing there "
             "would replace; give another path"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from gptkiln.checkpoint import check_out_dir, save_model
@@ -68,6 +69,7 @@ def import_hf(
     out_run_dir: str | os.PathLike | None = None,
     *,
     overwrite: bool = False,
+    on_note: Callable[[str], None] | None = None,
 ) -> GPT | None:
     """Read a Hugging Face GPT-2, Llama or Qwen3 checkpoint directory (`gptkiln.loading`).
 
@@ -82,6 +84,8 @@ def import_hf(
             chat_template.jinja, those present) and records ``"tokenizer": "hf"`` and
             config.json's bos/eos/pad ids, which `export_hf` writes back.
         overwrite: replace a model already in out_run_dir (see `checkpoint.check_out_dir`).
+        on_note: told, in one line, that the directory has no tokenizer.json (the run then
+            holds the weights alone, which generation cannot read until it gets one).
 
     Returns:
         The GPT (on CPU, in the checkpoint's dtype) when out_run_dir is None, else None.
@@ -92,8 +96,14 @@ def import_hf(
         return model
     if tokenizer_name(hf_dir) == "gpt2":
         _save_with_gpt2_tokenizer(model, out_run_dir, stale)
-    else:
-        _save_with_hf_tokenizer(model, Path(hf_dir), Path(out_run_dir), stale)
+        return None
+    _save_with_hf_tokenizer(model, Path(hf_dir), Path(out_run_dir), stale)
+    if on_note is not None and not (Path(hf_dir) / "tokenizer.json").is_file():
+        on_note(
+            f"{hf_dir} has no tokenizer.json: {out_run_dir} holds the weights alone, which "
+            "generate, chat and serve cannot read until it has one; copy tokenizer.json and "
+            f"tokenizer_config.json from the model's repository into {out_run_dir}"
+        )
     return None
 
 

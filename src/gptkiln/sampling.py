@@ -12,6 +12,8 @@ the cache is set and the first token is out, as ``prepare(model, rows, steps)``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from numbers import Integral
@@ -403,19 +405,39 @@ def sample_on_device(
     return (probs / race).argmax(dim=-1)  # a filtered token (p = 0) never wins
 
 
+DECODING = contextvars.ContextVar("gptkiln_decoding", default=False)
+"""Whether the model's forwards now are a decoding's (its prompt's prefill, its steps, a decode
+backend's tuning): a backend's kernels that round on purpose (bf16 weights, 8-bit activations)
+run there only, never in another forward of the same model (a perplexity, an inspection, a
+caller's own ``model(x)``). A server's decode thread is all decoding."""
+
+
+@contextlib.contextmanager
+def decoding() -> Iterator[None]:
+    """A block whose forwards are a decoding's (`DECODING`)."""
+    token = DECODING.set(True)
+    try:
+        yield
+    finally:
+        DECODING.reset(token)
+
+
 def prefill(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     """Run the prompt (B, T) through the model, filling the KV cache; last logits (B, V)."""
-    return model(idx, start_pos=0, last_only=True)[:, -1, :]
+    with decoding():
+        return model(idx, start_pos=0, last_only=True)[:, -1, :]
 
 
 def decode_one_token(model: GPT, token: torch.Tensor, pos: int) -> torch.Tensor:
     """Feed one token per row (B,) at position pos; logits (B, V) for the next one."""
-    return model(token[:, None], start_pos=pos, last_only=True)[:, -1, :]
+    with decoding():
+        return model(token[:, None], start_pos=pos, last_only=True)[:, -1, :]
 
 
 def window_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     """No cache: run the last context_length tokens of idx (B, T); last logits (B, V)."""
-    return model(idx[:, -model.config.context_length :], last_only=True)[:, -1, :]
+    with decoding():
+        return model(idx[:, -model.config.context_length :], last_only=True)[:, -1, :]
 
 
 def left_pad(
@@ -801,7 +823,7 @@ def _prompt_rows(prompts, vocab_size: int) -> tuple[bool, list[list[int]]]:
     # tensor or array is one id
     arrays = (torch.Tensor, np.ndarray)
     first = prompts[0] if len(prompts) else None
-    single = first is not None and not (
+    single = len(prompts) > 0 and not (
         isinstance(first, Sequence) or (isinstance(first, arrays) and first.ndim > 0)
     )
     rows = [prompts] if single else prompts

@@ -89,9 +89,11 @@ def keep_freed_memory_on_cpu(device: str) -> None:
 RUN_HELP = "a run directory, or a Hugging Face model directory (GPT-2, Llama 3 or Qwen3)"
 
 
-NOT_CARRIED_ON_RESUME = ("out", "progress", "precision")
-"""Settings a resume never takes from the run's record: where it is (given), the bar, and the
-precision (recorded as resolved: the trainer keeps the run's own unless another is asked)."""
+NOT_CARRIED_ON_RESUME = ("out", "progress", "precision", "device", "compile", "parallel")
+"""Settings a resume never takes from the run's record: where it is (given), the bar, the
+machine's (device, compile, how its processes share the model: this machine's defaults, as
+for a new run), and the precision (recorded as resolved: the trainer keeps the run's own
+unless another is asked)."""
 
 
 def recorded_settings(out: str, names) -> dict[str, Any]:

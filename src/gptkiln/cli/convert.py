@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptkiln.cli.common import add_out_flag, add_overwrite_flag, example
+from gptkiln.cli.common import add_out_flag, add_overwrite_flag, example, note
 
 # convert's directions: what each makes of what, as its help lists them; `run_convert` calls
 # the `gptkiln.convert` function of each.
@@ -121,7 +121,7 @@ def run_convert(args: argparse.Namespace) -> None:
     check_convert_flags(args)
 
     if args.direction == "hf":
-        convert.import_hf(args.path, args.out, overwrite=args.overwrite)
+        convert.import_hf(args.path, args.out, overwrite=args.overwrite, on_note=note)
     elif args.direction == "book":
         convert.import_book(args.path, args.out, n_head=args.n_head, overwrite=args.overwrite)
     elif args.direction == "to-hf":

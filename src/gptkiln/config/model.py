@@ -154,7 +154,7 @@ class GPTConfig:
         if self.head_dim is None and self.n_embd % self.n_head:
             raise GptkilnError(
                 f"model config: n_embd ({self.n_embd}) must be divisible by n_head "
-                f"({self.n_head}), or set head_dim"
+                f"({self.n_head})" + (", or set head_dim" if self.family != "gpt2" else "")
             )
         if not 0.0 <= self.dropout < 1.0:
             raise GptkilnError(f"model config: dropout must be in [0, 1), got {self.dropout!r}")

@@ -29,6 +29,7 @@ from gptkiln.cpu.tuner import (
     round_at_any_rows,
     tune_decoding,
 )
+from gptkiln.sampling import decoding
 
 HUGE_PAGES_FROM = 128
 """Decodes of at least this many steps (and a server's, of no end) read their weights through
@@ -112,9 +113,10 @@ class DecodePlan:
         """Choose (or take from the cache) the kernels for ``rows`` more rows (timed on the full
         thread count, whatever the decode steps run on now)."""
         self.threads.other_forward()
-        picked = tune_decoding(
-            self.model, rows, precision=self.precision, one_call=one_call, clock=clock
-        )
+        with decoding():  # the step timed as a decoding runs it
+            picked = tune_decoding(
+                self.model, rows, precision=self.precision, one_call=one_call, clock=clock
+            )
         self.kernels[rows] = picked
         return picked
 

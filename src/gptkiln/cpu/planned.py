@@ -36,6 +36,7 @@ from torch import nn
 from gptkiln.cpu.library import library
 from gptkiln.cpu.loops import decode_attention, gelu_tanh_
 from gptkiln.model import MLP, Attention, Linear
+from gptkiln.sampling import DECODING
 
 _CLASSES: dict[tuple[type, type], type] = {}
 """(mixin, a layer's own class) -> the planned class made of them."""
@@ -107,7 +108,7 @@ def is_product(module: nn.Module) -> bool:
     return own_class(module) in (Linear, int8)
 
 
-ANY_ROWS = 0
+ANY_ROWS = -1
 """The key of a product's kernel for every number of rows no kernel of its own was given (a
 prefill's many rows): the kernel of a precision that rounds on purpose, so that a forward
 rounds alike whichever row counts were tuned before it (`gptkiln.cpu.tuner.round_at_any_rows`)."""
@@ -128,7 +129,8 @@ class PlannedProduct(Planned):
     """A product (``nn.Linear``'s ``(x, weight, bias)`` or an int8 layer's ``(x, weight, scale,
     bias)``) that runs ``few_row_kernels[rows]`` (else ``few_row_kernels[ANY_ROWS]``) for a
     forward of that many rows without autograd, on the CPU, with fp32 activations and the
-    weights the kernels were tuned for; the layer's own forward otherwise."""
+    weights the kernels were tuned for (a kernel that rounds on purpose, inside a decoding
+    only: `gptkiln.sampling.DECODING`); the layer's own forward otherwise."""
 
     planned_attributes = ("few_row_kernels",)
     few_row_kernels: dict
@@ -153,7 +155,10 @@ class PlannedProduct(Planned):
             return None
         kernels = self.few_row_kernels
         kernel = kernels.get(x.numel() // self.in_features)
-        return kernels.get(ANY_ROWS) if kernel is None else kernel
+        kernel = kernels.get(ANY_ROWS) if kernel is None else kernel
+        if getattr(kernel, "rounds", False) and not DECODING.get():
+            return None  # rounding is a decoding's: another forward keeps the weights' numbers
+        return kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # grad mode first: a compiled training step then never reads (or guards on) the dict
@@ -212,8 +217,9 @@ class PlannedAttention(Planned):
 class PlannedModel(Planned):
     """The model, with the plan that holds it (``decode_plan``) and its one-call step
     (``decode_blocks``, or None), which runs a step of one new token a row at one position
-    (no autograd, every cache row, no attention weights asked, outside ``torch.compile``) in
-    place of `gptkiln.model.GPT.run_blocks` where it takes the step. Each decode step runs on
+    (no autograd, every cache row, no attention weights asked, outside ``torch.compile``,
+    inside a decoding: `gptkiln.sampling.DECODING`) in place of `gptkiln.model.GPT.run_blocks`
+    where it takes the step. Each decode step runs on
     the plan's thread count (`gptkiln.cpu.threads.DecodeThreads`), every other forward on the
     full count; a step on another device, or traced by ``torch.compile`` (`gptkiln.gpu`'s
     graphs), is the model's own."""
@@ -247,6 +253,7 @@ class PlannedModel(Planned):
             and rows is None
             and attentions is None
             and not torch.compiler.is_compiling()
+            and DECODING.get()  # a decoding's step (its loops may round on purpose)
         ):
             y = blocks(self, x, start_pos, mask, rope)
             if y is not None:

@@ -123,14 +123,26 @@ def few_rows_linear(
     return F.linear(x, weight, bias) if y is None else y
 
 
-def _by_row_loop(loop, x, weight, operands, bias, weight_dtype) -> torch.Tensor | None:
+def _by_row_loop(
+    loop, x, weight, operands, bias, weight_dtype, chunked: bool = False
+) -> torch.Tensor | None:
     """``x`` (..., in) times ``weight`` (out, in) by a compiled loop of ``csrc/*/rows.c``,
     ``loop(x, weight, *operands, bias, y, rows, out, in, threads)``; None where there is no
     loop (None) or it does not take these tensors (fp32 x of 1 to ``FEW_ROWS`` rows, an input
     width that is a multiple of 16, a contiguous weight of ``weight_dtype``, an fp32 bias; every
-    tensor on the CPU): the caller takes its reference."""
+    tensor on the CPU): the caller takes its reference. ``chunked``: more rows go through the
+    loop ``FEW_ROWS`` at a time (a rounding kernel's prefill: each row's sums as a step's)."""
     n_out, n_in = weight.shape
     x2 = x.reshape(-1, n_in)
+    if chunked and x2.size(0) > FEW_ROWS:
+        parts = []
+        for start in range(0, x2.size(0), FEW_ROWS):
+            part = _by_row_loop(loop, x2[start : start + FEW_ROWS], weight, operands, bias,
+                                weight_dtype)  # fmt: skip
+            if part is None:
+                return None
+            parts.append(part)
+        return torch.cat(parts).reshape(*x.shape[:-1], n_out)
     if (
         loop is None
         or not 1 <= x2.size(0) <= FEW_ROWS
@@ -199,23 +211,24 @@ def q8_rows_linear(
     Measured on the 2-core Xeon over GPT-2 124M's 48 block products and head at batch 1 (a C
     benchmark of both loops, one process): 2.9-3.0 ms a step against `int8_rows_linear`'s
     5.2-5.5. For fp32 x of 1 to ``FEW_ROWS`` rows, an input width that is a multiple of 64,
-    contiguous int8 weight and fp32 scales; more rows (a prefill) or tensors the loop refuses
-    round the same by torch (`q8_0`), and an input width that is no multiple of 64 goes to
+    contiguous int8 weight and fp32 scales; more rows (a prefill) go through the loop
+    ``FEW_ROWS`` at a time, tensors it refuses round the same by torch (`q8_0`), and an input
+    width that is no multiple of 64 goes to
     `int8_rows_linear` (exact) at every row count. Offered by the spec table at the int8
     precision, where the library has the VNNI loop."""
     y = None
     cpu = x.device.type == scale.device.type == "cpu"
     if cpu and scale.dtype == torch.float32 and scale.is_contiguous():
         lib = library()
-        y = _by_row_loop(lib and lib.q8_rows_linear, x, qweight, (scale,), bias, torch.int8)
+        loop = lib and lib.q8_rows_linear
+        y = _by_row_loop(loop, x, qweight, (scale,), bias, torch.int8, chunked=True)
     if y is not None:
         return y
     if qweight.size(1) % Q8_BLOCKS_OF or x.dtype != torch.float32:
         # an input the loop never takes (not a multiple of 64 wide): the exact int8 loop, at
         # every row count alike
         return int8_rows_linear(x, qweight, scale, bias)
-    # more rows than the loop takes (a prefill), or tensors it refuses: the same rounding, by
-    # torch (its sums in another order)
+    # tensors the loop refuses: the same rounding, by torch (its sums in another order)
     return dequantize_linear(q8_0(x), qweight, scale, bias)
 
 
@@ -227,7 +240,7 @@ def q8_0(x: torch.Tensor) -> torch.Tensor:
     """``x`` (..., in) as q8_0 rounds it, in fp32: each block of 32 values to the nearest of 255
     steps of ``d = max |x_b| / 127`` (ties to even, as ``csrc/*/q8_rows.c``'s ``lrintf``); a block
     holding what is not finite all NaN, so that it stays so in every output of its row."""
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)  # no -1: x may have no rows
     amax = blocks.abs().amax(-1, keepdim=True)
     finite = blocks.isfinite().all(-1, keepdim=True)
     seven = torch.full_like(amax, 127.0)
@@ -278,21 +291,20 @@ def bf16_rows_linear(
     `QUANTIZING_MARGIN`, left out by exact decoding), and its copy is weighed against the steps
     a caller will run (`_copy_costs`). Measured on the 2-core Xeon, GPT-2's 50,257x768 head at
     batch 1 in one process: 1.9 ms against ``F.linear``'s 4.2 (`bf16_linear` 4.5). For what
-    the loop does not take (`_by_row_loop`: a prefill's many rows), ``F.linear`` over the same
-    rounded weights: they round alike at every row count."""
+    the loop does not take (`_by_row_loop`), ``F.linear`` over the same rounded weights; more
+    rows than ``FEW_ROWS`` (a prefill) go through the loop that many at a time: each row's
+    numbers are those a step of it gets."""
     lib = library()
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
     rounded = bf16_copy(weight)
-    if lib is not None:
-        y = _by_row_loop(lib.bf16_rows_linear, x, rounded, (), bias, torch.bfloat16)
+    if lib is not None:  # a prefill's many rows through the loop too, FEW_ROWS at a time
+        y = _by_row_loop(lib.bf16_rows_linear, x, rounded, (), bias, torch.bfloat16, chunked=True)
         if y is not None:
             return y
-    # more rows than the loop takes (a prefill), or tensors it refuses: the same rounded
-    # weights for torch's product; the weight itself where it holds bf16's values already (a
-    # bf16 checkpoint decoding in fp32), else widened for this call
-    same = _kept(_BF16_SAME, (weight,), lambda: torch.equal(rounded.to(weight.dtype), weight))
-    return F.linear(x, weight if same else rounded.to(x.dtype), bias)
+    # tensors the loop refuses (a width no multiple of 16): the same rounded weights, widened
+    # for torch's product
+    return F.linear(x, rounded.to(x.dtype), bias)
 
 
 def bf16_copy(weight: torch.Tensor) -> torch.Tensor:
@@ -307,9 +319,6 @@ def bf16_copy(weight: torch.Tensor) -> torch.Tensor:
 
 _BF16_ROWS: dict[int, tuple] = {}
 """id(weight) -> (weakref of the weight, its version, the bf16 copy `bf16_rows_linear` reads)."""
-
-_BF16_SAME: dict[int, tuple] = {}
-"""id(weight) -> (weakref of the weight, its version, whether its bf16 copy equals it)."""
 
 
 # -- int8 weight-only products ------------------------------------------------------------------

@@ -101,6 +101,10 @@ SPECS: tuple[KernelSpec, ...] = (
     KernelSpec("bf16", p.bf16_linear, "float32", "bf16-activations", exact=False, copies=True),
 )
 
+for _spec in SPECS:  # what a planned layer runs inside a decoding only (`planned.PlannedProduct`)
+    if not _spec.exact:
+        _spec.kernel.rounds = True
+
 BY_NAME = {spec.name: spec for spec in SPECS}
 BY_KERNEL = {spec.kernel: spec for spec in SPECS}
 REFERENCE = {"float32": "linear", "int8": "dequantize"}

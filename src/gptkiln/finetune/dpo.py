@@ -84,6 +84,8 @@ def dpo_loss(
     if kind == "sigmoid":
         losses = -F.logsigmoid(beta * logits)
     elif kind == "ipo":  # on each answer's mean log-probability
+        if lengths is None:
+            raise GptkilnError("the ipo loss averages over each answer's tokens: give lengths")
         n_chosen, n_rejected = lengths
         logits = (policy_chosen - ref_chosen) / n_chosen - (policy_rejected - ref_rejected) / (
             n_rejected

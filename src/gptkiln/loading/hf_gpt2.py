@@ -110,9 +110,16 @@ def config_from_hf(hf_config: Mapping[str, Any], source: str = "Hugging Face con
             f"GPT-2 checkpoints can be converted"
         )
     n_embd = hf["n_embd"]
+    eps = hf["layer_norm_epsilon"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise GptkilnError(f"{source}: layer_norm_epsilon is {eps!r}, not a number")
+    if not isinstance(hf["activation_function"], str):
+        raise GptkilnError(
+            f"{source}: activation_function is {hf['activation_function']!r}, not a name"
+        )
     unsupported = {
         "activation_function": hf["activation_function"] not in _HF_GELU,
-        "layer_norm_epsilon": not math.isclose(hf["layer_norm_epsilon"], 1e-5),
+        "layer_norm_epsilon": not math.isclose(eps, 1e-5),
         "n_inner": hf["n_inner"] not in (None, 4 * n_embd),
         "scale_attn_weights": not hf["scale_attn_weights"],
         "scale_attn_by_inverse_layer_idx": bool(hf["scale_attn_by_inverse_layer_idx"]),
@@ -125,17 +132,20 @@ def config_from_hf(hf_config: Mapping[str, Any], source: str = "Hugging Face con
             f"(GELU, eps 1e-5, 4x MLP, 1/sqrt(hs) attention); it cannot be "
             f"converted"
         )
-    return GPTConfig(
-        vocab_size=hf["vocab_size"],
-        context_length=hf["n_positions"],
-        n_layer=hf["n_layer"],
-        n_head=hf["n_head"],
-        n_embd=n_embd,
-        dropout=0.0,
-        qkv_bias=True,
-        tie_embeddings=bool(hf["tie_word_embeddings"]),
-        gelu=_HF_GELU[hf["activation_function"]],
-    )
+    try:
+        return GPTConfig(
+            vocab_size=hf["vocab_size"],
+            context_length=hf["n_positions"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=n_embd,
+            dropout=0.0,
+            qkv_bias=True,
+            tie_embeddings=bool(hf["tie_word_embeddings"]),
+            gelu=_HF_GELU[hf["activation_function"]],
+        )
+    except GptkilnError as e:  # the config's own checks, in gptkiln's names: say which file
+        raise GptkilnError(f"{source}: {e}") from None
 
 
 def hf_state_dict_to_gptkiln(

@@ -177,7 +177,8 @@ def config_from_hf(hf_config: Mapping[str, Any], source: str = "Hugging Face con
     _refuse_what_gptkiln_does_not_compute(hf, family, source)
     rope_theta, rope_scaling = rope_from_hf(hf, source)
     n_head, n_embd, head_dim = hf["num_attention_heads"], hf["hidden_size"], hf["head_dim"]
-    if isinstance(n_head, int) and n_head > 0 and head_dim == n_embd / n_head:
+    whole = all(isinstance(v, int) and not isinstance(v, bool) for v in (n_head, n_embd))
+    if whole and n_head > 0 and head_dim == n_embd / n_head:  # else GPTConfig names the key
         head_dim = None  # the usual size, as gptkiln's presets say it
     try:
         return GPTConfig(

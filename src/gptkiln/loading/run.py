@@ -105,8 +105,10 @@ def tokenizer_source(run_dir: Path, cfg: dict[str, Any]) -> str:
     dir)`` with no tokenizer) is one line saying how to give it one."""
     if not has_tokenizer_files(run_dir):
         raise GptkilnError(
-            f"{run_dir} holds a model saved without its tokenizer (no tokenizer_meta.json); "
-            "save the tokenizer its ids are of into it (tokenizer.save(dir), e.g. "
-            "load_tokenizer('gpt2').save(dir)), or load the model alone (load_model)"
+            f"{run_dir} holds a model saved without its tokenizer (no tokenizer_meta.json or "
+            "tokenizer.json); give it the tokenizer its ids are of: a Hugging Face model's "
+            "tokenizer.json and tokenizer_config.json copied in from its repository, or "
+            "tokenizer.save(dir) (load_tokenizer('gpt2').save(dir) for GPT-2's own BPE); or "
+            "load the model alone (load_model)"
         )
     return str(run_dir)

@@ -45,6 +45,7 @@ from gptkiln.cpu import prepare_for_decoding
 from gptkiln.errors import GptkilnError
 from gptkiln.gpu import row_graphs_for
 from gptkiln.model import GPT
+from gptkiln.sampling import DECODING
 from gptkiln.serve.choosing import Chooser, Chosen, Slot
 from gptkiln.serve.events import Done, Failed, Sequence, Token
 from gptkiln.serve.prefill import Ready, keep_prefixes, prefill
@@ -100,7 +101,9 @@ class Batcher:
         self._slots: dict[int, Slot] = {}  # row -> slot
         self._last_token_at: dict[Sequence, float] = {}
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="gptkiln-decode")
+        self._executor = ThreadPoolExecutor(  # a decode thread: all its forwards decode
+            1, thread_name_prefix="gptkiln-decode", initializer=DECODING.set, initargs=(True,)
+        )
         self._task: asyncio.Task | None = None
         self._closing = False
         self._buckets = sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})

@@ -182,7 +182,11 @@ def check_finite(schema: Any) -> None:
     any alternative (``anyOf``, ``oneOf``, ``type`` lists, an untyped schema, which a string
     meets) or a recursion that is not required (an optional property, an array that may be
     empty). What the check cannot resolve (a remote ``$ref``) it leaves to the engine."""
-    if not _finite(schema, schema, set(), [FINITE_CHECK_STEPS]):
+    try:
+        finite = _finite(schema, schema, set(), [FINITE_CHECK_STEPS])
+    except RecursionError:  # a chain of $refs deeper than Python's stack: left to the engine
+        finite = True
+    if not finite:
         raise GrammarError(
             "no finite JSON value meets it: a $ref leads back to itself before a value is "
             "written, or a required property needs another of its own kind inside it; make the "
@@ -211,11 +215,11 @@ def _finite_here(root: Any, node: dict, stack: set[int], budget: list[int]) -> b
     def finite(sub: Any) -> bool:
         return _finite(root, sub, stack, budget)
 
+    if "const" in node or "enum" in node:
+        return True  # the values listed (what else it says narrows them, no more)
     ref = node.get("$ref")
     if isinstance(ref, str) and not finite(_pointer(root, ref)):
         return False
-    if "const" in node or "enum" in node:
-        return True  # the values listed
     if isinstance(all_of := node.get("allOf"), list) and not all(finite(s) for s in all_of):
         return False
     for key in ("anyOf", "oneOf"):
@@ -234,6 +238,8 @@ def _finite_of_type(node: dict, kind: Any, finite) -> bool:
         properties = node.get("properties")
         properties = properties if isinstance(properties, dict) else {}
         other = node.get("additionalProperties", True)
+        if node.get("patternProperties"):
+            other = True  # a name it does not list may match a pattern: unsure, so allowed
         required = node.get("required")
         names = required if isinstance(required, list) else []
         return all(finite(properties.get(n, other)) for n in names if isinstance(n, str))

@@ -61,19 +61,25 @@ def call_schema(family: str, tool: Tool, at: str = "#") -> dict[str, Any]:
 _VALUES = frozenset({"const", "enum", "default", "examples"})
 """Keywords whose values are JSON values, not schemas: a ``$ref`` key inside them is data."""
 
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose values map names to schemas: a name (``default``, ``enum``) is no keyword."""
+
 
 def _rebased(schema: Any, base: str) -> Any:
-    """``schema`` with every local ``$ref`` (``#...``) pointing under ``base`` instead."""
+    """``schema`` with every ``$ref`` that is a JSON pointer into it (``#``, ``#/...``) pointing
+    under ``base`` instead (an anchor, ``#name``, or another document's is left as it is)."""
     if isinstance(schema, list):
         return [_rebased(item, base) for item in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = base + value[1:]
         elif key in _VALUES:
             out[key] = value
+        elif key in _NAMED and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, base) for name, sub in value.items()}
         else:
             out[key] = _rebased(value, base)
     return out
