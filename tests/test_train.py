@@ -265,6 +265,12 @@ def test_a_time_budgeted_run_resumes_with_the_time_it_has_left(play_path, tmp_pa
     cfg = tiny_config(play_path, run, max_steps=1000, max_time=5 / 60, sample_prompt="RO")
     train(cfg)
     assert read_checkpoint(run)[1]["train_seconds"] == 5.5
+    assert read_checkpoint(run)[1]["step_seconds"] == 0.5  # a resume's first step foresees it
+    from gptkiln.train import Trainer
+
+    trainer = Trainer(dataclasses.replace(cfg, max_time=8 / 60), resume=True)
+    assert trainer.clock.step_seconds == 0.5 and trainer.clock.time_used() == 6 / 8
+    trainer.close()
     # the budget is spent: nothing to train, nothing changed
     result = train(cfg, resume=True)
     assert result.steps == 6 and read_checkpoint(run)[1]["step"] == 6

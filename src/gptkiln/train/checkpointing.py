@@ -33,6 +33,7 @@ class Progress:
     tokens: int
     train_seconds: float
     precision: str | None = None
+    step_seconds: float = 0.0  # the last step's: a time budget's schedule foresees the next
 
 
 class Checkpoints:
@@ -95,6 +96,7 @@ class Checkpoints:
                 "cuda_rng": cuda_rng,  # each rank's own device's generator
                 "scheduler": {"step": step, "total_steps": batches.total_steps},
                 "train_seconds": progress.train_seconds,
+                "step_seconds": progress.step_seconds,
                 "precision": progress.precision,
             }
             # config.json records the arithmetic the run trains in, not "auto"
@@ -139,6 +141,7 @@ class Checkpoints:
             # a checkpoint from before time budgets has no clock: its time so far counts as 0
             train_seconds=float(state.get("train_seconds", 0.0)),
             precision=state.get("precision"),
+            step_seconds=float(state.get("step_seconds", 0.0)),
         )
         self._check_same_global_batch(state.get("global_batch"), batches)
         self._check_same_order(state, batches)

@@ -181,6 +181,7 @@ class Trainer:
             progress = self.checkpoints.restore(self.model, self.optimizer, self.batches)
             self.step, self.tokens = progress.step, progress.tokens
             self.clock.seconds = progress.train_seconds
+            self.clock.step_seconds = progress.step_seconds  # the first step's foresight too
             self.precision = resumed_precision(cfg.precision, progress.precision, self.device)
             self.log.keep_rows_until(self.step)
         elif self.world.is_main:
@@ -372,7 +373,10 @@ class Trainer:
 
     def save(self) -> None:
         """Write the checkpoint (all ranks gather, rank 0 writes)."""
-        progress = Progress(self.step, self.tokens, self.clock.seconds, self.precision.precision)
+        progress = Progress(
+            self.step, self.tokens, self.clock.seconds, self.precision.precision,
+            self.clock.step_seconds,
+        )  # fmt: skip
         self.checkpoints.save(self.model, self.optimizer, self.batches, progress)
 
 
