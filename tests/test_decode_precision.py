@@ -230,3 +230,39 @@ def test_a_generation_leaves_the_models_other_forwards_exact(precision, monkeypa
     assert text and getattr(model, "decode_plan", None) is not None  # planned, and kept
     with torch.no_grad():
         torch.testing.assert_close(model(idx), before, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_servers_inspection_is_of_the_weights_own_numbers(precision, monkeypatch):
+    """The server's decoding rounds at its precision; an inspection run on its decode thread
+    between two steps is no decoding: it shows what `gptkiln inspect` shows."""
+    import asyncio
+
+    from gptkiln.inspect import inspect_prompt
+    from gptkiln.serve.batcher import Batcher
+
+    if not specs.available(specs.BY_NAME["bf16_rows" if precision == "bf16" else "q8_rows"]):
+        pytest.skip(f"{precision}'s own loop does not run on this machine")
+    monkeypatch.delenv("GPTKILN_EXACT_KERNELS")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=64, context_length=96, n_embd=64)).eval()
+    if precision == "int8":
+        model = quantize_model(model)
+    tokenizer = CharTokenizer([chr(c) for c in range(32, 95)], with_eot=True)
+    text = "HELLO, WORLD! " * 5
+    alone = inspect_prompt(model, tokenizer, text, top_k=3, max_tokens=None)
+
+    async def served():
+        batcher = Batcher(model, tokenizer, max_batch=2)
+        batcher.precision = precision
+        await batcher.start()
+        try:
+            return await batcher.call(
+                lambda: inspect_prompt(model, tokenizer, text, top_k=3, max_tokens=None)
+            )
+        finally:
+            await batcher.stop()
+
+    got = asyncio.run(served())
+    losses = [(a.loss, b.loss) for a, b in zip(alone.positions, got.positions, strict=True)]
+    assert all(a is None or abs(a - b) < 1e-5 for a, b in losses)

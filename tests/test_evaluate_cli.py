@@ -117,6 +117,14 @@ def test_an_output_path_over_a_runs_file_is_refused(setup, capsys):
                        "--output-path", data / "meta.json", "--quiet", capsys=capsys)  # fmt: skip
     assert_one_line_error(code, err, "--output-path", "a file of the prepared data in")
     assert (data / "meta.json").read_text() == '{"tokenizer": "char"}'
+    from gptkiln.checkpoint import check_not_a_run_file
+    from gptkiln.errors import GptkilnError
+
+    (data / "chat_template.jinja").write_text("{{ messages }}")  # an HF tokenizer's, kept
+    with pytest.raises(GptkilnError, match="a file of the prepared data"):
+        check_not_a_run_file(data / "chat_template.jinja", "--out")
+    (data / "attention.png").write_bytes(b"an earlier inspect's picture")
+    check_not_a_run_file(data / "attention.png", "--out")  # no file of prepare's: written over
 
 
 def test_output_path_log_samples_limit_num_fewshot_seed_and_batch_size_reach_the_harness(

@@ -196,7 +196,9 @@ def test_config_from_hf_reads_defaults_and_refuses_other_models():
     for bad, needle in (
         ({"layer_norm_epsilon": None}, "layer_norm_epsilon is None, not a number"),
         ({"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon is '1e-5', not a number"),
-        ({"n_embd": "64"}, "x/config.json: model config: n_embd must be a whole number"),
+        ({"n_embd": "64"}, "x/config.json: n_embd is '64', not a whole number"),
+        ({"n_embd": None}, "x/config.json: n_embd is None, not a whole number"),
+        ({"tie_word_embeddings": "no"}, "x/config.json: model config: tie_embeddings"),
         ({"n_embd": 64, "n_head": 12}, r"divisible by n_head \(12\)$"),  # no head_dim: GPT-2's
     ):
         with pytest.raises(GptkilnError, match=needle):

@@ -868,6 +868,8 @@ def test_a_tie_at_the_nucleus_edge_running_past_4096_or_top_ks_k_is_ranked_whole
 def test_a_prompt_of_0_d_tensors_is_one_prompt_of_their_ids(model):
     ids = generate(model, [torch.tensor(5), torch.tensor(6)], max_new_tokens=2, temperature=0)
     assert ids == generate(model, [5, 6], max_new_tokens=2, temperature=0)  # one prompt
+    one = generate(model, torch.tensor(5), max_new_tokens=2, temperature=0)
+    assert one == generate(model, [5], max_new_tokens=2, temperature=0)
 
 
 @pytest.mark.parametrize(

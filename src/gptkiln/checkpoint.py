@@ -464,16 +464,14 @@ def run_files(run_dir: str | os.PathLike) -> list[Path]:
 def _written_by_prepare(path: Path) -> bool:
     """Whether ``path``, in a folder holding a ``meta.json``, is one `gptkiln prepare` writes
     there (the meta, the tokens, the tokenizer's files) in a folder whose meta is gptkiln's."""
-    from gptkiln.data.prepare import read_meta
+    from gptkiln.data.prepare import FILES, read_meta
+    from gptkiln.tokenizers.base import TOKENIZER_FILES
 
     meta = read_meta(path.parent)
     if meta is None or "tokenizer" not in meta:  # another tool's meta.json
         return False
-    return (
-        path.name == "meta.json"
-        or path.suffix in (".bin", ".npy")
-        or (path.name.startswith(("tokenizer", "char_vocab", "vocab", "merges")))
-    )
+    # its splits and meta, a mixture's token files, the tokenizer's files (an HF one's all)
+    return path.name in (*FILES, *TOKENIZER_FILES) or path.suffix in (".bin", ".npy")
 
 
 def check_not_a_run_file(path: str | os.PathLike, flag: str) -> None:

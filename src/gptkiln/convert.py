@@ -101,8 +101,9 @@ def import_hf(
     if on_note is not None and not (Path(hf_dir) / "tokenizer.json").is_file():
         on_note(
             f"{hf_dir} has no tokenizer.json: {out_run_dir} holds the weights alone, which "
-            "generate, chat and serve cannot read until it has one; copy tokenizer.json and "
-            f"tokenizer_config.json from the model's repository into {out_run_dir}"
+            "generate, chat and serve cannot read; copy tokenizer.json and "
+            f"tokenizer_config.json from the model's repository into {hf_dir} and convert it "
+            "again (with --overwrite)"
         )
     return None
 

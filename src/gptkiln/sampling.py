@@ -818,7 +818,7 @@ def _prompt_rows(prompts, vocab_size: int) -> tuple[bool, list[list[int]]]:
             "gptkiln.api.complete(run, text) for text in and out"
         )
     if isinstance(prompts, (torch.Tensor, np.ndarray)):  # (T,) one prompt, (B, T) a batch
-        prompts = prompts.tolist()
+        prompts = prompts.tolist() if prompts.ndim else [prompts.item()]  # 0-d: one id
     # one prompt of ids (a float or None among them refused below), or a batch of rows; a 0-d
     # tensor or array is one id
     arrays = (torch.Tensor, np.ndarray)

@@ -21,6 +21,7 @@ from gptkiln.cpu import specs
 from gptkiln.cpu.library import library
 from gptkiln.cpu.planned import few_row_kernels, own_class, plan_model
 from gptkiln.cpu.products import bf16_copy
+from gptkiln.sampling import DECODING
 
 LOOP_KINDS = {spec.kernel: spec.loop for spec in specs.SPECS if spec.loop is not None}
 """The loops ``csrc/generic/decode_blocks.c`` runs, each by its number there (``KIND_*``)."""
@@ -133,10 +134,11 @@ class DecodeBlocks:
             or x.shape != (B, 1, c.n_embd)
         ):
             return None
+        kernels = [few_row_kernels(layer).get(B) for layer in block_products(model)]
+        if not DECODING.get() and any(getattr(k, "rounds", False) for k in kernels):
+            return None  # rounding is a decoding's: another forward keeps the weights' numbers
         try:  # each product by the loop its layer has now (none of them: the layers run)
-            kinds = bytes(
-                [self.loops[few_row_kernels(layer).get(B)] for layer in block_products(model)]
-            )
+            kinds = bytes([self.loops[kernel] for kernel in kernels])
         except (KeyError, TypeError, AttributeError):
             return None
         table = self._tables.get(kinds)

@@ -217,9 +217,9 @@ class PlannedAttention(Planned):
 class PlannedModel(Planned):
     """The model, with the plan that holds it (``decode_plan``) and its one-call step
     (``decode_blocks``, or None), which runs a step of one new token a row at one position
-    (no autograd, every cache row, no attention weights asked, outside ``torch.compile``,
-    inside a decoding: `gptkiln.sampling.DECODING`) in place of `gptkiln.model.GPT.run_blocks`
-    where it takes the step. Each decode step runs on
+    (no autograd, every cache row, no attention weights asked, outside ``torch.compile``; with
+    a loop that rounds, inside a decoding only: `gptkiln.sampling.DECODING`) in place of
+    `gptkiln.model.GPT.run_blocks` where it takes the step. Each decode step runs on
     the plan's thread count (`gptkiln.cpu.threads.DecodeThreads`), every other forward on the
     full count; a step on another device, or traced by ``torch.compile`` (`gptkiln.gpu`'s
     graphs), is the model's own."""
@@ -253,7 +253,6 @@ class PlannedModel(Planned):
             and rows is None
             and attentions is None
             and not torch.compiler.is_compiling()
-            and DECODING.get()  # a decoding's step (its loops may round on purpose)
         ):
             y = blocks(self, x, start_pos, mask, rope)
             if y is not None:

@@ -302,9 +302,11 @@ def bf16_rows_linear(
         y = _by_row_loop(lib.bf16_rows_linear, x, rounded, (), bias, torch.bfloat16, chunked=True)
         if y is not None:
             return y
-    # tensors the loop refuses (a width no multiple of 16): the same rounded weights, widened
-    # for torch's product
-    return F.linear(x, rounded.to(x.dtype), bias)
+    # tensors the loop refuses (a width no multiple of 16): the same rounded weights for torch's
+    # product; the weight itself where it holds bf16's values already (a bf16 checkpoint
+    # decoding in fp32), else widened for the call
+    same = _kept(_BF16_SAME, (weight,), lambda: torch.equal(rounded.to(weight.dtype), weight))
+    return F.linear(x, weight if same else rounded.to(x.dtype), bias)
 
 
 def bf16_copy(weight: torch.Tensor) -> torch.Tensor:
@@ -319,6 +321,9 @@ def bf16_copy(weight: torch.Tensor) -> torch.Tensor:
 
 _BF16_ROWS: dict[int, tuple] = {}
 """id(weight) -> (weakref of the weight, its version, the bf16 copy `bf16_rows_linear` reads)."""
+
+_BF16_SAME: dict[int, tuple] = {}
+"""id(weight) -> (weakref of the weight, its version, whether its bf16 copy equals it)."""
 
 
 # -- int8 weight-only products ------------------------------------------------------------------

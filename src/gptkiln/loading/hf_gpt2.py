@@ -110,6 +110,8 @@ def config_from_hf(hf_config: Mapping[str, Any], source: str = "Hugging Face con
             f"GPT-2 checkpoints can be converted"
         )
     n_embd = hf["n_embd"]
+    if isinstance(n_embd, bool) or not isinstance(n_embd, int):
+        raise GptkilnError(f"{source}: n_embd is {n_embd!r}, not a whole number")
     eps = hf["layer_norm_epsilon"]
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise GptkilnError(f"{source}: layer_norm_epsilon is {eps!r}, not a number")
@@ -141,7 +143,7 @@ def config_from_hf(hf_config: Mapping[str, Any], source: str = "Hugging Face con
             n_embd=n_embd,
             dropout=0.0,
             qkv_bias=True,
-            tie_embeddings=bool(hf["tie_word_embeddings"]),
+            tie_embeddings=hf["tie_word_embeddings"],  # true or false: GPTConfig checks
             gelu=_HF_GELU[hf["activation_function"]],
         )
     except GptkilnError as e:  # the config's own checks, in gptkiln's names: say which file

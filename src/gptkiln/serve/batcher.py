@@ -45,7 +45,7 @@ from gptkiln.cpu import prepare_for_decoding
 from gptkiln.errors import GptkilnError
 from gptkiln.gpu import row_graphs_for
 from gptkiln.model import GPT
-from gptkiln.sampling import DECODING
+from gptkiln.sampling import decoding
 from gptkiln.serve.choosing import Chooser, Chosen, Slot
 from gptkiln.serve.events import Done, Failed, Sequence, Token
 from gptkiln.serve.prefill import Ready, keep_prefixes, prefill
@@ -101,9 +101,7 @@ class Batcher:
         self._slots: dict[int, Slot] = {}  # row -> slot
         self._last_token_at: dict[Sequence, float] = {}
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(  # a decode thread: all its forwards decode
-            1, thread_name_prefix="gptkiln-decode", initializer=DECODING.set, initargs=(True,)
-        )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="gptkiln-decode")
         self._task: asyncio.Task | None = None
         self._closing = False
         self._buckets = sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
@@ -258,7 +256,8 @@ class Batcher:
     def _prefill_step(self, admitted: list[Slot]) -> Chosen:
         """Prefill the admitted prompts (`prefill.prefill`), then choose their first tokens
         together."""
-        events, ready = prefill(self.model, self.prefix_cache, admitted)
+        with decoding():  # a decoding's forwards: the precision's rounding, if any
+            events, ready = prefill(self.model, self.prefix_cache, admitted)
         return events + self._first_tokens(ready)
 
     @torch.inference_mode()
@@ -269,7 +268,8 @@ class Batcher:
         events: Chosen = []
         going = [s for s in self._slots.values() if not s.done]
         if going:
-            events += self._decode(going)
+            with decoding():
+                events += self._decode(going)
         self.steps += 1
         return events
 
