@@ -270,7 +270,9 @@ def test_max_length_cuts_at_a_turn_and_says_so_first(work, tmp_path, capsys):
     shown = json.loads(out)  # --show-examples shows the example as training cuts it
     assert code == 0 and 0 < len(shown["ids"]) <= 61 and shown["trained"][-1]
     code, out, err = cli(*argv, "--max-length", 3, "--show-examples", 1, capsys=capsys)
-    assert code == 0 and "--- example 1: dropped, its first answer ends past 3 tokens" in out
+    assert "--- example 1: dropped, its first answer ends past 3 tokens" in out
+    assert "example 2" not in out and "39 more examples dropped, not shown" in out
+    assert code == 2 and "no example fits" in err  # as training refuses it
 
 
 # -- bad input ------------------------------------------------------------------------------------
