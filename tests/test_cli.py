@@ -951,3 +951,26 @@ def test_resume_alone_continues_with_the_runs_own_settings(play_path, tmp_path, 
         capsys=capsys,
     )  # fmt: skip
     assert_one_line_error(code, err, "--optimizer adamw")
+
+
+def test_resume_alone_reads_the_runs_own_tokens_from_any_directory(
+    play_path, tmp_path, capsys, monkeypatch
+):
+    """The record's ``--data play.txt`` was typed relative to where the run started: a resume
+    from elsewhere (beside another file of that name) trains on the tokens the run prepared."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir(), elsewhere.mkdir()
+    shutil.copy(play_path, home / "play.txt")
+    (elsewhere / "play.txt").write_text("Other words entirely, and not the play. " * 200)
+    monkeypatch.chdir(home)
+    flags = ["--data", "play.txt", "--model", "tiny", "--tokenizer", "char", "--context-length",
+             "32", "--batch-size", "3", "--eval-interval", "2", "--sample-tokens", "0",
+             "--no-progress", "--out", tmp_path / "run"]  # fmt: skip
+    assert cli("train", *flags, "--max-steps", 2, capsys=capsys)[0] == 0
+    tokens = (tmp_path / "run" / "data" / "train.bin").read_bytes()
+    monkeypatch.chdir(elsewhere)
+    code, _, err = cli("train", "--out", tmp_path / "run", "--resume", "--max-steps", 4,
+                       capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / "run" / "data" / "train.bin").read_bytes() == tokens
+    assert "prepared anew" not in err

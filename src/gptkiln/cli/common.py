@@ -98,8 +98,9 @@ unless another is asked)."""
 
 def recorded_settings(out: str, names) -> dict[str, Any]:
     """What the run in ``out`` recorded (its config.json's ``train``) of the settings ``names``:
-    a resume continues with them where no flag or recipe gives another. {} where nothing is
-    recorded (no run there yet: the resume itself then says so)."""
+    a resume continues with them where no flag or recipe gives another (text it prepared into
+    its own ``data/``: that folder). {} where nothing is recorded (no run there yet: the
+    resume itself then says so)."""
     import json
     from pathlib import Path
 
@@ -109,7 +110,13 @@ def recorded_settings(out: str, names) -> dict[str, Any]:
         return {}
     if not isinstance(recorded, dict):
         return {}
-    return {k: v for k, v in recorded.items() if k in names and k not in NOT_CARRIED_ON_RESUME}
+    carried = {k: v for k, v in recorded.items() if k in names and k not in NOT_CARRIED_ON_RESUME}
+    own = Path(out) / "data"
+    if "data" in carried and (own / "meta.json").is_file():
+        # text the run prepared into its data/: those tokens, not the path as it was typed
+        # (relative to another directory, perhaps; another file of that name, perhaps)
+        carried["data"] = str(own)
+    return carried
 
 
 def add_run_argument(
