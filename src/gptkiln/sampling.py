@@ -409,7 +409,7 @@ DECODING = contextvars.ContextVar("gptkiln_decoding", default=False)
 """Whether the model's forwards now are a decoding's (its prompt's prefill, its steps, a decode
 backend's tuning): a backend's kernels that round on purpose (bf16 weights, 8-bit activations)
 run there only, never in another forward of the same model (a perplexity, an inspection, a
-caller's own ``model(x)``). A server's decode thread is all decoding."""
+caller's own ``model(x)``). Serve marks its prefill and steps, not its inspections."""
 
 
 @contextlib.contextmanager
