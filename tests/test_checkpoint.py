@@ -608,3 +608,25 @@ def test_a_restore_stopped_halfway_is_finished_by_the_next_start(tmp_path):
     os.replace(run / "metrics.csv", run / RESTORING_DIR / "metrics.csv")  # not yet back
     check_run_dir_for_training(run, resume=True, overwrite=False)
     assert _files(run) == before and not (run / RESTORING_DIR).exists()
+
+
+def test_two_processes_write_the_same_tensors_and_metadata_to_the_same_bytes(tmp_path):
+    """safetensors writes ``__metadata__`` in a hash map's order, seeded anew in each process:
+    `write_safetensors` sorts it, so that identical runs leave identical files."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from gptkiln.checkpoint import write_safetensors\n"
+        "meta = {f'key{i}': str(i) for i in range(8)}\n"
+        "write_safetensors(sys.argv[1], {'w': torch.arange(6.0)}, meta)\n"
+    )
+    files = [tmp_path / f"{i}.safetensors" for i in range(2)]  # 8! orders: 1 in 40,320 alike
+    for path in files:
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True)
+    assert files[0].read_bytes() == files[1].read_bytes()
+    from safetensors import safe_open
+
+    with safe_open(str(files[0]), "pt") as f:
+        assert f.metadata() == {f"key{i}": str(i) for i in range(8)}

@@ -953,6 +953,44 @@ def test_resume_alone_continues_with_the_runs_own_settings(play_path, tmp_path, 
     assert_one_line_error(code, err, "--optimizer adamw")
 
 
+def test_a_resume_unsets_a_recorded_setting_with_none_and_keeps_the_windows_stride(
+    play_path, tmp_path, capsys
+):
+    """``--max-time none`` drops the time budget the run recorded (carried by a bare
+    ``--resume``); another ``--stride`` over the windows an epoch walks is refused, as another
+    ``--seed`` is (it would read some windows twice and skip others)."""
+    out = tmp_path / "run"
+    flags = ["--data", play_path, "--model", "tiny", "--tokenizer", "char", "--context-length",
+             "32", "--batch-size", "3", "--eval-interval", "2", "--sample-tokens", "0",
+             "--no-progress", "--out", out, "--sampling", "windows", "--stride", "16",
+             "--max-time", "60", "--sample-prompt", "ROMEO"]  # fmt: skip
+    assert cli("train", *flags, "--max-steps", 2, capsys=capsys)[0] == 0
+    code, _, err = cli("train", "--out", out, "--resume", "--max-steps", 4, "--stride", 8,
+                       capsys=capsys)  # fmt: skip
+    assert_one_line_error(code, err, "--stride 16 and this resume asks for 8")
+    code, _, err = cli("train", "--out", out, "--resume", "--max-steps", 4, "--max-time", "none",
+                       "--sample-prompt", "None", capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    recorded = json.loads((out / "config.json").read_text())["train"]
+    assert recorded["max_time"] is None and recorded["sample_prompt"] is None
+    assert recorded["stride"] == 16 and recorded["max_steps"] == 4
+    config = json.loads((out / "config.json").read_text())
+    config["train"]["lr"] = "fast"  # a hand's edit: the file is named, not the flag alone
+    (out / "config.json").write_text(json.dumps(config))
+    code, _, err = cli("train", "--out", out, "--resume", "--max-steps", 5, capsys=capsys)
+    assert_one_line_error(code, err, f"{out / 'config.json'}: its record", "got 'fast'")
+
+
+def test_the_harness_tasks_folder_is_recorded_as_found_from_where_the_run_started(
+    tmp_path, monkeypatch
+):
+    """A resume from another directory still finds ``--eval-tasks-include-path tasks``."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--eval-tasks", "kiln_mc", "--eval-tasks-include-path", "tasks"]
+    cfg = train_config_from_args(build_parser().parse_args(argv))
+    assert cfg.eval_tasks_include_path == str(tmp_path.resolve() / "tasks")
+
+
 def test_resume_alone_reads_the_runs_own_tokens_from_any_directory(
     play_path, tmp_path, capsys, monkeypatch
 ):

@@ -1119,6 +1119,26 @@ def test_resume_keeps_the_runs_own_loop_settings_where_no_flag_is_given(work, tm
     assert before == ((out / "metrics.csv").read_bytes(), (out / "trainer_state.pt").read_bytes())
 
 
+def test_resume_keeps_the_runs_own_fine_tuning_settings_where_no_flag_is_given(
+    work, tmp_path, capsys
+):
+    """What the run learns (--mask-prompt, LoRA's rank and alpha) is the run's too: a bare
+    ``--resume`` goes on with them, and a flag that differs is refused, naming both."""
+    out = tmp_path / "ft"
+    base = ["finetune", work / "base", "--data", work / "instructions.json", "--out", out]
+    quiet = ["--sample-tokens", "0", "--no-progress"]
+    lora = ["--train-layers", "lora", "--lora-rank", "2", "--lora-alpha", "4"]
+    assert cli(*base, "--mask-prompt", *lora, *quiet, "--max-steps", 2, capsys=capsys)[0] == 0
+    code, _, err = cli(*base, "--resume", *quiet, "--max-steps", 3, capsys=capsys)
+    assert code == 0, err
+    saved = json.loads((out / "config.json").read_text())["finetune"]["config"]
+    assert saved["mask_prompt"] is True and saved["lora_rank"] == 2 and saved["lora_alpha"] == 4
+    assert [r["step"] for r in read_metrics(out / "metrics.csv")][-1] == 3
+    code, _, err = cli(*base, "--resume", "--lora-rank", "4", *quiet, "--max-steps", 4,
+                       capsys=capsys)  # fmt: skip
+    assert_one_line_error(code, err, "lora_rank 2 then, 4 now")
+
+
 def test_one_entry_is_refused_without_advice_it_cannot_follow(work, tmp_path, capsys):
     entries = json.loads((work / "instructions.json").read_text())
     one = tmp_path / "one.json"

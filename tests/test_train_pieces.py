@@ -162,6 +162,7 @@ class FakeBatches:
     global_batch: int = 8
     walks_epochs: bool = True
     total_steps: int = 20
+    stride: int | None = 16
 
     def tokens(self, step: int) -> int:
         return self.global_batch * 4

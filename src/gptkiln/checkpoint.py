@@ -161,7 +161,30 @@ def write_safetensors(
 ) -> None:
     """Atomically write tensors as safetensors, made contiguous on CPU first."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+    def write(tmp: str) -> None:
+        save_file(tensors, tmp, metadata=metadata)
+        _sort_metadata(tmp)
+
+    atomic_write(path, write)
+
+
+def _sort_metadata(path: str) -> None:
+    """The header's ``__metadata__`` in sorted order, in place: safetensors writes it in a hash
+    map's order, new in each process, so that two identical runs' files would differ."""
+    import struct
+
+    with open(path, "r+b") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(size)
+        header = json.loads(raw)
+        if not header.get("__metadata__"):
+            return
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        again = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(again) <= size and json.loads(again) == json.loads(raw):  # the same, reordered
+            f.seek(8)
+            f.write(again.ljust(size))  # safetensors pads its header with spaces too
 
 
 def unwrap(model: torch.nn.Module) -> GPT:

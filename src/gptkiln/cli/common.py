@@ -96,16 +96,17 @@ for a new run), and the precision (recorded as resolved: the trainer keeps the r
 unless another is asked)."""
 
 
-def recorded_settings(out: str, names) -> dict[str, Any]:
-    """What the run in ``out`` recorded (its config.json's ``train``) of the settings ``names``:
-    a resume continues with them where no flag or recipe gives another (text it prepared into
-    its own ``data/``: that folder). {} where nothing is recorded (no run there yet: the
-    resume itself then says so)."""
+def recorded_settings(out: str, names, section: str = "train") -> dict[str, Any]:
+    """What the run in ``out`` recorded (its config.json's ``train``, or a fine-tuning's
+    ``finetune`` ``config``) of the settings ``names``: a resume continues with them where no
+    flag or recipe gives another (text it prepared into its own ``data/``: that folder). {}
+    where nothing is recorded (no run there yet: the resume itself then says so)."""
     import json
     from pathlib import Path
 
     try:
-        recorded = json.loads((Path(out) / "config.json").read_text(encoding="utf-8"))["train"]
+        recorded = json.loads((Path(out) / "config.json").read_text(encoding="utf-8"))
+        recorded = recorded["train"] if section == "train" else recorded[section]["config"]
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     if not isinstance(recorded, dict):

@@ -101,11 +101,23 @@ def add_finetune_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in --out, with its recorded loop settings (--lr, --batch-size, "
-        "...) for each such flag not given",
+        help="continue the run in --out, with its recorded settings (--task, --lora-rank, "
+        "--lr, ...) for each flag not given (the base and --data are given again)",
     )
     add_overwrite_flag(p, help="replace a run already in --out")
     _add_loop_flags(p)
+    # a setting not given stays out of ``args``: FinetuneConfig's default, or on --resume the
+    # run's own (the helps say the defaults, which are FinetuneConfig's)
+    for action in p._actions:
+        if action.dest in RESUMED_SETTINGS:
+            action.default = argparse.SUPPRESS
+
+
+# FinetuneConfig's settings a resume takes from the run where no flag gives another: all but
+# the base and the data, given each time (and the data's contents checked against the run's).
+RESUMED_SETTINGS = tuple(
+    f.name for f in dataclasses.fields(FinetuneConfig) if f.name not in ("base", "data")
+)
 
 
 def _add_data_flags(p: argparse.ArgumentParser) -> None:
@@ -286,19 +298,23 @@ def finetune_configs_from_args(
     args: argparse.Namespace,
 ) -> tuple[FinetuneConfig, TrainConfig]:
     """(`FinetuneConfig`, the loop's `TrainConfig`) of a ``gptkiln finetune`` command line."""
+    from gptkiln.config.run import read_fields
     from gptkiln.errors import GptkilnError
     from gptkiln.finetune import train_config
 
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
-    ft = FinetuneConfig.from_dict({k: v for k, v in vars(args).items() if k in names})
+    settings = {k: v for k, v in vars(args).items() if k in names}
     loop = {k: v for k, v in vars(args).items() if k in FINETUNE_LOOP_FLAGS}
     if not args.out:
         raise GptkilnError("gptkiln finetune: --out DIR is required (the run directory to write)")
-    if args.resume:  # the run's own loop settings, where no flag gives another
+    if args.resume:  # the run's own settings and loop, where no flag gives another
+        recorded = recorded_settings(args.out, RESUMED_SETTINGS, section="finetune")
+        settings = {**read_fields(recorded), **settings}  # (read_fields: only its task's)
         given = loop
         loop = {**recorded_settings(args.out, FINETUNE_LOOP_FLAGS), **given}
         if "epochs" in given and "max_steps" not in given:
             loop["max_steps"] = 0  # --epochs N alone: the epochs decide, as on a new run
+    ft = FinetuneConfig.from_dict(settings)
     return ft, train_config(ft, out=args.out, **loop)
 
 

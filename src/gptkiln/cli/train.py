@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--resume",
         action="store_true",
         help="continue the run in --out from its checkpoint, with its recorded settings for "
-        "every flag not given",
+        "every flag not given (none unsets one that can be unset: --max-time none)",
     )
     add_overwrite_flag(groups["checkpoints"], help="start afresh over a run already in --out")
     groups["hardware"].add_argument(
@@ -93,15 +93,27 @@ def add_train_flags(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentG
             action = argparse.BooleanOptionalAction
             group.add_argument(flag, action=action, default=argparse.SUPPRESS, help=help)
         else:
+            optional = type(None) in typing.get_args(hints[f.name])
             group.add_argument(
                 flag,
-                type=kind,
+                type=_or_none(kind) if optional else kind,
                 choices=choices,
                 default=argparse.SUPPRESS,
                 metavar=metavar,
                 help=help,
             )
     return groups
+
+
+def _or_none(kind: type):
+    """The flag type of a setting that may be unset: ``none`` is None (so that a resume can drop
+    a recorded ``--max-time``), anything else ``kind`` (whose name argparse's errors show)."""
+
+    def convert(text: str):
+        return None if text.lower() == "none" else kind(text)
+
+    convert.__name__ = kind.__name__
+    return convert
 
 
 def flag_shape(name: str, hints: dict[str, Any] | None = None) -> tuple[type, list | None, Any]:
@@ -150,12 +162,27 @@ def _chosen_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str
         out = flags.get("out", recipe.get("out", TrainConfig.out))
         recorded = recorded_settings(out, names)
     values = {**recorded, **recipe, **flags}
+    include = values.get("eval_tasks_include_path")
+    if include and "eval_tasks_include_path" not in recorded:  # recorded as found from here
+        values["eval_tasks_include_path"] = str(Path(include).expanduser().resolve())
     given = {
         **dict.fromkeys(recorded, "run"),
         **dict.fromkeys(recipe, "recipe"),
         **dict.fromkeys(flags, "flag"),
     }
-    return TrainConfig.from_dict(values), given
+    try:
+        return TrainConfig.from_dict(values), given
+    except GptkilnError as e:
+        if recorded:  # the record's values, or the command's? without the record, it is theirs
+            try:
+                TrainConfig.from_dict({**recipe, **flags})
+            except GptkilnError:
+                raise e from None
+            raise GptkilnError(
+                f"{Path(out) / 'config.json'}: its record of the run's settings does not hold "
+                f"({str(e).removeprefix('training config: ')}); give that flag, or mend the file"
+            ) from None
+        raise
 
 
 def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: str | None):

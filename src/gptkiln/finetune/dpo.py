@@ -47,16 +47,14 @@ from gptkiln.train.task import RunContext
 METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
 
-def sequence_log_probs(
-    logits: torch.Tensor, targets: torch.Tensor, average: bool = False
-) -> torch.Tensor:
-    """Each row's summed (``average``: mean) log-probability of its targets, (B,), from logits
-    (B, T, V) and targets (B, T) whose -100 positions do not count."""
+def sequence_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-probability of its targets, (B,), from logits (B, T, V) and targets
+    (B, T) whose -100 positions do not count (ipo's mean divides by the lengths, in
+    `dpo_loss`)."""
     mask = targets != IGNORE_INDEX
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
     picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T)
-    summed = (picked * mask).sum(-1)
-    return summed / mask.sum(-1).clamp(min=1) if average else summed
+    return (picked * mask).sum(-1)
 
 
 @dataclass

@@ -40,6 +40,7 @@ class ExampleBatches:
     """
 
     walks_epochs = True
+    stride = None  # examples, not windows over a stream
 
     def __init__(
         self,

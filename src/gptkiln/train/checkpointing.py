@@ -89,6 +89,7 @@ class Checkpoints:
                 "global_batch": batches.global_batch,
                 "seed": self.cfg.seed,  # with sampling, the data order: a resume keeps both
                 "sampling": self.cfg.sampling,
+                "stride": batches.stride,  # with sampling windows, which windows there are
                 "world_size": self.world.world_size,
                 "optimizer": optim_sd,
                 "optimizer_kind": self.cfg.optimizer,  # adamw | muon: what optimizer holds
@@ -160,18 +161,22 @@ class Checkpoints:
 
     def _check_same_order(self, state: dict[str, Any], batches: BatchSource) -> None:
         """A resume keeps the data order the run was trained in: its ``--sampling``, and where
-        it walks epochs, the ``--seed`` each epoch's shuffle is drawn from (another would read
-        some windows twice and skip others, as another batch would). A trainer state from
-        before they were saved in it is checked against config.json's record of them."""
+        it walks epochs, the ``--seed`` each epoch's shuffle is drawn from and the ``--stride``
+        of its windows (another would read some windows twice and skip others, as another
+        batch would). A trainer state from before they were saved in it is checked against
+        config.json's record of them."""
         recorded = {}  # a trainer state from before they were saved: config.json's record
-        if state.get("seed") is None:
+        if state.get("seed") is None or "stride" not in state:
             with contextlib.suppress(GptkilnError, OSError):
                 recorded = checkpoint.read_config(self.run_dir).get("train") or {}
         saved = {k: state.get(k, recorded.get(k)) for k in ("sampling", "seed")}
+        stride = state.get("stride", recorded.get("stride"))  # (recorded: None, the context)
         if saved["sampling"] is not None and saved["sampling"] != self.cfg.sampling:
             changed = ("sampling", saved["sampling"], self.cfg.sampling)
         elif batches.walks_epochs and saved["seed"] not in (None, self.cfg.seed):
             changed = ("seed", saved["seed"], self.cfg.seed)
+        elif batches.stride is not None and stride not in (None, batches.stride):
+            changed = ("stride", stride, batches.stride)
         else:
             return
         flag, was, now = f"--{changed[0]}", changed[1], changed[2]

@@ -104,9 +104,10 @@ class Batches:
         self.global_batch = cfg.batch_size * cfg.grad_accum * world.world_size
         self.walks_epochs = cfg.sampling == "windows"
         self.order: EpochOrder | None = None
+        self.stride: int | None = None  # the windows' step, where the order walks them
         if self.walks_epochs:
-            stride = cfg.stride or context_length
-            self.dataset = SlidingWindowDataset(tokens, context_length, stride)
+            self.stride = cfg.stride or context_length
+            self.dataset = SlidingWindowDataset(tokens, context_length, self.stride)
             self.order = EpochOrder(len(self.dataset), cfg, world)
             self.steps_per_epoch = self.order.steps_per_epoch
         else:

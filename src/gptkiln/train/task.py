@@ -53,6 +53,7 @@ class BatchSource(Protocol):
 
     global_batch: int  # items an optimizer step reads over all ranks and micro-steps
     walks_epochs: bool  # the order depends on global_batch, so a resume must keep it
+    stride: int | None  # the step of the windows an epoch walks (None: examples, random windows)
 
     @property
     def total_steps(self) -> int: ...
