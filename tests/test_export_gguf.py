@@ -460,6 +460,8 @@ def _rewritten(good: Path, bad: Path, **edits) -> Path:
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
+        if field.name in edits and edits[field.name] is None:  # None: the key left out
+            continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         value = edits.get(field.name, field.contents())
@@ -483,6 +485,8 @@ def _rewritten(good: Path, bad: Path, **edits) -> Path:
         ({"tokenizer__ggml__token_type": [1, 1]}, "and 2 token types for the"),
         ({"tokenizer__ggml__tokens": ["a", "b"]}, "has 2 tokens"),
         ({"tokenizer__chat_template": "{% if %}"}, "tokenizer.chat_template"),
+        ({"qwen3__rope__scaling__type": "yarn"}, "qwen3.rope.scaling.type is 'yarn'"),
+        ({"qwen3__rope__dimension_count": 2}, "qwen3.rope.dimension_count is 2 of"),
     ],
     ids=[
         "no heads",
@@ -492,6 +496,8 @@ def _rewritten(good: Path, bad: Path, **edits) -> Path:
         "types",
         "tokens",
         "template",
+        "yarn",
+        "partial rotary",
     ],  # fmt: skip
 )
 def test_a_gguf_of_damaged_metadata_is_one_line(tmp_path, capsys, edits, said):
@@ -515,9 +521,54 @@ def test_a_flag_of_another_direction_or_an_out_that_is_the_input_is_refused(tmp_
         (["to-hf", str(run), "--out", str(run), "--overwrite"], "is what convert to-hf reads"),
         (["gguf", str(tmp_path), "--out", str(tmp_path / "r")], "is a directory; give the path"),
         (["hf", str(tmp_path / "x.gguf"), "--out", str(tmp_path / "r")], "convert gguf` makes"),
+        (["to-hf", str(run), "--out", str(tmp_path / "x.gguf" / "hf")], "x.gguf is a file, not"),
     ):
         assert main(["convert", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert said in err and len(err.splitlines()) == 1, err
     assert sorted(p.name for p in run.iterdir()) == before
     assert not (tmp_path / "hf").exists() and not (tmp_path / "m.gguf").exists()
+
+
+def test_the_runs_token_ids_go_out_to_gguf_and_come_back(tmp_path):
+    """config.json's bos/eos/pad ids (a Hugging Face model's, which `convert to-hf` writes back)
+    leave in the GGUF's tokenizer keys and return in the imported run's config.json."""
+    import json
+
+    import gguf
+
+    _, tokenizer, run = tiny_run(tmp_path, "qwen3", "bpe", pad_token_id=3)
+    out = export_gguf(run, tmp_path / "m.gguf")
+    assert gguf.GGUFReader(out).fields["tokenizer.ggml.padding_token_id"].contents() == 3
+    import_gguf(out, tmp_path / "back")
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["pad_token_id"] == 3 and back["eos_token_id"] == tokenizer.eot_id
+
+
+def test_a_llama3_gguf_that_does_not_say_whether_to_add_bos_adds_it_as_llama_cpp_does(tmp_path):
+    """llama.cpp adds BOS for Llama 3's pre-tokenizer where ``add_bos_token`` is not written
+    (older converters wrote none); the imported run does too, and keeps a file's ``false``."""
+    _, tokenizer, run = tiny_run(tmp_path, "llama3", "gpt2")
+    good = export_gguf(run, tmp_path / "m.gguf")
+    bos = tokenizer.eot_id
+    for add_bos, first in ((None, [bos]), (False, [])):
+        edits = {"tokenizer__ggml__pre": "llama-bpe", "tokenizer__ggml__bos_token_id": bos,
+                 "tokenizer__ggml__add_bos_token": add_bos}  # fmt: skip
+        bad = _rewritten(good, tmp_path / f"{add_bos}.gguf", **edits)
+        import_gguf(bad, tmp_path / f"back-{add_bos}")
+        _, back, _ = load_run(tmp_path / f"back-{add_bos}")
+        ids = back.encode("Hello there")
+        assert (
+            ids[: len(first)] == first and ids[len(first) :] != [] and bos not in ids[len(first) :]
+        )
+
+
+def test_to_gguf_never_writes_over_a_file_of_a_run_even_with_overwrite(tmp_path, capsys):
+    _, _, run = tiny_run(tmp_path, "qwen3", "bpe")
+    weights = (run / "model.safetensors").read_bytes()
+    for name in ("model.safetensors", "tokenizer.json"):
+        argv = ["convert", "to-gguf", str(run), "--out", str(run / name), "--overwrite"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "a file of the run in" in err and len(err.splitlines()) == 1, err
+    assert (run / "model.safetensors").read_bytes() == weights

@@ -449,6 +449,11 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise GptkilnError(f"--out {out_dir} is a file; give the path of a directory to write")
+    above = next((p for p in out_dir.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise GptkilnError(
+            f"--out {out_dir}: {above} is a file, not a directory; give a path under a directory"
+        )
     if not has_checkpoint(out_dir):
         return []
     if not overwrite:

@@ -139,7 +139,9 @@ def run_convert(args: argparse.Namespace) -> None:
         out = export_gguf(
             args.path, args.out, type=args.type, overwrite=args.overwrite, on_note=print
         )
+        print(f"wrote {out}")  # the GGUF first, as it was written
         print(f"wrote {modelfile_path(out)} (Ollama: ollama create NAME -f {modelfile_path(out)})")
+        return
     elif args.direction == "gguf":
         from gptkiln.export.gguf_import import import_gguf
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptkiln.checkpoint import atomic_write
+from gptkiln.checkpoint import atomic_write, check_not_a_run_file
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.export.gguf_vocab import GGUFVocab, gguf_vocab
@@ -205,6 +205,9 @@ def export_gguf(
     tokenizer = load_run_tokenizer(run_dir, cfg)
     config = model.config.unpadded()  # float_state_dict cut a padded vocabulary's rows
     vocab = gguf_vocab(tokenizer, config.vocab_size, str(run_dir))
+    pad = cfg.get("pad_token_id")
+    if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < len(vocab.tokens):
+        vocab.pad_id = pad
     tensors = gguf_tensors(sd, config, str(run_dir))
     chat = run_chat_jinja(cfg, run_dir)
     name = run_dir.resolve().name
@@ -226,6 +229,7 @@ def check_gguf_out(out_file: Path, overwrite: bool) -> None:
             f"file {out_file.with_suffix('.gguf').name}"
         )
     for path in (out_file, modelfile):
+        check_not_a_run_file(path, "--out")  # a run's or prepared data's file, even --overwrite
         if path.is_dir():
             raise GptkilnError(
                 f"--out {out_file}: {path} is a directory; name a file to write, e.g. "
@@ -321,6 +325,8 @@ def _add_vocab(writer: Any, vocab: GGUFVocab, chat: str | None) -> None:
         writer.add_eos_token_id(vocab.eos_id)
     if len(vocab.stop_ids) > 1:
         writer.add_eot_token_id(vocab.stop_ids[1])
+    if vocab.pad_id is not None:
+        writer.add_pad_token_id(vocab.pad_id)
     writer.add_add_bos_token(vocab.add_bos)
     writer.add_add_eos_token(False)
     if chat is not None:

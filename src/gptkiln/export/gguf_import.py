@@ -10,16 +10,20 @@ Hugging Face directory is, past its own format.
 Tensor types: f32, f16, bf16 and q8_0, each dequantized to float32 (`gguf.quants`, ggml's own
 layouts); a q8_0 file's run holds its q8_0 values exactly, as float32 (``gptkiln convert
 quantize`` makes an int8 run of it, rounding once more to one scale per row). Llama 3's
-``rope_freqs`` goes back to the RoPE scaling that gives it. The tokenizer (GGUF's ``gpt2``
-byte-level BPE, `gptkiln.export.gguf_vocab`) becomes the run's Hugging Face tokenizer (kind
-``hf``), with the chat template and the BOS / EOS ids; a char vocabulary (as gptkiln writes one)
-comes back as the ``char`` tokenizer it was.
+``rope_freqs`` goes back to the RoPE scaling that gives it; another scaling (``rope.scaling.type``
+yarn, linear) or a partial rotation is refused, as ``convert hf`` refuses it. The tokenizer
+(GGUF's ``gpt2`` byte-level BPE, `gptkiln.export.gguf_vocab`) becomes the run's Hugging Face
+tokenizer (kind ``hf``), with the chat template and the BOS / EOS ids (BOS added where the file
+says, or for Llama 3's pre-tokenizer where it is silent, as llama.cpp does), and config.json the
+bos / eos / pad ids; a char vocabulary (as gptkiln writes one) comes back as the ``char``
+tokenizer it was.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,7 @@ from gptkiln.loading import build_model
 from gptkiln.loading.hf_gpt2 import CONV1D
 
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0")
+LLAMA3_PRES = ("llama-bpe", "llama3", "llama-v3")  # llama.cpp adds BOS for these, unless told
 
 
 def import_gguf(
@@ -74,8 +79,20 @@ def import_gguf(
         config, module.hf_state_dict_to_gptkiln(hf_sd, config, str(path)), str(path)
     )
     with staged_run(out, stale) as stage:
-        save_model(model, stage, tokenizer=tokenizer)
+        save_model(model, stage, tokenizer=tokenizer, extra=_token_ids(vocab))
     return out
+
+
+def _token_ids(vocab: GGUFVocab) -> dict[str, Any]:
+    """The run's config.json ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` (those a
+    Hugging Face model's config.json has, and `convert to-hf` writes back) of the file's."""
+    stops = vocab.stop_ids
+    ids = {
+        "bos_token_id": vocab.bos_id,
+        "eos_token_id": (stops[0] if len(stops) == 1 else stops) if stops else None,
+        "pad_token_id": vocab.pad_id,
+    }
+    return {k: v for k, v in ids.items() if v is not None}
 
 
 def open_gguf(path: Path) -> Any:
@@ -209,6 +226,7 @@ def _hf_config(
     n_head = count("attention.head_count")
     head_dim = count("attention.key_length", n_embd // n_head or 1)
     theta = float(get("rope.freq_base", 10000.0))
+    _check_plain_rope(get, arch, head_dim, path)
     attn_bias = any(k.endswith("proj.bias") and "self_attn" in k for k in sd)
     mlp_bias = any(k.endswith("proj.bias") and ".mlp." in k for k in sd)
     if attn_bias or mlp_bias:
@@ -231,6 +249,26 @@ def _hf_config(
         "hidden_act": "silu",
         "tie_word_embeddings": tied,
     }
+
+
+def _check_plain_rope(get: Callable[..., Any], arch: str, head_dim: int, path: Path) -> None:
+    """RoPE as gptkiln computes it: every dimension of a head rotated, and no scaling but Llama
+    3's (the ``rope_freqs`` tensor); a YaRN or linear ``rope.scaling.type`` is refused, as
+    ``convert hf`` refuses one, not read as plain RoPE (llama.cpp would compute it)."""
+    scaling = get("rope.scaling.type", None)
+    if scaling not in (None, "none"):
+        raise GptkilnError(
+            f"{path}: {arch}.rope.scaling.type is {scaling!r}, a RoPE scaling gptkiln does not "
+            "compute (it computes plain RoPE and Llama 3's frequency scaling); this model "
+            "cannot be converted"
+        )
+    rotated = get("rope.dimension_count", head_dim)
+    if rotated != head_dim:
+        raise GptkilnError(
+            f"{path}: {arch}.rope.dimension_count is {rotated!r} of a head's {head_dim} "
+            "dimensions; gptkiln rotates every dimension of a head, so this model cannot be "
+            "converted"
+        )
 
 
 def _f32(value: float) -> float:
@@ -356,15 +394,19 @@ def _vocab(meta: dict[str, Any], path: Path, rows: int) -> GGUFVocab:
         _token_id(meta, f"tokenizer.ggml.{name}_token_id", rows, path)
         for name in ("bos", "eos", "eot")
     )
+    pad = _token_id(meta, "tokenizer.ggml.padding_token_id", rows, path)
+    pre = _value(meta, "tokenizer.ggml.pre", path, "default")
     return GGUFVocab(
         tokens=tokens,
         types=types,
         merges=list(_value(meta, "tokenizer.ggml.merges", path)),
-        pre=_value(meta, "tokenizer.ggml.pre", path, "default"),
+        pre=pre,
         bos_id=None if bos is None else int(bos),
         eos_id=None if eos is None else int(eos),
-        add_bos=bool(_value(meta, "tokenizer.ggml.add_bos_token", path, False)),
+        # unsaid: llama.cpp's default, BOS for Llama 3's pre-tokenizer (older files say nothing)
+        add_bos=bool(_value(meta, "tokenizer.ggml.add_bos_token", path, pre in LLAMA3_PRES)),
         stop_ids=[int(i) for i in dict.fromkeys(x for x in (eos, eot) if x is not None)],
+        pad_id=None if pad is None else int(pad),
     )
 
 

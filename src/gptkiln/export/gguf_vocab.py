@@ -54,6 +54,7 @@ class GGUFVocab:
     eos_id: int | None = None
     add_bos: bool = False
     stop_ids: list[int] = field(default_factory=list)
+    pad_id: int | None = None  # the run's config.json pad_token_id (Qwen's), where it has one
 
 
 def gguf_vocab(tokenizer: Any, vocab_size: int, source: str) -> GGUFVocab:
