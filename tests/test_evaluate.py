@@ -469,6 +469,46 @@ def test_the_families_scores_generations_and_metrics_equal_the_hf_backends(famil
     assert flat_metrics(ours) == pytest.approx(flat_metrics(theirs), rel=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_rolling_scores_start_from_the_tokenizers_own_bos_as_the_hf_backends(
+    setup, family, tmp_path
+):
+    """A document scored from its start is conditioned on the tokenizer's BOS where it has one
+    (a Llama 3 tokenizer: ``<|begin_of_text|>``), else on end-of-text, as the hf backend's
+    ``prefix_token_id``; Qwen3's config.json names a ``bos_token_id`` its tokenizer has not
+    (``bos_token: null``), which neither backend takes."""
+    import transformers
+    from hf_tokenizer_dirs import write_llama3_dir, write_qwen3_dir
+    from lm_eval.models.huggingface import HFLM
+
+    from gptkiln.evaluate import GptkilnLM, load_tasks, run_harness
+
+    directory = (write_llama3_dir if family == "llama3" else write_qwen3_dir)(tmp_path / "m")
+    ids = json.loads((directory / "config.json").read_text())
+    vocab = len(transformers.AutoTokenizer.from_pretrained(directory))
+    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                 max_position_embeddings=CONTEXT, tie_word_embeddings=False)  # fmt: skip
+    if family == "llama3":
+        config = transformers.LlamaConfig(**shape, **ids)
+    else:
+        config = transformers.Qwen3Config(**shape, **ids, bos_token_id=ids["eos_token_id"] - 1)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    results = {}
+    lms = {
+        "gptkiln": GptkilnLM(str(directory), batch_size=3),
+        "hf": HFLM(pretrained=str(directory), device="cpu", batch_size=1, dtype="float32"),
+    }
+    for name, lm in lms.items():
+        manager, built = load_tasks("kiln_roll", setup["tasks"])
+        results[name] = run_harness(lm, manager, built, log_samples=True, bootstrap_iters=0)
+    ours, theirs = responses(results["gptkiln"], "kiln_roll"), responses(results["hf"], "kiln_roll")
+    assert len(ours) == 3
+    for (lp,), (lp_hf,) in zip(ours, theirs):
+        assert lp == pytest.approx(lp_hf, abs=1e-4, rel=1e-6)
+
+
 # -- the library function ----------------------------------------------------------------------
 def test_evaluate_writes_the_harness_json_into_the_run_and_returns_its_table(setup, both):
     from gptkiln.evaluate import evaluate_run

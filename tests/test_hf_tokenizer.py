@@ -271,3 +271,53 @@ def test_a_byte_level_tokenizer_gives_each_ids_own_bytes(hf_dir):
         assert b"".join(pieces) == text.encode("utf-8"), text
         split += sum(b"\xef\xbf\xbd" in tok.decode([i]).encode() for i in ids)
     assert split > 0  # some ids hold part of a character, whose decoding alone shows U+FFFD
+
+
+def test_a_byte_level_tokenizers_ids_count_each_character_once(hf_dir):
+    """Bits per character divide by the characters each id adds: a byte-level id holding a
+    piece of a character counts it once (by its first byte), not as a U+FFFD of its own, so the
+    ids of any text count its characters exactly (Llama's and Qwen's, as GPT-2's do)."""
+    tok = load_tokenizer(hf_dir)
+    if hf_dir.name == "wordlevel":  # words joined by spaces: no bytes of its own to give
+        return
+    for text in ["Zürich, Köln, café, 日本語 and 🙂", "火星上的企鹅 🐧"]:
+        ids = tok.encode_templated(text)
+        assert int(tok.char_counts()[ids].sum()) == len(text), text
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_perplexity_scores_every_token_once_from_the_tokenizers_own_start(tmp_path, family):
+    """``gptkiln perplexity`` on a Hugging Face model equals the mean of transformers' own
+    next-token losses over the text as its tokenizer encodes it (Llama 3's BOS first, so the
+    first word is scored too), every target once: whole context windows, then the tail with
+    a full window of context, as lm-eval's rolling windows score it."""
+    from gptkiln.api import perplexity_of_run
+
+    directory = (write_llama3_dir if family == "llama3" else write_qwen3_dir)(tmp_path / "m")
+    hf_tok = auto(directory)
+    shape = dict(vocab_size=len(hf_tok), hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                 max_position_embeddings=16, tie_word_embeddings=False)  # fmt: skip
+    ids = json.loads((directory / "config.json").read_text())
+    kind = transformers.LlamaConfig if family == "llama3" else transformers.Qwen3Config
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(kind(**shape, **ids)).eval()
+    hf.save_pretrained(directory)
+    text = "Hello, world! How are you today? Zürich, Köln, café, 日本語のテキスト, 🙂 " * 3
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    tokens = torch.tensor(hf_tok(text)["input_ids"])  # (N,): with BOS where it adds one
+    assert (tokens[0] == hf_tok.bos_token_id) == (family == "llama3")
+    with torch.no_grad():
+        logp = torch.cat([  # every target once: windows of 16, then the last 16 for the tail
+            torch.log_softmax(hf(tokens[s : s + 16][None]).logits[0], -1)
+            for s in range(0, len(tokens) - 16, 16)
+        ])  # fmt: skip
+        tail = len(tokens) - 1 - len(logp)
+        last = torch.log_softmax(hf(tokens[-17:-1][None]).logits[0], -1)[16 - tail :]
+    logp = torch.cat([logp, last])  # (N - 1, V)
+    want = -logp.gather(-1, tokens[1:, None]).mean().item()
+    result = perplexity_of_run(directory, tmp_path / "text.txt", progress=False)
+    assert result.tokens == len(tokens) - 1 and len(tokens) > 40 and tail > 0
+    assert result.loss == pytest.approx(want, rel=1e-5)
+    unscored = "" if family == "llama3" else hf_tok.decode(tokens[:1])  # the first word's
+    assert result.characters == len(text) - len(unscored)

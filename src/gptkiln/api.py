@@ -434,9 +434,9 @@ def perplexity_of_run(
 
     Args:
         data: a prepared data directory (its validation split is used) or a text/jsonl file,
-            tokenized with the run's tokenizer and cut into non-overlapping context windows
-            (a last part shorter than a window is left out: the characters counted are those
-            of the targets scored).
+            tokenized with the run's tokenizer (each document begun as the tokenizer begins a
+            text: Llama 3's BOS first), every token after the first scored once
+            (`perplexity_of_model`); the characters counted are those of the targets scored.
         quantize: "int8" quantizes the weights on load (`gptkiln.loading.load_model`).
     """
     import numpy as np
@@ -457,8 +457,12 @@ def perplexity_of_model(
     model: torch.nn.Module, tokens, tokenizer, *, batch_size: int = 8, progress: bool = False
 ) -> PerplexityResult:
     """Cross-entropy, perplexity and bits per character of a built model over token ids (a
-    sequence or a 1-D array) of ``tokenizer``, cut into non-overlapping context windows, on the
-    model's device."""
+    sequence or a 1-D array) of ``tokenizer``, on the model's device: every id after the first
+    is scored once, over non-overlapping context windows and, for the ids a last whole window
+    leaves, one more window ending at the last id (its earlier targets ignored: the tail is
+    scored with a full context, as lm-eval's rolling windows score it). A target that is the
+    tokenizer's own leading token (Llama 3's BOS, which `eval_tokens` puts before each
+    document) is not scored: it is not text, and it always follows an end of text."""
     import numpy as np
     from tqdm.auto import tqdm
 
@@ -467,20 +471,35 @@ def perplexity_of_model(
 
     model.eval()
     device = model.ln_f.weight.device
-    ctx = model.config.context_length
-    dataset = SlidingWindowDataset(
-        np.asarray(tokens), min(ctx, len(tokens) - 1), min(ctx, len(tokens) - 1)
-    )
+    tokens = np.asarray(tokens)
+    T = min(model.config.context_length, len(tokens) - 1)
+    dataset = SlidingWindowDataset(tokens, T, T)
+    lead = leading_ids(tokenizer)
     char_counts = torch.tensor(tokenizer.char_counts())
     total, count, chars = 0.0, 0, 0
+
+    def score(x: torch.Tensor, y: torch.Tensor) -> None:
+        nonlocal total, count, chars
+        if lead:
+            y = y.masked_fill(torch.isin(y, torch.tensor(lead)), -100)
+        scored = y != -100
+        n = int(scored.sum())
+        if n:
+            _, loss = model(x.to(device), y.to(device))
+            total += loss.item() * n
+            count += n
+            chars += int(char_counts[y[scored]].sum())
+
     with torch.no_grad():
         for start in tqdm(range(0, len(dataset), batch_size), disable=not progress, unit="batch"):
             xs, ys = zip(*(dataset[i] for i in range(start, min(start + batch_size, len(dataset)))))
-            x, y = torch.stack(xs), torch.stack(ys)
-            _, loss = model(x.to(device), y.to(device))
-            total += loss.item() * y.numel()
-            count += y.numel()
-            chars += int(char_counts[y].sum())
+            score(torch.stack(xs), torch.stack(ys))
+        left = len(tokens) - 1 - len(dataset) * T  # targets past the last whole window
+        if left > 0:
+            tail = torch.as_tensor(tokens[-T - 1 :], dtype=torch.long)
+            y = tail[1:].clone()
+            y[: T - left] = -100  # scored by the windows before
+            score(tail[None, :-1], y[None])
     loss = total / count
     return PerplexityResult(
         loss=loss,
@@ -491,10 +510,25 @@ def perplexity_of_model(
     )
 
 
+def leading_ids(tokenizer) -> list[int]:
+    """The ids a tokenizer puts before any text it encodes (Llama 3's BOS), or []: what its
+    encodings of an empty and a one-letter text begin with alike (an EOS it appends is not)."""
+    try:
+        empty, one = tokenizer.encode(""), tokenizer.encode("a")
+    except GptkilnError:  # a char tokenizer without "a", which adds nothing
+        return []
+    lead = []
+    for a, b in zip(empty, one):
+        if a != b:
+            break
+        lead.append(int(a))
+    return lead
+
+
 def eval_tokens(data: str | os.PathLike, tokenizer):
     """The ids `perplexity_of_run` scores: a prepared directory's validation split (its tokenizer
     must be ``tokenizer``), or a text/jsonl file's documents encoded and joined as `prepare`
-    joins them."""
+    joins them, each begun with the ids the tokenizer puts before a text (`leading_ids`)."""
     from gptkiln.data.prepare import is_prepared, load_prepared
     from gptkiln.data.sources import iter_documents
 
@@ -511,9 +545,11 @@ def eval_tokens(data: str | os.PathLike, tokenizer):
             )
         return prepared.val
     ids: list[int] = []
+    lead = leading_ids(tokenizer)  # each document starts as the tokenizer starts a text
     for i, doc_ids in enumerate(tokenizer.encode_ordinary_batch(list(iter_documents(data)))):
         if i and tokenizer.eot_id is not None:  # documents joined as `prepare` joins them
             ids.append(tokenizer.eot_id)
+        ids.extend(lead)
         ids.extend(doc_ids)
     if len(ids) < 2:
         raise GptkilnError(f"{data} has {len(ids)} token(s); evaluation needs at least 2")

@@ -19,8 +19,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "perplexity",
         help="loss, perplexity and bits per character of a run on text",
-        description="Cross-entropy loss and perplexity of a run on text, over the text's "
-        "non-overlapping context windows.",
+        description="Cross-entropy loss and perplexity of a run on text: every token after "
+        "the first scored once, over the text's non-overlapping context windows and, for the "
+        "tokens they leave, one more window ending at the last (each document begun as the "
+        "tokenizer begins a text: Llama 3's BOS first, as Hugging Face and lm-eval score it).",
         epilog=example("gptkiln perplexity runs/char --data data/plays-char"),
     )
     add_run_argument(p)

@@ -176,6 +176,17 @@ class GptkilnLM(TemplateLM):
         return self._tokenizer.eot_id
 
     @property
+    def prefix_token_id(self) -> int:
+        """What a text scored from its start is conditioned on: BOS where the tokenizer has one
+        (as the hf backend's prefix_token_id), else end-of-text."""
+        bos = getattr(self._tokenizer, "special_tokens", {}).get("bos_token")  # hf kind only
+        if (
+            bos is not None
+        ):  # the tokenizer's own BOS, as tokenizer.bos_token_id (not config.json's)
+            return self._tokenizer.encode_templated(bos)[0]
+        return self.eot_token_id
+
+    @property
     def max_length(self) -> int:
         return self._model.config.context_length
 

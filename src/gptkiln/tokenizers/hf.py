@@ -124,6 +124,14 @@ class HFTokenizer(Tokenizer):
                 text = text.replace(spaced, joined)
         return text
 
+    def _count_chars(self):
+        """Byte-level (and byte-fallback) ids count the characters whose first UTF-8 byte they
+        hold, as gpt2's and bpe's do; decoding each id alone counts a piece of a character as
+        a whole U+FFFD."""
+        from gptkiln.tokenizers.base import _lead_bytes_per_piece
+
+        return _lead_bytes_per_piece([self.token_bytes(i) for i in range(self.vocab_size)])
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one id stands for: a byte-level token's own bytes through the byte-level
         alphabet (a piece of a character is that piece, not the U+FFFD its decoding shows), a
