@@ -5,10 +5,12 @@ is released or the precision changes, and nothing of it touches a forward with a
 import copy
 import pickle
 
+import pytest
 import torch
 
 from gptkiln.config import GPTConfig
 from gptkiln.cpu import planned, prepare_for_decoding
+from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT, MLP, Attention, Linear
 
 
@@ -113,3 +115,16 @@ def test_a_plan_never_touches_a_forward_with_autograd_or_a_training_step():
     _, expected = plain(x, y)
     torch.testing.assert_close(loss, expected)
     assert not called
+
+
+def test_int8_weights_beside_a_float_precision_say_which_flag_to_drop():
+    """``--quantize int8 --precision bf16``: one line naming what to drop for either wish (not
+    the flag already given)."""
+    from gptkiln.cpu.plan import loading_quantize
+
+    with pytest.raises(GptkilnError) as e:
+        loading_quantize("int8", "bf16")
+    said = str(e.value)
+    assert "drop --quantize to decode at bf16" in said
+    assert "drop --precision bf16 to decode at int8" in said
+    assert loading_quantize("int8", None) == loading_quantize(None, "int8") == "int8"

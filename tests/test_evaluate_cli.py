@@ -110,6 +110,11 @@ def test_an_output_path_over_a_runs_file_is_refused(setup, capsys):
                        "--output-path", run / "config.json", "--quiet", capsys=capsys)  # fmt: skip
     assert_one_line_error(code, err, "--output-path", "a file of the run in")
     assert (run / "config.json").read_bytes() == config
+    tasks = ["--tasks", "kiln_mc", "--include-path", setup["tasks"]]
+    code, out, err = cli("evaluate", run, *tasks, "--output-path", "/proc/scores.json",
+                         "--quiet", capsys=capsys)  # fmt: skip
+    assert_one_line_error(code, err, "--output-path /proc/scores.json: cannot write in /proc")
+    assert out == ""  # refused before the evaluation, not after it
     data = run.parent / "prepared"  # prepared data's meta.json, written by slip
     data.mkdir(exist_ok=True)
     (data / "meta.json").write_text('{"tokenizer": "char"}')

@@ -357,6 +357,21 @@ def test_an_out_that_is_no_png_path_gets_one_line_before_the_model_runs(run_dir,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
 
 
+def test_an_out_or_json_that_cannot_be_written_is_one_line_before_the_model_runs(
+    run_dir, tmp_path, capsys
+):
+    """A folder no file can be made in (``/proc``) is refused before the work, and nothing is
+    written (the picture is not left behind a failed --json); a missing folder is made."""
+    picture = tmp_path / "a.png"
+    for flags in (["--out", "/proc/a.png"], ["--out", picture, "--json", "/proc/a.json"]):
+        code, printed, err = cli("inspect", run_dir, "--prompt", "To", *flags, capsys=capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "cannot write in" in err
+        assert printed == "" and not picture.exists()
+    deep = tmp_path / "new" / "folder" / "a.png"
+    assert cli("inspect", run_dir, "--prompt", "To", "--out", deep, capsys=capsys)[0] == 0
+    assert deep.is_file()
+
+
 def test_an_out_or_json_over_a_runs_file_or_each_other_is_refused(run_dir, tmp_path, capsys):
     """The picture and the JSON never replace a file of the run (its config.json, loss.png)
     or each other."""

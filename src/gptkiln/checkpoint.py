@@ -523,6 +523,20 @@ def check_not_a_run_file(path: str | os.PathLike, flag: str) -> None:
         )
 
 
+def check_writable(path: str | os.PathLike, flag: str) -> None:
+    """One line, before any work, where ``path`` could not be written: its folder is made
+    (parents too) and a file tried in it (a read-only folder, a full disk, ``/proc``)."""
+    folder = Path(path).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".gptkiln-probe-"):
+            pass
+    except OSError as e:
+        raise GptkilnError(
+            f"{flag} {path}: cannot write in {folder} ({e.strerror or e}); give another path"
+        ) from None
+
+
 def set_aside_replaced(run_dir: str | os.PathLike) -> None:
     """The start of a new run over an old one (``--overwrite``): the old run's files move into
     ``RUN/.replaced``, so that none of them (a chat template, another tokenizer's, adapters)

@@ -92,15 +92,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from gptkiln.checkpoint import check_not_a_run_file
+    from gptkiln.checkpoint import check_not_a_run_file, check_writable
     from gptkiln.devices import resolve_device
     from gptkiln.inspect import check_view, inspect_run, pick
     from gptkiln.plots import check_png_path, plot_attention
 
     check_png_path(args.out, "--out")  # before the model runs
     check_not_a_run_file(args.out, "--out")
+    check_writable(args.out, "--out")
     if args.json:
         check_not_a_run_file(args.json, "--json")
+        check_writable(args.json, "--json")
         if Path(args.json).resolve() == Path(args.out).resolve():
             raise GptkilnError(f"--json {args.json} is --out's picture too; give another path")
     result = inspect_run(

@@ -89,7 +89,7 @@ def loading_quantize(quantize: str | None, precision: str | None) -> str | None:
     if quantize == "int8" and precision not in (None, "int8"):
         raise GptkilnError(
             f"--quantize int8 makes the weights int8, which decode at int8 only; drop --quantize "
-            f"to decode at {precision}, or --precision {precision} to decode at int8"
+            f"to decode at {precision}, or drop --precision {precision} to decode at int8"
         )
     return "int8" if precision == "int8" else quantize
 

@@ -443,20 +443,14 @@ def _output_paths(run_dir, output_path) -> tuple[Path, Path]:
     """(the folder written into, the results JSON), the folder made now: a path that cannot be
     written is found before the evaluation, not after it."""
     date = datetime.now().isoformat(timespec="seconds").replace(":", "-")
-    from gptkiln.checkpoint import check_not_a_run_file
+    from gptkiln.checkpoint import check_not_a_run_file, check_writable
 
     out = Path(run_dir) / "eval" if output_path is None else Path(output_path)
     folder, path = (
         (out.parent, out) if out.suffix == ".json" else (out, out / f"results_{date}.json")
     )
     check_not_a_run_file(path, "--output-path")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise GptkilnError(
-            f"--output-path {out}: cannot make the folder {folder} ({e.strerror}); give "
-            "another folder or .json file"
-        ) from None
+    check_writable(path, "--output-path")
     if path.is_dir():
         raise GptkilnError(f"--output-path {path}: a folder; give a .json file name or a folder")
     return folder, path
