@@ -487,6 +487,19 @@ def test_book_verdict_recipe_holds_the_books_settings():
     # flags override the recipe
     args = build_parser().parse_args(["train", "--config", "book-verdict", "--epochs", "2"])
     assert train_config_from_args(args).epochs == 2
+    assert train_config_from_args(args).data == "the-verdict.txt"  # the recipe names its text
+
+
+def test_a_recipes_own_text_that_is_not_here_is_one_line_not_the_plays(
+    tmp_path, monkeypatch, capsys
+):
+    """``--config book-verdict`` without ``--data`` trains on the book's text, looked for where
+    the command runs; absent, it is said in the recipe's words (never the bundled plays)."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli("train", "--config", "book-verdict", "--out", tmp_path / "r",
+                       capsys=capsys)  # fmt: skip
+    assert_one_line_error(code, err, "--config book-verdict trains on the-verdict.txt, which is")
+    assert "book-verdict.yaml" in err and not (tmp_path / "r").exists()
 
 
 def test_shakespeare_char_recipe_unties_the_head_takes_exact_gelu_and_flags_override():

@@ -1,6 +1,6 @@
 """The book's chapter-3 attention progression: its printed numbers, and the properties behind them.
 
-Golden values are copied from the book's notebook output (seed text 001, torch 2.2.2) and from a
+Golden values are copied from the book's notebook output (seed text 001, torch 2.4.0) and from a
 blog post that re-derives them with other shapes (seed text 004); all are printed to 4 decimals,
 so each is compared after rounding, to within one unit in the last place.
 """

@@ -338,11 +338,13 @@ def explicit_attention(
 
 
 class MLP(nn.Module):
-    """GPT-2's position-wise feed-forward: expand 4x (``config.mlp_size``), GELU, project back.
+    """GPT-2's position-wise feed-forward: expand 4x (``config.mlp_size``), GELU, project back;
+    the book's ``FeedForward`` (its ``layers[0]`` is ``c_fc``, ``layers[2]`` ``c_proj``; the
+    dropout after it is the book's ``drop_shortcut`` on this branch).
 
-    GELU is GPT-2's tanh approximation unless ``config.gelu`` is ``"exact"`` (the erf form,
-    nanoGPT's ``nn.GELU()``; in this CPU build ~45% less time than the tanh one, forward and
-    backward).
+    GELU is GPT-2's tanh approximation, the book's ``GELU`` class, unless ``config.gelu`` is
+    ``"exact"`` (the erf form, nanoGPT's ``nn.GELU()``; in this CPU build ~45% less time than
+    the tanh one, forward and backward).
     """
 
     def __init__(self, config: GPTConfig):
@@ -480,8 +482,9 @@ class RMSNorm(nn.RMSNorm):
 
 
 def make_norm(config: GPTConfig, size: int) -> nn.Module:
-    """The norm the config chooses over ``size`` features: ``nn.LayerNorm`` (weight and bias)
-    or `RMSNorm` (weight), with ``config.norm_eps``."""
+    """The norm the config chooses over ``size`` features: ``nn.LayerNorm`` (weight and bias:
+    the book's ``LayerNorm`` class with its ``scale`` and ``shift``, eps 1e-5) or `RMSNorm`
+    (weight), with ``config.norm_eps``."""
     if config.norm == "layernorm":
         return nn.LayerNorm(size, eps=config.norm_eps)
     return RMSNorm(size, eps=config.norm_eps)
@@ -491,7 +494,9 @@ class Block(nn.Module):
     """Pre-norm transformer block with two shortcut (residual) connections:
     ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; norm, attention and MLP as the config
     chooses (GPT-2's `CausalSelfAttention` and `MLP`, or `GroupedQueryAttention` and
-    `SwiGLU`)."""
+    `SwiGLU`). The book's ``TransformerBlock`` (``norm1``/``norm2`` are ``ln_1``/``ln_2``,
+    ``att`` is ``attn``, ``ff`` is ``mlp``; its ``drop_shortcut`` is each branch's last
+    dropout)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -547,7 +552,10 @@ class _SkipInitialisers(torch.overrides.TorchFunctionMode):
 
 class GPT(nn.Module):
     """The model: token embedding (+ learned position embedding for GPT-2), ``n_layer``
-    blocks, final norm, output head.
+    blocks, final norm, output head. The book's ``GPTModel`` (``tok_emb``, ``pos_emb``,
+    ``drop_emb``, ``trf_blocks``, ``final_norm`` and ``out_head`` are ``wte``, ``wpe``,
+    ``drop``, ``h``, ``ln_f`` and ``lm_head``: GPT-2's names, so Hugging Face's weights map
+    one to one; `gptkiln.loading.book` reads the book's).
 
     The head is ``lm_head`` (next-token logits over the vocabulary) or, when
     ``config.num_classes`` is set, ``score`` (class logits; the book's chapter 6 replaces the
@@ -808,10 +816,10 @@ class GPT(nn.Module):
             logits = self.logits(x)
             loss = F.cross_entropy(logits[:, -1, :].float(), targets)  # (B, V) against (B,)
             return logits, loss
-        rows = self.padded_logits(x)  # (B, T, vocab_rows): the loss reads the first V columns
+        padded = self.padded_logits(x)  # (B, T, vocab_rows): the loss reads the first V columns
         V = self.config.vocab_size
-        loss = cross_entropy(rows.flatten(0, 1), targets.flatten(), ignore_index=-100, vocab=V)
-        return rows[..., :V], loss
+        loss = cross_entropy(padded.flatten(0, 1), targets.flatten(), ignore_index=-100, vocab=V)
+        return padded[..., :V], loss
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head's output for final-norm states x (..., C) -> (..., V), soft-capped to

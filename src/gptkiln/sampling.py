@@ -867,6 +867,11 @@ def generate(
     Hugging Face's ``generate`` does (the text-level functions, `gptkiln.api.stream_text` and the
     server, cut the text before the stop string). ``prepare`` and ``read_ahead``: as
     `generate_stream`'s.
+
+    The default samples at temperature 1; the book's ``generate_text_simple`` is greedy
+    (``temperature=0`` here gives its ids). Under a seed, sampled ids are gptkiln's draws
+    (`draw`: one uniform a row), not ``torch.multinomial``'s, so the book's seeded samples
+    are other tokens from the same distribution.
     """
     cfg = sample_config(cfg, overrides, "generate")
     if tokenizer is not None and eot_id is None:

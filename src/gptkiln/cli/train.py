@@ -219,6 +219,26 @@ def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: 
         setattr(cfg, name, value)
 
 
+def check_recipe_data(cfg: TrainConfig, given: dict[str, str], recipe: str | None) -> None:
+    """A recipe that names its text (``book-verdict``: the book's the-verdict.txt, which gptkiln
+    does not ship) where that text is not: said in the recipe's words, with where its notes are,
+    rather than as a ``--data`` nobody typed."""
+    from gptkiln.config.recipes import recipe_path
+    from gptkiln.data.mixture import check_source
+    from gptkiln.data.prepare import is_prepared
+
+    if given.get("data") != "recipe" or is_prepared(cfg.data):
+        return
+    try:
+        check_source(cfg.data, text_field=cfg.text_field)
+    except GptkilnError as e:
+        where = f"which is not in {Path.cwd()}" if not Path(cfg.data).exists() else f"({e})"
+        raise GptkilnError(
+            f"--config {recipe} trains on {cfg.data}, {where}: put it there or give --data "
+            f"PATH (the recipe's notes, {recipe_path(recipe)}, say where its text comes from)"
+        ) from None
+
+
 def check_flags_act(cfg: TrainConfig, given: dict[str, str]) -> None:
     """A flag that would do nothing under the run's other choices (``--adamw-lr`` with
     ``--optimizer adamw``, ``--cooldown`` with ``--schedule cosine``) is refused rather than
@@ -256,6 +276,7 @@ def _flag_of(name: str, value) -> str:
 def run(args: argparse.Namespace) -> None:
     cfg, given = _chosen_config(args)
     check_flags_act(cfg, given)
+    check_recipe_data(cfg, given, args.config)
     check_prepared_data_agrees(cfg, given, args.config)
     if args.nproc is not None:
         _check_before_launch(cfg, args)

@@ -15,10 +15,8 @@ RECIPES_DIR = Path(__file__).parents[1] / "recipes"
 """The bundled recipes (``--config book-verdict``): src/gptkiln/recipes/*.yaml."""
 
 
-def load_recipe(name_or_path: str) -> dict[str, Any]:
-    """A YAML training recipe: a bundled name (``book-verdict``) or a file path."""
-    import yaml
-
+def recipe_path(name_or_path: str) -> Path:
+    """The file of a recipe: a path, or a bundled recipe's by its name (``book-verdict``)."""
     path = Path(name_or_path)
     if not path.is_file():
         bundled = RECIPES_DIR / f"{name_or_path}.yaml"
@@ -28,6 +26,14 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
                 f"--config {name_or_path}: no such file or bundled recipe; bundled recipes: {names}"
             )
         path = bundled
+    return path
+
+
+def load_recipe(name_or_path: str) -> dict[str, Any]:
+    """A YAML training recipe: a bundled name (``book-verdict``) or a file path."""
+    import yaml
+
+    path = recipe_path(name_or_path)
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:

@@ -173,7 +173,7 @@ def create_dataloader(
     stride: int = 128,
     shuffle: bool = True,
     drop_last: bool = True,
-    seed: int = 123,
+    seed: int | None = 123,
     num_workers: int = 0,
     tokenizer: Tokenizer | str | os.PathLike = "gpt2",
 ) -> DataLoader:
@@ -182,14 +182,16 @@ def create_dataloader(
     The book's ``create_dataloader_v1``, with its defaults: ``tokens`` are token ids, or text,
     which ``tokenizer`` (GPT-2's BPE, as the book's) tokenizes first (`windows_from_text`). The
     shuffle order comes from a ``torch.Generator`` seeded with ``seed`` (the book's 123): two
-    loaders with the same seed give the same batches.
+    loaders with the same seed give the same batches, whatever ran before. ``seed=None`` draws
+    each pass's order from torch's global generator, as the book's loader does: under the
+    book's ``torch.manual_seed`` calls, its batches (chapter 5's, in its own training loop).
     """
     _check_positive(batch_size=batch_size)
     if isinstance(tokens, str):
         dataset = windows_from_text(tokens, tokenizer, max_length, stride)
     else:
         dataset = SlidingWindowDataset(tokens, max_length, stride)
-    generator = torch.Generator().manual_seed(seed)
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
     return DataLoader(
         dataset,
         batch_size=batch_size,
