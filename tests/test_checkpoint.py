@@ -630,3 +630,42 @@ def test_two_processes_write_the_same_tensors_and_metadata_to_the_same_bytes(tmp
 
     with safe_open(str(files[0]), "pt") as f:
         assert f.metadata() == {f"key{i}": str(i) for i in range(8)}
+
+
+def test_taking_a_runs_lock_drops_the_temporaries_a_killed_save_left(tmp_path):
+    """A save killed halfway (kill -9, a power cut) leaves its temporary file, a checkpoint's
+    worth of disk; the next training run there deletes those of its own files, none other."""
+    from gptkiln.checkpoint import RunLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    left = [run / ".model.safetensors.0a1b2c3d.tmp", run / ".trainer_state.pt.deadbeef.tmp"]
+    others = [run / ".notes.txt.0a1b2c3d.tmp", run / "model.safetensors", run / ".x.tmp"]
+    for path in left + others:
+        path.write_bytes(b"partial")
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        assert not any(p.exists() for p in left) and all(p.exists() for p in others)
+    finally:
+        lock.release()
+
+
+def test_a_trainer_state_that_cannot_be_written_says_which_checkpoint_is_kept(
+    tmp_path, monkeypatch
+):
+    """A save whose trainer state fails (a file size limit) keeps the checkpoint before it, and
+    says so (not "nothing was written"): the resume reads it."""
+    model = tiny_model()
+    state = _trained_state(model)
+    write_checkpoint(tmp_path, model.config, model.state_dict(), state)
+
+    def limited(obj, f, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1024")
+
+    monkeypatch.setattr(torch, "save", limited)
+    with pytest.raises(GptkilnError, match="the checkpoint of step 7 is kept") as e:
+        write_checkpoint(tmp_path, model.config, model.state_dict(), {**state, "step": 12})
+    assert "nothing was written" not in str(e.value)
+    monkeypatch.undo()
+    assert read_checkpoint(tmp_path)[1]["step"] == 7

@@ -97,7 +97,8 @@ def test_jsonl_documents_skip_blank_lines(tmp_path):
 @pytest.mark.parametrize(
     "bad_line, message",
     [
-        ('{"text": "unterminated', "not valid JSON"),
+        ('{"text": "unterminated', "not valid JSON (Invalid control character at column 23)"),
+        ('{"text": "a" "b"}', "not valid JSON (Expecting ',' delimiter, column 14)"),
         ("[1, 2]", 'expected a JSON object with a string "text" field, got a list'),
         ('{"body": "x"}', 'no string "text" field (keys: body)'),
         ('{"text": 42}', 'no string "text" field (keys: text)'),

@@ -437,6 +437,11 @@ def test_chat_plain_mode_resets_exits_and_survives_ctrl_c(instruct_run, monkeypa
     monkeypatch.setattr("sys.stdin", io.StringIO("Repeat dog.\n"))
     code, out, _ = cli("chat", run, "--max-new-tokens", 12, capsys=capsys)
     assert code == 0 and out == alone + "\n"
+    assert len(alone) >= 3
+    stop = alone[1:3]  # chat takes generate's --stop: the response ends before it
+    monkeypatch.setattr("sys.stdin", io.StringIO("Repeat dog.\n"))
+    code, out, _ = cli("chat", run, "--max-new-tokens", 12, "--stop", stop, capsys=capsys)
+    assert code == 0 and out == alone[: alone.index(stop)] + "\n"
 
 
 def test_chat_keeps_the_latest_turns_that_fit_the_context(instruct_run):

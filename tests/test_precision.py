@@ -137,10 +137,7 @@ def test_a_resumed_run_keeps_the_precision_it_started_with(
     # the machine now measures bf16 slower: a fresh run would take fp32, the resume does not
     monkeypatch.setattr(precision, "measure_step_seconds", lambda *a, **kw: never())
     train(dataclasses.replace(cfg, max_steps=8), resume=True)
-    assert (
-        capsys.readouterr().out.splitlines()[0]
-        == "precision: bf16 (auto: kept from the run's start)"
-    )
+    assert capsys.readouterr().out.splitlines()[0] == "precision: bf16 (kept from the run's start)"
     assert saved_precision(run) == ("bf16", "bf16")
     measuring(monkeypatch, 1.0, 2.0)
     fresh = Trainer(dataclasses.replace(cfg, out=str(tmp_path / "fresh")))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gptkiln.checkpoint import read_checkpoint
+from gptkiln.checkpoint import read_checkpoint, read_config
 from gptkiln.config import TrainConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.train import Batches, Trainer, eval_batches, read_metrics, train
@@ -216,6 +216,22 @@ def test_a_resumed_run_reads_an_older_metrics_file_and_writes_every_column(play_
     assert [r["step"] for r in rows] == [2, 4, 6]
     assert [r["val_bpc"] is None for r in rows] == [True, True, False]
     assert (run / "loss.png").is_file()
+
+
+def test_a_metrics_line_cut_short_is_dropped_on_resume_not_a_traceback(play_path, tmp_path, capsys):
+    """A run killed (or out of disk) while it appended a row leaves part of a line; the resume
+    drops it with a note and goes on from its checkpoint."""
+    run = tmp_path / "run"
+    cfg = tiny_config(play_path, run, max_steps=4, eval_interval=2)
+    train(cfg)
+    with open(run / "metrics.csv", "a") as f:
+        f.write("6")  # step 6 begun: no tokens, no losses
+    capsys.readouterr()
+    train(dataclasses.replace(cfg, max_steps=6), resume=True)
+    assert "1 row(s) without a step or token count (written in part) dropped" in (
+        capsys.readouterr().err
+    )
+    assert [r["step"] for r in read_metrics(run / "metrics.csv")] == [2, 4, 6]
 
 
 def _clock(monkeypatch, seconds_per_read: float = 0.5):
@@ -496,10 +512,13 @@ def test_a_trainer_state_from_before_the_order_was_saved_is_checked_by_config_js
     cfg = dict(sampling="windows", checkpoint_interval=4)
     train(tiny_config(play_path, run, max_steps=4, **cfg))
     state = torch.load(run / "trainer_state.pt", weights_only=True)
-    del state["seed"], state["sampling"]
+    del state["seed"], state["sampling"], state["stride"]
     torch.save(state, run / "trainer_state.pt")
     with pytest.raises(GptkilnError, match="trained with --seed 1337 and this resume asks for 7"):
         train(tiny_config(play_path, run, max_steps=8, seed=7, **cfg), resume=True)
+    context = read_config(run)["model"]["context_length"]  # the record's stride: None, this
+    with pytest.raises(GptkilnError, match=f"--stride {context} and this resume asks for 8"):
+        train(tiny_config(play_path, run, max_steps=8, stride=8, **cfg), resume=True)
     train(tiny_config(play_path, run, max_steps=8, **cfg), resume=True)
 
 
@@ -1136,3 +1155,27 @@ def test_a_config_json_edited_away_from_its_weights_is_named_on_resume(play_path
     (run / "config.json").write_text(json.dumps(config))
     with pytest.raises(GptkilnError, match="config.json does not belong to its weights .*restore"):
         train(tiny_config(play_path, run, max_steps=8), resume=True)
+
+
+def test_a_resume_on_a_prepared_folder_prepared_again_from_other_text_says_so(
+    play_path, tmp_path, capsys
+):
+    """``gptkiln prepare`` writes over a prepared folder; a run that trains on that folder,
+    resumed, says its tokens are not those it trained on (its losses would seem to jump)."""
+    from gptkiln.data.prepare import prepare
+
+    data = tmp_path / "data"
+    prepare(play_path, data, "char", progress=False)
+    run = tmp_path / "run"
+    cfg = tiny_config(data, run, max_steps=4)
+    train(cfg)
+    capsys.readouterr()
+    train(dataclasses.replace(cfg, max_steps=6), resume=True)  # the same tokens: quiet
+    assert "holds other tokens" not in capsys.readouterr().err
+    other = tmp_path / "other.txt"
+    other.write_text(play_path.read_text()[::-1])  # the same characters, other text
+    prepare(other, data, "char", progress=False)
+    train(dataclasses.replace(cfg, max_steps=8), resume=True)
+    assert f"{data} holds other tokens than the run trained on until step 6" in (
+        capsys.readouterr().err
+    )

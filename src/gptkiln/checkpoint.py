@@ -70,13 +70,17 @@ PACKED = "zlib_byte_planes"  # the key of a tensor packed by `pack_tensors`
 
 
 # -- writing ---------------------------------------------------------------------------------
-def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> None:
+def atomic_write(
+    path: str | os.PathLike, write_fn: Callable[[str], Any], kept: str | None = None
+) -> None:
     """Write ``path`` all at once or not at all.
 
     ``write_fn(tmp_path)`` writes a temporary file in the same directory; it is fsynced, renamed
     onto ``path`` with ``os.replace`` (atomic on POSIX and Windows) and the directory is fsynced,
     so a crash leaves either the old file or the new one, never half of either. When
-    ``write_fn`` raises, the temporary file is removed and the old file is untouched.
+    ``write_fn`` raises, the temporary file is removed and the old file is untouched; the
+    message says so, or says ``kept`` where the caller knows better what stays (a checkpoint's
+    previous trainer state).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +102,9 @@ def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], Any]) -> Non
     except BaseException as e:
         full = out_of_space(e, path.parent)  # asked before the partial file goes
         Path(tmp).unlink(missing_ok=True)
-        kept = "the file there before is kept as it was" if existed else "nothing was written"
+        kept = kept or (
+            "the file there before is kept as it was" if existed else "nothing was written"
+        )
         again = "run the command again (a run that saved a checkpoint: with --resume)"
         if full:  # safetensors and torch.save say so in their own words, or not at all
             raise GptkilnError(
@@ -281,7 +287,11 @@ def write_checkpoint(
             os.replace(current, previous)
     if adapter_sd is not None:  # small: worth packing at each save
         state = {**state, "optimizer": pack_tensors(state["optimizer"])}
-    atomic_write(current, lambda tmp: torch.save(state, tmp))
+    kept = None
+    if previous.is_file() and weights.is_file():  # what a resume would read now
+        step = safetensors_metadata(weights).get("step")
+        kept = f"the checkpoint of step {step} is kept ({previous.name} beside its weights)"
+    atomic_write(current, lambda tmp: torch.save(state, tmp), kept)
     if adapter_sd is None:
         step = state.get("step")
         _write_run(run_dir, model_config, model_sd, train_config, tokenizer, step, extra)
@@ -643,6 +653,24 @@ def tensorboard_events(run_dir: str | os.PathLike) -> list[Path]:
     return sorted((Path(run_dir) / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
 
 
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.[0-9a-f]{8}\.tmp")  # `_new_temporary`'s names
+
+
+def drop_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files `atomic_write` left beside a run's checkpoint files when a
+    save was killed (a checkpoint's worth of disk each); those removed. Only under the run's
+    lock: training is the one writer of these names."""
+    names = {CONFIG_FILE, WEIGHTS_FILE, TRAINER_STATE_FILE, PREVIOUS_STATE_FILE, ADAPTER_FILE,
+             "metrics.csv", "loss.png"}  # fmt: skip
+    dropped = []
+    for path in Path(run_dir).glob(".*.tmp"):
+        match = _TEMPORARY.fullmatch(path.name)
+        if match and match["name"] in names and path.is_file():
+            path.unlink(missing_ok=True)
+            dropped.append(path)
+    return dropped
+
+
 class RunLock:
     """A run directory held by one training process at a time: an exclusive ``flock`` on the
     directory itself (no file in it), taken before anything there is read or moved, and let go
@@ -679,6 +707,7 @@ class RunLock:
                 "finetune still going); wait for it to end, or choose another --out"
             ) from None
         self.fd = fd
+        drop_temporaries(self.run_dir)  # a killed save's, which no one else writes now
 
     def release(self) -> None:
         if self.fd is not None:

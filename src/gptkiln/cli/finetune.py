@@ -418,6 +418,12 @@ CHAT_SAMPLING_HELP = {
     "temperature": "0 = greedy (the book's), > 0 samples (default: 0)",
     "top_k": "sample from the k likeliest tokens, >= 1 (default: all)",
     "top_p": "nucleus sampling, in (0, 1] (default: off)",
+    "stop": "end a response where this text appears, leaving it out; repeatable (the "
+    "template's own turn ends stop it too) (default: none)",
+    "presence_penalty": "lower a token's logit by X once it appeared in the response, in "
+    "[-2, 2] (OpenAI's) (default: 0)",
+    "frequency_penalty": "lower a token's logit by X for each time it appeared in the "
+    "response, in [-2, 2] (OpenAI's) (default: 0)",
     "seed": "seed of the sampling, in [0, 2**63) (default: none)",
 }
 CHAT_SAMPLING_DEFAULTS = {"max_new_tokens": 200, "temperature": 0.0}

@@ -41,8 +41,9 @@ def jsonl_texts(path: Path, text_field: str = DEFAULT_TEXT_FIELD) -> Iterator[st
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
+                said = _said(e, f"column {e.colno}")
                 raise GptkilnError(
-                    f"{where}: not valid JSON ({e.msg}, column {e.colno}); fix or remove that line"
+                    f"{where}: not valid JSON ({said}); fix or remove that line"
                 ) from None
             text = record_text(record, text_field, where, "\\u" in line)
             if text:
@@ -202,5 +203,11 @@ class _Chars:
             except json.JSONDecodeError as e:
                 if not self.more(len(self.buf)):
                     raise GptkilnError(
-                        f"{where}: not valid JSON ({e.msg}, line {e.lineno}); fix the file"
+                        f"{where}: not valid JSON ({_said(e, f'line {e.lineno}')}); fix the file"
                     ) from None
+
+
+def _said(e: json.JSONDecodeError, place: str) -> str:
+    """The decoder's words and where: "Expecting ',' delimiter, column 9", "Unterminated string
+    starting at column 9" (a message that ends in "at" names the place itself)."""
+    return f"{e.msg} {place}" if e.msg.endswith(" at") else f"{e.msg}, {place}"

@@ -170,7 +170,9 @@ class Checkpoints:
             with contextlib.suppress(GptkilnError, OSError):
                 recorded = checkpoint.read_config(self.run_dir).get("train") or {}
         saved = {k: state.get(k, recorded.get(k)) for k in ("sampling", "seed")}
-        stride = state.get("stride", recorded.get("stride"))  # (recorded: None, the context)
+        stride = state.get("stride", recorded.get("stride"))
+        if "stride" not in state and batches.stride is not None:  # recorded: None, the context
+            stride = stride or getattr(batches, "context_length", None)
         if saved["sampling"] is not None and saved["sampling"] != self.cfg.sampling:
             changed = ("sampling", saved["sampling"], self.cfg.sampling)
         elif batches.walks_epochs and saved["seed"] not in (None, self.cfg.seed):

@@ -129,7 +129,7 @@ def resumed_precision(requested: str, saved: str | None, device: str) -> Precisi
         return PrecisionChoice(requested, "as --precision asks")
     if saved is None:  # written before choices were recorded: auto was the static rule then
         return PrecisionChoice(static_precision(device), "auto, as this run started (no record)")
-    return PrecisionChoice(saved, "auto: kept from the run's start")
+    return PrecisionChoice(saved, "kept from the run's start")
 
 
 def measure_step_seconds(

@@ -179,7 +179,17 @@ class RunLog:
         the checkpoint's (a killed run may have logged past its last checkpoint)."""
         if not (self.world.is_main and self.metrics_path.exists()):
             return
-        rows = [r for r in read_metrics(self.metrics_path) if r["step"] <= step]
+        rows = read_metrics(self.metrics_path)
+        whole = [r for r in rows if r.get("step") is not None and r.get("tokens") is not None]
+        if len(whole) < len(rows):  # a line cut short as a killed run (a full disk) wrote it
+            import sys
+
+            print(
+                f"note: {self.metrics_path}: {len(rows) - len(whole)} row(s) without a step or "
+                "token count (written in part) dropped",
+                file=sys.stderr,
+            )
+        rows = [r for r in whole if r["step"] <= step]
         for row in rows:
             row["step"], row["tokens"] = int(row["step"]), int(row["tokens"])
         self.fields += [

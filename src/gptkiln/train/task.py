@@ -115,7 +115,9 @@ class LanguageModeling:
 
         self.ctx, self.cfg, self.run_dir = ctx, ctx.cfg, ctx.run_dir
         cfg = ctx.cfg
+        self.prepared_anew = False  # a resume's text prepared again into RUN/data (said so)
         self.data = self._load_data()
+        self.data_digest = data_digest(self.data_dir)
         self.tokenizer = self.data.tokenizer
         if ctx.resume:
             self._check_same_tokenizer(self.tokenizer)
@@ -163,8 +165,9 @@ class LanguageModeling:
         if is_prepared(cfg.data):
             data = load_prepared(cfg.data)
             keep_prepared_settings(cfg, read_meta(cfg.data) or {})
+            self.data_dir = Path(cfg.data)
             return data
-        data_dir = self.run_dir / "data"
+        data_dir = self.data_dir = self.run_dir / "data"
         error = None
         if world.is_main and not _prepared_matches(
             data_dir, cfg.data, cfg.tokenizer, cfg.val_fraction, cfg.text_field
@@ -219,6 +222,7 @@ class LanguageModeling:
         if staged and self.ctx.resume:  # the new data checked: it replaces the old
             shutil.rmtree(data_dir)
             os.replace(target, data_dir)
+            self.prepared_anew = True
             print(
                 f"note: --data {cfg.data or 'shakespeare'} is not what {data_dir} was prepared "
                 "from (other text, or another split or field): prepared anew for this resume, "
@@ -378,7 +382,7 @@ class LanguageModeling:
             self.run_dir,
             self.model_config,
             model_sd,
-            state,
+            {**state, "data_digest": self.data_digest},  # a resume on other tokens says so
             train_config=train_config,
             tokenizer=self.tokenizer,
         )
@@ -386,7 +390,35 @@ class LanguageModeling:
     def load(self) -> tuple[dict, dict]:
         from gptkiln import checkpoint
 
-        return checkpoint.read_checkpoint(self.run_dir)
+        model_sd, state = checkpoint.read_checkpoint(self.run_dir)
+        recorded = state.get("data_digest")
+        changed = recorded not in (None, self.data_digest) and not self.prepared_anew
+        if changed and self.ctx.world.is_main:  # (RUN/data prepared anew has said so)
+            print(
+                f"note: {self.data_dir} holds other tokens than the run trained on until step "
+                f"{state.get('step')} (prepared again since): the losses from here on are of "
+                "these, and of their validation split",
+                file=sys.stderr,
+            )
+        return model_sd, state
+
+
+def data_digest(data_dir: Path) -> str | None:
+    """A digest of what a prepared folder holds (its token counts, tokenizer and the source
+    files' checksums, from meta.json), which the trainer state records: a resume on a folder
+    prepared again from other text says so. None where meta.json cannot be read."""
+    import hashlib
+    import json
+
+    from gptkiln.data.prepare import read_meta
+
+    meta = read_meta(data_dir) or {}
+    keys = ("tokenizer_spec", "vocab_size", "train_tokens", "val_tokens", "val_fraction",
+            "checksums")  # fmt: skip
+    if not meta:
+        return None
+    held = json.dumps({k: meta.get(k) for k in keys}, sort_keys=True)
+    return hashlib.sha256(held.encode()).hexdigest()[:16]
 
 
 def model_config_for(
