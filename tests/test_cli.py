@@ -1004,6 +1004,33 @@ def test_the_harness_tasks_folder_is_recorded_as_found_from_where_the_run_starte
     assert cfg.eval_tasks_include_path == str(tmp_path.resolve() / "tasks")
 
 
+def test_a_resumes_record_yields_to_none_and_to_a_recipe_only_where_it_should(
+    tmp_path, monkeypatch
+):
+    """``--eval-tasks none`` unsets the recorded harness tasks with the settings that act only
+    with them; a recipe named again on a resume keeps the run's own data (its ``data:`` is a
+    file to find where a new run starts); a harness folder given again is found from here."""
+    run = tmp_path / "run"
+    run.mkdir()
+    record = {"data": str(tmp_path / "prepared"), "eval_tasks": "kiln_mc",
+              "eval_tasks_interval": 5, "eval_tasks_limit": 2.0,
+              "eval_tasks_include_path": "/elsewhere/tasks"}  # fmt: skip
+    (run / "config.json").write_text(json.dumps({"train": record}))
+
+    def chosen(*flags):
+        argv = ["train", "--out", str(run), "--resume", *flags]
+        return train_config_from_args(build_parser().parse_args(argv))
+
+    cfg = chosen("--eval-tasks", "none")
+    assert (cfg.eval_tasks, cfg.eval_tasks_interval, cfg.eval_tasks_limit) == (None, None, None)
+    assert cfg.eval_tasks_include_path is None and cfg.data == record["data"]
+    assert chosen("--config", "book-verdict").data == record["data"]
+    monkeypatch.chdir(tmp_path)
+    cfg = chosen("--eval-tasks-include-path", "mine")
+    assert cfg.eval_tasks_include_path == str(tmp_path.resolve() / "mine")
+    assert chosen().eval_tasks_include_path == "/elsewhere/tasks"
+
+
 def test_resume_alone_reads_the_runs_own_tokens_from_any_directory(
     play_path, tmp_path, capsys, monkeypatch
 ):

@@ -487,6 +487,7 @@ def _rewritten(good: Path, bad: Path, **edits) -> Path:
         ({"tokenizer__chat_template": "{% if %}"}, "tokenizer.chat_template"),
         ({"qwen3__rope__scaling__type": "yarn"}, "qwen3.rope.scaling.type is 'yarn'"),
         ({"qwen3__rope__dimension_count": 2}, "qwen3.rope.dimension_count is 2 of"),
+        ({"qwen3__rope__scaling__factor": "4"}, "qwen3.rope.scaling.factor is '4'"),
     ],
     ids=[
         "no heads",
@@ -498,6 +499,7 @@ def _rewritten(good: Path, bad: Path, **edits) -> Path:
         "template",
         "yarn",
         "partial rotary",
+        "a factor alone",
     ],  # fmt: skip
 )
 def test_a_gguf_of_damaged_metadata_is_one_line(tmp_path, capsys, edits, said):

@@ -1144,6 +1144,34 @@ def test_resume_keeps_the_runs_own_fine_tuning_settings_where_no_flag_is_given(
     assert_one_line_error(code, err, "lora_rank 2 then, 4 now")
 
 
+def test_a_template_file_is_found_on_resume_from_anywhere_and_other_training_is_named(
+    work, tmp_path, capsys, monkeypatch
+):
+    """``--template tpl.json`` typed relative is recorded as found, so a bare ``--resume`` from
+    another directory reads it; a resume that asks for another kind of training is refused
+    naming it, not a setting of the run's (its LoRA rank 0) that the other would not take."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir(), elsewhere.mkdir()
+    template = {"system": "Do it.", "instruction": "\nQ: {instruction}", "input": " {input}",
+                "response": "\nA: "}  # fmt: skip
+    (home / "tpl.json").write_text(json.dumps(template))
+    out = tmp_path / "ft"
+    base = ["finetune", work / "base", "--data", work / "instructions.json", "--out", out]
+    quiet = ["--sample-tokens", "0", "--no-progress"]
+    monkeypatch.chdir(home)
+    code, _, err = cli(*base, "--template", "tpl.json", "--mask-prompt", *quiet,
+                       "--max-steps", 2, capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    saved = json.loads((out / "config.json").read_text())["finetune"]["config"]
+    assert saved["template"] == str((home / "tpl.json").resolve())
+    monkeypatch.chdir(elsewhere)
+    code, _, err = cli(*base, "--resume", *quiet, "--max-steps", 3, capsys=capsys)
+    assert code == 0, err
+    code, _, err = cli(*base, "--resume", "--train-layers", "lora", *quiet, "--max-steps", 4,
+                       capsys=capsys)  # fmt: skip
+    assert_one_line_error(code, err, "train_layers 'all' then, 'lora' now")
+
+
 def test_one_entry_is_refused_without_advice_it_cannot_follow(work, tmp_path, capsys):
     entries = json.loads((work / "instructions.json").read_text())
     one = tmp_path / "one.json"

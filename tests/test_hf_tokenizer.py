@@ -321,3 +321,12 @@ def test_perplexity_scores_every_token_once_from_the_tokenizers_own_start(tmp_pa
     assert result.loss == pytest.approx(want, rel=1e-5)
     unscored = "" if family == "llama3" else hf_tok.decode(tokens[:1])  # the first word's
     assert result.characters == len(text) - len(unscored)
+    import warnings
+
+    from gptkiln.data.prepare import prepare
+
+    prepare(tmp_path / "text.txt", tmp_path / "prepared", directory, 0.5, progress=False)
+    with warnings.catch_warnings():  # its split is a read-only memmap: the tail is a copy
+        warnings.simplefilter("error")
+        prepared = perplexity_of_run(directory, tmp_path / "prepared", progress=False)
+    assert prepared.tokens > 16 and prepared.tokens % 16  # whole windows and a tail

@@ -368,6 +368,13 @@ def test_an_out_or_json_that_cannot_be_written_is_one_line_before_the_model_runs
         assert code == 2 and len(err.strip().splitlines()) == 1 and "cannot write in" in err
         assert printed == "" and not picture.exists()
     deep = tmp_path / "new" / "folder" / "a.png"
+    code, _, err = cli("inspect", tmp_path / "no-run", "--prompt", "To", "--out", deep,
+                       capsys=capsys)  # fmt: skip
+    assert code == 2 and not (tmp_path / "new").exists()  # a refusal makes no folder
+    picture.write_bytes(b"a file")
+    code, _, err = cli("inspect", run_dir, "--prompt", "To", "--out", picture / "a.png",
+                       capsys=capsys)  # fmt: skip
+    assert code == 2 and f"{picture} is a file, not a folder" in err
     assert cli("inspect", run_dir, "--prompt", "To", "--out", deep, capsys=capsys)[0] == 0
     assert deep.is_file()
 

@@ -474,7 +474,7 @@ def perplexity_of_model(
     tokens = np.asarray(tokens)
     T = min(model.config.context_length, len(tokens) - 1)
     dataset = SlidingWindowDataset(tokens, T, T)
-    lead = leading_ids(tokenizer)
+    lead = [i for i in leading_ids(tokenizer) if i != tokenizer.eot_id]  # (an end is text's)
     char_counts = torch.tensor(tokenizer.char_counts())
     total, count, chars = 0.0, 0, 0
 
@@ -496,7 +496,8 @@ def perplexity_of_model(
             score(torch.stack(xs), torch.stack(ys))
         left = len(tokens) - 1 - len(dataset) * T  # targets past the last whole window
         if left > 0:
-            tail = torch.as_tensor(tokens[-T - 1 :], dtype=torch.long)
+            # a copy: a prepared split is a read-only memmap
+            tail = torch.from_numpy(np.array(tokens[-T - 1 :], dtype=np.int64))
             y = tail[1:].clone()
             y[: T - left] = -100  # scored by the windows before
             score(tail[None, :-1], y[None])

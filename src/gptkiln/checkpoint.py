@@ -534,16 +534,19 @@ def check_not_a_run_file(path: str | os.PathLike, flag: str) -> None:
 
 
 def check_writable(path: str | os.PathLike, flag: str) -> None:
-    """One line, before any work, where ``path`` could not be written: its folder is made
-    (parents too) and a file tried in it (a read-only folder, a full disk, ``/proc``)."""
-    folder = Path(path).parent
+    """One line, before any work, where ``path`` could not be written: a file on its way, or a
+    folder (its own, or the nearest one there of those it would be made in) where no file can
+    be made (read-only, a full disk, ``/proc``). Nothing is left behind: no folder is made."""
+    folder = Path(path).absolute().parent
+    there = next(p for p in (folder, *folder.parents) if p.exists())
+    if not there.is_dir():
+        raise GptkilnError(f"{flag} {path}: {there} is a file, not a folder; give another path")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".gptkiln-probe-"):
+        with tempfile.NamedTemporaryFile(dir=there, prefix=".gptkiln-probe-"):
             pass
     except OSError as e:
         raise GptkilnError(
-            f"{flag} {path}: cannot write in {folder} ({e.strerror or e}); give another path"
+            f"{flag} {path}: cannot write in {there} ({e.strerror or e}); give another path"
         ) from None
 
 

@@ -168,6 +168,7 @@ class Inspection:
     def write_json(self, path: str | os.PathLike) -> Path:
         """Write `to_dict` to ``path`` (UTF-8, one line); returns the path."""
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), ensure_ascii=False) + "\n", encoding="utf-8")
         return path
 

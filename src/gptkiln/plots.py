@@ -181,6 +181,7 @@ def plot_attention(
     if note and on_notice:
         on_notice(note)
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     written = []
     with matplotlib.rc_context({"font.family": families}):
         figures = attention_figures(

@@ -9,6 +9,7 @@ import dataclasses
 import os
 import sys
 import typing
+from pathlib import Path
 
 from gptkiln.cli.common import (
     add_device_flag,
@@ -309,11 +310,17 @@ def finetune_configs_from_args(
         raise GptkilnError("gptkiln finetune: --out DIR is required (the run directory to write)")
     if args.resume:  # the run's own settings and loop, where no flag gives another
         recorded = recorded_settings(args.out, RESUMED_SETTINGS, section="finetune")
-        settings = {**read_fields(recorded), **settings}  # (read_fields: only its task's)
+        other = [k for k in ("task", "train_layers") if k in settings and k in recorded
+                 and settings[k] != recorded[k]]  # fmt: skip
+        if not other:  # (another task or kind of training: refused below, naming it alone)
+            settings = {**read_fields(recorded), **settings}  # (read_fields: only its task's)
         given = loop
         loop = {**recorded_settings(args.out, FINETUNE_LOOP_FLAGS), **given}
         if "epochs" in given and "max_steps" not in given:
             loop["max_steps"] = 0  # --epochs N alone: the epochs decide, as on a new run
+    template = settings.get("template")
+    if template and Path(template).is_file():  # a file: recorded as found from here
+        settings["template"] = str(Path(template).resolve())
     ft = FinetuneConfig.from_dict(settings)
     return ft, train_config(ft, out=args.out, **loop)
 

@@ -161,9 +161,14 @@ def _chosen_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str
     if getattr(args, "resume", False):  # the run's own settings, where none is given
         out = flags.get("out", recipe.get("out", TrainConfig.out))
         recorded = recorded_settings(out, names)
+        if "data" in recorded:  # its own text, never a recipe's name for text to find here
+            recipe = {k: v for k, v in recipe.items() if k != "data"}
+        if flags.get("eval_tasks", "") is None:  # --eval-tasks none: their settings go too
+            for name in ("eval_tasks_interval", "eval_tasks_limit", "eval_tasks_include_path"):
+                recorded.pop(name, None)
     values = {**recorded, **recipe, **flags}
-    include = values.get("eval_tasks_include_path")
-    if include and "eval_tasks_include_path" not in recorded:  # recorded as found from here
+    include = {**recipe, **flags}.get("eval_tasks_include_path")
+    if include:  # recorded as found from here, for a resume from anywhere
         values["eval_tasks_include_path"] = str(Path(include).expanduser().resolve())
     given = {
         **dict.fromkeys(recorded, "run"),
@@ -173,16 +178,15 @@ def _chosen_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str
     try:
         return TrainConfig.from_dict(values), given
     except GptkilnError as e:
-        if recorded:  # the record's values, or the command's? without the record, it is theirs
-            try:
-                TrainConfig.from_dict({**recipe, **flags})
-            except GptkilnError:
-                raise e from None
+        try:  # the record's values alone, or with the command's? the file is blamed for its own
+            TrainConfig.from_dict(recorded)
+        except GptkilnError as bad:
             raise GptkilnError(
                 f"{Path(out) / 'config.json'}: its record of the run's settings does not hold "
-                f"({str(e).removeprefix('training config: ')}); give that flag, or mend the file"
+                f"({str(bad).removeprefix('training config: ')}); give that flag, or mend the "
+                "file"
             ) from None
-        raise
+        raise e from None
 
 
 def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: str | None):
@@ -227,7 +231,7 @@ def check_recipe_data(cfg: TrainConfig, given: dict[str, str], recipe: str | Non
     from gptkiln.data.mixture import check_source
     from gptkiln.data.prepare import is_prepared
 
-    if given.get("data") != "recipe" or is_prepared(cfg.data):
+    if given.get("data") != "recipe" or is_prepared(cfg.data) or str(cfg.data).startswith("hf:"):
         return
     try:
         check_source(cfg.data, text_field=cfg.text_field)

@@ -451,6 +451,13 @@ def _output_paths(run_dir, output_path) -> tuple[Path, Path]:
     )
     check_not_a_run_file(path, "--output-path")
     check_writable(path, "--output-path")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GptkilnError(
+            f"--output-path {out}: cannot make the folder {folder} ({e.strerror}); give "
+            "another folder or .json file"
+        ) from None
     if path.is_dir():
         raise GptkilnError(f"--output-path {path}: a folder; give a .json file name or a folder")
     return folder, path

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptkiln.checkpoint import atomic_write, check_not_a_run_file
+from gptkiln.checkpoint import atomic_write, check_not_a_run_file, check_writable
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.export.gguf_vocab import GGUFVocab, gguf_vocab
@@ -228,6 +228,7 @@ def check_gguf_out(out_file: Path, overwrite: bool) -> None:
             f"--out {out_file}: its Ollama Modelfile would be written over it; name the GGUF "
             f"file {out_file.with_suffix('.gguf').name}"
         )
+    check_writable(out_file, "--out")  # a file on its way, a folder no file can be made in
     for path in (out_file, modelfile):
         check_not_a_run_file(path, "--out")  # a run's or prepared data's file, even --overwrite
         if path.is_dir():

@@ -262,6 +262,14 @@ def _check_plain_rope(get: Callable[..., Any], arch: str, head_dim: int, path: P
             "compute (it computes plain RoPE and Llama 3's frequency scaling); this model "
             "cannot be converted"
         )
+    factor = get("rope.scaling.factor", None)
+    factor = get("rope.scale_linear", None) if factor is None else factor  # (its older key)
+    if factor not in (None, 0, 1):  # llama.cpp divides the positions by it, whatever the type
+        raise GptkilnError(
+            f"{path}: {arch}.rope.scaling.factor is {factor!r}, a RoPE scaling gptkiln does "
+            "not compute (it computes plain RoPE and Llama 3's frequency scaling); this model "
+            "cannot be converted"
+        )
     rotated = get("rope.dimension_count", head_dim)
     if rotated != head_dim:
         raise GptkilnError(
@@ -394,7 +402,9 @@ def _vocab(meta: dict[str, Any], path: Path, rows: int) -> GGUFVocab:
         _token_id(meta, f"tokenizer.ggml.{name}_token_id", rows, path)
         for name in ("bos", "eos", "eot")
     )
-    pad = _token_id(meta, "tokenizer.ggml.padding_token_id", rows, path)
+    pad = _value(meta, "tokenizer.ggml.padding_token_id", path, None)
+    if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < rows:
+        pad = None  # no id of the file's (some converters write one past the vocabulary)
     pre = _value(meta, "tokenizer.ggml.pre", path, "default")
     return GGUFVocab(
         tokens=tokens,

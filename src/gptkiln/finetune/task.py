@@ -303,6 +303,11 @@ class FineTuning:
 
         checkpoint.check_same_model_config(self.run_dir, self.model_config)
         saved = read_config(self.run_dir).get("finetune") or {}
+        if not isinstance(saved, dict) or not isinstance(saved.get("config", {}), dict):
+            raise GptkilnError(
+                f'{self.run_dir / "config.json"}: its "finetune" record is damaged (not an '
+                "object of settings); restore the file, or pass --overwrite to start again"
+            )
         now = {  # what info() records, before the task has read its examples
             "config": self.ft.to_dict(),
             "base": str(Path(self.ft.base).resolve()),
@@ -314,7 +319,9 @@ class FineTuning:
         settings = {**now["config"], "base": now["base"]}
         settings.pop("data")  # compared by its contents, below
         diffs = [
-            f"{k} {then.get(k)!r} then, {v!r} now" for k, v in settings.items() if then.get(k) != v
+            f"{k} {then.get(k)!r} then, {v!r} now"
+            for k, v in settings.items()
+            if then.get(k) != v and not (k == "template" and _same_file(then.get(k), v))
         ]
         if saved.get("data_sha256") != now["data_sha256"]:
             diffs.append(f"the contents of --data {self.ft.data}")
@@ -476,3 +483,11 @@ def loss_summary(row: dict) -> str:
     val = row.get("val_loss")
     val_text = f" | val {val:.3f} (ppl {math.exp(min(val, 50)):.1f})" if val is not None else ""
     return f"train {row['train_loss']:.3f}{val_text}"
+
+
+def _same_file(then: Any, now: Any) -> bool:
+    """A template recorded as typed (relative, before a file's path was recorded whole) and
+    the same file's whole path now."""
+    if not (isinstance(then, str) and isinstance(now, str)):
+        return False
+    return Path(then).is_file() and Path(then).resolve() == Path(now).resolve()
