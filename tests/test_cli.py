@@ -1024,11 +1024,20 @@ def test_a_resumes_record_yields_to_none_and_to_a_recipe_only_where_it_should(
     cfg = chosen("--eval-tasks", "none")
     assert (cfg.eval_tasks, cfg.eval_tasks_interval, cfg.eval_tasks_limit) == (None, None, None)
     assert cfg.eval_tasks_include_path is None and cfg.data == record["data"]
-    assert chosen("--config", "book-verdict").data == record["data"]
+    assert chosen("--config", "book-verdict").data == record["data"]  # the-verdict.txt: not here
+    (tmp_path / "other.txt").write_text("other text " * 50)
+    (tmp_path / "recipe.yaml").write_text(f"data: {tmp_path / 'other.txt'}\n")
+    assert chosen("--config", str(tmp_path / "recipe.yaml")).data == str(tmp_path / "other.txt")
     monkeypatch.chdir(tmp_path)
     cfg = chosen("--eval-tasks-include-path", "mine")
     assert cfg.eval_tasks_include_path == str(tmp_path.resolve() / "mine")
     assert chosen().eval_tasks_include_path == "/elsewhere/tasks"
+    config = json.loads((run / "config.json").read_text())
+    config["train"]["lr"] = -1.0  # a broken value the command replaces: not the file's fault
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(GptkilnError, match="batch_size") as e:
+        chosen("--lr", "0.001", "--batch-size", "0")
+    assert "config.json" not in str(e.value)
 
 
 def test_resume_alone_reads_the_runs_own_tokens_from_any_directory(

@@ -1169,7 +1169,12 @@ def test_a_template_file_is_found_on_resume_from_anywhere_and_other_training_is_
     assert code == 0, err
     code, _, err = cli(*base, "--resume", "--train-layers", "lora", *quiet, "--max-steps", 4,
                        capsys=capsys)  # fmt: skip
-    assert_one_line_error(code, err, "train_layers 'all' then, 'lora' now")
+    assert_one_line_error(
+        code,
+        err,
+        "fine-tuned with --train-layers all, and this resume asks for --train-layers lora",
+    )
+    assert "lora_rank" not in err
 
 
 def test_one_entry_is_refused_without_advice_it_cannot_follow(work, tmp_path, capsys):

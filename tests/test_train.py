@@ -232,6 +232,10 @@ def test_a_metrics_line_cut_short_is_dropped_on_resume_not_a_traceback(play_path
         capsys.readouterr().err
     )
     assert [r["step"] for r in read_metrics(run / "metrics.csv")] == [2, 4, 6]
+    with open(run / "metrics.csv", "ab") as f:
+        f.write(b"8,384,9.6\x00\x00\x00\x00")  # what a power cut can leave: not numbers
+    train(dataclasses.replace(cfg, max_steps=8), resume=True)
+    assert [r["step"] for r in read_metrics(run / "metrics.csv")] == [2, 4, 6, 8]
 
 
 def _clock(monkeypatch, seconds_per_read: float = 0.5):

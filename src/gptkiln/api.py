@@ -550,7 +550,7 @@ def eval_tokens(data: str | os.PathLike, tokenizer):
     for i, doc_ids in enumerate(tokenizer.encode_ordinary_batch(list(iter_documents(data)))):
         if i and tokenizer.eot_id is not None:  # documents joined as `prepare` joins them
             ids.append(tokenizer.eot_id)
-        ids.extend(lead)
+        ids.extend(lead if not i else [t for t in lead if t != tokenizer.eot_id])  # (one end)
         ids.extend(doc_ids)
     if len(ids) < 2:
         raise GptkilnError(f"{data} has {len(ids)} token(s); evaluation needs at least 2")

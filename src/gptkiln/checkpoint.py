@@ -663,8 +663,11 @@ def drop_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     """Delete the temporary files `atomic_write` left beside a run's checkpoint files when a
     save was killed (a checkpoint's worth of disk each); those removed. Only under the run's
     lock: training is the one writer of these names."""
+    from gptkiln.tokenizers import TOKENIZER_FILES
+
     names = {CONFIG_FILE, WEIGHTS_FILE, TRAINER_STATE_FILE, PREVIOUS_STATE_FILE, ADAPTER_FILE,
-             "metrics.csv", "loss.png"}  # fmt: skip
+             "metrics.csv", "loss.png", "accuracy.png", "chat_template.jinja",
+             *TOKENIZER_FILES}  # fmt: skip
     dropped = []
     for path in Path(run_dir).glob(".*.tmp"):
         match = _TEMPORARY.fullmatch(path.name)

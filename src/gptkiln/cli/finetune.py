@@ -312,14 +312,22 @@ def finetune_configs_from_args(
         recorded = recorded_settings(args.out, RESUMED_SETTINGS, section="finetune")
         other = [k for k in ("task", "train_layers") if k in settings and k in recorded
                  and settings[k] != recorded[k]]  # fmt: skip
-        if not other:  # (another task or kind of training: refused below, naming it alone)
-            settings = {**read_fields(recorded), **settings}  # (read_fields: only its task's)
+        if other:  # another task or kind of training: not this run's to go on with
+            asked = ", ".join(f"--{k.replace('_', '-')} {settings[k]}" for k in other)
+            was = ", ".join(f"--{k.replace('_', '-')} {recorded[k]}" for k in other)
+            raise GptkilnError(
+                f"cannot resume {args.out}: it was fine-tuned with {was}, and this resume asks "
+                f"for {asked}; drop it to go on, or pass --overwrite to start again"
+            )
+        settings = {**read_fields(recorded), **settings}  # (read_fields: only its task's)
         given = loop
         loop = {**recorded_settings(args.out, FINETUNE_LOOP_FLAGS), **given}
         if "epochs" in given and "max_steps" not in given:
             loop["max_steps"] = 0  # --epochs N alone: the epochs decide, as on a new run
+    from gptkiln.finetune.templates import TEMPLATES
+
     template = settings.get("template")
-    if template and Path(template).is_file():  # a file: recorded as found from here
+    if template and template not in TEMPLATES and Path(template).is_file():  # recorded whole
         settings["template"] = str(Path(template).resolve())
     ft = FinetuneConfig.from_dict(settings)
     return ft, train_config(ft, out=args.out, **loop)

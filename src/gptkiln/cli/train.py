@@ -161,8 +161,9 @@ def _chosen_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str
     if getattr(args, "resume", False):  # the run's own settings, where none is given
         out = flags.get("out", recipe.get("out", TrainConfig.out))
         recorded = recorded_settings(out, names)
-        if "data" in recorded:  # its own text, never a recipe's name for text to find here
-            recipe = {k: v for k, v in recipe.items() if k != "data"}
+        named = recipe.get("data")
+        if "data" in recorded and named and not _here(named):  # a recipe's text, not here:
+            recipe = {k: v for k, v in recipe.items() if k != "data"}  # the run's own goes on
         if flags.get("eval_tasks", "") is None:  # --eval-tasks none: their settings go too
             for name in ("eval_tasks_interval", "eval_tasks_limit", "eval_tasks_include_path"):
                 recorded.pop(name, None)
@@ -178,8 +179,9 @@ def _chosen_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str
     try:
         return TrainConfig.from_dict(values), given
     except GptkilnError as e:
-        try:  # the record's values alone, or with the command's? the file is blamed for its own
-            TrainConfig.from_dict(recorded)
+        used = {k: v for k, v in recorded.items() if k not in recipe and k not in flags}
+        try:  # the record's values used, alone: the file is blamed for its own faults only
+            TrainConfig.from_dict(used)
         except GptkilnError as bad:
             raise GptkilnError(
                 f"{Path(out) / 'config.json'}: its record of the run's settings does not hold "
@@ -187,6 +189,12 @@ def _chosen_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str
                 "file"
             ) from None
         raise e from None
+
+
+def _here(data: str) -> bool:
+    """Whether a recipe's ``data`` is found from here: a path that exists, or a source that is
+    not a path (``hf:NAME``, the bundled ``shakespeare``)."""
+    return str(data).startswith("hf:") or data == "shakespeare" or Path(data).exists()
 
 
 def check_prepared_data_agrees(cfg: TrainConfig, given: dict[str, str], recipe: str | None):

@@ -29,8 +29,10 @@ text; files written before it lack the column, and `read_metrics` reads them all
 task's own columns go between tokens and lr."""
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """Rows of a metrics.csv as dicts of floats (empty cells become None)."""
+def read_metrics(path: str | os.PathLike, skip_bad: bool = False) -> list[dict]:
+    """Rows of a metrics.csv as dicts of floats (empty cells become None); ``skip_bad``: a row
+    with the NUL bytes a power cut leaves is given as ``{"step": None}``, not refused (a row
+    of words still is: a hand's edit, to be named)."""
     rows = []
     fix = "fix that line, or delete the file to drop the run's loss history"
     with open(path, newline="", encoding="utf-8") as f:
@@ -41,12 +43,18 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
                     rows.append(
                         {k: (float(v) if v not in ("", None) else None) for k, v in row.items()}
                     )
-                except (TypeError, ValueError):
+                except (TypeError, ValueError):  # words, not a number cut short: named
+                    if skip_bad and any("\x00" in str(v) for v in row.values()):
+                        rows.append({"step": None})  # a power cut's NULs: a row cut short
+                        continue
                     shown = repr(",".join(map(str, row.values())))[1:-1]  # a NUL as \x00
                     raise GptkilnError(
                         f"{path} line {line}: not a row of numbers ({shown}); {fix}"
                     ) from None
         except csv.Error as e:  # a NUL byte
+            if skip_bad:  # the rest of the file is past the damage: a killed run's tail
+                rows.append({"step": None})
+                return rows
             raise GptkilnError(f"{path} line {reader.line_num} ({e}); {fix}") from None
         except UnicodeDecodeError:  # read a block at a time: the line is found in the bytes
             data = Path(path).read_bytes()
@@ -179,7 +187,7 @@ class RunLog:
         the checkpoint's (a killed run may have logged past its last checkpoint)."""
         if not (self.world.is_main and self.metrics_path.exists()):
             return
-        rows = read_metrics(self.metrics_path)
+        rows = read_metrics(self.metrics_path, skip_bad=True)
         whole = [r for r in rows if r.get("step") is not None and r.get("tokens") is not None]
         if len(whole) < len(rows):  # a line cut short as a killed run (a full disk) wrote it
             import sys
