@@ -251,7 +251,7 @@ def test_generate_takes_stop_strings_and_penalties(run_dir, capsys):
     assert code == 0 and penalised == generate_text(run_dir, "I had", cfg) + "\n"
     assert penalised != free
     code, _, err = cli(*base, "--frequency-penalty", "3", capsys=capsys)
-    assert_one_line_error(code, err, "frequency_penalty")
+    assert_one_line_error(code, err, "--frequency-penalty")
 
 
 def test_prompt_longer_than_context_is_cropped_with_a_notice(run_dir, capsys):
@@ -412,7 +412,10 @@ def test_bad_run_directories(run_dir, tmp_path, capsys):
     code, _, err = cli("generate", tmp_path, "--prompt", "x", capsys=capsys)
     assert_one_line_error(code, err, str(tmp_path))
     code, _, err = cli("generate", run_dir, "--prompt", "x", "--temperature", "-1", capsys=capsys)
-    assert_one_line_error(code, err, "temperature")
+    assert_one_line_error(code, err, "--temperature must be")  # the flag, not the field
+    code, _, err = cli("generate", run_dir, "--prompt", "x", "--presence-penalty", "5",
+                       capsys=capsys)  # fmt: skip
+    assert_one_line_error(code, err, "--presence-penalty must be in [-2, 2]")
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in run_dir.iterdir():

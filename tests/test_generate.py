@@ -256,7 +256,7 @@ def test_one_prompt_streams_to_the_terminal_as_it_is_generated(run, capsys, monk
         (["--prompt-file", "{tmp}"], ["is a directory"]),
         (["--prompt", "ab", "--num-samples", "0"], ["num_samples", "got 0"]),
         (["--prompt", "ab", "--stop", ""], ["stop", "non-empty"]),
-        (["--prompt", "ab", "--presence-penalty", "3"], ["presence_penalty", "[-2, 2]"]),
+        (["--prompt", "ab", "--presence-penalty", "3"], ["--presence-penalty", "[-2, 2]"]),
         (["--prompt", "ab", "--batch-size", "0"], ["batch_size"]),
         (["--prompt", "ab", "--prompt-file", "{tmp}/blank.txt"], ["not allowed with"]),
         ([], ["--prompt", "--prompt-file", "required"]),

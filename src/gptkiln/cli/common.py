@@ -219,5 +219,17 @@ def add_sampling_flags(
 
 def sample_config(args: argparse.Namespace) -> SampleConfig:
     """The `SampleConfig` of a command's sampling flags (`add_sampling_flags`); a flag the
-    command does not take keeps `SampleConfig`'s default."""
-    return SampleConfig(**{name: getattr(args, name) for name in SAMPLING_FLAGS if name in args})
+    command does not take keeps `SampleConfig`'s default. A bad value is named by its flag
+    (``--presence-penalty``), not by the field it sets."""
+    from gptkiln.errors import GptkilnError
+
+    try:
+        return SampleConfig(
+            **{name: getattr(args, name) for name in SAMPLING_FLAGS if name in args}
+        )
+    except GptkilnError as e:
+        said = str(e)
+        name = next((n for n in SAMPLING_FLAGS if said.startswith(f"{n} ")), None)
+        if name is None:
+            raise
+        raise GptkilnError(f"--{name.replace('_', '-')}{said[len(name) :]}") from None
