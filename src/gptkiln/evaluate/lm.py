@@ -179,10 +179,9 @@ class GptkilnLM(TemplateLM):
     def prefix_token_id(self) -> int:
         """What a text scored from its start is conditioned on: BOS where the tokenizer has one
         (as the hf backend's prefix_token_id), else end-of-text."""
-        bos = getattr(self._tokenizer, "special_tokens", {}).get("bos_token")  # hf kind only
-        if (
-            bos is not None
-        ):  # the tokenizer's own BOS, as tokenizer.bos_token_id (not config.json's)
+        # the tokenizer's own BOS (an hf kind's), as tokenizer.bos_token_id: not config.json's
+        bos = getattr(self._tokenizer, "special_tokens", {}).get("bos_token")
+        if bos is not None:
             return self._tokenizer.encode_templated(bos)[0]
         return self.eot_token_id
 
