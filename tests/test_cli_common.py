@@ -37,6 +37,11 @@ def test_generate_and_chat_read_their_sampling_flags_into_one_sample_config():
     assert chat == SampleConfig(max_new_tokens=200, temperature=0.0)
     chat = sample_config(parser.parse_args(["chat", "run", "--top-k", "5", "--temperature", "1"]))
     assert (chat.top_k, chat.temperature, chat.stop) == (5, 1.0, ())
+    for command in (["generate", "run", "--prompt", "x"], ["chat", "run"]):
+        args = parser.parse_args(command + ["--min-p", "0.1", "--repetition-penalty", "1.2"])
+        cfg = sample_config(args)
+        assert (cfg.min_p, cfg.repetition_penalty) == (0.1, 1.2)
+        assert sample_config(parser.parse_args(command)).repetition_penalty == 1.0
 
 
 def test_every_command_that_loads_a_model_names_it_run_dir_and_defaults_to_the_cpu():

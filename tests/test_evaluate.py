@@ -685,8 +685,10 @@ def test_generation_settings_gptkiln_has_not_are_refused(setup):
     assert cfg.stop == ("\n", "<|endoftext|>")  # the end-of-text text, as hf adds it
     assert config({"until": [], "temperature": 0.7}).temperature == 0.7
     assert config({"do_sample": False, "temperature": 0.7}).temperature == 0.0
-    with pytest.raises(GptkilnError, match="generation_kwargs repetition_penalty: not a setting"):
-        config({"until": [], "repetition_penalty": 1.2})
+    cfg = config({"until": [], "repetition_penalty": 1.2, "min_p": 0.05})
+    assert (cfg.repetition_penalty, cfg.min_p) == (1.2, 0.05)
+    with pytest.raises(GptkilnError, match="generation_kwargs typical_p: not a setting"):
+        config({"until": [], "typical_p": 0.9})
     with pytest.raises(GptkilnError, match="no beam search"):
         config({"num_beams": 4})
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_families import randomize_, small_config
 
-from gptkiln.config import GPTConfig
+from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.gpu import (
     DeviceSampling,
     StaticState,
@@ -123,11 +123,25 @@ def test_graph_steps_read_a_step_behind_give_the_eager_ids_of_rows_that_end(mode
     assert fed[True] == fed[False] + 1  # the one replay queued ahead of the last read
 
 
-def test_penalties_on_the_device_equal_the_eager_ones(model):
-    kw = dict(max_new_tokens=12, temperature=0, frequency_penalty=0.8, presence_penalty=0.3)
+@pytest.mark.parametrize(
+    "penalties",
+    [dict(frequency_penalty=0.8, presence_penalty=0.3), dict(repetition_penalty=1.6)],
+)
+def test_penalties_on_the_device_equal_the_eager_ones(model, penalties):
+    kw = dict(max_new_tokens=12, temperature=0, **penalties)
     eager = generate(model, PROMPTS["padded"], **kw)
     assert eager != generate(model, PROMPTS["padded"], max_new_tokens=12, temperature=0)
     assert generate(model, PROMPTS["padded"], prepare=graphs, **kw) == eager
+
+
+def test_min_p_on_the_device_keeps_what_the_eager_draw_keeps(model):
+    """A min-p so high that only the likeliest token is left: the device's draw (its own
+    uniforms) then picks the eager path's greedy ids, every step."""
+    kw = dict(max_new_tokens=10, temperature=1.0, seed=3)
+    greedy = generate(model, PROMPTS["padded"], max_new_tokens=10, temperature=0)
+    assert generate(model, PROMPTS["padded"], **kw) != greedy  # a draw, without min-p
+    assert generate(model, PROMPTS["padded"], prepare=graphs, min_p=1.0, **kw) == greedy
+    assert generate(model, PROMPTS["padded"], min_p=1.0, **kw) == greedy
 
 
 def test_a_window_that_slides_past_the_context_goes_on_eagerly():
@@ -207,6 +221,9 @@ def test_device_sampling_is_a_constant_of_the_graph():
     assert DeviceSampling(0.5, 3) == DeviceSampling(0.5, 3)  # equal settings: one graph
     assert hash(DeviceSampling(0.5, 3)) == hash(DeviceSampling(0.5, 3))
     assert DeviceSampling(0, presence_penalty=0.1).penalised and not DeviceSampling().penalised
+    assert DeviceSampling(0, repetition_penalty=1.2).penalised
+    cfg = SampleConfig(temperature=0.5, top_k=3, min_p=0.1, repetition_penalty=1.1)
+    assert DeviceSampling.of(cfg) == DeviceSampling(0.5, 3, None, 0.0, 0.0, 0.1, 1.1)
 
 
 def test_a_bucket_decodes_with_more_settings_than_dynamos_recompile_limit(monkeypatch):

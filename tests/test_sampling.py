@@ -402,6 +402,63 @@ def test_penalties_are_openais_formula():
     assert apply_penalties(logits, counts, 0.0, 0.0) is logits
 
 
+def test_repetition_penalty_min_p_and_their_order_are_transformers():
+    """`apply_penalties`' repetition penalty is transformers' processor over the prompt and the
+    tokens generated; `logits_to_probs`' min-p is its warper after temperature, top-k and
+    top-p, in that order: the same probabilities."""
+    from transformers.generation import logits_process as lp
+
+    from gptkiln.sampling import apply_penalties, prompt_tokens
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 300, generator=gen) * 3
+    prompts = [[1, 5, 5, 7], [2, 2, 2, 2], [150, 3, 9, 199]]
+    made = [[7, 8], [299, 2], [0, 0]]  # generated: counted, and a token of the prompt again
+    counts = torch.zeros(3, 300)
+    for row, ids in enumerate(made):
+        for i in ids:
+            counts[row, i] += 1
+    seen = torch.tensor([p + m for p, m in zip(prompts, made)])
+    in_prompt = prompt_tokens(prompts, 300)
+    want = lp.RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone())
+    got = apply_penalties(logits, counts, 0.0, 0.0, 1.3, in_prompt)
+    assert torch.equal(got, want) and not torch.equal(got, logits)
+    assert torch.equal(apply_penalties(logits, counts, 0.0, 0.0, 1.0, in_prompt), logits)
+    for temperature, top_k, top_p, min_p in [(0.7, None, None, 0.1), (1.3, 50, 0.9, 0.05)]:
+        scores = lp.TemperatureLogitsWarper(temperature)(seen, logits.clone())
+        if top_k:
+            scores = lp.TopKLogitsWarper(top_k)(seen, scores)
+        if top_p:
+            scores = lp.TopPLogitsWarper(top_p)(seen, scores)
+        scores = lp.MinPLogitsWarper(min_p)(seen, scores)
+        probs = logits_to_probs(logits, temperature, top_k, top_p, min_p)
+        assert torch.equal(probs > 0, scores > float("-inf"))
+        torch.testing.assert_close(probs, torch.softmax(scores, dim=-1))
+        assert (probs > 0).sum() < (logits_to_probs(logits, temperature, top_k, top_p) > 0).sum()
+
+
+def test_greedy_with_a_repetition_penalty_counts_the_prompt_and_the_tokens_generated(model):
+    """Step by step: each token of the prompt (all of it, also past the window) or generated
+    has its logit divided by the penalty where positive, multiplied where negative; greedy
+    then takes the argmax (transformers' ``repetition_penalty`` with ``do_sample=False``)."""
+    prompt, n, penalty = [5, 9, 2, 33] * 8, 16, 1.8  # 32 tokens: past the window of 24
+    idx = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(idx[:, -24:])[0, -1, :]
+            seen = torch.zeros(64, dtype=torch.bool)
+            seen[idx[0]] = True
+            logits = torch.where(seen & (logits > 0), logits / penalty, logits)
+            logits = torch.where(seen & (logits < 0), logits * penalty, logits)
+            idx = torch.cat([idx, logits.argmax()[None, None]], dim=1)
+    got = generate(model, prompt, max_new_tokens=n, temperature=0, repetition_penalty=penalty)
+    assert got == idx[0, len(prompt) :].tolist()
+    assert got != generate(model, prompt, max_new_tokens=n, temperature=0)  # it did something
+    rows = generate(model, [prompt, [7, 8]], max_new_tokens=n, temperature=0,
+                    repetition_penalty=penalty)  # fmt: skip
+    assert rows[0] == got  # the padded row beside it marks nothing of its padding
+
+
 @pytest.mark.parametrize("presence, frequency", [(0.5, 0.0), (0.0, 0.5), (-1.0, 0.5)])
 def test_generation_with_penalties_equals_the_formula_applied_step_by_step(
     model, presence, frequency
@@ -476,6 +533,10 @@ def test_an_empty_prompt_starts_from_end_of_text_or_is_refused_without_one():
         (dict(stop=["a", 3]), "stop must be"),
         (dict(presence_penalty=2.5), "presence_penalty"),
         (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+        (dict(min_p=float("nan")), "min_p"),
     ],
 )
 def test_bad_stop_strings_and_penalties_are_refused(kwargs, message):
@@ -669,7 +730,8 @@ def test_a_top_k_draw_on_the_cpu_reads_its_k_candidates_and_picks_what_the_whole
     """With a top-k, `sample` and `sample_rows` draw from each row's k most likely ids alone
     (their probabilities, top-p and running sum over k values, not V), in the order of their
     ids, so a uniform picks the id the whole row's `draw(logits_to_probs(...))` picks: fp32
-    rows of 50 to 50,257 ids, with and without top-p, seeded a row and by one generator."""
+    rows of 50 to 50,257 ids, with and without top-p and min-p, seeded a row and by one
+    generator."""
     from gptkiln import sampling
     from gptkiln.sampling import draw, row_uniforms, sample_rows
 
@@ -680,15 +742,16 @@ def test_a_top_k_draw_on_the_cpu_reads_its_k_candidates_and_picks_what_the_whole
         scale = float(torch.rand(1, generator=gen)) * 8 + 0.1
         logits = torch.randn(6, vocab, generator=gen) * scale
         top_k = int(torch.randint(1, min(vocab, 2000), (1,), generator=gen))
-        cases.append((logits, (0.7, 1.0, 1.6)[trial % 3], top_k, (None, 0.9, 0.5)[trial % 3]))
+        top_p, min_p = (None, 0.9, 0.5)[trial % 3], (None, 0.05, 0.3, 0.0)[trial % 4]
+        cases.append((logits, (0.7, 1.0, 1.6)[trial % 3], top_k, top_p, min_p))
     real, whole = sampling.logits_to_probs, []
     monkeypatch.setattr(sampling, "logits_to_probs", lambda *a: whole.append(1) or real(*a))
-    for logits, temperature, top_k, top_p in cases:
+    for logits, temperature, top_k, top_p, min_p in cases:
         seeds = [torch.Generator().manual_seed(s) for s in range(6)]
-        got = sample_rows(logits, temperature, top_k, top_p, seeds)
-        one = sample(logits, temperature, top_k, top_p, torch.Generator().manual_seed(9))
+        got = sample_rows(logits, temperature, top_k, top_p, seeds, min_p)
+        one = sample(logits, temperature, top_k, top_p, torch.Generator().manual_seed(9), min_p)
         assert not whole  # no row read whole: no tie at a k-th
-        probs = real(logits, temperature, top_k, top_p)
+        probs = real(logits, temperature, top_k, top_p, min_p)
         twins = [torch.Generator().manual_seed(s) for s in range(6)]
         drawn_as_whole(got, draw(probs, uniforms=row_uniforms(twins, logits.device)), probs)
         drawn_as_whole(one, draw(probs, torch.Generator().manual_seed(9)), probs)

@@ -245,6 +245,8 @@ def test_concurrent_staggered_requests_equal_generate_alone(url, run_dir):
         ),
         ("Why", dict(max_tokens=16, temperature=1.0, top_k=50, seed=9, frequency_penalty=1.0)),
         ("Zebra", dict(max_tokens=9, temperature=1.0, top_p=0.9, seed=0)),
+        ("Once", dict(max_tokens=12, temperature=0, repetition_penalty=1.4)),
+        ("Twice", dict(max_tokens=12, temperature=1.2, min_p=0.1, seed=2)),
     ]
 
     def ask(i):
@@ -263,6 +265,8 @@ def test_concurrent_staggered_requests_equal_generate_alone(url, run_dir):
             top_p=o.get("top_p"),
             seed=o.get("seed"),
             frequency_penalty=o.get("frequency_penalty", 0.0),
+            min_p=o.get("min_p"),
+            repetition_penalty=o.get("repetition_penalty", 1.0),
         )
         assert text == expected(run_dir, prompt, **cfg), prompt
 
@@ -385,6 +389,8 @@ BAD = [
     ("seed negative", {"prompt": "x", "seed": -3}, 400, "seed"),
     ("seed over 2**63", {"prompt": "x", "seed": 2**64}, 400, "seed"),
     ("penalty out of range", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("repetition 0", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("min_p over 1", {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ("n 0", {"prompt": "x", "n": 0}, 400, "n"),
     ("n too many", {"prompt": "x", "n": 1000}, 400, "n"),
     ("logprobs too many", {"prompt": "x", "logprobs": 1000}, 400, "logprobs"),

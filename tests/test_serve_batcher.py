@@ -218,7 +218,7 @@ def test_a_groups_bf16_logits_are_penalised_in_fp32_as_a_row_alone():
     def slot(row, presence, frequency):
         cfg = SampleConfig(temperature=1.0, presence_penalty=presence, frequency_penalty=frequency)
         seq = types.SimpleNamespace(cfg=cfg, constraint=None)
-        return types.SimpleNamespace(row=row, seq=seq, counts=counts[row : row + 1])
+        return types.SimpleNamespace(row=row, seq=seq, counts=counts[row : row + 1], in_prompt=None)
 
     group = [slot(0, 0.3, 0.0), slot(2, 0.0, 0.37), slot(1, 0.13, 0.7)]
     chooser = Chooser(torch.device("cpu"), types.SimpleNamespace(vocab_size=40))
@@ -326,6 +326,25 @@ def test_seeded_sampling_penalties_and_top_k_p_equal_alone(model, tokenizer):
     arrivals = staggered(tokenizer, cfgs)
     out, _ = run_batcher(model, tokenizer, arrivals, max_batch=4)
     check_each_equals_alone(model, tokenizer, arrivals, out)
+
+
+def test_repetition_penalty_and_min_p_equal_alone(model, tokenizer):
+    """A row's repetition penalty counts its own prompt, never another row's; min-p groups
+    with the rows that sample alike."""
+    cfgs = [
+        SampleConfig(max_new_tokens=12, temperature=0, repetition_penalty=1.5),
+        SampleConfig(max_new_tokens=12, temperature=1.1, min_p=0.2, seed=4),
+        SampleConfig(max_new_tokens=12, temperature=1.1, min_p=0.2, seed=6),
+        SampleConfig(max_new_tokens=12, temperature=0.9, repetition_penalty=1.3, seed=5),
+    ]
+    arrivals = staggered(tokenizer, cfgs)
+    out, _ = run_batcher(model, tokenizer, arrivals, max_batch=4)
+    check_each_equals_alone(model, tokenizer, arrivals, out)
+    plain = SampleConfig(max_new_tokens=12, temperature=0)
+    assert (
+        out[id(arrivals[0][1][0])]["ids"]
+        != alone(model, tokenizer, arrivals[0][1][0].prompt, plain)[0]
+    )
 
 
 def test_a_stop_string_ends_a_row_and_is_not_returned(model, tokenizer):

@@ -33,8 +33,10 @@ def logits_to_probs(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
-    """Next-token probabilities (B, V) from logits (B, V) after temperature, top-k and top-p.
+    """Next-token probabilities (B, V) from logits (B, V) after temperature, top-k, top-p and
+    min-p, in that order (transformers' order).
 
     temperature must be > 0 here (0 means greedy and never reaches this function).
     """
@@ -49,7 +51,17 @@ def logits_to_probs(
     probs = torch.softmax(logits, dim=-1)
     if top_p is not None and top_p < 1.0:
         probs = _top_p(probs, top_p, top_k, top_ids)
-    return probs
+    return _min_p(probs, min_p)
+
+
+def _min_p(probs: torch.Tensor, min_p: float | None) -> torch.Tensor:
+    """Min-p of probabilities (B, V): each row's tokens less likely than ``min_p`` times its
+    likeliest dropped, the rest renormalised (the likeliest always stays; a row of NaNs stays
+    NaN). Unchanged where ``min_p`` is None or 0."""
+    if not min_p:
+        return probs
+    kept = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 NUCLEUS_CANDIDATES = (256, 4096)
@@ -193,6 +205,7 @@ def sample(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """Pick one token per row from logits (B, V): argmax when temperature is 0, else a draw
     from `logits_to_probs` (`draw`; with a top-k on the CPU, from each row's candidates alone:
@@ -203,8 +216,8 @@ def sample(
         u = torch.rand(
             (logits.size(0), 1), generator=generator, device=logits.device, dtype=torch.float32
         )
-        return _draw_from_candidates(logits, temperature, top_k, top_p, u)
-    return draw(logits_to_probs(logits, temperature, top_k, top_p), generator)
+        return _draw_from_candidates(logits, temperature, top_k, top_p, u, min_p)
+    return draw(logits_to_probs(logits, temperature, top_k, top_p, min_p), generator)
 
 
 def _from_candidates(logits: torch.Tensor, top_k: int | None) -> bool:
@@ -221,6 +234,7 @@ def _draw_from_candidates(
     top_k: int,
     top_p: float | None,
     uniforms: torch.Tensor,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """`draw` from `logits_to_probs` with a top-k, from each row's most likely ids alone: the
     other ids have no probability there, so the probabilities, the top-p and the running sum
@@ -253,6 +267,7 @@ def _draw_from_candidates(
             probs = torch.softmax(kept, dim=-1)
             if top_p is not None and top_p < 1.0:
                 probs = _kept(probs, top_p)
+            probs = _min_p(probs, min_p)
             order = ids[done].argsort(dim=-1)  # by id, as draw sums a row
             ids_done, probs = ids[done].gather(-1, order), probs.gather(-1, order)
             picked = draw(probs, uniforms=uniforms[rows[done]])
@@ -300,14 +315,38 @@ def flat_over_zeros(probs: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
 
 
 def apply_penalties(
-    logits: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    presence: float,
+    frequency: float,
+    repetition: float = 1.0,
+    in_prompt: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """OpenAI's presence and frequency penalties on logits (B, V): each logit minus ``frequency``
-    times its token's count so far, minus ``presence`` once if that count is not 0. ``counts``
-    (B, V) holds how often each token was generated in each row (the prompt does not count)."""
+    """The penalties on logits (B, V). First CTRL's ``repetition`` penalty (transformers',
+    vLLM's, llama.cpp's ``repeat_penalty`` over the whole sequence): the logit of each token in
+    the row's prompt (``in_prompt`` (B, V) bool, where given) or generated divided by
+    ``repetition`` where positive, multiplied where negative. Then OpenAI's: each logit minus
+    ``frequency`` times its token's count so far, minus ``presence`` once if that count is not
+    0. ``counts`` (B, V) holds how often each token was generated in each row (the prompt does
+    not count there)."""
+    if repetition != 1:
+        seen = counts > 0 if in_prompt is None else (counts > 0) | in_prompt
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalised, logits)
     if not presence and not frequency:
         return logits
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def prompt_tokens(
+    prompts: Sequence[Sequence[int]], vocab: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Which tokens each prompt holds, (B, V) bool on ``device``: `apply_penalties`'
+    ``in_prompt`` (the whole prompt, also where the model sees only its last context)."""
+    seen = torch.zeros(len(prompts), vocab, dtype=torch.bool)
+    for row, ids in enumerate(prompts):
+        seen[row, torch.as_tensor(list(ids), dtype=torch.long)] = True
+    return seen.to(device)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -330,6 +369,7 @@ def sample_rows(
     top_k: int | None,
     top_p: float | None,
     generators: Sequence[torch.Generator | None] | None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """`sample` for a batch (B, V) -> (B,) where each row may draw from its own generator (a
     row's None: torch's global one), so a seeded row's tokens never depend on the rows beside
@@ -337,11 +377,11 @@ def sample_rows(
     candidates': `_draw_from_candidates`), each row's uniform comes from its own generator
     (`row_uniforms`), and one `draw` picks every row's id. (None: one draw for the batch.)"""
     if generators is None or temperature == 0:
-        return sample(logits, temperature, top_k, top_p)
+        return sample(logits, temperature, top_k, top_p, min_p=min_p)
     uniforms = row_uniforms(generators, logits.device)
     if _from_candidates(logits, top_k):
-        return _draw_from_candidates(logits, temperature, top_k, top_p, uniforms)
-    return draw(logits_to_probs(logits, temperature, top_k, top_p), uniforms=uniforms)
+        return _draw_from_candidates(logits, temperature, top_k, top_p, uniforms, min_p)
+    return draw(logits_to_probs(logits, temperature, top_k, top_p, min_p), uniforms=uniforms)
 
 
 def row_uniforms(
@@ -394,13 +434,14 @@ def sample_on_device(
     top_p: float | None,
     seeds: torch.Tensor,
     draws: torch.Tensor,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """`sample` without a host sync, for a compiled step: logits (B, V) -> (B,), argmax at
     temperature 0, else the exponential race over `logits_to_probs`' probabilities with
     `counter_uniform`'s numbers for each row's ``seeds`` and ``draws`` (B,)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)  # (B, V)
+    probs = logits_to_probs(logits, temperature, top_k, top_p, min_p)  # (B, V)
     race = -torch.log(counter_uniform(seeds, draws, probs.size(-1)))  # (B, V) exponential(1)
     return (probs / race).argmax(dim=-1)  # a filtered token (p = 0) never wins
 
@@ -536,7 +577,7 @@ def generate_stream(
     delay.
     """
     cfg = sample_config(cfg, overrides, "generate_stream")
-    check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    check_sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
     if cfg.stop and streams is None:
         raise GptkilnError(
             "stop strings need the generated text: pass streams=[TextStream(tokenizer.decode, "
@@ -604,9 +645,11 @@ class _Steps:
         self.rows = B = self.idx.size(0)
         self.seeds = _row_seeds(cfg.seed, row_seeds, B)
         self.generators = _row_generators(self.seeds, self.device)
-        penalised = bool(cfg.presence_penalty or cfg.frequency_penalty)
         vocab = model.config.vocab_size
-        self.counts = torch.zeros(B, vocab, device=self.device) if penalised else None
+        self.counts = torch.zeros(B, vocab, device=self.device) if cfg.penalised else None
+        self.in_prompt = None  # the prompts' tokens, for the repetition penalty
+        if cfg.repetition_penalty != 1:
+            self.in_prompt = prompt_tokens(prompts, vocab, self.device)
         self.pos = self.idx.size(1)
         self.backend_step = None  # the prepared backend's decode-and-sample step
         self.next_token = None  # the token it chose for this step
@@ -628,9 +671,16 @@ class _Steps:
         cfg, logits = self.cfg, self.logits
         if self.counts is not None:
             logits = apply_penalties(
-                logits, self.counts, cfg.presence_penalty, cfg.frequency_penalty
+                logits,
+                self.counts,
+                cfg.presence_penalty,
+                cfg.frequency_penalty,
+                cfg.repetition_penalty,
+                self.in_prompt,
             )
-        return sample_rows(logits, cfg.temperature, cfg.top_k, cfg.top_p, self.generators)
+        return sample_rows(
+            logits, cfg.temperature, cfg.top_k, cfg.top_p, self.generators, cfg.min_p
+        )
 
     def count(self, token: torch.Tensor, finished: torch.Tensor) -> None:
         """Count ``token`` (B,) for the penalties in the rows that have not ended."""
@@ -643,7 +693,7 @@ class _Steps:
         plan = prepare(self.model, self.rows, self.cfg.max_new_tokens - 1)
         start = getattr(plan, "sampling_steps", None)
         if start is not None:
-            self.backend_step = start(self.cfg, self.seeds, self.counts, self.pos)
+            self.backend_step = start(self.cfg, self.seeds, self.counts, self.pos, self.in_prompt)
 
     def queue(self, token: torch.Tensor) -> None:
         """Queue the step that feeds ``token`` (B,): its logits, or the backend's next token."""

@@ -433,8 +433,11 @@ CHAT_SAMPLING_HELP = {
     "temperature": "0 = greedy (the book's), > 0 samples (default: 0)",
     "top_k": "sample from the k likeliest tokens, >= 1 (default: all)",
     "top_p": "nucleus sampling, in (0, 1] (default: off)",
+    "min_p": "drop the tokens less likely than P times the likeliest, in [0, 1] (default: off)",
     "stop": "end a response where this text appears, leaving it out; repeatable (the "
     "template's own turn ends stop it too) (default: none)",
+    "repetition_penalty": "divide the logit of each token of the conversation or the response "
+    "by X (multiply where negative), > 0; e.g. 1.1 (default: 1, off)",
     "presence_penalty": "lower a token's logit by X once it appeared in the response, in "
     "[-2, 2] (OpenAI's) (default: 0)",
     "frequency_penalty": "lower a token's logit by X for each time it appeared in the "

@@ -36,8 +36,12 @@ SAMPLING_HELP = {
     "top_k": "sample from the K most likely tokens only (>= 1) (default: all tokens)",
     "top_p": "sample from the fewest tokens whose probability reaches P, in (0, 1] "
     "(default: all tokens)",
+    "min_p": "drop the tokens less likely than P times the likeliest, in [0, 1] (e.g. 0.05) "
+    "(default: off)",
     "stop": "end a sample where this text appears, leaving it out; repeatable; a newline in "
     "bash: $'\\n' (default: none)",
+    "repetition_penalty": "divide the logit of each token of the prompt or the sample by X "
+    "(multiply where negative), > 0; e.g. 1.1 discourages repeats (default: 1, off)",
     "presence_penalty": "lower a token's logit by X once it appeared in the sample, in [-2, 2] "
     "(OpenAI's) (default: %(default)s)",
     "frequency_penalty": "lower a token's logit by X for each time it appeared in the sample, "

@@ -29,7 +29,13 @@ class SampleConfig:
     generated text (the text returned stops right before it). ``presence_penalty`` and
     ``frequency_penalty`` are OpenAI's: each logit is lowered by ``frequency_penalty`` times the
     number of times its token was generated so far, and by ``presence_penalty`` once if it was
-    generated at all (in [-2, 2]; negative values favour repeats).
+    generated at all (in [-2, 2]; negative values favour repeats). ``min_p`` drops the tokens
+    less likely than ``min_p`` times the likeliest (after temperature, top-k and top-p: Nguyen
+    et al. 2024, https://arxiv.org/abs/2407.01082; transformers' and llama.cpp's ``min_p``).
+    ``repetition_penalty`` is CTRL's (Keskar et al. 2019), as transformers, vLLM and llama.cpp
+    apply it: the logit of every token in the prompt or generated so far divided by it where
+    positive, multiplied where negative (> 0; 1 = off; above 1 discourages repeats), before
+    the presence and frequency penalties.
     """
 
     max_new_tokens: int = 100
@@ -41,10 +47,12 @@ class SampleConfig:
     stop: tuple[str, ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         _check_types(self, "sampling config")
-        check_sampling(self.temperature, self.top_k, self.top_p)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
         if self.seed is not None:
             _check_seed(self.seed)
         if self.max_new_tokens < 0:
@@ -57,6 +65,16 @@ class SampleConfig:
                 raise GptkilnError(
                     f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}"
                 )
+        if not 0 < self.repetition_penalty < math.inf:
+            raise GptkilnError(
+                "repetition_penalty must be a finite number > 0 (1 = off; e.g. 1.1 discourages "
+                f"repeats), got {self.repetition_penalty}"
+            )
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a token's logit depends on the tokens before it (a penalty is set)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
 
 
 def check_stop(stop: Any) -> tuple[str, ...]:
@@ -68,7 +86,9 @@ def check_stop(stop: Any) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+def check_sampling(
+    temperature: float, top_k: int | None, top_p: float | None, min_p: float | None = None
+) -> None:
     """Raise `GptkilnError` for sampling settings that have no meaning."""
     if not 0 <= temperature < math.inf:
         raise GptkilnError(
@@ -78,6 +98,8 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise GptkilnError(f"top_k must be >= 1 (or unset to keep all tokens), got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise GptkilnError(f"top_p must be in (0, 1] (1 keeps all tokens), got {top_p}")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise GptkilnError(f"min_p must be in [0, 1] (0 keeps all tokens; e.g. 0.05), got {min_p}")
 
 
 DEFAULT_SAMPLE_PROMPT = "ROMEO:"

@@ -339,9 +339,9 @@ class GptkilnLM(TemplateLM):
 def sample_config(gen_kwargs: dict, tokenizer, max_gen_toks: int):
     """A `SampleConfig` from a task's ``generation_kwargs`` (normalized as the harness's
     backends normalize them: ``until``, ``max_gen_toks`` or its aliases, ``do_sample``,
-    ``temperature``, ``top_k``, ``top_p``), its stop strings with the end-of-text text
-    among them as the ``hf`` backend adds it (``tokenizer``'s); ``max_gen_toks`` where the task
-    gives no length."""
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``), its stop
+    strings with the end-of-text text among them as the ``hf`` backend adds it
+    (``tokenizer``'s); ``max_gen_toks`` where the task gives no length."""
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
     from gptkiln.config import SampleConfig
@@ -355,19 +355,23 @@ def sample_config(gen_kwargs: dict, tokenizer, max_gen_toks: int):
     do_sample = kwargs.pop("do_sample", False)
     temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
     top_k, top_p = kwargs.pop("top_k", None) or None, kwargs.pop("top_p", None)  # HF: 0 = off
+    min_p = kwargs.pop("min_p", None) or None
+    repetition = float(kwargs.pop("repetition_penalty", 1.0))
     if kwargs.pop("num_beams", 1) != 1:
         raise GptkilnError("generation_kwargs num_beams: gptkiln has no beam search; use 1")
     if kwargs:
         raise GptkilnError(
             f"generation_kwargs {', '.join(sorted(kwargs))}: not a setting gptkiln's "
             "generation has (it takes until, max_gen_toks, do_sample, temperature, top_k, "
-            "top_p); remove it from the task or --gen_kwargs"
+            "top_p, min_p, repetition_penalty); remove it from the task or --gen_kwargs"
         )
     return SampleConfig(
         max_new_tokens=int(max_new),
         temperature=temperature if do_sample else 0.0,
         top_k=None if top_k is None else int(top_k),
         top_p=None if top_p is None else float(top_p),
+        min_p=None if min_p is None else float(min_p),
+        repetition_penalty=repetition,
         stop=tuple(s for s in until if s),
     )
 

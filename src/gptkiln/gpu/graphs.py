@@ -114,6 +114,7 @@ class GraphDecoder:
         steps: int,
         seeds: Sequence[int | None],
         counts: torch.Tensor | None,
+        in_prompt: torch.Tensor | None = None,
     ) -> Callable[[torch.Tensor, int], torch.Tensor]:
         """Take over the model's prefilled decoding of ``len(seeds)`` rows, the next token
         going to slot ``pos``, for at most ``steps`` steps: ``step(token, pos)`` feeds token (B,)
@@ -125,7 +126,7 @@ class GraphDecoder:
         state = self.state(*key)
         compiled = self.compiled(key, sampling)
         fresh = [int(torch.randint(0, 2**62, ())) if s is None else s for s in seeds]
-        state.load(self.model, pos, fresh, counts)
+        state.load(self.model, pos, fresh, counts, in_prompt)
         expected = pos
 
         def step(token: torch.Tensor, at: int) -> torch.Tensor:
@@ -161,13 +162,12 @@ class GraphPlan:
         seeds: Sequence[int | None],
         counts: torch.Tensor | None,
         pos: int,
+        in_prompt: torch.Tensor | None = None,
     ) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
         if self.steps < self.min_steps:
             return None
-        sampling = DeviceSampling(
-            cfg.temperature, cfg.top_k, cfg.top_p, cfg.presence_penalty, cfg.frequency_penalty
-        )
-        return self.decoder.start(sampling, pos, self.steps, seeds, counts)
+        sampling = DeviceSampling.of(cfg)
+        return self.decoder.start(sampling, pos, self.steps, seeds, counts, in_prompt)
 
 
 def graphs_for(model: GPT) -> Callable[..., GraphPlan | None] | None:

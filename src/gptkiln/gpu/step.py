@@ -58,18 +58,27 @@ class DeviceSampling:
     top_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def of(cls, cfg) -> DeviceSampling:
+        """The settings of a `SampleConfig`."""
+        return cls(**{f: getattr(cfg, f) for f in cls.__dataclass_fields__})
 
     @property
     def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty)
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1
+        )
 
 
 class StaticState(nn.Module):
     """Everything a compiled step of one bucket reads and writes, at fixed addresses (a CUDA
     graph replays on the same memory): ``rows`` x ``cache_len`` static `KVCache`\\ s, one a
-    layer, and each row's token to feed, cache slot, left padding, seed and token counts (for
-    penalties). Rows past a decoding's own are filler: every op of the step is row by row, so
-    they never reach the real rows."""
+    layer, and each row's token to feed, cache slot, left padding, seed, token counts and
+    prompt's tokens (for penalties). Rows past a decoding's own are filler: every op of the
+    step is row by row, so they never reach the real rows."""
 
     def __init__(self, model: GPT, rows: int, cache_len: int, dtype: torch.dtype, device):
         super().__init__()
@@ -84,6 +93,7 @@ class StaticState(nn.Module):
             ("pads", (rows,), torch.int64),
             ("seeds", (rows,), torch.int64),
             ("counts", (rows, c.vocab_size), torch.float32),
+            ("in_prompt", (rows, c.vocab_size), torch.bool),
         ):
             self.register_buffer(name, torch.zeros(shape, dtype=kind, device=device), False)
         for tensor in self.buffers():  # a graph may keep their addresses (no copy a replay)
@@ -112,11 +122,13 @@ class StaticState(nn.Module):
         pos: int,
         seeds: list[int],
         counts: torch.Tensor | None,
+        in_prompt: torch.Tensor | None = None,
     ) -> None:
         """Take over a decoding whose prompt the model prefilled into its own cache (B rows, the
         first ``pos`` slots), the next token going to slot ``pos``: its keys and values copied
-        into rows 0..B-1, its padding, ``seeds`` (B ints) and ``counts`` (B, V) or zeros; then
-        the model's attention layers use these caches (until `GPT.clear_cache`)."""
+        into rows 0..B-1, its padding, ``seeds`` (B ints), ``counts`` (B, V) and ``in_prompt``
+        (B, V) or zeros; then the model's attention layers use these caches (until
+        `GPT.clear_cache`)."""
         own = model.h[0].attn.kv_cache
         B = own.k.size(0)
         for block, cache in zip(model.h, self.caches):
@@ -133,6 +145,9 @@ class StaticState(nn.Module):
         self.counts.zero_()
         if counts is not None:
             self.counts[:B].copy_(counts)
+        self.in_prompt.zero_()
+        if in_prompt is not None:
+            self.in_prompt[:B].copy_(in_prompt)
 
 
 def graph_step(model: GPT, state: StaticState, sampling: DeviceSampling) -> torch.Tensor:
@@ -141,11 +156,22 @@ def graph_step(model: GPT, state: StaticState, sampling: DeviceSampling) -> torc
     logits = decode_static(model, state.token, state.slots, state.pads)  # (b, V)
     if sampling.penalised:
         logits = apply_penalties(
-            logits, state.counts, sampling.presence_penalty, sampling.frequency_penalty
+            logits,
+            state.counts,
+            sampling.presence_penalty,
+            sampling.frequency_penalty,
+            sampling.repetition_penalty,
+            state.in_prompt,
         )
     draws = state.slots - state.pads + 1  # the new token's position: the same in any batch
     token = sample_on_device(
-        logits, sampling.temperature, sampling.top_k, sampling.top_p, state.seeds, draws
+        logits,
+        sampling.temperature,
+        sampling.top_k,
+        sampling.top_p,
+        state.seeds,
+        draws,
+        sampling.min_p,
     )
     state.slots.add_(1)
     if sampling.penalised:

@@ -45,7 +45,7 @@ from gptkiln.cpu import prepare_for_decoding
 from gptkiln.errors import GptkilnError
 from gptkiln.gpu import row_graphs_for
 from gptkiln.model import GPT
-from gptkiln.sampling import decoding
+from gptkiln.sampling import decoding, prompt_tokens
 from gptkiln.serve.choosing import Chooser, Chosen, Slot
 from gptkiln.serve.events import Done, Failed, Sequence, Token
 from gptkiln.serve.prefill import Ready, keep_prefixes, prefill
@@ -212,10 +212,14 @@ class Batcher:
         generator = None
         if cfg.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        counts = None
-        if cfg.presence_penalty or cfg.frequency_penalty:
-            counts = torch.zeros(1, self.model.config.vocab_size, device=self.device)
-        return Slot(row, seq, TextStream(self.tokenizer.decode, cfg.stop, end), generator, counts)
+        counts = in_prompt = None
+        vocab = self.model.config.vocab_size
+        if cfg.penalised:
+            counts = torch.zeros(1, vocab, device=self.device)
+        if cfg.repetition_penalty != 1:
+            in_prompt = prompt_tokens([seq.prompt], vocab, self.device)
+        stream = TextStream(self.tokenizer.decode, cfg.stop, end)
+        return Slot(row, seq, stream, generator, counts, in_prompt)
 
     def _deliver(self, events: Chosen) -> None:
         now = time.perf_counter()

@@ -7,7 +7,7 @@ that row's logits with that row's own generator, and its text from a `TextStream
 `generate_stream` does for a batch of one: what a request gets does not depend on what else is
 in the batch. A row with a grammar (`constrain.Constraint`) has its logits masked to what the
 grammar allows first; the mask is the row's own. The rows that sample alike (one temperature,
-top-k and top-p) are drawn in one call, each from its own logits so prepared and a seeded one
+top-k, top-p and min-p) are drawn in one call, each from its own logits so prepared and a seeded one
 with its own generator's uniform (`Chooser._sampled_together`): the same tokens, one read of
 them a group.
 """
@@ -37,6 +37,7 @@ class Slot:
     stream: TextStream
     generator: torch.Generator | None
     counts: torch.Tensor | None  # (1, V) tokens generated so far, for the penalties
+    in_prompt: torch.Tensor | None = None  # (1, V) the prompt's tokens, for repetition_penalty
     pos: int = 0  # tokens in the cache
     token: int = 0  # the last token chosen, fed at the next decode step
     generated: int = 0
@@ -91,8 +92,8 @@ class Chooser:
         self, rows: list[tuple[Slot, torch.Tensor]], masks: dict[int, torch.Tensor]
     ) -> dict[int, int]:
         """The next tokens of the rows that sample alike, by row: the rows grouped by their
-        temperature, top-k and top-p, each group drawn in one `sample_rows` call and read once,
-        where `draws_together` says so (one wait for the device a group, not one a row). Each
+        temperature, top-k, top-p and min-p, each group drawn in one `sample_rows` call and read
+        once, where `draws_together` says so (one wait for the device a group, not one a row). Each
         row draws from its own logits' distribution, as alone: its penalties and its grammar's
         mask (``masks``, filled by `_masks`) applied to its own row, a seeded row's uniform from
         its own generator (`sampling.row_uniforms`).
@@ -104,10 +105,10 @@ class Chooser:
         for slot, logits in rows:
             cfg = slot.seq.cfg
             if slot.seq.constraint is None or slot.row in masks:
-                key = (cfg.temperature, cfg.top_k, cfg.top_p)
+                key = (cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
                 groups.setdefault(key, []).append((slot, logits))
         chosen: dict[int, int] = {}
-        for (temperature, top_k, top_p), group in groups.items():
+        for (temperature, top_k, top_p, min_p), group in groups.items():
             if len(group) < 2 or not draws_together(self.device, temperature):
                 continue
             slots = [slot for slot, _ in group]
@@ -117,7 +118,8 @@ class Chooser:
             states = [g.get_state() for g in seeded]
             try:
                 logits = self._chosen_logits(group, masks)
-                tokens = sample_rows(logits, temperature, top_k, top_p, generators).tolist()
+                tokens = sample_rows(logits, temperature, top_k, top_p, generators, min_p)
+                tokens = tokens.tolist()
             except Exception:  # each row alone, its generator where it was
                 for g, state in zip(seeded, states):
                     g.set_state(state)
@@ -146,7 +148,10 @@ class Chooser:
         cfg, seq = slot.seq.cfg, slot.seq
         if slot.counts is not None:
             presence, frequency = cfg.presence_penalty, cfg.frequency_penalty
-            logits = apply_penalties(logits, slot.counts, presence, frequency)
+            repetition = cfg.repetition_penalty
+            logits = apply_penalties(
+                logits, slot.counts, presence, frequency, repetition, slot.in_prompt
+            )
         if seq.constraint is not None:
             if mask is None:
                 mask = torch.full((1, self._mask_words()), -1, dtype=torch.int32)
@@ -183,7 +188,9 @@ class Chooser:
         if token is None:
             chosen = self._row_logits(slot, logits, mask)
             generators = None if slot.generator is None else [slot.generator]
-            sampled = sample_rows(chosen, cfg.temperature, cfg.top_k, cfg.top_p, generators)
+            sampled = sample_rows(
+                chosen, cfg.temperature, cfg.top_k, cfg.top_p, generators, cfg.min_p
+            )
             token = int(sampled[0])
         if slot.counts is not None:
             slot.counts[0, token] += 1

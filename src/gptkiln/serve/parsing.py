@@ -195,6 +195,8 @@ def sample_config(
             stop=tuple(dict.fromkeys([*stop, *extra_stop])),
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
+            min_p=req.min_p or None,
+            repetition_penalty=req.repetition_penalty,
         )
     except GptkilnError as e:
         raise OpenAIError(400, str(e)) from None

@@ -116,7 +116,8 @@ class ResponseFormat(Request):
 
 
 class CompletionRequest(Request):
-    """``POST /v1/completions``: OpenAI's fields, their defaults and ranges; ``top_k`` added."""
+    """``POST /v1/completions``: OpenAI's fields, their defaults and ranges; vLLM's ``top_k``,
+    ``min_p`` and ``repetition_penalty`` added."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -130,6 +131,8 @@ class CompletionRequest(Request):
     stop: str | list[str] | None = None
     presence_penalty: float = _finite(0.0, -2.0, 2.0)
     frequency_penalty: float = _finite(0.0, -2.0, 2.0)
+    min_p: float = _finite(0.0, 0.0, 1.0)
+    repetition_penalty: float = _finite(1.0, 0.0, 100.0, gt=True)
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     echo: bool = False
@@ -235,7 +238,8 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(Request):
-    """``POST /v1/chat/completions``: OpenAI's fields for text chat, ``top_k`` added. Without
+    """``POST /v1/chat/completions``: OpenAI's fields for text chat, vLLM's ``top_k``,
+    ``min_p`` and ``repetition_penalty`` added. Without
     ``max_tokens`` (or its newer name ``max_completion_tokens``) the answer may fill the
     context, as OpenAI's does."""
 
@@ -252,6 +256,8 @@ class ChatCompletionRequest(Request):
     stop: str | list[str] | None = None
     presence_penalty: float = _finite(0.0, -2.0, 2.0)
     frequency_penalty: float = _finite(0.0, -2.0, 2.0)
+    min_p: float = _finite(0.0, 0.0, 1.0)
+    repetition_penalty: float = _finite(1.0, 0.0, 100.0, gt=True)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -302,6 +308,8 @@ FIELD_KINDS = {
     "stop": f"a string or a list of up to {MAX_STOP_STRINGS} strings",
     "presence_penalty": "a number in [-2, 2]",
     "frequency_penalty": "a number in [-2, 2]",
+    "min_p": "a number in [0, 1] (0 = off)",
+    "repetition_penalty": "a number in (0, 100] (1 = off)",
     "n": f"a whole number in [1, {MAX_N}]",
     "best_of": f"a whole number in [1, {MAX_N}] equal to n",
     "echo": "true or false",
@@ -370,6 +378,8 @@ CHAT_FIELD_KINDS = {
             "stop",
             "presence_penalty",
             "frequency_penalty",
+            "min_p",
+            "repetition_penalty",
             "n",
             "stream",
             "stream_options",
