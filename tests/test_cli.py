@@ -76,6 +76,23 @@ def sha(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def test_prepare_over_other_prepared_data_says_what_it_replaced(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello world, more text here\n" * 3)
+    (tmp_path / "b.txt").write_text("other words entirely\n" * 3)
+    out = tmp_path / "prepared"
+    base = ["--tokenizer", "char", "--out", out, "--quiet"]
+    code, _, err = cli("prepare", tmp_path / "a.txt", *base, capsys=capsys)
+    assert code == 0 and err == ""
+    code, _, err = cli("prepare", tmp_path / "a.txt", *base, capsys=capsys)
+    assert code == 0 and err == ""  # the same data again: nothing to say
+    code, out_text, err = cli("prepare", tmp_path / "b.txt", *base, capsys=capsys)
+    assert code == 0 and "b.txt" not in out_text
+    assert (
+        err.startswith(f"note: {out} held prepared data of ")
+        and "a.txt (char tokenizer, 75 train tokens), now replaced" in err
+    )
+
+
 def test_bad_sources_through_prepare(tmp_path, capsys):
     out = tmp_path / "prepared"
     code, _, err = cli("prepare", tmp_path / "missing.txt", "--out", out, capsys=capsys)

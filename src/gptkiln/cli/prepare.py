@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gptkiln.cli.common import add_out_flag, add_quiet_flag, example
+from gptkiln.cli.common import add_out_flag, add_quiet_flag, example, note
 from gptkiln.config import TrainConfig
 from gptkiln.errors import GptkilnError
 
@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> None:
             "give a SOURCE to prepare (a file, a folder, hf:NAME, a .yaml "
             "mixture or shakespeare), or several with --mix SOURCE:WEIGHT ..."
         )
+    before = _prepared_before(args.out)
     meta = prepare(
         args.source,
         args.out,
@@ -98,3 +99,22 @@ def run(args: argparse.Namespace) -> None:
         f"wrote {args.out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
         f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,})"
     )
+    same = ("source", "checksums", "tokenizer_spec", "val_fraction", "train_tokens")
+    if before is not None and any(before.get(k) != meta.get(k) for k in same):
+        note(
+            f"{args.out} held prepared data of {before.get('source')} "
+            f"({before.get('tokenizer_spec')} tokenizer, {before.get('train_tokens', 0):,} train "
+            "tokens), now replaced; a run trained on it notes the change when it resumes"
+        )
+
+
+def _prepared_before(out: str) -> dict | None:
+    """The meta.json of prepared data already in ``out`` (None: none, or unreadable)."""
+    import json
+    from pathlib import Path
+
+    try:
+        meta = json.loads((Path(out) / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
