@@ -263,6 +263,29 @@ def test_a_bpe_prepare_counts_and_trains_in_one_read(tmp_path, monkeypatch):
     assert meta["train_characters"] + meta["val_characters"] == len(text)
 
 
+def test_a_bpe_learns_from_the_first_bytes_of_the_text_and_says_so(tmp_path, capsys):
+    """`prepare`'s BPE sample: the trainer reads only the first ``bpe_sample_bytes`` (a word
+    that is only past them gets no merge), while the split and the encoding read everything;
+    meta.json records what the BPE took, and a note says where that was not all."""
+    from gptkiln.data import load_prepared
+
+    first = "".join(f"alpha beta gamma {i}\n" for i in range(300))
+    later = "zyxwvuts qponmlk " * 400
+    source = tmp_path / "t.txt"
+    source.write_text(first + later)
+    meta = prepare(source, tmp_path / "cut", "bpe:400", progress=False, bpe_sample_bytes=3000)
+    assert meta["bpe_sample_bytes"] == 3000 and meta["characters"] == len(first + later)
+    assert "learned from the first 3,000 bytes of" in capsys.readouterr().err
+    cut = load_prepared(tmp_path / "cut").tokenizer
+    whole = prepare(source, tmp_path / "whole", "bpe:400", progress=False, bpe_sample_bytes=None)
+    assert whole["bpe_sample_bytes"] == len(first + later) and capsys.readouterr().err == ""
+    tok = load_prepared(tmp_path / "whole").tokenizer
+    assert len(tok.encode(" zyxwvuts")) == 1 and len(cut.encode(" zyxwvuts")) > 3
+    assert len(cut.encode(" gamma")) == 1  # learned from what it read
+    with pytest.raises(GptkilnError, match="bpe_sample_bytes 0"):
+        prepare(source, tmp_path / "x", "bpe:400", progress=False, bpe_sample_bytes=0)
+
+
 # -------------------------------------------------------------------------------- bad input
 
 

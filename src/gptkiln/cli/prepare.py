@@ -6,6 +6,7 @@ import argparse
 
 from gptkiln.cli.common import add_out_flag, add_quiet_flag, example, note
 from gptkiln.config import TrainConfig
+from gptkiln.config.run import BPE_SAMPLE_BYTES
 from gptkiln.errors import GptkilnError
 
 
@@ -32,6 +33,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="gpt2 (OpenAI's BPE) | char | bpe:N (a byte-level BPE of N ids trained on the "
         "text; bpe alone: 8192) | a directory with a saved tokenizer (a run, prepared data) "
         "(default: %(default)s, as train's)",
+    )
+    p.add_argument(
+        "--bpe-sample-mb",
+        type=int,
+        default=BPE_SAMPLE_BYTES >> 20,
+        metavar="N",
+        help="a bpe tokenizer learns from the first N MiB of the text, which bounds the "
+        "trainer's memory (about 100 times the text for Chinese or Japanese, a few times for "
+        "English); 0: the whole text (default: %(default)s)",
     )
     add_out_flag(p)
     p.add_argument(
@@ -78,6 +88,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     from gptkiln.data.prepare import prepare
 
+    if args.bpe_sample_mb < 0:
+        raise GptkilnError(
+            f"--bpe-sample-mb {args.bpe_sample_mb}: the MiB of text a BPE learns from, >= 0 "
+            "(0: the whole text)"
+        )
     if args.source is None and not args.mix:
         raise GptkilnError(
             "give a SOURCE to prepare (a file, a folder, hf:NAME, a .yaml "
@@ -94,6 +109,7 @@ def run(args: argparse.Namespace) -> None:
         seed=args.seed,
         progress=not args.quiet,
         threads=args.threads,
+        bpe_sample_bytes=args.bpe_sample_mb << 20 if args.bpe_sample_mb else None,
     )
     print(
         f"wrote {args.out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "

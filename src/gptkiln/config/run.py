@@ -108,6 +108,14 @@ is unset (on other text, samples start from end-of-text)."""
 DEFAULT_TOKENIZER = "bpe:16384"
 """What ``train``, ``gptkiln prepare`` and `gptkiln.data.prepare` tokenize text with, unsaid: a
 BPE trained on the corpus (``gpt2`` for GPT-2's weights and export)."""
+BPE_SAMPLE_BYTES = 32 << 20
+"""The most text, in UTF-8 bytes, a ``bpe`` tokenizer is trained on: the first this many of
+the source (or of a mixture's draw). Hugging Face's trainer holds about 100 times the bytes of
+text whose pre-tokenized words rarely repeat (Chinese or Japanese, where a run of characters
+up to a punctuation mark is one word: 2.1 GB for 20 MB of Chinese text on a 2-core EPYC),
+against a few times them for English; 32 MiB of Chinese then needs about 3.5 GB, and 32 MiB of
+English is millions of words, ample for 32k merges. ``prepare(bpe_sample_bytes=None)`` trains
+on the whole text."""
 VOCAB_MULTIPLE = 64
 """What a new run on CUDA rounds its model's vocabulary up to a multiple of (``--pad-vocab``'s
 default there; nanoGPT's 50,304 for GPT-2's 50,257): the head's matmul in whole tensor-core

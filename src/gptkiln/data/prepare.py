@@ -10,7 +10,9 @@ one document this is exactly the book's ``text[:split_idx]`` / ``text[split_idx:
 ``split_idx = int(train_ratio * len(text))``, each tokenized on its own.
 
 Memory stays flat on any corpus size: the source is read in pieces (one pass to count
-characters, plus one to train a ``char``/``bpe`` tokenizer), pieces are encoded in batches of
+characters, plus one to train a ``char``/``bpe`` tokenizer; a BPE learns from the first
+`BPE_SAMPLE_BYTES` of the text, as sentencepiece's ``input_sentence_size`` and nanochat's
+``max_chars`` bound their trainers' input), pieces are encoded in batches of
 about :data:`BATCH_CHARS` characters by the tokenizer's parallel batch encoder, and the ids are
 appended to the files as they come. Everything is written to a hidden staging folder and moved
 into place at the end, ``meta.json`` last, so a failed run never leaves a half dataset under the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gptkiln.config.run import DEFAULT_TOKENIZER
+from gptkiln.config.run import BPE_SAMPLE_BYTES, DEFAULT_TOKENIZER
 from gptkiln.data.encoding import encoded_batches
 from gptkiln.data.mixture import (
     Mixture,
@@ -127,9 +130,15 @@ def _kind_to_build(spec) -> str | None:
     return parse_tokenizer_spec(spec)[0]
 
 
-def _make_tokenizer(spec, texts: Callable[[], Iterable[str]], survey: _Survey | None) -> Tokenizer:
+def _make_tokenizer(
+    spec,
+    texts: Callable[[], Iterable[str]],
+    survey: _Survey | None,
+    sample: _Sample | None = None,
+) -> Tokenizer:
     """The tokenizer named by ``spec``: given, loaded from a folder, or built from the text
-    (``texts()``, read again to train a BPE; ``survey``, the characters, for ``char``)."""
+    (``texts()``, read again to train a BPE on the first of it: ``sample``, which counts what
+    it took; ``survey``, the characters, for ``char``)."""
     if isinstance(spec, Tokenizer):
         return spec
     if _kind_to_build(spec) is None:
@@ -139,7 +148,30 @@ def _make_tokenizer(spec, texts: Callable[[], Iterable[str]], survey: _Survey | 
         return GPT2Tokenizer()
     if kind == "char":
         return CharTokenizer(sorted(map(chr, survey.code_points)), with_eot=survey.documents > 1)
-    return train_bpe_tokenizer(texts(), vocab_size)
+    sample = sample or _Sample(None)
+    return train_bpe_tokenizer(sample.first(texts()), vocab_size)
+
+
+@dataclass
+class _Sample:
+    """The text a BPE is trained on: the first ``limit`` UTF-8 bytes of a stream of texts (None:
+    all of it), the last text cut at a character; ``taken`` counts the bytes given out."""
+
+    limit: int | None
+    taken: int = 0
+    full: bool = False  # whether the limit cut the text short
+
+    def first(self, texts: Iterable[str]) -> Iterator[str]:
+        for text in texts:
+            size = _utf8_len(text)
+            if self.limit is not None and self.taken + size > self.limit:
+                text = text.encode("utf-8")[: self.limit - self.taken].decode("utf-8", "ignore")
+                size, self.full = _utf8_len(text), True
+            self.taken += size
+            if text:
+                yield text
+            if self.full:
+                return
 
 
 def _assign_splits(pieces: Iterable[tuple[bool, str]], split_at: int) -> Iterator[tuple]:
@@ -251,6 +283,7 @@ def prepare(
     batch_chars: int = BATCH_CHARS,
     threads: int | None = None,
     tokenizer_spec: str | None = None,
+    bpe_sample_bytes: int | None = BPE_SAMPLE_BYTES,
 ) -> dict:
     """Tokenize ``source`` into ``out_dir``: ``train.bin``, ``val.bin``, ``meta.json``, tokenizer.
 
@@ -276,6 +309,10 @@ def prepare(
         tokenizer_spec: what ``meta.json`` records as asked for (a later run reuses data of
             its spec); default ``tokenizer`` when it is a name. For a :class:`Tokenizer`, the
             spec it was made from (a resumed run's own tokenizer: its ``bpe:N``).
+        bpe_sample_bytes: a ``bpe`` tokenizer learns from the first this many UTF-8 bytes of
+            the text (`BPE_SAMPLE_BYTES`; None: all of it), which bounds the trainer's memory;
+            ``meta.json`` records what it took (``bpe_sample_bytes``), and a note on stderr
+            says so where that was not the whole text.
 
     Returns:
         The contents of ``meta.json``.
@@ -290,6 +327,14 @@ def prepare(
         raise GptkilnError(f"seed {seed!r}: a mixture's seed is a whole number in [0, 2**63)")
     if not isinstance(text_field, str) or not text_field:
         raise GptkilnError(f"text_field {text_field!r}: name the field that holds the text")
+    if bpe_sample_bytes is not None and (
+        isinstance(bpe_sample_bytes, bool) or not isinstance(bpe_sample_bytes, int)
+        or bpe_sample_bytes < 1
+    ):  # fmt: skip
+        raise GptkilnError(
+            f"bpe_sample_bytes {bpe_sample_bytes!r}: the bytes of text a BPE learns from, a "
+            "whole number >= 1 (None: all of it)"
+        )
     mixture = _mixture_of(source, mix, text_field)
     if mixture is not None:
         mixture.check()
@@ -298,6 +343,7 @@ def prepare(
     _check_out_dir(Path(out_dir), source)
     _kind_to_build(tokenizer)  # an unknown tokenizer name fails before any reading
     run = _Run(source, mixture, text_field, seed, min(PIECE_CHARS, batch_chars))
+    run.sample = _Sample(bpe_sample_bytes)
     tok = run.tokenizer(tokenizer, progress)
     out_dir = Path(out_dir)
     made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # the folders made here
@@ -372,6 +418,7 @@ class _Run:
     seed: int
     piece_chars: int
     survey: _Survey | None = None
+    sample: _Sample | None = None  # what a BPE is trained on (`_Sample`)
 
     def pieces(self) -> Iterator[tuple[bool, str]]:
         """A single source's pieces."""
@@ -402,10 +449,18 @@ class _Run:
             # each member's next documents are encoded ahead of the draw (`write_mixture`)
             pieces = self.pieces() if self.mixture is None else self._every_members_text()
             self.survey = _survey(pieces, want_charset=want_charset, progress=progress)
-        tok = _make_tokenizer(spec, texts, self.survey)
+        tok = _make_tokenizer(spec, texts, self.survey, self.sample)
         if self.mixture is None and kind == "bpe":
-            for _ in counted:  # the trainer reads to the end; the split needs every character
+            for _ in counted:  # the split needs every character, past what the trainer read
                 pass
+        if kind == "bpe" and self.sample is not None and self.sample.full:
+            whole = "" if self.survey is None else f" of {self.survey.utf8_bytes:,}"
+            print(
+                f"note: the BPE learned from the first {self.sample.taken:,} bytes{whole} of "
+                f"{self.name}'s text (a sample bounds the trainer's memory); gptkiln prepare "
+                "--bpe-sample-mb N takes more",
+                file=sys.stderr,
+            )
         documents = 2 if self.mixture is not None else self.survey.documents
         if documents > 1 and tok.eot_id is None:
             what = f"has {documents} documents" if self.mixture is None else "is a mixture"
@@ -476,6 +531,8 @@ def _write_dataset(
         "characters": characters,
         **extra,
     }
+    if run.sample is not None and run.sample.taken:  # a BPE trained here: on what
+        meta["bpe_sample_bytes"] = run.sample.taken
     tok.save(staging)
     (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta
