@@ -349,3 +349,76 @@ def test_a_run_saved_with_a_setting_its_task_never_read_still_resumes(work, tmp_
     path.write_text(json.dumps(saved))
     result = finetune(ft, quick(ft, tmp_path / "run", max_steps=2), resume=True)
     assert result.steps == 2
+
+
+def test_a_prompt_template_example_begins_as_its_prompt_is_encoded_to_generate(tmp_path):
+    """On a tokenizer that begins every text with an id (Llama 3's BOS), an instruction
+    example (`encode_entries`) and a conversation in a prompt template (`ConversationEncoder`,
+    --task chat or dpo on an instruction-tuned run) begin with it, untrained, as `generate`,
+    `chat` and `serve` encode the prompt; with --mask-prompt the prompt's length counts it."""
+    from gptkiln.finetune.instruct import encode_entries
+    from gptkiln.finetune.templates import format_prompt, load_template
+    from gptkiln.tokenizers import encode_prompt
+
+    tokenizer = load_tokenizer(write_llama3_dir(tmp_path / "llama"))
+    bos = tokenizer.encode("")[0]
+    template = load_template("alpaca")
+    entry = {"instruction": "Name a colour.", "input": "", "output": "Red."}
+    ft = FinetuneConfig(base="b", data="d.json", mask_prompt=True)
+    (ids,), (prompt_len,) = encode_entries(ft, tokenizer, template, [entry])
+    prompt = encode_prompt(tokenizer, format_prompt(template, entry["instruction"]))
+    assert ids[0] == bos and ids[: len(prompt)] == prompt and prompt_len == len(prompt)
+    assert tokenizer.decode(ids[prompt_len:]) == "Red."
+    messages = [{"role": "user", "content": "Name a colour."}]
+    example = ConversationEncoder(template, tokenizer).encode(
+        [*messages, {"role": "assistant", "content": "Red."}]
+    )
+    assert example.ids[: len(prompt)] == prompt and not any(example.trained[: len(prompt)])
+    gpt2 = load_tokenizer("gpt2")  # none: its texts begin with their own ids
+    (plain,), _ = encode_entries(ft, gpt2, template, [entry])
+    assert plain == gpt2.encode(format_prompt(template, entry["instruction"]) + "Red.")
+
+
+def test_a_base_model_whose_eos_is_not_its_templates_turn_end_is_chat_tuned_to_that_end(
+    tmp_path, capsys
+):
+    """Qwen3-Base's tokenizer names ``<|endoftext|>`` its EOS while its template ends turns
+    with ``<|im_end|>``: a chat fine-tuning trains each answer to end with ``<|im_end|>`` (as
+    transformers' template writes it) and the run stops there (its generation config's
+    eos_token_id gains it, as TRL's ``eos_token`` does); the base itself is unchanged."""
+    directory = write_qwen3_dir(tmp_path / "tokenizer", template=QWEN3)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({**config, "eos_token": "<|endoftext|>"})
+    )
+    base_tokenizer = load_tokenizer(directory)
+    specials, im_end = base_tokenizer.special_ids, base_tokenizer.encode_templated("<|im_end|>")[0]
+    for name in ("generation_config.json", "config.json"):  # their EOS: <|endoftext|> alone
+        (directory / name).write_text(json.dumps({"eos_token_id": base_tokenizer.eot_id}))
+    base_tokenizer = load_tokenizer(directory)
+    assert im_end not in base_tokenizer.stop_ids and im_end in specials
+    torch.manual_seed(0)
+    config = GPTConfig.from_name("qwen3-baby", vocab_size=base_tokenizer.vocab_size, n_layer=2)
+    save_model(GPT(config), tmp_path / "base", tokenizer=base_tokenizer)
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations(40))
+    ft = FinetuneConfig(base=str(tmp_path / "base"), data=str(data), task="chat")
+    encoder = ConversationEncoder(load_chat_template(directory), base_tokenizer)
+    example = encoder.encode(MULTI_TURN)
+    trained = base_tokenizer.decode([i for i, t in zip(example.ids, example.trained) if t])
+    assert trained.endswith("It is 8.<|im_end|>") and "<|endoftext|>" not in trained
+    finetune(ft, quick(ft, tmp_path / "chat", max_steps=2, eval_interval=2))
+    assert "ends each turn with '<|im_end|>', not the tokenizer's EOS" in capsys.readouterr().err
+    run_tokenizer = load_tokenizer(tmp_path / "chat")
+    assert run_tokenizer.stop_ids == (base_tokenizer.eot_id, im_end)
+    assert load_tokenizer(tmp_path / "base").stop_ids == (base_tokenizer.eot_id,)
+
+
+def test_a_conversation_the_template_cannot_split_is_named_by_its_line(work, tmp_path, capsys):
+    records = conversations(5)
+    records[3]["messages"].insert(3, {"role": "assistant", "content": "And again."})  # 2 in a row
+    data = write_jsonl(tmp_path / "two.jsonl", records)
+    code, _, err = cli(
+        "finetune", work / "base", "--task", "chat", "--data", data, "--show-examples", "1",
+        capsys=capsys,
+    )  # fmt: skip
+    assert_one_line_error(code, err, f"{data} line 4: ", "assistant turn")

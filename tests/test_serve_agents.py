@@ -774,3 +774,32 @@ def test_a_tool_round_trip_on_a_chat_fine_tuned_run_with_the_real_qwen3_template
         r = client.chat.completions.create(**ask(messages=history, tools=[WEATHER]))
     assert r.choices[0].message.role == "assistant" and r.usage.prompt_tokens > asked
     assert r.choices[0].finish_reason in ("stop", "length"), r.choices[0].message
+
+
+def test_a_chat_answer_leaves_the_templates_markers_out_of_its_text(tmp_path):
+    """A model that writes nothing but ``<|im_start|>``: the chat answer's text (the server's,
+    and ``gptkiln chat``'s) leaves the marker out, as vLLM's does (skip_special_tokens), and
+    counts its tokens; a completion, raw text as ``gptkiln generate`` gives it, shows them."""
+    from gptkiln.chat import Chat
+    from gptkiln.config import SampleConfig
+
+    hf_dir = write_qwen3_dir(tmp_path / "tokenizer", template=QWEN3_TOOLS_TEMPLATE)
+    tokenizer = load_tokenizer(hf_dir)
+    marker = tokenizer.encode_templated("<|im_start|>")[0]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=256))
+    with torch.no_grad():  # every logit 0 but the marker's: the final norm's bias summed
+        model.ln_f.bias.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[marker] = 1.0
+    run = save_model(model, tmp_path / NAME, tokenizer=tokenizer)
+    chat = Chat(run, SampleConfig(max_new_tokens=5, temperature=0))
+    assert "".join(chat.reply("Who is it?")) == ""
+    with ServerThread(served(run)) as url:
+        body = ask(messages=USER, max_tokens=5)
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        assert r["choices"][0]["message"]["content"] == "" and r["usage"]["completion_tokens"] == 5
+        prompt = load_chat_template(hf_dir).render(USER)
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 5, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert r["choices"][0]["text"] == "<|im_start|>" * 5

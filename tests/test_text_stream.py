@@ -129,3 +129,27 @@ def test_a_text_streams_work_a_token_does_not_grow_with_its_text():
     decoded.clear()
     streamed(lambda i: tok.decode(i), ids[:300])  # a plain function: decoded whole
     assert max(decoded) == 300
+
+
+def test_skip_special_tokens_leaves_a_templates_markers_out_of_the_text_not_the_ids(tmp_path):
+    """With a tokenizer's `special_ids` hidden, a chat model's stray ``<|im_start|>`` is not
+    text (vLLM's and transformers' skip_special_tokens), its id is kept, a character around it
+    stays whole, and a stop string that is a hidden token's own text still ends the stream."""
+    from hf_tokenizer_dirs import write_qwen3_dir
+
+    from gptkiln.text_stream import TextStream, hidden_ids
+    from gptkiln.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(write_qwen3_dir(tmp_path / "qwen"))
+    start = tok.encode_templated("<|im_start|>")
+    assert len(start) == 1 and start[0] in tok.special_ids and tok.eot_id in tok.special_ids
+    ids = tok.encode("Hi é") + start + tok.encode("there")
+    hidden = hidden_ids(tok, True)
+    stream = TextStream(tok.decode, (), tok.stop_ids, hidden)
+    text = "".join(stream.push(t) for t in ids) + stream.flush()
+    assert text == "Hi éthere" and stream.ids == ids
+    shown = TextStream(tok.decode, (), tok.stop_ids, hidden_ids(tok, False))
+    assert "".join(shown.push(t) for t in ids) + shown.flush() == "Hi é<|im_start|>there"
+    stopped = TextStream(tok.decode, ("<|im_start|>",), tok.stop_ids, hidden)
+    assert "".join(stopped.push(t) for t in ids) == "Hi é" and stopped.done
+    assert hidden_ids(load_tokenizer("gpt2"), True) == {50256}

@@ -20,6 +20,7 @@ import torch
 from gptkiln.config import SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
+from gptkiln.tokenizers import leading_ids
 
 
 def stream_text(
@@ -95,7 +96,7 @@ def stream_from_model(
     fine-tuning samples all read. ``templated``: ``prompt`` was rendered by the model's chat
     template (`gptkiln.tokenizers.encode_prompt`)."""
     from gptkiln.sampling import generate_stream
-    from gptkiln.text_stream import TextStream, stop_ids_of
+    from gptkiln.text_stream import TextStream, hidden_ids, stop_ids_of
 
     was_training = model.training
     model.eval()
@@ -104,7 +105,8 @@ def stream_from_model(
     )
     _say_precision(model, precision, on_notice)
     ends = stop_ids_of(tokenizer)  # every id that ends a turn (Llama 3 Instruct has several)
-    stream = TextStream(tokenizer.decode, cfg.stop, ends if cfg.stop_at_eos else None)
+    hidden = hidden_ids(tokenizer, cfg.skip_special_tokens)
+    stream = TextStream(tokenizer.decode, cfg.stop, ends if cfg.stop_at_eos else None, hidden)
     try:
         for _ in generate_stream(
             model, [ids], cfg, ends, streams=[stream], prepare=_decoding(model, precision)
@@ -509,21 +511,6 @@ def perplexity_of_model(
         characters=chars,
         bits_per_char=bits_per_char(loss, count, chars),
     )
-
-
-def leading_ids(tokenizer) -> list[int]:
-    """The ids a tokenizer puts before any text it encodes (Llama 3's BOS), or []: what its
-    encodings of an empty and a one-letter text begin with alike (an EOS it appends is not)."""
-    try:
-        empty, one = tokenizer.encode(""), tokenizer.encode("a")
-    except GptkilnError:  # a char tokenizer without "a", which adds nothing
-        return []
-    lead = []
-    for a, b in zip(empty, one):
-        if a != b:
-            break
-        lead.append(int(a))
-    return lead
 
 
 def eval_tokens(data: str | os.PathLike, tokenizer):

@@ -50,7 +50,8 @@ class Chat:
         self.template = require_template(run_cfg, run_dir)
         self.templated = is_chat_template(self.template)  # its text holds its special tokens
         stop = tuple(cfg.stop) + self.template.stop_strings()
-        self.cfg = SampleConfig(**{**cfg.__dict__, "stop": stop})
+        # a reply is text: a template's markers the model writes (``<|im_start|>``) are not
+        self.cfg = SampleConfig(**{**cfg.__dict__, "stop": stop, "skip_special_tokens": True})
         self.turns: list[tuple[str, str]] = []
         self.on_notice = lambda text: print(f"note: {text}", file=sys.stderr, flush=True)
         self._said: set[str] = set()  # notes said once a chat (the precision, a window sliding)

@@ -25,7 +25,7 @@ import torch
 from gptkiln.config import SampleConfig, check_sampling
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
-from gptkiln.text_stream import TextStream, end_ids, stop_ids_of
+from gptkiln.text_stream import TextStream, end_ids, hidden_ids, stop_ids_of
 
 
 def logits_to_probs(
@@ -793,7 +793,8 @@ def generate_batched(
     this; the model is left in the mode it was in, without a cache.
     """
     eot = stop_ids_of(tokenizer) if cfg.stop_at_eos else None
-    streams = [TextStream(tokenizer.decode, cfg.stop, eot) for _ in prompts]
+    hidden = hidden_ids(tokenizer, cfg.skip_special_tokens)
+    streams = [TextStream(tokenizer.decode, cfg.stop, eot, hidden) for _ in prompts]
     was_training = model.training
     model.eval()
     try:
@@ -930,7 +931,10 @@ def generate(
     if cfg.stop and tokenizer is None:
         raise GptkilnError("stop strings need the tokenizer: generate(..., tokenizer=tokenizer)")
     ends = end_ids(eot_id) if cfg.stop_at_eos else ()
-    streams = [TextStream(tokenizer.decode, cfg.stop, ends) for _ in batch] if cfg.stop else None
+    streams = None
+    if cfg.stop:
+        hidden = hidden_ids(tokenizer, cfg.skip_special_tokens)
+        streams = [TextStream(tokenizer.decode, cfg.stop, ends, hidden) for _ in batch]
     was_training = model.training
     model.eval()
     try:

@@ -3,7 +3,7 @@ or an end id. `generate`, the CLI, the server and chat all read text through `Te
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -22,6 +22,15 @@ def stop_ids_of(tokenizer) -> tuple[int, ...]:
     else its ``eot_id`` alone (any object with ``decode`` and ``eot_id`` serves)."""
     ids = getattr(tokenizer, "stop_ids", None)
     return end_ids(tokenizer.eot_id if ids is None else ids)
+
+
+def hidden_ids(tokenizer, skip_special_tokens: bool) -> frozenset[int]:
+    """The ids a `TextStream` leaves out of the text: with ``skip_special_tokens``, the
+    tokenizer's `special_ids` (an object without them: its ``eot_id``)."""
+    if not skip_special_tokens:
+        return frozenset()
+    ids = getattr(tokenizer, "special_ids", None)
+    return frozenset(end_ids(tokenizer.eot_id)) if ids is None else frozenset(ids)
 
 
 class TextStream:
@@ -44,6 +53,9 @@ class TextStream:
         stop: stop strings.
         eot_id: the end-of-text id, or several (a tokenizer's `stop_ids`), which end the
             sequence (None: none does).
+        hidden: ids left out of the text (a tokenizer's `special_ids`, for
+            ``skip_special_tokens``); kept in `ids`. One whose own text holds a stop string
+            ends the sequence there, as its text would have.
     """
 
     def __init__(
@@ -51,10 +63,13 @@ class TextStream:
         decode: Callable[[list[int]], str],
         stop: Sequence[str] = (),
         eot_id: int | Sequence[int] | None = None,
+        hidden: Collection[int] = (),
     ) -> None:
         self.decode, self.stop, self.eot_id = decode, tuple(stop), eot_id
         self._ends = end_ids(eot_id)
+        self._hidden = frozenset(hidden)
         self.ids: list[int] = []  # the sequence's ids, end-of-text excluded
+        self._shown: list[int] = []  # those decoded into the text: hidden ids left out
         self.text = ""  # the text given out so far
         self.done = False
         self._taken = 0
@@ -76,6 +91,13 @@ class TextStream:
             self.done = True
             return piece
         self.ids.append(token)
+        if token in self._hidden:
+            if any(s in self.decode([token]) for s in self.stop):
+                piece = self.flush()
+                self.done = True
+                return piece
+            return ""
+        self._shown.append(token)
         full = self._decoded()
         shown = len(self.text)
         ends = [i for s in self.stop if (i := full.find(s, max(0, shown - len(s) + 1))) >= 0]
@@ -94,11 +116,11 @@ class TextStream:
         """``decode(ids)``; in pieces where the tokenizer allows, the ids up to the last whole
         character kept as their text and only those after it decoded."""
         if not self._in_pieces:
-            return self.decode(self.ids)
-        tail = self.decode(self.ids[self._settled :])
+            return self.decode(self._shown)
+        tail = self.decode(self._shown[self._settled :])
         full = self._settled_text + tail
         if tail and not tail.endswith("\ufffd"):  # a whole character last: settled up to here
-            self._settled, self._settled_text = len(self.ids), full
+            self._settled, self._settled_text = len(self._shown), full
         return full
 
     def take(self) -> str:

@@ -35,7 +35,10 @@ class SampleConfig:
     ``repetition_penalty`` is CTRL's (Keskar et al. 2019), as transformers, vLLM and llama.cpp
     apply it: the logit of every token in the prompt or generated so far divided by it where
     positive, multiplied where negative (> 0; 1 = off; above 1 discourages repeats), before
-    the presence and frequency penalties.
+    the presence and frequency penalties. ``skip_special_tokens``: the text leaves out the
+    tokenizer's special tokens (a chat template's markers), as vLLM's ``skip_special_tokens``
+    and transformers' ``decode(..., skip_special_tokens=True)``; the ids keep them (chat and
+    the server's chat answers set it; ``generate`` shows every token, as the book's does).
     """
 
     max_new_tokens: int = 100
@@ -49,6 +52,7 @@ class SampleConfig:
     frequency_penalty: float = 0.0
     min_p: float | None = None
     repetition_penalty: float = 1.0
+    skip_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self, "sampling config")

@@ -16,6 +16,7 @@ the lines the run starts with.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ from gptkiln.finetune.templates import (
     conversation_pieces,
     format_messages,
 )
+from gptkiln.tokenizers import leading_ids
 from gptkiln.train.task import RunContext
 
 
@@ -78,30 +80,72 @@ def tokenizer_special_tokens(tokenizer) -> dict[str, str]:
     return named
 
 
+def turn_end(template: ChatTemplate, tokenizer) -> str | None:
+    """The special token ``template`` writes right after an assistant's words (Qwen3's
+    ``<|im_end|>``, Llama 3's ``<|eot_id|>``), or None where it writes none there. A base
+    model's tokenizer may name another EOS (Qwen3-Base's ``<|endoftext|>``) than its
+    template's end of turn, which is what a chat-tuned model must learn to write."""
+    words = "gptkiln-turn-end"
+    turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": words}]
+    try:
+        whole = template.render(turn, add_generation_prompt=False)
+    except GptkilnError:
+        return None
+    after = whole[whole.rfind(words) + len(words) :] if words in whole else ""
+    specials = sorted({tokenizer.decode([i]) for i in tokenizer.special_ids}, key=len)
+    return next((t for t in reversed(specials) if t and after.startswith(t)), None)
+
+
 class ConversationEncoder:
-    """Conversations into `Example`s: rendered by ``template``, each piece encoded on its own."""
+    """Conversations into `Example`s: rendered by ``template``, each piece encoded on its own.
+
+    A chat template's assistant turns end with its own end-of-turn token (`turn_end`), else
+    the tokenizer's EOS; ``end_id`` is its id, which a run of this tokenizer must stop at
+    (`with_turn_end`)."""
 
     def __init__(self, template: PromptTemplate | ChatTemplate, tokenizer):
         self.template, self.tokenizer = template, tokenizer
         self.chat = isinstance(template, ChatTemplate)
+        self.end_id = tokenizer.eot_id
         if self.chat:
-            self.end = template.special_tokens.get("eos_token") or ""
+            self.end = turn_end(template, tokenizer) or template.special_tokens.get("eos_token")
             if not self.end:
                 raise GptkilnError(
                     f"{template.where}: the tokenizer names no eos_token, which ends the "
                     "assistant's turns; add it to tokenizer_config.json"
                 )
+            ids = tokenizer.encode_templated(self.end)
+            self.end_id = ids[0] if len(ids) == 1 else tokenizer.eot_id
         elif tokenizer.eot_id is None:
             raise GptkilnError(
                 f"the {tokenizer.kind} tokenizer has no end-of-text token to end answers with"
             )
+        # a prompt template's text begins as the tokenizer begins any (Llama 3's BOS, as a
+        # prompt is encoded to generate); a chat template writes its own
+        self.lead = [] if self.chat else leading_ids(tokenizer)
+
+    def with_turn_end(self, tokenizer, run: str | os.PathLike):
+        """``tokenizer`` stopping at this template's end of turn too, where it is not among its
+        stop ids (a base model's tokenizer: its EOS ends a text, not a turn), with a note."""
+        if self.end_id is None or self.end_id in tokenizer.stop_ids:
+            return tokenizer
+        if not hasattr(tokenizer, "with_stop_id"):
+            return tokenizer
+        eos = tokenizer.decode([tokenizer.eot_id]) if tokenizer.eot_id is not None else "none"
+        print(
+            f"note: the chat template ends each turn with {self.end!r}, not the tokenizer's "
+            f"EOS {eos!r}: the answers are trained to end with it, and {run} stops there "
+            "(it is added to its generation_config.json's eos_token_id, as TRL's eos_token does)",
+            file=sys.stderr,
+        )
+        return tokenizer.with_stop_id(self.end_id)
 
     def pieces(self, messages: Sequence[dict]) -> list[Piece]:
         return conversation_pieces(self.template, messages, self.end if self.chat else "")
 
     def encode(self, messages: Sequence[dict]) -> Example:
-        ids: list[int] = []
-        trained: list[bool] = []
+        ids: list[int] = list(self.lead)
+        trained: list[bool] = [False] * len(ids)
         pieces = self.pieces(messages)
         for number, (text, learnt) in enumerate(pieces):
             piece_ids = self._encode(text)
@@ -165,11 +209,12 @@ def collate_examples(batch: Sequence[Example], pad_id: int) -> tuple[torch.Tenso
 
 def read_chat_examples(ft: FinetuneConfig, base: Path, base_cfg: dict, tokenizer):
     """(encoder, conversations, their examples, the data's format) of ``ft.data``."""
-    from gptkiln.finetune.data import read_conversations
+    from gptkiln.finetune.data import encoded_records, read_conversations
 
     conversations, fmt = read_conversations(ft.data)
     encoder = ConversationEncoder(conversation_template(ft, base, base_cfg, tokenizer), tokenizer)
-    return encoder, conversations, [encoder.encode(m) for m in conversations], fmt
+    examples = encoded_records(ft.data, "conversations", conversations, encoder.encode)
+    return encoder, conversations, examples, fmt
 
 
 class ChatTuning(FineTuning):
@@ -187,6 +232,7 @@ class ChatTuning(FineTuning):
         self.encoder, conversations, examples, fmt = read_chat_examples(
             ft, base, read_config(base), self.tokenizer
         )
+        self.tokenizer = self.encoder.with_turn_end(self.tokenizer, ctx.run_dir)
         self.pad_id = self.tokenizer.eot_id if self.tokenizer.eot_id is not None else 0
         self.build_model(e.ids for e in examples)
         max_tokens = example_limit(ft, self.model_config.context_length)

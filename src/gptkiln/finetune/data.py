@@ -19,6 +19,7 @@ import csv
 import hashlib
 import io
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -344,6 +345,19 @@ def checked_messages(
             )
         checked.append({"role": role, "content": content})
     return checked
+
+
+def encoded_records(source: str | Path, what: str, records: Sequence, encode: Callable) -> list:
+    """``encode`` of each of ``records`` (read one a record of ``source``, in order); one that
+    fails is named by where its record is (``chat.jsonl line 18: ...``)."""
+    out = []
+    for i, record in enumerate(records):
+        try:
+            out.append(encode(record))
+        except GptkilnError as e:
+            where = read_records(source, what)[i][0]
+            raise GptkilnError(f"{where}: {e}") from None
+    return out
 
 
 def read_conversations(source: str | Path) -> tuple[list[list[dict[str, str]]], str]:

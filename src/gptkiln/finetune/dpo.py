@@ -23,6 +23,7 @@ prompt), which the tests check against TRL's own dataset and loss.
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -155,7 +156,12 @@ class PreferenceTuning(FineTuning):
     plots = ("loss",)
 
     def __init__(self, ctx: RunContext, ft: FinetuneConfig):
-        from gptkiln.finetune.data import check_splits, read_preferences, split_sizes
+        from gptkiln.finetune.data import (
+            check_splits,
+            encoded_records,
+            read_preferences,
+            split_sizes,
+        )
         from gptkiln.loading import read_config
 
         super().__init__(ctx, ft)
@@ -163,8 +169,10 @@ class PreferenceTuning(FineTuning):
         pairs = read_preferences(ft.data)
         template = conversation_template(ft, base, read_config(base), self.tokenizer)
         self.encoder = ConversationEncoder(template, self.tokenizer)
+        self.tokenizer = self.encoder.with_turn_end(self.tokenizer, ctx.run_dir)
         self.pad_id = self.tokenizer.eot_id if self.tokenizer.eot_id is not None else 0
-        rows = [encode_pair(self.encoder, pair) for pair in pairs]
+        encode = functools.partial(encode_pair, self.encoder)
+        rows = encoded_records(ft.data, "preference pairs", pairs, encode)
         self.build_model(row.ids for pair in rows for row in pair)
         dropout = disable_dropout(self.model)  # before the reference copies the model
         limit = example_limit(ft, self.model_config.context_length)

@@ -13,6 +13,7 @@ from gptkiln.config import FinetuneConfig, SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.task import IGNORE_INDEX, Example, FineTuning
 from gptkiln.finetune.templates import format_example, format_prompt, load_template
+from gptkiln.tokenizers import leading_ids
 from gptkiln.train.task import RunContext
 
 
@@ -58,17 +59,19 @@ def prompt_length(prompt_ids: Sequence[int], example_ids: Sequence[int]) -> int:
 def encode_entries(
     ft: FinetuneConfig, tokenizer, template, entries: list[dict]
 ) -> tuple[list[list[int]], list[int] | None]:
-    """Each entry's ids (prompt and output encoded together, as the book does) and, with
-    ``ft.mask_prompt``, how many of them are the prompt's."""
+    """Each entry's ids (prompt and output encoded together, as the book does, after the ids
+    the tokenizer begins every text with: Llama 3's BOS, as a prompt is encoded to generate)
+    and, with ``ft.mask_prompt``, how many of them are the prompt's."""
+    lead = leading_ids(tokenizer)
     texts = [format_example(template, e) for e in entries]
     try:
-        ids = tokenizer.encode_ordinary_batch(texts)
+        ids = [lead + x for x in tokenizer.encode_ordinary_batch(texts)]
     except GptkilnError as e:
         raise GptkilnError(f"--data {ft.data}: {e}") from None
     if not ft.mask_prompt:
         return ids, None
     prompts = [format_prompt(template, e["instruction"], e["input"]) for e in entries]
-    prompt_ids = tokenizer.encode_ordinary_batch(prompts)
+    prompt_ids = [lead + x for x in tokenizer.encode_ordinary_batch(prompts)]
     return ids, [prompt_length(p, i) for p, i in zip(prompt_ids, ids, strict=True)]
 
 

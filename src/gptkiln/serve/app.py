@@ -15,6 +15,7 @@ from the package once, when the app is made.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import importlib.resources
@@ -321,6 +322,8 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
             extra_stop=template.stop_strings() if grammar is None else (),
             source="messages",
         )
+        # an answer is text: a template's markers the model writes are not (vLLM's default)
+        cfg = dataclasses.replace(cfg, skip_special_tokens=True)
         if grammar is not None:
             param = "response_format" if req.response_format is not None else "tools"
             await asyncio.to_thread(compile_grammar, grammar, served.grammars, param)

@@ -50,7 +50,7 @@ from gptkiln.serve.choosing import Chooser, Chosen, Slot
 from gptkiln.serve.events import Done, Failed, Sequence, Token
 from gptkiln.serve.prefill import Ready, keep_prefixes, prefill
 from gptkiln.serve.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
-from gptkiln.text_stream import TextStream, stop_ids_of
+from gptkiln.text_stream import TextStream, hidden_ids, stop_ids_of
 
 
 class QueueFull(Exception):
@@ -218,7 +218,8 @@ class Batcher:
             counts = torch.zeros(1, vocab, device=self.device)
         if cfg.repetition_penalty != 1:
             in_prompt = prompt_tokens([seq.prompt], vocab, self.device)
-        stream = TextStream(self.tokenizer.decode, cfg.stop, end)
+        hidden = hidden_ids(self.tokenizer, cfg.skip_special_tokens)
+        stream = TextStream(self.tokenizer.decode, cfg.stop, end, hidden)
         return Slot(row, seq, stream, generator, counts, in_prompt)
 
     def _deliver(self, events: Chosen) -> None:

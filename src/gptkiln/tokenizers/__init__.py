@@ -78,6 +78,7 @@ __all__ = [
     "check_bpe_vocab_size",
     "collect_chars",
     "encode_prompt",
+    "leading_ids",
     "gpt2_mergeable_ranks",
     "is_hf_tokenizer_dir",
     "load_tokenizer",
@@ -118,6 +119,21 @@ def encode_prompt(tokenizer: Tokenizer, text: str, *, templated: bool = False) -
             "to start from (its corpus was one document); give a prompt with some text"
         )
     return [tokenizer.eot_id]
+
+
+def leading_ids(tokenizer) -> list[int]:
+    """The ids a tokenizer puts before any text it encodes (Llama 3's BOS), or []: what its
+    encodings of an empty and a one-letter text begin with alike (an EOS it appends is not)."""
+    try:
+        empty, one = tokenizer.encode(""), tokenizer.encode("a")
+    except GptkilnError:  # a char tokenizer without "a", which adds nothing
+        return []
+    lead = []
+    for a, b in zip(empty, one):
+        if a != b:
+            break
+        lead.append(int(a))
+    return lead
 
 
 def _json_or_empty(path: Path) -> dict:

@@ -73,6 +73,13 @@ class Tokenizer(ABC):
         text with ``<|end_of_text|>``)."""
         return () if self.eot_id is None else (self.eot_id,)
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids that are markers, not text: the end-of-text id here; a Hugging Face
+        tokenizer's every added token marked special (a chat template's ``<|im_start|>``...).
+        A text decoded with ``skip_special_tokens`` leaves them out."""
+        return frozenset(() if self.eot_id is None else (self.eot_id,))
+
     def encode_templated(self, text: str) -> list[int]:
         """The ids of a prompt rendered by a model's chat template, which holds its own special
         tokens; ``encode`` for kinds that add none of their own."""

@@ -107,6 +107,21 @@ class HFTokenizer(Tokenizer):
     def stop_ids(self) -> tuple[int, ...]:
         return self._stop_ids
 
+    def with_stop_id(self, token_id: int) -> HFTokenizer:
+        """This tokenizer with ``token_id`` among its `stop_ids` (after those it has), kept in
+        its ``generation_config.json``'s ``eos_token_id`` as transformers reads it: a chat
+        template's end of turn where the tokenizer's EOS is another (a base model's)."""
+        if token_id in self._stop_ids:
+            return self
+        generation = dict(self.files.get("generation_config.json") or {})
+        generation["eos_token_id"] = [*self._stop_ids, int(token_id)]
+        return HFTokenizer(self._source, {**self.files, "generation_config.json": generation})
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        added = self._hf.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+
     def encode(self, text: str) -> list[int]:
         return self._hf.encode(text, add_special_tokens=True).ids
 
