@@ -921,8 +921,8 @@ def test_a_bad_labelled_file_is_one_line(name, content, needle, work, tmp_path, 
 @pytest.mark.parametrize(
     "flags, needle",
     [
-        (["--lora-rank", "-1"], "lora_rank"),
-        (["--train-layers", "some"], "train_layers"),
+        (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+        (["--train-layers", "some"], "--train-layers must be all, last-N"),
         (["--lora-rank", "4", "--train-layers", "all"], "drop one of them"),
         (["--lora-rank", "0", "--train-layers", "lora"], "--lora-rank 0 means no LoRA"),
         (["--lora-head"], "needs --lora-rank"),
@@ -939,6 +939,9 @@ def test_a_bad_labelled_file_is_one_line(name, content, needle, work, tmp_path, 
         (["--text-column", "body"], "--text-column is for --task classify"),
         (["--lora-alpha", "8"], "--lora-alpha shapes LoRA adapters: it needs --lora-rank"),
         (["--lora-qkv", "fused"], "--lora-qkv shapes LoRA adapters"),
+        # a bad value is named by its flag, not the field it sets
+        (["--task", "dpo", "--beta", "0"], "--beta must be a number > 0"),
+        (["--task", "chat", "--max-length", "0"], "--max-length must be a whole number >= 1"),
     ],
 )
 def test_bad_finetune_settings_are_one_line(flags, needle, work, tmp_path, capsys):

@@ -266,7 +266,10 @@ def test_show_examples_of_pairs_are_the_chosen_and_rejected_rows(work, capsys):
     # the answer runs to the end of what the template renders (TRL's): the newline after too
     assert "It is 0.<|im_end|>\n»" in out and "I do not know, maybe 3?<|im_end|>\n»" in out
     code, out, err = cli(*argv, "--show-examples", 1, "--max-length", 4, capsys=capsys)
-    assert "--- pair 1, chosen: dropped, the pair's longer answer is" in out
+    assert (
+        "--- pair 1, chosen: dropped, the pair's longer conversation (prompt and answer) is" in out
+    )
+    assert "tokens, past 4" in out
     assert "--- pair 1, rejected: dropped" in out  # the pair goes whole, as training drops it
     assert "pair 2" not in out and "more pairs dropped, not shown" in out  # N said, the rest not
     assert "trained ---" not in out  # none fits: refused, as training refuses it
@@ -290,6 +293,19 @@ def test_show_examples_of_pairs_are_the_chosen_and_rejected_rows(work, capsys):
         (
             [{"prompt": "q", "chosen": [{"role": "assistant", "content": " "}], "rejected": "b"}],
             "chosen[0] is an assistant's message with no text",
+        ),
+        (
+            [{"prompt": "q", "chosen": {"role": "assistant", "content": "a"}, "rejected": "b"}],
+            '"chosen" is a JSON object; give text, or a list of one assistant message',
+        ),
+        (
+            [
+                {
+                    "chosen": [{"role": "assistant", "content": "a"}],
+                    "rejected": [{"role": "assistant", "content": "b"}],
+                }
+            ],
+            "an answer alone, with no prompt before it",
         ),
     ],
 )

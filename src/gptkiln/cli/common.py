@@ -9,9 +9,11 @@ whole parser is built before a command imports its library.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import textwrap
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from gptkiln.config import SampleConfig
@@ -223,15 +225,23 @@ def sample_config(args: argparse.Namespace) -> SampleConfig:
     """The `SampleConfig` of a command's sampling flags (`add_sampling_flags`); a flag the
     command does not take keeps `SampleConfig`'s default. A bad value is named by its flag
     (``--presence-penalty``), not by the field it sets."""
-    from gptkiln.errors import GptkilnError
-
-    try:
+    with named_by_flag(SAMPLING_FLAGS):
         return SampleConfig(
             **{name: getattr(args, name) for name in SAMPLING_FLAGS if name in args}
         )
+
+
+@contextlib.contextmanager
+def named_by_flag(fields: Iterable[str]) -> Iterator[None]:
+    """A `GptkilnError` that names one of ``fields`` first (``max_length must be ...``) names
+    its flag instead (``--max-length must be ...``): what the user typed."""
+    from gptkiln.errors import GptkilnError
+
+    try:
+        yield
     except GptkilnError as e:
         said = str(e)
-        name = next((n for n in SAMPLING_FLAGS if said.startswith(f"{n} ")), None)
+        name = next((n for n in fields if said.startswith(f"{n} ")), None)
         if name is None:
             raise
         raise GptkilnError(f"--{name.replace('_', '-')}{said[len(name) :]}") from None

@@ -19,6 +19,7 @@ from gptkiln.cli.common import (
     add_sampling_flags,
     example,
     keep_freed_memory_on_cpu,
+    named_by_flag,
     recorded_settings,
     sample_config,
 )
@@ -64,8 +65,8 @@ FINETUNE_LOOP_FLAGS = {
     "eval_interval": "evaluate every N steps, >= 1",
     "eval_batches": "batches per split evaluated, >= 1",
     "eval_train": "also evaluate on training examples",
-    "sample_interval": "instruct: a response to a held-out entry every N steps, >= 1",
-    "sample_tokens": "instruct: tokens of that response, >= 0",
+    "sample_interval": "instruct, chat, dpo: a response to a held-out entry every N steps, >= 1",
+    "sample_tokens": "instruct, chat, dpo: tokens of that response, >= 0",
     "checkpoint_interval": "save every N steps, >= 1",
     "seed": "seed of the data order, the new head and the adapters, in [0, 2**63)",
     "device": "auto | cpu | cuda | cuda:N | mps",
@@ -329,8 +330,9 @@ def finetune_configs_from_args(
     template = settings.get("template")
     if template and template not in TEMPLATES and Path(template).is_file():  # recorded whole
         settings["template"] = str(Path(template).resolve())
-    ft = FinetuneConfig.from_dict(settings)
-    return ft, train_config(ft, out=args.out, **loop)
+    with named_by_flag([*(names - {"base"}), *FINETUNE_LOOP_FLAGS]):  # --max-length, not max_length
+        ft = FinetuneConfig.from_dict(settings)
+        return ft, train_config(ft, out=args.out, **loop)
 
 
 def run_finetune(args: argparse.Namespace) -> None:

@@ -347,11 +347,14 @@ def checked_messages(
     return checked
 
 
-def encoded_records(source: str | Path, what: str, records: Sequence, encode: Callable) -> list:
-    """``encode`` of each of ``records`` (read one a record of ``source``, in order); one that
-    fails is named by where its record is (``chat.jsonl line 18: ...``)."""
+def encoded_records(
+    source: str | Path, what: str, records: Sequence, encode: Callable, *, first: int = 0
+) -> list:
+    """``encode`` of each of ``records`` (read one a record of ``source``, in order, from its
+    record ``first``); one that fails is named by where its record is (``chat.jsonl line 18:
+    ...``)."""
     out = []
-    for i, record in enumerate(records):
+    for i, record in enumerate(records, start=first):
         try:
             out.append(encode(record))
         except GptkilnError as e:
@@ -415,8 +418,13 @@ def read_preferences(source: str | Path) -> list[Preference]:
                     f"{where}: chosen and rejected conversations must share all but their last "
                     f"message, an assistant's; {_PAIR_HELP}"
                 )
-            if rejected[-1]["role"] != "assistant" or len(chosen) < 2:
+            if rejected[-1]["role"] != "assistant":
                 raise GptkilnError(f"{where}: the last message must be the assistant's")
+            if len(chosen) < 2:
+                raise GptkilnError(
+                    f"{where}: chosen and rejected are an answer alone, with no prompt before "
+                    f'it; give the messages it answers, or a "prompt"; {_PAIR_HELP}'
+                )
             pairs.append(Preference(chosen[:-1], chosen[-1]["content"], rejected[-1]["content"]))
             continue
         if isinstance(prompt, str):
@@ -440,6 +448,11 @@ def _answer(where: str, value: Any, field: str) -> str:
         if len(messages) != 1 or messages[0]["role"] != "assistant":
             raise GptkilnError(f'{where}: "{field}" must be one assistant message; {_PAIR_HELP}')
         value = messages[0]["content"]
+    if isinstance(value, dict):
+        raise GptkilnError(
+            f'{where}: "{field}" is a JSON object; give text, or a list of one assistant '
+            f"message; {_PAIR_HELP}"
+        )
     if not isinstance(value, str) or not value.strip():
         raise GptkilnError(f'{where}: "{field}" is empty or not text; {_PAIR_HELP}')
     return value

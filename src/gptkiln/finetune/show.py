@@ -133,20 +133,24 @@ def _instruct(ft: FinetuneConfig, base_cfg: dict, tokenizer):
 
 def _dpo(ft: FinetuneConfig, base_cfg: dict, tokenizer):
     from gptkiln.finetune.chat import ConversationEncoder, conversation_template
-    from gptkiln.finetune.data import read_preferences
+    from gptkiln.finetune.data import encoded_records, read_preferences
     from gptkiln.finetune.dpo import encode_pair
 
     template = conversation_template(ft, Path(ft.base), base_cfg, tokenizer)
     encoder = ConversationEncoder(template, tokenizer)
     limit = _limit(ft, base_cfg)
-    for pair in read_preferences(ft.data):
-        examples = encode_pair(encoder, pair)
+    pairs = read_preferences(ft.data)
+    for i, pair in enumerate(pairs):
+        (examples,) = encoded_records(  # (named by its line where the template fails)
+            ft.data, "preference pairs", [pair], lambda p: encode_pair(encoder, p), first=i
+        )
         longest = max(len(e.ids) for e in examples)
         for label, example in zip(("chosen", "rejected"), examples, strict=True):
             if longest > limit:  # the trainer drops the pair whole
                 yield (
                     label,
-                    f"the pair's longer answer is {longest} tokens, past {limit}",
+                    f"the pair's longer conversation (prompt and answer) is {longest - 1} "
+                    f"tokens, past {limit - 1}",
                     None,
                     None,
                 )
