@@ -301,6 +301,34 @@ def test_prompts_of_similar_length_are_prefilled_together_and_get_what_each_gets
     assert prefills == ([4, 1, 1, 1, 1] if fail_batched else [4])
 
 
+def test_a_prompt_admitted_n_times_is_prefilled_once_and_each_sample_gets_what_it_gets_alone(
+    model, tokenizer
+):
+    """A request's n samples (one prompt, seeds s, s+1, ...) start from one prefill: the other
+    rows get its keys and values, so sample j is what seed s + j gives alone, bit for bit (a
+    forward of several rows may round otherwise than one of one)."""
+    prompt = tokenizer.encode(TOGETHER[0])
+    cfgs = [SampleConfig(max_new_tokens=8, temperature=1.0, seed=s) for s in (3, 4, 5)]
+    seqs = [Sequence(prompt, cfg, asyncio.Queue(), index=j) for j, cfg in enumerate(cfgs)]
+    seqs.append(Sequence(tokenizer.encode(TOGETHER[1]), cfgs[0], asyncio.Queue()))
+    batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=4)
+    prefills = counting_prefills(batcher)
+
+    async def main():
+        await batcher.start()
+        try:
+            batcher.submit(seqs)
+            return [await collect(seq) for seq in seqs]
+        finally:
+            await batcher.stop()
+
+    out = asyncio.run(main())
+    assert prefills[0] == 2  # the prompt once, beside the other prompt: not four rows
+    for seq, got in zip(seqs, out):
+        assert got["ids"] == alone(model, tokenizer, seq.prompt, seq.cfg)[0]
+    assert len({tuple(got["ids"]) for got in out[:3]}) == 3
+
+
 def test_prefill_groups_keep_the_padding_small():
     def slots(*lengths):
         return [types.SimpleNamespace(seq=types.SimpleNamespace(prompt=[0] * n)) for n in lengths]

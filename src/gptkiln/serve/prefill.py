@@ -3,11 +3,12 @@ KV cache, to the logits that choose their first tokens.
 
 A prompt whose beginning the `PrefixCache` holds gets those keys and values copied in and
 prefills only the rest; a scored prompt (echo + logprobs) needs every position's logits and
-goes alone; the others go by similar length together in one forward (`prefill_groups`), padded
-on the right: the padding's keys sit past each row's end, where its later tokens overwrite them
-before anything attends to them. What comes out is each prompt's last logits row (1, V), for
-`choosing.Chooser` to choose all of their first tokens together, and the events of the prompts
-that were scored or failed.
+goes alone; a prompt admitted again (a request's n samples) is prefilled once and its keys and
+values copied to the other rows; the others go by similar length together in one forward
+(`prefill_groups`), padded on the right: the padding's keys sit past each row's end, where its
+later tokens overwrite them before anything attends to them. What comes out is each prompt's
+last logits row (1, V), for `choosing.Chooser` to choose all of their first tokens together,
+and the events of the prompts that were scored or failed.
 
 Runs on the batcher's worker thread, the only code that touches the model.
 """
@@ -45,8 +46,21 @@ def prefill(model: GPT, prefix_cache: PrefixCache, admitted: list[Slot]) -> tupl
                 _alone(model, slot, events, ready, cached)
             else:
                 fresh.append(slot)
-    for group in prefill_groups(fresh):
+    firsts: dict[tuple[int, ...], Slot] = {}  # a prompt admitted twice (n > 1) is run once
+    copies = []
+    for slot in fresh:
+        first = firsts.setdefault(tuple(slot.seq.prompt), slot)
+        if first is not slot:
+            copies.append((first, slot))
+    for group in prefill_groups(list(firsts.values())):
         _together(model, group, events, ready)
+    logits_of = {id(slot): logits for slot, logits in ready}
+    for first, slot in copies:
+        if id(first) in logits_of:  # (a first that failed: its copy goes alone, and fails)
+            _copy_row(model, first, slot)
+            ready.append((slot, logits_of[id(first)].clone()))
+        else:
+            _alone(model, slot, events, ready)
     for slot in scored:
         _alone(model, slot, events, ready)
     return events, ready
@@ -134,6 +148,18 @@ def _together(model: GPT, slots: list[Slot], events: Chosen, ready: Ready) -> No
     for i, slot in enumerate(slots):
         slot.pos = len(slot.seq.prompt)
         ready.append((slot, logits[i : i + 1, -1]))
+
+
+def _copy_row(model: GPT, first: Slot, slot: Slot) -> None:
+    """Give ``slot`` the keys and values ``first`` prefilled for the same prompt: the n samples
+    of a request start from one prefill, exactly what each gets alone (a forward of several
+    rows may round otherwise than one of one)."""
+    n = len(first.seq.prompt)
+    for block in model.h:
+        cache = block.attn.kv_cache
+        cache.k[slot.row, :, :n] = cache.k[first.row, :, :n]
+        cache.v[slot.row, :, :n] = cache.v[first.row, :, :n]
+    slot.pos = n
 
 
 def score_prompt(seq: Sequence, logits: torch.Tensor) -> list[TokenLogprobs | None]:
