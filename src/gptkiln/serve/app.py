@@ -322,8 +322,9 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
             extra_stop=template.stop_strings() if grammar is None else (),
             source="messages",
         )
-        # an answer is text: a template's markers the model writes are not (vLLM's default)
-        cfg = dataclasses.replace(cfg, skip_special_tokens=True)
+        # an answer is text: a template's markers the model writes are not (vLLM's default);
+        # with tools, a call's own markers may be special tokens, which the parser must see
+        cfg = dataclasses.replace(cfg, skip_special_tokens=tools is None)
         if grammar is not None:
             param = "response_format" if req.response_format is not None else "tools"
             await asyncio.to_thread(compile_grammar, grammar, served.grammars, param)
