@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from instruction_data import instructions
 from serving import ServerThread, free_port
 from test_cli import assert_one_line_error, cli
@@ -37,12 +37,15 @@ def fake_answer(output: str) -> str:
     return ANSWERS[len(output) % len(ANSWERS)]
 
 
-def fake_judge(failures: dict[str, int] | None = None):
+def fake_judge(failures: dict[str, int] | None = None, replies: dict | None = None):
     """An OpenAI-compatible app whose answer is `fake_answer` of the question's correct output;
-    ``failures``: how many 503s each output gets before its answer."""
+    ``failures``: how many 503s each output gets before its answer; ``replies``: the reply
+    (status, JSON or raw bytes) some outputs get instead ("*": every output). Its
+    ``/auth/v1`` refuses every key; any other path is FastAPI's 404."""
     app = FastAPI()
     app.state.questions = []
     left = dict(failures or {})
+    replies = replies or {}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -53,12 +56,21 @@ def fake_judge(failures: dict[str, int] | None = None):
         if left.get(output, 0) > 0:
             left[output] -= 1
             return JSONResponse({"error": "busy"}, status_code=503)
+        if output in replies or "*" in replies:
+            status, content = replies.get(output) or replies["*"]
+            if isinstance(content, bytes):
+                return Response(content, status_code=status, media_type="text/html")
+            return JSONResponse(content, status_code=status)
         message = {"role": "assistant", "content": fake_answer(output)}
         return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
 
     @app.post("/nonsense/chat/completions")
     async def nonsense():
         return {"hello": "world"}
+
+    @app.post("/auth/v1/chat/completions")
+    async def auth():
+        return JSONResponse({"error": {"message": "Incorrect API key provided"}}, status_code=401)
 
     return app
 
@@ -108,6 +120,7 @@ def test_the_mean_is_that_of_the_numbers_and_other_answers_are_counted_and_kept(
         "mean": sum(scores) / len(scores),
         "scored": len(scores),
         "unparsed": len(expected) - len(scores),
+        "failed": 0,
         "entries": 6,
     }
     assert last["scored"] == 4 and last["unparsed"] == 2 and last["mean"] == 71.75
@@ -172,21 +185,102 @@ def test_a_busy_judge_is_retried_with_backoff(run, tmp_path):
     assert verdict.entries[0].answer == fake_answer(outputs[0])
 
 
-def test_an_unreachable_or_nonsense_judge_is_one_line_and_writes_nothing(run, fake, capsys):
+def test_an_unreachable_judge_or_one_that_refuses_the_key_or_url_is_one_line_and_writes_nothing(
+    run, fake, capsys, monkeypatch
+):
+    """Every request would fail the same way: the judging stops at once, in one line that says
+    what to fix (not always "the key")."""
     url, _ = fake
+    monkeypatch.setenv("JUDGE_KEY", "wrong")
     (run / "judgements-x.json").unlink(missing_ok=True)
-    for judge_url, needle in (
-        (f"http://127.0.0.1:{free_port()}/v1", "did not answer after 1 attempt ("),
-        (f"{url}/nonsense", "not an OpenAI chat completion"),
-        ("localhost:1/v1", "http:// or https://"),
-    ):
+    for judge_url, key, needle in (
+        (f"http://127.0.0.1:{free_port()}/v1", None, "did not answer after 1 attempt ("),
+        ("localhost:1/v1", None, "http:// or https://"),
+        (f"{url}/auth/v1", None, "(HTTP 401: 'Incorrect API key provided'); no key was sent"),
+        (f"{url}/auth/v1", "JUDGE_KEY", "refused the key (HTTP 401"),
+        (url, None, "HTTP 404: 'Not Found'); check --judge-url: OpenAI-compatible base URLs end "
+         "in /v1, e.g. http://localhost:11434/v1"),
+        (f"{url}/v1/chat/completions", None, "without /chat/completions"),
+        (f"{url}/elsewhere/v1", None, "check --judge-url and --judge-model ('m': served there?)"),
+    ):  # fmt: skip
+        key = ["--judge-key-env", key] if key else []
         code, _, err = cli(
             "judge", run, "--judge-url", judge_url, "--judge-model", "m", "--retries", 0,
-            "--max-new-tokens", 2, "--name", "x", capsys=capsys,
+            "--max-new-tokens", 2, "--name", "x", *key, capsys=capsys,
         )  # fmt: skip
         assert code == 2 and "Traceback" not in err, err
         assert needle in err.strip().splitlines()[-1], err  # after "answering ... entries"
+        assert "check --judge-model and the key" not in err
         assert not (run / "judgements-x.json").exists()
+
+
+def test_a_request_that_fails_for_its_entry_is_that_entrys_and_the_others_go_on(
+    run, tmp_path, capsys
+):
+    """A 400 (a question past the judge's context), a reply that is not JSON and one with no
+    choices: each is its entry's failure, kept with its reason; the others are judged."""
+    test_split = [
+        {"instruction": f"Say {w}.", "input": "", "output": w}
+        for w in ["a", "bb", "ccc", "dddd", "eeeee", "ffffff"]
+    ]
+    data = tmp_path / "test.json"
+    data.write_text(json.dumps(test_split))
+    too_long = {"error": {"message": "This model's maximum context length is 8192 tokens"}}
+    app = fake_judge(
+        replies={"a": (400, too_long), "dddd": (200, b"<html>hello</html>"),
+                 "eeeee": (200, {"choices": []})}
+    )  # fmt: skip
+    with ServerThread(app) as url:
+        code, out, err = cli(
+            "judge", run, "--data", data, "--judge-url", f"{url}/v1", "--judge-model", "fake",
+            "--max-new-tokens", 2, "--name", "partly", "--json", capsys=capsys,
+        )  # fmt: skip
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert lines[-2].endswith("(1 unparsed answers kept, 3 requests failed)")
+    # ccc (85/100) and ffffff (90) scored; bb ("I would rather not say.") unparsed
+    assert json.loads(lines[-1]) == {
+        "mean": 87.5, "scored": 2, "unparsed": 1, "failed": 3, "entries": 6
+    }  # fmt: skip
+    saved = json.loads((run / "judgements-partly.json").read_text())
+    per_entry = saved["per_entry"]
+    assert [e["error"] is None for e in per_entry] == [False, True, True, False, False, True]
+    assert (
+        'HTTP 400: "This model\'s maximum context length is 8192 tokens"' in per_entry[0]["error"]
+    )
+    assert "'<html>hello</html>', not an OpenAI chat completion" in per_entry[3]["error"]
+    assert per_entry[4]["error"].startswith("the judge answered '{\"choices\":[]}'")
+    assert [e["response"] is not None for e in per_entry] == [True] * 6  # the answers are kept
+    assert per_entry[0]["score"] is None and per_entry[0]["answer"] is None
+    assert saved["failed"] == 3 and saved["mean"] == 87.5
+    assert (
+        f"note: 3 of 6 judge requests failed: their score is null, the reason kept in {run}" in err
+    )
+    assert "the first, entry 1: the judge refused the request (HTTP 400: " in err
+
+
+def test_every_request_failing_is_one_line_and_the_answers_are_kept(run, tmp_path, capsys):
+    """Every request refused, or a URL that answers no chat completion: exit 2 in one line,
+    and the run's answers are written with each reason."""
+    too_long = {"error": {"message": "context length exceeded"}}
+    for name, replies, judge_path, needle in (
+        ("refused", {"*": (400, too_long)}, "/v1", "(HTTP 400: 'context length exceeded')"),
+        ("nonsense", {}, "/nonsense", "not an OpenAI chat completion"),
+    ):
+        with ServerThread(fake_judge(replies=replies)) as url:
+            code, _, err = cli(
+                "judge", run, "--judge-url", f"{url}{judge_path}", "--judge-model", "m",
+                "--max-new-tokens", 2, "--name", name, capsys=capsys,
+            )  # fmt: skip
+        assert code == 2 and "Traceback" not in err, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(
+            "gptkiln judge: error: every one of the 4 requests to the judge at "
+        ), err
+        assert needle in last and f"the run's answers are kept in {run}" in last
+        saved = json.loads((run / f"judgements-{name}.json").read_text())
+        assert saved["failed"] == 4 and saved["mean"] is None
+        assert all(e["response"] is not None and e["error"] for e in saved["per_entry"])
 
 
 def test_a_prompt_file_without_the_placeholders_is_one_line(run, fake, tmp_path, capsys):

@@ -18,8 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="The book's section 7.8: the run answers each test entry (greedy, batched), "
         "then a judge model behind an OpenAI-compatible endpoint (Ollama's /v1, vLLM, OpenAI, "
         "another gptkiln serve) scores each answer from 0 to 100 against the correct output. "
-        "An answer that is not a number is counted as unparsed and kept. Prints the mean of "
-        "the scores; every entry goes to RUN/judgements.json.",
+        "An answer that is not a number is counted as unparsed and kept; a request the judge "
+        "refuses (a question too long for it) is that entry's failure, its reason kept. Prints "
+        "the mean of the scores; every entry goes to RUN/judgements.json.",
         epilog=example(
             "gptkiln judge runs/instruct --judge-url http://localhost:11434/v1 "
             "--judge-model llama3",
@@ -84,7 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json",
         action="store_true",
-        help='end with one JSON line {"mean", "scored", "unparsed", "entries"}',
+        help='end with one JSON line {"mean", "scored", "unparsed", "failed", "entries"}',
     )
     p.add_argument(
         "--progress",
@@ -154,9 +155,11 @@ def key_env(url: str, asked: str | None) -> str:
 def print_verdict(verdict, as_json: bool) -> None:
     """The verdict's line, and with ``as_json`` its JSON line."""
     mean = "-" if verdict.mean is None else f"{verdict.mean:.2f}"
+    n = verdict.failed
+    failed = f", {n} request{'s' if n > 1 else ''} failed" if n else ""
     print(
         f"judged {len(verdict.entries)} entries: mean score {mean} over {verdict.scored} "
-        f"scored ({verdict.unparsed} unparsed answers kept)"
+        f"scored ({verdict.unparsed} unparsed answers kept{failed})"
     )
     if as_json:
         print(json.dumps(verdict.summary()))

@@ -9,7 +9,11 @@ only". An answer that is a number in [0, 100] is the entry's score; any other an
 as unparsed and kept as it came (never fatal). The run's score is the mean of the scores.
 
 The judge is a client, not a model: requests run concurrently, each retried with exponential
-backoff on a connection error, a timeout, a 429 or a 5xx; a judge that never answers is one line.
+backoff on a connection error, a timeout, a 408, a 429 or a 5xx. A request that fails for its own
+entry (a 400 such as a context-length error, a reply that is not a chat completion) is that
+entry's failure, kept with its reason while the others go on, as Inspect and lm-eval keep a
+sample's error; a judge that never answers, refuses the key or has no such URL or model stops the
+judging in one line, since every request would fail the same way.
 """
 
 from __future__ import annotations
@@ -119,7 +123,8 @@ class Entry:
     output: str
     response: str
     answer: str | None = None  # the judge's, as it came
-    score: float | None = None  # None: the answer was not a number in [0, 100]
+    score: float | None = None  # None: the answer was not a number in [0, 100], or none came
+    error: str | None = None  # why the judge gave no answer (`RequestFailed`)
 
 
 @dataclass
@@ -134,7 +139,11 @@ class Verdict:
 
     @property
     def unparsed(self) -> int:
-        return len(self.entries) - self.scored
+        return sum(e.score is None and e.error is None for e in self.entries)
+
+    @property
+    def failed(self) -> int:
+        return sum(e.error is not None for e in self.entries)
 
     @property
     def mean(self) -> float | None:
@@ -146,12 +155,41 @@ class Verdict:
             "mean": self.mean,
             "scored": self.scored,
             "unparsed": self.unparsed,
+            "failed": self.failed,
             "entries": len(self.entries),
         }
 
+    def notes(self, path: str | os.PathLike) -> list[str]:
+        """What a reader of the mean should know: the requests that failed (how many, the
+        first reason)."""
+        n, out = len(self.entries), []
+        failed = [(i, e) for i, e in enumerate(self.entries, start=1) if e.error is not None]
+        if failed:
+            i, first = failed[0]
+            out.append(
+                f"{len(failed)} of {n} judge requests failed: their score is null, the reason "
+                f"kept in {path}; the first, entry {i}: {first.error}"
+            )
+        return out
+
+
+class RequestFailed(GptkilnError):
+    """A request that failed for its own entry (the judge refused it, or its reply is not a
+    chat completion): that entry's failure, the judging goes on."""
+
+
+_TRANSIENT = (408, 429)  # and 5xx: retried with backoff
+
 
 def ask(judge: Judge, question: str, client) -> str:
-    """The judge's answer to ``question``, retried with backoff; one line when it never comes."""
+    """The judge's answer to ``question``, retried with backoff on a transient failure.
+
+    Raises:
+        RequestFailed: the request failed for its own sake (a 4xx other than those of the
+            key or the URL, such as a context-length 400; a reply that is not a chat completion).
+        GptkilnError: the judge can answer no request (it never answered; it refused the key;
+            no such URL or model): one line that says what to fix.
+    """
     import httpx
 
     headers = {"Authorization": f"Bearer {judge.key}"} if judge.key else {}
@@ -172,15 +210,12 @@ def ask(judge: Judge, question: str, client) -> str:
         except httpx.HTTPError as e:
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             continue
-        if reply.status_code == 429 or reply.status_code >= 500:
+        if reply.status_code in _TRANSIENT or reply.status_code >= 500:
             why = f"HTTP {reply.status_code}"
             continue
         if reply.status_code != 200:
-            raise GptkilnError(
-                f"the judge at {url} refused the request (HTTP {reply.status_code}: "
-                f"{reply.text[:200]!r}); check --judge-model and the key"
-            )
-        return _content(reply, url)
+            raise _refusal(judge, url, reply)
+        return _content(reply)
     raise GptkilnError(
         f"the judge at {url} did not answer after {judge.retries + 1} "
         f"attempt{'s' if judge.retries else ''} ({why}); check "
@@ -188,14 +223,59 @@ def ask(judge: Judge, question: str, client) -> str:
     )
 
 
-def _content(reply, url: str) -> str:
-    """The text of an OpenAI chat completion; a reply of another shape is one line."""
+def _refusal(judge: Judge, url: str, reply) -> GptkilnError:
+    """The error of a 4xx reply: the key's (401, 403) and the URL's or model's (404) stop the
+    judging; any other (a 400: too long a question, a field the server refuses) is the entry's."""
+    from urllib.parse import urlsplit
+
+    code, said = reply.status_code, _said(reply)
+    if code in (401, 403):
+        fix = (
+            "no key was sent: name the environment variable that holds it with --judge-key-env VAR"
+            if judge.key is None
+            else "check the key (in the variable --judge-key-env names; OPENAI_API_KEY for "
+            "openai.com)"
+        )
+        return GptkilnError(f"the judge at {url} refused the key (HTTP {code}: {said}); {fix}")
+    if code == 404:
+        path = urlsplit(judge.url).path.rstrip("/")
+        if path.endswith("/chat/completions"):
+            fix = "give --judge-url without /chat/completions (the base URL, ending in /v1)"
+        elif "/v1" not in path:
+            fix = (
+                "check --judge-url: OpenAI-compatible base URLs end in /v1, e.g. "
+                "http://localhost:11434/v1"
+            )
+        else:
+            fix = f"check --judge-url and --judge-model ({judge.model!r}: served there?)"
+        return GptkilnError(
+            f"the judge at {url} has no such endpoint or model (HTTP 404: {said}); {fix}"
+        )
+    return RequestFailed(f"the judge refused the request (HTTP {code}: {said})")
+
+
+def _said(reply) -> str:
+    """The server's words in an error reply: OpenAI's ``{"error": {"message"}}``, a plain
+    ``{"error"}``, vLLM's ``{"message"}`` or FastAPI's ``{"detail"}``, else the reply's start."""
+    try:
+        said = reply.json()
+        error = said.get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+        message = message or said.get("message") or said.get("detail")
+    except (ValueError, AttributeError):
+        message = None
+    text = message if isinstance(message, str) and message.strip() else reply.text
+    return repr(text[:200])
+
+
+def _content(reply) -> str:
+    """The text of an OpenAI chat completion; a reply of another shape is `RequestFailed`."""
     try:
         content = reply.json()["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise GptkilnError(
-            f"the judge at {url} answered {reply.text[:200]!r}, not an OpenAI chat completion; "
-            "give the URL of an OpenAI-compatible endpoint (ending in /v1)"
+        raise RequestFailed(
+            f"the judge answered {reply.text[:200]!r}, not an OpenAI chat completion (an "
+            "OpenAI-compatible base URL ends in /v1)"
         ) from None
     return content if isinstance(content, str) else json.dumps(content)
 
@@ -213,8 +293,13 @@ def judge_entries(
     try:
 
         def one(entry: Entry) -> Entry:
-            answer = ask(judge, judge.question(entry.input, entry.output, entry.response), client)
-            entry.answer, entry.score = answer, parse_score(answer)
+            question = judge.question(entry.input, entry.output, entry.response)
+            try:
+                answer = ask(judge, question, client)
+            except RequestFailed as e:  # this entry's: the others go on
+                entry.error = str(e)
+            else:
+                entry.answer, entry.score = answer, parse_score(answer)
             bar.update(1)
             return entry
 
@@ -406,10 +491,17 @@ def judge_run(
     on_line: Callable[[str], None] | None = None,
 ) -> Verdict:
     """`gptkiln judge`: the run's answers to the test entries, scored by ``judge``; the
-    verdict written into the run (``judgements.json``, or ``judgements-NAME.json``).
+    verdict written into the run (``judgements.json``, or ``judgements-NAME.json``), then its
+    notes (`Verdict.notes`) told to ``on_line``.
 
     Returns:
-        The `Verdict` (entries with their answers and scores; mean, scored, unparsed).
+        The `Verdict` (entries with their answers, scores and errors; mean, scored, unparsed,
+        failed).
+
+    Raises:
+        GptkilnError: bad settings or test entries; a judge that can answer no request
+            (unreachable, a key refused, no such URL or model: nothing is written); every
+            request failed (the verdict is written first, the run's answers in it).
     """
     from gptkiln.checkpoint import write_json
 
@@ -445,4 +537,11 @@ def judge_run(
             "per_entry": [asdict(e) for e in verdict.entries],
         },
     )
+    if verdict.failed == len(verdict.entries):
+        raise GptkilnError(
+            f"every one of the {verdict.failed} requests to the judge at {judge.url} failed; the "
+            f"first: {verdict.entries[0].error}; the run's answers are kept in {path}"
+        )
+    for line in verdict.notes(path):
+        say(f"note: {line}")
     return verdict
