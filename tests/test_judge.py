@@ -443,6 +443,32 @@ def test_an_instruction_with_a_blank_line_is_prompted_as_it_was_trained(run, fak
     assert "### Input:" not in prompt and judged.input == prompt.rsplit("\n\n### Response:", 1)[0]
 
 
+def test_prompts_longer_than_the_runs_context_are_noted_once(run, fake, tmp_path, capsys):
+    """The run answers a prompt past its context from its end, as `gptkiln generate` does (which
+    says so); judge says so once, with how many, while the judge is shown each whole."""
+    long = "Repeat the word. " * 40  # 680 characters: past the context of 512 tokens
+    entries = [
+        {"instruction": long, "input": "", "output": "word"},
+        {"instruction": "Say hi.", "input": "", "output": "hi"},
+        {"instruction": long, "input": "red", "output": "red"},
+    ]
+    data = tmp_path / "long.json"
+    data.write_text(json.dumps(entries))
+    code, _, err = cli(
+        "judge", run, "--data", data, "--judge-url", f"{fake[0]}/v1", "--judge-model", "m",
+        "--max-new-tokens", 2, "--name", "long", capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if "context" in line]
+    assert notes == [
+        "note: 2 of 3 test prompts are longer than the run's context of 512 tokens (the first, "
+        "entry 1): the run answers each from its last 512 tokens, while the judge is shown it "
+        "whole"
+    ], err
+    saved = json.loads((run / "judgements-long.json").read_text())
+    assert long.strip() in saved["per_entry"][0]["input"]  # the judge's input is whole
+
+
 def test_a_thinking_models_reasoning_block_is_not_judged(run, tmp_path, monkeypatch):
     """Qwen3's template opens every answer with ``<think>...</think>``: the judge scores the
     answer after it, as a reader gets it."""

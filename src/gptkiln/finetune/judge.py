@@ -427,10 +427,13 @@ def answers(
     max_new_tokens: int = 256,
     batch_size: int = 8,
     device: str = "cpu",
+    on_notice: Callable[[str], None] | None = None,
 ) -> list[Entry]:
     """The run's greedy answer to each item, batched; the entries to judge (``input`` is each
     prompt as the run's template writes it, without the trailing response header; ``response``
-    the answer after any ``<think>...</think>`` block, as a judge of a thinking model reads it)."""
+    the answer after any ``<think>...</think>`` block, as a judge of a thinking model reads it).
+    ``on_notice`` is told once how many prompts were longer than the run's context (the run
+    answers from their end, as `gptkiln generate` does, while the judge is shown them whole)."""
     from gptkiln.api import complete
     from gptkiln.chat_template import is_chat_template
     from gptkiln.config import SampleConfig
@@ -457,9 +460,18 @@ def answers(
     sample = SampleConfig(
         max_new_tokens=max_new_tokens, temperature=0, stop=template.stop_strings()
     )
+    notices: list[str] = []
     done = complete(
-        model, prompts, sample, tokenizer=tokenizer, batch_size=batch_size, templated=chat
+        model,
+        prompts,
+        sample,
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        templated=chat,
+        on_notice=notices.append,
     )
+    if on_notice is not None and (note := _cut_note(notices, len(prompts), model)):
+        on_notice(note)
     shown = [
         _shown_input(template, p, messages, chat)
         for p, (messages, _) in zip(prompts, items, strict=True)
@@ -468,6 +480,22 @@ def answers(
         Entry(input=s, output=output, response=_REASONING.sub("", c.text, count=1).strip())
         for s, (_, output), c in zip(shown, items, done, strict=True)
     ]
+
+
+_CUT = re.compile(r"prompt (\d+) has \d+ tokens, more than the model's context")  # api's
+
+
+def _cut_note(notices: list[str], n: int, model) -> str | None:
+    """One line for `complete`'s notices of prompts cut to the context (one notice each)."""
+    cut = [int(m.group(1)) for m in map(_CUT.match, notices) if m]
+    if not cut:
+        return None
+    ctx = model.config.context_length
+    return (
+        f"{len(cut)} of {n} test prompts are longer than the run's context of {ctx} tokens "
+        f"(the first, entry {cut[0]}): the run answers each from its last {ctx} tokens, while "
+        "the judge is shown it whole"
+    )
 
 
 def _shown_input(template, prompt: str, messages: list[dict], chat: bool) -> str:
@@ -523,7 +551,12 @@ def judge_run(
     say = on_line or (lambda text: print(text, file=sys.stderr, flush=True))
     say(f"answering {len(items):,} test entries with {run_dir} ...")
     entries = answers(
-        run_dir, items, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device
+        run_dir,
+        items,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        device=device,
+        on_notice=lambda text: say(f"note: {text}"),
     )
     verdict = judge_entries(judge, entries, progress=progress)
     settings = {k: v for k, v in asdict(judge).items() if k != "key"}
