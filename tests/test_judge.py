@@ -469,6 +469,46 @@ def test_prompts_longer_than_the_runs_context_are_noted_once(run, fake, tmp_path
     assert long.strip() in saved["per_entry"][0]["input"]  # the judge's input is whole
 
 
+def test_dpo_pairs_as_data_are_judged_by_their_chosen_answer(run, fake, tmp_path, capsys):
+    """--data of DPO pairs, in each form a dpo run reads: (prompt, chosen) judged, as for a dpo
+    run's own test split."""
+    pairs = [
+        {"prompt": "Say yes.", "chosen": "yes", "rejected": "no"},
+        {
+            "prompt": [{"role": "user", "content": "Say ok."}],
+            "chosen": [{"role": "assistant", "content": "ok"}],
+            "rejected": "not ok",
+        },
+        {
+            "chosen": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "hey"}],
+            "rejected": [
+                {"role": "user", "content": "Hi."},
+                {"role": "assistant", "content": "go"},
+            ],
+        },
+    ]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    code, out, err = cli(
+        "judge", run, "--data", data, "--judge-url", f"{fake[0]}/v1", "--judge-model", "m",
+        "--max-new-tokens", 2, "--name", "pairs", "--json", capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["entries"] == 3
+    saved = json.loads((run / "judgements-pairs.json").read_text())
+    assert [e["output"] for e in saved["per_entry"]] == ["yes", "ok", "hey"]
+    assert "Say yes." in saved["per_entry"][0]["input"]
+    assert "Hi." in saved["per_entry"][2]["input"]
+    (tmp_path / "bad.jsonl").write_text(
+        json.dumps({"prompt": "Say.", "chosen": "", "rejected": "x"})
+    )
+    code, _, err = cli(
+        "judge", run, "--data", tmp_path / "bad.jsonl", "--judge-url", f"{fake[0]}/v1",
+        "--judge-model", "m", capsys=capsys,
+    )  # fmt: skip
+    assert_one_line_error(code, err, "bad.jsonl line 1", '"chosen" is empty or not text')
+
+
 def test_a_thinking_models_reasoning_block_is_not_judged(run, tmp_path, monkeypatch):
     """Qwen3's template opens every answer with ``<think>...</think>``: the judge scores the
     answer after it, as a reader gets it."""

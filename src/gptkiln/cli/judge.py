@@ -32,8 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--data",
         metavar="FILE",
-        help="test entries: instruction entries {instruction, input, output} or conversations "
-        "whose last message is the answer (default: the test split of the data the run was "
+        help="test entries: instruction entries {instruction, input, output}, conversations "
+        "whose last message is the answer, or DPO pairs {prompt, chosen, rejected} (the chosen "
+        "answer is the correct output) (default: the test split of the data the run was "
         "fine-tuned on)",
     )
     add_judge_endpoint_flags(p)

@@ -315,25 +315,37 @@ def judge_entries(
 # -- the run's answers ---------------------------------------------------------------------------
 def test_entries(run_dir: Path, data: str | None) -> list[tuple[list[dict], str]]:
     """(the messages to answer, the correct output) of each test entry: ``data`` (instruction
-    entries, or conversations whose last message is the assistant's answer), else the test
-    split of the data the run was fine-tuned on (`_test_split`)."""
-    from gptkiln.finetune.data import read_instructions, read_records
+    entries; preference pairs, whose chosen answer is the correct output; or conversations
+    whose last message is the assistant's answer), else the test split of the data the run was
+    fine-tuned on (`_test_split`)."""
+    from gptkiln.finetune.data import (
+        conversation_of,
+        read_instructions,
+        read_preferences,
+        read_records,
+    )
     from gptkiln.finetune.runs import finetune_info
     from gptkiln.loading import read_config
 
     if data is None:
         return _test_split(run_dir, finetune_info(read_config(run_dir)) or {})
-    if str(data).endswith((".json", ".jsonl")) and _first_is_instruction(data):
+    first = _first_record(data)
+    if str(data).endswith((".json", ".jsonl")) and "instruction" in first:
         return [(_instruction_messages(e), e["output"]) for e in read_instructions(data)]
+    if "chosen" in first and "rejected" in first:  # DPO pairs, read as a dpo run reads them
+        return _chosen(read_preferences(data))
     out = []
     for where, record in read_records(data, "test entries"):
-        from gptkiln.finetune.data import conversation_of
-
         messages, _ = conversation_of(where, record)
         if messages[-1]["role"] != "assistant" or len(messages) < 2:
             raise GptkilnError(f"{where}: the last message must be the assistant's (the answer)")
         out.append((messages[:-1], messages[-1]["content"]))
     return out
+
+
+def _chosen(pairs) -> list[tuple[list[dict], str]]:
+    """(the prompt, the chosen answer) of each preference pair: the judge's correct output."""
+    return [(p.prompt, p.chosen) for p in pairs]
 
 
 def _test_split(run_dir: Path, info: dict) -> list[tuple[list[dict], str]]:
@@ -358,7 +370,7 @@ def _test_split(run_dir: Path, info: dict) -> list[tuple[list[dict], str]]:
         return [(_instruction_messages(e), e["output"]) for e in entries[test]]
     if task == "dpo":
         pairs = [p for i, p in enumerate(read_preferences(source)) if i not in dropped]
-        return [(p.prompt, p.chosen) for p in pairs[test]]
+        return _chosen(pairs[test])
     conversations = read_conversations(source)[0]
     kept = [c for i, c in enumerate(conversations) if i not in dropped]
     out = []
@@ -395,11 +407,13 @@ def _trained_data(run_dir: Path, info: dict, source: str) -> str:
     return same
 
 
-def _first_is_instruction(path: str) -> bool:
+def _first_record(path: str) -> dict:
+    """The first record of a test-entries file, when it is an object (else {}), to tell its
+    kind by its keys."""
     from gptkiln.finetune.data import read_records
 
     records = read_records(path, "test entries")
-    return bool(records) and isinstance(records[0][1], dict) and "instruction" in records[0][1]
+    return records[0][1] if records and isinstance(records[0][1], dict) else {}
 
 
 ENTRY_KEY = "instruction_entry"
