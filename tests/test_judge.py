@@ -509,6 +509,26 @@ def test_dpo_pairs_as_data_are_judged_by_their_chosen_answer(run, fake, tmp_path
     assert_one_line_error(code, err, "bad.jsonl line 1", '"chosen" is empty or not text')
 
 
+def test_a_judge_none_of_whose_answers_is_a_score_is_noted(run, tmp_path, capsys):
+    """Every answer unparsed: still a success (the answers are kept), but a note says there is
+    no mean, how many, and what the judge answered."""
+    for content, fix in (
+        ("I would rate this response a 70 out of 100.", "or a prompt that asks for the number"),
+        ("<think>Let me weigh the", "the judge's reasoning was cut: give it room with --judge-"),
+    ):
+        reply = {"choices": [{"message": {"role": "assistant", "content": content}}]}
+        with ServerThread(fake_judge(replies={"*": (200, reply)})) as url:
+            code, out, err = cli(
+                "judge", run, "--judge-url", f"{url}/v1", "--judge-model", "m",
+                "--max-new-tokens", 2, "--name", "wordy", capsys=capsys,
+            )  # fmt: skip
+        assert code == 0, err
+        assert "mean score - over 0 scored (4 unparsed answers kept)" in out
+        [note] = [line for line in err.splitlines() if line.startswith("note:")]
+        assert note.startswith("note: none of the judge's 4 answers is a score"), note
+        assert f"entry 1's was {content!r}: " in note and fix in note
+
+
 def test_a_thinking_models_reasoning_block_is_not_judged(run, tmp_path, monkeypatch):
     """Qwen3's template opens every answer with ``<think>...</think>``: the judge scores the
     answer after it, as a reader gets it."""

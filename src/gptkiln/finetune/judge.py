@@ -161,7 +161,7 @@ class Verdict:
 
     def notes(self, path: str | os.PathLike) -> list[str]:
         """What a reader of the mean should know: the requests that failed (how many, the
-        first reason)."""
+        first reason), and a judge none of whose answers was a score (so there is no mean)."""
         n, out = len(self.entries), []
         failed = [(i, e) for i, e in enumerate(self.entries, start=1) if e.error is not None]
         if failed:
@@ -169,6 +169,19 @@ class Verdict:
             out.append(
                 f"{len(failed)} of {n} judge requests failed: their score is null, the reason "
                 f"kept in {path}; the first, entry {i}: {first.error}"
+            )
+        unparsed = [(i, e) for i, e in enumerate(self.entries, start=1) if e.answer is not None]
+        if unparsed and self.scored == 0:
+            i, first = unparsed[0]
+            fix = (
+                "use a judge model that follows the prompt (--judge-model), or a prompt that "
+                "asks for the number alone (--prompt-file)"
+            )
+            if first.answer.lstrip().startswith("<think>") and "</think>" not in first.answer:
+                fix = "the judge's reasoning was cut: give it room with --judge-max-tokens"
+            out.append(
+                f"none of the judge's {len(unparsed)} answers is a score (a number from 0 to 100 "
+                f"alone), so there is no mean; entry {i}'s was {first.answer[:120]!r}: {fix}"
             )
         return out
 
