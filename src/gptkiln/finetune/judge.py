@@ -484,8 +484,11 @@ def answers(
             prompts.append(format_messages(template, plain))
         else:
             prompts.append(format_prompt(template, *_instruction_entry(messages)))
-    sample = SampleConfig(
-        max_new_tokens=max_new_tokens, temperature=0, stop=template.stop_strings()
+    sample = SampleConfig(  # an answer is text, as gptkiln chat shows it: no special tokens
+        max_new_tokens=max_new_tokens,
+        temperature=0,
+        stop=template.stop_strings(),
+        skip_special_tokens=True,
     )
     notices: list[str] = []
     done = complete(
