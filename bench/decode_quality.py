@@ -71,10 +71,12 @@ def with_kernel(model, name: str):
     """Every int8 layer of ``model`` on the int8 kernel ``name`` for one row."""
     from gptkiln.quantize import Int8Linear
 
+    from gptkiln.cpu.planned import give_kernel
+
     kernel = kernel_of(name, "int8")
     for module in model.modules():
         if isinstance(module, Int8Linear):
-            module.few_row_kernels = {1: kernel}
+            give_kernel(module, 1, kernel)
     return model
 
 
@@ -82,10 +84,12 @@ def with_float_kernel(model, name: str):
     """Every float layer of ``model`` on the float kernel ``name`` for one row."""
     from gptkiln.model import Linear
 
+    from gptkiln.cpu.planned import give_kernel
+
     kernel = kernel_of(name, "float32")
     for module in model.modules():
         if isinstance(module, Linear):
-            module.few_row_kernels = {1: kernel}
+            give_kernel(module, 1, kernel)
     return model.eval()
 
 

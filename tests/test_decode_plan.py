@@ -128,3 +128,25 @@ def test_int8_weights_beside_a_float_precision_say_which_flag_to_drop():
     assert "drop --quantize to decode at bf16" in said
     assert "drop --precision bf16 to decode at int8" in said
     assert loading_quantize("int8", None) == loading_quantize(None, "int8") == "int8"
+
+
+def test_the_decode_quality_bench_puts_each_layer_on_the_kernel_it_names():
+    """bench/decode_quality.py scores a model with every product on one kernel: each layer
+    planned with it (`give_kernel`), so a decode step runs it; an attribute the layer's own
+    forward never reads would score the layer's own product under the kernel's name."""
+    import importlib.util
+    from pathlib import Path
+
+    from gptkiln.config import GPTConfig
+    from gptkiln.cpu.planned import PlannedProduct
+    from gptkiln.model import GPT, Linear
+
+    path = Path(__file__).parent.parent / "bench" / "decode_quality.py"
+    spec = importlib.util.spec_from_file_location("decode_quality", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = bench.with_float_kernel(GPT(GPTConfig.from_name("tiny", vocab_size=64)), "linear")
+    kernel = bench.kernel_of("linear", "float32")
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and all(isinstance(m, PlannedProduct) for m in layers)
+    assert all(m.few_row_kernels[1] is kernel for m in layers)
