@@ -69,9 +69,8 @@ def kernel_of(name: str, weight: str):
 
 def with_kernel(model, name: str):
     """Every int8 layer of ``model`` on the int8 kernel ``name`` for one row."""
-    from gptkiln.quantize import Int8Linear
-
     from gptkiln.cpu.planned import give_kernel
+    from gptkiln.quantize import Int8Linear
 
     kernel = kernel_of(name, "int8")
     for module in model.modules():
@@ -82,9 +81,8 @@ def with_kernel(model, name: str):
 
 def with_float_kernel(model, name: str):
     """Every float layer of ``model`` on the float kernel ``name`` for one row."""
-    from gptkiln.model import Linear
-
     from gptkiln.cpu.planned import give_kernel
+    from gptkiln.model import Linear
 
     kernel = kernel_of(name, "float32")
     for module in model.modules():
