@@ -89,6 +89,24 @@ def test_stop_strings_end_the_text_right_before_them(run):
     assert stopped[1].text == other.text.split(stop)[0]
 
 
+def test_an_end_of_text_that_ends_a_sample_is_its_last_token_id(run, monkeypatch):
+    """token_ids as transformers' generate and vLLM give them: the end-of-text id that ended a
+    sample is its last id (its text is none)."""
+    tokenizer = CharTokenizer(CHARS, with_eot=True)
+    a, eot = tokenizer.encode("a")[0], tokenizer.eot_id
+    picks = iter([a, a, eot])  # the sampler's picks, scripted: "a", "a", then end-of-text
+    real = gptkiln.sampling.sample_rows
+
+    def scripted(logits, *args, **kwargs):
+        logits = torch.full_like(logits, -1e9)
+        logits[:, next(picks)] = 0
+        return real(logits, *args, **kwargs)
+
+    monkeypatch.setattr(gptkiln.sampling, "sample_rows", scripted)
+    (sample,) = complete(run, ["ab"], SampleConfig(max_new_tokens=8, temperature=0))
+    assert (sample.text, sample.token_ids, sample.finish_reason) == ("aa", [a, a, eot], "stop")
+
+
 def test_bad_arguments_of_complete_are_one_error_each(run):
     from gptkiln.errors import GptkilnError
 

@@ -167,8 +167,9 @@ class Completion:
         index: the sample's number among that prompt's samples (from 0).
         seed: the seed it was drawn with (``cfg.seed + index``); None when unseeded.
         text: the generated text, without the prompt; it ends right before a stop string.
-        token_ids: the generated ids: end-of-text is not among them; when a stop string ended
-            the sample, they run to the token that completed it (whose text is cut).
+        token_ids: the generated ids, as transformers' ``generate`` and vLLM give them: an
+            end-of-text id that ended the sample is the last (its text is none); when a stop
+            string ended it, they run to the token that completed it (whose text is cut).
         finish_reason: ``"stop"`` (end-of-text or a stop string) or ``"length"``
             (``max_new_tokens`` reached), OpenAI's names.
     """
@@ -263,7 +264,7 @@ def complete(
             index=j,
             seed=None if cfg.seed is None else cfg.seed + j,
             text=stream.text,
-            token_ids=list(stream.ids),
+            token_ids=[*stream.ids, *(() if stream.end is None else (stream.end,))],
             finish_reason=stream.finish_reason,
         )
         for (i, j), stream in zip(rows, streams)

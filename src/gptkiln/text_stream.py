@@ -69,6 +69,7 @@ class TextStream:
         self._ends = end_ids(eot_id)
         self._hidden = frozenset(hidden)
         self.ids: list[int] = []  # the sequence's ids, end-of-text excluded
+        self.end: int | None = None  # the end id that ended it, if one did
         self._shown: list[int] = []  # those decoded into the text: hidden ids left out
         self.text = ""  # the text given out so far
         self.done = False
@@ -88,7 +89,7 @@ class TextStream:
             return ""
         if token in self._ends:
             piece = self.flush()
-            self.done = True
+            self.done, self.end = True, token
             return piece
         self.ids.append(token)
         if token in self._hidden:

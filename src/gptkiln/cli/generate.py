@@ -61,7 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--json prints one JSON object a "
         "line instead (JSON Lines): prompt_index, prompt, index (the sample's, from 0), "
         "seed, text (without the prompt), token_ids (every token generated: a stop string's "
-        "too, as Hugging Face and vLLM give them) and finish_reason (stop: end-of-text or "
+        "and an end-of-text that ended it too, as Hugging Face and vLLM give them) and finish_reason (stop: end-of-text or "
         "a stop string; length: --max-new-tokens). A prompt and its new tokens may pass the "
         "model's context: the window then slides, each new token seeing only the last "
         "context-length tokens (as the book's generate does), and a note on stderr says so; "

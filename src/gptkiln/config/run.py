@@ -31,11 +31,12 @@ class SampleConfig:
     number of times its token was generated so far, and by ``presence_penalty`` once if it was
     generated at all (in [-2, 2]; negative values favour repeats). ``min_p`` drops the tokens
     less likely than ``min_p`` times the likeliest (after temperature, top-k and top-p: Nguyen
-    et al. 2024, https://arxiv.org/abs/2407.01082; transformers' and llama.cpp's ``min_p``).
-    ``repetition_penalty`` is CTRL's (Keskar et al. 2019), as transformers, vLLM and llama.cpp
-    apply it: the logit of every token in the prompt or generated so far divided by it where
-    positive, multiplied where negative (> 0; 1 = off; above 1 discourages repeats), before
-    the presence and frequency penalties. ``skip_special_tokens``: the text leaves out the
+    et al. 2024, https://arxiv.org/abs/2407.01082; transformers' ``min_p`` and order; llama.cpp
+    applies its temperature last, so its min-p keeps another set at a temperature other than 1).
+    ``repetition_penalty`` is CTRL's (Keskar et al. 2019), as transformers and vLLM apply it:
+    the logit of every token in the prompt or generated so far divided by it where positive,
+    multiplied where negative (> 0; 1 = off; above 1 discourages repeats), before the presence
+    and frequency penalties (llama.cpp's ``repeat_penalty`` counts the last 64 tokens only). ``skip_special_tokens``: the text leaves out the
     tokenizer's special tokens (a chat template's markers), as vLLM's ``skip_special_tokens``
     and transformers' ``decode(..., skip_special_tokens=True)``; the ids keep them (chat and
     the server's chat answers set it; ``generate`` shows every token, as the book's does).
