@@ -36,7 +36,8 @@ class SampleConfig:
     ``repetition_penalty`` is CTRL's (Keskar et al. 2019), as transformers and vLLM apply it:
     the logit of every token in the prompt or generated so far divided by it where positive,
     multiplied where negative (> 0; 1 = off; above 1 discourages repeats), before the presence
-    and frequency penalties (llama.cpp's ``repeat_penalty`` counts the last 64 tokens only). ``skip_special_tokens``: the text leaves out the
+    and frequency penalties (llama.cpp's ``repeat_penalty`` counts the last 64 tokens only).
+    ``skip_special_tokens``: the text leaves out the
     tokenizer's special tokens (a chat template's markers), as vLLM's ``skip_special_tokens``
     and transformers' ``decode(..., skip_special_tokens=True)``; the ids keep them (chat and
     the server's chat answers set it; ``generate`` shows every token, as the book's does).
