@@ -324,8 +324,8 @@ def apply_penalties(
 ) -> torch.Tensor:
     """The penalties on logits (B, V). First CTRL's ``repetition`` penalty (transformers' and
     vLLM's, over the whole sequence; llama.cpp's ``repeat_penalty`` over its last 64 tokens):
-    the logit of each token in the row's prompt (``in_prompt`` (B, V) bool, where given) or generated divided by
-    ``repetition`` where positive, multiplied where negative. Then OpenAI's: each logit minus
+    the logit of each token in the row's prompt (``in_prompt`` (B, V) bool, where given) or
+    generated divided by ``repetition`` where positive, multiplied where negative. Then OpenAI's: each logit minus
     ``frequency`` times its token's count so far, minus ``presence`` once if that count is not
     0. ``counts`` (B, V) holds how often each token was generated in each row (the prompt does
     not count there)."""

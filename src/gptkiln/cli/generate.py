@@ -62,8 +62,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "line instead (JSON Lines): prompt_index, prompt, index (the sample's, from 0), "
         "seed, text (without the prompt), token_ids (every token generated: a stop string's "
         "and an end-of-text that ended it too, as Hugging Face and vLLM give them) and "
-        "finish_reason (stop: end-of-text or a stop string; length: --max-new-tokens). A prompt and its new tokens may pass the "
-        "model's context: the window then slides, each new token seeing only the last "
+        "finish_reason (stop: end-of-text or a stop string; length: --max-new-tokens). A "
+        "prompt and its new tokens may pass the model's context: the window then slides, each new token seeing only the last "
         "context-length tokens (as the book's generate does), and a note on stderr says so; "
         "gptkiln serve refuses such a request instead (context_length_exceeded), and its page "
         "sizes Max tokens to fit.",
