@@ -323,12 +323,12 @@ def apply_penalties(
     in_prompt: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The penalties on logits (B, V). First CTRL's ``repetition`` penalty (transformers' and
-    vLLM's, over the whole sequence; llama.cpp's ``repeat_penalty`` over its last 64 tokens):
-    the logit of each token in the row's prompt (``in_prompt`` (B, V) bool, where given) or
-    generated divided by ``repetition`` where positive, multiplied where negative. Then OpenAI's: each logit minus
-    ``frequency`` times its token's count so far, minus ``presence`` once if that count is not
-    0. ``counts`` (B, V) holds how often each token was generated in each row (the prompt does
-    not count there)."""
+    vLLM's, over the whole sequence; llama.cpp's ``repeat_penalty`` over its last 64 tokens): the
+    logit of each token in the row's prompt (``in_prompt`` (B, V) bool, where given) or generated
+    divided by ``repetition`` where positive, multiplied where negative. Then OpenAI's: each logit
+    minus ``frequency`` times its token's count so far, minus ``presence`` once if that count is not
+    0. ``counts`` (B, V) holds how often each token was generated in each row (the prompt does not
+    count there)."""
     if repetition != 1:
         seen = counts > 0 if in_prompt is None else (counts > 0) | in_prompt
         penalised = torch.where(logits > 0, logits / repetition, logits * repetition)

@@ -55,17 +55,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text from a run (streams to the terminal)",
         description="Generate text from a run. One prompt streams to the terminal as it is "
-        "generated; several prompts (and --num-samples) are generated together, --batch-size "
-        "samples at a time, and printed one after another, each sample after a line "
-        "'--- prompt P of M, sample S of N (seed X) ---' (each part where there are several). "
-        "--json prints one JSON object a "
-        "line instead (JSON Lines): prompt_index, prompt, index (the sample's, from 0), "
-        "seed, text (without the prompt), token_ids (every token generated: a stop string's "
-        "and an end-of-text that ended it too, as Hugging Face and vLLM give them) and "
-        "finish_reason (stop: end-of-text or a stop string; length: --max-new-tokens). A "
-        "prompt and its new tokens may pass the model's context: the window then slides, each new token seeing only the last "
-        "context-length tokens (as the book's generate does), and a note on stderr says so; "
-        "gptkiln serve refuses such a request instead (context_length_exceeded), and its page "
+        "generated; several "
+        "prompts (and --num-samples) are generated together, --batch-size samples at a time, and "
+        "printed one after another, each sample after a line '--- prompt P of M, sample S of N "
+        "(seed X) ---' (each part where there are several). --json prints one JSON object a line "
+        "instead (JSON Lines): prompt_index, prompt, index (the sample's, from 0), seed, text "
+        "(without the prompt), token_ids (every token generated: a stop string's and an "
+        "end-of-text that ended it too, as Hugging Face and vLLM give them) and finish_reason "
+        "(stop: end-of-text or a stop string; length: --max-new-tokens). A prompt and its new "
+        "tokens may pass the model's context: the window then slides, each new token seeing only "
+        "the last context-length tokens (as the book's generate does), and a note on stderr says "
+        "so; gptkiln serve refuses such a request instead (context_length_exceeded), and its page "
         "sizes Max tokens to fit.",
         epilog=example(
             "gptkiln generate runs/char --prompt ROMEO: --prompt JULIET: --num-samples 2 --seed 1"
