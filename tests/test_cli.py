@@ -433,7 +433,8 @@ def test_bad_run_directories(run_dir, tmp_path, capsys):
     code, _, err = cli("generate", run_dir, "--prompt", "x", "--presence-penalty", "5",
                        capsys=capsys)  # fmt: skip
     assert_one_line_error(code, err, "--presence-penalty must be in [-2, 2]")
-    for flag, value in (("--repetition-penalty", "0"), ("--min-p", "2")):
+    for flag, value in (("--repetition-penalty", "0"), ("--min-p", "2"), ("--num-samples", "0"),
+                        ("--batch-size", "0")):  # fmt: skip
         code, _, err = cli("generate", run_dir, "--prompt", "x", flag, value, capsys=capsys)
         assert_one_line_error(code, err, f"{flag} must be")
     broken = tmp_path / "broken"

@@ -130,8 +130,9 @@ def run(args: argparse.Namespace) -> None:
     from gptkiln.devices import resolve_device
 
     prompts = _prompts(args)
-    if args.batch_size < 1:  # checked by `complete`, which one streamed prompt does not call
-        raise GptkilnError(f"batch_size must be a whole number >= 1, got {args.batch_size}")
+    for flag, value in (("--batch-size", args.batch_size), ("--num-samples", args.num_samples)):
+        if value < 1:  # (checked by `complete` too, which one streamed prompt does not call)
+            raise GptkilnError(f"{flag} must be a whole number >= 1, got {value}")
     cfg = sample_config(args)
     device = resolve_device(args.device)
     template = None if args.raw else _run_template(args.run_dir)
