@@ -127,6 +127,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from gptkiln.chat_template import is_chat_template
     from gptkiln.devices import resolve_device
 
     prompts = _prompts(args)
@@ -136,6 +137,14 @@ def run(args: argparse.Namespace) -> None:
     cfg = sample_config(args)
     device = resolve_device(args.device)
     template = None if args.raw else _run_template(args.run_dir)
+    if is_chat_template(template):  # a model's own template (a base model may ship one too)
+        from gptkiln.loading import load_run_tokenizer, read_config
+
+        load_run_tokenizer(args.run_dir, read_config(args.run_dir))  # a broken one: its line only
+        note(
+            f"{args.run_dir} has a chat template: each prompt is sent as a user message in it "
+            "(--raw sends the prompt as it is)"
+        )
     if len(prompts) == 1 and args.num_samples == 1 and not args.json:  # streams as it comes
         _stream(args, prompts[0], cfg, device, echo=template is None)
     else:
