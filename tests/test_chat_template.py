@@ -218,3 +218,41 @@ def test_a_broken_template_is_one_line_exit_2(tmp_path, capsys):
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "chat template is not valid jinja2" in lines[0], err
         assert "tokenizer_config.json" in lines[0]
+
+
+def test_a_models_generation_config_sets_the_sampling_no_flag_gives(chat_run, monkeypatch, capsys):
+    """Qwen3's generation_config.json (do_sample, temperature 0.6, top-k 20, top-p 0.95) is how
+    generate and chat sample where no flag says otherwise, as transformers and vLLM take it,
+    with a note; a flag given wins; do_sample false is greedy."""
+    from gptkiln.config.run import model_sampling
+
+    run, _ = chat_run
+    config_path = run / "generation_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    qwen3 = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    config_path.write_text(json.dumps({**config, **qwen3}))
+    assert model_sampling(run) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    used = []
+    real = sampling.generate_stream
+
+    def seen(model, prompts, cfg, *args, **kwargs):
+        used.append((cfg.temperature, cfg.top_k, cfg.top_p))
+        return real(model, prompts, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(sampling, "generate_stream", seen)
+    base = ["generate", run, "--prompt", "Hi", "--max-new-tokens", 3, "--seed", 1]
+    code, _, err = cli(*base, capsys=capsys)
+    assert code == 0 and used[-1] == (0.6, 20, 0.95)
+    assert "generation_config.json sets it: temperature 0.6, top k 20, top p 0.95" in err
+    code, _, err = cli(*base, "--temperature", 0.9, "--top-k", 5, capsys=capsys)
+    assert code == 0 and used[-1] == (0.9, 5, 0.95) and "temperature 0.6" not in err
+    config_path.write_text(json.dumps({**config, "do_sample": False, "temperature": 0.6}))
+    code, _, err = cli(*base, capsys=capsys)
+    assert code == 0 and used[-1] == (0.0, None, None)
+    config_path.write_text(json.dumps(config))  # none set: the command's own defaults
+    code, _, err = cli(*base, capsys=capsys)
+    assert code == 0 and used[-1] == (0.8, None, None) and "generation_config" not in err
+    config_path.write_text(json.dumps({**config, **qwen3}))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    code, _, err = cli("chat", run, "--max-new-tokens", 3, "--seed", 1, capsys=capsys)
+    assert code == 0 and used[-1] == (0.6, 20, 0.95) and "top p 0.95" in err

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from gptkiln.config import SampleConfig
+from gptkiln.config.run import MODEL_SAMPLING
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -210,25 +211,65 @@ def add_sampling_flags(
         defaults: {field: default} where the command's differs from `SampleConfig`'s.
     """
     fields = {f.name: f.default for f in dataclasses.fields(SampleConfig)}
+    fallback = {}  # what a flag of `MODEL_SAMPLING` not given is where the model sets none
     for name, (kind, metavar) in SAMPLING_FLAGS.items():
         if name not in helps:
             continue
         if name == "stop":  # repeatable: each --stop adds one
             value: dict[str, Any] = dict(action="append", default=[])
+        elif name in MODEL_SAMPLING:  # unset: the model's generation_config.json, else this
+            fallback[name] = defaults.get(name, fields[name])
+            value = dict(type=kind, default=None)
         else:
             value = dict(type=kind, default=defaults.get(name, fields[name]))
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, metavar=metavar, help=helps[name], **value)
+    p.set_defaults(sampling_fallback=fallback)
 
 
-def sample_config(args: argparse.Namespace) -> SampleConfig:
-    """The `SampleConfig` of a command's sampling flags (`add_sampling_flags`); a flag the
-    command does not take keeps `SampleConfig`'s default. A bad value is named by its flag
-    (``--presence-penalty``), not by the field it sets."""
+def sample_config(args: argparse.Namespace, model: dict[str, Any] | None = None) -> SampleConfig:
+    """The `SampleConfig` of a command's sampling flags (`add_sampling_flags`): a flag given;
+    else, for `MODEL_SAMPLING`, what ``model`` (`model_sampling`: the run's
+    generation_config.json) sets, else the command's default; a flag the command does not take
+    keeps `SampleConfig`'s default. A bad value is named by its flag (``--presence-penalty``),
+    not by the field it sets."""
+    values = {name: getattr(args, name) for name in SAMPLING_FLAGS if name in args}
+    for name, default in getattr(args, "sampling_fallback", {}).items():
+        if values.get(name) is None:
+            values[name] = (model or {}).get(name, default)
     with named_by_flag(SAMPLING_FLAGS):
-        return SampleConfig(
-            **{name: getattr(args, name) for name in SAMPLING_FLAGS if name in args}
-        )
+        return SampleConfig(**values)
+
+
+def model_sampling_note(args: argparse.Namespace, run_dir, model: dict[str, Any]) -> str | None:
+    """The note that says which sampling settings came from the run's generation_config.json
+    (the flags not given that it sets), or None."""
+    taken = {
+        name: value
+        for name, value in model.items()
+        if name in getattr(args, "sampling_fallback", {}) and getattr(args, name, None) is None
+    }
+    if not taken:
+        return None
+    said = ", ".join(f"{n.replace('_', ' ')} {v}" for n, v in taken.items())
+    return f"sampling as {run_dir}'s generation_config.json sets it: {said} (a flag overrides it)"
+
+
+class PendingNotes:
+    """Notes said before the first of a library's own (``on_notice``: after the run loaded), or
+    at `flush`: a run that fails to load says its one error line only."""
+
+    def __init__(self, *texts: str | None) -> None:
+        self.texts = [t for t in texts if t]
+
+    def __call__(self, text: str) -> None:
+        self.flush()
+        note(text)
+
+    def flush(self) -> None:
+        for text in self.texts:
+            note(text)
+        self.texts.clear()
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from gptkiln.cli.common import (
     add_sampling_flags,
     example,
     keep_freed_memory_on_cpu,
+    model_sampling_note,
     named_by_flag,
     recorded_settings,
     sample_config,
@@ -429,10 +430,11 @@ def run_classify(args: argparse.Namespace) -> None:
 
 
 # chat's sampling flags (`common.add_sampling_flags`): greedy by default, as the book's chapter 7
-# generates its responses.
+# generates its responses, where the run's generation_config.json sets no sampling of its own.
 CHAT_SAMPLING_HELP = {
     "max_new_tokens": "longest response in tokens, >= 0 (default: 200)",
-    "temperature": "0 = greedy (the book's), > 0 samples (default: 0)",
+    "temperature": "0 = greedy (the book's), > 0 samples (default: the run's "
+    "generation_config.json's, as for top-k, top-p, min-p and the repetition penalty; else 0)",
     "top_k": "sample from the k likeliest tokens, >= 1 (default: all)",
     "top_p": "nucleus sampling, in (0, 1] (default: off)",
     "min_p": "drop the tokens less likely than P times the likeliest, in [0, 1] (default: off)",
@@ -476,8 +478,13 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_chat(args: argparse.Namespace) -> None:
     from gptkiln import chat
+    from gptkiln.config.run import model_sampling
     from gptkiln.devices import resolve_device
 
     device = resolve_device(args.device)
-    session = chat.Chat(args.run_dir, sample_config(args), device=device, precision=args.precision)
+    model = model_sampling(args.run_dir)
+    cfg = sample_config(args, model)
+    session = chat.Chat(args.run_dir, cfg, device=device, precision=args.precision)
+    if said := model_sampling_note(args, args.run_dir, model):  # the run loaded: said now
+        session.on_notice(said)
     chat.run_chat(session, interactive=not args.plain and sys.stdin.isatty())

@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gptkiln.cli.common import (
+    PendingNotes,
     add_device_flag,
     add_precision_flag,
     add_quantize_flag,
     add_run_argument,
     add_sampling_flags,
     example,
+    model_sampling_note,
     note,
     sample_config,
 )
@@ -28,11 +30,11 @@ if TYPE_CHECKING:
     from gptkiln.finetune.templates import PromptTemplate
 
 # The sampling flags' help (`common.add_sampling_flags`); the defaults are `SampleConfig`'s but
-# for a temperature of 0.8.
+# for a temperature of 0.8; those of `MODEL_SAMPLING` the run's generation_config.json's first.
 SAMPLING_HELP = {
     "max_new_tokens": "tokens to generate at most (>= 0); past the model's context the window "
     "slides, and a note says so (default: %(default)s)",
-    "temperature": "softmax temperature (>= 0; 0 = greedy) (default: %(default)s)",
+    "temperature": "softmax temperature (>= 0; 0 = greedy) (default: 0.8)",
     "top_k": "sample from the K most likely tokens only (>= 1) (default: all tokens)",
     "top_p": "sample from the fewest tokens whose probability reaches P, in (0, 1] "
     "(default: all tokens)",
@@ -66,7 +68,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "tokens may pass the model's context: the window then slides, each new token seeing only "
         "the last context-length tokens (as the book's generate does), and a note on stderr says "
         "so; gptkiln serve refuses such a request instead (context_length_exceeded), and its page "
-        "sizes Max tokens to fit.",
+        "sizes Max tokens to fit. Temperature, top-k, top-p, min-p and the repetition "
+        "penalty not given take what the run's generation_config.json sets (a Hugging Face "
+        "model's, e.g. Qwen3's temperature 0.6, top-k 20, top-p 0.95), as transformers and "
+        "vLLM do, with a note.",
         epilog=example(
             "gptkiln generate runs/char --prompt ROMEO: --prompt JULIET: --num-samples 2 --seed 1"
         ),
@@ -128,31 +133,39 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from gptkiln.chat_template import is_chat_template
+    from gptkiln.config.run import model_sampling
     from gptkiln.devices import resolve_device
 
     prompts = _prompts(args)
     for flag, value in (("--batch-size", args.batch_size), ("--num-samples", args.num_samples)):
         if value < 1:  # (checked by `complete` too, which one streamed prompt does not call)
             raise GptkilnError(f"{flag} must be a whole number >= 1, got {value}")
-    cfg = sample_config(args)
+    model = model_sampling(args.run_dir)
+    cfg = sample_config(args, model)
     device = resolve_device(args.device)
     template = None if args.raw else _run_template(args.run_dir)
+    wrapped = None
     if is_chat_template(template):  # a model's own template (a base model may ship one too)
-        from gptkiln.loading import load_run_tokenizer, read_config
-
-        load_run_tokenizer(args.run_dir, read_config(args.run_dir))  # a broken one: its line only
-        note(
+        wrapped = (
             f"{args.run_dir} has a chat template: each prompt is sent as a user message in it "
             "(--raw sends the prompt as it is)"
         )
+    # said once the run has loaded: one that does not says its error line alone
+    notes = PendingNotes(wrapped, model_sampling_note(args, args.run_dir, model))
     if len(prompts) == 1 and args.num_samples == 1 and not args.json:  # streams as it comes
-        _stream(args, prompts[0], cfg, device, echo=template is None)
+        _stream(args, prompts[0], cfg, device, echo=template is None, on_notice=notes)
     else:
-        _complete(args, prompts, cfg, device, template)
+        _complete(args, prompts, cfg, device, template, on_notice=notes)
+    notes.flush()
 
 
 def _stream(
-    args: argparse.Namespace, prompt: str, cfg: SampleConfig, device: str, echo: bool
+    args: argparse.Namespace,
+    prompt: str,
+    cfg: SampleConfig,
+    device: str,
+    echo: bool,
+    on_notice=note,
 ) -> None:
     """One sample of one prompt, written as its tokens come; ``echo``: the prompt first (an
     instruction-tuned run's response shows alone)."""
@@ -163,7 +176,7 @@ def _stream(
         prompt,
         cfg,
         device=device,
-        on_notice=note,
+        on_notice=on_notice,
         input=args.input,
         raw=args.raw,
         quantize=args.quantize,
@@ -184,6 +197,7 @@ def _complete(
     cfg: SampleConfig,
     device: str,
     template: PromptTemplate | None,
+    on_notice=note,
 ) -> None:
     """Every prompt's ``--num-samples`` samples, generated in batches, printed each after its
     '--- prompt P of M, sample S of N (seed X) ---' line, or as JSON Lines (``--json``)."""
@@ -209,7 +223,7 @@ def _complete(
         num_samples=args.num_samples,
         batch_size=args.batch_size,
         device=device,
-        on_notice=note,
+        on_notice=on_notice,
         quantize=args.quantize,
         templated=templated,
         precision=args.precision,

@@ -83,6 +83,41 @@ class SampleConfig:
         return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
 
 
+MODEL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+"""The `SampleConfig` fields a model's ``generation_config.json`` may set for it."""
+
+
+def model_sampling(directory: str | Path) -> dict[str, Any]:
+    """The sampling a model directory's ``generation_config.json`` asks for, as transformers
+    reads it and vLLM takes it for the requests that do not say (Qwen3: temperature 0.6, top-k
+    20, top-p 0.95): ``do_sample`` false is greedy; a setting that changes nothing (top-k 0,
+    top-p 1, min-p 0, a repetition penalty of 1) or is no valid value is left out. {} where it
+    has no such file."""
+    import json
+
+    try:
+        config = json.loads((Path(directory) / "generation_config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    if config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    valid = {
+        "temperature": lambda v: 0 <= v < math.inf,
+        "top_k": lambda v: v >= 1 and v == int(v),
+        "top_p": lambda v: 0 < v < 1,
+        "min_p": lambda v: 0 < v <= 1,
+        "repetition_penalty": lambda v: 0 < v < math.inf and v != 1,
+    }
+    out: dict[str, Any] = {}
+    for name, ok in valid.items():
+        value = config.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and ok(value):
+            out[name] = int(value) if name == "top_k" else float(value)
+    return out
+
+
 def check_stop(stop: Any) -> tuple[str, ...]:
     """Stop strings as a tuple: one string or a list of them, each non-empty."""
     if isinstance(stop, str):
