@@ -163,6 +163,7 @@ CLOCK = {
     },
 }
 NAME = "agent-run"
+FG = ("f", "g")  # the tools a parse_tool_calls test offers
 
 
 class Person(pydantic.BaseModel):
@@ -652,32 +653,72 @@ def test_each_family_reads_its_calls_back(tmp_path):
     content, calls = parse_tool_calls(
         HERMES,
         'Let me see.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+        FG,
     )
     assert content == "Let me see." and [c.function.name for c in calls] == ["f", "g"]
     assert json.loads(calls[0].function.arguments) == {"a": 1}
     content, calls = parse_tool_calls(
-        LLAMA3_JSON, '<|python_tag|>{"name": "f", "parameters": {"a": 1}}'
+        LLAMA3_JSON, '<|python_tag|>{"name": "f", "parameters": {"a": 1}}', FG
     )
     assert content is None and json.loads(calls[0].function.arguments) == {"a": 1}
-    assert parse_tool_calls(LLAMA3_JSON, "Just text.") == ("Just text.", [])
-    assert parse_tool_calls(HERMES, "<tool_call>\n{broken") == ("<tool_call>\n{broken", [])
+    assert parse_tool_calls(LLAMA3_JSON, "Just text.", FG) == ("Just text.", [])
+    assert parse_tool_calls(HERMES, "<tool_call>\n{broken", FG) == ("<tool_call>\n{broken", [])
 
 
 def test_a_call_is_read_as_json_whole_so_its_strings_may_hold_the_separators():
     """A ``;`` in a Llama 3 call's argument, or ``</tool_call>`` in a Hermes one's, belongs to
     its string: the call still reads back (before, the text was split on them first)."""
     content, calls = parse_tool_calls(
-        LLAMA3_JSON, '{"name": "f", "parameters": {"q": "a; b"}}; {"name": "g", "parameters": {}}'
+        LLAMA3_JSON,
+        '{"name": "f", "parameters": {"q": "a; b"}}; {"name": "g", "parameters": {}}',
+        FG,
     )
     assert content is None and [c.function.name for c in calls] == ["f", "g"]
     assert json.loads(calls[0].function.arguments) == {"q": "a; b"}
     text = '<tool_call>\n{"name": "f", "arguments": {"q": "</tool_call> x"}}\n</tool_call>\nDone.'
-    content, calls = parse_tool_calls(HERMES, text)
+    content, calls = parse_tool_calls(HERMES, text, FG)
     assert json.loads(calls[0].function.arguments) == {"q": "</tool_call> x"}
     assert content == "Done."  # text after the last call is the answer's text too
     cut = '<tool_call>\n{"name": "f", "arguments": {}}'  # max_tokens before the closing tag
-    assert [c.function.name for c in parse_tool_calls(HERMES, cut)[1]] == ["f"]
-    assert parse_tool_calls(LLAMA3_JSON, '{"name": "f", "parameters": {}} and more')[1] == []
+    assert [c.function.name for c in parse_tool_calls(HERMES, cut, FG)[1]] == ["f"]
+    assert parse_tool_calls(LLAMA3_JSON, '{"name": "f", "parameters": {}} and more', FG)[1] == []
+
+
+def test_only_a_call_of_an_offered_tool_with_its_arguments_is_a_call():
+    """An answer that is a JSON object with a ``"name"`` key (a schema's, a person's) is
+    content: a call names one of the request's tools, and a Llama 3 call has its
+    ``parameters`` or ``arguments`` (vLLM's llama3_json rule). Before, ``{"name": "Ann"}`` was a
+    call of a function ``Ann`` with ``{}`` arguments."""
+    for text in ('{"name": "Ann"}', '{"name": "John", "age": 3}', '{"name": "f"}'):
+        assert parse_tool_calls(LLAMA3_JSON, text, FG) == (text, [])
+    assert parse_tool_calls(LLAMA3_JSON, '{"name": "Ann", "parameters": {}}', FG)[1] == []
+    assert parse_tool_calls(LLAMA3_JSON, '{"name": ["f"], "parameters": {}}', FG)[1] == []
+    assert [
+        c.function.name
+        for c in parse_tool_calls(LLAMA3_JSON, '{"name": "f", "arguments": {}}', FG)[1]
+    ] == ["f"]
+    unknown = '<tool_call>\n{"name": "zz", "arguments": {"a": 1}}\n</tool_call>'
+    assert parse_tool_calls(HERMES, unknown, FG) == (unknown, [])
+    # inside Hermes' tags a call of an offered tool without arguments takes none
+    calls = parse_tool_calls(HERMES, '<tool_call>\n{"name": "g"}\n</tool_call>', FG)[1]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("g", "{}")]
+
+
+@pytest.mark.parametrize("family", [HERMES, LLAMA3_JSON])
+def test_a_chat_answer_reads_calls_of_its_own_tools_only(family):
+    from gptkiln.serve.answers import ChatAnswer
+    from gptkiln.serve.schemas import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER, CLOCK]})
+    answer = ChatAnswer(req, [], None, NAME, tool_family=family)
+    key = "arguments" if family == HERMES else "parameters"
+    call = json.dumps({"name": "get_time", key: {}})
+    stray = json.dumps({"name": "Ann", key: {}})
+    if family == HERMES:
+        call, stray = (f"<tool_call>\n{c}\n</tool_call>" for c in (call, stray))
+    assert answer._read_calls(stray, "stop") == (stray, [], "stop")
+    content, calls, reason = answer._read_calls(call, "stop")
+    assert [c.function.name for c in calls] == ["get_time"] and reason == "tool_calls"
 
 
 def test_a_template_without_tools_refuses_them(tmp_path, capsys):
@@ -715,6 +756,14 @@ def test_a_llama_template_call_is_read_back_from_its_json(tmp_path):
         r = client.chat.completions.create(
             **ask(messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=170)
         )
+        named = {"type": "object", "properties": {"name": {"enum": ["Ann", "Bob"]}},
+                 "required": ["name"], "additionalProperties": False}  # fmt: skip
+        answer = client.chat.completions.create(  # an answer with a "name" key is no call
+            **ask(messages=USER, tools=[WEATHER], tool_choice="auto"),
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": named}},
+        ).choices[0]
+    assert answer.finish_reason == "stop" and answer.message.tool_calls is None
+    assert json.loads(answer.message.content)["name"] in ("Ann", "Bob")
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert set(json.loads(call.function.arguments)) == {"city", "days"}

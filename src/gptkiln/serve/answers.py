@@ -334,7 +334,8 @@ class ChatAnswer(Answer):
         """(content, tool calls, finish_reason) of a choice's whole text."""
         if self.tool_family is None:
             return text, [], reason
-        content, calls = parse_tool_calls(self.tool_family, text)
+        names = [t.function.name for t in self.req.tools or []]
+        content, calls = parse_tool_calls(self.tool_family, text, names)
         if self.req.parallel_tool_calls is False:
             calls = calls[:1]  # at most one call a turn, as OpenAI's
         return content, calls, "tool_calls" if calls and reason == "stop" else reason

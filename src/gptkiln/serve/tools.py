@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 from gptkiln.chat_template import ChatTemplate
@@ -102,15 +103,22 @@ def forced_call_grammar(grammars: Grammars, family: str, tools: list[Tool]) -> s
     return grammars.lark(f"start: {start} call {end}\ncall: %json {embedded}\n")
 
 
-def parse_tool_calls(family: str, text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(
+    family: str, text: str, names: Collection[str]
+) -> tuple[str | None, list[ToolCall]]:
     """(the answer's text outside its calls, or None; its calls). Text that is not a
-    well-formed call stays text. Each call's JSON is read whole (`json.JSONDecoder.raw_decode`),
-    so a ``;`` or a ``</tool_call>`` inside an argument's string is part of that string."""
+    well-formed call stays text: a call names one of the request's tools (``names``), and a
+    Llama 3 call has its ``parameters`` (or ``arguments``), as vLLM's ``llama3_json`` parser
+    reads them, so an answer that is a JSON object with a ``"name"`` key is content, not a
+    call of a function nobody offered. Each call's JSON is read whole
+    (`json.JSONDecoder.raw_decode`), so a ``;`` or a ``</tool_call>`` inside an argument's
+    string is part of that string."""
+    names = frozenset(names)
     if family == HERMES:
-        calls, outside = _hermes_calls(text)
+        calls, outside = _hermes_calls(text, names)
         return (outside.strip() or None, calls) if calls else (text, [])
     body = text.strip().removeprefix("<|python_tag|>").strip()
-    calls = _json_calls(family, body, separator=";") if body.startswith("{") else None
+    calls = _json_calls(family, body, ";", names) if body.startswith("{") else None
     return (None, calls) if calls else (text, [])
 
 
@@ -118,13 +126,13 @@ _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _DECODER = json.JSONDecoder()
 
 
-def _hermes_calls(text: str) -> tuple[list[ToolCall] | None, str]:
+def _hermes_calls(text: str, names: frozenset[str]) -> tuple[list[ToolCall] | None, str]:
     """Hermes' ``<tool_call> {...} </tool_call>`` blocks (the last may be left open: cut by
     max_tokens) and the text outside them; None if any block is not a call."""
     calls, outside, i = [], [], 0
     while (start := text.find(_HERMES_OPEN, i)) >= 0:
         outside.append(text[i:start])
-        call, i = _one_call(HERMES, text, start + len(_HERMES_OPEN))
+        call, i = _one_call(HERMES, text, start + len(_HERMES_OPEN), names)
         if call is None:
             return None, text
         calls.append(call)
@@ -137,12 +145,14 @@ def _hermes_calls(text: str) -> tuple[list[ToolCall] | None, str]:
     return calls, "".join(outside)
 
 
-def _json_calls(family: str, body: str, separator: str) -> list[ToolCall] | None:
+def _json_calls(
+    family: str, body: str, separator: str, names: frozenset[str]
+) -> list[ToolCall] | None:
     """Calls written as JSON objects one after another, ``separator`` between them (Llama 3's
     ``;``); None if any is not a call."""
     calls, i = [], 0
     while i < len(body):
-        call, i = _one_call(family, body, i)
+        call, i = _one_call(family, body, i, names)
         if call is None:
             return None
         calls.append(call)
@@ -158,14 +168,19 @@ def _skip_space(text: str, i: int) -> int:
     return len(text) - len(text[i:].lstrip())
 
 
-def _one_call(family: str, text: str, i: int) -> tuple[ToolCall | None, int]:
-    """The call whose JSON starts at ``text[i:]`` (after white space), and where it ends."""
+def _one_call(family: str, text: str, i: int, names: frozenset[str]) -> tuple[ToolCall | None, int]:
+    """The call whose JSON starts at ``text[i:]`` (after white space), and where it ends; None
+    where it is no call of one of ``names``."""
     try:
         call, end = _DECODER.raw_decode(text, _skip_space(text, i))
     except ValueError:
         return None, i
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None, end
+    if call["name"] not in names:
+        return None, end  # an answer with a "name" key: no call of a function not offered
+    if family == LLAMA3_JSON and not {"parameters", "arguments"} & call.keys():
+        return None, end  # as vLLM's llama3_json parser: a bare object's call names its arguments
     arguments = call.get(_arguments_key(family), call.get("arguments", {}))
     if not isinstance(arguments, dict):
         return None, end
