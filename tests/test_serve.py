@@ -225,6 +225,34 @@ def test_a_null_max_tokens_fills_the_context(client, url):
     )
 
 
+@pytest.mark.parametrize("max_tokens", [None, 5])
+def test_a_prompt_that_fills_the_context_is_refused_with_shorten_it(url, max_tokens):
+    """A prompt of exactly the context leaves no room for a token: a 400
+    ``context_length_exceeded`` naming the prompt, as OpenAI and vLLM answer (not a 200 with an
+    empty answer, nor "lower max_tokens to at most 0"); ``max_tokens: 0`` (a prompt scored with
+    echo) still fits."""
+    body = {"prompt": [50] * 64, "max_tokens": max_tokens}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
+    assert error["param"] == "prompt" and "shorten the prompt" in error["message"]
+    assert "at most 0" not in error["message"]
+    body = {"prompt": [50] * 64, "max_tokens": 0, "echo": True, "logprobs": 0}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_chat_that_fills_the_context_is_refused_too():
+    from gptkiln.serve.parsing import sample_config
+    from gptkiln.serve.schemas import ChatCompletionRequest, OpenAIError
+
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(OpenAIError) as e:
+        sample_config(req, [[1] * 64], 64, source="messages")
+    assert e.value.param == "messages" and e.value.code == "context_length_exceeded"
+    assert "shorten the messages" in e.value.message
+    assert sample_config(req, [[1] * 63], 64, source="messages").max_new_tokens == 1
+
+
 def test_a_prompt_of_token_ids_and_an_empty_prompt(client, url, run_dir):
     tokenizer = load_tokenizer("gpt2")
     ids = tokenizer.encode("Hello, I am")

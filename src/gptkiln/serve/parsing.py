@@ -176,12 +176,21 @@ def sample_config(
             source,
             code="context_length_exceeded",
         )
-    new = context - longest if req.max_tokens is None else req.max_tokens
-    if longest + new > context:
+    room = context - longest
+    if room == 0 and req.max_tokens != 0:  # no token could follow: refused, as OpenAI and vLLM do
+        raise OpenAIError(
+            400,
+            f"the prompt has {longest} tokens, the whole of the model's context of {context}, "
+            f"which leaves no room for an answer: shorten the {source}",
+            source,
+            code="context_length_exceeded",
+        )
+    new = room if req.max_tokens is None else req.max_tokens
+    if new > room:
         raise OpenAIError(
             400,
             f"the prompt's {longest} tokens plus max_tokens {new} exceed the model's context of "
-            f"{context}; lower max_tokens to at most {context - longest} or shorten the {source}",
+            f"{context}; lower max_tokens to at most {room} or shorten the {source}",
             "max_tokens",
             code="context_length_exceeded",
         )
