@@ -405,6 +405,20 @@ def test_a_forced_call_follows_parameters_that_refer_to_their_own_defs(client, q
     jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), trip)
 
 
+def test_a_forced_call_of_a_function_without_parameters_takes_none(client):
+    """No ``parameters`` is an empty parameter list, as OpenAI defines it: the grammar writes
+    ``{}`` (before, any object: noise ran to max_tokens inside it)."""
+    bare = {"type": "function", "function": {"name": "noparams"}}
+    named = {"type": "function", "function": {"name": "noparams"}}
+    for choice in (named, "required"):
+        r = client.chat.completions.create(
+            **ask(messages=USER, tools=[bare], tool_choice=choice, temperature=1, seed=0)
+        )
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert (call.function.name, json.loads(call.function.arguments)) == ("noparams", {})
+
+
 def test_tokenize_counts_the_tools_a_chat_request_shows(client, qwen):
     url = qwen[0]
     plain = httpx.post(f"{url}/v1/tokenize", json={"messages": USER}).json()["count"]

@@ -42,12 +42,20 @@ def _arguments_key(family: str) -> str:
     return "arguments" if family == HERMES else "parameters"
 
 
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+"""The arguments of a function without ``parameters``: none, ``{}``."""
+
+
 def call_schema(family: str, tool: Tool, at: str = "#") -> dict[str, Any]:
     """The JSON schema of one call of ``tool`` as the family writes it, placed at ``at`` (a
     JSON pointer) of the whole schema: the parameters' own local ``$ref``s (``#/$defs/X``, as
     pydantic writes a nested model) are rebased to where the parameters now sit."""
     key = _arguments_key(family)
-    parameters = tool.function.parameters or {"type": "object"}
+    parameters = tool.function.parameters
+    if parameters is None:  # OpenAI: "omitting parameters defines an empty parameter list"
+        parameters = NO_PARAMETERS
+    elif not parameters:  # {}: any JSON value, of which a call's arguments are an object
+        parameters = {"type": "object"}
     return {
         "type": "object",
         "properties": {
