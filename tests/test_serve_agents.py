@@ -419,6 +419,23 @@ def test_a_forced_call_of_a_function_without_parameters_takes_none(client):
         assert (call.function.name, json.loads(call.function.arguments)) == ("noparams", {})
 
 
+def test_stop_strings_apply_inside_a_forced_call_as_vllms_do(client, qwen):
+    """The request's stop strings apply inside a forced call, as vLLM applies them under guided
+    decoding: one in the call's JSON cuts it (finish "stop", the cut text as content, no call);
+    one after the JSON leaves the call whole; one in the ``<tool_call>\\n`` written before every
+    call would cut them all: a 400 naming ``stop``."""
+    forced = ask(messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=200)
+    cut = client.chat.completions.create(**forced, stop=["city"]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.tool_calls is None
+    assert cut.message.content.startswith("<tool_call>") and "city" not in cut.message.content
+    after = client.chat.completions.create(**forced, stop=["</tool_call>"]).choices[0]
+    assert after.finish_reason == "tool_calls"
+    assert set(json.loads(after.message.tool_calls[0].function.arguments)) == {"city", "days"}
+    for stop in ("\n", ["x", "<tool"]):
+        r = httpx.post(f"{qwen[0]}/v1/chat/completions", json={**forced, "stop": stop}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+
+
 def test_tokenize_counts_the_tools_a_chat_request_shows(client, qwen):
     url = qwen[0]
     plain = httpx.post(f"{url}/v1/tokenize", json={"messages": USER}).json()["count"]

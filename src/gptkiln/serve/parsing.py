@@ -24,7 +24,12 @@ from gptkiln.serve.schemas import (
     TokenizeRequest,
     Tool,
 )
-from gptkiln.serve.tools import forced_call_grammar, template_messages, tool_family
+from gptkiln.serve.tools import (
+    forced_call_grammar,
+    forced_call_opening,
+    template_messages,
+    tool_family,
+)
 from gptkiln.tokenizers import encode_prompt
 
 
@@ -325,6 +330,7 @@ def chat_grammar(
         )
     if not forced:
         return response_grammar(req.response_format, grammars)
+    _check_stop_spares_the_call(req, family)  # before a grammar is built
     tools = req.tools or []
     if not isinstance(choice, str):
         tools = [t for t in tools if t.function.name == choice.function.name]
@@ -332,6 +338,24 @@ def chat_grammar(
         return forced_call_grammar(_engine(grammars, "tool_choice"), family, tools)
     except GrammarError as e:
         raise OpenAIError(400, f"tools: a function's parameters: {e}", "tools") from None
+
+
+def _check_stop_spares_the_call(req: ChatCompletionRequest, family: str) -> None:
+    """The request's stop strings apply inside a forced call, as vLLM applies them under guided
+    decoding: one inside the call's JSON cuts it (``finish_reason`` "stop", the cut text as
+    content, no call), and one after it only ends the answer there (the call is read back). One
+    that the text before every call holds (Hermes' ``<tool_call>\n``) would cut each call before
+    it began: a 400 naming it."""
+    opening = forced_call_opening(family)
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    for stop in stops:
+        if stop and stop in opening:
+            raise OpenAIError(
+                400,
+                f"stop string {stop!r} occurs in {opening!r}, which this model writes before "
+                "every tool call, so it would cut each call the tool_choice forces: leave it out",
+                "stop",
+            )
 
 
 def response_grammar(fmt: ResponseFormat | None, grammars: Grammars | None) -> str | None:

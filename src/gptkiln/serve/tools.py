@@ -106,9 +106,15 @@ def forced_call_grammar(grammars: Grammars, family: str, tools: list[Tool]) -> s
         return grammars.json_schema(schema)
     check_finite(schema)
     embedded = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
-    start = json.dumps("<tool_call>\n")
-    end = json.dumps("\n</tool_call>")
+    start = json.dumps(forced_call_opening(family))
+    end = json.dumps("\n" + _HERMES_CLOSE)
     return grammars.lark(f"start: {start} call {end}\ncall: %json {embedded}\n")
+
+
+def forced_call_opening(family: str) -> str:
+    """The text a forced call's grammar writes before the call's JSON (Hermes' opening tag;
+    nothing before a Llama 3 call's)."""
+    return _HERMES_OPEN + "\n" if family == HERMES else ""
 
 
 def parse_tool_calls(
