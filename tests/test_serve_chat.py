@@ -527,6 +527,68 @@ def test_nulls_mean_the_defaults_and_developer_is_system(client, url, runs):
     assert as_developer.json()["choices"][0]["message"]["content"] == as_system
 
 
+IGNORED = {
+    "store": False,
+    "metadata": {"run": "a"},
+    "service_tier": "auto",
+    "prompt_cache_key": "k",
+    "safety_identifier": "s",
+    "user": "u",
+    "reasoning_effort": "low",
+    "verbosity": "low",
+    "modalities": ["text"],
+    "prediction": None,
+    "web_search_options": None,
+    "logit_bias": {},
+}
+
+
+def test_the_fields_agent_sdks_send_are_taken_and_ignored(url):
+    """OpenAI's fields that are no-ops for a local server (what agent SDKs pass through) are
+    taken and change nothing; those that would change the answer are a 400 "not supported"
+    naming the field, not "unknown field"."""
+    body = {"messages": [USER], "max_tokens": 8, "temperature": 0}
+    plain = httpx.post(f"{url}/v1/chat/completions", json=body).json()
+    sent = httpx.post(f"{url}/v1/chat/completions", json={**body, **IGNORED})
+    assert sent.status_code == 200, sent.text
+    assert sent.json()["choices"] == plain["choices"]
+    for field, value in [
+        ("logit_bias", {"5": 10}),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "sun"}),
+        ("web_search_options", {}),
+    ]:
+        r = httpx.post(f"{url}/v1/chat/completions", json={**body, field: value})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field, r.text
+        assert "not supported" in error["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**body, "store": "no"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+
+
+def test_ignore_eos_goes_on_past_the_end_of_text(url):
+    """vLLM's ``ignore_eos`` on both endpoints: the sequence does not stop at the end-of-text
+    ids (`SampleConfig.stop_at_eos`, which the batcher reads)."""
+    from gptkiln.serve.parsing import sample_config
+    from gptkiln.serve.schemas import ChatCompletionRequest, CompletionRequest
+
+    for model, body in [
+        (ChatCompletionRequest, {"messages": [USER]}),
+        (CompletionRequest, {"prompt": "Repeat sun."}),
+    ]:
+        assert sample_config(model.model_validate(body), [[1]], 64).stop_at_eos
+        going = model.model_validate({**body, "ignore_eos": True})
+        assert not sample_config(going, [[1]], 64).stop_at_eos
+    for path, body in [
+        ("chat/completions", {"messages": [USER]}),
+        ("completions", {"prompt": "R"}),
+    ]:
+        r = httpx.post(f"{url}/v1/{path}", json={**body, "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{url}/v1/{path}", json={**body, "ignore_eos": "yes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos", r.text
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_chat_logprobs_end_where_the_content_does(client, stream):
     """A stop string's tokens are not in the content, nor in its logprobs: the scored tokens'

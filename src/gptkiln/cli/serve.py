@@ -29,9 +29,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "response_format json_object and json_schema (always enforced, on both endpoints); "
         "tools, tool_choice (auto, none, required, a named function) and tool messages, for a "
         "model whose own chat template has a tool section (Qwen3/Hermes <tool_call> or Llama "
-        "3.x JSON calls). It refuses with HTTP 400: suffix, logit_bias, best_of other than n, "
-        "a schema keyword it cannot enforce, tools for a template without a tool section, "
-        "image or audio content.",
+        "3.x JSON calls); vLLM's ignore_eos. It takes and ignores what means nothing to a local "
+        "server (store, metadata, service_tier, prompt_cache_key, safety_identifier, user, "
+        "reasoning_effort, verbosity). It refuses with HTTP 400: suffix, logit_bias, best_of "
+        "other than n, prediction, web_search_options, audio modalities, a schema keyword it "
+        "cannot enforce, tools for a template without a tool section, image or audio content.",
         epilog=example("gptkiln serve runs/default --port 8000")
         + "then open http://127.0.0.1:8000/ or point an OpenAI client at "
         "http://127.0.0.1:8000/v1\n",

@@ -309,6 +309,7 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
                 code="not_instruction_tuned",
             )
         req = req.model_copy(update={"max_tokens": chat_max_tokens(req)})
+        refuse_unsupported(req)
         check_messages(req.messages)
         family = check_tools(req, template)  # None: no tool calls to read back
         tools = req.tools if req.tool_choice != "none" else None

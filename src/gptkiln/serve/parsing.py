@@ -126,14 +126,24 @@ def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
     return old if new is None else new
 
 
-def refuse_unsupported(req: CompletionRequest) -> None:
-    """A 400 for the completion fields this server does not honour, rather than ignoring them."""
-    for name, value, allowed in (
-        ("suffix", req.suffix, None),
-        ("logit_bias", req.logit_bias, None),
-        ("best_of", req.best_of, req.n),
-    ):
-        if value and value != allowed:
+def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """A 400 for the fields this server does not honour, rather than ignoring them: what
+    would change the answer (a bias, a suffix, a predicted output, web search, audio)."""
+    unsupported = [("logit_bias", req.logit_bias if req.logit_bias else None)]
+    if isinstance(req, CompletionRequest):
+        unsupported += [
+            ("suffix", req.suffix or None),
+            ("best_of", req.best_of if req.best_of not in (None, req.n) else None),
+        ]
+    else:
+        audio = req.modalities is not None and set(req.modalities) - {"text"}
+        unsupported += [
+            ("modalities", req.modalities if audio else None),
+            ("prediction", req.prediction),
+            ("web_search_options", req.web_search_options),
+        ]
+    for name, value in unsupported:
+        if value is not None:
             raise OpenAIError(
                 400,
                 f"{name} is not supported by this server (got {json.dumps(value)[:80]}); "
@@ -211,6 +221,7 @@ def sample_config(
             frequency_penalty=req.frequency_penalty,
             min_p=req.min_p or None,
             repetition_penalty=req.repetition_penalty,
+            stop_at_eos=not req.ignore_eos,
         )
     except GptkilnError as e:
         raise OpenAIError(400, str(e)) from None

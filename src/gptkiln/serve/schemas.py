@@ -143,6 +143,7 @@ class CompletionRequest(Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None  # gptkiln's: OpenAI's chat field, here too
+    ignore_eos: bool = False  # vLLM's: go on past the end-of-text id
 
 
 class FunctionCall(BaseModel):
@@ -239,9 +240,14 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(Request):
     """``POST /v1/chat/completions``: OpenAI's fields for text chat, vLLM's ``top_k``,
-    ``min_p`` and ``repetition_penalty`` added. Without
+    ``min_p``, ``repetition_penalty`` and ``ignore_eos`` added. Without
     ``max_tokens`` (or its newer name ``max_completion_tokens``) the answer may fill the
-    context, as OpenAI's does."""
+    context, as OpenAI's does.
+
+    The fields agent SDKs send that mean nothing to a local server are taken and ignored
+    (`IGNORED_CHAT_FIELDS`); those that would change the answer (``logit_bias``, a
+    ``prediction``, ``web_search_options``, an ``audio`` modality) are refused as not supported
+    (`parsing.refuse_unsupported`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -268,6 +274,34 @@ class ChatCompletionRequest(Request):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    # taken and ignored (IGNORED_CHAT_FIELDS): no-ops for a local server
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+
+
+IGNORED_CHAT_FIELDS = (
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "user",
+    "reasoning_effort",
+    "verbosity",
+)
+"""OpenAI's chat fields a local server takes and ignores: nothing is stored, tiered or kept
+by key (its prefix cache matches prompts by their tokens), the model has no reasoning effort
+or verbosity to set."""
 
 
 class InspectRequest(Request):
@@ -319,6 +353,7 @@ FIELD_KINDS = {
     "suffix": "null (not supported)",
     "logit_bias": "null (not supported)",
     "user": "a string",
+    "ignore_eos": "true or false",
     "response_format": 'an object {"type": "text" | "json_object" | "json_schema", '
     '"json_schema": {"name", "schema", "strict"}}',
     "response_format.json_schema.schema": "a JSON schema (an object)",
@@ -368,6 +403,17 @@ CHAT_FIELD_KINDS = {
     "model": "a string",
     "max_tokens": "a whole number >= 0",
     "max_completion_tokens": "a whole number >= 0",
+    "logit_bias": "null (not supported)",
+    "modalities": '["text"] or null',
+    "prediction": "null (not supported)",
+    "web_search_options": "null (not supported)",
+    "store": "true, false or null (ignored)",
+    "metadata": "an object of strings, or null (ignored)",
+    "service_tier": "a string or null (ignored)",
+    "prompt_cache_key": "a string or null (ignored)",
+    "safety_identifier": "a string or null (ignored)",
+    "reasoning_effort": "a string or null (ignored)",
+    "verbosity": "a string or null (ignored)",
     **{
         name: FIELD_KINDS[name]
         for name in (
@@ -384,6 +430,7 @@ CHAT_FIELD_KINDS = {
             "stream",
             "stream_options",
             "user",
+            "ignore_eos",
             "response_format",
         )
     },
