@@ -253,6 +253,41 @@ def test_a_chat_that_fills_the_context_is_refused_too():
     assert sample_config(req, [[1] * 63], 64, source="messages").max_new_tokens == 1
 
 
+def test_a_lone_surrogate_is_named_where_it_is():
+    """A ``\\ud800`` escape is JSON that UTF-8 cannot hold: the 400 names the field and says
+    so (before: "not valid JSON (unexpected end of hex escape)"); other bad escapes stay
+    "not valid JSON"."""
+    from gptkiln.serve.schemas import ChatCompletionRequest, OpenAIError, parse_request
+
+    for body, where in [
+        (b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages[0].content"),
+        (b'{"messages": [{"role": "user", "content": "\\udc00b"}]}', "messages[0].content"),
+        (b'{"messages": [], "\\ud800": 1}', "the body"),
+    ]:
+        with pytest.raises(OpenAIError) as e:
+            parse_request(ChatCompletionRequest, body)
+        assert e.value.param == (None if where == "the body" else where)
+        assert e.value.message.startswith(f"{where} is not valid Unicode text (a lone surrogate")
+    with pytest.raises(OpenAIError) as e:
+        parse_request(ChatCompletionRequest, b'{"messages": "\\u12"}')
+    assert "not valid JSON" in e.value.message
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(url):
+    """``usage.prompt_tokens_details.cached_tokens``, as OpenAI's and vLLM's usage give it:
+    0 the first time, a block of 32 the second (streamed too)."""
+    body = {"prompt": list(range(3000, 3040)), "max_tokens": 2, "temperature": 0}
+    first = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["usage"]
+    assert again["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert again["prompt_tokens"] == 40
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=streamed, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line[6:].startswith("{")]
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+
+
 def test_a_prompt_of_token_ids_and_an_empty_prompt(client, url, run_dir):
     tokenizer = load_tokenizer("gpt2")
     ids = tokenizer.encode("Hello, I am")
@@ -398,7 +433,7 @@ BAD = [
     ("prompt an empty list", {"prompt": []}, 400, "prompt"),
     ("token id out of range", {"prompt": [1, 99999999]}, 400, "prompt"),
     ("negative token id", {"prompt": [-1]}, 400, "prompt"),
-    ("lone surrogate", b'{"prompt": "\\ud800"}', 400, None),  # not JSON text: no field
+    ("lone surrogate", b'{"prompt": "\\ud800"}', 400, "prompt"),  # JSON, but not Unicode text
     ("nested 300 deep", b'{"prompt": ' + b"[" * 300 + b"]" * 300 + b"}", 400, None),
     ("100k characters", {"prompt": "word " * 20000}, 400, "prompt"),
     ("max_tokens a string", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
@@ -591,6 +626,7 @@ def test_a_full_queue_is_429_and_a_client_that_leaves_frees_its_slot(tmp_path):
             assert next(lines).startswith("data: ")  # its first token: it holds the one row
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "b", "max_tokens": 2})
             assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+            assert r.headers["retry-after"] == "1"  # the openai client waits that long
         # the stream was closed after one token: its row is free again at the next step
         wait_until_idle(url)
         assert generated_tokens(url) < 900

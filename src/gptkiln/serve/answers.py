@@ -28,6 +28,7 @@ from gptkiln.serve.schemas import (
     CompletionRequest,
     Logprobs,
     OpenAIError,
+    PromptTokensDetails,
     TokenLogprob,
     ToolCall,
     TopLogprob,
@@ -56,6 +57,7 @@ class Collected:
     tokens: dict[int, list[tuple[int, TokenLogprobs | None]]]
     prompt_scores: dict[int, list[TokenLogprobs | None]]
     reasons: dict[int, str]
+    seqs: list[Sequence]
     used: int = 0
 
 
@@ -126,12 +128,19 @@ class Answer:
     def _prompt_of(self, index: int) -> tuple[str, list[int]]:
         return self.prompts[index // self.req.n]
 
-    def _usage(self, completion_tokens: int) -> Usage:
+    def _usage(self, completion_tokens: int, seqs: list[Sequence]) -> Usage:
+        """The tokens of each prompt (once, whatever ``n``), those of it the prefix cache held
+        (the most any of its samples found), and those generated."""
         prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        cached: dict[int, int] = {}
+        for seq in seqs:
+            prompt = seq.index // self.req.n
+            cached[prompt] = max(cached.get(prompt, 0), seq.cached)
         return Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())),
         )
 
     def _logprobs(self, scored: list[tuple[int, TokenLogprobs | None, int]]) -> Logprobs:
@@ -178,6 +187,7 @@ class Answer:
             tokens={s.index: [] for s in seqs},
             prompt_scores={},
             reasons={},
+            seqs=seqs,
         )
         watcher = asyncio.create_task(_watch_disconnect(request, queue))
         try:
@@ -225,7 +235,7 @@ class Answer:
                     finish_reason=got.reasons[i],
                 )
             )
-        return self._completion(choices, self._usage(got.used))
+        return self._completion(choices, self._usage(got.used, got.seqs))
 
     async def stream(self, queue: asyncio.Queue, seqs: list[Sequence]) -> AsyncIterator[str]:
         """Server-sent events: the opening chunks, the chunks of each event, the usage if asked,
@@ -248,7 +258,7 @@ class Answer:
                     yield chunk
             options = self.req.stream_options
             if options is not None and options.include_usage:
-                yield self._usage_chunk(self._usage(used))
+                yield self._usage_chunk(self._usage(used, seqs))
             yield "data: [DONE]\n\n"
         finally:
             for seq in seqs:
@@ -327,7 +337,7 @@ class ChatAnswer(Answer):
             created=self.created,
             model=self.model_name,
             choices=choices,
-            usage=self._usage(got.used),
+            usage=self._usage(got.used, got.seqs),
         ).model_dump()
 
     def _read_calls(self, text: str, reason: str) -> tuple[str | None, list[ToolCall], str]:

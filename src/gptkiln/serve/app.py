@@ -208,7 +208,10 @@ class Served:
             self.batcher.submit(seqs)
         except QueueFull as e:
             raise OpenAIError(
-                429, f"the server is busy: {e}; retry in a moment", code="queue_full"
+                429,
+                f"the server is busy: {e}; retry in a moment",
+                code="queue_full",
+                headers={"Retry-After": "1"},  # the openai client waits that long, then retries
             ) from None
         self.metrics.prompt_tokens.inc(sum(len(ids) for _, ids in prompts))
         return queue, seqs
@@ -219,7 +222,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:

@@ -79,6 +79,7 @@ class Sequence:
             complete.
         cancelled: set by the handler when its client went away; the slot is freed at the next
             step.
+        cached: the prompt's tokens the prefix cache held (set at its prefill, for ``usage``).
     """
 
     prompt: list[int]
@@ -89,4 +90,5 @@ class Sequence:
     prompt_logprobs: bool = False
     constraint: Constraint | None = None
     cancelled: bool = False
+    cached: int = 0
     submitted: float = field(default_factory=time.perf_counter)

@@ -41,7 +41,7 @@ def prefill(model: GPT, prefix_cache: PrefixCache, admitted: list[Slot]) -> tupl
     fresh = []
     for slot in admitted:  # a prompt whose prefix is cached prefills only the rest
         if not slot.seq.prompt_logprobs:
-            cached = _cached_prefix(prefix_cache, slot)
+            cached = slot.seq.cached = _cached_prefix(prefix_cache, slot)
             if cached:
                 _alone(model, slot, events, ready, cached)
             else:

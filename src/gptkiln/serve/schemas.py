@@ -34,15 +34,22 @@ class OpenAIError(Exception):
         message: what was wrong and what to do, naming the field.
         param: the request field at fault, or None.
         code: OpenAI's machine-readable code (``invalid_api_key``, ``model_not_found`` ...).
+        headers: HTTP headers to answer with (a 429's ``Retry-After``).
     """
 
     TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else None)
@@ -458,12 +465,45 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
+        if e.errors()[0]["type"] == "json_invalid" and (where := _lone_surrogate(body)):
+            raise OpenAIError(
+                400,
+                f"{where} is not valid Unicode text (a lone surrogate: a \\ud800-\\udfff escape "
+                "without its pair); send text that is",
+                param=None if where == "the body" else where,
+                code="invalid_value",
+            ) from None
         kinds = {
             InspectRequest: INSPECT_FIELD_KINDS,
             ChatCompletionRequest: CHAT_FIELD_KINDS,
             TokenizeRequest: TOKENIZE_FIELD_KINDS,
         }
         raise validation_error(e, kinds.get(model, FIELD_KINDS)) from None
+
+
+def _lone_surrogate(body: bytes) -> str | None:
+    """Where a body that pydantic's parser refused holds a lone surrogate (``"\\ud800"``: JSON
+    that Python's parser takes and UTF-8 cannot encode), as a field path
+    (``messages[0].content``, or "the body"); None when the body is not that."""
+    try:
+        found = [("", json.loads(body))]
+    except (ValueError, RecursionError):
+        return None
+    while found:  # breadth first: the first bad string's path
+        path, value = found.pop(0)
+        if isinstance(value, list):
+            found += [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+        elif isinstance(value, dict):
+            if any(_has_surrogate(key) for key in value):
+                return path or "the body"
+            found += [(f"{path}.{key}".lstrip("."), item) for key, item in value.items()]
+        elif isinstance(value, str) and _has_surrogate(value):
+            return path or "the body"
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    return any("\ud800" <= c <= "\udfff" for c in text)
 
 
 def validation_error(error: ValidationError, kinds: dict[str, str] = FIELD_KINDS) -> OpenAIError:
@@ -563,10 +603,15 @@ class Choice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # the prompt's tokens whose keys and values the prefix cache held
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class Completion(BaseModel):
