@@ -349,6 +349,12 @@ def test_bad_files_are_refused_in_one_line_and_nothing_is_written(tmp_path, caps
     assert main(["convert", "gguf", str(cut), "--out", str(tmp_path / "r1")]) == 2
     err = capsys.readouterr().err.strip()
     assert "cut.gguf: not a readable GGUF file" in err and len(err.splitlines()) == 1
+    other = tmp_path / "weights.gguf"
+    other.write_bytes(b"PK\x03\x04" + bytes(64))  # a zip, named .gguf
+    assert main(["convert", "gguf", str(other), "--out", str(tmp_path / "r1")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "weights.gguf: not a GGUF file (it begins with b'PK\\x03\\x04'" in err
+    assert len(err.splitlines()) == 1
     assert not (tmp_path / "r1").exists()
 
     other = tmp_path / "falcon.gguf"

@@ -873,6 +873,7 @@ BAD_INSTRUCTIONS = [
     ("a.jsonl", '{"instruction": "x\ty", "output": "y"}\n', "raw line break or tab inside"),
     ("a.jsonl", '{"instruction": "x", "output": "y\n', "Unterminated string starting, column"),
     ("a.txt", "hello", "unsupported file type"),
+    ("a.csv", "text,label\nhi,1\n", "for labelled texts pass --task classify"),
     ("a.json", b"[\x00\x01]", "binary"),
     ("a.json", '[{"instruction": "caf\xe9"}]'.encode("latin-1"), "not UTF-8"),
 ]

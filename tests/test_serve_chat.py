@@ -253,6 +253,34 @@ def test_serve_hands_no_template_for_a_plain_run(runs, monkeypatch):
     assert r.status_code == 400 and r.json()["error"]["code"] == "not_instruction_tuned"
 
 
+def test_a_request_that_leaves_sampling_out_takes_the_models_generation_config(
+    runs, monkeypatch, tmp_path, capsys
+):
+    """vLLM's --generation-config auto: the fields of a request left out (temperature here)
+    are what the run's generation_config.json sets; one given, or OpenAI's default where the
+    model sets none, is the request's. The startup line says so."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[1], run)
+    (run / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    body = {"prompt": "Repeat sun.", "max_tokens": 12, "seed": 3}
+    with ServerThread(served_app(run, monkeypatch)) as url:
+        left_out = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+        greedy = {**body, "temperature": 0}
+        said = httpx.post(f"{url}/v1/completions", json=greedy).json()["choices"][0]["text"]
+        hot = {**body, "temperature": 1.5}
+        drawn = httpx.post(f"{url}/v1/completions", json=hot).json()["choices"][0]["text"]
+    assert left_out == said != drawn
+    assert "leaves them out samples with its generation_config.json's temperature 0.0" in (
+        capsys.readouterr().err
+    )
+    with ServerThread(served_app(runs[1], monkeypatch)) as url:  # none: OpenAI's temperature 1
+        left_out = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+        hot = {**body, "temperature": 1.0}
+        assert (
+            left_out == httpx.post(f"{url}/v1/completions", json=hot).json()["choices"][0]["text"]
+        )
+
+
 USER = {"role": "user", "content": "Repeat sun."}
 BAD = [
     ("an empty list", {"messages": []}, "messages", "(none)"),

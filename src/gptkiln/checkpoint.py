@@ -802,7 +802,8 @@ def check_same_model_config(run_dir: str | os.PathLike, model_config: GPTConfig)
     if diffs:
         raise GptkilnError(
             f"cannot resume {run_dir}: its model differs ({'; '.join(diffs)}); "
-            f"resume with the same model settings, or pass --overwrite"
+            "resume with the same model settings, or start again with --overwrite in place of "
+            "--resume"
         )
 
 

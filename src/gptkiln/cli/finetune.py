@@ -319,7 +319,8 @@ def finetune_configs_from_args(
             was = ", ".join(f"--{k.replace('_', '-')} {recorded[k]}" for k in other)
             raise GptkilnError(
                 f"cannot resume {args.out}: it was fine-tuned with {was}, and this resume asks "
-                f"for {asked}; drop it to go on, or pass --overwrite to start again"
+                f"for {asked}; drop it to go on, or start again with --overwrite in place of "
+                "--resume"
             )
         settings = {**read_fields(recorded), **settings}  # (read_fields: only its task's)
         given = loop

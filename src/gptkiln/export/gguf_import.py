@@ -103,6 +103,13 @@ def open_gguf(path: Path) -> Any:
         raise GptkilnError(f"{path} is a directory; give the path of a .gguf file in it")
     if not path.is_file():
         raise GptkilnError(f"{path}: no such file; give the path of a .gguf file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":  # what every GGUF file begins with
+        raise GptkilnError(
+            f"{path}: not a GGUF file (it begins with {magic!r}, not b'GGUF'); give a .gguf "
+            "file, such as llama.cpp's converter or gptkiln convert to-gguf writes"
+        )
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError, IndexError, ... on a cut or foreign file

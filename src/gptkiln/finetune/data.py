@@ -37,9 +37,11 @@ def _readable(path: str | Path, suffixes: tuple[str, ...], what: str) -> Path:
         state = "is a folder" if path.is_dir() else "does not exist"
         raise GptkilnError(f"--data {path} {state}; give a {' or '.join(suffixes)} file of {what}")
     if path.suffix.lower() not in suffixes:
+        labelled = path.suffix.lower() in (".csv", ".tsv") and ".csv" not in suffixes
         raise GptkilnError(
             f"--data {path}: unsupported file type {path.suffix or '(no suffix)'!r}; give a "
             f"{' or '.join(suffixes)} file of {what}"
+            + ("; for labelled texts pass --task classify" if labelled else "")
         )
     return path
 

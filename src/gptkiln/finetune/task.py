@@ -306,7 +306,8 @@ class FineTuning:
         if not isinstance(saved, dict) or not isinstance(saved.get("config", {}), dict):
             raise GptkilnError(
                 f'{self.run_dir / "config.json"}: its "finetune" record is damaged (not an '
-                "object of settings); restore the file, or pass --overwrite to start again"
+                "object of settings); restore the file, or start again with --overwrite in "
+                "place of --resume"
             )
         now = {  # what info() records, before the task has read its examples
             "config": self.ft.to_dict(),
@@ -328,7 +329,8 @@ class FineTuning:
         if diffs:
             raise GptkilnError(
                 f"cannot resume {self.run_dir}: it was fine-tuned otherwise ({'; '.join(diffs)}); "
-                "resume with the same settings and data, or pass --overwrite"
+                "resume with the same settings and data, or start again with --overwrite in place "
+                "of --resume"
             )
 
     # -- batches of token sequences (instruct, chat, dpo) ---------------------------------------
@@ -465,7 +467,8 @@ class FineTuning:
         if unknown:
             raise GptkilnError(
                 f"{self.run_dir}: its adapters ({', '.join(unknown[:3])} ...) are not those of "
-                "these LoRA settings; resume with the run's settings, or pass --overwrite"
+                "these LoRA settings; resume with the run's settings, or start again with "
+                "--overwrite in place of --resume"
             )
         return {**self.model.state_dict(), **adapters}, state
 

@@ -115,6 +115,7 @@ def serve(
     import uvicorn
 
     from gptkiln.api import load_for_decoding, precision_notice
+    from gptkiln.config.run import model_sampling
     from gptkiln.finetune.runs import run_template
     from gptkiln.loading import check_language_model
     from gptkiln.serve.app import create_app
@@ -127,11 +128,13 @@ def serve(
     template = run_template(run_cfg, run_dir)  # an instruction-tuned run's: it can chat
     model.eval()
     name = model_name or Path(run_dir).resolve().name
+    sampling = model_sampling(run_dir)  # what a request that does not say samples with
     app = create_app(
         model,
         tokenizer,
         model_name=name,
         template=template,
+        sampling_defaults=sampling,
         max_batch=max_batch,
         max_queue=max_queue,
         api_key=api_key,
@@ -144,6 +147,7 @@ def serve(
         f"gptkiln serve: {run_dir} as {name!r} (context {model.config.context_length}, "
         f"{max_batch} sequences at once); playground {url}/, API {url}/v1"
         + _chat_notice(template)
+        + _sampling_notice(sampling)
         + (
             f"; {precision_notice(precision)}"
             if device == "cpu"
@@ -153,6 +157,14 @@ def serve(
         flush=True,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+
+
+def _sampling_notice(sampling: dict) -> str:
+    """What the startup line says of the model's generation_config.json sampling, if any."""
+    if not sampling:
+        return ""
+    said = ", ".join(f"{k} {v}" for k, v in sampling.items())
+    return f"; a request that leaves them out samples with its generation_config.json's {said}"
 
 
 def check_can_listen(host: str, port: int) -> None:

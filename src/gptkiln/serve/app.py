@@ -80,6 +80,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     prefill_tokens: int = 512,
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The server for one loaded model; uvicorn (or any ASGI server) runs it.
 
@@ -96,6 +97,9 @@ def create_app(
         prefill_tokens: prompt tokens prefilled per decode step (see `Batcher`).
         prefix_cache_bytes: the most the prefix cache holds (`prefix_cache.PrefixCache`); 0
             turns it off.
+        sampling_defaults: what a request that leaves a field of `MODEL_SAMPLING` out samples
+            with (the model's generation_config.json: `config.run.model_sampling`), as vLLM's
+            ``--generation-config auto``; OpenAI's defaults for the rest.
     """
     served = Served(
         model,
@@ -107,6 +111,7 @@ def create_app(
         prefill_tokens,
         prefix_cache_bytes,
     )
+    served.sampling_defaults = dict(sampling_defaults or {})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -164,6 +169,7 @@ class Served:
         self.context = model.config.context_length
         self.vocab = min(model.config.vocab_size, tokenizer.vocab_size)  # ids both know
         self.grammars = Grammars(tokenizer) if Grammars.available() else None
+        self.sampling_defaults: dict[str, Any] = {}  # the model's, for fields a request omits
 
     def check_model(self, name: str | None) -> None:
         """A request's ``model``, when it names one, must be this one (404 otherwise)."""
@@ -284,7 +290,9 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
         refuse_unsupported(req)
         # a long prompt takes a while to encode: off the event loop, which keeps streaming
         prompts = await asyncio.to_thread(prompt_ids, req.prompt, tokenizer, served.vocab)
-        cfg = sample_config(req, [ids for _, ids in prompts], served.context)
+        cfg = sample_config(
+            req, [ids for _, ids in prompts], served.context, defaults=served.sampling_defaults
+        )
         grammar = response_grammar(req.response_format, served.grammars)
         if grammar is not None:  # the first use of a schema compiles it: off the event loop
             await asyncio.to_thread(compile_grammar, grammar, served.grammars, "response_format")
@@ -322,6 +330,7 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
             req,
             [ids for _, ids in prompts],
             served.context,
+            defaults=served.sampling_defaults,
             # a grammar's answer ends where the grammar does: no template header may cut it
             extra_stop=template.stop_strings() if grammar is None else (),
             source="messages",

@@ -159,6 +159,7 @@ def sample_config(
     *,
     extra_stop: tuple[str, ...] = (),
     source: str = "prompt",
+    defaults: dict[str, Any] | None = None,
 ) -> SampleConfig:
     """The request's `SampleConfig`, once every prompt and its new tokens fit the context.
 
@@ -168,6 +169,8 @@ def sample_config(
         context: the model's context length.
         extra_stop: stop strings added to the request's own (a template's headers).
         source: the request field the prompts came from, named in a too-long error.
+        defaults: the model's sampling (`config.run.model_sampling`) for the fields of
+            `MODEL_SAMPLING` the request leaves out (vLLM's ``--generation-config auto``).
     """
     if req.stream_options is not None and not req.stream:  # as OpenAI answers it
         raise OpenAIError(
@@ -209,19 +212,25 @@ def sample_config(
             "max_tokens",
             code="context_length_exceeded",
         )
+    sampling = {
+        "temperature": req.temperature,
+        "top_k": req.top_k,
+        "top_p": req.top_p,
+        "min_p": req.min_p or None,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    for name, value in (defaults or {}).items():
+        if name in sampling and name not in req.model_fields_set:  # left out: the model's
+            sampling[name] = value
     try:
         return SampleConfig(
             max_new_tokens=new,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
             seed=req.seed,
             stop=tuple(dict.fromkeys([*stop, *extra_stop])),
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            min_p=req.min_p or None,
-            repetition_penalty=req.repetition_penalty,
             stop_at_eos=not req.ignore_eos,
+            **sampling,
         )
     except GptkilnError as e:
         raise OpenAIError(400, str(e)) from None
