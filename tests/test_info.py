@@ -91,6 +91,21 @@ def test_a_trained_run(run, play_path, capsys):
     assert json.loads(out) == json.loads(json.dumps(info.to_dict()))
 
 
+def test_a_run_being_trained_says_so(run):
+    """While a training process holds the run (its lock), info says it is training now: a
+    resume then would be refused, and its checkpoint is not the last."""
+    from gptkiln.checkpoint import RunLock
+
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        info = run_info(run)
+        assert info.resumable and "it is training now" in info.resume_note
+    finally:
+        lock.release()
+    assert "training now" not in run_info(run).resume_note
+
+
 def test_info_reads_headers_not_weights(run, monkeypatch):
     import safetensors.torch
 

@@ -762,7 +762,7 @@ def _training_history(run_dir: Path, weights: Path, train: dict | None) -> dict[
     """`run_info`'s entries of a run's training: steps done and planned, tokens seen, the best
     and last validation loss, and whether it resumes (a trainer state that matches the step of
     ``weights``, or of a LoRA run's adapters)."""
-    from gptkiln.checkpoint import ADAPTER_FILE, matching_trainer_state
+    from gptkiln.checkpoint import ADAPTER_FILE, RunLock, matching_trainer_state
     from gptkiln.loading import safetensors_metadata
 
     info: dict[str, Any] = dict(steps_done=None, steps_total=None, tokens_seen=None)
@@ -775,6 +775,11 @@ def _training_history(run_dir: Path, weights: Path, train: dict | None) -> dict[
     except GptkilnError as e:  # a truncated or corrupt trainer state
         state, why = None, str(e).split(";")[0]
     info["resumable"], info["resume_note"] = state is not None, why
+    if RunLock.held(run_dir):  # its checkpoint is the last one saved; more are coming
+        info["resume_note"] = (
+            f"{why}; it is training now (a gptkiln train or finetune holds it): --resume "
+            "waits for that run to end"
+        )
     if state is not None:
         info["steps_done"] = int(state["step"])
         info["steps_total"] = (state.get("scheduler") or {}).get("total_steps")

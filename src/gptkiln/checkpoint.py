@@ -715,6 +715,24 @@ class RunLock:
         self.fd = fd
         drop_temporaries(self.run_dir)  # a killed save's, which no one else writes now
 
+    @staticmethod
+    def held(run_dir: str | os.PathLike) -> bool:
+        """Whether a training process holds ``run_dir`` now (its lock taken; False where that
+        cannot be asked: no such folder, no ``flock``)."""
+        try:
+            import fcntl
+
+            fd = os.open(run_dir, os.O_RDONLY)
+        except (ImportError, OSError):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # fails while another holds it whole
+        except OSError as e:
+            return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+        finally:
+            os.close(fd)  # (and with it the shared lock just taken)
+        return False
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing the descriptor lets the lock go
