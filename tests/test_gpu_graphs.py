@@ -125,7 +125,11 @@ def test_graph_steps_read_a_step_behind_give_the_eager_ids_of_rows_that_end(mode
 
 @pytest.mark.parametrize(
     "penalties",
-    [dict(frequency_penalty=0.8, presence_penalty=0.3), dict(repetition_penalty=1.6)],
+    [
+        dict(frequency_penalty=0.8, presence_penalty=0.3),
+        dict(repetition_penalty=1.6),
+        dict(logit_bias={3: 4.0, 9: -100.0}),
+    ],
 )
 def test_penalties_on_the_device_equal_the_eager_ones(model, penalties):
     kw = dict(max_new_tokens=12, temperature=0, **penalties)
@@ -223,7 +227,7 @@ def test_device_sampling_is_a_constant_of_the_graph():
     assert DeviceSampling(0, presence_penalty=0.1).penalised and not DeviceSampling().penalised
     assert DeviceSampling(0, repetition_penalty=1.2).penalised
     cfg = SampleConfig(temperature=0.5, top_k=3, min_p=0.1, repetition_penalty=1.1)
-    assert DeviceSampling.of(cfg) == DeviceSampling(0.5, 3, None, 0.0, 0.0, 0.1, 1.1)
+    assert DeviceSampling.of(cfg) == DeviceSampling(0.5, 3, None, 0.0, 0.0, 0.1, 1.1, ())
 
 
 def test_a_bucket_decodes_with_more_settings_than_dynamos_recompile_limit(monkeypatch):

@@ -459,6 +459,28 @@ def test_greedy_with_a_repetition_penalty_counts_the_prompt_and_the_tokens_gener
     assert rows[0] == got  # the padded row beside it marks nothing of its padding
 
 
+def test_logit_bias_is_added_to_its_tokens_logits_before_the_draw(model):
+    """OpenAI's logit_bias: +100 makes a token every greedy pick; -100 keeps the greedy pick of
+    each step out (the next likeliest instead), step by step as the formula says."""
+    prompt, n = [5, 9, 2, 33], 8
+    free = generate(model, prompt, max_new_tokens=n, temperature=0)
+    assert generate(model, prompt, max_new_tokens=n, temperature=0, logit_bias={7: 100}) == [7] * n
+    banned = free[0]
+    idx = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(idx[:, -24:])[:, -1, :]
+            logits[:, banned] -= 100
+            idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+    got = generate(model, prompt, max_new_tokens=n, temperature=0, logit_bias=[(banned, -100)])
+    assert got == idx[0, len(prompt) :].tolist() and banned not in got
+    for bias, needle in [({-1: 1}, "token id -1"), ({3: 101}, r"\[-100, 100\]"), (5, "map")]:
+        with pytest.raises(GptkilnError, match=needle):
+            SampleConfig(logit_bias=bias)
+    with pytest.raises(GptkilnError, match="past the model's 64 ids"):
+        generate(model, prompt, max_new_tokens=2, logit_bias={64: 1})
+
+
 @pytest.mark.parametrize("presence, frequency", [(0.5, 0.0), (0.0, 0.5), (-1.0, 0.5)])
 def test_generation_with_penalties_equals_the_formula_applied_step_by_step(
     model, presence, frequency

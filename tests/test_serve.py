@@ -310,6 +310,7 @@ def test_concurrent_staggered_requests_equal_generate_alone(url, run_dir):
         ("Zebra", dict(max_tokens=9, temperature=1.0, top_p=0.9, seed=0)),
         ("Once", dict(max_tokens=12, temperature=0, repetition_penalty=1.4)),
         ("Twice", dict(max_tokens=12, temperature=1.2, min_p=0.1, seed=2)),
+        ("Thrice", dict(max_tokens=12, temperature=0.9, seed=4, logit_bias={"11": 3.0})),
     ]
 
     def ask(i):
@@ -330,6 +331,7 @@ def test_concurrent_staggered_requests_equal_generate_alone(url, run_dir):
             frequency_penalty=o.get("frequency_penalty", 0.0),
             min_p=o.get("min_p"),
             repetition_penalty=o.get("repetition_penalty", 1.0),
+            logit_bias={int(k): v for k, v in o.get("logit_bias", {}).items()},
         )
         assert text == expected(run_dir, prompt, **cfg), prompt
 
@@ -460,7 +462,14 @@ BAD = [
     ("echo a string", {"prompt": "x", "echo": "yes"}, 400, "echo"),
     ("an unknown field", {"prompt": "x", "temprature": 0.5}, 400, "temprature"),
     ("suffix", {"prompt": "x", "suffix": "!"}, 400, "suffix"),
-    ("logit_bias", {"prompt": "x", "logit_bias": {"50256": -100}}, 400, "logit_bias"),
+    (
+        "logit_bias past the vocabulary",
+        {"prompt": "x", "logit_bias": {"99999999": -100}},
+        400,
+        "logit_bias",
+    ),
+    ("logit_bias not an id", {"prompt": "x", "logit_bias": {"the": -100}}, 400, "logit_bias"),
+    ("logit_bias over 100", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("best_of other than n", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("unknown stream option", {"prompt": "x", "stream_options": {"x": 1}}, 400, "stream_options.x"),
     ("an unknown model", {"prompt": "x", "model": "gpt-4"}, 404, "model"),

@@ -581,7 +581,6 @@ def test_the_fields_agent_sdks_send_are_taken_and_ignored(url):
     assert sent.status_code == 200, sent.text
     assert sent.json()["choices"] == plain["choices"]
     for field, value in [
-        ("logit_bias", {"5": 10}),
         ("modalities", ["text", "audio"]),
         ("prediction", {"type": "content", "content": "sun"}),
         ("web_search_options", {}),

@@ -338,6 +338,16 @@ def apply_penalties(
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
+def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """OpenAI's ``logit_bias`` on logits (B, V): each ``(token id, bias)``'s bias added to that
+    token's logit in every row (a new tensor; ``logits`` itself where there is none)."""
+    if not bias:
+        return logits
+    ids = torch.tensor([i for i, _ in bias], device=logits.device)
+    values = torch.tensor([b for _, b in bias], device=logits.device, dtype=logits.dtype)
+    return logits.index_add(-1, ids, values.expand(logits.size(0), -1))
+
+
 def prompt_tokens(
     prompts: Sequence[Sequence[int]], vocab: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
@@ -578,6 +588,11 @@ def generate_stream(
     """
     cfg = sample_config(cfg, overrides, "generate_stream")
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+    if any(i >= model.config.vocab_size for i, _ in cfg.logit_bias):
+        raise GptkilnError(
+            f"logit_bias names token {max(i for i, _ in cfg.logit_bias)}, past the model's "
+            f"{model.config.vocab_size} ids; give ids below {model.config.vocab_size}"
+        )
     if cfg.stop and streams is None:
         raise GptkilnError(
             "stop strings need the generated text: pass streams=[TextStream(tokenizer.decode, "
@@ -678,6 +693,7 @@ class _Steps:
                 cfg.repetition_penalty,
                 self.in_prompt,
             )
+        logits = apply_logit_bias(logits, cfg.logit_bias)
         return sample_rows(
             logits, cfg.temperature, cfg.top_k, cfg.top_p, self.generators, cfg.min_p
         )

@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "model whose own chat template has a tool section (Qwen3/Hermes <tool_call> or Llama "
         "3.x JSON calls); vLLM's ignore_eos. It takes and ignores what means nothing to a local "
         "server (store, metadata, service_tier, prompt_cache_key, safety_identifier, user, "
-        "reasoning_effort, verbosity). It refuses with HTTP 400: suffix, logit_bias, best_of "
+        "reasoning_effort, verbosity), and takes logit_bias (token ids to biases in [-100, "
+        "100]). It refuses with HTTP 400: suffix, best_of "
         "other than n, prediction, web_search_options, audio modalities, a schema keyword it "
         "cannot enforce, tools for a template without a tool section, image or audio content.",
         epilog=example("gptkiln serve runs/default --port 8000")

@@ -41,6 +41,8 @@ class SampleConfig:
     tokenizer's special tokens (a chat template's markers), as vLLM's ``skip_special_tokens``
     and transformers' ``decode(..., skip_special_tokens=True)``; the ids keep them (chat and
     the server's chat answers set it; ``generate`` shows every token, as the book's does).
+    ``logit_bias``: OpenAI's, ``(token id, bias)`` pairs (or a dict of them), each bias in
+    [-100, 100] added to its token's logit before the draw (-100 all but forbids it).
     """
 
     max_new_tokens: int = 100
@@ -55,6 +57,7 @@ class SampleConfig:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_types(self, "sampling config")
@@ -76,6 +79,8 @@ class SampleConfig:
                 "repetition_penalty must be a finite number > 0 (1 = off; e.g. 1.1 discourages "
                 f"repeats), got {self.repetition_penalty}"
             )
+
+        self.logit_bias = check_logit_bias(self.logit_bias)
 
     @property
     def penalised(self) -> bool:
@@ -116,6 +121,28 @@ def model_sampling(directory: str | Path) -> dict[str, Any]:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and ok(value):
             out[name] = int(value) if name == "top_k" else float(value)
     return out
+
+
+def check_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    """``(token id, bias)`` pairs, sorted by id, from pairs or a dict: ids whole numbers >= 0,
+    biases finite numbers in [-100, 100] (OpenAI's range)."""
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = [(i, b) for i, b in pairs]
+    except (TypeError, ValueError):
+        raise GptkilnError(
+            f"logit_bias must map token ids to numbers, e.g. {{50256: -100}}, got {bias!r}"
+        ) from None
+    out = {}
+    for i, b in pairs:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise GptkilnError(f"logit_bias: token id {i!r} is not a whole number >= 0")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise GptkilnError(
+                f"logit_bias: the bias of token {i} must be in [-100, 100], got {b!r}"
+            )
+        out[i] = float(b)
+    return tuple(sorted(out.items()))
 
 
 def check_stop(stop: Any) -> tuple[str, ...]:

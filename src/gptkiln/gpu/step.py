@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from gptkiln.model import GPT, KVCache
-from gptkiln.sampling import apply_penalties, sample_on_device
+from gptkiln.sampling import apply_logit_bias, apply_penalties, sample_on_device
 
 
 def static_positions_and_mask(
@@ -60,6 +60,7 @@ class DeviceSampling:
     frequency_penalty: float = 0.0
     min_p: float | None = None
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def of(cls, cfg) -> DeviceSampling:
@@ -163,6 +164,7 @@ def graph_step(model: GPT, state: StaticState, sampling: DeviceSampling) -> torc
             sampling.repetition_penalty,
             state.in_prompt,
         )
+    logits = apply_logit_bias(logits, sampling.logit_bias)
     draws = state.slots - state.pads + 1  # the new token's position: the same in any batch
     token = sample_on_device(
         logits,

@@ -291,7 +291,11 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
         # a long prompt takes a while to encode: off the event loop, which keeps streaming
         prompts = await asyncio.to_thread(prompt_ids, req.prompt, tokenizer, served.vocab)
         cfg = sample_config(
-            req, [ids for _, ids in prompts], served.context, defaults=served.sampling_defaults
+            req,
+            [ids for _, ids in prompts],
+            served.context,
+            defaults=served.sampling_defaults,
+            vocab=served.vocab,
         )
         grammar = response_grammar(req.response_format, served.grammars)
         if grammar is not None:  # the first use of a schema compiles it: off the event loop
@@ -331,6 +335,7 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
             [ids for _, ids in prompts],
             served.context,
             defaults=served.sampling_defaults,
+            vocab=served.vocab,
             # a grammar's answer ends where the grammar does: no template header may cut it
             extra_stop=template.stop_strings() if grammar is None else (),
             source="messages",

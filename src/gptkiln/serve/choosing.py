@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-from gptkiln.sampling import apply_penalties, apply_token_bitmask, sample_rows
+from gptkiln.sampling import (
+    apply_logit_bias,
+    apply_penalties,
+    apply_token_bitmask,
+    sample_rows,
+)
 from gptkiln.serve.constrain import fill_masks
 from gptkiln.serve.events import Done, Event, Failed, Sequence, Token, TokenLogprobs
 from gptkiln.text_stream import TextStream
@@ -135,7 +140,11 @@ class Chooser:
         # fp32, as the sampler reads it and as the penalties (fp32 counts) make a row
         chosen = torch.cat([logits for _, logits in group]).float()  # (G, V), a new tensor
         for i, (slot, logits) in enumerate(group):
-            if slot.counts is not None or slot.seq.constraint is not None:
+            if (
+                slot.counts is not None
+                or slot.seq.constraint is not None
+                or slot.seq.cfg.logit_bias
+            ):
                 # from the row in the model's dtype, as alone
                 chosen[i : i + 1] = self._row_logits(slot, logits, masks.get(slot.row))
         return chosen
@@ -152,6 +161,7 @@ class Chooser:
             logits = apply_penalties(
                 logits, slot.counts, presence, frequency, repetition, slot.in_prompt
             )
+        logits = apply_logit_bias(logits, cfg.logit_bias)
         if seq.constraint is not None:
             if mask is None:
                 mask = torch.full((1, self._mask_words()), -1, dtype=torch.int32)

@@ -128,8 +128,8 @@ def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
 
 def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """A 400 for the fields this server does not honour, rather than ignoring them: what
-    would change the answer (a bias, a suffix, a predicted output, web search, audio)."""
-    unsupported = [("logit_bias", req.logit_bias if req.logit_bias else None)]
+    would change the answer (a suffix, a predicted output, web search, audio)."""
+    unsupported: list[tuple[str, Any]] = []
     if isinstance(req, CompletionRequest):
         unsupported += [
             ("suffix", req.suffix or None),
@@ -160,6 +160,7 @@ def sample_config(
     extra_stop: tuple[str, ...] = (),
     source: str = "prompt",
     defaults: dict[str, Any] | None = None,
+    vocab: int | None = None,
 ) -> SampleConfig:
     """The request's `SampleConfig`, once every prompt and its new tokens fit the context.
 
@@ -171,6 +172,7 @@ def sample_config(
         source: the request field the prompts came from, named in a too-long error.
         defaults: the model's sampling (`config.run.model_sampling`) for the fields of
             `MODEL_SAMPLING` the request leaves out (vLLM's ``--generation-config auto``).
+        vocab: the ids the model and its tokenizer share (a ``logit_bias`` id past them: 400).
     """
     if req.stream_options is not None and not req.stream:  # as OpenAI answers it
         raise OpenAIError(
@@ -222,6 +224,7 @@ def sample_config(
     for name, value in (defaults or {}).items():
         if name in sampling and name not in req.model_fields_set:  # left out: the model's
             sampling[name] = value
+    bias = logit_bias(req.logit_bias, vocab)
     try:
         return SampleConfig(
             max_new_tokens=new,
@@ -230,10 +233,32 @@ def sample_config(
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             stop_at_eos=not req.ignore_eos,
+            logit_bias=bias,
             **sampling,
         )
     except GptkilnError as e:
         raise OpenAIError(400, str(e)) from None
+
+
+def logit_bias(bias: dict[str, float] | None, vocab: int | None) -> tuple:
+    """OpenAI's ``logit_bias`` (token ids as strings: numbers) as `SampleConfig` pairs; a key
+    that is no token id of the model, or a bias outside [-100, 100], is a 400."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.strip().isdigit() or (vocab is not None and int(key) >= vocab):
+            top = "" if vocab is None else f" below {vocab}"
+            raise OpenAIError(
+                400,
+                f"logit_bias key {key!r} is not a token id of this model; give ids{top} "
+                "(POST /v1/tokenize gives a text's ids)",
+                "logit_bias",
+            )
+        if not -100 <= value <= 100:
+            raise OpenAIError(
+                400, f"logit_bias of token {key} must be in [-100, 100], got {value}", "logit_bias"
+            )
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def nth_sample(cfg: SampleConfig, j: int) -> SampleConfig:

@@ -252,7 +252,7 @@ class ChatCompletionRequest(Request):
     context, as OpenAI's does.
 
     The fields agent SDKs send that mean nothing to a local server are taken and ignored
-    (`IGNORED_CHAT_FIELDS`); those that would change the answer (``logit_bias``, a
+    (`IGNORED_CHAT_FIELDS`); those that would change the answer (a
     ``prediction``, ``web_search_options``, an ``audio`` modality) are refused as not supported
     (`parsing.refuse_unsupported`)."""
 
@@ -358,7 +358,7 @@ FIELD_KINDS = {
     "stream": "true or false",
     "stream_options": 'an object such as {"include_usage": true}',
     "suffix": "null (not supported)",
-    "logit_bias": "null (not supported)",
+    "logit_bias": "an object of token ids (as strings) to numbers in [-100, 100]",
     "user": "a string",
     "ignore_eos": "true or false",
     "response_format": 'an object {"type": "text" | "json_object" | "json_schema", '
@@ -410,7 +410,7 @@ CHAT_FIELD_KINDS = {
     "model": "a string",
     "max_tokens": "a whole number >= 0",
     "max_completion_tokens": "a whole number >= 0",
-    "logit_bias": "null (not supported)",
+    "logit_bias": "an object of token ids (as strings) to numbers in [-100, 100]",
     "modalities": '["text"] or null',
     "prediction": "null (not supported)",
     "web_search_options": "null (not supported)",
