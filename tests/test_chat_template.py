@@ -246,6 +246,8 @@ def test_a_models_generation_config_sets_the_sampling_no_flag_gives(chat_run, mo
     assert "generation_config.json sets it: temperature 0.6, top k 20, top p 0.95" in err
     code, _, err = cli(*base, "--temperature", 0.9, "--top-k", 5, capsys=capsys)
     assert code == 0 and used[-1] == (0.9, 5, 0.95) and "temperature 0.6" not in err
+    code, _, err = cli(*base, "--top-k", 0, capsys=capsys)  # 0: the model's top-k set aside
+    assert code == 0 and used[-1] == (0.6, None, 0.95), err
     config_path.write_text(json.dumps({**config, "do_sample": False, "temperature": 0.6}))
     code, _, err = cli(*base, capsys=capsys)
     assert code == 0 and used[-1] == (0.0, None, None)

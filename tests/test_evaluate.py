@@ -687,6 +687,8 @@ def test_generation_settings_gptkiln_has_not_are_refused(setup):
     assert config({"do_sample": False, "temperature": 0.7}).temperature == 0.0
     cfg = config({"until": [], "repetition_penalty": 1.2, "min_p": 0.05})
     assert (cfg.repetition_penalty, cfg.min_p) == (1.2, 0.05)
+    cfg = config({"until": [], "repetition_penalty": None, "min_p": None})  # YAML null: off
+    assert (cfg.repetition_penalty, cfg.min_p) == (1.0, None)
     with pytest.raises(GptkilnError, match="generation_kwargs typical_p: not a setting"):
         config({"until": [], "typical_p": 0.9})
     with pytest.raises(GptkilnError, match="no beam search"):

@@ -330,3 +330,23 @@ def test_perplexity_scores_every_token_once_from_the_tokenizers_own_start(tmp_pa
         warnings.simplefilter("error")
         prepared = perplexity_of_run(directory, tmp_path / "prepared", progress=False)
     assert prepared.tokens > 16 and prepared.tokens % 16  # whole windows and a tail
+
+
+def test_data_prepared_with_a_models_tokenizer_keeps_its_ids_not_its_sampling(tmp_path):
+    """A model trained from scratch on a Qwen3 tokenizer is not Qwen3: the prepared data (and
+    so the run) keeps its generation_config.json's token ids, not Qwen3's temperature 0.6."""
+    from hf_tokenizer_dirs import write_qwen3_dir
+
+    from gptkiln.config.run import model_sampling
+    from gptkiln.data import prepare
+
+    directory = write_qwen3_dir(tmp_path / "qwen")
+    config = json.loads((directory / "generation_config.json").read_text())
+    sampled = {**config, "do_sample": True, "temperature": 0.6, "top_k": 20}
+    (directory / "generation_config.json").write_text(json.dumps(sampled))
+    assert model_sampling(directory) == {"temperature": 0.6, "top_k": 20}
+    (tmp_path / "t.txt").write_text("some text to prepare, and some more\n" * 40)
+    prepare(tmp_path / "t.txt", tmp_path / "data", tokenizer=str(directory), progress=False)
+    kept = json.loads((tmp_path / "data" / "generation_config.json").read_text())
+    assert kept == config and model_sampling(tmp_path / "data") == {}
+    assert load_tokenizer(tmp_path / "data").stop_ids == load_tokenizer(directory).stop_ids

@@ -106,6 +106,26 @@ def test_a_run_being_trained_says_so(run):
     assert "training now" not in run_info(run).resume_note
 
 
+def test_a_training_run_starting_while_info_looks_still_takes_its_lock(tmp_path):
+    """`RunLock.held` holds a shared lock for an instant; a trainer acquiring then waits that
+    instant out instead of being refused."""
+    import fcntl
+    import os
+    import threading
+
+    from gptkiln.checkpoint import RunLock
+
+    fd = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # as held() takes it
+    threading.Timer(0.03, os.close, [fd]).start()
+    lock = RunLock(tmp_path)
+    lock.acquire()  # refused at once before: no retry
+    try:
+        assert lock.fd is not None and RunLock.held(tmp_path)
+    finally:
+        lock.release()
+
+
 def test_info_reads_headers_not_weights(run, monkeypatch):
     import safetensors.torch
 

@@ -269,7 +269,10 @@ def test_a_request_that_leaves_sampling_out_takes_the_models_generation_config(
         said = httpx.post(f"{url}/v1/completions", json=greedy).json()["choices"][0]["text"]
         hot = {**body, "temperature": 1.5}
         drawn = httpx.post(f"{url}/v1/completions", json=hot).json()["choices"][0]["text"]
+        null = {**body, "temperature": None, "top_k": None}
+        nulled = httpx.post(f"{url}/v1/completions", json=null).json()["choices"][0]["text"]
     assert left_out == said != drawn
+    assert nulled == left_out  # null is left out, as vLLM reads it
     assert "leaves them out samples with its generation_config.json's temperature 0.0" in (
         capsys.readouterr().err
     )

@@ -777,8 +777,8 @@ def _training_history(run_dir: Path, weights: Path, train: dict | None) -> dict[
     info["resumable"], info["resume_note"] = state is not None, why
     if RunLock.held(run_dir):  # its checkpoint is the last one saved; more are coming
         info["resume_note"] = (
-            f"{why}; it is training now (a gptkiln train or finetune holds it): --resume "
-            "waits for that run to end"
+            f"{why}; it is training now (a gptkiln train or finetune holds it): --resume is "
+            "refused until that run ends"
         )
     if state is not None:
         info["steps_done"] = int(state["step"])

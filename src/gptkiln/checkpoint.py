@@ -36,6 +36,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import time
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -677,6 +678,20 @@ def drop_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     return dropped
 
 
+def _flock_soon(fd: int, fcntl) -> None:
+    """An exclusive ``flock`` on ``fd``, tried for a tenth of a second: `RunLock.held` (gptkiln
+    info) holds a shared one for an instant, which must not refuse a run starting then."""
+    for _ in range(10):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            time.sleep(0.01)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 class RunLock:
     """A run directory held by one training process at a time: an exclusive ``flock`` on the
     directory itself (no file in it), taken before anything there is read or moved, and let go
@@ -702,7 +717,7 @@ class RunLock:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.run_dir, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_soon(fd, fcntl)
         except OSError as e:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):

@@ -436,7 +436,7 @@ CHAT_SAMPLING_HELP = {
     "max_new_tokens": "longest response in tokens, >= 0 (default: 200)",
     "temperature": "0 = greedy (the book's), > 0 samples (default: the run's "
     "generation_config.json's, as for top-k, top-p, min-p and the repetition penalty; else 0)",
-    "top_k": "sample from the k likeliest tokens, >= 1 (default: all)",
+    "top_k": "sample from the k likeliest tokens, >= 1 (0: all) (default: all)",
     "top_p": "nucleus sampling, in (0, 1] (default: off)",
     "min_p": "drop the tokens less likely than P times the likeliest, in [0, 1] (default: off)",
     "stop": "end a response where this text appears, leaving it out; repeatable (the "

@@ -35,7 +35,7 @@ SAMPLING_HELP = {
     "max_new_tokens": "tokens to generate at most (>= 0); past the model's context the window "
     "slides, and a note says so (default: %(default)s)",
     "temperature": "softmax temperature (>= 0; 0 = greedy) (default: 0.8)",
-    "top_k": "sample from the K most likely tokens only (>= 1) (default: all tokens)",
+    "top_k": "sample from the K most likely tokens only (>= 1; 0: all) (default: all tokens)",
     "top_p": "sample from the fewest tokens whose probability reaches P, in (0, 1] "
     "(default: all tokens)",
     "min_p": "drop the tokens less likely than P times the likeliest, in [0, 1] (e.g. 0.05) "

@@ -61,6 +61,8 @@ class SampleConfig:
 
     def __post_init__(self) -> None:
         _check_types(self, "sampling config")
+        if self.top_k == 0:  # off, as transformers reads 0 (a model's own top-k set aside)
+            self.top_k = None
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
         if self.seed is not None:
             _check_seed(self.seed)
@@ -163,7 +165,7 @@ def check_sampling(
             f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
         )
     if top_k is not None and top_k < 1:
-        raise GptkilnError(f"top_k must be >= 1 (or unset to keep all tokens), got {top_k}")
+        raise GptkilnError(f"top_k must be >= 1 (or 0 to keep all tokens), got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise GptkilnError(f"top_p must be in (0, 1] (1 keeps all tokens), got {top_p}")
     if min_p is not None and not 0.0 <= min_p <= 1.0:

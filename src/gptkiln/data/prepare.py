@@ -533,7 +533,8 @@ def _write_dataset(
     }
     if run.sample is not None and run.sample.taken:  # a BPE trained here: on what
         meta["bpe_sample_bytes"] = run.sample.taken
-    tok.save(staging)
+    # a model trained on this data is not the tokenizer's own: none of its sampling settings
+    getattr(tok, "for_new_model", lambda: tok)().save(staging)
     (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta
 

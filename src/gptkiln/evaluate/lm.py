@@ -356,7 +356,7 @@ def sample_config(gen_kwargs: dict, tokenizer, max_gen_toks: int):
     temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
     top_k, top_p = kwargs.pop("top_k", None) or None, kwargs.pop("top_p", None)  # HF: 0 = off
     min_p = kwargs.pop("min_p", None) or None
-    repetition = float(kwargs.pop("repetition_penalty", 1.0))
+    repetition = float(kwargs.pop("repetition_penalty", None) or 1.0)  # None: the default
     if kwargs.pop("num_beams", 1) != 1:
         raise GptkilnError("generation_kwargs num_beams: gptkiln has no beam search; use 1")
     if kwargs:

@@ -216,13 +216,14 @@ def sample_config(
         )
     sampling = {
         "temperature": req.temperature,
-        "top_k": req.top_k,
+        "top_k": None if req.top_k is not None and req.top_k <= 0 else req.top_k,
         "top_p": req.top_p,
         "min_p": req.min_p or None,
         "repetition_penalty": req.repetition_penalty,
     }
     for name, value in (defaults or {}).items():
-        if name in sampling and name not in req.model_fields_set:  # left out: the model's
+        left_out = name not in req.model_fields_set or getattr(req, name) is None
+        if name in sampling and left_out:  # left out (or null, as vLLM reads it): the model's
             sampling[name] = value
     bias = logit_bias(req.logit_bias, vocab)
     try:

@@ -133,7 +133,7 @@ class CompletionRequest(Request):
     max_tokens: int | None = Field(16, ge=0)
     temperature: float = _finite(1.0, 0.0, 2.0)
     top_p: float = _finite(1.0, 0.0, 1.0, gt=True)
-    top_k: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: off (vLLM's)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     presence_penalty: float = _finite(0.0, -2.0, 2.0)
@@ -252,7 +252,7 @@ class ChatCompletionRequest(Request):
     context, as OpenAI's does.
 
     The fields agent SDKs send that mean nothing to a local server are taken and ignored
-    (`IGNORED_CHAT_FIELDS`); those that would change the answer (a
+    (``store`` ... ``verbosity`` below); those that would change the answer (a
     ``prediction``, ``web_search_options``, an ``audio`` modality) are refused as not supported
     (`parsing.refuse_unsupported`)."""
 
@@ -264,7 +264,7 @@ class ChatCompletionRequest(Request):
     max_completion_tokens: int | None = Field(None, ge=0)
     temperature: float = _finite(1.0, 0.0, 2.0)
     top_p: float = _finite(1.0, 0.0, 1.0, gt=True)
-    top_k: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: off (vLLM's)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     presence_penalty: float = _finite(0.0, -2.0, 2.0)
@@ -286,7 +286,9 @@ class ChatCompletionRequest(Request):
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-    # taken and ignored (IGNORED_CHAT_FIELDS): no-ops for a local server
+    # taken and ignored, with ``user``: no-ops for a local server (nothing is stored, tiered or
+    # kept by key: its prefix cache matches prompts by their tokens; no reasoning effort or
+    # verbosity to set)
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -294,21 +296,6 @@ class ChatCompletionRequest(Request):
     safety_identifier: str | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
-
-
-IGNORED_CHAT_FIELDS = (
-    "store",
-    "metadata",
-    "service_tier",
-    "prompt_cache_key",
-    "safety_identifier",
-    "user",
-    "reasoning_effort",
-    "verbosity",
-)
-"""OpenAI's chat fields a local server takes and ignores: nothing is stored, tiered or kept
-by key (its prefix cache matches prompts by their tokens), the model has no reasoning effort
-or verbosity to set."""
 
 
 class InspectRequest(Request):
@@ -344,7 +331,7 @@ FIELD_KINDS = {
     "max_tokens": "a whole number >= 0",
     "temperature": "a number in [0, 2]",
     "top_p": "a number in (0, 1]",
-    "top_k": "a whole number >= 1",
+    "top_k": "a whole number >= 1 (0 or -1: off)",
     "seed": f"a whole number in [0, {MAX_SEED}]",
     "stop": f"a string or a list of up to {MAX_STOP_STRINGS} strings",
     "presence_penalty": "a number in [-2, 2]",

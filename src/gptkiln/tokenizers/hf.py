@@ -107,6 +107,18 @@ class HFTokenizer(Tokenizer):
     def stop_ids(self) -> tuple[int, ...]:
         return self._stop_ids
 
+    def for_new_model(self) -> HFTokenizer:
+        """This tokenizer as a model trained anew on it keeps it: its generation_config.json
+        holds the token ids alone, not the sampling its own model was tuned for (a Qwen3
+        tokenizer's temperature 0.6 is no setting of a model trained from scratch)."""
+        generation = self.files.get("generation_config.json")
+        if not isinstance(generation, dict):
+            return self
+        ids = {k: v for k, v in generation.items() if k.endswith("token_id")}
+        if ids == generation:
+            return self
+        return HFTokenizer(self._source, {**self.files, "generation_config.json": ids})
+
     def with_stop_id(self, token_id: int) -> HFTokenizer:
         """This tokenizer with ``token_id`` among its `stop_ids` (after those it has), kept in
         its ``generation_config.json``'s ``eos_token_id`` as transformers reads it: a chat
