@@ -97,7 +97,8 @@ MODEL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"
 def model_sampling(directory: str | Path) -> dict[str, Any]:
     """The sampling a model directory's ``generation_config.json`` asks for, as transformers
     reads it and vLLM takes it for the requests that do not say (Qwen3: temperature 0.6, top-k
-    20, top-p 0.95): ``do_sample`` false is greedy; a setting that changes nothing (top-k 0,
+    20, top-p 0.95): ``do_sample`` false is greedy (its repetition penalty still applies, as
+    transformers applies it; vLLM reads no ``do_sample``); a setting that changes nothing (top-k 0,
     top-p 1, min-p 0, a repetition penalty of 1) or is no valid value is left out. {} where it
     has no such file."""
     import json
@@ -108,8 +109,6 @@ def model_sampling(directory: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(config, dict):
         return {}
-    if config.get("do_sample") is False:
-        return {"temperature": 0.0}
     valid = {
         "temperature": lambda v: 0 <= v < math.inf,
         "top_k": lambda v: v >= 1 and v == int(v),
@@ -122,6 +121,8 @@ def model_sampling(directory: str | Path) -> dict[str, Any]:
         value = config.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and ok(value):
             out[name] = int(value) if name == "top_k" else float(value)
+    if config.get("do_sample") is False:  # greedy, as transformers reads it: no draw to shape
+        out = {"temperature": 0.0, **{k: v for k, v in out.items() if k == "repetition_penalty"}}
     return out
 
 
