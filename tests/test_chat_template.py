@@ -232,6 +232,15 @@ def test_a_models_generation_config_sets_the_sampling_no_flag_gives(chat_run, mo
     qwen3 = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
     config_path.write_text(json.dumps({**config, **qwen3}))
     assert model_sampling(run) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    for odd, read in [
+        ({"do_sample": True}, {"temperature": 1.0}),  # sampled at transformers' temperature 1
+        ({"top_k": float("inf"), "top_p": 1.5, "temperature": "hot"}, {}),  # no valid values
+        ({"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.1},
+         {"temperature": 0.0, "repetition_penalty": 1.1}),  # greedy, still penalised
+    ]:  # fmt: skip
+        config_path.write_text(json.dumps({**config, **odd}))
+        assert model_sampling(run) == read, odd
+    config_path.write_text(json.dumps({**config, **qwen3}))
     used = []
     real = sampling.generate_stream
 
@@ -250,7 +259,7 @@ def test_a_models_generation_config_sets_the_sampling_no_flag_gives(chat_run, mo
     assert code == 0 and used[-1] == (0.6, None, 0.95), err
     config_path.write_text(json.dumps({**config, "do_sample": False, "temperature": 0.6}))
     code, _, err = cli(*base, capsys=capsys)
-    assert code == 0 and used[-1] == (0.0, None, None)
+    assert code == 0 and used[-1] == (0.0, None, None) and "greedy (do_sample false)" in err
     config_path.write_text(json.dumps(config))  # none set: the command's own defaults
     code, _, err = cli(*base, capsys=capsys)
     assert code == 0 and used[-1] == (0.8, None, None) and "generation_config" not in err

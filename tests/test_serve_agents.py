@@ -883,3 +883,22 @@ def test_a_chat_answer_leaves_the_templates_markers_out_of_its_text(tmp_path):
         body = {"model": NAME, "prompt": prompt, "max_tokens": 5, "temperature": 0}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert r["choices"][0]["text"] == "<|im_start|>" * 5
+
+
+def test_chat_logprobs_go_on_past_a_special_token_the_text_leaves_out(tmp_path):
+    """A chat answer's text leaves ``<|im_start|>`` out, so its logprobs count it no characters:
+    the tokens after it are still listed (they were dropped, placed past the text's end)."""
+    from gptkiln.serve.answers import Scores
+    from gptkiln.text_stream import hidden_ids
+
+    tokenizer = load_tokenizer(write_qwen3_dir(tmp_path / "tokenizer"))
+    a, b = tokenizer.encode("a")[0], tokenizer.encode("b")[0]
+    marker = tokenizer.encode_templated("<|im_start|>")[0]
+    scores = Scores(tokenizer, hidden_ids(tokenizer, True))
+    for token in (a, marker, b):
+        scores.add(token, None)
+    assert [t for t, _, _ in scores.release("ab", done=True)] == [a, marker, b]
+    shown = Scores(tokenizer)  # a completion's text keeps the marker: it takes its characters
+    for token in (a, marker, b):
+        shown.add(token, None)
+    assert [t for t, _, _ in shown.release("a<|im_start|>b", done=True)] == [a, marker, b]

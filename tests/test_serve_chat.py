@@ -273,7 +273,7 @@ def test_a_request_that_leaves_sampling_out_takes_the_models_generation_config(
         nulled = httpx.post(f"{url}/v1/completions", json=null).json()["choices"][0]["text"]
     assert left_out == said != drawn
     assert nulled == left_out  # null is left out, as vLLM reads it
-    assert "leaves them out samples with its generation_config.json's temperature 0.0" in (
+    assert "leaves them out samples with its generation_config.json's greedy (do_sample false)" in (
         capsys.readouterr().err
     )
     with ServerThread(served_app(runs[1], monkeypatch)) as url:  # none: OpenAI's temperature 1

@@ -228,6 +228,10 @@ def complete(
         templated: the prompts were rendered by the model's chat template and hold their own
             special tokens (`gptkiln.tokenizers.encode_prompt`).
 
+    ``cfg`` is used as given: the sampling a model's generation_config.json asks for, which
+    ``gptkiln generate`` takes for the flags not given, is
+    ``SampleConfig(**{**config.run.model_sampling(run), ...})`` here.
+
     Returns:
         The samples, prompt by prompt, each prompt's in order of ``index``.
     """

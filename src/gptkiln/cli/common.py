@@ -251,7 +251,12 @@ def model_sampling_note(args: argparse.Namespace, run_dir, model: dict[str, Any]
     }
     if not taken:
         return None
-    said = ", ".join(f"{n.replace('_', ' ')} {v}" for n, v in taken.items())
+    said = ", ".join(
+        "greedy (do_sample false)"
+        if (n, v) == ("temperature", 0.0)
+        else f"{n.replace('_', ' ')} {v}"
+        for n, v in taken.items()
+    )
     return f"sampling as {run_dir}'s generation_config.json sets it: {said} (a flag overrides it)"
 
 

@@ -110,7 +110,7 @@ def model_sampling(directory: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         return {}
     valid = {
-        "temperature": lambda v: 0 <= v < math.inf,
+        "temperature": lambda v: 0 <= v,
         "top_k": lambda v: v >= 1 and v == int(v),
         "top_p": lambda v: 0 < v < 1,
         "min_p": lambda v: 0 < v <= 1,
@@ -119,10 +119,13 @@ def model_sampling(directory: str | Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, ok in valid.items():
         value = config.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and ok(value):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and math.isfinite(value) and ok(value):
             out[name] = int(value) if name == "top_k" else float(value)
     if config.get("do_sample") is False:  # greedy, as transformers reads it: no draw to shape
         out = {"temperature": 0.0, **{k: v for k, v in out.items() if k == "repetition_penalty"}}
+    elif config.get("do_sample") is True:  # sampled: at transformers' temperature 1 if unsaid
+        out = {"temperature": 1.0, **out}
     return out
 
 

@@ -163,7 +163,10 @@ def _sampling_notice(sampling: dict) -> str:
     """What the startup line says of the model's generation_config.json sampling, if any."""
     if not sampling:
         return ""
-    said = ", ".join(f"{k} {v}" for k, v in sampling.items())
+    said = ", ".join(
+        "greedy (do_sample false)" if (k, v) == ("temperature", 0.0) else f"{k} {v}"
+        for k, v in sampling.items()
+    )
     return f"; a request that leaves them out samples with its generation_config.json's {said}"
 
 

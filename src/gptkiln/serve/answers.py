@@ -70,8 +70,9 @@ class Scores:
     token by token): a token inside a character (byte-level BPE) begins where that character
     does, as the text, which holds the character once, has it."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, hidden: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
+        self._hidden = hidden  # ids the text leaves out (skip_special_tokens): no characters
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._at = 0  # characters the tokens added so far complete
         self._shown = 0  # characters of text given out
@@ -79,6 +80,8 @@ class Scores:
 
     def add(self, token: int, entry: TokenLogprobs | None) -> None:
         self._pending.append((token, entry, self._at))
+        if token in self._hidden:
+            return
         self._at += len(self._decoder.decode(self.tokenizer.token_bytes(token)))
 
     def release_all(self, text: str) -> list[tuple[int, TokenLogprobs | None, int]]:
@@ -115,6 +118,12 @@ class Answer:
         self.created = int(time.time())
         self.model_name = model_name
         self.scores: dict[int, Scores] = {}  # a streamed choice's tokens, when scored
+        self.skips_special = False  # the text leaves special tokens out (cfg's; chat sets it)
+
+    def _hidden(self) -> frozenset[int]:
+        from gptkiln.text_stream import hidden_ids
+
+        return hidden_ids(self.tokenizer, self.skips_special)
 
     def _completion(self, choices: list[Choice], usage: Usage | None = None) -> dict[str, Any]:
         return Completion(
@@ -172,7 +181,7 @@ class Answer:
     ) -> list:
         """A whole choice's tokens whose text begins in ``text`` (`Scores`), after the echoed
         ``prompt``'s tokens (``prompt_text``), all of them."""
-        scores = Scores(self.tokenizer)
+        scores = Scores(self.tokenizer, self._hidden())
         for token, entry in prompt:
             scores.add(token, entry)
         echoed = scores.release_all(prompt_text)
@@ -267,7 +276,7 @@ class Answer:
     def _opening(self, seqs: list[Sequence]) -> Iterator[str]:
         """With ``echo``, each prompt first (with its logprobs, they come as an event)."""
         if self.req.logprobs is not None:
-            self.scores = {s.index: Scores(self.tokenizer) for s in seqs}
+            self.scores = {s.index: Scores(self.tokenizer, self._hidden()) for s in seqs}
         if self.req.echo and self.req.logprobs is None:
             for seq in seqs:
                 yield self._chunk(Choice(text=self._prompt_of(seq.index)[0], index=seq.index))
@@ -370,7 +379,7 @@ class ChatAnswer(Answer):
 
     def _opening(self, seqs: list[Sequence]) -> Iterator[str]:
         if self.req.logprobs:
-            self.scores = {s.index: Scores(self.tokenizer) for s in seqs}
+            self.scores = {s.index: Scores(self.tokenizer, self._hidden()) for s in seqs}
         for seq in seqs:
             yield self._delta(ChatChunkChoice(index=seq.index, delta={"role": "assistant"}))
 

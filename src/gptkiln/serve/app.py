@@ -351,6 +351,7 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
             raise OpenAIError(400, "top_logprobs needs logprobs: true; send both", "top_logprobs")
         queue, seqs = served.submit(prompts, cfg, req.n, logprobs=top, grammar=grammar)
         answer = ChatAnswer(req, prompts, tokenizer, model_name, tool_family=family)
+        answer.skips_special = cfg.skip_special_tokens
         return await respond(answer, queue, seqs, request)
 
     @app.post("/v1/inspect")
