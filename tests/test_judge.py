@@ -181,15 +181,16 @@ def test_a_busy_judge_is_retried_with_backoff(run, tmp_path):
     with ServerThread(app) as url:
         judge = Judge(url=f"{url}/v1", model="fake", backoff=0.01, retries=2, concurrency=2)
         verdict = judge_run(run, judge, data=str(data), max_new_tokens=4, progress=False)
-    assert len(app.state.questions) == 4 + 2 and len(verdict.entries) == 4
+    assert len(app.state.questions) == 1 + 4 + 2 and len(verdict.entries) == 4  # the check first
     assert verdict.entries[0].answer == fake_answer(outputs[0])
 
 
 def test_an_unreachable_judge_or_one_that_refuses_the_key_or_url_is_one_line_and_writes_nothing(
     run, fake, capsys, monkeypatch
 ):
-    """Every request would fail the same way: the judging stops at once, in one line that says
-    what to fix (not always "the key")."""
+    """Every request would fail the same way: the judge is asked once before the run answers
+    anything (`check_judge`), and that is one line that says what to fix (not always "the
+    key")."""
     url, _ = fake
     monkeypatch.setenv("JUDGE_KEY", "wrong")
     (run / "judgements-x.json").unlink(missing_ok=True)
@@ -209,7 +210,7 @@ def test_an_unreachable_judge_or_one_that_refuses_the_key_or_url_is_one_line_and
             "--max-new-tokens", 2, "--name", "x", *key, capsys=capsys,
         )  # fmt: skip
         assert code == 2 and "Traceback" not in err, err
-        assert needle in err.strip().splitlines()[-1], err  # after "answering ... entries"
+        assert needle in err and len(err.strip().splitlines()) == 1, err  # before answering
         assert "check --judge-model and the key" not in err
         assert not (run / "judgements-x.json").exists()
 

@@ -325,6 +325,24 @@ def judge_entries(
     return Verdict(judged)
 
 
+def check_judge(judge: Judge, client=None) -> None:
+    """One short question to the judge before the run answers the test entries (minutes to
+    hours): a judge that can answer no request (down, its key refused, no such URL or model)
+    is its one line now, not after the answering. A refusal of this question alone (a 400)
+    is left to the entries' own requests."""
+    import httpx
+
+    own = client is None
+    client = client or httpx.Client()
+    try:
+        ask(judge, judge.question("Repeat the word: ok", "ok", "ok"), client)  # its own prompt
+    except RequestFailed:
+        pass
+    finally:
+        if own:
+            client.close()
+
+
 # -- the run's answers ---------------------------------------------------------------------------
 def test_entries(run_dir: Path, data: str | None) -> list[tuple[list[dict], str]]:
     """(the messages to answer, the correct output) of each test entry: ``data`` (instruction
@@ -579,6 +597,7 @@ def judge_run(
     if not items:
         raise GptkilnError(f"--data {data}: no test entries to judge")
     say = on_line or (lambda text: print(text, file=sys.stderr, flush=True))
+    check_judge(judge)  # before the answering: a judge down, a key refused, no such model
     say(f"answering {len(items):,} test entries with {run_dir} ...")
     entries = answers(
         run_dir,
