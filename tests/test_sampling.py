@@ -193,7 +193,7 @@ def test_greedy_is_argmax_and_sampling_is_seeded():
     "kwargs, message",
     [
         (dict(temperature=-0.1), "temperature"),
-        (dict(top_k=0), "top_k"),
+        (dict(top_k=-1), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(max_new_tokens=-1), "max_new"),

@@ -447,7 +447,7 @@ BAD = [
     ("temperature a string", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("top_p 0", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top_p > 1", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ("top_k 0", {"prompt": "x", "top_k": 0}, 400, "top_k"),
+    ("top_k -2", {"prompt": "x", "top_k": -2}, 400, "top_k"),
     ("5 stop strings", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("an empty stop string", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("stop a number", {"prompt": "x", "stop": 3}, 400, "stop"),

@@ -275,14 +275,8 @@ def counting_prefills(batcher, fail_batched: bool = False) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("fail_batched", [False, True])
-def test_prompts_of_similar_length_are_prefilled_together_and_get_what_each_gets_alone(
-    model, tokenizer, fail_batched
-):
-    cfg = SampleConfig(max_new_tokens=10, temperature=0)
-    seqs = [Sequence(tokenizer.encode(p), cfg, asyncio.Queue()) for p in TOGETHER]
-    batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=4)
-    prefills = counting_prefills(batcher, fail_batched)
+def submitted_together(batcher, seqs) -> list[dict]:
+    """Run ``batcher`` with ``seqs`` submitted at once; each sequence's events (`collect`)."""
 
     async def main():
         await batcher.start()
@@ -292,7 +286,19 @@ def test_prompts_of_similar_length_are_prefilled_together_and_get_what_each_gets
         finally:
             await batcher.stop()
 
-    out = asyncio.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("fail_batched", [False, True])
+def test_prompts_of_similar_length_are_prefilled_together_and_get_what_each_gets_alone(
+    model, tokenizer, fail_batched
+):
+    cfg = SampleConfig(max_new_tokens=10, temperature=0)
+    seqs = [Sequence(tokenizer.encode(p), cfg, asyncio.Queue()) for p in TOGETHER]
+    batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=4)
+    prefills = counting_prefills(batcher, fail_batched)
+
+    out = submitted_together(batcher, seqs)
     for seq, got in zip(seqs, out):
         assert got["ids"] == alone(model, tokenizer, seq.prompt, cfg)[0], tokenizer.decode(
             seq.prompt
@@ -314,15 +320,7 @@ def test_a_prompt_admitted_n_times_is_prefilled_once_and_each_sample_gets_what_i
     batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=4)
     prefills = counting_prefills(batcher)
 
-    async def main():
-        await batcher.start()
-        try:
-            batcher.submit(seqs)
-            return [await collect(seq) for seq in seqs]
-        finally:
-            await batcher.stop()
-
-    out = asyncio.run(main())
+    out = submitted_together(batcher, seqs)
     assert prefills[0] == 2  # the prompt once, beside the other prompt: not four rows
     for seq, got in zip(seqs, out):
         assert got["ids"] == alone(model, tokenizer, seq.prompt, seq.cfg)[0]

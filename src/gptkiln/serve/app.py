@@ -171,6 +171,14 @@ class Served:
         self.grammars = Grammars(tokenizer) if Grammars.available() else None
         self.sampling_defaults: dict[str, Any] = {}  # the model's, for fields a request omits
 
+    def sampling(self, req, prompts: list[tuple[str, list[int]]], **options) -> SampleConfig:
+        """A request's `SampleConfig` (`parsing.sample_config`) for this model: its context,
+        its ids, its generation_config.json's sampling for the fields the request leaves out."""
+        ids = [ids for _, ids in prompts]
+        return sample_config(
+            req, ids, self.context, defaults=self.sampling_defaults, vocab=self.vocab, **options
+        )
+
     def check_model(self, name: str | None) -> None:
         """A request's ``model``, when it names one, must be this one (404 otherwise)."""
         if name is not None and name != self.model_name:
@@ -290,13 +298,7 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
         refuse_unsupported(req)
         # a long prompt takes a while to encode: off the event loop, which keeps streaming
         prompts = await asyncio.to_thread(prompt_ids, req.prompt, tokenizer, served.vocab)
-        cfg = sample_config(
-            req,
-            [ids for _, ids in prompts],
-            served.context,
-            defaults=served.sampling_defaults,
-            vocab=served.vocab,
-        )
+        cfg = served.sampling(req, prompts)
         grammar = response_grammar(req.response_format, served.grammars)
         if grammar is not None:  # the first use of a schema compiles it: off the event loop
             await asyncio.to_thread(compile_grammar, grammar, served.grammars, "response_format")
@@ -330,12 +332,9 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
         tools = req.tools if req.tool_choice != "none" else None
         prompts = await asyncio.to_thread(chat_prompt, template, req.messages, tokenizer, tools)
         grammar = chat_grammar(req, family, served.grammars)
-        cfg = sample_config(
+        cfg = served.sampling(
             req,
-            [ids for _, ids in prompts],
-            served.context,
-            defaults=served.sampling_defaults,
-            vocab=served.vocab,
+            prompts,
             # a grammar's answer ends where the grammar does: no template header may cut it
             extra_stop=template.stop_strings() if grammar is None else (),
             source="messages",
