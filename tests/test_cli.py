@@ -93,6 +93,17 @@ def test_prepare_over_other_prepared_data_says_what_it_replaced(tmp_path, capsys
     )
 
 
+def test_bpe_sample_mb_is_for_a_bpe_trained_here(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello world, more text here\n" * 3)
+    for tokenizer, value, needle in [
+        ("char", "4", "--bpe-sample-mb is for a bpe tokenizer trained here, and --tokenizer char"),
+        ("bpe:300", "-1", "--bpe-sample-mb -1: the MiB of text a BPE learns from, >= 0"),
+    ]:
+        flags = ["--tokenizer", tokenizer, "--bpe-sample-mb", value, "--out", tmp_path / "o"]
+        code, _, err = cli("prepare", tmp_path / "a.txt", *flags, capsys=capsys)
+        assert_one_line_error(code, err, needle)
+
+
 def test_bad_sources_through_prepare(tmp_path, capsys):
     out = tmp_path / "prepared"
     code, _, err = cli("prepare", tmp_path / "missing.txt", "--out", out, capsys=capsys)

@@ -37,11 +37,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--bpe-sample-mb",
         type=int,
-        default=BPE_SAMPLE_BYTES >> 20,
         metavar="N",
         help="a bpe tokenizer learns from the first N MiB of the text, which bounds the "
         "trainer's memory (about 100 times the text for Chinese or Japanese, a few times for "
-        "English); 0: the whole text (default: %(default)s)",
+        f"English); 0: the whole text (default: {BPE_SAMPLE_BYTES >> 20})",
     )
     add_out_flag(p)
     p.add_argument(
@@ -88,10 +87,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     from gptkiln.data.prepare import prepare
 
-    if args.bpe_sample_mb < 0:
+    mb = BPE_SAMPLE_BYTES >> 20 if args.bpe_sample_mb is None else args.bpe_sample_mb
+    if mb < 0:
         raise GptkilnError(
-            f"--bpe-sample-mb {args.bpe_sample_mb}: the MiB of text a BPE learns from, >= 0 "
-            "(0: the whole text)"
+            f"--bpe-sample-mb {mb}: the MiB of text a BPE learns from, >= 0 (0: all)"
+        )
+    if args.bpe_sample_mb is not None and not str(args.tokenizer).startswith("bpe"):
+        raise GptkilnError(
+            "--bpe-sample-mb is for a bpe tokenizer trained here, and --tokenizer "
+            f"{args.tokenizer} trains none; drop it"
         )
     if args.source is None and not args.mix:
         raise GptkilnError(
@@ -109,7 +113,7 @@ def run(args: argparse.Namespace) -> None:
         seed=args.seed,
         progress=not args.quiet,
         threads=args.threads,
-        bpe_sample_bytes=args.bpe_sample_mb << 20 if args.bpe_sample_mb else None,
+        bpe_sample_bytes=mb << 20 if mb else None,
     )
     print(
         f"wrote {args.out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
