@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from gptkiln.config import SampleConfig
-from gptkiln.config.run import MODEL_SAMPLING
+from gptkiln.config.run import MODEL_SAMPLING, sampling_said
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -251,12 +251,7 @@ def model_sampling_note(args: argparse.Namespace, run_dir, model: dict[str, Any]
     }
     if not taken:
         return None
-    said = ", ".join(
-        "greedy (do_sample false)"
-        if (n, v) == ("temperature", 0.0)
-        else f"{n.replace('_', ' ')} {v}"
-        for n, v in taken.items()
-    )
+    said = sampling_said(taken, lambda field: field.replace("_", " "))
     return f"sampling as {run_dir}'s generation_config.json sets it: {said} (a flag overrides it)"
 
 

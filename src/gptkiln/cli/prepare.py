@@ -85,7 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from gptkiln.data.prepare import prepare
+    from gptkiln.data.prepare import prepare, read_meta
 
     mb = BPE_SAMPLE_BYTES >> 20 if args.bpe_sample_mb is None else args.bpe_sample_mb
     if mb < 0:
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> None:
             "give a SOURCE to prepare (a file, a folder, hf:NAME, a .yaml "
             "mixture or shakespeare), or several with --mix SOURCE:WEIGHT ..."
         )
-    before = _prepared_before(args.out)
+    before = read_meta(args.out)  # the prepared data there now, if any
     meta = prepare(
         args.source,
         args.out,
@@ -126,15 +126,3 @@ def run(args: argparse.Namespace) -> None:
             f"({before.get('tokenizer_spec')} tokenizer, {before.get('train_tokens', 0):,} train "
             "tokens), now replaced; a run trained on it notes the change when it resumes"
         )
-
-
-def _prepared_before(out: str) -> dict | None:
-    """The meta.json of prepared data already in ``out`` (None: none, or unreadable)."""
-    import json
-    from pathlib import Path
-
-    try:
-        meta = json.loads((Path(out) / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None

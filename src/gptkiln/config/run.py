@@ -129,6 +129,15 @@ def model_sampling(directory: str | Path) -> dict[str, Any]:
     return out
 
 
+def sampling_said(settings: dict[str, Any], name=lambda field: field) -> str:
+    """`model_sampling`'s settings in words, each field written as ``name`` gives it: a
+    temperature of 0 is "greedy (do_sample false)", the others "FIELD VALUE"."""
+    return ", ".join(
+        "greedy (do_sample false)" if (k, v) == ("temperature", 0.0) else f"{name(k)} {v}"
+        for k, v in settings.items()
+    )
+
+
 def check_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
     """``(token id, bias)`` pairs, sorted by id, from pairs or a dict: ids whole numbers >= 0,
     biases finite numbers in [-100, 100] (OpenAI's range)."""

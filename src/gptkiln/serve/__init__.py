@@ -163,10 +163,9 @@ def _sampling_notice(sampling: dict) -> str:
     """What the startup line says of the model's generation_config.json sampling, if any."""
     if not sampling:
         return ""
-    said = ", ".join(
-        "greedy (do_sample false)" if (k, v) == ("temperature", 0.0) else f"{k} {v}"
-        for k, v in sampling.items()
-    )
+    from gptkiln.config.run import sampling_said
+
+    said = sampling_said(sampling)  # by the request fields' names
     return f"; a request that leaves them out samples with its generation_config.json's {said}"
 
 
