@@ -5,7 +5,8 @@ Each engine gets GPT-2's 50,257 token byte strings (gptkiln's own tokenizer) and
 object of a short string, a bounded integer, an enum and a short list of short strings, so
 that noise ends within the tokens given). A decode step is what the
 server's batcher does for each constrained row: the engine fills the row's bitmask, the mask is
-applied to the row's logits (`gptkiln.sampling.apply_token_bitmask`, the same for all three),
+applied to the row's logits (`gptkiln.logits_processors.apply_token_bitmask`, the same for all
+three),
 the token is chosen (greedy over noise logits: a random model's), and the engine consumes it.
 The figure is the time of those steps, per token, against the unconstrained step (noise logits,
 greedy pick) on the same logits, alternating engines each round so a busy host spreads over all.
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from gptkiln.sampling import apply_token_bitmask
+from gptkiln.logits_processors import apply_token_bitmask
 from gptkiln.tokenizers import GPT2Tokenizer
 
 SCHEMA = {

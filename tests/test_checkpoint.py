@@ -15,7 +15,6 @@ from gptkiln.checkpoint import (
     PREVIOUS_STATE_FILE,
     TRAINER_STATE_FILE,
     atomic_write,
-    check_run_dir_for_training,
     check_same_model_config,
     read_checkpoint,
     save_model,
@@ -25,6 +24,7 @@ from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.loading import CONFIG_FILE, WEIGHTS_FILE, load_model, load_run
 from gptkiln.model import GPT
+from gptkiln.run_guard import check_run_dir_for_training
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -540,7 +540,7 @@ def test_an_overwrites_first_checkpoint_cut_short_never_costs_the_run_it_replace
     """A kill after the new run's trainer state but before its config.json: that is no
     checkpoint, so the replaced run stays in .replaced, and both a resume and a plain train
     say so, rather than drop it as a run that had saved."""
-    from gptkiln.checkpoint import REPLACED_DIR, set_aside_replaced
+    from gptkiln.run_guard import REPLACED_DIR, set_aside_replaced
 
     model, run = tiny_model(), tmp_path / "run"
     write_checkpoint(run, model.config, model.state_dict(), _trained_state(model))
@@ -558,7 +558,7 @@ def test_an_overwrites_first_checkpoint_cut_short_never_costs_the_run_it_replace
 def test_a_set_aside_stopped_halfway_puts_the_run_back_whole(tmp_path):
     """A kill while an --overwrite moves the old run's files aside (into .replacing, which
     becomes .replaced only when every file is in): the next start moves them back."""
-    from gptkiln.checkpoint import SETTING_ASIDE_DIR
+    from gptkiln.run_guard import SETTING_ASIDE_DIR
 
     model, run = tiny_model(), tmp_path / "run"
     write_checkpoint(run, model.config, model.state_dict(), _trained_state(model))
@@ -598,7 +598,7 @@ def test_a_rename_that_fails_names_the_file_it_was_to_be(tmp_path, monkeypatch):
 def test_a_restore_stopped_halfway_is_finished_by_the_next_start(tmp_path):
     """The replaced run goes back through .restoring: a stop halfway leaves the rest there, and
     the next start moves it in, rather than take the files back so far for the whole run."""
-    from gptkiln.checkpoint import RESTORING_DIR
+    from gptkiln.run_guard import RESTORING_DIR
 
     model, run = tiny_model(), tmp_path / "run"
     write_checkpoint(run, model.config, model.state_dict(), _trained_state(model))
@@ -635,7 +635,7 @@ def test_two_processes_write_the_same_tensors_and_metadata_to_the_same_bytes(tmp
 def test_taking_a_runs_lock_drops_the_temporaries_a_killed_save_left(tmp_path):
     """A save killed halfway (kill -9, a power cut) leaves its temporary file, a checkpoint's
     worth of disk; the next training run there deletes those of its own files, none other."""
-    from gptkiln.checkpoint import RunLock
+    from gptkiln.run_guard import RunLock
 
     run = tmp_path / "run"
     run.mkdir()

@@ -122,8 +122,8 @@ def test_an_output_path_over_a_runs_file_is_refused(setup, capsys):
                        "--output-path", data / "meta.json", "--quiet", capsys=capsys)  # fmt: skip
     assert_one_line_error(code, err, "--output-path", "a file of the prepared data in")
     assert (data / "meta.json").read_text() == '{"tokenizer": "char"}'
-    from gptkiln.checkpoint import check_not_a_run_file
     from gptkiln.errors import GptkilnError
+    from gptkiln.run_guard import check_not_a_run_file
 
     (data / "chat_template.jinja").write_text("{{ messages }}")  # an HF tokenizer's, kept
     with pytest.raises(GptkilnError, match="a file of the prepared data"):

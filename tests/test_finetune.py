@@ -1041,7 +1041,7 @@ def test_info_reads_a_lora_runs_step_off_its_adapters_and_a_first_save_cut_short
     import shutil
 
     from gptkiln.api import run_info
-    from gptkiln.checkpoint import check_run_dir_for_training
+    from gptkiln.run_guard import check_run_dir_for_training
 
     run, _, _ = lora_runs
     info = run_info(run)

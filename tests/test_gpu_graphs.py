@@ -23,16 +23,9 @@ from gptkiln.gpu import (
     decode_static,
     prepare_graphs,
 )
+from gptkiln.gpu.step import counter_uniform, sample_on_device
 from gptkiln.model import GPT
-from gptkiln.sampling import (
-    counter_uniform,
-    decode_one_token,
-    generate,
-    left_pad,
-    logits_to_probs,
-    prefill,
-    sample_on_device,
-)
+from gptkiln.sampling import decode_one_token, generate, left_pad, logits_to_probs, prefill
 
 PROMPTS = {"one": [[5, 6, 7, 8]], "padded": [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]]}
 graphs = partial(prepare_graphs, min_steps=0)

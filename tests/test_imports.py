@@ -26,11 +26,11 @@ SOURCE = Path(gptkiln.__file__).parent
 # and other formats; they are what knows about the bottom, never the other way.
 LOW = ("gptkiln.loading", "gptkiln.model", "gptkiln.positions", "gptkiln.config",
        "gptkiln.tokenizers", "gptkiln.quantize", "gptkiln.cpu", "gptkiln.gpu", "gptkiln.sampling",
-       "gptkiln.text_stream", "gptkiln.errors", "gptkiln.devices", "gptkiln.load_steps",
-       "gptkiln.cache", "gptkiln.losses")  # fmt: skip
+       "gptkiln.logits_processors", "gptkiln.text_stream", "gptkiln.errors", "gptkiln.devices",
+       "gptkiln.load_steps", "gptkiln.cache", "gptkiln.losses")  # fmt: skip
 ABOVE = ("gptkiln.finetune", "gptkiln.serve", "gptkiln.cli", "gptkiln.api", "gptkiln.inspect",
          "gptkiln.chat", "gptkiln.train", "gptkiln.convert", "gptkiln.checkpoint",
-         "gptkiln.interop", "gptkiln.export")  # fmt: skip
+         "gptkiln.run_guard", "gptkiln.interop", "gptkiln.export")  # fmt: skip
 
 Edge = tuple[str, int]  # (imported module, line of the import)
 

@@ -94,7 +94,7 @@ def test_a_trained_run(run, play_path, capsys):
 def test_a_run_being_trained_says_so(run):
     """While a training process holds the run (its lock), info says it is training now: a
     resume then would be refused, and its checkpoint is not the last."""
-    from gptkiln.checkpoint import RunLock
+    from gptkiln.run_guard import RunLock
 
     lock = RunLock(run)
     lock.acquire()
@@ -113,7 +113,7 @@ def test_a_training_run_starting_while_info_looks_still_takes_its_lock(tmp_path)
     import os
     import threading
 
-    from gptkiln.checkpoint import RunLock
+    from gptkiln.run_guard import RunLock
 
     fd = os.open(tmp_path, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)  # as held() takes it

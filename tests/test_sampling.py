@@ -393,7 +393,7 @@ def test_empty_prompt_is_an_error(model):
 
 # -- stop strings, penalties, a generator a row, empty prompts -------------------------------
 def test_penalties_are_openais_formula():
-    from gptkiln.sampling import apply_penalties
+    from gptkiln.logits_processors import apply_penalties
 
     logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     counts = torch.tensor([[0.0, 1.0, 3.0, 0.0]])
@@ -408,7 +408,7 @@ def test_repetition_penalty_min_p_and_their_order_are_transformers():
     top-p, in that order: the same probabilities."""
     from transformers.generation import logits_process as lp
 
-    from gptkiln.sampling import apply_penalties, prompt_tokens
+    from gptkiln.logits_processors import apply_penalties, prompt_tokens
 
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 300, generator=gen) * 3

@@ -209,7 +209,7 @@ def test_rows_that_sample_alike_are_drawn_together_and_each_gets_what_it_gets_al
 def test_a_groups_bf16_logits_are_penalised_in_fp32_as_a_row_alone():
     """A row drawn with its group gets the logits it gets alone: penalised in fp32 (the counts'
     dtype), never rounded back to the model's bf16."""
-    from gptkiln.sampling import apply_penalties
+    from gptkiln.logits_processors import apply_penalties
     from gptkiln.serve.choosing import Chooser
 
     logits = torch.randn(3, 1, 40).mul(30).to(torch.bfloat16)  # (rows, 1, V), as a bf16 model's

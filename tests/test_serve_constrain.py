@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gptkiln.config import GPTConfig, SampleConfig
+from gptkiln.logits_processors import apply_token_bitmask
 from gptkiln.model import GPT
-from gptkiln.sampling import apply_token_bitmask
 from gptkiln.serve.batcher import Batcher
 from gptkiln.serve.constrain import GrammarError, Grammars
 from gptkiln.serve.events import Done, Sequence, Token

@@ -284,7 +284,8 @@ def test_a_run_stopped_before_its_first_checkpoint_leaves_the_replaced_run_to_ke
     """A hard stop (the process killed) before an --overwrite's first checkpoint leaves
     ``.replaced``: a plain start is refused, naming it; another --overwrite keeps it aside
     and deletes it at its own first checkpoint."""
-    from gptkiln.checkpoint import TRAINER_STATE_FILE, check_run_dir_for_training
+    from gptkiln.checkpoint import TRAINER_STATE_FILE
+    from gptkiln.run_guard import check_run_dir_for_training
 
     run = tmp_path / "run"
     (run / ".replaced").mkdir(parents=True)
@@ -465,7 +466,8 @@ def test_a_failed_attempt_with_restarts_left_keeps_the_replaced_run_aside(tmp_pa
     run in .replaced (the next attempt must start afresh, not resume it); on the last attempt
     it comes back. A .replaced beside a run with a whole checkpoint of its own is stale and
     goes."""
-    from gptkiln.checkpoint import TRAINER_STATE_FILE, check_run_dir_for_training
+    from gptkiln.checkpoint import TRAINER_STATE_FILE
+    from gptkiln.run_guard import check_run_dir_for_training
 
     run = tmp_path / "run"
     run.mkdir()

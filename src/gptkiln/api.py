@@ -766,8 +766,9 @@ def _training_history(run_dir: Path, weights: Path, train: dict | None) -> dict[
     """`run_info`'s entries of a run's training: steps done and planned, tokens seen, the best
     and last validation loss, and whether it resumes (a trainer state that matches the step of
     ``weights``, or of a LoRA run's adapters)."""
-    from gptkiln.checkpoint import ADAPTER_FILE, RunLock, matching_trainer_state
+    from gptkiln.checkpoint import ADAPTER_FILE, matching_trainer_state
     from gptkiln.loading import safetensors_metadata
+    from gptkiln.run_guard import RunLock
 
     info: dict[str, Any] = dict(steps_done=None, steps_total=None, tokens_seen=None)
     # a LoRA run's step is its adapters' (its base's weights are another's, or none's)

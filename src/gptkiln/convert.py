@@ -4,7 +4,7 @@ and LoRA runs merged into plain ones, and float runs into quantized ones.
 Each reads with `gptkiln.loading` (the one way in), converts names with `gptkiln.interop` where
 the format asks for it, and writes the run aside and moves it in whole (`export.files.staged_run`),
 so one that fails leaves the run it would replace as it was. None writes over a model without
-``overwrite`` (`checkpoint.check_out_dir`).
+``overwrite`` (`run_guard.check_out_dir`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from gptkiln.checkpoint import check_out_dir, save_model
+from gptkiln.checkpoint import save_model
 from gptkiln.errors import GptkilnError
 from gptkiln.export.files import copy_files, staged_run
 from gptkiln.export.hf import (  # (`gptkiln.export` writes the formats out; named here as before)
@@ -37,6 +37,7 @@ from gptkiln.loading import (
 )
 from gptkiln.model import GPT
 from gptkiln.quantize import check_quantize
+from gptkiln.run_guard import check_out_dir
 
 HUB_MODELS = {
     "gpt2": "openai-community/gpt2",
@@ -83,7 +84,7 @@ def import_hf(
             tokenizer_config.json, special_tokens_map.json, generation_config.json,
             chat_template.jinja, those present) and records ``"tokenizer": "hf"`` and
             config.json's bos/eos/pad ids, which `export_hf` writes back.
-        overwrite: replace a model already in out_run_dir (see `checkpoint.check_out_dir`).
+        overwrite: replace a model already in out_run_dir (see `run_guard.check_out_dir`).
         on_note: told, in one line, that the directory has no tokenizer.json (the run then
             holds the weights alone, which generation cannot read until it gets one).
 
@@ -193,7 +194,7 @@ def quantize_run(
         method: "int8" (`gptkiln.quantize.METHODS`).
         embedding_and_head: also the output head and the token embedding (the default); False
             keeps them float (``--float-head``), recorded in config.json.
-        overwrite: replace a model already in out_dir (see `checkpoint.check_out_dir`).
+        overwrite: replace a model already in out_dir (see `run_guard.check_out_dir`).
     """
     check_quantize(method, "--method")
     out_dir = Path(out_dir)
@@ -273,7 +274,7 @@ def download(name: str, out_dir: str | os.PathLike, *, overwrite: bool = False) 
             ``qwen3-0.6b``, ``qwen3-1.7b``), or a Hub repository id (``owner/name``) of a
             ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``Qwen3ForCausalLM``.
         out_dir: the run directory to write.
-        overwrite: replace a model already in out_dir (see `checkpoint.check_out_dir`).
+        overwrite: replace a model already in out_dir (see `run_guard.check_out_dir`).
 
     A repository id's config.json is fetched first, so that a model gptkiln does not read is
     refused before its weights are downloaded. With ``HF_HUB_OFFLINE`` set only an already

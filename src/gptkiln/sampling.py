@@ -24,6 +24,7 @@ import torch
 
 from gptkiln.config import SampleConfig, check_sampling
 from gptkiln.errors import GptkilnError
+from gptkiln.logits_processors import apply_logit_bias, apply_penalties, prompt_tokens
 from gptkiln.model import GPT
 from gptkiln.text_stream import TextStream, end_ids, hidden_ids, stop_ids_of
 
@@ -314,65 +315,6 @@ def flat_over_zeros(probs: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
     return torch.where(probs > 0, cdf, 0).cummax(dim=-1).values
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    counts: torch.Tensor,
-    presence: float,
-    frequency: float,
-    repetition: float = 1.0,
-    in_prompt: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The penalties on logits (B, V). First CTRL's ``repetition`` penalty (transformers' and
-    vLLM's, over the whole sequence; llama.cpp's ``repeat_penalty`` over its last 64 tokens): the
-    logit of each token in the row's prompt (``in_prompt`` (B, V) bool, where given) or generated
-    divided by ``repetition`` where positive, multiplied where negative. Then OpenAI's: each logit
-    minus ``frequency`` times its token's count so far, minus ``presence`` once if that count is not
-    0. ``counts`` (B, V) holds how often each token was generated in each row (the prompt does not
-    count there)."""
-    if repetition != 1:
-        seen = counts > 0 if in_prompt is None else (counts > 0) | in_prompt
-        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(seen, penalised, logits)
-    if not presence and not frequency:
-        return logits
-    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
-
-
-def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
-    """OpenAI's ``logit_bias`` on logits (B, V): each ``(token id, bias)``'s bias added to that
-    token's logit in every row (a new tensor; ``logits`` itself where there is none)."""
-    if not bias:
-        return logits
-    ids = torch.tensor([i for i, _ in bias], device=logits.device)
-    values = torch.tensor([b for _, b in bias], device=logits.device, dtype=logits.dtype)
-    return logits.index_add(-1, ids, values.expand(logits.size(0), -1))
-
-
-def prompt_tokens(
-    prompts: Sequence[Sequence[int]], vocab: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Which tokens each prompt holds, (B, V) bool on ``device``: `apply_penalties`'
-    ``in_prompt`` (the whole prompt, also where the model sees only its last context)."""
-    seen = torch.zeros(len(prompts), vocab, dtype=torch.bool)
-    for row, ids in enumerate(prompts):
-        seen[row, torch.as_tensor(list(ids), dtype=torch.long)] = True
-    return seen.to(device)
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Forbid, in place, the tokens a grammar does not allow: logits (B, V) get -inf where the
-    token's bit in ``bitmask`` (B, ceil(V'/32)) int32, bit ``i % 32`` of word ``i // 32``, is 0
-    (the layout llguidance, xgrammar and outlines-core fill). Ids past the mask's V' (a model's
-    vocabulary padded beyond its tokenizer's) are forbidden too. Returns ``logits``."""
-    rows, vocab = logits.shape
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # (B, W, 32)
-    allowed = bits.reshape(rows, -1)[:, :vocab].bool()  # (B, min(32W, V))
-    logits[:, allowed.shape[1] :] = float("-inf")
-    logits[:, : allowed.shape[1]].masked_fill_(~allowed.to(logits.device), float("-inf"))
-    return logits
-
-
 def sample_rows(
     logits: torch.Tensor,
     temperature: float,
@@ -401,59 +343,6 @@ def row_uniforms(
     torch's global one) as `draw` draws a row's alone: a seeded row's numbers are the same in
     any batch. On a GPU these are launches, never a wait for the device."""
     return torch.cat([torch.rand((1, 1), generator=g, device=device) for g in generators])
-
-
-# -- sampling on the device: no host sync, no generator objects -------------------------------
-# `sample_rows` draws (`draw`) from a torch.Generator a row: a compiled graph cannot hold one
-# (dynamo breaks the graph at a generator).
-# `sample_on_device` draws by the exponential race instead (gpt-fast's: argmax of p / q, q
-# exponential, picks token i with probability p_i), its uniforms a hash of (the row's seed,
-# the draw's number, the token id): pure integer ops that give the same numbers on any device,
-# in any batch, eager or compiled. A seeded row's tokens are therefore reproducible, but not
-# those `sample_rows` gives for the same seed (the same distribution, other draws); greedy
-# (temperature 0) is the same argmax on both paths.
-_MASK32 = 0xFFFFFFFF
-# odd multipliers below 2**31, so that no product of a 32-bit value overflows int64
-_HASH_MULTIPLIERS = (0x7FEB352D, 0x5BD1E995, 0x27D4EB2D)
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash of every element of x (int64 in [0, 2**32)), same shape:
-    xor-shift and multiply rounds, each output bit depending on every input bit."""
-    for multiplier in _HASH_MULTIPLIERS:
-        x = x ^ (x >> 16)
-        x = (x * multiplier) & _MASK32
-    return x ^ (x >> 15)
-
-
-def counter_uniform(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform numbers in (0, 1), (B, V) float32, a function of each row's seed (B,) int64
-    (>= 0), its draw number (B,) int64 (the position the token will take) and the token id:
-    the same on every device and in every batch, with no generator state."""
-    hi = mix32((seeds >> 32) & _MASK32)
-    key = mix32(mix32((seeds & _MASK32) ^ hi) ^ (draws & _MASK32))  # (B,)
-    ids = mix32(torch.arange(vocab, device=seeds.device, dtype=torch.int64))  # (V,)
-    bits = mix32(ids[None, :] ^ key[:, None])  # (B, V) 32 random bits each
-    return ((bits >> 8).float() + 0.5) * 2.0**-24  # 24 of them: exact in float32, never 0 or 1
-
-
-def sample_on_device(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    seeds: torch.Tensor,
-    draws: torch.Tensor,
-    min_p: float | None = None,
-) -> torch.Tensor:
-    """`sample` without a host sync, for a compiled step: logits (B, V) -> (B,), argmax at
-    temperature 0, else the exponential race over `logits_to_probs`' probabilities with
-    `counter_uniform`'s numbers for each row's ``seeds`` and ``draws`` (B,)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = logits_to_probs(logits, temperature, top_k, top_p, min_p)  # (B, V)
-    race = -torch.log(counter_uniform(seeds, draws, probs.size(-1)))  # (B, V) exponential(1)
-    return (probs / race).argmax(dim=-1)  # a filtered token (p = 0) never wins
 
 
 DECODING = contextvars.ContextVar("gptkiln_decoding", default=False)

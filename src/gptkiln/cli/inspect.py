@@ -92,10 +92,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from gptkiln.checkpoint import check_not_a_run_file, check_writable
     from gptkiln.devices import resolve_device
     from gptkiln.inspect import check_view, inspect_run, pick
     from gptkiln.plots import check_png_path, plot_attention
+    from gptkiln.run_guard import check_not_a_run_file, check_writable
 
     check_png_path(args.out, "--out")  # before the model runs
     check_not_a_run_file(args.out, "--out")

@@ -309,9 +309,9 @@ def run(args: argparse.Namespace) -> None:
 def _check_before_launch(cfg: TrainConfig, args: argparse.Namespace) -> None:
     """What every worker would refuse, refused once here: one line instead of N tracebacks in
     torchrun's report."""
-    from gptkiln.checkpoint import check_run_dir_for_training
     from gptkiln.data.mixture import check_source
     from gptkiln.data.prepare import is_prepared
+    from gptkiln.run_guard import check_run_dir_for_training
 
     if not is_prepared(cfg.data):
         check_source(cfg.data, text_field=cfg.text_field)

@@ -443,7 +443,7 @@ def _output_paths(run_dir, output_path) -> tuple[Path, Path]:
     """(the folder written into, the results JSON), the folder made now: a path that cannot be
     written is found before the evaluation, not after it."""
     date = datetime.now().isoformat(timespec="seconds").replace(":", "-")
-    from gptkiln.checkpoint import check_not_a_run_file, check_writable
+    from gptkiln.run_guard import check_not_a_run_file, check_writable
 
     out = Path(run_dir) / "eval" if output_path is None else Path(output_path)
     folder, path = (

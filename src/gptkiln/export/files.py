@@ -78,7 +78,7 @@ def staged(out_dir: Path, last: str) -> Iterator[Path]:
 def staged_run(out_dir: str | os.PathLike, stale: list[Path]) -> Iterator[Path]:
     """A run directory written whole (an import, a merge, a quantized copy): `staged`, with
     config.json moved in last, then the ``stale`` files of the run it replaces
-    (`checkpoint.check_out_dir`) and, where a run was there, the files of its tokenizer the new
+    (`run_guard.check_out_dir`) and, where a run was there, the files of its tokenizer the new
     run did not write dropped (a folder that held no model keeps its files). A write that fails
     or is cut short leaves the run that was there as it was."""
     from gptkiln.checkpoint import has_checkpoint

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptkiln.checkpoint import atomic_write, check_not_a_run_file, check_writable
+from gptkiln.checkpoint import atomic_write
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.export.gguf_vocab import GGUFVocab, gguf_vocab
@@ -38,6 +38,7 @@ from gptkiln.export.templates import run_chat_jinja
 from gptkiln.interop import gptkiln_state_dict_to_hf
 from gptkiln.loading import load_model, load_run_tokenizer, read_config, tokenizer_name
 from gptkiln.loading.hf_gpt2 import CONV1D
+from gptkiln.run_guard import check_not_a_run_file, check_writable
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 ARCHITECTURES = {"gpt2": "gpt2", "llama3": "llama", "qwen3": "qwen3"}  # family -> GGUF arch

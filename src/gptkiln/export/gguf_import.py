@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptkiln.checkpoint import check_out_dir, save_model
+from gptkiln.checkpoint import save_model
 from gptkiln.config import GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.export.files import staged_run
@@ -45,6 +45,7 @@ from gptkiln.export.gguf_vocab import (
 )
 from gptkiln.loading import build_model
 from gptkiln.loading.hf_gpt2 import CONV1D
+from gptkiln.run_guard import check_out_dir
 
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0")
 LLAMA3_PRES = ("llama-bpe", "llama3", "llama-v3")  # llama.cpp adds BOS for these, unless told

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gptkiln.checkpoint import atomic_write, check_out_dir, write_json, write_safetensors
+from gptkiln.checkpoint import atomic_write, write_json, write_safetensors
 from gptkiln.errors import GptkilnError
 from gptkiln.export.files import copy_files, drop_files, staged, write_text
 from gptkiln.export.templates import run_chat_jinja
@@ -44,6 +44,7 @@ from gptkiln.loading import (
     tokenizer_name,
 )
 from gptkiln.model import GPT
+from gptkiln.run_guard import check_out_dir
 
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # HF's: decimal

@@ -19,8 +19,61 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from gptkiln.logits_processors import apply_logit_bias, apply_penalties
 from gptkiln.model import GPT, KVCache
-from gptkiln.sampling import apply_logit_bias, apply_penalties, sample_on_device
+from gptkiln.sampling import logits_to_probs
+
+# -- sampling on the device: no host sync, no generator objects -------------------------------
+# `sample_rows` draws (`draw`) from a torch.Generator a row: a compiled graph cannot hold one
+# (dynamo breaks the graph at a generator).
+# `sample_on_device` draws by the exponential race instead (gpt-fast's: argmax of p / q, q
+# exponential, picks token i with probability p_i), its uniforms a hash of (the row's seed,
+# the draw's number, the token id): pure integer ops that give the same numbers on any device,
+# in any batch, eager or compiled. A seeded row's tokens are therefore reproducible, but not
+# those `sample_rows` gives for the same seed (the same distribution, other draws); greedy
+# (temperature 0) is the same argmax on both paths.
+_MASK32 = 0xFFFFFFFF
+# odd multipliers below 2**31, so that no product of a 32-bit value overflows int64
+_HASH_MULTIPLIERS = (0x7FEB352D, 0x5BD1E995, 0x27D4EB2D)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of every element of x (int64 in [0, 2**32)), same shape:
+    xor-shift and multiply rounds, each output bit depending on every input bit."""
+    for multiplier in _HASH_MULTIPLIERS:
+        x = x ^ (x >> 16)
+        x = (x * multiplier) & _MASK32
+    return x ^ (x >> 15)
+
+
+def counter_uniform(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform numbers in (0, 1), (B, V) float32, a function of each row's seed (B,) int64
+    (>= 0), its draw number (B,) int64 (the position the token will take) and the token id:
+    the same on every device and in every batch, with no generator state."""
+    hi = mix32((seeds >> 32) & _MASK32)
+    key = mix32(mix32((seeds & _MASK32) ^ hi) ^ (draws & _MASK32))  # (B,)
+    ids = mix32(torch.arange(vocab, device=seeds.device, dtype=torch.int64))  # (V,)
+    bits = mix32(ids[None, :] ^ key[:, None])  # (B, V) 32 random bits each
+    return ((bits >> 8).float() + 0.5) * 2.0**-24  # 24 of them: exact in float32, never 0 or 1
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    seeds: torch.Tensor,
+    draws: torch.Tensor,
+    min_p: float | None = None,
+) -> torch.Tensor:
+    """`sample` without a host sync, for a compiled step: logits (B, V) -> (B,), argmax at
+    temperature 0, else the exponential race over `logits_to_probs`' probabilities with
+    `counter_uniform`'s numbers for each row's ``seeds`` and ``draws`` (B,)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = logits_to_probs(logits, temperature, top_k, top_p, min_p)  # (B, V)
+    race = -torch.log(counter_uniform(seeds, draws, probs.size(-1)))  # (B, V) exponential(1)
+    return (probs / race).argmax(dim=-1)  # a filtered token (p = 0) never wins
 
 
 def static_positions_and_mask(

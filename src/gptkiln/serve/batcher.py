@@ -44,8 +44,9 @@ import torch
 from gptkiln.cpu import prepare_for_decoding
 from gptkiln.errors import GptkilnError
 from gptkiln.gpu import row_graphs_for
+from gptkiln.logits_processors import prompt_tokens
 from gptkiln.model import GPT
-from gptkiln.sampling import decoding, prompt_tokens
+from gptkiln.sampling import decoding
 from gptkiln.serve.choosing import Chooser, Chosen, Slot
 from gptkiln.serve.events import Done, Failed, Sequence, Token
 from gptkiln.serve.prefill import Ready, keep_prefixes, prefill

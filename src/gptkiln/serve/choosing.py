@@ -19,12 +19,8 @@ from typing import Any
 
 import torch
 
-from gptkiln.sampling import (
-    apply_logit_bias,
-    apply_penalties,
-    apply_token_bitmask,
-    sample_rows,
-)
+from gptkiln.logits_processors import apply_logit_bias, apply_penalties, apply_token_bitmask
+from gptkiln.sampling import sample_rows
 from gptkiln.serve.constrain import fill_masks
 from gptkiln.serve.events import Done, Event, Failed, Sequence, Token, TokenLogprobs
 from gptkiln.text_stream import TextStream

@@ -4,7 +4,8 @@ A request that asks for JSON (``response_format``) or for a tool call it must ma
 (``tool_choice`` ``required`` or a named function) gets a `Constraint`: an llguidance matcher
 over the model's own vocabulary. At each of the row's steps the batcher asks it for the tokens
 the grammar allows next (a bitmask, `fill`), forbids the others in that row's logits
-(`gptkiln.sampling.apply_token_bitmask`), samples as usual and hands it the token (`consume`).
+(`gptkiln.logits_processors.apply_token_bitmask`), samples as usual and hands it the token
+(`consume`).
 The other rows of the batch are untouched: a mask is a row's own, so constrained and free rows
 decode together. When the grammar is complete the matcher stops and the row ends (``stop``).
 

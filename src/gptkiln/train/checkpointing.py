@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gptkiln import checkpoint
+from gptkiln import checkpoint, run_guard
 from gptkiln import distributed as dist_utils
 from gptkiln.config import TrainConfig
 from gptkiln.errors import GptkilnError
@@ -107,10 +107,10 @@ class Checkpoints:
             with self.guard.hold():  # a SIGTERM now would leave half a checkpoint
                 self.task.save(model_sd, state, train_config)
                 self.saved_step = step
-            aside = (self.run_dir / checkpoint.REPLACED_DATA_DIR).exists()
+            aside = (self.run_dir / run_guard.REPLACED_DATA_DIR).exists()
             if self.replacing or aside:  # the new run has a checkpoint: what it replaced goes
                 self.replacing = False  # first: a stop while it goes must not bring it back
-                checkpoint.drop_replaced(self.run_dir)
+                run_guard.drop_replaced(self.run_dir)
         dist_utils.barrier(self.world)
         self.saved_step = step
 
@@ -201,12 +201,12 @@ class Checkpoints:
 
     def set_aside_replaced(self, overwrite: bool) -> None:
         """Rank 0 of a new run over an old one (``overwrite``): the old run's files go into
-        ``RUN/.replaced`` (`checkpoint.set_aside_replaced`), so that a restart after a failure
+        ``RUN/.replaced`` (`run_guard.set_aside_replaced`), so that a restart after a failure
         never resumes it and none of its files stays beside the new run's; it is deleted at
         the new run's first checkpoint, and put back if the run fails before one
         (`restore_replaced`)."""
         if overwrite:
-            checkpoint.set_aside_replaced(self.run_dir)
+            run_guard.set_aside_replaced(self.run_dir)
             self.replacing = True
 
     def restore_replaced(self) -> str | None:
@@ -217,10 +217,10 @@ class Checkpoints:
         if not (self.saved_step is None and self.world.is_main) or dist_utils.restarts_left():
             return None
         if not self.replacing:  # a new run's data may have taken the place of a run's
-            restored = checkpoint.restore_replaced_data(self.run_dir)
+            restored = run_guard.restore_replaced_data(self.run_dir)
             return "the data it replaced" if restored else None
         self.replacing = False
-        return "the run it replaced" if checkpoint.restore_replaced(self.run_dir) else None
+        return "the run it replaced" if run_guard.restore_replaced(self.run_dir) else None
 
 
 def start_mode(
@@ -232,7 +232,7 @@ def start_mode(
     # restarts them without counting it.
     restarted = dist_utils.any_rank(dist_utils.restart_count() > 0, world)
     resume, overwrite = resume_after_restart(run_dir, resume, overwrite, restarted)
-    checkpoint.check_run_dir_for_training(run_dir, resume=resume, overwrite=overwrite)
+    run_guard.check_run_dir_for_training(run_dir, resume=resume, overwrite=overwrite)
     if not dist_utils.all_equal(int(resume), world):
         raise GptkilnError(
             f"the ranks disagree whether {run_dir} holds a checkpoint to resume; "

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from gptkiln import checkpoint
 from gptkiln import distributed as dist_utils
+from gptkiln import run_guard
 from gptkiln.config import GPTConfig, TrainConfig
 from gptkiln.devices import free_memory, resolve_device
 from gptkiln.errors import GptkilnError, RunStopped
@@ -103,7 +103,7 @@ class Trainer:
         self.world = dist_utils.setup(self.device)
         self.log: RunLog | None = None  # what close() closes, set in _set_up
         self.optimizer_step: OptimizerStep | None = None  # and this
-        self.lock = checkpoint.RunLock(self.run_dir)
+        self.lock = run_guard.RunLock(self.run_dir)
         try:
             # rank 0 takes the directory; one another run holds stops every rank
             dist_utils.rank_0_checks(self.lock.acquire, self.world)
@@ -115,7 +115,7 @@ class Trainer:
             if checkpoints is not None:
                 checkpoints.restore_replaced()
             elif self.world.is_main and not dist_utils.restarts_left():
-                checkpoint.restore_replaced_data(self.run_dir)  # the data a new run replaced
+                run_guard.restore_replaced_data(self.run_dir)  # the data a new run replaced
             self.close()
             raise
 

@@ -175,7 +175,7 @@ class RunLog:
     def start_afresh(self) -> None:
         """Rank 0 of a new run: the run directory, without a replaced run's metrics.csv and
         TensorBoard events (its curves must not mix with this one's)."""
-        from gptkiln.checkpoint import tensorboard_events
+        from gptkiln.run_guard import tensorboard_events
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path.unlink(missing_ok=True)

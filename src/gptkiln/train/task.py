@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gptkiln import checkpoint
+from gptkiln import checkpoint, run_guard
 from gptkiln import distributed as dist_utils
 from gptkiln.config import GPTConfig, TrainConfig
 from gptkiln.config.model import rounded_vocab
@@ -111,7 +111,6 @@ class LanguageModeling:
     plots = ("loss",)
 
     def __init__(self, ctx: RunContext):
-        from gptkiln import checkpoint
 
         self.ctx, self.cfg, self.run_dir = ctx, ctx.cfg, ctx.run_dir
         cfg = ctx.cfg
@@ -158,7 +157,7 @@ class LanguageModeling:
         resume whose data must be prepared anew prepares it beside the old (``RUN/.data-next``)
         and keeps it only once its tokenizer is the run's: a refused resume loses nothing. A new
         run over a run's data prepares it there too, and the old data waits in
-        ``RUN/.replaced-data`` until the first checkpoint (`checkpoint.restore_replaced`)."""
+        ``RUN/.replaced-data`` until the first checkpoint (`run_guard.restore_replaced`)."""
         from gptkiln.data.prepare import is_prepared, load_prepared, read_meta
 
         cfg, world = self.cfg, self.ctx.world
@@ -230,7 +229,7 @@ class LanguageModeling:
                 file=sys.stderr,
             )
         elif staged:  # a new run: the old data waits aside until its first checkpoint
-            checkpoint.set_aside_replaced_data(self.run_dir, target)
+            run_guard.set_aside_replaced_data(self.run_dir, target)
 
     def _run_tokenizer(self):
         """The tokenizer of the run being resumed, from its files, where ``--tokenizer`` names
@@ -376,7 +375,6 @@ class LanguageModeling:
         )
 
     def save(self, model_sd: dict, state: dict, train_config: dict) -> None:
-        from gptkiln import checkpoint
 
         checkpoint.write_checkpoint(
             self.run_dir,
@@ -388,7 +386,6 @@ class LanguageModeling:
         )
 
     def load(self) -> tuple[dict, dict]:
-        from gptkiln import checkpoint
 
         model_sd, state = checkpoint.read_checkpoint(self.run_dir)
         recorded = state.get("data_digest")
