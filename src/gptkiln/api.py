@@ -46,7 +46,8 @@ def stream_text(
     given) is told either. ``quantize="int8"`` quantizes the weights on load
     (`gptkiln.loading.load_model`). ``precision`` (``fp32``, ``bf16``, ``int8``; None: the
     run's own) is what a CPU decodes at (`gptkiln.cpu.ready_for_decoding`); ``on_notice`` is
-    told which, first.
+    told which, first. Without ``cfg``, the run's generation_config.json sets the sampling
+    ``overrides`` leave out (`_with_model_sampling`; ``on_notice`` is told).
 
     An instruction-tuned run (`gptkiln finetune`, or a model with its own chat template,
     `gptkiln.chat_template`) takes ``prompt`` as the instruction and ``input`` as its input,
@@ -60,7 +61,9 @@ def stream_text(
     from gptkiln.loading import check_language_model
     from gptkiln.sampling import sample_config
 
-    cfg = sample_config(cfg, overrides, "stream_text")
+    cfg = sample_config(
+        cfg, _with_model_sampling(run_dir, cfg, overrides, on_notice), "stream_text"
+    )
     _check_texts([prompt], "stream_text")
     model, tokenizer, run_cfg, precision = load_for_decoding(run_dir, device, quantize, precision)
     check_language_model(model, run_dir)
@@ -228,16 +231,18 @@ def complete(
         templated: the prompts were rendered by the model's chat template and hold their own
             special tokens (`gptkiln.tokenizers.encode_prompt`).
 
-    ``cfg`` is used as given: the sampling a model's generation_config.json asks for, which
-    ``gptkiln generate`` takes for the flags not given, is
-    ``SampleConfig(**{**config.run.model_sampling(run), ...})`` here.
+    Without ``cfg``, a run's generation_config.json sets the sampling settings
+    ``overrides`` leave out (as transformers' ``generate`` and ``gptkiln generate`` take them:
+    `_with_model_sampling`); a ``cfg`` given is used as it is.
 
     Returns:
         The samples, prompt by prompt, each prompt's in order of ``index``.
     """
     from gptkiln.sampling import generate_batched, sample_config
 
-    cfg = sample_config(cfg, overrides, "complete")
+    cfg = sample_config(
+        cfg, _with_model_sampling(run_or_model, cfg, overrides, on_notice), "complete"
+    )
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     _check_completing(prompts, cfg, num_samples, batch_size)
     model, tokenizer, precision = _model_and_tokenizer(
@@ -273,6 +278,29 @@ def complete(
         )
         for (i, j), stream in zip(rows, streams)
     ]
+
+
+def _with_model_sampling(
+    run: Any,
+    cfg: SampleConfig | None,
+    overrides: dict[str, Any],
+    on_notice: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    """``overrides`` and, where no ``cfg`` is given, what a run's generation_config.json sets
+    of the sampling they leave out (`config.run.model_sampling`: Qwen3's temperature 0.6, top-k
+    20, top-p 0.95), as transformers' ``generate`` takes a model's generation config for the
+    settings its call does not give; ``on_notice`` is told which. A `GPT` has no such file."""
+    if cfg is not None or isinstance(run, GPT):
+        return overrides
+    from gptkiln.config.run import model_sampling, sampling_said
+
+    taken = {k: v for k, v in model_sampling(run).items() if k not in overrides}
+    if taken and on_notice is not None:
+        said = sampling_said(taken)
+        on_notice(
+            f"sampling as {run}'s generation_config.json sets it: {said} (an argument overrides it)"
+        )
+    return {**taken, **overrides}
 
 
 def _check_completing(prompts: list, cfg: SampleConfig, num_samples, batch_size) -> None:
