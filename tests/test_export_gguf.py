@@ -473,7 +473,8 @@ def _rewritten(good: Path, bad: Path, **edits) -> Path:
         value = edits.get(field.name, field.contents())
         writer.add_key_value(field.name, value, kind, sub_type=sub)
     for key in edits.keys() - reader.fields.keys():  # a key the file did not have: a text
-        writer.add_key_value(key, edits[key], gguf.GGUFValueType.STRING)
+        if edits[key] is not None:
+            writer.add_key_value(key, edits[key], gguf.GGUFValueType.STRING)
     for t in reader.tensors:
         writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
@@ -580,3 +581,48 @@ def test_to_gguf_never_writes_over_a_file_of_a_run_even_with_overwrite(tmp_path,
         err = capsys.readouterr().err.strip()
         assert "a file of the run in" in err and len(err.splitlines()) == 1, err
     assert (run / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_the_stop_ids_fill_llama_cpps_slots_and_come_back_as_llama_cpp_reads_them(tmp_path, family):
+    """A Llama 3 Instruct tokenizer stops at <|eot_id|>, <|end_of_text|> and <|eom_id|>, Qwen3's
+    at <|im_end|> and <|endoftext|>: the GGUF's eos is the tokenizer's, its eot the end of turn
+    and its eom <|eom_id|> (not whichever stop id came second), and a file read back stops where
+    llama.cpp stops, at the named ids and at the tokens it ends at by their text, also when
+    the file names its eos alone, as llama.cpp's own converter writes it."""
+    import gguf
+    from hf_tokenizer_dirs import write_llama3_dir, write_qwen3_dir
+
+    from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+    from gptkiln.tokenizers import load_tokenizer
+
+    write = write_llama3_dir if family == "llama3" else write_qwen3_dir
+    tokenizer = load_tokenizer(write(tmp_path / "tokenizer"))
+    config = GPTConfig.from_name(
+        f"{family}-baby", vocab_size=tokenizer.vocab_size, context_length=32, n_layer=1
+    )
+    run = tmp_path / "run"
+    save_model(GPT(config), run, tokenizer=tokenizer)
+    good = export_gguf(run, tmp_path / "m.gguf")
+    fields = gguf.GGUFReader(good).fields
+    slot = {
+        name: fields[f"tokenizer.ggml.{name}_token_id"].contents()
+        for name in ("eos", "eot", "eom")
+        if f"tokenizer.ggml.{name}_token_id" in fields
+    }
+    text = {name: tokenizer.decode([i]) for name, i in slot.items()}
+    if family == "llama3":
+        assert text == {"eos": "<|eot_id|>", "eot": "<|eot_id|>", "eom": "<|eom_id|>"}
+    else:
+        assert text == {"eos": "<|im_end|>", "eot": "<|im_end|>"}
+    eos_alone = _rewritten(
+        good, tmp_path / "eos.gguf", tokenizer__ggml__eot_token_id=None,
+        tokenizer__ggml__eom_token_id=None,
+    )  # fmt: skip
+    for i, path in enumerate((good, eos_alone)):
+        import_gguf(path, tmp_path / f"back-{i}")
+        _, back, _ = load_run(tmp_path / f"back-{i}")
+        assert back.stop_ids[0] == tokenizer.stop_ids[0] == slot["eos"]
+        assert set(back.stop_ids) == set(tokenizer.stop_ids), path

@@ -325,8 +325,11 @@ def _add_vocab(writer: Any, vocab: GGUFVocab, chat: str | None) -> None:
         writer.add_bos_token_id(vocab.bos_id)
     if vocab.eos_id is not None:
         writer.add_eos_token_id(vocab.eos_id)
-    if len(vocab.stop_ids) > 1:
-        writer.add_eot_token_id(vocab.stop_ids[1])
+    eot, eom = vocab.turn_ends()  # the others llama.cpp ends at by their text
+    if eot is not None:
+        writer.add_eot_token_id(eot)
+    if eom is not None:
+        writer.add_eom_token_id(eom)
     if vocab.pad_id is not None:
         writer.add_pad_token_id(vocab.pad_id)
     writer.add_add_bos_token(vocab.add_bos)

@@ -406,15 +406,15 @@ def _vocab(meta: dict[str, Any], path: Path, rows: int) -> GGUFVocab:
             f"for the {rows:,} rows of token_embd.weight; a GGUF has one of each a row: the file "
             "is damaged, convert it again"
         )
-    bos, eos, eot = (
+    bos, eos, eot, eom = (
         _token_id(meta, f"tokenizer.ggml.{name}_token_id", rows, path)
-        for name in ("bos", "eos", "eot")
+        for name in ("bos", "eos", "eot", "eom")
     )
     pad = _value(meta, "tokenizer.ggml.padding_token_id", path, None)
     if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < rows:
         pad = None  # no id of the file's (some converters write one past the vocabulary)
     pre = _value(meta, "tokenizer.ggml.pre", path, "default")
-    return GGUFVocab(
+    vocab = GGUFVocab(
         tokens=tokens,
         types=types,
         merges=list(_value(meta, "tokenizer.ggml.merges", path)),
@@ -423,9 +423,10 @@ def _vocab(meta: dict[str, Any], path: Path, rows: int) -> GGUFVocab:
         eos_id=None if eos is None else int(eos),
         # unsaid: llama.cpp's default, BOS for Llama 3's pre-tokenizer (older files say nothing)
         add_bos=bool(_value(meta, "tokenizer.ggml.add_bos_token", path, pre in LLAMA3_PRES)),
-        stop_ids=[int(i) for i in dict.fromkeys(x for x in (eos, eot) if x is not None)],
         pad_id=None if pad is None else int(pad),
     )
+    vocab.stop_ids = vocab.ends_of_generation([eos, eot, eom])  # llama.cpp's stops
+    return vocab
 
 
 def _char_tokenizer(vocab: GGUFVocab) -> Any:

@@ -42,6 +42,15 @@ PRE_PATTERNS = {"llama-bpe": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN}
 IGNORE_MERGES = {"llama-bpe"}  # Llama 3 takes a word that is a token whole, as llama.cpp does
 
 
+# The tokens llama.cpp ends a generation at by their text alone, besides the eos, eot and eom ids
+# a file names (its llama-vocab.cpp keeps the list; these are those of the families gptkiln
+# reads), and of them what fills its end-of-turn and end-of-message slots.
+END_OF_GENERATION = ("<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>",
+                     "<|im_end|>", "<|end|>", "<end_of_turn>", "<EOT>")  # fmt: skip
+END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<EOT>")
+END_OF_MESSAGE = "<|eom_id|>"  # Llama 3.1's end of a tool call's message
+
+
 @dataclass
 class GGUFVocab:
     """What a GGUF's tokenizer keys hold (see the module docstring)."""
@@ -55,6 +64,24 @@ class GGUFVocab:
     add_bos: bool = False
     stop_ids: list[int] = field(default_factory=list)
     pad_id: int | None = None  # the run's config.json pad_token_id (Qwen's), where it has one
+
+    def turn_ends(self) -> tuple[int | None, int | None]:
+        """The ids of llama.cpp's end-of-turn and end-of-message slots among the stop ids: the
+        first whose text is an end of turn (``<|eot_id|>``, ``<|im_end|>``; else the first
+        after the EOS that llama.cpp would not end at by its text, so that it still does), and
+        ``<|eom_id|>``."""
+        after = self.stop_ids[1:]
+        eot = next((i for i in self.stop_ids if self.tokens[i] in END_OF_TURN), None)
+        if eot is None:
+            eot = next((i for i in after if self.tokens[i] not in END_OF_GENERATION), None)
+        eom = next((i for i in self.stop_ids if self.tokens[i] == END_OF_MESSAGE), None)
+        return eot, eom
+
+    def ends_of_generation(self, named: list[int | None]) -> list[int]:
+        """The ids a generation ends at as llama.cpp reads a file: those ``named`` (its eos,
+        eot and eom ids), then every token whose text is one of `END_OF_GENERATION`."""
+        texts = [i for i, token in enumerate(self.tokens) if token in END_OF_GENERATION]
+        return [int(i) for i in dict.fromkeys([*named, *texts]) if i is not None]
 
 
 def gguf_vocab(tokenizer: Any, vocab_size: int, source: str) -> GGUFVocab:
