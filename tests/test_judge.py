@@ -510,6 +510,38 @@ def test_dpo_pairs_as_data_are_judged_by_their_chosen_answer(run, fake, tmp_path
     assert_one_line_error(code, err, "bad.jsonl line 1", '"chosen" is empty or not text')
 
 
+def test_dpo_records_without_rejected_are_judged_by_their_chosen_answer(
+    run, fake, tmp_path, capsys
+):
+    """The judge reads a pair's prompt and chosen answer alone, so records of {prompt, chosen}
+    (a reference answer, no rejected one) are test entries too, not conversations; a record
+    whose chosen answer is bad is the pairs' one line."""
+    records = [
+        {"prompt": "Say yes.", "chosen": "yes"},
+        {"prompt": [{"role": "user", "content": "Say ok."}],
+         "chosen": [{"role": "assistant", "content": "ok"}]},
+        {"prompt": "Say no.", "chosen": "no", "rejected": "yes"},
+    ]  # fmt: skip
+    data = tmp_path / "chosen.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, err = cli(
+        "judge", run, "--data", data, "--judge-url", f"{fake[0]}/v1", "--judge-model", "m",
+        "--max-new-tokens", 2, "--name", "chosen", "--json", capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    saved = json.loads((run / "judgements-chosen.json").read_text())
+    assert [e["output"] for e in saved["per_entry"]] == ["yes", "ok", "no"]
+    assert "Say ok." in saved["per_entry"][1]["input"]
+    (tmp_path / "bad.jsonl").write_text(
+        json.dumps(records[0]) + "\n" + json.dumps({"prompt": "Say.", "chosen": " "}) + "\n"
+    )
+    code, _, err = cli(
+        "judge", run, "--data", tmp_path / "bad.jsonl", "--judge-url", f"{fake[0]}/v1",
+        "--judge-model", "m", capsys=capsys,
+    )  # fmt: skip
+    assert_one_line_error(code, err, "bad.jsonl line 2", '"chosen" is empty or not text')
+
+
 def test_a_judge_none_of_whose_answers_is_a_score_is_noted(run, tmp_path, capsys):
     """Every answer unparsed: still a success (the answers are kept), but a note says there is
     no mean, how many, and what the judge answered."""

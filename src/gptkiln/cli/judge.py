@@ -34,8 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="test entries: instruction entries {instruction, input, output}, conversations "
         "whose last message is the answer, or DPO pairs {prompt, chosen, rejected} (the chosen "
-        "answer is the correct output) (default: the test split of the data the run was "
-        "fine-tuned on)",
+        "answer is the correct output; rejected may be left out) (default: the test split of "
+        "the data the run was fine-tuned on)",
     )
     add_judge_endpoint_flags(p)
     p.add_argument(

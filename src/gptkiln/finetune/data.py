@@ -396,52 +396,54 @@ def read_preferences(source: str | Path) -> list[Preference]:
     """The pairs of a preference source: ``{prompt, chosen, rejected}`` records, each text or
     messages (TRL's conversational form: a messages prompt, one assistant message each); or
     ``{chosen, rejected}`` whole conversations that differ in their last assistant message."""
-    pairs = []
-    for where, record in read_records(source, "preference pairs"):
-        if not isinstance(record, dict) or "chosen" not in record or "rejected" not in record:
-            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-            raise GptkilnError(f"{where}: no chosen and rejected (has: {keys}); {_PAIR_HELP}")
-        prompt = record.get("prompt")
-        if prompt is None and "prompt" in record:
-            raise GptkilnError(
-                f'{where}: "prompt" is null; give the prompt (text or messages), or leave the '
-                f"key out for chosen and rejected whole conversations; {_PAIR_HELP}"
-            )
-        if prompt is None:
-            if isinstance(record["chosen"], str) or isinstance(record["rejected"], str):
-                raise GptkilnError(  # text answers need the question they answer
-                    f'{where}: no "prompt" for the text answers chosen and rejected; give the '
-                    f"prompt, or whole conversations as chosen and rejected; {_PAIR_HELP}"
-                )
-            chosen = checked_messages(where, record["chosen"], "chosen", _PAIR_HELP)
-            rejected = checked_messages(where, record["rejected"], "rejected", _PAIR_HELP)
-            if chosen[:-1] != rejected[:-1] or "assistant" != chosen[-1]["role"]:
-                raise GptkilnError(
-                    f"{where}: chosen and rejected conversations must share all but their last "
-                    f"message, an assistant's; {_PAIR_HELP}"
-                )
-            if rejected[-1]["role"] != "assistant":
-                raise GptkilnError(f"{where}: the last message must be the assistant's")
-            if len(chosen) < 2:
-                raise GptkilnError(
-                    f"{where}: chosen and rejected are an answer alone, with no prompt before "
-                    f'it; give the messages it answers, or a "prompt"; {_PAIR_HELP}'
-                )
-            pairs.append(Preference(chosen[:-1], chosen[-1]["content"], rejected[-1]["content"]))
-            continue
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        elif not isinstance(prompt, list):
-            raise GptkilnError(
-                f'{where}: "prompt" is a JSON {_JSON_KINDS.get(type(prompt), "value")}, not text '
-                f"or a list of messages; {_PAIR_HELP}"
-            )
-        messages = checked_messages(where, prompt, "prompt", _PAIR_HELP)
-        answers = [_answer(where, record[k], k) for k in ("chosen", "rejected")]
-        pairs.append(Preference(messages, *answers))
+    pairs = [preference_of(where, r) for where, r in read_records(source, "preference pairs")]
     if not pairs:
         raise GptkilnError(f"--data {source} holds no preference pairs; {_PAIR_HELP}")
     return pairs
+
+
+def preference_of(where: str, record: Any) -> Preference:
+    """The pair of one record of `read_preferences` (``where``: its file and line), checked."""
+    if not isinstance(record, dict) or "chosen" not in record or "rejected" not in record:
+        keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+        raise GptkilnError(f"{where}: no chosen and rejected (has: {keys}); {_PAIR_HELP}")
+    prompt = record.get("prompt")
+    if prompt is None and "prompt" in record:
+        raise GptkilnError(
+            f'{where}: "prompt" is null; give the prompt (text or messages), or leave the '
+            f"key out for chosen and rejected whole conversations; {_PAIR_HELP}"
+        )
+    if prompt is None:
+        if isinstance(record["chosen"], str) or isinstance(record["rejected"], str):
+            raise GptkilnError(  # text answers need the question they answer
+                f'{where}: no "prompt" for the text answers chosen and rejected; give the '
+                f"prompt, or whole conversations as chosen and rejected; {_PAIR_HELP}"
+            )
+        chosen = checked_messages(where, record["chosen"], "chosen", _PAIR_HELP)
+        rejected = checked_messages(where, record["rejected"], "rejected", _PAIR_HELP)
+        if chosen[:-1] != rejected[:-1] or "assistant" != chosen[-1]["role"]:
+            raise GptkilnError(
+                f"{where}: chosen and rejected conversations must share all but their last "
+                f"message, an assistant's; {_PAIR_HELP}"
+            )
+        if rejected[-1]["role"] != "assistant":
+            raise GptkilnError(f"{where}: the last message must be the assistant's")
+        if len(chosen) < 2:
+            raise GptkilnError(
+                f"{where}: chosen and rejected are an answer alone, with no prompt before "
+                f'it; give the messages it answers, or a "prompt"; {_PAIR_HELP}'
+            )
+        return Preference(chosen[:-1], chosen[-1]["content"], rejected[-1]["content"])
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    elif not isinstance(prompt, list):
+        raise GptkilnError(
+            f'{where}: "prompt" is a JSON {_JSON_KINDS.get(type(prompt), "value")}, not text '
+            f"or a list of messages; {_PAIR_HELP}"
+        )
+    messages = checked_messages(where, prompt, "prompt", _PAIR_HELP)
+    answers = [_answer(where, record[k], k) for k in ("chosen", "rejected")]
+    return Preference(messages, *answers)
 
 
 def _answer(where: str, value: Any, field: str) -> str:

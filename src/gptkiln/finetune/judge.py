@@ -349,12 +349,7 @@ def test_entries(run_dir: Path, data: str | None) -> list[tuple[list[dict], str]
     entries; preference pairs, whose chosen answer is the correct output; or conversations
     whose last message is the assistant's answer), else the test split of the data the run was
     fine-tuned on (`_test_split`)."""
-    from gptkiln.finetune.data import (
-        conversation_of,
-        read_instructions,
-        read_preferences,
-        read_records,
-    )
+    from gptkiln.finetune.data import conversation_of, read_instructions, read_records
     from gptkiln.finetune.runs import finetune_info
     from gptkiln.loading import read_config
 
@@ -363,8 +358,8 @@ def test_entries(run_dir: Path, data: str | None) -> list[tuple[list[dict], str]
     first = _first_record(data)
     if str(data).endswith((".json", ".jsonl")) and "instruction" in first:
         return [(_instruction_messages(e), e["output"]) for e in read_instructions(data)]
-    if "chosen" in first and "rejected" in first:  # DPO pairs, read as a dpo run reads them
-        return _chosen(read_preferences(data))
+    if "chosen" in first:  # DPO pairs, read as a dpo run reads them; "rejected" not needed
+        return _prompt_and_chosen(data)
     out = []
     for where, record in read_records(data, "test entries"):
         messages, _ = conversation_of(where, record)
@@ -377,6 +372,21 @@ def test_entries(run_dir: Path, data: str | None) -> list[tuple[list[dict], str]
 def _chosen(pairs) -> list[tuple[list[dict], str]]:
     """(the prompt, the chosen answer) of each preference pair: the judge's correct output."""
     return [(p.prompt, p.chosen) for p in pairs]
+
+
+def _prompt_and_chosen(data: str) -> list[tuple[list[dict], str]]:
+    """(the prompt, the chosen answer) of each record of a file of DPO pairs, read as a dpo run
+    reads a pair (`preference_of`): the judge reads no rejected answer, so a record without
+    one (``{prompt, chosen}``: a reference answer alone) is read with its chosen in its place."""
+    from gptkiln.finetune.data import preference_of, read_records
+
+    out = []
+    for where, record in read_records(data, "test entries"):
+        if isinstance(record, dict) and "chosen" in record and "rejected" not in record:
+            record = {**record, "rejected": record["chosen"]}
+        pair = preference_of(where, record)
+        out.append((pair.prompt, pair.chosen))
+    return out
 
 
 def _test_split(run_dir: Path, info: dict) -> list[tuple[list[dict], str]]:
