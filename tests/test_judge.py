@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import string
+import time
 from pathlib import Path
 
 import pytest
@@ -284,6 +285,188 @@ def test_every_request_failing_is_one_line_and_the_answers_are_kept(run, tmp_pat
         assert all(e["response"] is not None and e["error"] for e in saved["per_entry"])
 
 
+def six_entries(tmp_path) -> Path:
+    """Test entries whose outputs are 1 to 6 letters: each of the fake judge's answers once."""
+    test_split = [
+        {"instruction": f"Say {w}.", "input": "", "output": w}
+        for w in ["a", "bb", "ccc", "dddd", "eeeee", "ffffff"]
+    ]
+    data = tmp_path / "six.json"
+    data.write_text(json.dumps(test_split))
+    return data
+
+
+def judge_six(run, data, url, capsys, *more):
+    """``gptkiln judge`` of the six entries with the fake judge at ``url``, into
+    judgements-six.json: (exit code, stdout, stderr)."""
+    return cli(
+        "judge", run, "--data", data, "--judge-url", f"{url}/v1", "--judge-model", "fake",
+        "--max-new-tokens", 2, "--name", "six", "--concurrency", 1, *more, capsys=capsys,
+    )  # fmt: skip
+
+
+def test_a_second_judging_asks_only_about_the_entries_that_failed(
+    run, tmp_path, capsys, monkeypatch
+):
+    """The verdict of the same judge, test entries, --max-new-tokens and weights is kept: the
+    judge is asked about the failed entries alone, with the run's answers kept (the run does
+    not answer again)."""
+    import gptkiln.finetune.judge
+
+    data = six_entries(tmp_path)
+    too_long = {"error": {"message": "context length exceeded"}}
+    replies = {"a": (400, too_long), "ccc": (400, too_long)}
+    app = fake_judge(replies=replies)
+    with ServerThread(app) as url:
+        code, _, err = judge_six(run, data, url, capsys, "--overwrite")
+        assert code == 0 and len(app.state.questions) == 1 + 6, err
+        first = json.loads((run / "judgements-six.json").read_text())
+        assert first["failed"] == 2
+        replies.clear()  # the judge answers them now
+        monkeypatch.setattr(gptkiln.finetune.judge, "answers", None)  # the run is not asked
+        code, out, err = judge_six(run, data, url, capsys, "--json")
+    assert code == 0, err
+    assert len(app.state.questions) == 1 + 6 + 2  # the two that failed, no check first
+    asked = [re.search(r"correct output `(.*?)`", q).group(1) for q, _ in app.state.questions]
+    assert sorted(asked[-2:]) == ["a", "ccc"]
+    assert (
+        "note: 4 of 6 entries kept from judgements-six.json; asking the judge about the 2 that "
+        "failed (with the run's answers kept there)" in err
+    ), err
+    assert json.loads(out.strip().splitlines()[-1])["failed"] == 0
+    saved = json.loads((run / "judgements-six.json").read_text())
+    assert [e["answer"] for e in saved["per_entry"]] == [fake_answer(o) for o in asked[1:7]]
+    for then, now in zip(first["per_entry"], saved["per_entry"], strict=True):
+        assert now["response"] == then["response"]  # the run's answers, kept
+        if then["error"] is None:
+            assert now == then
+
+
+def test_a_verdict_made_otherwise_is_judged_anew_with_a_note(run, tmp_path, capsys):
+    """Another judge model or prompt, other --max-new-tokens or test entries, weights saved
+    again: every entry answered and judged anew, and a note says why; --overwrite, silently.
+    The judge's way of asking (--timeout, --retries, --concurrency) is no reason, nor the
+    same entries in another file."""
+    import os
+
+    data = six_entries(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    prompt, seven = tmp_path / "prompt.txt", tmp_path / "seven.json"
+    prompt.write_text(BOOK_PROMPT + " Be fair.")
+    seven.write_text(json.dumps(json.loads(data.read_text()) + instructions(1)))
+    weights = run / "model.safetensors"
+    app = fake_judge()
+    with ServerThread(app) as url:
+        for more, entries, why in (
+            (["--timeout", 30, "--retries", 1, "--concurrency", 2], 0, None),
+            (["--data", six_entries(tmp_path / "elsewhere")], 0, None),
+            (["--judge-model", "other"], 6, "it was made with another judge model"),
+            (["--prompt-file", prompt], 6, "it was made with another judge prompt"),
+            (["--max-new-tokens", 3], 6, "the run's answers in it are of up to 2 tokens, not 3"),
+            (["--data", seven], 7, "it was made of other test entries"),
+            ([], 6, "the run's weights changed since: a weights file or config.json is not the "
+             "same"),
+            (["--overwrite"], 6, None),
+        ):  # fmt: skip
+            assert judge_six(run, data, url, capsys, "--overwrite")[0] == 0  # the verdict then
+            if not more:  # the weights saved again: their time changes
+                os.utime(weights, ns=(weights.stat().st_atime_ns, time.time_ns()))
+            asked = len(app.state.questions)
+            code, _, err = judge_six(run, data, url, capsys, *more)
+            assert code == 0, err
+            notes = [line for line in err.splitlines() if "judgements-six.json" in line]
+            if why is not None:
+                assert notes == [
+                    f"note: judgements-six.json is not reused ({why}): every entry is answered "
+                    "and judged anew"
+                ], err
+            elif entries == 0:
+                assert notes == [
+                    "note: all 6 entries of judgements-six.json are judged: it is kept "
+                    "(--overwrite judges anew)"
+                ], err
+            else:
+                assert notes == [], err
+            checked = 1 if entries else 0  # the judge, before the run answers
+            assert len(app.state.questions) - asked == checked + entries
+
+
+def test_a_judging_stopped_keeps_what_was_judged_and_the_next_asks_about_the_rest(
+    run, tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C during the asking: the verdict, written as the judging goes (the file holds each
+    answer before the stop, too), keeps the answers that came, the others marked not asked;
+    the next judging asks about those alone."""
+    import gptkiln.finetune.judge
+
+    data, seen = six_entries(tmp_path), []
+    monkeypatch.setattr(gptkiln.finetune.judge, "SAVE_EVERY", 0.0)
+    ask = gptkiln.finetune.judge.ask
+
+    def stopped_at_the_fourth(judge, question, client):
+        seen.append(question)
+        if len(seen) < 5:  # the check, then three entries
+            return ask(judge, question, client)
+        for _ in range(100):  # written as each answer came: the file holds the three
+            saved = json.loads((run / "judgements-six.json").read_text())
+            if sum(e["answer"] is not None for e in saved["per_entry"]) == 3:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the verdict was not written as the judging went")
+        raise KeyboardInterrupt
+
+    app = fake_judge()
+    with ServerThread(app) as url:
+        monkeypatch.setattr(gptkiln.finetune.judge, "ask", stopped_at_the_fourth)
+        code, _, err = judge_six(run, data, url, capsys, "--overwrite")
+        assert code == 130, err
+        assert err.strip().splitlines()[-1] == (
+            "gptkiln judge: interrupted while judging; the judge's answers about 3 of 6 "
+            f"entries are kept in {run / 'judgements-six.json'}: the same command asks it "
+            "about the other 3"
+        )
+        saved = json.loads((run / "judgements-six.json").read_text())
+        assert [e["answer"] is not None for e in saved["per_entry"]] == [True] * 3 + [False] * 3
+        not_asked = {e["error"] for e in saved["per_entry"][3:]}
+        assert not_asked == {"not asked: the judging stopped before it"}
+        monkeypatch.setattr(gptkiln.finetune.judge, "ask", ask)
+        code, out, err = judge_six(run, data, url, capsys, "--json")
+    assert code == 0, err
+    assert (
+        "note: 3 of 6 entries kept from judgements-six.json; asking the judge about the 3 that "
+        "were not asked (with the run's answers kept there)"
+    ) in err
+    assert len(app.state.questions) == 4 + 3  # the check and three, then the three not asked
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["scored"] == 4 and last["unparsed"] == 2 and last["failed"] == 0
+
+
+def test_a_judge_gone_during_the_asking_keeps_what_was_judged(run, tmp_path, capsys):
+    """A judge that stops answering (here it refuses the key from the fourth entry on) stops
+    the judging in one line that says what is kept; the next judging asks about the rest."""
+    data = six_entries(tmp_path)
+    gone = {"error": {"message": "Incorrect API key provided"}}
+    replies = {o: (401, gone) for o in ("dddd", "eeeee", "ffffff")}
+    app = fake_judge(replies=replies)
+    with ServerThread(app) as url:
+        code, _, err = judge_six(run, data, url, capsys, "--overwrite")
+        assert code == 2 and "Traceback" not in err, err
+        last = err.strip().splitlines()[-1]
+        assert "refused the key (HTTP 401: 'Incorrect API key provided')" in last
+        assert last.endswith(
+            f"the judge's answers about 3 of 6 entries are kept in {run / 'judgements-six.json'}"
+            ": the same command asks it about the other 3"
+        ), last
+        replies.clear()
+        asked = len(app.state.questions)
+        code, _, err = judge_six(run, data, url, capsys)
+    assert code == 0, err
+    assert len(app.state.questions) - asked == 3
+    saved = json.loads((run / "judgements-six.json").read_text())
+    assert saved["failed"] == 0 and saved["scored"] + saved["unparsed"] == 6
+
+
 def test_a_prompt_file_without_the_placeholders_is_one_line(run, fake, tmp_path, capsys):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Score {response} please.")
@@ -552,9 +735,19 @@ def test_a_judge_none_of_whose_answers_is_a_score_is_noted(run, tmp_path, capsys
         reply = {"choices": [{"message": {"role": "assistant", "content": content}}]}
         with ServerThread(fake_judge(replies={"*": (200, reply)})) as url:
             code, out, err = cli(
-                "judge", run, "--judge-url", f"{url}/v1", "--judge-model", "m",
-                "--max-new-tokens", 2, "--name", "wordy", capsys=capsys,
-            )  # fmt: skip
+                "judge",
+                run,
+                "--judge-url",
+                f"{url}/v1",
+                "--judge-model",
+                "m",
+                "--max-new-tokens",
+                2,
+                "--name",
+                "wordy",
+                "--overwrite",
+                capsys=capsys,
+            )  # fmt: skip  (--overwrite: no note of the verdict of the loop's first judge)
         assert code == 0, err
         assert "mean score - over 0 scored (4 unparsed answers kept)" in out
         [note] = [line for line in err.splitlines() if line.startswith("note:")]

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from gptkiln.cli.common import add_device_flag, add_run_argument, example
+from gptkiln.cli.common import add_device_flag, add_overwrite_flag, add_run_argument, example
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "another gptkiln serve) scores each answer from 0 to 100 against the correct output. "
         "An answer that is not a number is counted as unparsed and kept; a request the judge "
         "refuses (a question too long for it) is that entry's failure, its reason kept. Prints "
-        "the mean of the scores; every entry goes to RUN/judgements.json.",
+        "the mean of the scores; every entry goes to RUN/judgements.json, written as the "
+        "judging goes; a judging again with the same judge, test entries, --max-new-tokens "
+        "and run weights keeps the entries judged and asks only about those that failed or "
+        "were not asked (the judging stopped by Ctrl-C or a judge gone).",
         epilog=example(
             "gptkiln judge runs/instruct --judge-url http://localhost:11434/v1 "
             "--judge-model llama3",
@@ -82,6 +85,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--name", metavar="NAME", help="write RUN/judgements-NAME.json (default: judgements.json)"
+    )
+    add_overwrite_flag(
+        p,
+        help="judge every entry anew, over the verdict in RUN/judgements.json (default: keep "
+        "the entries it judged, when made with the same judge, test entries, --max-new-tokens "
+        "and run weights)",
     )
     p.add_argument(
         "--json",
@@ -196,5 +205,6 @@ def run_judge(args: argparse.Namespace) -> None:
         device=resolve_device(args.device),
         progress=args.progress and sys.stderr.isatty(),
         name=args.name,
+        overwrite=args.overwrite,
     )
     print_verdict(verdict, args.json)

@@ -14,10 +14,16 @@ entry (a 400 such as a context-length error, a reply that is not a chat completi
 entry's failure, kept with its reason while the others go on, as Inspect and lm-eval keep a
 sample's error; a judge that never answers, refuses the key or has no such URL or model stops the
 judging in one line, since every request would fail the same way.
+
+The verdict is written as the judging goes (`judge_and_keep`), so a judging stopped (Ctrl-C, a
+judge gone) keeps what was judged; the next judging of the run by the same judge keeps it and
+asks only about the entries that failed or were not asked (`kept_entries`), as lm-eval's
+``--use_cache`` keeps a model's answers to the requests it has seen.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -25,7 +31,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +48,8 @@ run's template writes it, without the response header), ``{output}`` and ``{resp
 
 PLACEHOLDERS = ("{input}", "{output}", "{response}")
 JUDGEMENTS_FILE = "judgements.json"
+NOT_ASKED = "not asked: the judging stopped before it"  # an entry's error until it is asked
+SAVE_EVERY = 2.0  # seconds between writes of the verdict while the judge is asked
 _REASONING = re.compile(r"^\s*<think>.*?</think>", re.S)  # a thinking model's preamble
 _SCORE = re.compile(r"\s*(\d{1,3}(?:\.\d+)?)\s*(?:/\s*100)?\s*\.?\s*")
 
@@ -294,35 +302,53 @@ def _content(reply) -> str:
 
 
 def judge_entries(
-    judge: Judge, entries: Sequence[Entry], progress: bool = True, client=None
+    judge: Judge,
+    entries: Sequence[Entry],
+    progress: bool = True,
+    client=None,
+    on_judged: Callable[[], None] | None = None,
 ) -> Verdict:
-    """Each entry's answer and score from the judge, ``judge.concurrency`` at a time."""
+    """Each entry's answer and score from the judge, ``judge.concurrency`` at a time. Each
+    answer is set in the calling thread as it comes, then ``on_judged()`` is called (so the
+    entries can be written while the others are asked); a stop (Ctrl-C, a judge gone) sends
+    no more requests and waits for none, the answers that came before it set."""
     import httpx
     from tqdm.auto import tqdm
 
     own = client is None
     client = client or httpx.Client()
     bar = tqdm(total=len(entries), desc="judging", unit="entry", disable=not progress)
+    pool, asked = ThreadPoolExecutor(max_workers=judge.concurrency), {}
+
+    def one(entry: Entry) -> tuple[str | None, str | None]:  # (answer, error)
+        question = judge.question(entry.input, entry.output, entry.response)
+        try:
+            return ask(judge, question, client), None
+        except RequestFailed as e:  # this entry's: the others go on
+            return None, str(e)
+
     try:
-
-        def one(entry: Entry) -> Entry:
-            question = judge.question(entry.input, entry.output, entry.response)
-            try:
-                answer = ask(judge, question, client)
-            except RequestFailed as e:  # this entry's: the others go on
-                entry.error = str(e)
-            else:
-                entry.answer, entry.score = answer, parse_score(answer)
+        asked = {pool.submit(one, entry): entry for entry in entries}
+        for future in as_completed(asked):
+            _set_answer(asked[future], future.result())
             bar.update(1)
-            return entry
-
-        with ThreadPoolExecutor(max_workers=judge.concurrency) as pool:
-            judged = list(pool.map(one, entries))
+            if on_judged is not None:
+                on_judged()
     finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for future, entry in asked.items():  # after a stop: those that came, not yet set
+            if future.done() and not future.cancelled() and future.exception() is None:
+                _set_answer(entry, future.result())
         bar.close()
         if own:
             client.close()
-    return Verdict(judged)
+    return Verdict(list(entries))
+
+
+def _set_answer(entry: Entry, answered: tuple[str | None, str | None]) -> None:
+    """The judge's (answer, error) about ``entry``, and its score, set."""
+    entry.answer, entry.error = answered
+    entry.score = None if entry.answer is None else parse_score(entry.answer)
 
 
 def check_judge(judge: Judge, client=None) -> None:
@@ -574,11 +600,17 @@ def judge_run(
     device: str = "cpu",
     progress: bool = True,
     name: str | None = None,
+    overwrite: bool = False,
     on_line: Callable[[str], None] | None = None,
 ) -> Verdict:
     """`gptkiln judge`: the run's answers to the test entries, scored by ``judge``; the
-    verdict written into the run (``judgements.json``, or ``judgements-NAME.json``), then its
-    notes (`Verdict.notes`) told to ``on_line``.
+    verdict written into the run (``judgements.json``, or ``judgements-NAME.json``) as the
+    judging goes (`judge_and_keep`), then its notes (`Verdict.notes`) told to ``on_line``.
+
+    A verdict already there that was made the same way (`made_with`: the judge's URL, model,
+    prompt and max tokens, the test entries, ``max_new_tokens``, the run's weights) is kept
+    (`kept_entries`): only its entries that the judge gave no answer about are asked again, with
+    the run's answers it holds (the run is not loaded). ``overwrite``: judge every entry anew.
 
     Returns:
         The `Verdict` (entries with their answers, scores and errors; mean, scored, unparsed,
@@ -586,11 +618,43 @@ def judge_run(
 
     Raises:
         GptkilnError: bad settings or test entries; a judge that can answer no request
-            (unreachable, a key refused, no such URL or model: nothing is written); every
+            (unreachable, a key refused, no such URL or model: found before the run answers,
+            and nothing is written; or once the asking began: what was judged is kept); every
             request failed (the verdict is written first, the run's answers in it).
     """
-    from gptkiln.checkpoint import write_json
+    _check_settings(max_new_tokens, batch_size, name)
+    run_dir = Path(run_dir)
+    items = test_entries(run_dir, data)
+    if not items:
+        raise GptkilnError(f"--data {data}: no test entries to judge")
+    say = on_line or (lambda text: print(text, file=sys.stderr, flush=True))
+    path = run_dir / (f"judgements-{name}.json" if name else JUDGEMENTS_FILE)
+    made = made_with(run_dir, judge, items, data=data, max_new_tokens=max_new_tokens)
+    entries = None if overwrite else kept_entries(path, made, len(items), say)
+    if entries is None:
+        check_judge(judge)  # before the answering: a judge down, a key refused, no such model
+        say(f"answering {len(items):,} test entries with {run_dir} ...")
+        entries = answers(
+            run_dir,
+            items,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            device=device,
+            on_notice=lambda text: say(f"note: {text}"),
+        )
+    verdict = judge_and_keep(judge, entries, path, made, progress=progress)
+    if verdict.failed == len(verdict.entries):
+        raise GptkilnError(
+            f"every one of the {verdict.failed} requests to the judge at {judge.url} failed; the "
+            f"first: {verdict.entries[0].error}; the run's answers are kept in {path}"
+        )
+    for line in verdict.notes(path):
+        say(f"note: {line}")
+    return verdict
 
+
+def _check_settings(max_new_tokens: int, batch_size: int, name: str | None) -> None:
+    """`judge_run`'s settings, before anything is read."""
     if max_new_tokens < 1:
         raise GptkilnError(
             f"--max-new-tokens must be >= 1 (the answers judged), got {max_new_tokens}"
@@ -602,38 +666,153 @@ def judge_run(
             f"--name {name!r}: the verdict goes to RUN/judgements-NAME.json, so give a plain "
             "name (letters, digits, '.', '_', '-'), e.g. --name gpt4o"
         )
-    run_dir = Path(run_dir)
-    items = test_entries(run_dir, data)
-    if not items:
-        raise GptkilnError(f"--data {data}: no test entries to judge")
-    say = on_line or (lambda text: print(text, file=sys.stderr, flush=True))
-    check_judge(judge)  # before the answering: a judge down, a key refused, no such model
-    say(f"answering {len(items):,} test entries with {run_dir} ...")
-    entries = answers(
-        run_dir,
-        items,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        device=device,
-        on_notice=lambda text: say(f"note: {text}"),
+
+
+# -- a verdict kept: reused by the next judging, written as the judging goes -------------------
+ANSWER_SETTINGS = ("url", "model", "prompt", "max_tokens")
+"""The judge's settings its answers depend on. The others (its key, timeout, retries, backoff,
+concurrency) say how it is asked, so a judging that failed for them can be run again with
+others and still keep what was judged."""
+
+
+def made_with(
+    run_dir: Path,
+    judge: Judge,
+    items: Sequence[tuple[list[dict], str]],
+    *,
+    data: str | None,
+    max_new_tokens: int,
+) -> dict[str, Any]:
+    """What a verdict is made of, written at its top: the judge's settings (its key left out),
+    the test entries (``data``: None for the run's test split; and the SHA-256 of the entries,
+    wherever they came from), ``max_new_tokens`` and the run's weights (`weights_record`)."""
+    digest = hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
+    return {
+        "judge": {k: v for k, v in asdict(judge).items() if k != "key"},
+        "data": data,
+        "test_entries_sha256": digest,
+        "max_new_tokens": max_new_tokens,
+        "weights": weights_record(run_dir),
+    }
+
+
+def weights_record(run_dir: Path) -> dict[str, list[int]]:
+    """The size and modification time (ns) of the run's config.json and of each weights file in
+    it (``*.safetensors``, ``*.bin``), by name: a checkpoint saved again (trained further,
+    replaced, converted) changes them, as the quick check of make and rsync tells a changed
+    file. A copy of the run that did not keep the times counts as changed (judged anew)."""
+    from gptkiln.loading.files import CONFIG_FILE
+
+    names = [CONFIG_FILE] + sorted(
+        p.name for p in run_dir.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file()
     )
-    verdict = judge_entries(judge, entries, progress=progress)
-    settings = {k: v for k, v in asdict(judge).items() if k != "key"}
-    path = run_dir / (f"judgements-{name}.json" if name else JUDGEMENTS_FILE)
-    write_json(
-        path,
-        {
-            "judge": settings,
-            "data": data,
-            **verdict.summary(),
-            "per_entry": [asdict(e) for e in verdict.entries],
-        },
-    )
-    if verdict.failed == len(verdict.entries):
-        raise GptkilnError(
-            f"every one of the {verdict.failed} requests to the judge at {judge.url} failed; the "
-            f"first: {verdict.entries[0].error}; the run's answers are kept in {path}"
+    stats = {n: (run_dir / n).stat() for n in names if (run_dir / n).is_file()}
+    return {n: [st.st_size, st.st_mtime_ns] for n, st in stats.items()}
+
+
+def kept_entries(
+    path: Path, made: dict[str, Any], n: int, say: Callable[[str], None]
+) -> list[Entry] | None:
+    """The entries of the verdict at ``path`` when it was made as this one is (``made``), each
+    as it was, to judge those the judge gave no answer about; else None (no such file, or one
+    made otherwise, which is replaced: a note says why)."""
+    if not path.is_file():
+        return None
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+        entries = [Entry(**e) for e in old["per_entry"]]
+        why = _why_not_kept(old, made, len(entries), n)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        entries, why = [], "it is not a verdict gptkiln reads"
+    if why is not None:
+        say(f"note: {path.name} is not reused ({why}): every entry is answered and judged anew")
+        return None
+    not_asked = sum(e.error == NOT_ASKED or (e.answer is None and e.error is None) for e in entries)
+    failed = sum(e.error not in (None, NOT_ASKED) for e in entries)
+    if not failed + not_asked:
+        say(
+            f"note: all {n} entries of {path.name} are judged: it is kept (--overwrite judges anew)"
         )
-    for line in verdict.notes(path):
-        say(f"note: {line}")
+        return entries
+    which = " or ".join(w for w, k in (("failed", failed), ("were not asked", not_asked)) if k)
+    say(
+        f"note: {n - failed - not_asked} of {n} entries kept from {path.name}; asking the judge "
+        f"about the {failed + not_asked} that {which} (with the run's answers kept there)"
+    )
+    return entries
+
+
+_SETTING_NAMES = {"url": "URL", "model": "model", "prompt": "prompt", "max_tokens": "max tokens"}
+
+
+def _why_not_kept(old: dict, made: dict[str, Any], kept: int, n: int) -> str | None:
+    """Why the verdict ``old`` (``kept`` entries) cannot be kept by a judging ``made`` so (of
+    ``n`` entries), or None."""
+    if any(k not in old for k in ("test_entries_sha256", "max_new_tokens", "weights")):
+        return "it records no settings to compare: an older gptkiln wrote it"
+    then, now = old.get("judge") or {}, made["judge"]
+    changed = [_SETTING_NAMES[k] for k in ANSWER_SETTINGS if then.get(k) != now[k]]
+    if changed:
+        return f"it was made with another judge {' and '.join(changed)}"
+    if old["test_entries_sha256"] != made["test_entries_sha256"] or kept != n:
+        return "it was made of other test entries"
+    if old["max_new_tokens"] != made["max_new_tokens"]:
+        return (
+            f"the run's answers in it are of up to {old['max_new_tokens']} tokens, not "
+            f"{made['max_new_tokens']}"
+        )
+    if old["weights"] != made["weights"]:
+        return "the run's weights changed since: a weights file or config.json is not the same"
+    return None
+
+
+def judge_and_keep(
+    judge: Judge, entries: list[Entry], path: Path, made: dict[str, Any], progress: bool = True
+) -> Verdict:
+    """The judge asked about each entry it gave no answer about yet (one not asked, or whose
+    request failed), the verdict written to ``path`` (with ``made`` at its top) before the
+    asking, every `SAVE_EVERY` seconds during it and at its end or stop (Ctrl-C, a judge gone:
+    the error says what is kept), so that the next judging asks about the rest only."""
+    from gptkiln.checkpoint import write_json
+
+    verdict = Verdict(entries)
+    todo = [e for e in entries if e.answer is None or e.error is not None]
+    if not todo:
+        return verdict
+    for entry in todo:
+        entry.error = entry.error or NOT_ASKED
+
+    def write() -> None:
+        per_entry = [asdict(e) for e in entries]
+        write_json(path, {**made, **verdict.summary(), "per_entry": per_entry})
+
+    write()
+    written = time.monotonic()
+
+    def judged() -> None:
+        nonlocal written
+        if time.monotonic() - written >= SAVE_EVERY:
+            write()
+            written = time.monotonic()
+
+    try:
+        judge_entries(judge, todo, progress=progress, on_judged=judged)
+    except BaseException as e:
+        write()
+        if isinstance(e, (KeyboardInterrupt, GptkilnError)):
+            raise _stopped(e, verdict, path) from None
+        raise
+    write()
     return verdict
+
+
+def _stopped(error: BaseException, verdict: Verdict, path: Path) -> BaseException:
+    """``error`` (Ctrl-C, a judge that stopped answering), saying what is kept where."""
+    n, left = len(verdict.entries), verdict.failed
+    kept = (
+        f"the judge's answers about {n - left} of {n} entries are kept in {path}: the same "
+        f"command asks it about the other {left}"
+    )
+    if isinstance(error, KeyboardInterrupt):  # the CLI says "interrupted" + this
+        return KeyboardInterrupt(f"while judging; {kept}")
+    return GptkilnError(f"{error}; {kept}")
