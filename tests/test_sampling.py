@@ -1000,3 +1000,59 @@ def test_generate_stream_decodes_in_eval_mode_and_takes_generates_arguments():
     assert flat == runs[0] and [t[0] for t in flat] == generate(m, [1, 2, 3], cfg)
     with pytest.raises(GptkilnError, match="generate_stream.. has no setting max_new"):
         next(generate_stream(m, [1, 2, 3], max_new=3))
+
+
+def _kept_reference(model: GPT, prompt: list[int], new: int, keep: int) -> list[int]:
+    """Greedy ids with no cache, each step's input built by hand: the whole sequence while it
+    fits, else its first ``keep`` ids and its last ``ctx - keep``."""
+    ctx, seq = model.config.context_length, list(prompt)
+    for _ in range(new):
+        window = seq if len(seq) <= ctx else seq[:keep] + seq[len(seq) - (ctx - keep) :]
+        with torch.no_grad():
+            seq.append(int(model(torch.tensor([window]))[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_sliding_window_keeps_the_first_ids_of_every_prompt(use_cache):
+    """``keep`` (llama.cpp's n_keep: a Llama 3 BOS) stays at the window's start when a prompt is
+    longer than the context and when the window slides, in every row of a left-padded batch,
+    with and without the KV cache; ``keep=0`` is the book's window of the last ids."""
+    torch.manual_seed(0)
+    config = GPTConfig.from_name("llama3-baby", vocab_size=97, context_length=12, n_layer=2)
+    model = GPT(config).eval()
+    bos = 96
+    prompts = [[bos, *range(5, 20)], [bos, 3, 4, 5], [bos, *range(30, 40)]]  # 16, 4, 11 ids
+    rows = prompts if use_cache else prompts[:1]  # no cache: one row (no padding mask)
+    for keep in (1, 0):
+        steps = generate_stream(
+            model, rows, max_new_tokens=20, temperature=0, keep=keep, use_cache=use_cache
+        )
+        got = torch.stack(list(steps), dim=1).tolist()
+        for prompt, ids in zip(rows, got):
+            assert ids == _kept_reference(model, prompt, 20, keep), (keep, prompt)
+    with pytest.raises(GptkilnError, match="keep=12"):
+        list(generate_stream(model, rows, max_new_tokens=2, keep=12))
+
+
+def test_generating_with_a_llama3_tokenizer_keeps_its_bos_in_the_window(tmp_path):
+    """`generate` with a tokenizer that begins every text with BOS keeps it first when the
+    window slides (`kept_ids`); a prompt without it keeps nothing."""
+    from hf_tokenizer_dirs import write_llama3_dir
+
+    from gptkiln.sampling import kept_ids
+    from gptkiln.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(write_llama3_dir(tmp_path / "tok"))
+    torch.manual_seed(0)
+    config = GPTConfig.from_name(
+        "llama3-baby", vocab_size=tokenizer.vocab_size, context_length=10, n_layer=1
+    )
+    model = GPT(config).eval()
+    ids = tokenizer.encode("to be or not to be, that is")
+    assert ids[0] == tokenizer.bos_id and len(ids) > 2
+    assert kept_ids(tokenizer, [ids]) == 1 and kept_ids(tokenizer, [ids[1:]]) == 0
+    got = generate(
+        model, ids, max_new_tokens=15, temperature=0, tokenizer=tokenizer, stop_at_eos=False
+    )
+    assert got == _kept_reference(model, ids, 15, 1)

@@ -98,7 +98,7 @@ def stream_from_model(
     of one sequence through `text_stream.TextStream`, which `generate`, `chat` and the
     fine-tuning samples all read. ``templated``: ``prompt`` was rendered by the model's chat
     template (`gptkiln.tokenizers.encode_prompt`)."""
-    from gptkiln.sampling import generate_stream
+    from gptkiln.sampling import generate_stream, kept_ids
     from gptkiln.text_stream import TextStream, hidden_ids, stop_ids_of
 
     was_training = model.training
@@ -112,7 +112,13 @@ def stream_from_model(
     stream = TextStream(tokenizer.decode, cfg.stop, ends if cfg.stop_at_eos else None, hidden)
     try:
         for _ in generate_stream(
-            model, [ids], cfg, ends, streams=[stream], prepare=_decoding(model, precision)
+            model,
+            [ids],
+            cfg,
+            ends,
+            streams=[stream],
+            prepare=_decoding(model, precision),
+            keep=kept_ids(tokenizer, [ids]),
         ):
             if piece := stream.take():
                 yield piece
@@ -141,21 +147,25 @@ def _prompt_ids(
     refuses instead (OpenAI's ``context_length_exceeded``), so its clients never get text the
     model wrote without seeing the whole prompt."""
     from gptkiln.loading import check_ids_fit
+    from gptkiln.sampling import kept_ids
     from gptkiln.tokenizers import encode_prompt
 
     ids = encode_prompt(tokenizer, prompt, templated=templated)
     check_ids_fit(max(ids), model, tokenizer, run)
     ctx = model.config.context_length
+    keep = kept_ids(tokenizer, [ids])  # Llama 3's BOS stays first (llama.cpp's n_keep)
+    seen = (
+        f"{tokenizer.decode(ids[:keep])} and the last {ctx - keep}" if keep else f"the last {ctx}"
+    )
     if len(ids) > ctx and on_notice:
         on_notice(
-            f"{which} has {len(ids)} tokens, more than the model's context of {ctx}; "
-            f"keeping the last {ctx}"
+            f"{which} has {len(ids)} tokens, more than the model's context of {ctx}; keeping {seen}"
         )
     elif len(ids) + new > ctx and on_notice:
         on_notice(
             f"{which}'s {len(ids)} tokens and up to {new} new ones pass the model's context of "
-            f"{ctx}: past it the window slides, each new token seeing the last {ctx} (as the "
-            "book's generate does; gptkiln serve refuses such a request instead)"
+            f"{ctx}: past it the window slides, each new token seeing {seen} (as the book's "
+            "generate does; gptkiln serve refuses such a request instead)"
         )
     return ids
 

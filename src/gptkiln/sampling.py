@@ -443,6 +443,7 @@ def generate_stream(
     row_seeds: Sequence[int | None] | None = None,
     prepare: Prepare | None = None,
     read_ahead: bool | None = None,
+    keep: int = 0,
     **overrides,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,) per step, until max_new_tokens or every row ended.
@@ -456,7 +457,9 @@ def generate_stream(
     `TextStream` a row, which this fills as tokens come), when its stream is done (a stop
     string); stop strings in ``cfg.stop`` need the streams. An ended row keeps yielding ``eot_id``
     (or 0) until the others end. Prompts longer than the context keep their last
-    ``context_length`` tokens (the model never sees more), as does the running sequence.
+    ``context_length`` tokens (the model never sees more), as does the running sequence; with
+    ``keep``, the first ``keep`` ids of every prompt stay and the last ``context_length - keep``
+    follow them (llama.cpp's ``n_keep``: a BOS the model always saw first, `kept_ids`).
 
     Where a row can end, the host reads every step's tokens, and this yields what it read (a
     CPU tensor); where none can, nothing is read and the tokens stay on the model's device.
@@ -492,15 +495,15 @@ def generate_stream(
     model.eval()
     try:
         yield from _stream(model, prompts, cfg, eot_id, use_cache, streams, row_seeds, prepare,
-                           read_ahead)  # fmt: skip
+                           read_ahead, keep)  # fmt: skip
     finally:
         model.train(was_training)
 
 
-def _stream(model, prompts, cfg, eot_id, use_cache, streams, row_seeds, prepare, read_ahead):
+def _stream(model, prompts, cfg, eot_id, use_cache, streams, row_seeds, prepare, read_ahead, keep):
     """`generate_stream`'s steps, its arguments checked."""
     ends = end_ids(eot_id)
-    steps = _Steps(model, prompts, cfg, ends[0] if ends else 0, use_cache, row_seeds)
+    steps = _Steps(model, prompts, cfg, ends[0] if ends else 0, use_cache, row_seeds, keep)
     ended = _Ends(steps.rows, cfg, ends, streams, steps.device)
     # Each decode step multiplies B rows: the caller's backend prepares for that after the
     # first token is out (a first token waits for no timing).
@@ -539,11 +542,16 @@ class _Steps:
         filler: int,
         use_cache: bool,
         row_seeds: Sequence[int | None] | None,
+        keep: int = 0,
     ) -> None:
         self.model, self.cfg, self.use_cache = model, cfg, use_cache
         self.device = model.wte.weight.device
         self.ctx = ctx = model.config.context_length
-        self.idx, self.pad_lens = left_pad([list(p)[-ctx:] for p in prompts], filler, self.device)
+        if not 0 <= keep < ctx or any(len(p) < keep for p in prompts):
+            raise GptkilnError(f"keep={keep}: the ids kept of every prompt, 0 to {ctx - 1}")
+        self.keep = keep
+        cropped = [list(p)[:keep] + list(p)[keep:][-(ctx - keep) :] for p in prompts]
+        self.idx, self.pad_lens = left_pad(cropped, filler, self.device)
         if self.pad_lens.any() and not use_cache:
             raise GptkilnError("prompts of unequal length need use_cache=True (the padding mask)")
         self.rows = B = self.idx.size(0)
@@ -606,17 +614,31 @@ class _Steps:
         self.idx = torch.cat([self.idx, token[:, None]], dim=1)
         self.next_token = None
         if not self.use_cache:
-            self.logits = window_logits(model, self.idx)
+            self.logits = window_logits(model, self.window()[0])
         elif self.backend_next:
             self.next_token = self.backend_step(token, self.pos)
             self.pos += 1
         elif self.pos < ctx:
             self.logits = decode_one_token(model, token, self.pos)
             self.pos += 1
-        else:  # the window slides: positions shift, so the cache is rebuilt from the last ctx
-            shift = self.idx.size(1) - ctx
-            model.setup_cache(self.rows, ctx, (self.pad_lens - shift).clamp(min=0))
-            self.logits = prefill(model, self.idx[:, -ctx:])
+        else:  # the window slides: positions shift, so the cache is rebuilt from the window
+            window, pads = self.window()
+            model.setup_cache(self.rows, ctx, pads)
+            self.logits = prefill(model, window)
+
+    def window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last ``ctx`` ids of every row (B, ctx) and their left padding (B,); a row whose
+        first ``keep`` ids are past them has those first and its last ``ctx - keep`` after."""
+        ctx, keep, (B, T) = self.ctx, self.keep, self.idx.shape
+        shift = T - ctx
+        if shift <= 0:
+            return self.idx, self.pad_lens
+        last = torch.arange(shift, T, device=self.device).expand(B, ctx)  # (B, ctx)
+        starts = self.pad_lens[:, None] + torch.arange(keep, device=self.device)  # (B, keep)
+        kept = torch.cat([starts, last[:, keep:]], dim=1)  # the row's start, then its last
+        cut = (self.pad_lens < shift)[:, None]  # (B, 1): rows whose start is out of the window
+        cols = torch.where(cut, kept, last) if keep else last
+        return self.idx.gather(1, cols), (self.pad_lens - shift).clamp(min=0)
 
 
 class _Ends:
@@ -713,6 +735,7 @@ def generate_batched(
                 streams=[streams[r] for r in batch],
                 row_seeds=None if row_seeds is None else [row_seeds[r] for r in batch],
                 prepare=prepare,
+                keep=kept_ids(tokenizer, prompts),
             ):
                 pass
     finally:
@@ -721,6 +744,17 @@ def generate_batched(
     for stream in streams:
         stream.flush()
     return streams
+
+
+def kept_ids(tokenizer, prompts: Sequence[Sequence[int]]) -> int:
+    """`generate_stream`'s ``keep`` for ``prompts``: the ids the tokenizer puts before every
+    text (Llama 3's BOS: `tokenizers.leading_ids`), where every prompt begins with them, so a
+    window that slides keeps the start the model was trained to see first; else 0."""
+    from gptkiln.tokenizers import leading_ids
+
+    lead = leading_ids(tokenizer) if tokenizer is not None else []
+    fits = lead and all(list(p[: len(lead)]) == lead for p in prompts)
+    return len(lead) if fits else 0
 
 
 def _row_seeds(
@@ -822,7 +856,8 @@ def generate(
     passed); a row ends with the token that completes a stop string, which is included, as
     Hugging Face's ``generate`` does (the text-level functions, `gptkiln.api.stream_text` and the
     server, cut the text before the stop string). ``prepare`` and ``read_ahead``: as
-    `generate_stream`'s.
+    `generate_stream`'s; with ``tokenizer``, a sliding window keeps the ids it begins every text
+    with (`kept_ids`).
 
     The default samples at temperature 1; the book's ``generate_text_simple`` is greedy
     (``temperature=0`` here gives its ids). Under a seed, sampled ids are gptkiln's draws
@@ -852,6 +887,7 @@ def generate(
             streams=streams,
             prepare=prepare,
             read_ahead=read_ahead,
+            keep=kept_ids(tokenizer, batch),
         )
         steps = list(tokens)  # (B,) each; left on the device where no row can end: no sync
     finally:
