@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.cpu import planned, prepare_for_decoding, products, specs, tuner
 from gptkiln.model import GPT, Linear
-from gptkiln.sampling import generate, generate_stream
+from gptkiln.sampling import decoding, generate, generate_stream
 
 
 @pytest.fixture(autouse=True)
@@ -547,8 +547,8 @@ def test_a_plan_drops_what_rounds_and_gives_the_model_back(monkeypatch):
     plan = prepare_for_decoding(model, 1, precision="bf16")
     assert plan.precision == "bf16" and set(plan.kernels[1].values()) == {"bf16_rows"}
     assert "bf16 decode" in plan.describe()
-    with torch.no_grad():  # a step of one row: the layers' bf16 copies, made as they are read
-        model(torch.zeros(1, 1, dtype=torch.long))
+    with torch.no_grad(), decoding():  # a decode step of one row (a rounding kernel runs in
+        model(torch.zeros(1, 1, dtype=torch.long))  # a decoding only): the layers' bf16 copies
     # (made at first use: where this process had chosen the shape before, preparing read none)
     assert products._BF16_ROWS  # its copies, held while the plan has them
     plan.drop_inexact()
