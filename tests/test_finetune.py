@@ -25,7 +25,7 @@ from test_cli import assert_one_line_error, cli
 
 from gptkiln.api import perplexity_of_run
 from gptkiln.checkpoint import pack_tensors, save_model, unpack_tensors
-from gptkiln.config import FinetuneConfig, GPTConfig
+from gptkiln.config import FinetuneConfig, GPTConfig, SampleConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune import finetune, train_config
 from gptkiln.finetune.instruct import collate_instructions
@@ -442,6 +442,36 @@ def test_chat_plain_mode_resets_exits_and_survives_ctrl_c(instruct_run, monkeypa
     monkeypatch.setattr("sys.stdin", io.StringIO("Repeat dog.\n"))
     code, out, _ = cli("chat", run, "--max-new-tokens", 12, "--stop", stop, capsys=capsys)
     assert code == 0 and out == alone[: alone.index(stop)] + "\n"
+
+
+def test_chat_jsonl_takes_messages_with_newlines_and_gives_each_response_as_one_line(
+    instruct_run, monkeypatch, capsys
+):
+    """``--jsonl``: a message of several lines in (a JSON string or a user message object), each
+    response out whole as one JSON line, so a script knows where a response of several lines
+    ends; a line that is no message is one error naming its line."""
+    import json
+
+    from gptkiln.chat import Chat
+
+    run, _ = instruct_run
+    cfg = SampleConfig(max_new_tokens=12, temperature=0)
+    chat = Chat(run, cfg)
+    first = "".join(chat.reply("Repeat cat.\nRepeat dog."))
+    second = "".join(chat.reply("Repeat sun."))
+    lines = [json.dumps("Repeat cat.\nRepeat dog."), "",
+             json.dumps({"role": "user", "content": "Repeat sun."})]  # fmt: skip
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    code, out, _ = cli("chat", run, "--max-new-tokens", 12, "--jsonl", capsys=capsys)
+    assert code == 0, out
+    replies = [json.loads(line) for line in out.splitlines()]
+    assert replies == [{"role": "assistant", "content": first},
+                       {"role": "assistant", "content": second}]  # fmt: skip
+    for bad in ("Repeat cat.", '{"role": "system", "content": "x"}', "[1, 2]"):
+        monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps("Hi") + "\n" + bad + "\n"))
+        code, out, err = cli("chat", run, "--max-new-tokens", 2, "--jsonl", capsys=capsys)
+        assert code == 2 and "stdin line 2: not a JSON string or user message" in err, err
+        assert len(out.splitlines()) == 1  # the first message was answered
 
 
 def test_chat_keeps_the_latest_turns_that_fit_the_context(instruct_run):

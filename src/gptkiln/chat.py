@@ -11,6 +11,7 @@ stops a response and keeps the chat going.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import sys
@@ -128,12 +129,16 @@ def run_chat(
     interactive: bool,
     stdin: TextIO | None = None,
     stdout: TextIO | None = None,
+    jsonl: bool = False,
 ) -> None:
     """Read messages, one a line, and write the responses as they come.
 
     ``interactive``: a person at a terminal: a banner, a ``you>`` prompt with line editing, a
     note after ``/reset``. Otherwise (stdin from a script or a pipe) only the responses are
-    written, each on its own line(s), ended by a newline.
+    written, each on its own line(s), ended by a newline. ``jsonl``: for a script, each line in
+    is a JSON string or a message object (``{"role": "user", "content": ...}``), so a message
+    may hold newlines, and each response goes out whole as one JSON line
+    (``{"role": "assistant", "content": ...}``), so a reader knows where it ends.
     """
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     if interactive:
@@ -142,7 +147,9 @@ def run_chat(
         except ImportError:  # Windows
             pass
         stdout.write(f"chatting with {chat.run_dir}: {COMMANDS}\n")
+    number = 0  # of the line read, for a JSON line that is no message
     while True:
+        number += 1
         try:
             line = input("you> ") if interactive else stdin.readline()
         except EOFError:
@@ -154,7 +161,7 @@ def run_chat(
             line = "\udcff"  # refused below as any bytes that are not UTF-8
         if not interactive and not line:  # end of input
             break
-        message = line.strip()
+        message = _json_message(line, number) if jsonl and line.strip() else line.strip()
         if not message:
             continue
         try:
@@ -173,7 +180,28 @@ def run_chat(
             if interactive:
                 stdout.write("(the conversation is forgotten)\n")
             continue
+        if jsonl:
+            reply = "".join(chat.reply(message))
+            stdout.write(json.dumps({"role": "assistant", "content": reply}) + "\n")
+            stdout.flush()
+            continue
         _respond(chat, message, stdout, interactive)
+
+
+def _json_message(line: str, number: int) -> str:
+    """The message of a ``--jsonl`` line: a JSON string, or a user message's ``content``."""
+    try:
+        value = json.loads(line)
+    except ValueError as e:
+        value = e
+    if isinstance(value, dict) and value.get("role", "user") == "user":
+        value = value.get("content")
+    if not isinstance(value, str):
+        raise GptkilnError(
+            f"stdin line {number}: not a JSON string or user message ({line.strip()[:60]!r}); "
+            'send one a line, e.g. "Hello" or {"role": "user", "content": "Hello"}'
+        )
+    return value.strip()
 
 
 def _respond(chat: Chat, message: str, stdout: TextIO, interactive: bool) -> None:

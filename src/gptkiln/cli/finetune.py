@@ -460,7 +460,8 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
         "with a chat template of its own (a Hugging Face instruct model): each message and the "
         "conversation so far go through the run's template. At a terminal: line "
         "editing, /reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops a "
-        "response. From a pipe (or --plain): a message a line in, each response out.",
+        "response. From a pipe (or --plain): a message a line in, each response out; --jsonl: "
+        "JSON lines both ways.",
         epilog=example("gptkiln chat runs/instruct --temperature 0.7 --seed 1"),
     )
     add_run_argument(
@@ -470,6 +471,13 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
         "--plain",
         action="store_true",
         help="no prompts or banner, responses only (the default when stdin is not a terminal)",
+    )
+    p.add_argument(
+        "--jsonl",
+        action="store_true",
+        help='for scripts: each line in a JSON string or {"role": "user", "content": ...} (a '
+        'message may hold newlines), each response out whole as one JSON line {"role": '
+        '"assistant", "content": ...}',
     )
     add_sampling_flags(p, CHAT_SAMPLING_HELP, CHAT_SAMPLING_DEFAULTS)
     add_device_flag(p)
@@ -488,4 +496,5 @@ def run_chat(args: argparse.Namespace) -> None:
     session = chat.Chat(args.run_dir, cfg, device=device, precision=args.precision)
     if said := model_sampling_note(args, args.run_dir, model):  # the run loaded: said now
         session.on_notice(said)
-    chat.run_chat(session, interactive=not args.plain and sys.stdin.isatty())
+    interactive = not (args.plain or args.jsonl) and sys.stdin.isatty()
+    chat.run_chat(session, interactive=interactive, jsonl=args.jsonl)
