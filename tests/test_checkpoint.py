@@ -669,3 +669,18 @@ def test_a_trainer_state_that_cannot_be_written_says_which_checkpoint_is_kept(
     assert "nothing was written" not in str(e.value)
     monkeypatch.undo()
     assert read_checkpoint(tmp_path)[1]["step"] == 7
+
+
+def test_an_output_under_a_file_is_refused_before_any_work(tmp_path):
+    """A converted model's --out and a command's output file both name the file in their way."""
+    from gptkiln.run_guard import check_out_dir, check_writable
+
+    (tmp_path / "notes.txt").write_text("x")
+    for check in (
+        lambda p: check_out_dir(p, overwrite=False),
+        lambda p: check_writable(p, "--out"),
+    ):
+        with pytest.raises(GptkilnError, match=r"notes\.txt is a file, not a folder"):
+            check(tmp_path / "notes.txt" / "deeper" / "out")
+    assert check_out_dir(tmp_path / "new" / "run", overwrite=False) == []
+    assert not (tmp_path / "new").exists()

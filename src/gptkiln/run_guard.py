@@ -42,11 +42,7 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise GptkilnError(f"--out {out_dir} is a file; give the path of a directory to write")
-    above = next((p for p in out_dir.absolute().parents if p.exists()), None)
-    if above is not None and not above.is_dir():
-        raise GptkilnError(
-            f"--out {out_dir}: {above} is a file, not a directory; give a path under a directory"
-        )
+    _nearest_folder(out_dir.absolute().parent, "--out", out_dir)
     if not has_checkpoint(out_dir):
         return []
     if not overwrite:
@@ -120,10 +116,7 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
     """One line, before any work, where ``path`` could not be written: a file on its way, or a
     folder (its own, or the nearest one there of those it would be made in) where no file can
     be made (read-only, a full disk, ``/proc``). Nothing is left behind: no folder is made."""
-    folder = Path(path).absolute().parent
-    there = next(p for p in (folder, *folder.parents) if p.exists())
-    if not there.is_dir():
-        raise GptkilnError(f"{flag} {path}: {there} is a file, not a folder; give another path")
+    there = _nearest_folder(Path(path).absolute().parent, flag, path)
     try:
         with tempfile.NamedTemporaryFile(dir=there, prefix=".gptkiln-probe-"):
             pass
@@ -131,6 +124,15 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
         raise GptkilnError(
             f"{flag} {path}: cannot write in {there} ({e.strerror or e}); give another path"
         ) from None
+
+
+def _nearest_folder(folder: Path, flag: str, path: str | os.PathLike) -> Path:
+    """``folder`` or the nearest of its parents that exists, where ``path`` would be made;
+    one line when that is a file."""
+    there = next(p for p in (folder, *folder.parents) if p.exists())
+    if not there.is_dir():
+        raise GptkilnError(f"{flag} {path}: {there} is a file, not a folder; give another path")
+    return there
 
 
 def set_aside_replaced(run_dir: str | os.PathLike) -> None:
