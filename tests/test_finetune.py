@@ -191,7 +191,7 @@ def test_a_masked_prompt_that_fills_the_context_is_dropped_not_a_nan(work, tmp_p
     is dropped and counted (a batch of only such entries was a NaN loss, "training
     diverged"), --show-examples says so, and the judge's test split is of the entries kept;
     when every entry is such, one line."""
-    from gptkiln.finetune.judge import test_entries
+    from gptkiln.finetune.judging import test_entries
 
     entries = instructions(40)
     for i in (0, 5, 36):  # their prompts alone are past the context

@@ -24,7 +24,8 @@ from gptkiln.checkpoint import save_model
 from gptkiln.config import FinetuneConfig, GPTConfig
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune import finetune, train_config
-from gptkiln.finetune.judge import BOOK_PROMPT, Judge, judge_run, parse_score
+from gptkiln.finetune.judge import BOOK_PROMPT, Judge, parse_score
+from gptkiln.finetune.judging import judge_run
 from gptkiln.model import GPT
 from gptkiln.tokenizers import build_char_tokenizer
 
@@ -311,7 +312,7 @@ def test_a_second_judging_asks_only_about_the_entries_that_failed(
     """The verdict of the same judge, test entries, --max-new-tokens and weights is kept: the
     judge is asked about the failed entries alone, with the run's answers kept (the run does
     not answer again)."""
-    import gptkiln.finetune.judge
+    import gptkiln.finetune.judging
 
     data = six_entries(tmp_path)
     too_long = {"error": {"message": "context length exceeded"}}
@@ -323,7 +324,7 @@ def test_a_second_judging_asks_only_about_the_entries_that_failed(
         first = json.loads((run / "judgements-six.json").read_text())
         assert first["failed"] == 2
         replies.clear()  # the judge answers them now
-        monkeypatch.setattr(gptkiln.finetune.judge, "answers", None)  # the run is not asked
+        monkeypatch.setattr(gptkiln.finetune.judging, "answers", None)  # the run is not asked
         code, out, err = judge_six(run, data, url, capsys, "--json")
     assert code == 0, err
     assert len(app.state.questions) == 1 + 6 + 2  # the two that failed, no check first
@@ -398,9 +399,10 @@ def test_a_judging_stopped_keeps_what_was_judged_and_the_next_asks_about_the_res
     answer before the stop, too), keeps the answers that came, the others marked not asked;
     the next judging asks about those alone."""
     import gptkiln.finetune.judge
+    import gptkiln.finetune.judging
 
     data, seen = six_entries(tmp_path), []
-    monkeypatch.setattr(gptkiln.finetune.judge, "SAVE_EVERY", 0.0)
+    monkeypatch.setattr(gptkiln.finetune.judging, "SAVE_EVERY", 0.0)
     ask = gptkiln.finetune.judge.ask
 
     def stopped_at_the_fourth(judge, question, client):
@@ -589,7 +591,7 @@ def test_the_books_ollama_judges_where_one_runs(run, capsys):
 def test_the_test_split_is_of_the_data_as_the_run_was_trained_on_it(tmp_path, monkeypatch):
     """Without --data the judge reads the run's own test split: found from any folder (the
     data was named relative to where finetune ran), and refused once the file changed."""
-    from gptkiln.finetune.judge import test_entries
+    from gptkiln.finetune.judging import test_entries
 
     tokenizer = build_char_tokenizer([CHARS], with_eot=True)
     config = GPTConfig.from_name("tiny", vocab_size=tokenizer.vocab_size, context_length=512)
@@ -616,7 +618,7 @@ def test_the_test_split_is_of_the_data_as_the_run_was_trained_on_it(tmp_path, mo
 def test_an_instruction_with_a_blank_line_is_prompted_as_it_was_trained(run, fake, tmp_path):
     """The run answers an entry in its template as training wrote it: an instruction holding a
     blank line, with no input, gets no ### Input: section (it was split at the blank line)."""
-    from gptkiln.finetune.judge import answers, test_entries
+    from gptkiln.finetune.judging import answers, test_entries
     from gptkiln.finetune.templates import ALPACA, format_prompt
 
     entry = {"instruction": "Say hi.\n\nThen stop.", "input": "", "output": "hi"}
@@ -759,7 +761,7 @@ def test_a_thinking_models_reasoning_block_is_not_judged(run, tmp_path, monkeypa
     """Qwen3's template opens every answer with ``<think>...</think>``: the judge scores the
     answer after it, as a reader gets it."""
     import gptkiln.api
-    from gptkiln.finetune.judge import answers, test_entries
+    from gptkiln.finetune.judging import answers, test_entries
 
     class Done:
         text = "<think>\n\n</think>\n\nYou are welcome."

@@ -360,7 +360,7 @@ def run_finetune(args: argparse.Namespace) -> None:
     print(f"done: {result.steps} steps; {scores}; run saved in {result.run_dir}")
     if judge is not None and os.environ.get("RANK", "0") == "0":
         from gptkiln.devices import resolve_device
-        from gptkiln.finetune.judge import judge_run
+        from gptkiln.finetune.judging import judge_run
 
         progress = cfg.progress and sys.stderr.isatty()
         verdict = judge_run(

@@ -180,7 +180,8 @@ def run_judge(args: argparse.Namespace) -> None:
 
     from gptkiln.devices import resolve_device
     from gptkiln.errors import GptkilnError
-    from gptkiln.finetune.judge import BOOK_PROMPT, judge_run
+    from gptkiln.finetune.judge import BOOK_PROMPT
+    from gptkiln.finetune.judging import judge_run
 
     prompt = BOOK_PROMPT
     if args.prompt_file is not None:
