@@ -25,6 +25,7 @@ from browser import fill, wait_for
 from instruction_data import instructions
 from serving import ServerThread
 
+import gptkiln.serve
 from gptkiln.api import stream_from_model, stream_text
 from gptkiln.chat import Chat
 from gptkiln.checkpoint import save_model
@@ -60,6 +61,8 @@ def served_app(run_dir, monkeypatch):
     """The app `gptkiln serve RUN` would run (uvicorn.run caught before it listens)."""
     got = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("app", app))
+    # nothing listens on serve()'s port (8000), which another program may hold
+    monkeypatch.setattr(gptkiln.serve, "check_can_listen", lambda host, port: None)
     serve(run_dir, model_name=NAME, max_batch=4, max_queue=8, log_level="warning")
     return got["app"]
 
