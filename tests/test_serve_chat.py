@@ -503,6 +503,20 @@ def test_a_message_that_cannot_fit_is_refused_on_the_page_before_it_is_sent(brow
     assert chats_answered() == sent  # the page said it; the server never heard
 
 
+def test_the_chat_settings_fit_their_panel(browser, url):
+    """The JSON switch's words wrap inside the settings panel: as flex items of their label,
+    each piece of text was a column of its own, wider than the panel and the page."""
+    chat_page(browser, url, max_tokens="24", temperature="0")
+    for width in (1280, 800):
+        browser.set_window_size(width, 900)
+        label = browser.find_element("css selector", "label[for=chat-json]").rect
+        panel = browser.find_element("css selector", "#view-chat .settings").rect
+        assert label["x"] + label["width"] <= panel["x"] + panel["width"], width
+        assert label["height"] < 80, width  # a few lines, not a word a line
+        width_scrolled = browser.execute_script("return document.documentElement.scrollWidth")
+        assert width_scrolled <= browser.execute_script("return window.innerWidth"), width
+
+
 def test_a_64_token_chat_model_answers_with_max_tokens_left_as_the_page_set_it(
     browser, tmp_path, monkeypatch
 ):
