@@ -503,6 +503,23 @@ def test_a_message_that_cannot_fit_is_refused_on_the_page_before_it_is_sent(brow
     assert chats_answered() == sent  # the page said it; the server never heard
 
 
+def test_a_refused_message_takes_no_earlier_turn_out_of_the_conversation(browser, url, runs):
+    """A message too long for the context is refused and given back; the turns before it,
+    dropped one by one while the page looked for room, are sent again with the next message."""
+    chat = Chat(runs[1], greedy())
+    first, second = "".join(chat.reply("Repeat sun.")), "".join(chat.reply("Repeat the input."))
+    chat_page(browser, url, max_tokens="24", temperature="0")
+    assert say(browser, "Repeat sun.") == first
+    fill(browser, "chat-input", "x" * 300)  # context 256
+    browser.find_element("id", "chat-send").click()
+    status = browser.find_element("id", "chat-status")
+    wait_for(lambda: status.get_attribute("data-state") == "error")
+    assert "more than the model's context" in browser.find_element("id", "chat-error").text
+    bubbles = browser.find_elements("css selector", ".msg")
+    assert ["forgotten" in b.get_attribute("class") for b in bubbles] == [False, False]
+    assert say(browser, "Repeat the input.") == second  # the first turn went with it
+
+
 def test_the_chat_settings_fit_their_panel(browser, url):
     """The JSON switch's words wrap inside the settings panel: as flex items of their label,
     each piece of text was a column of its own, wider than the panel and the page."""
