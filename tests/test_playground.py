@@ -268,3 +268,48 @@ def test_an_inspect_error_is_shown_on_the_page(browser, url):
         lambda: browser.find_element("id", "inspect-status").get_attribute("data-state") == "error"
     )
     assert "prompt is empty" in browser.find_element("id", "inspect-error").text
+
+
+def sent_bodies(driver, route: str) -> list[dict]:
+    """The JSON bodies the page has sent to ``route`` since `record_requests`."""
+    import json
+
+    return [json.loads(b) for u, b in driver.execute_script("return window.sent") if route in u]
+
+
+def record_requests(driver) -> None:
+    driver.execute_script(
+        "window.sent = []; const fetched = window.fetch;"
+        "window.fetch = function (u, o) { window.sent.push([String(u), o && o.body]);"
+        " return fetched.apply(this, arguments); };"
+    )
+
+
+def test_a_number_is_sent_as_typed_never_cut_to_its_leading_digits(browser, url):
+    """A number field holds what the person typed ("1e2", "2.5"), and the page sends that
+    number: parseInt read "1e2" as 1 and "2.5" as 2, so 1e2 Max tokens generated one token."""
+    browser.get(url)
+    wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
+    record_requests(browser)
+    fill(browser, "prompt", "To be")
+    fill(browser, "max-tokens", "1e2")
+    fill(browser, "seed", "1e1")
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) in ("done", "error"))
+    assert browser.find_element("id", "tokens").text == "100"
+    (body,) = sent_bodies(browser, "/v1/completions")
+    assert (body["max_tokens"], body["seed"]) == (100, 10)
+
+    fill(browser, "max-tokens", "2.5")  # not a whole number: refused, not sent as 2
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) == "error")
+    assert "max_tokens must be a whole number" in browser.find_element("id", "error").text
+
+    browser.find_element("id", "tab-inspect").click()
+    fill(browser, "inspect-prompt", "To be, or not to be, that is")
+    fill(browser, "inspect-max-tokens", "1e1")
+    browser.find_element("id", "inspect-run").click()
+    status = browser.find_element("id", "inspect-status")
+    wait_for(lambda: status.get_attribute("data-state") in ("done", "error"))
+    assert sent_bodies(browser, "/v1/inspect")[-1]["max_tokens"] == 10
+    assert browser.find_element("id", "inspect-tokens").text.startswith("10 of ")
