@@ -313,3 +313,19 @@ def test_a_number_is_sent_as_typed_never_cut_to_its_leading_digits(browser, url)
     wait_for(lambda: status.get_attribute("data-state") in ("done", "error"))
     assert sent_bodies(browser, "/v1/inspect")[-1]["max_tokens"] == 10
     assert browser.find_element("id", "inspect-tokens").text.startswith("10 of ")
+
+
+def test_stop_pressed_before_the_request_is_sent_stops_it(browser, url):
+    """Generate counts the prompt (POST /v1/tokenize) before it sends the request, with Stop
+    already on: a Stop then was ignored and the whole completion streamed."""
+    browser.get(url)
+    wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
+    fill(browser, "prompt", "To be")
+    fill(browser, "max-tokens", "1000")
+    browser.execute_script(
+        "document.getElementById('generate').click();"
+        "document.getElementById('stop').click();"  # on, while the prompt is counted
+    )
+    wait_for(lambda: state(browser) != "running")
+    assert state(browser) == "stopped"
+    assert int(browser.find_element("id", "tokens").text) < 1000
