@@ -317,24 +317,7 @@ def prepare(
     Returns:
         The contents of ``meta.json``.
     """
-    if not 0.0 < val_fraction < 1.0:
-        raise GptkilnError(f"val_fraction {val_fraction!r}: must be between 0 and 1, e.g. 0.1")
-    if batch_chars < 1:
-        raise GptkilnError(f"batch_chars {batch_chars!r}: must be a positive number of characters")
-    if threads is not None and threads < 1:
-        raise GptkilnError(f"threads {threads!r}: must be at least 1")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise GptkilnError(f"seed {seed!r}: a mixture's seed is a whole number in [0, 2**63)")
-    if not isinstance(text_field, str) or not text_field:
-        raise GptkilnError(f"text_field {text_field!r}: name the field that holds the text")
-    if bpe_sample_bytes is not None and (
-        isinstance(bpe_sample_bytes, bool) or not isinstance(bpe_sample_bytes, int)
-        or bpe_sample_bytes < 1
-    ):  # fmt: skip
-        raise GptkilnError(
-            f"bpe_sample_bytes {bpe_sample_bytes!r}: the bytes of text a BPE learns from, a "
-            "whole number >= 1 (None: all of it)"
-        )
+    _check_settings(val_fraction, batch_chars, threads, seed, text_field, bpe_sample_bytes)
     mixture = _mixture_of(source, mix, text_field)
     if mixture is not None:
         mixture.check()
@@ -371,6 +354,35 @@ def prepare(
         raise
     shutil.rmtree(staging, ignore_errors=True)
     return meta
+
+
+def _check_settings(
+    val_fraction: float,
+    batch_chars: int,
+    threads: int | None,
+    seed: int,
+    text_field: str,
+    bpe_sample_bytes: int | None,
+) -> None:
+    """`prepare`'s settings, each refused in one line before anything is read."""
+    if not 0.0 < val_fraction < 1.0:
+        raise GptkilnError(f"val_fraction {val_fraction!r}: must be between 0 and 1, e.g. 0.1")
+    if batch_chars < 1:
+        raise GptkilnError(f"batch_chars {batch_chars!r}: must be a positive number of characters")
+    if threads is not None and threads < 1:
+        raise GptkilnError(f"threads {threads!r}: must be at least 1")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise GptkilnError(f"seed {seed!r}: a mixture's seed is a whole number in [0, 2**63)")
+    if not isinstance(text_field, str) or not text_field:
+        raise GptkilnError(f"text_field {text_field!r}: name the field that holds the text")
+    if bpe_sample_bytes is not None and (
+        isinstance(bpe_sample_bytes, bool) or not isinstance(bpe_sample_bytes, int)
+        or bpe_sample_bytes < 1
+    ):  # fmt: skip
+        raise GptkilnError(
+            f"bpe_sample_bytes {bpe_sample_bytes!r}: the bytes of text a BPE learns from, a "
+            "whole number >= 1 (None: all of it)"
+        )
 
 
 def _clear_stale_staging(out_dir: Path) -> None:
