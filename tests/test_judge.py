@@ -791,3 +791,37 @@ def test_a_batch_size_below_1_is_refused_before_anything_is_answered(run, capsys
         "--batch-size", 0, capsys=capsys,
     )  # fmt: skip
     assert_one_line_error(code, err, "--batch-size must be a whole number >= 1")
+
+
+def test_a_stop_waits_for_no_request_in_flight_not_even_at_the_exit(monkeypatch):
+    """Ctrl-C while a request is in flight: the judging stops at once with the answers that
+    came, and the request left hangs on a daemon thread, so the process exits without waiting
+    out the judge's timeout (a ThreadPoolExecutor's threads are joined at exit)."""
+    import threading
+
+    import gptkiln.finetune.judge
+    from gptkiln.finetune.judge import Entry, judge_entries
+
+    release = threading.Event()
+
+    def ask(judge, question, client):
+        if "`bb`" in question:  # in flight until the test ends
+            release.wait(30)
+        return "80"
+
+    def stopped():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gptkiln.finetune.judge, "ask", ask)
+    entries = [Entry(input=f"Say {w}.", output=w, response=w) for w in ("a", "bb")]
+    judge = Judge(url="http://127.0.0.1:9/v1", model="fake", concurrency=2)
+    before, started = set(threading.enumerate()), time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            judge_entries(judge, entries, progress=False, client=object(), on_judged=stopped)
+        assert time.monotonic() - started < 10
+        assert (entries[0].score, entries[1].answer) == (80, None)
+        held = [t for t in set(threading.enumerate()) - before if not t.daemon]
+        assert held == [], held  # none that the exit would join
+    finally:
+        release.set()

@@ -24,10 +24,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -310,7 +311,6 @@ def judge_entries(
     own = client is None
     client = client or httpx.Client()
     bar = tqdm(total=len(entries), desc="judging", unit="entry", disable=not progress)
-    pool, asked = ThreadPoolExecutor(max_workers=judge.concurrency), {}
 
     def one(entry: Entry) -> tuple[str | None, str | None]:  # (answer, error)
         question = judge.question(entry.input, entry.output, entry.response)
@@ -319,22 +319,68 @@ def judge_entries(
         except RequestFailed as e:  # this entry's: the others go on
             return None, str(e)
 
+    asking = _Asking(one, entries, judge.concurrency)
     try:
-        asked = {pool.submit(one, entry): entry for entry in entries}
-        for future in as_completed(asked):
-            _set_answer(asked[future], future.result())
+        for entry, answered in asking:
+            _set_answer(entry, answered)
             bar.update(1)
             if on_judged is not None:
                 on_judged()
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        for future, entry in asked.items():  # after a stop: those that came, not yet set
-            if future.done() and not future.cancelled() and future.exception() is None:
-                _set_answer(entry, future.result())
+        for entry, answered in asking.stop():  # after a stop: those that came, not yet set
+            _set_answer(entry, answered)
         bar.close()
         if own:
             client.close()
     return Verdict(list(entries))
+
+
+class _Asking:
+    """``one(entry)`` for each entry on ``workers`` daemon threads, iterated as the results
+    come (a worker's exception raised here). `stop` starts no more and waits for none: a
+    request in flight ends on its own thread, which does not hold the process at its exit (a
+    ThreadPoolExecutor's threads are joined there, so a Ctrl-C waited out the judge's
+    --timeout, and a second one printed a traceback)."""
+
+    def __init__(self, one: Callable[[Entry], Any], entries: Sequence[Entry], workers: int):
+        self.todo, self.done, self.left = queue.SimpleQueue(), queue.SimpleQueue(), len(entries)
+        self.stopped = threading.Event()
+        for entry in entries:
+            self.todo.put(entry)
+
+        def work() -> None:
+            while not self.stopped.is_set():
+                try:
+                    entry = self.todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    self.done.put((entry, one(entry), None))
+                except BaseException as e:  # raised in the caller's thread
+                    self.done.put((entry, None, e))
+
+        for _ in range(min(workers, len(entries))):
+            threading.Thread(target=work, name="gptkiln-judge", daemon=True).start()
+
+    def __iter__(self):
+        while self.left:
+            entry, result, error = self.done.get()
+            self.left -= 1
+            if error is not None:
+                raise error
+            yield entry, result
+
+    def stop(self) -> list[tuple[Entry, Any]]:
+        """Start no more; the results that came and were not taken."""
+        self.stopped.set()
+        came = []
+        while True:
+            try:
+                entry, result, error = self.done.get_nowait()
+            except queue.Empty:
+                return came
+            if error is None:
+                came.append((entry, result))
 
 
 def _set_answer(entry: Entry, answered: tuple[str | None, str | None]) -> None:
