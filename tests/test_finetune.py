@@ -472,6 +472,11 @@ def test_chat_jsonl_takes_messages_with_newlines_and_gives_each_response_as_one_
         code, out, err = cli("chat", run, "--max-new-tokens", 2, "--jsonl", capsys=capsys)
         assert code == 2 and "stdin line 2: not a JSON string or user message" in err, err
         assert len(out.splitlines()) == 1  # the first message was answered
+    for empty in ('""', '{"role": "user", "content": " "}'):  # a script would wait for a reply
+        monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps("Hi") + "\n" + empty + "\n"))
+        code, out, err = cli("chat", run, "--max-new-tokens", 2, "--jsonl", capsys=capsys)
+        assert code == 2 and "stdin line 2: an empty message" in err, err
+        assert len(out.splitlines()) == 1
 
 
 def test_chat_keeps_the_latest_turns_that_fit_the_context(instruct_run):

@@ -189,7 +189,8 @@ def run_chat(
 
 
 def _json_message(line: str, number: int) -> str:
-    """The message of a ``--jsonl`` line: a JSON string, or a user message's ``content``."""
+    """The message of a ``--jsonl`` line: a JSON string, or a user message's ``content``; one
+    that is empty is refused (every message a script sends is one response line it waits for)."""
     try:
         value = json.loads(line)
     except ValueError as e:
@@ -200,6 +201,11 @@ def _json_message(line: str, number: int) -> str:
         raise GptkilnError(
             f"stdin line {number}: not a JSON string or user message ({line.strip()[:60]!r}); "
             'send one a line, e.g. "Hello" or {"role": "user", "content": "Hello"}'
+        )
+    if not value.strip():  # skipped, it would leave a script waiting for its response line
+        raise GptkilnError(
+            f"stdin line {number}: an empty message ({line.strip()[:60]!r}), which gets no "
+            "response; send some text (a blank line is passed over)"
         )
     return value.strip()
 
