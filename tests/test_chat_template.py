@@ -163,6 +163,23 @@ def test_chat_sends_the_conversation_in_the_models_template(
     assert prompts_seen == [hf_ids(hf, first), hf_ids(hf, second)]
 
 
+def test_chat_says_what_the_model_sees_of_a_message_past_the_context(
+    chat_run, prompts_seen, monkeypatch, capsys
+):
+    """A message longer than the context: the chat's note says what the window holds, Llama 3's
+    BOS kept first (as generation keeps it, `sampling.kept_ids`), not "only its last N"."""
+    run, hf = chat_run
+    long = " ".join(["word"] * 400)  # past the run's context of 256 in any tokenizer
+    monkeypatch.setattr(sys, "stdin", io.StringIO(long + "\n"))
+    code, _, err = cli("chat", run, "--max-new-tokens", 4, capsys=capsys)
+    assert code == 0, err
+    note = next(line for line in err.splitlines() if "your message in its template" in line)
+    if hf.bos_token == "<|begin_of_text|>":  # Llama 3's, which every text begins with
+        assert note.endswith("the model sees <|begin_of_text|> and the last 255"), note
+    else:
+        assert note.endswith("the model sees the last 256"), note
+
+
 def test_generate_on_a_chat_model_sends_a_user_message(chat_run, prompts_seen, capsys):
     run, hf = chat_run
     code, _, err = cli("generate", run, "--prompt", "Name a colour.", capsys=capsys)

@@ -509,7 +509,7 @@ def test_chat_notes_a_message_past_the_context_and_refuses_bytes_not_utf8(instru
     chat.prompt("Go. " * 20)  # fits the context (256); only the window slides as it answers
     assert said == []
     chat.prompt("Go. " * 80)  # its template alone is past the context
-    assert len(said) == 1 and "the model sees only its last 256" in said[0], said
+    assert len(said) == 1 and "the model sees the last 256" in said[0], said
     bad = io.StringIO("Hi \udcff there\n")  # how Python keeps a byte that is not UTF-8
     with pytest.raises(GptkilnError, match="not valid UTF-8"):
         run_chat(chat, interactive=False, stdin=bad, stdout=io.StringIO())

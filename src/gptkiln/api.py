@@ -40,14 +40,14 @@ def stream_text(
     `SampleConfig` fields, as `gptkiln.generate`'s do (``max_new_tokens=20``).
 
     The text ends at end-of-text or right before a stop string of ``cfg.stop``. An empty prompt
-    starts from the end-of-text token (unconditional generation). A prompt longer than the
-    model's context keeps its last ``context_length`` tokens, and past the context the window
-    slides (each new token sees the last ``context_length``); the ``on_notice`` callback (if
-    given) is told either. ``quantize="int8"`` quantizes the weights on load
-    (`gptkiln.loading.load_model`). ``precision`` (``fp32``, ``bf16``, ``int8``; None: the
-    run's own) is what a CPU decodes at (`gptkiln.cpu.ready_for_decoding`); ``on_notice`` is
-    told which, first. Without ``cfg``, the run's generation_config.json sets the sampling
-    ``overrides`` leave out (`_with_model_sampling`; ``on_notice`` is told).
+    starts from the end-of-text token (unconditional generation). A prompt longer than the model's
+    context keeps its last ``context_length`` tokens, and past the context the window slides (each
+    new token sees the last ``context_length``; a Llama 3 BOS stays first, `sampling.kept_ids`); the
+    ``on_notice`` callback (if given) is told either. ``quantize="int8"`` quantizes the weights on
+    load (`gptkiln.loading.load_model`). ``precision`` (``fp32``, ``bf16``, ``int8``; None: the
+    run's own) is what a CPU decodes at (`gptkiln.cpu.ready_for_decoding`); ``on_notice`` is told
+    which, first. Without ``cfg``, the run's generation_config.json sets the sampling ``overrides``
+    leave out (`_with_model_sampling`; ``on_notice`` is told).
 
     An instruction-tuned run (`gptkiln finetune`, or a model with its own chat template,
     `gptkiln.chat_template`) takes ``prompt`` as the instruction and ``input`` as its input,
@@ -147,16 +147,12 @@ def _prompt_ids(
     refuses instead (OpenAI's ``context_length_exceeded``), so its clients never get text the
     model wrote without seeing the whole prompt."""
     from gptkiln.loading import check_ids_fit
-    from gptkiln.sampling import kept_ids
     from gptkiln.tokenizers import encode_prompt
 
     ids = encode_prompt(tokenizer, prompt, templated=templated)
     check_ids_fit(max(ids), model, tokenizer, run)
     ctx = model.config.context_length
-    keep = kept_ids(tokenizer, [ids])  # Llama 3's BOS stays first (llama.cpp's n_keep)
-    seen = (
-        f"{tokenizer.decode(ids[:keep])} and the last {ctx - keep}" if keep else f"the last {ctx}"
-    )
+    seen = window_seen(tokenizer, ids, ctx)
     if len(ids) > ctx and on_notice:
         on_notice(
             f"{which} has {len(ids)} tokens, more than the model's context of {ctx}; keeping {seen}"
@@ -168,6 +164,17 @@ def _prompt_ids(
             "generate does; gptkiln serve refuses such a request instead)"
         )
     return ids
+
+
+def window_seen(tokenizer: Any, ids: Sequence[int], ctx: int) -> str:
+    """What a window of ``ctx`` over ``ids`` holds, in words: the last ``ctx`` ids, or the ids
+    kept first (Llama 3's BOS, llama.cpp's n_keep: `sampling.kept_ids`) and the last others."""
+    from gptkiln.sampling import kept_ids
+
+    keep = kept_ids(tokenizer, [ids])
+    return (
+        f"{tokenizer.decode(ids[:keep])} and the last {ctx - keep}" if keep else f"the last {ctx}"
+    )
 
 
 @dataclass

@@ -70,6 +70,7 @@ class Chat:
 
     def prompt(self, message: str) -> str:
         """The text the model continues for ``message``, with as many earlier turns as fit."""
+        from gptkiln.api import window_seen
         from gptkiln.finetune.templates import format_conversation
         from gptkiln.tokenizers import encode_prompt
 
@@ -80,7 +81,8 @@ class Chat:
         turns = list(self.turns)
         while True:
             text = format_conversation(self.template, turns, message)
-            length = len(encode_prompt(self.tokenizer, text, templated=self.templated))
+            ids = encode_prompt(self.tokenizer, text, templated=self.templated)
+            length = len(ids)
             if length <= room or not turns:
                 if len(turns) < len(self.turns):
                     self.note_once(
@@ -94,7 +96,8 @@ class Chat:
                 if length > context:
                     self.on_notice(
                         f"your message in its template is {length} tokens, past the model's "
-                        f"context of {context}: the model sees only its last {context}"
+                        f"context of {context}: the model sees "
+                        f"{window_seen(self.tokenizer, ids, context)}"
                     )
                 return text
             turns.pop(0)
