@@ -477,6 +477,19 @@ def test_chat_jsonl_takes_messages_with_newlines_and_gives_each_response_as_one_
         code, out, err = cli("chat", run, "--max-new-tokens", 2, "--jsonl", capsys=capsys)
         assert code == 2 and "stdin line 2: an empty message" in err, err
         assert len(out.splitlines()) == 1
+    # every text is a message (a line out each); the commands are objects
+    chat.reset()
+    alone = "".join(chat.reply("Repeat sun."))
+    lines = ['"/reset"', '{"command": "reset"}', json.dumps("Repeat sun."),
+             '{"command": "exit"}', '"Repeat cat."']  # fmt: skip
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    code, out, err = cli("chat", run, "--max-new-tokens", 12, "--jsonl", capsys=capsys)
+    replies = [json.loads(line)["content"] for line in out.splitlines()]
+    assert code == 0 and len(replies) == 2 and replies[1] == alone, (out, err)
+    strict = io.TextIOWrapper(io.BytesIO(b'"Hi \xff there"\n'), encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", strict)
+    code, out, err = cli("chat", run, "--max-new-tokens", 2, "--jsonl", capsys=capsys)
+    assert code == 2 and "stdin line 1: not valid UTF-8" in err and out == "", err
 
 
 def test_chat_keeps_the_latest_turns_that_fit_the_context(instruct_run):

@@ -1051,8 +1051,14 @@ def test_generating_with_a_llama3_tokenizer_keeps_its_bos_in_the_window(tmp_path
     model = GPT(config).eval()
     ids = tokenizer.encode("to be or not to be, that is")
     assert ids[0] == tokenizer.bos_id and len(ids) > 2
-    assert kept_ids(tokenizer, [ids]) == 1 and kept_ids(tokenizer, [ids[1:]]) == 0
+    assert kept_ids(tokenizer, [ids], 10) == 1 and kept_ids(tokenizer, [ids[1:]], 10) == 0
+    assert kept_ids(tokenizer, [ids], 1) == 0  # a context of one token has room for no more
     got = generate(
         model, ids, max_new_tokens=15, temperature=0, tokenizer=tokenizer, stop_at_eos=False
     )
     assert got == _kept_reference(model, ids, 15, 1)
+    config = GPTConfig.from_name(
+        "llama3-baby", vocab_size=tokenizer.vocab_size, context_length=1, n_layer=1
+    )
+    one = GPT(config).eval()  # a context of one token: the window is the last token alone
+    assert len(generate(one, ids, max_new_tokens=3, tokenizer=tokenizer, stop_at_eos=False)) == 3

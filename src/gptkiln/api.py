@@ -118,7 +118,7 @@ def stream_from_model(
             ends,
             streams=[stream],
             prepare=_decoding(model, precision),
-            keep=kept_ids(tokenizer, [ids]),
+            keep=kept_ids(tokenizer, [ids], model.config.context_length),
         ):
             if piece := stream.take():
                 yield piece
@@ -171,7 +171,7 @@ def window_seen(tokenizer: Any, ids: Sequence[int], ctx: int) -> str:
     kept first (Llama 3's BOS, llama.cpp's n_keep: `sampling.kept_ids`) and the last others."""
     from gptkiln.sampling import kept_ids
 
-    keep = kept_ids(tokenizer, [ids])
+    keep = kept_ids(tokenizer, [ids], ctx)
     return (
         f"{tokenizer.decode(ids[:keep])} and the last {ctx - keep}" if keep else f"the last {ctx}"
     )

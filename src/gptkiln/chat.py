@@ -141,18 +141,20 @@ def run_chat(
     written, each on its own line(s), ended by a newline. ``jsonl``: for a script, each line in
     is a JSON string or a message object (``{"role": "user", "content": ...}``), so a message
     may hold newlines, and each response goes out whole as one JSON line
-    (``{"role": "assistant", "content": ...}``), so a reader knows where it ends.
+    (``{"role": "assistant", "content": ...}``), so a reader knows where it ends; the commands
+    are objects there (``{"command": "reset"}``, ``{"command": "exit"}``), so that every text is
+    a message (`_run_jsonl`).
     """
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    if jsonl:
+        return _run_jsonl(chat, stdin, stdout)
     if interactive:
         try:
             import readline  # noqa: F401 - line editing and history for input()
         except ImportError:  # Windows
             pass
         stdout.write(f"chatting with {chat.run_dir}: {COMMANDS}\n")
-    number = 0  # of the line read, for a JSON line that is no message
     while True:
-        number += 1
         try:
             line = input("you> ") if interactive else stdin.readline()
         except EOFError:
@@ -164,7 +166,7 @@ def run_chat(
             line = "\udcff"  # refused below as any bytes that are not UTF-8
         if not interactive and not line:  # end of input
             break
-        message = _json_message(line, number) if jsonl and line.strip() else line.strip()
+        message = line.strip()
         if not message:
             continue
         try:
@@ -183,33 +185,64 @@ def run_chat(
             if interactive:
                 stdout.write("(the conversation is forgotten)\n")
             continue
-        if jsonl:
-            reply = "".join(chat.reply(message))
-            stdout.write(json.dumps({"role": "assistant", "content": reply}) + "\n")
-            stdout.flush()
-            continue
         _respond(chat, message, stdout, interactive)
 
 
-def _json_message(line: str, number: int) -> str:
-    """The message of a ``--jsonl`` line: a JSON string, or a user message's ``content``; one
-    that is empty is refused (every message a script sends is one response line it waits for)."""
+def _run_jsonl(chat: Chat, stdin: TextIO, stdout: TextIO) -> None:
+    """`run_chat` for a script: a line in, a JSON string or object (`_json_line`), each message's
+    response out as one JSON line; ``{"command": "reset"}`` forgets the conversation (no line
+    out), ``{"command": "exit"}`` ends; a blank line is passed over."""
+    number = 0
+    while True:
+        number += 1
+        try:
+            line = stdin.readline()
+        except UnicodeDecodeError:  # a strict stdin (a UTF-8 locale) refuses the bytes itself
+            line = '"\udcff"'  # refused below as any text that is not UTF-8
+        if not line:  # end of input
+            break
+        if not line.strip():
+            continue
+        message = _json_line(line, number)
+        if message == {"command": "exit"}:
+            break
+        if message == {"command": "reset"}:
+            chat.reset()
+            continue
+        reply = "".join(chat.reply(message))
+        stdout.write(json.dumps({"role": "assistant", "content": reply}) + "\n")
+        stdout.flush()
+
+
+def _json_line(line: str, number: int) -> str | dict:
+    """A ``--jsonl`` line: a message (a JSON string, or a user message's ``content``), or a
+    command (``{"command": "reset"}`` or ``"exit"``); an empty message is refused (every message
+    a script sends is one response line it waits for)."""
     try:
         value = json.loads(line)
     except ValueError as e:
         value = e
+    if isinstance(value, dict) and value.get("command") in ("reset", "exit") and len(value) == 1:
+        return value
     if isinstance(value, dict) and value.get("role", "user") == "user":
         value = value.get("content")
     if not isinstance(value, str):
         raise GptkilnError(
             f"stdin line {number}: not a JSON string or user message ({line.strip()[:60]!r}); "
-            'send one a line, e.g. "Hello" or {"role": "user", "content": "Hello"}'
+            'send one a line, e.g. "Hello", {"role": "user", "content": "Hello"} or '
+            '{"command": "reset"}'
         )
     if not value.strip():  # skipped, it would leave a script waiting for its response line
         raise GptkilnError(
             f"stdin line {number}: an empty message ({line.strip()[:60]!r}), which gets no "
             "response; send some text (a blank line is passed over)"
         )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8, kept by Python as surrogates
+        raise GptkilnError(
+            f"stdin line {number}: not valid UTF-8 text; send the messages in UTF-8"
+        ) from None
     return value.strip()
 
 

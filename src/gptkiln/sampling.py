@@ -722,6 +722,7 @@ def generate_batched(
     eot = stop_ids_of(tokenizer) if cfg.stop_at_eos else None
     hidden = hidden_ids(tokenizer, cfg.skip_special_tokens)
     streams = [TextStream(tokenizer.decode, cfg.stop, eot, hidden) for _ in prompts]
+    ctx = model.config.context_length
     was_training = model.training
     model.eval()
     try:
@@ -735,7 +736,7 @@ def generate_batched(
                 streams=[streams[r] for r in batch],
                 row_seeds=None if row_seeds is None else [row_seeds[r] for r in batch],
                 prepare=prepare,
-                keep=kept_ids(tokenizer, prompts),
+                keep=kept_ids(tokenizer, [prompts[r] for r in batch], ctx),
             ):
                 pass
     finally:
@@ -746,14 +747,15 @@ def generate_batched(
     return streams
 
 
-def kept_ids(tokenizer, prompts: Sequence[Sequence[int]]) -> int:
-    """`generate_stream`'s ``keep`` for ``prompts``: the ids the tokenizer puts before every
-    text (Llama 3's BOS: `tokenizers.leading_ids`), where every prompt begins with them, so a
-    window that slides keeps the start the model was trained to see first; else 0."""
+def kept_ids(tokenizer, prompts: Sequence[Sequence[int]], context: int) -> int:
+    """`generate_stream`'s ``keep`` for ``prompts`` and a model of ``context`` tokens: the ids
+    the tokenizer puts before every text (Llama 3's BOS: `tokenizers.leading_ids`), where every
+    prompt begins with them and the window has room for more, so a window that slides keeps
+    the start the model was trained to see first; else 0."""
     from gptkiln.tokenizers import leading_ids
 
     lead = leading_ids(tokenizer) if tokenizer is not None else []
-    fits = lead and all(list(p[: len(lead)]) == lead for p in prompts)
+    fits = lead and len(lead) < context and all(list(p[: len(lead)]) == lead for p in prompts)
     return len(lead) if fits else 0
 
 
@@ -887,7 +889,7 @@ def generate(
             streams=streams,
             prepare=prepare,
             read_ahead=read_ahead,
-            keep=kept_ids(tokenizer, batch),
+            keep=kept_ids(tokenizer, batch, model.config.context_length),
         )
         steps = list(tokens)  # (B,) each; left on the device where no row can end: no sync
     finally:

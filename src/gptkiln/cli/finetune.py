@@ -476,8 +476,8 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
         "--jsonl",
         action="store_true",
         help='for scripts: each line in a JSON string or {"role": "user", "content": ...} (a '
-        'message may hold newlines), each response out whole as one JSON line {"role": '
-        '"assistant", "content": ...}',
+        'message may hold newlines) or {"command": "reset"} / {"command": "exit"}, each '
+        'response out whole as one JSON line {"role": "assistant", "content": ...}',
     )
     add_sampling_flags(p, CHAT_SAMPLING_HELP, CHAT_SAMPLING_DEFAULTS)
     add_device_flag(p)
