@@ -32,7 +32,13 @@ from gptkiln.cli import main
 from gptkiln.config import GPTConfig
 from gptkiln.model import GPT
 from gptkiln.serve import serve
-from gptkiln.serve.tools import HERMES, LLAMA3_JSON, parse_tool_calls, tool_family
+from gptkiln.serve.tools import (
+    HERMES,
+    LLAMA3_JSON,
+    parse_tool_calls,
+    settled_content,
+    tool_family,
+)
 from gptkiln.tokenizers import load_tokenizer
 
 pytest.importorskip("llguidance")
@@ -193,6 +199,15 @@ def served(run_dir):
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     run, hf_dir = make_run(tmp_path_factory.mktemp("qwen"), write_qwen3_dir, QWEN3_TOOLS_TEMPLATE)
+    with ServerThread(served(run)) as url:
+        yield url, hf_dir
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    run, hf_dir = make_run(
+        tmp_path_factory.mktemp("llama"), write_llama3_dir, LLAMA31_TOOLS_TEMPLATE
+    )
     with ServerThread(served(run)) as url:
         yield url, hf_dir
 
@@ -694,6 +709,94 @@ def test_each_family_reads_its_calls_back(tmp_path):
     assert content is None and json.loads(calls[0].function.arguments) == {"a": 1}
     assert parse_tool_calls(LLAMA3_JSON, "Just text.", FG) == ("Just text.", [])
     assert parse_tool_calls(HERMES, "<tool_call>\n{broken", FG) == ("<tool_call>\n{broken", [])
+
+
+GET_TIME = '{"name": "get_time", "arguments": {}}'
+SAID = {  # answers a model may give with tools in play: calls, text, text that is nearly a call
+    HERMES: [
+        f"Let me see.\n<tool_call>\n{GET_TIME}\n</tool_call>",
+        f"<tool_call>\n{GET_TIME}\n</tool_call>\nDone.",
+        "It is 3 < 4, and <tool_ca is no tag.",
+        'A <tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',  # no tool of ours
+        "  Space first, no call.",
+        f"  Space first.\n<tool_call>\n{GET_TIME}\n</tool_call>",
+        "Plain text.\n",
+    ],
+    LLAMA3_JSON: [
+        '{"name": "get_time", "parameters": {}}',
+        '<|python_tag|>{"name": "get_time", "parameters": {}}',
+        "The sky is blue.",
+        '{"a": 1}',  # JSON, no call: content, sent at the end
+        "<|python_tag|> no call",
+        "  <b>bold</b> text ",
+        "<|python_ta",
+    ],
+}
+
+
+@pytest.mark.parametrize("family", [HERMES, LLAMA3_JSON])
+def test_a_streams_settled_content_begins_the_content_whatever_follows(family):
+    """`settled_content` of every beginning of an answer begins the content parse_tool_calls
+    reads from the whole answer, and only grows; it holds back a Hermes answer's tail that
+    may open a call, and a Llama 3 answer while it may be a call."""
+    for text in SAID[family]:
+        content = parse_tool_calls(family, text, ["get_time"])[0] or ""
+        settled = [settled_content(family, text[:k]) for k in range(len(text) + 1)]
+        for k, n in enumerate(settled):
+            assert n <= k and content.startswith(text[:n]), (text, k)
+        assert settled == sorted(settled), text
+    assert settled_content(HERMES, SAID[HERMES][0]) == len("Let me see.")
+    assert settled_content(HERMES, "It is 3 < 4, and <tool_ca") == len("It is 3 < 4, and")
+    assert settled_content(HERMES, "Plain text.\n") == len("Plain text.")  # may precede a call
+    assert settled_content(LLAMA3_JSON, "The sky is blue.") == len("The sky is blue.")
+    for text in ("  ", "<|pyth", '  <|python_tag|> {"na', '{"name"'):
+        assert settled_content(LLAMA3_JSON, text) == 0
+
+
+def says(monkeypatch, text: str) -> None:
+    """The server's model says ``text``: a grammar of that text alone stands for the chat
+    request's (the tiny random model follows it token by token, then ends)."""
+    from gptkiln.serve import app
+
+    def grammar(req, family, grammars):
+        return grammars.lark(f"start: {json.dumps(text)}\n")
+
+    monkeypatch.setattr(app, "chat_grammar", grammar)
+
+
+@pytest.mark.parametrize("family, server", [(HERMES, "qwen"), (LLAMA3_JSON, "llama")])
+def test_a_stream_with_tools_sends_content_until_a_call_may_begin(
+    family, server, request, monkeypatch
+):
+    """With tools in play a stream sends its content as it comes, until a call may begin (the
+    rest at the end, parsed as now): its pieces add up to the whole answer's content, its calls
+    and logprobs are the whole answer's, for answers with calls and without (before, every
+    stream with tools sent its content in one piece at the end)."""
+    url = request.getfixturevalue(server)[0]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    body = ask(messages=USER, tools=[CLOCK], max_tokens=200, n=2, logprobs=True)
+    for text in SAID[family]:
+        says(monkeypatch, text)
+        whole = client.chat.completions.create(**body)
+        want_content, want_calls = parse_tool_calls(family, text, ["get_time"])
+        chunks = [c for c in client.chat.completions.create(**body, stream=True) if c.choices]
+        for i, choice in enumerate(whole.choices):
+            message = choice.message
+            assert message.content == want_content, text  # the model said the text
+            calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+            assert calls == [(c.function.name, c.function.arguments) for c in want_calls]
+            mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+            pieces = [c.delta.content for c in mine if c.delta.content]
+            assert "".join(pieces) == (message.content or ""), text
+            assert (len(pieces) > 1) == (settled_content(family, text) > 0), (text, pieces)
+            deltas = [d for c in mine for d in c.delta.tool_calls or []]
+            names = [d.function.name for d in deltas if d.function.name]
+            arguments = "".join(d.function.arguments or "" for d in deltas)
+            assert names == [name for name, _ in calls]
+            assert arguments == "".join(args for _, args in calls)
+            assert mine[-1].finish_reason == choice.finish_reason
+            scored = [t.token for c in mine if c.logprobs for t in c.logprobs.content]
+            assert scored == [t.token for t in choice.logprobs.content]
 
 
 def test_a_call_is_read_as_json_whole_so_its_strings_may_hold_the_separators():

@@ -33,6 +33,13 @@ def hidden_ids(tokenizer, skip_special_tokens: bool) -> frozenset[int]:
     return frozenset(end_ids(tokenizer.eot_id)) if ids is None else frozenset(ids)
 
 
+def start_at_end(text: str, strings: Collection[str]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``strings`` without being
+    all of it (0: none): what a stream holds back while a stop string (or a tool call's marker)
+    may be starting."""
+    return max((k for s in strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
 class TextStream:
     """The text of one generated sequence, given out piece by piece as it becomes final.
 
@@ -106,7 +113,7 @@ class TextStream:
             self.done = True
             return self._give(full[: max(min(ends), shown)])
         final = len(full.rstrip("\ufffd"))  # an incomplete character waits for its other bytes
-        final -= self._stop_prefix_at_end(full[:final])
+        final -= start_at_end(full[:final], self.stop)
         return self._give(full[: max(final, shown)])
 
     def flush(self) -> str:
@@ -130,12 +137,6 @@ class TextStream:
         piece = self.text[self._taken :]
         self._taken = len(self.text)
         return piece
-
-    def _stop_prefix_at_end(self, text: str) -> int:
-        """The length of the longest end of ``text`` that begins a stop string (0: none)."""
-        return max(
-            (k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0
-        )
 
     def _give(self, text: str) -> str:
         piece = text[len(self.text) :]

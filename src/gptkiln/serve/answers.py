@@ -34,7 +34,7 @@ from gptkiln.serve.schemas import (
     TopLogprob,
     Usage,
 )
-from gptkiln.serve.tools import parse_tool_calls
+from gptkiln.serve.tools import parse_tool_calls, settled_content
 
 
 async def respond(
@@ -319,15 +319,17 @@ class ChatAnswer(Answer):
     log-probabilities in OpenAI's chat shape when asked (``logprobs.content``). With tools in
     play (``tool_family``), the answer's tool calls are read back into ``tool_calls``
     (`tools.parse_tool_calls`; the first alone with ``parallel_tool_calls: false``); a stream
-    then holds its text until the end, when it sends the content left and each call (its id and
-    name, then its arguments)."""
+    then sends its content as soon as no call can begin in it (`tools.settled_content`) and
+    holds the rest until the end, when it sends the content left and each call (its id and
+    name, then its arguments): its content pieces add up to the whole answer's content."""
 
     prefix = "chatcmpl"
 
     def __init__(self, req, prompts, tokenizer: Any, model_name: str, *, tool_family=None):
         super().__init__(req, prompts, tokenizer, model_name)
         self.tool_family = tool_family
-        self.held: dict[int, str] = {}  # a streamed choice's text, while it may be a call
+        self.held: dict[int, str] = {}  # a streamed choice's text so far, with tools
+        self.sent: dict[int, int] = {}  # how much of it went out as content
 
     def _shape(self, got: Collected, indexes: list[int]) -> dict[str, Any]:
         choices = []
@@ -407,24 +409,43 @@ class ChatAnswer(Answer):
             )
 
     def _tool_chunks(self, event: PromptLogprobs | Token | Done) -> Iterator[str]:
-        """With tools: the text held until the end, then its content, its calls, the end."""
+        """With tools: a content piece once no call can begin in it (its tokens' scores with
+        it), the rest held; at the end the content left, the calls, the finish_reason."""
         if not isinstance(event, Token | Done):
             return
         i = event.index
-        self.held[i] = self.held.get(i, "") + event.text
+        text = self.held[i] = self.held.get(i, "") + event.text
         scores = self.scores.get(i)
-        if isinstance(event, Token) and scores is not None:
-            scores.add(event.id, event.logprobs)
-        if not isinstance(event, Done):
+        if isinstance(event, Done):
+            yield from self._tool_end(i, event.reason, scores)
             return
-        text = self.held.pop(i)
-        content, calls, reason = self._read_calls(text, event.reason)
+        if scores is not None:
+            scores.add(event.id, event.logprobs)
+        sent = self.sent.get(i, 0)
+        piece = text[sent : settled_content(self.tool_family, text)]
+        if piece:
+            self.sent[i] = sent + len(piece)
+            logprobs = None
+            if scores is not None:
+                logprobs = ChatLogprobs(
+                    content=[self._scored(t, lp) for t, lp, _ in scores.release(piece)]
+                )
+            delta = {"content": piece}
+            yield self._delta(ChatChunkChoice(index=i, delta=delta, logprobs=logprobs))
+
+    def _tool_end(self, i: int, reason: str, scores: Scores | None) -> Iterator[str]:
+        """The whole text read (`_read_calls`): the content not yet sent (what was sent begins
+        it, `tools.settled_content`), each call (its id and name, then its arguments), the
+        finish_reason."""
+        text, sent = self.held.pop(i), self.sent.pop(i, 0)
+        content, calls, reason = self._read_calls(text, reason)
+        rest = (content or "")[sent:]
         logprobs = None
         if scores is not None:
-            scored = scores.release(text, done=True)
+            scored = scores.release(text[sent:], done=True)
             logprobs = ChatLogprobs(content=[self._scored(t, lp) for t, lp, _ in scored])
-        if content or logprobs is not None:
-            delta = {"content": content or ""}
+        if rest or logprobs is not None:
+            delta = {"content": rest}
             yield self._delta(ChatChunkChoice(index=i, delta=delta, logprobs=logprobs))
         for k, call in enumerate(calls):
             head = {"index": k, "id": call.id, "type": "function"}

@@ -22,6 +22,7 @@ from typing import Any
 from gptkiln.chat_template import ChatTemplate
 from gptkiln.serve.constrain import JSON_OPTIONS, Grammars, check_finite
 from gptkiln.serve.schemas import FunctionCall, Tool, ToolCall
+from gptkiln.text_stream import start_at_end
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 
@@ -131,13 +132,39 @@ def parse_tool_calls(
     if family == HERMES:
         calls, outside = _hermes_calls(text, names)
         return (outside.strip() or None, calls) if calls else (text, [])
-    body = text.strip().removeprefix("<|python_tag|>").strip()
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
     calls = _json_calls(family, body, ";", names) if body.startswith("{") else None
     return (None, calls) if calls else (text, [])
 
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
+
+
+def settled_content(family: str, text: str) -> int:
+    """How many characters of an answer's text so far (``text``) are its content whatever the
+    model writes next: ``text[:k]`` begins the content `parse_tool_calls` reads from the whole
+    answer, calls or not, so a stream may send it before the answer ends (vLLM's and llama.cpp's
+    servers stream so). Held back: from a call's marker on (Hermes' ``<tool_call>``), an end
+    that may be the start of one (``<tool``), and the white space before it (the content of an
+    answer with calls is stripped); a Hermes answer that begins with white space, all of it
+    (that space is content only if no call follows); a Llama 3 answer while it may still be a
+    call (nothing yet but white space, ``<|python_tag|>`` or a beginning of it, or a ``{``
+    first), all of it, else none."""
+    if family == HERMES:
+        if text[:1].isspace():
+            return 0
+        start = text.find(_HERMES_OPEN)
+        if start < 0:
+            start = len(text) - start_at_end(text, [_HERMES_OPEN])
+        return len(text[:start].rstrip())
+    body = text.lstrip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG) :].lstrip()
+    elif _PYTHON_TAG.startswith(body):  # nothing yet, or the tag may be starting
+        return 0
+    return 0 if not body or body.startswith("{") else len(text)
 
 
 def _hermes_calls(text: str, names: frozenset[str]) -> tuple[list[ToolCall] | None, str]:
