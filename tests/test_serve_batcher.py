@@ -327,6 +327,54 @@ def test_a_prompt_admitted_n_times_is_prefilled_once_and_each_sample_gets_what_i
     assert len({tuple(got["ids"]) for got in out[:3]}) == 3
 
 
+def test_a_requests_n_samples_count_their_prompt_once_against_the_prefill_budget(model, tokenizer):
+    """The n samples of a request are prefilled once (the other rows copied), so the prefill
+    budget counts their prompt once: a budget of one prompt admits all four samples in one step
+    (before, it charged each sample the prompt and admitted one a step), and the next prompt in
+    the step after."""
+    prompt = tokenizer.encode(TOGETHER[0])
+    cfgs = [SampleConfig(max_new_tokens=2, temperature=1.0, seed=s) for s in range(4)]
+    seqs = [Sequence(prompt, cfg, asyncio.Queue(), index=j) for j, cfg in enumerate(cfgs)]
+    seqs.append(Sequence(tokenizer.encode(TOGETHER[1]), cfgs[0], asyncio.Queue()))
+    batcher = Batcher(copy.deepcopy(model), tokenizer, max_batch=5, prefill_tokens=len(prompt))
+    prefills = counting_prefills(batcher)
+    admitted = []  # the sequences each step admits
+    real_admit = batcher._admit
+
+    def admit():
+        slots = real_admit()
+        admitted.append(len(slots))
+        return slots
+
+    batcher._admit = admit
+    out = submitted_together(batcher, seqs)
+    assert [n for n in admitted if n] == [4, 1] and prefills == [1, 1]
+    for seq, got in zip(seqs, out):
+        assert got["ids"] == alone(model, tokenizer, seq.prompt, seq.cfg)[0]
+
+
+def test_n_samples_of_a_prompt_whose_prefix_is_cached_are_prefilled_once(model, tokenizer):
+    """A request's samples whose prompt begins with a cached prefix: the first loads it and
+    prefills the rest, the others copy its row (before, each loaded and prefilled the rest
+    alone), each sample what it gets alone."""
+    from gptkiln.serve.prefix_cache import PrefixCache
+
+    cfgs = [SampleConfig(max_new_tokens=4, temperature=1.0, seed=s) for s in (7, 8, 9)]
+    warm = Sequence(tokenizer.encode("the quick brown fox "), cfgs[0], asyncio.Queue())
+    prompt = tokenizer.encode("the quick brown fox jumps")
+    seqs = [Sequence(prompt, cfg, asyncio.Queue(), index=j) for j, cfg in enumerate(cfgs)]
+
+    def small_blocks(batcher):
+        batcher.prefix_cache = PrefixCache(batcher.model, block_tokens=4)
+
+    got, batcher = run_together(model, tokenizer, seqs, small_blocks, [warm], max_batch=4)
+    cache = batcher.prefix_cache
+    assert (cache.lookups, cache.hits, cache.hit_tokens) == (2, 1, 20)  # warm's, then once
+    for seq, events in zip(seqs, got):
+        assert ids_and_text(events) == alone(model, tokenizer, seq.prompt, seq.cfg)
+        assert seq.cached == 20  # each sample's usage says what the cache held
+
+
 def test_prefill_groups_keep_the_padding_small():
     def slots(*lengths):
         return [types.SimpleNamespace(seq=types.SimpleNamespace(prompt=[0] * n)) for n in lengths]

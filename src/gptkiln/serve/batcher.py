@@ -11,7 +11,8 @@ Each iteration of the loop:
 
 1. drops the sequences whose client went away (their slots are free again);
 2. admits waiting sequences into free slots, oldest first, while the prompts to prefill stay
-   within ``prefill_tokens`` (at least one a step, so a long prompt is never starved);
+   within ``prefill_tokens`` (at least one a step, so a long prompt is never starved; a prompt
+   counted once however many of a request's samples share it, as it is prefilled once);
 3. in the worker: prefills the admitted prompts into their own cache rows (the other rows keep
    what they hold): a prompt whose beginning the `PrefixCache` holds gets those keys and values
    copied in and prefills only the rest; the others go by similar length together in one
@@ -49,7 +50,7 @@ from gptkiln.model import GPT
 from gptkiln.sampling import decoding
 from gptkiln.serve.choosing import Chooser, Chosen, Slot
 from gptkiln.serve.events import Done, Failed, Sequence, Token
-from gptkiln.serve.prefill import Ready, keep_prefixes, prefill
+from gptkiln.serve.prefill import Ready, keep_prefixes, prefill, prefill_cost
 from gptkiln.serve.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
 from gptkiln.text_stream import TextStream, hidden_ids, stop_ids_of
 
@@ -66,7 +67,8 @@ class Batcher:
         tokenizer: gives ``decode`` and ``stop_ids`` (each ends a sequence).
         max_batch: cache rows: how many sequences decode together.
         max_queue: sequences that may wait for a slot; `submit` refuses more (`QueueFull`).
-        prefill_tokens: prompt tokens prefilled per step (at least one prompt a step).
+        prefill_tokens: prompt tokens prefilled per step (at least one prompt a step; a prompt
+            admitted again in a step, a request's n samples, counts once).
         prefix_cache_bytes: the most the prefix cache (`PrefixCache`) holds; 0 turns it off.
         on_token: called on the event loop for each token handed out, with (whether it is its
             sequence's first, seconds since the previous one or since the sequence was
@@ -195,13 +197,21 @@ class Batcher:
             self._waiting = collections.deque(s for s in self._waiting if not s.cancelled)
 
     def _admit(self) -> list[Slot]:
-        """Move waiting sequences into free rows (lowest first) within the prefill budget."""
+        """Move waiting sequences into free rows (lowest first) within the prefill budget, which
+        counts what the step prefills (`prefill_cost`): a prompt admitted again in the step (a
+        request's n samples) costs nothing, its keys and values copied."""
         admitted: list[Slot] = []
         budget = self.prefill_tokens
         free = sorted(set(range(self.max_batch)) - set(self._slots))
-        while self._waiting and free and (not admitted or len(self._waiting[0].prompt) <= budget):
+        prompts: set[tuple[int, ...]] = set()  # the prompts this step prefills already
+        while self._waiting and free:
+            cost = prefill_cost(self._waiting[0], prompts)
+            if admitted and cost > budget:
+                break
             seq = self._waiting.popleft()
-            budget -= len(seq.prompt)
+            budget -= cost
+            if not seq.prompt_logprobs:  # a scored prompt is prefilled alone: never copied
+                prompts.add(tuple(seq.prompt))
             slot = self._new_slot(free.pop(0), seq)
             self._slots[slot.row] = slot
             admitted.append(slot)

@@ -3,8 +3,9 @@ KV cache, to the logits that choose their first tokens.
 
 A prompt whose beginning the `PrefixCache` holds gets those keys and values copied in and
 prefills only the rest; a scored prompt (echo + logprobs) needs every position's logits and
-goes alone; a prompt admitted again (a request's n samples) is prefilled once and its keys and
-values copied to the other rows; the others go by similar length together in one forward
+goes alone; a prompt admitted again (a request's n samples) is prefilled once (its cached
+prefix loaded once) and its keys and values copied to the other rows, so the batcher's budget
+counts it once (`prefill_cost`); the others go by similar length together in one forward
 (`prefill_groups`), padded on the right: the padding's keys sit past each row's end, where its
 later tokens overwrite them before anything attends to them. What comes out is each prompt's
 last logits row (1, V), for `choosing.Chooser` to choose all of their first tokens together,
@@ -32,27 +33,21 @@ tokens (`prefill_groups`)."""
 
 @torch.inference_mode()
 def prefill(model: GPT, prefix_cache: PrefixCache, admitted: list[Slot]) -> tuple[Chosen, Ready]:
-    """Prefill the admitted prompts, a cached prefix copied in first and the rest prefilled, the
-    others grouped by length: the events of the prompts scored or failed, and the last logits of
-    every prompt prefilled."""
+    """Prefill the admitted prompts, each once (its other rows copied), a cached prefix copied
+    in first and the rest prefilled, the others grouped by length: the events of the prompts
+    scored or failed, and the last logits of every prompt prefilled."""
     events: Chosen = []
     ready: Ready = []
     scored = [s for s in admitted if s.seq.prompt_logprobs]  # need every position's logits
+    firsts, copies = _firsts_and_copies([s for s in admitted if not s.seq.prompt_logprobs])
     fresh = []
-    for slot in admitted:  # a prompt whose prefix is cached prefills only the rest
-        if not slot.seq.prompt_logprobs:
-            cached = slot.seq.cached = _cached_prefix(prefix_cache, slot)
-            if cached:
-                _alone(model, slot, events, ready, cached)
-            else:
-                fresh.append(slot)
-    firsts: dict[tuple[int, ...], Slot] = {}  # a prompt admitted twice (n > 1) is run once
-    copies = []
-    for slot in fresh:
-        first = firsts.setdefault(tuple(slot.seq.prompt), slot)
-        if first is not slot:
-            copies.append((first, slot))
-    for group in prefill_groups(list(firsts.values())):
+    for slot in firsts:  # a prompt whose prefix is cached prefills only the rest
+        cached = slot.seq.cached = _cached_prefix(prefix_cache, slot)
+        if cached:
+            _alone(model, slot, events, ready, cached)
+        else:
+            fresh.append(slot)
+    for group in prefill_groups(fresh):
         _together(model, group, events, ready)
     logits_of = {id(slot): logits for slot, logits in ready}
     for first, slot in copies:
@@ -64,6 +59,27 @@ def prefill(model: GPT, prefix_cache: PrefixCache, admitted: list[Slot]) -> tupl
     for slot in scored:
         _alone(model, slot, events, ready)
     return events, ready
+
+
+def prefill_cost(seq: Sequence, prompts: set[tuple[int, ...]]) -> int:
+    """The prompt tokens `prefill` runs for ``seq`` in a step that prefills ``prompts``
+    already: none for a prompt among them (its keys and values copied, `_copy_row`), unless it
+    is scored (every position's logits: prefilled alone each time)."""
+    if not seq.prompt_logprobs and tuple(seq.prompt) in prompts:
+        return 0
+    return len(seq.prompt)
+
+
+def _firsts_and_copies(slots: list[Slot]) -> tuple[list[Slot], list[tuple[Slot, Slot]]]:
+    """The slots whose prompt is prefilled (the first of each prompt), and each other slot of
+    the same prompt beside the first it is copied from (a request's n samples)."""
+    firsts: dict[tuple[int, ...], Slot] = {}
+    copies = []
+    for slot in slots:
+        first = firsts.setdefault(tuple(slot.seq.prompt), slot)
+        if first is not slot:
+            copies.append((first, slot))
+    return list(firsts.values()), copies
 
 
 def keep_prefixes(prefix_cache: PrefixCache, admitted: list[Slot]) -> None:
@@ -160,6 +176,7 @@ def _copy_row(model: GPT, first: Slot, slot: Slot) -> None:
         cache.k[slot.row, :, :n] = cache.k[first.row, :, :n]
         cache.v[slot.row, :, :n] = cache.v[first.row, :, :n]
     slot.pos = n
+    slot.seq.cached = first.seq.cached  # what the prefix cache held for the prompt
 
 
 def score_prompt(seq: Sequence, logits: torch.Tensor) -> list[TokenLogprobs | None]:
