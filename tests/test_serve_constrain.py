@@ -5,6 +5,7 @@ grammar's row beside a free row in one batch (the free row's tokens as when alon
 import asyncio
 import copy
 import json
+import sys
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.logits_processors import apply_token_bitmask
 from gptkiln.model import GPT
 from gptkiln.serve.batcher import Batcher
-from gptkiln.serve.constrain import GrammarError, Grammars
+from gptkiln.serve.constrain import GrammarError, Grammars, fill_masks
 from gptkiln.serve.events import Done, Sequence, Token
 from gptkiln.tokenizers import load_tokenizer
 
@@ -56,6 +57,25 @@ def test_a_grammar_is_compiled_once_and_unenforceable_schemas_are_refused(gramma
         grammars.constraint(grammars.json_schema({"not": {"type": "string"}}))
     with pytest.raises(GrammarError, match="objekt"):
         grammars.constraint(grammars.json_schema({"type": "objekt"}))
+
+
+def test_masks_are_filled_without_importing_llguidance_torch(grammars, tokenizer, monkeypatch):
+    """``llguidance.torch`` compiles a kernel gptkiln does not use with torch.compile as it is
+    imported (~2.6 s, which the first constrained request of a process paid): one row's mask
+    and many rows' masks are filled through llguidance's NumPy functions over the tensor."""
+    monkeypatch.setitem(sys.modules, "llguidance.torch", None)  # importing it fails
+    grammar = grammars.json_schema({"enum": [12]})
+    one, two = grammars.constraint(grammar), grammars.constraint(grammar)
+    bitmask = torch.zeros(3, (tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
+    one.fill(bitmask[0])
+    fill_masks([one, two], bitmask[1:])
+
+    def allowed(row: int, token: int) -> bool:
+        return bool(int(bitmask[row, token // 32]) >> (token % 32) & 1)
+
+    twelve, two_ = tokenizer.encode("12")[0], tokenizer.encode("2")[0]
+    for row in range(3):
+        assert allowed(row, twelve) and not allowed(row, two_)
 
 
 def test_a_refused_token_is_one_line_naming_it_not_the_engines_state(grammars, tokenizer):

@@ -46,9 +46,9 @@ class Constraint:
 
     def fill(self, bitmask_row) -> None:
         """Write the allowed next tokens into ``bitmask_row`` (ceil(V/32),) int32, CPU."""
-        import llguidance.torch as llt
+        import llguidance.numpy as lln  # not .torch: see `fill_masks`
 
-        llt.fill_next_token_bitmask(self.matcher, bitmask_row.unsqueeze(0), 0)
+        lln.fill_next_token_bitmask(self.matcher, bitmask_row.unsqueeze(0).numpy(), 0)
 
     def consume(self, token: int) -> None:
         """Advance past the chosen token (it was allowed, so this cannot fail)."""
@@ -305,8 +305,11 @@ def _executor():
 
 def fill_masks(constraints: list[Constraint], bitmask) -> None:
     """Each constraint's allowed tokens into its row of ``bitmask`` (N, ceil(V/32)) int32,
-    the rows in parallel on llguidance's threads."""
-    import llguidance.torch as llt
+    CPU, the rows in parallel on llguidance's threads. Through llguidance's NumPy functions
+    over the tensor's memory (the same pointer calls as its torch ones): importing
+    ``llguidance.torch`` compiles a kernel gptkiln does not use with ``torch.compile``, ~2.6 s
+    that the first constrained request of a process paid."""
+    import llguidance.numpy as lln
 
     matchers = [(c.matcher, i) for i, c in enumerate(constraints)]
-    llt.fill_next_token_bitmask_par(_executor(), matchers, bitmask)
+    lln.fill_next_token_bitmask_par(_executor(), matchers, bitmask.numpy())
