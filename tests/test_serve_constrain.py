@@ -6,13 +6,17 @@ import asyncio
 import copy
 import json
 import sys
+import threading
 
+import httpx
 import pytest
 import torch
+from serving import ServerThread
 
 from gptkiln.config import GPTConfig, SampleConfig
 from gptkiln.logits_processors import apply_token_bitmask
 from gptkiln.model import GPT
+from gptkiln.serve.app import create_app
 from gptkiln.serve.batcher import Batcher
 from gptkiln.serve.constrain import GrammarError, Grammars, fill_masks
 from gptkiln.serve.events import Done, Sequence, Token
@@ -309,3 +313,58 @@ def test_a_tools_parameters_keep_their_refs_inside_a_forced_call():
     assert got["properties"]["self"] == {"$ref": "#/properties/arguments"}
     assert got["properties"]["named"] == {"$ref": "#opt"}
     assert got["default"] == {"$ref": "#/not/a/schema"}
+
+
+# -- the vocabulary read as the server starts -------------------------------------------------
+def constrained_body():
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+    schema["additionalProperties"] = False
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    return {"prompt": "x", "max_tokens": 20, "temperature": 0, "response_format": fmt}
+
+
+def test_the_server_reads_the_vocabulary_as_it_starts_and_a_plain_request_does_not_wait(
+    tokenizer, monkeypatch
+):
+    """The grammar engine's vocabulary is read in the background as the app starts, with no
+    request asking for it (before, the first constrained request read it); a plain request
+    and /health are answered while it is being read, and a constrained one waits for it."""
+    from gptkiln.serve import constrain
+
+    started, release = threading.Event(), threading.Event()
+    real = constrain._Vocabulary
+
+    def slow(*args):  # a vocabulary that takes as long as the test says
+        started.set()
+        release.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(constrain, "_Vocabulary", slow)
+    app = create_app(untied_model(tokenizer), tokenizer, model_name="m", max_batch=2)
+    with ServerThread(app) as url:
+        assert started.wait(10)  # begun at startup: no request made
+        plain = {"prompt": "x", "max_tokens": 3, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=plain, timeout=60)
+        assert r.status_code == 200 and httpx.get(f"{url}/health").status_code == 200
+        assert not release.is_set()  # both answered while the vocabulary was being read
+        threading.Timer(0.5, release.set).start()
+        r = httpx.post(f"{url}/v1/completions", json=constrained_body(), timeout=60)
+    assert r.status_code == 200 and json.loads(r.json()["choices"][0]["text"])["a"] in (1, 2)
+
+
+def test_a_vocabulary_that_fails_as_the_server_starts_is_the_first_constrained_requests_400():
+    """A tokenizer without an end-of-text token: the background read fails quietly, the server
+    answers, and the first constrained request says why, as it did when it read it first."""
+    from gptkiln.tokenizers import build_char_tokenizer
+
+    plain_tokenizer = build_char_tokenizer(['x{}"a:12, '], with_eot=False)
+    grammars = Grammars(plain_tokenizer)
+    with pytest.raises(GrammarError) as said:
+        grammars.constraint(grammars.json_schema({"type": "object"}))
+    app = create_app(untied_model(plain_tokenizer), plain_tokenizer, model_name="m")
+    with ServerThread(app) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        r = httpx.post(f"{url}/v1/completions", json=constrained_body(), timeout=60)
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 400 and str(said.value) in r.json()["error"]["message"]
+    assert ok.status_code == 200

@@ -116,6 +116,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await served.batcher.start()
+        if served.grammars is not None:  # once the kernels are timed: never beside the timing
+            served.grammars.build_soon()  # the app answers meanwhile; a grammar waits for it
         yield
         await served.batcher.stop()
 

@@ -64,9 +64,10 @@ class Constraint:
 
 
 class Grammars:
-    """The grammar engine for one tokenizer: its vocabulary read once (lazily: the first
-    constrained request pays ~0.3 s for GPT-2's), and compiled grammars cached by their text,
-    so a schema sent again costs a copy of its matcher.
+    """The grammar engine for one tokenizer: its vocabulary read once (~0.3 s for GPT-2's; the
+    server begins it in the background as it starts, `build_soon`, so the first constrained
+    request waits at most for what is left of it), and compiled grammars cached by their
+    text, so a schema sent again costs a copy of its matcher.
 
     Args:
         tokenizer: gptkiln's tokenizer (``token_bytes``, ``stop_ids``, ``vocab_size``).
@@ -85,6 +86,19 @@ class Grammars:
         except ImportError:
             return False
         return True
+
+    def build_soon(self) -> None:
+        """Read the vocabulary in a thread of its own, so that the first constrained request
+        waits only for what is left of it (`_vocabulary` holds the lock while it reads); a
+        failure there is left for that request, which reads it again and says why, as it
+        would have without this."""
+        threading.Thread(target=self._read_quietly, name="gptkiln-vocabulary", daemon=True).start()
+
+    def _read_quietly(self) -> None:
+        try:
+            self._vocabulary()
+        except Exception:  # the first constrained request meets it again and answers it
+            pass
 
     def _vocabulary(self):
         """llguidance's view of the vocabulary: each id's bytes, the stop ids as its end."""
