@@ -237,45 +237,12 @@ def test_a_broken_template_is_one_line_exit_2(tmp_path, capsys):
         assert "tokenizer_config.json" in lines[0]
 
 
-def test_the_python_api_samples_as_a_models_generation_config_where_no_cfg_is_given(
-    chat_run, monkeypatch
-):
-    """`complete` and `stream_text` without a ``SampleConfig`` take a run's generation_config.json
-    for the settings their arguments leave out (transformers' ``generate`` takes a model's
-    generation config so), and say so to ``on_notice``; a ``cfg`` given is used as it is."""
-    from gptkiln.api import complete, stream_text
-    from gptkiln.config import SampleConfig
-
-    run, _ = chat_run
-    config_path = run / "generation_config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    qwen3 = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
-    config_path.write_text(json.dumps({**config, **qwen3}))
-    used = []
-    real = sampling.generate_stream
-
-    def seen(model, prompts, cfg, *args, **kwargs):
-        used.append((cfg.temperature, cfg.top_k, cfg.top_p))
-        return real(model, prompts, cfg, *args, **kwargs)
-
-    monkeypatch.setattr(sampling, "generate_stream", seen)
-    notes = []
-    complete(run, "Hi", max_new_tokens=2, seed=1, on_notice=notes.append)
-    assert used[-1] == (0.6, 20, 0.95)
-    assert any("generation_config.json sets it: temperature 0.6, top_k 20" in n for n in notes)
-    complete(run, "Hi", max_new_tokens=2, seed=1, temperature=0.9)
-    assert used[-1] == (0.9, 20, 0.95)  # an argument wins over the model's
-    list(stream_text(run, "Hi", max_new_tokens=2, seed=1))
-    assert used[-1] == (0.6, 20, 0.95)
-    notes.clear()
-    complete(run, "Hi", SampleConfig(max_new_tokens=2, seed=1), on_notice=notes.append)
-    assert used[-1] == (1.0, None, None) and not any("generation_config" in n for n in notes)
-
-
 def test_a_models_generation_config_sets_the_sampling_no_flag_gives(chat_run, monkeypatch, capsys):
     """Qwen3's generation_config.json (do_sample, temperature 0.6, top-k 20, top-p 0.95) is how
     generate and chat sample where no flag says otherwise, as transformers and vLLM take it,
-    with a note; a flag given wins; do_sample false is greedy."""
+    with a note; a flag given wins; do_sample false is greedy; and the Python API's."""
+    from gptkiln.api import complete, stream_text
+    from gptkiln.config import SampleConfig
     from gptkiln.config.run import model_sampling
 
     run, _ = chat_run
@@ -319,3 +286,16 @@ def test_a_models_generation_config_sets_the_sampling_no_flag_gives(chat_run, mo
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
     code, _, err = cli("chat", run, "--max-new-tokens", 3, "--seed", 1, capsys=capsys)
     assert code == 0 and used[-1] == (0.6, 20, 0.95) and "top p 0.95" in err
+    # the Python API without a SampleConfig: the same, its keyword arguments as the flags (as
+    # transformers' generate takes a model's generation config); a SampleConfig given as it is
+    notes = []
+    complete(run, "Hi", max_new_tokens=2, seed=1, on_notice=notes.append)
+    assert used[-1] == (0.6, 20, 0.95)
+    assert any("generation_config.json sets it: temperature 0.6, top_k 20" in n for n in notes)
+    complete(run, "Hi", max_new_tokens=2, seed=1, temperature=0.9)
+    assert used[-1] == (0.9, 20, 0.95)
+    list(stream_text(run, "Hi", max_new_tokens=2, seed=1))
+    assert used[-1] == (0.6, 20, 0.95)
+    notes.clear()
+    complete(run, "Hi", SampleConfig(max_new_tokens=2, seed=1), on_notice=notes.append)
+    assert used[-1] == (1.0, None, None) and not any("generation_config" in n for n in notes)
