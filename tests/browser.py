@@ -52,7 +52,19 @@ def wait_for(condition, timeout=30.0):
     raise AssertionError("timed out")
 
 
+FILL = """
+const [field, value] = arguments;
+field.value = value;
+field.dispatchEvent(new Event("input", { bubbles: true }));
+field.dispatchEvent(new Event("change", { bubbles: true }));
+"""
+
+
 def fill(driver, element_id: str, value: str) -> None:
-    field = driver.find_element("id", element_id)
-    field.clear()
-    field.send_keys(value)
+    """Set a field at once, with the ``input`` and ``change`` events typing and leaving it send.
+
+    One script, not ``clear()`` then ``send_keys``: ``clear()`` sends no ``input`` event, so a
+    timer of the page's (the debounced sizing of Max tokens after the prompt was typed) could
+    write into the emptied field before the keys came ("62" then "5" made "625"); and
+    ChromeDriver's keys cannot carry a character outside the BMP (an emoji)."""
+    driver.execute_script(FILL, driver.find_element("id", element_id), value)
