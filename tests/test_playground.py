@@ -329,3 +329,32 @@ def test_stop_pressed_before_the_request_is_sent_stops_it(browser, url):
     wait_for(lambda: state(browser) != "running")
     assert state(browser) == "stopped"
     assert int(browser.find_element("id", "tokens").text) < 1000
+
+
+def test_a_seed_is_sent_with_all_its_digits(browser, url):
+    """A seed goes up to 2^63 - 1, past what a JavaScript number holds exactly: the page sent
+    the documented maximum 9223372036854775807 as 9223372036854776000, which was refused."""
+    import httpx
+
+    top = 2**63 - 1
+    browser.get(url)
+    wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
+    record_requests(browser)
+    fill(browser, "prompt", "To be")
+    fill(browser, "max-tokens", "8")
+    fill(browser, "seed", str(top))
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) in ("done", "error"))
+    assert browser.find_element("id", "error").text == ""
+    assert sent_bodies(browser, "/v1/completions")[-1]["seed"] == top
+    api = httpx.post(
+        f"{url}/v1/completions", json={"prompt": "To be", "max_tokens": 8, "seed": top}
+    )
+    shown = browser.find_element("id", "completion").get_property("textContent")
+    assert shown == api.json()["choices"][0]["text"]
+
+    fill(browser, "seed", "0012345678901234567890")  # past the range: the server's words
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) == "error")
+    assert sent_bodies(browser, "/v1/completions")[-1]["seed"] == 12345678901234567890
+    assert "12345678901234567890" in browser.find_element("id", "error").text
