@@ -358,3 +358,19 @@ def test_a_seed_is_sent_with_all_its_digits(browser, url):
     wait_for(lambda: state(browser) == "error")
     assert sent_bodies(browser, "/v1/completions")[-1]["seed"] == 12345678901234567890
     assert "12345678901234567890" in browser.find_element("id", "error").text
+
+
+def test_a_stop_string_can_hold_a_newline(browser, url):
+    """The box takes one stop string a line, so a newline (the commonest stop) needs its
+    escape: \\n, with \\t and \\\\; an empty line is still none."""
+    browser.get(url)
+    wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
+    record_requests(browser)
+    fill(browser, "prompt", "To be")
+    fill(browser, "max-tokens", "4")
+    fill(browser, "stop-strings", "\\n\n\na\\tb\nx\\\\n")
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) in ("done", "error"))
+    assert browser.find_element("id", "error").text == ""
+    assert sent_bodies(browser, "/v1/completions")[-1]["stop"] == ["\n", "a\tb", "x\\n"]
+    assert "\\n" in browser.find_element("id", "stop-strings").get_attribute("placeholder")
