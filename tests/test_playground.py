@@ -374,3 +374,51 @@ def test_a_stop_string_can_hold_a_newline(browser, url):
     assert browser.find_element("id", "error").text == ""
     assert sent_bodies(browser, "/v1/completions")[-1]["stop"] == ["\n", "a\tb", "x\\n"]
     assert "\\n" in browser.find_element("id", "stop-strings").get_attribute("placeholder")
+
+
+@pytest.fixture(scope="module")
+def keyed_url(default_run):
+    """The README's first run served with --api-key sekrit and --max-body-bytes 4096."""
+    model, tokenizer, _ = load_run(default_run)
+    app = create_app(model, tokenizer, model_name="keyed", api_key="sekrit", max_body_bytes=4096)
+    with ServerThread(app) as url:
+        yield url
+
+
+def room_shown(driver) -> str:
+    return driver.find_element("id", "max-tokens-room").text
+
+
+def test_an_api_key_entered_on_the_page_takes_at_once(browser, keyed_url):
+    """Without the key the page says where to enter it and sizes nothing it cannot count; once
+    it is entered the header, Max tokens and Generate follow, with no reload."""
+    import httpx
+
+    auth = {"Authorization": "Bearer sekrit"}
+    count = httpx.post(f"{keyed_url}/v1/tokenize", json={"prompt": "ROMEO:"}, headers=auth)
+    room = 64 - count.json()["count"]
+    browser.get(keyed_url)
+    wait_for(lambda: "API key needed" in browser.find_element("id", "model-info").text)
+    fill(browser, "prompt", "ROMEO:")
+    wait_for(lambda: room_shown(browser) == "(key needed)")  # not "≤ 63", a 1-token prompt's
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) == "error")
+    error = browser.find_element("id", "error").text
+    assert "enter it in API key, in the Generate view's Sampling panel" in error
+    assert "Authorization" not in error  # the header is the API's business, not the page's
+
+    fill(browser, "api-key", "wrong")
+    wait_for(lambda: "API key refused" in browser.find_element("id", "model-info").text)
+    fill(browser, "api-key", "sekrit")
+    wait_for(lambda: browser.find_element("id", "model-info").text == "keyed · context 64")
+    wait_for(lambda: room_shown(browser) == f"≤ {room}")
+    assert browser.find_element("id", "max-tokens").get_attribute("value") == str(room)
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) in ("done", "error"))
+    assert browser.find_element("id", "error").text == ""
+
+    fill(browser, "prompt", "x" * 5000)  # past --max-body-bytes: uncounted, and why
+    wait_for(lambda: room_shown(browser) == "(prompt too large)")
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) == "error")
+    assert "over 4,096 bytes" in browser.find_element("id", "error").text
