@@ -670,3 +670,23 @@ def test_chat_logprobs_end_where_the_content_does(client, stream):
         content, scored = got.message.content, got.logprobs.content
     assert content == free[: free.index(stop)]
     assert b"".join(bytes(t.bytes) for t in scored).decode("utf-8") == content
+
+
+def test_a_stop_before_any_answer_gives_the_message_back(browser, url, runs):
+    """Send and Stop at once: no empty answer is kept as the model's turn (it was, and went
+    with every later message); the message is back in the box, as after an error."""
+    first = "".join(Chat(runs[1], greedy()).reply("Repeat sun."))
+    chat_page(browser, url, max_tokens="24", temperature="0")
+    browser.execute_script(
+        "document.getElementById('chat-input').value = 'Repeat the input.';"
+        "document.getElementById('chat-send').click();"
+        "document.getElementById('chat-stop').click();"
+    )
+    status = browser.find_element("id", "chat-status")
+    wait_for(lambda: status.get_attribute("data-state") != "running")
+    assert status.get_attribute("data-state") == "stopped"
+    assert browser.find_elements("css selector", ".msg") == []
+    assert browser.find_element("id", "chat-input").get_attribute("value") == "Repeat the input."
+    assert browser.find_element("id", "chat-error").text == ""
+    assert say(browser, "Repeat sun.") == first  # alone: no empty turn went before it
+
