@@ -690,3 +690,26 @@ def test_a_stop_before_any_answer_gives_the_message_back(browser, url, runs):
     assert browser.find_element("id", "chat-error").text == ""
     assert say(browser, "Repeat sun.") == first  # alone: no empty turn went before it
 
+
+def test_a_stopped_answer_shows_the_tokens_it_got(browser, url):
+    """The Chat view counts an answer's tokens as they come: it showed 0 beside a stopped
+    answer's text, the count coming only with the stream's last chunk (its usage)."""
+    chat_page(browser, url, max_tokens="100", temperature="2")
+    fill(browser, "seed", "0")
+    browser.execute_script(
+        "new MutationObserver((changes, observer) => {"
+        "  const answer = document.querySelector('.msg.assistant');"
+        "  if (answer && answer.textContent.length > 3) {"
+        "    document.getElementById('chat-stop').click(); observer.disconnect(); }"
+        "}).observe(document.getElementById('chat-log'),"
+        "  {subtree: true, childList: true, characterData: true});"
+        "document.getElementById('chat-input').value = 'Repeat sun.';"
+        "document.getElementById('chat-send').click();"
+    )
+    status = browser.find_element("id", "chat-status")
+    wait_for(lambda: status.get_attribute("data-state") != "running")
+    error = browser.find_element("id", "chat-error").text
+    assert status.get_attribute("data-state") == "stopped", error
+    (answer,) = browser.find_elements("css selector", ".msg.assistant")
+    assert len(answer.get_attribute("textContent")) > 3
+    assert int(browser.find_element("id", "chat-tokens").text) > 3
