@@ -422,3 +422,33 @@ def test_an_api_key_entered_on_the_page_takes_at_once(browser, keyed_url):
     browser.find_element("id", "generate").click()
     wait_for(lambda: state(browser) == "error")
     assert "over 4,096 bytes" in browser.find_element("id", "error").text
+
+
+BURST = r"""
+let clock = 0;  // performance.now: 0.1 ms a reading, and 30 ms till the first token
+performance.now = () => (clock += 0.1);
+const fetched = window.fetch;
+window.fetch = function (u, o) {
+  if (!String(u).includes("/v1/completions")) return fetched.apply(this, arguments);
+  clock += 30;
+  const event = (text, finish) =>
+    `data: ${JSON.stringify({ choices: [{ index: 0, text, finish_reason: finish }] })}\n\n`;
+  const body = ["To", " be", ",", " or"].map((t) => event(t, null)).join("")
+    + event("", "length") + "data: [DONE]\n\n";
+  return Promise.resolve(new Response(body, { headers: { "Content-Type": "text/event-stream" } }));
+};
+"""
+
+
+def test_tokens_per_second_is_not_timed_over_one_burst(browser, url):
+    """Four tokens read in one go were timed over the microseconds between their chunks:
+    tokens/s showed thousands. Over a span that short the rate is the whole request's."""
+    browser.get(url)
+    wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
+    browser.execute_script(BURST)
+    fill(browser, "prompt", "To be")
+    browser.find_element("id", "generate").click()
+    wait_for(lambda: state(browser) == "done")
+    assert browser.find_element("id", "completion").get_property("textContent") == "To be, or"
+    assert browser.find_element("id", "tokens").text == "4"
+    assert 100 < float(browser.find_element("id", "rate").text) < 4 / 0.03  # not 3 / 0.0003
