@@ -452,3 +452,25 @@ def test_tokens_per_second_is_not_timed_over_one_burst(browser, url):
     assert browser.find_element("id", "completion").get_property("textContent") == "To be, or"
     assert browser.find_element("id", "tokens").text == "4"
     assert 100 < float(browser.find_element("id", "rate").text) < 4 / 0.03  # not 3 / 0.0003
+
+
+def test_an_inspect_error_stands_alone_not_beside_the_last_inspection(browser, url):
+    """A refused Inspect showed its error under the previous prompt's tokens, loss, map and
+    bars, as though they were its own."""
+    browser.get(url)
+    wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
+    browser.find_element("id", "tab-inspect").click()
+    fill(browser, "inspect-prompt", "To be, or not")
+    status = browser.find_element("id", "inspect-status")
+    browser.find_element("id", "inspect-run").click()
+    wait_for(lambda: status.get_attribute("data-state") == "done")
+    assert browser.find_element("id", "inspect-tokens").text == "13"
+    fill(browser, "inspect-top-k", "0")  # the server refuses it
+    browser.find_element("id", "inspect-run").click()
+    wait_for(lambda: status.get_attribute("data-state") == "error")
+    assert "top_k" in browser.find_element("id", "inspect-error").text
+    for stat in ("inspect-tokens", "inspect-loss", "inspect-ppl"):
+        assert browser.find_element("id", stat).text == "–", stat
+    for shown in ("#token-strip .tok", "#topk li"):
+        assert browser.find_elements("css selector", shown) == [], shown
+    assert browser.find_element("id", "heatmap").get_attribute("width") == "0"
