@@ -558,6 +558,8 @@ def test_a_64_token_chat_model_answers_with_max_tokens_left_as_the_page_set_it(
         browser.find_element("id", "tab-chat").click()
         say(browser, message)  # Max tokens untouched, as a new user leaves it
         assert browser.find_element("id", "chat-status").get_attribute("data-state") == "done"
+        sized = browser.find_element("id", "max-tokens").get_attribute("value")
+        assert browser.find_element("id", "chat-max-tokens").text == sized  # as fitted
         assert browser.find_element("id", "max-tokens").get_attribute("value") == str(64 - count)
 
 
@@ -713,3 +715,16 @@ def test_a_stopped_answer_shows_the_tokens_it_got(browser, url):
     (answer,) = browser.find_elements("css selector", ".msg.assistant")
     assert len(answer.get_attribute("textContent")) > 3
     assert int(browser.find_element("id", "chat-tokens").text) > 3
+
+
+def test_the_chat_view_shows_the_max_tokens_its_answers_get(browser, url):
+    """Max tokens lives in the Generate view; the Chat view notes it beside the tokens, as the
+    page sizes it and as the person sets it."""
+    browser.get(url)
+    wait_for(lambda: NAME in browser.find_element("id", "model-info").text)
+    field = browser.find_element("id", "max-tokens")
+    wait_for(lambda: browser.find_element("id", "max-tokens-room").text.startswith("≤"))
+    shown = browser.find_element("id", "chat-max-tokens")
+    assert shown.get_property("textContent") == field.get_attribute("value")  # sized by the page
+    chat_page(browser, url, max_tokens="24", temperature="0")
+    assert browser.find_element("id", "chat-max-tokens").text == "24"
