@@ -474,3 +474,29 @@ def test_an_inspect_error_stands_alone_not_beside_the_last_inspection(browser, u
     for shown in ("#token-strip .tok", "#topk li"):
         assert browser.find_elements("css selector", shown) == [], shown
     assert browser.find_element("id", "heatmap").get_attribute("width") == "0"
+
+
+def not_found(url: str) -> float:
+    """How many requests the server has answered 404 (a path it does not serve), from /metrics."""
+    import httpx
+
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("gptkiln_requests_total") and 'status="404"' in line
+    )
+
+
+def test_the_page_asks_for_no_favicon_it_cannot_have(browser, url):
+    """The page's icon is inline: the browser asked for /favicon.ico on every load, a 404 and
+    the one error in the console of a clean page."""
+    import time
+
+    before = not_found(url)
+    browser.get(url)
+    wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
+    time.sleep(0.5)  # the browser asks for the icon after the page has loaded
+    assert not_found(url) == before
+    icon = browser.find_element("css selector", "link[rel=icon]").get_attribute("href")
+    assert icon.startswith("data:image/svg+xml")
