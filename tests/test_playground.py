@@ -401,6 +401,8 @@ def test_an_api_key_entered_on_the_page_takes_at_once(browser, keyed_url):
     wait_for(lambda: "API key needed" in browser.find_element("id", "model-info").text)
     fill(browser, "prompt", "ROMEO:")
     wait_for(lambda: room_shown(browser) == "(key needed)")  # not "≤ 63", a 1-token prompt's
+    fields = [browser.find_element("id", i).rect for i in ("max-tokens", "temperature")]
+    assert fields[0]["y"] == fields[1]["y"]  # a label on two lines: its field still in line
     browser.find_element("id", "generate").click()
     wait_for(lambda: state(browser) == "error")
     error = browser.find_element("id", "error").text
