@@ -30,7 +30,7 @@ LOW = ("gptkiln.loading", "gptkiln.model", "gptkiln.positions", "gptkiln.config"
        "gptkiln.load_steps", "gptkiln.cache", "gptkiln.losses")  # fmt: skip
 ABOVE = ("gptkiln.finetune", "gptkiln.serve", "gptkiln.cli", "gptkiln.api", "gptkiln.inspect",
          "gptkiln.chat", "gptkiln.train", "gptkiln.convert", "gptkiln.checkpoint",
-         "gptkiln.run_guard", "gptkiln.interop", "gptkiln.export")  # fmt: skip
+         "gptkiln.run_guard", "gptkiln.info", "gptkiln.interop", "gptkiln.export")  # fmt: skip
 
 Edge = tuple[str, int]  # (imported module, line of the import)
 

@@ -1,4 +1,4 @@
-"""``gptkiln info``: what a run holds, from its files' headers (`gptkiln.api.run_info`)."""
+"""``gptkiln info``: what a run holds, from its files' headers (`gptkiln.info.run_info`)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from gptkiln.api import run_info
+    from gptkiln.info import run_info
 
     info = run_info(args.run_dir)
     print(json.dumps(info.to_dict(), indent=2) if args.json else info.summary())
