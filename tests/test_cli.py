@@ -102,6 +102,42 @@ def test_bpe_sample_mb_is_for_a_bpe_trained_here(tmp_path, capsys):
         flags = ["--tokenizer", tokenizer, "--bpe-sample-mb", value, "--out", tmp_path / "o"]
         code, _, err = cli("prepare", tmp_path / "a.txt", *flags, capsys=capsys)
         assert_one_line_error(code, err, needle)
+    for tokenizer, value, needle in [  # train takes it too, for the text it prepares
+        ("char", "4", "bpe tokenizer trained on the text, and tokenizer char trains none"),
+        ("bpe:300", "-1", "-1: the MiB of text a BPE learns from, >= 0"),
+    ]:
+        flags = ["--tokenizer", tokenizer, "--bpe-sample-mb", value, "--out", tmp_path / "r"]
+        code, _, err = cli("train", "--data", tmp_path / "a.txt", *flags, capsys=capsys)
+        assert_one_line_error(code, err, needle)
+        assert not (tmp_path / "r").exists()
+
+
+def test_train_prepares_its_bpe_from_the_sample_asked_and_again_for_another(tmp_path, capsys):
+    """``train --bpe-sample-mb N``: the BPE of the text it prepares learns from the first N MiB
+    (0: all), recorded in the data's meta.json; asked another, the text is prepared again (the
+    data of another tokenizer is not reused); a prepared folder, with its own tokenizer, refuses
+    it."""
+    import json
+
+    (tmp_path / "a.txt").write_text("hello world, more text here and there\n" * 40)
+    flags = ["--data", tmp_path / "a.txt", "--tokenizer", "bpe:300", "--model", "tiny",
+             "--max-steps", "1", "--batch-size", "2", "--context-length", "16", "--eval-batches",
+             "1", "--sample-tokens", "0", "--no-progress", "--out", tmp_path / "run"]  # fmt: skip
+    meta = tmp_path / "run" / "data" / "meta.json"
+    code, _, err = cli("train", *flags, "--bpe-sample-mb", "0", capsys=capsys)
+    assert code == 0, err
+    assert json.loads(meta.read_text())["bpe_sample_limit"] is None
+    code, _, err = cli("train", *flags, "--overwrite", capsys=capsys)
+    assert code == 0, err
+    assert json.loads(meta.read_text())["bpe_sample_limit"] == 32 << 20  # the default
+    made = meta.stat().st_mtime_ns
+    code, _, err = cli("train", *flags, "--overwrite", capsys=capsys)  # the same: reused
+    assert code == 0 and meta.stat().st_mtime_ns == made, err
+    code, _, err = cli("train", *flags, "--overwrite", "--bpe-sample-mb", "1", capsys=capsys)
+    assert code == 0 and json.loads(meta.read_text())["bpe_sample_limit"] == 1 << 20, err
+    code, _, err = cli("train", "--data", tmp_path / "run" / "data", "--bpe-sample-mb", "1",
+                       "--out", tmp_path / "other", capsys=capsys)  # fmt: skip
+    assert_one_line_error(code, err, "is prepared already, with its own tokenizer")
 
 
 def test_bad_sources_through_prepare(tmp_path, capsys):

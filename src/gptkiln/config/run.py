@@ -278,6 +278,13 @@ class TrainConfig:
         "gpt2 (OpenAI's BPE) | char | bpe:N (a byte-level BPE of N ids trained on the text; "
         "bpe alone: 8192); prepared data keeps its own",
     )
+    bpe_sample_mb: int | None = setting(
+        None,
+        "data",
+        "a bpe tokenizer learns from the first N MiB of the text, which bounds its trainer's "
+        "memory; 0: the whole text",
+        unset=f"{BPE_SAMPLE_BYTES >> 20}",
+    )
     val_fraction: float = setting(
         0.1, "data", "share of the text, taken from its end, held out for validation, in (0, 1)"
     )
@@ -552,6 +559,7 @@ class TrainConfig:
                 "gptkiln train --data DATA"
             )
         parse_tokenizer_spec(self.tokenizer)
+        self._check_bpe_sample()
         positive = ["batch_size", "grad_accum", "eval_interval", "eval_batches"]
         positive += ["checkpoint_interval"]
         if self.sample_interval < 1:
@@ -615,6 +623,26 @@ class TrainConfig:
         self._check_eval_tasks()
         if self.gelu not in (None, "tanh", "exact"):
             raise GptkilnError(f"gelu must be 'tanh' or 'exact', got {self.gelu!r}")
+
+    def _check_bpe_sample(self) -> None:
+        """``bpe_sample_mb``: a whole number >= 0, for a ``bpe`` tokenizer trained here."""
+        mb = self.bpe_sample_mb
+        if mb is None:
+            return
+        if not 0 <= mb < 2**40:
+            raise GptkilnError(
+                f"bpe_sample_mb {mb}: the MiB of text a BPE learns from, >= 0 (0: all)"
+            )
+        if not self.tokenizer.startswith("bpe"):
+            raise GptkilnError(
+                f"bpe_sample_mb is for a bpe tokenizer trained on the text, and tokenizer "
+                f"{self.tokenizer} trains none; drop it"
+            )
+
+    def bpe_sample_bytes(self) -> int | None:
+        """What `gptkiln.data.prepare.prepare` takes: the bytes a BPE learns from (None: all)."""
+        mb = BPE_SAMPLE_BYTES >> 20 if self.bpe_sample_mb is None else self.bpe_sample_mb
+        return mb << 20 if mb else None
 
     def _check_recipe(self) -> None:
         """The optimizer, schedule and model choices of the speedrun recipe."""

@@ -469,8 +469,8 @@ class _Run:
             whole = "" if self.survey is None else f" of {self.survey.utf8_bytes:,}"
             print(
                 f"note: the BPE learned from the first {self.sample.taken:,} bytes{whole} of "
-                f"{self.name}'s text (a sample bounds the trainer's memory); gptkiln prepare "
-                "--bpe-sample-mb N takes more",
+                f"{self.name}'s text (a sample bounds the trainer's memory); --bpe-sample-mb N "
+                "takes more (0: all)",
                 file=sys.stderr,
             )
         documents = 2 if self.mixture is not None else self.survey.documents
@@ -545,6 +545,7 @@ def _write_dataset(
     }
     if run.sample is not None and run.sample.taken:  # a BPE trained here: on what
         meta["bpe_sample_bytes"] = run.sample.taken
+        meta["bpe_sample_limit"] = run.sample.limit  # what it was asked to take (None: all)
     # a model trained on this data is not the tokenizer's own: none of its sampling settings
     getattr(tok, "for_new_model", lambda: tok)().save(staging)
     (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")

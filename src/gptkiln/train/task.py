@@ -21,7 +21,7 @@ from gptkiln import checkpoint, run_guard
 from gptkiln import distributed as dist_utils
 from gptkiln.config import GPTConfig, TrainConfig
 from gptkiln.config.model import rounded_vocab
-from gptkiln.config.run import DEFAULT_SAMPLE_PROMPT, VOCAB_MULTIPLE
+from gptkiln.config.run import BPE_SAMPLE_BYTES, DEFAULT_SAMPLE_PROMPT, VOCAB_MULTIPLE
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
 from gptkiln.train.agreement import keep_prepared_settings
@@ -162,6 +162,11 @@ class LanguageModeling:
 
         cfg, world = self.cfg, self.ctx.world
         if is_prepared(cfg.data):
+            if cfg.bpe_sample_mb is not None:
+                raise GptkilnError(
+                    f"--bpe-sample-mb: {cfg.data} is prepared already, with its own tokenizer; "
+                    "drop the flag, or give the text itself to prepare it with a BPE"
+                )
             data = load_prepared(cfg.data)
             keep_prepared_settings(cfg, read_meta(cfg.data) or {})
             self.data_dir = Path(cfg.data)
@@ -169,8 +174,9 @@ class LanguageModeling:
         data_dir = self.data_dir = self.run_dir / "data"
         error = None
         if world.is_main and not _prepared_matches(
-            data_dir, cfg.data, cfg.tokenizer, cfg.val_fraction, cfg.text_field
-        ):
+            data_dir, cfg.data, cfg.tokenizer, cfg.val_fraction, cfg.text_field,
+            cfg.bpe_sample_bytes(),
+        ):  # fmt: skip
             try:
                 self._prepare_into(data_dir)
             except GptkilnError as e:
@@ -202,7 +208,8 @@ class LanguageModeling:
             try:  # (the run's tokenizer recorded as the spec it was made from, so reused later)
                 prepare(cfg.data, target, tokenizer=tokenizer or cfg.tokenizer,
                         val_fraction=cfg.val_fraction, text_field=cfg.text_field,
-                        progress=cfg.progress, tokenizer_spec=cfg.tokenizer)  # fmt: skip
+                        progress=cfg.progress, tokenizer_spec=cfg.tokenizer,
+                        bpe_sample_bytes=cfg.bpe_sample_bytes())  # fmt: skip
             except GptkilnError as e:
                 if tokenizer is None:
                     raise
@@ -497,10 +504,16 @@ def _inside(source, folder: Path) -> bool:
 
 
 def _prepared_matches(
-    data_dir: Path, source, tokenizer: str, val_fraction: float, text_field: str = "text"
+    data_dir: Path,
+    source,
+    tokenizer: str,
+    val_fraction: float,
+    text_field: str = "text",
+    bpe_sample: int | None = BPE_SAMPLE_BYTES,
 ) -> bool:
     """Whether data_dir already holds this source prepared the same way (so it is reused): the
-    same source (files with the same contents), tokenizer spec (``bpe:N`` with its N) and split."""
+    same source (files with the same contents), tokenizer spec (``bpe:N`` with its N), split
+    and, for a BPE trained there, the text it learned from (``bpe_sample`` bytes; None: all)."""
     from gptkiln.data.mixture import source_checksums
     from gptkiln.data.prepare import read_meta
     from gptkiln.data.sources import DEFAULT_SOURCE
@@ -513,4 +526,5 @@ def _prepared_matches(
         and meta.get("val_fraction") == val_fraction
         and meta.get("text_field", "text") == text_field  # prepare records it when not "text"
         and meta.get("checksums") == source_checksums(source)  # an edited file: prepare again
+        and meta.get("bpe_sample_limit", bpe_sample) == bpe_sample  # unrecorded: not asked
     )
