@@ -418,6 +418,19 @@ def test_a_forced_call_follows_parameters_that_refer_to_their_own_defs(client, q
         **ask(messages=USER, tools=[CLOCK, tool], tool_choice=named, max_tokens=200)
     )
     jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), trip)
+    # a schema with its own $id is a resource of its own: its #/... refs resolve against it
+    # (pointed at the whole schema they would name nothing, and the request was refused)
+    for where in ("root", "nested"):
+        own = {**trip, "$id": "https://example.com/trip.json"}
+        if where == "nested":
+            own = {"type": "object", "properties": {"trip": own}, "required": ["trip"],
+                   "additionalProperties": False}  # fmt: skip
+        tool = {"type": "function", "function": {"name": "trip", "parameters": own}}
+        r = client.chat.completions.create(
+            **ask(messages=USER, tools=[tool], tool_choice=named, max_tokens=150)
+        )
+        arguments = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+        jsonschema.validate(arguments, own)
 
 
 def test_a_forced_call_of_a_function_without_parameters_takes_none(client):

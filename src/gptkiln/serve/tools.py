@@ -77,10 +77,12 @@ _NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "
 
 def _rebased(schema: Any, base: str) -> Any:
     """``schema`` with every ``$ref`` that is a JSON pointer into it (``#``, ``#/...``) pointing
-    under ``base`` instead (an anchor, ``#name``, or another document's is left as it is)."""
+    under ``base`` instead (an anchor, ``#name``, or another document's is left as it is). A
+    schema with its own ``$id`` is a resource of its own, against which its ``#/...`` refs
+    resolve wherever it sits (JSON Schema's rule, and llguidance's): it is left whole."""
     if isinstance(schema, list):
         return [_rebased(item, base) for item in schema]
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or "$id" in schema:
         return schema
     out = {}
     for key, value in schema.items():
