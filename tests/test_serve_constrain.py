@@ -368,3 +368,27 @@ def test_a_vocabulary_that_fails_as_the_server_starts_is_the_first_constrained_r
         ok = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 400 and str(said.value) in r.json()["error"]["message"]
     assert ok.status_code == 200
+
+
+def test_a_server_stopped_while_it_reads_the_vocabulary_waits_for_the_read(tokenizer, monkeypatch):
+    """The app's shutdown waits for the background read (`Grammars.build_soon`): a process that
+    ended with it running in its daemon thread (llguidance's native code as the interpreter
+    finalised) crashed with a segfault, about one `gptkiln serve` in five stopped (Ctrl-C)
+    within its first 0.3 s."""
+    from gptkiln.serve import constrain
+
+    started, release = threading.Event(), threading.Event()
+    real = constrain._Vocabulary
+
+    def slow(*args):
+        started.set()
+        release.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(constrain, "_Vocabulary", slow)
+    app = create_app(untied_model(tokenizer), tokenizer, model_name="m", max_batch=2)
+    with ServerThread(app):
+        assert started.wait(10)
+        threading.Timer(1.0, release.set).start()  # read on for a second after the stop
+    reading = [t for t in threading.enumerate() if t.name == "gptkiln-vocabulary"]
+    assert release.is_set() and not reading  # shut down only once the read had ended

@@ -120,6 +120,8 @@ def create_app(
             served.grammars.build_soon()  # the app answers meanwhile; a grammar waits for it
         yield
         await served.batcher.stop()
+        if served.grammars is not None:  # the read never left running as the process ends
+            await asyncio.to_thread(served.grammars.wait_for_reading)
 
     app = FastAPI(
         title="gptkiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

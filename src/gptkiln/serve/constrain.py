@@ -77,6 +77,7 @@ class Grammars:
         self.tokenizer = tokenizer
         self._lltok = None
         self._lock = threading.Lock()
+        self._reader: threading.Thread | None = None  # `build_soon`'s
         self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
     @staticmethod
@@ -91,8 +92,18 @@ class Grammars:
         """Read the vocabulary in a thread of its own, so that the first constrained request
         waits only for what is left of it (`_vocabulary` holds the lock while it reads); a
         failure there is left for that request, which reads it again and says why, as it
-        would have without this."""
-        threading.Thread(target=self._read_quietly, name="gptkiln-vocabulary", daemon=True).start()
+        would have without this. `wait_for_reading` waits for the thread as the app stops."""
+        self._reader = threading.Thread(
+            target=self._read_quietly, name="gptkiln-vocabulary", daemon=True
+        )
+        self._reader.start()
+
+    def wait_for_reading(self) -> None:
+        """Wait for `build_soon`'s read to end: a process must not end while it runs (a daemon
+        thread in llguidance's native code as the interpreter finalised crashed the process, a
+        segfault in about one server in five stopped within its first 0.3 s)."""
+        if self._reader is not None:
+            self._reader.join()
 
     def _read_quietly(self) -> None:
         try:
