@@ -411,6 +411,7 @@ def test_an_api_key_entered_on_the_page_takes_at_once(browser, keyed_url):
 
     fill(browser, "api-key", "wrong")
     wait_for(lambda: "API key refused" in browser.find_element("id", "model-info").text)
+    wait_for(lambda: room_shown(browser) == "(key refused)")  # as the header: not "needed"
     fill(browser, "api-key", "sekrit")
     wait_for(lambda: browser.find_element("id", "model-info").text == "keyed · context 64")
     wait_for(lambda: room_shown(browser) == f"≤ {room}")
