@@ -204,6 +204,7 @@ def test_serve_chat_completions_use_the_models_template(chat_run, monkeypatch):
     run, hf = chat_run
     got, sent = {}, []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("app", app))
+    monkeypatch.setattr("gptkiln.serve.check_can_listen", lambda host, port: None)
     chat_prompt = app_module.chat_prompt
 
     def caught(*args):

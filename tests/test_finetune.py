@@ -1076,6 +1076,7 @@ def test_serve_refuses_a_classifier_in_one_line(classifier, capsys, monkeypatch)
     import uvicorn
 
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("it served a classifier"))
+    monkeypatch.setattr("gptkiln.serve.check_can_listen", lambda host, port: None)
     code, _, err = cli("serve", classifier[0], capsys=capsys)
     assert_one_line_error(code, err, "is a classifier", "gptkiln classify")
 

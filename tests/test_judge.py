@@ -508,6 +508,7 @@ def served_judge(run):
     got = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("app", app))
+        mp.setattr("gptkiln.serve.check_can_listen", lambda host, port: None)
         serve(run, model_name="judge", max_batch=4, max_queue=16, log_level="warning")
     return got["app"]
 

@@ -403,6 +403,7 @@ def test_serve_quantize_int8_serves_the_quantized_model(float_run, monkeypatch, 
 
     apps = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
+    monkeypatch.setattr("gptkiln.serve.check_can_listen", lambda host, port: None)
     assert main(["serve", str(float_run), "--quantize", "int8", "--max-batch", "2"]) == 0
     batcher = apps[0].state.batcher
     assert quantization_of(batcher.model)["method"] == "int8"
@@ -424,6 +425,7 @@ def test_serve_refuses_a_bad_quantize_value_before_it_listens(float_run, monkeyp
     from gptkiln.cli import main
 
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("it served"))
+    monkeypatch.setattr("gptkiln.serve.check_can_listen", lambda host, port: None)
     assert main(["serve", str(float_run), "--quantize", "int4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "quantize 'int4'" in err[0] and "int8" in err[0]

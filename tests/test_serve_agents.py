@@ -192,6 +192,7 @@ def served(run_dir):
     got = {}
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("app", app))
+        monkeypatch.setattr("gptkiln.serve.check_can_listen", lambda host, port: None)
         serve(run_dir, model_name=NAME, max_batch=8, max_queue=16, log_level="warning")
     return got["app"]
 
