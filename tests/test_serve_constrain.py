@@ -392,3 +392,26 @@ def test_a_server_stopped_while_it_reads_the_vocabulary_waits_for_the_read(token
         threading.Timer(1.0, release.set).start()  # read on for a second after the stop
     reading = [t for t in threading.enumerate() if t.name == "gptkiln-vocabulary"]
     assert release.is_set() and not reading  # shut down only once the read had ended
+
+
+def test_a_schema_nested_past_the_checked_depth_is_refused_at_any_stack_depth():
+    """How deep a schema may nest is counted, not left to the recursion of jsonschema's check,
+    which passed or failed by the depth of the stack it began from (a 150-deep ``not`` chain
+    was a 400 for its tools in one process and went on to the context check in another)."""
+    from gptkiln.serve.constrain import MAX_SCHEMA_DEPTH, GrammarError, check_schema
+
+    def chain(n: int) -> dict:
+        schema: dict = {"type": "object"}
+        for _ in range(n - 1):
+            schema = {"not": schema}
+        return schema
+
+    def nested(depth_left: int, schema: dict) -> None:  # the check begins from a deep stack
+        if depth_left:
+            return nested(depth_left - 1, schema)
+        check_schema(schema)
+
+    check_schema(chain(MAX_SCHEMA_DEPTH))
+    for stack in (0, 400):
+        with pytest.raises(GrammarError, match=f"nests {MAX_SCHEMA_DEPTH + 1} levels deep"):
+            nested(stack, chain(MAX_SCHEMA_DEPTH + 1))

@@ -186,6 +186,11 @@ def check_schema(schema: Any) -> None:
         return
     if not isinstance(schema.get("$schema", ""), str):
         raise GrammarError("its $schema is not a string (the URI of a JSON Schema draft)")
+    if (depth := _depth(schema)) > MAX_SCHEMA_DEPTH:  # before a check whose recursion could
+        raise GrammarError(  # pass or fail by the depth of the stack it starts from
+            f"it nests {depth} levels deep, past the {MAX_SCHEMA_DEPTH} checked; send a "
+            "flatter schema"
+        )
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:
@@ -193,6 +198,26 @@ def check_schema(schema: Any) -> None:
         raise GrammarError(f"{e.message}" + (f" (at {where})" if where else "")) from None
     except RecursionError:
         raise GrammarError("it nests too deep to be checked; send a flatter schema") from None
+
+
+MAX_SCHEMA_DEPTH = 100
+"""The deepest nesting of objects and arrays `check_schema` takes in a schema (a real one nests a
+few tens); deeper is refused, whatever the depth of the stack the check would start from."""
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value``'s objects and arrays nest (a scalar: 0), without recursion."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        )
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        level.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 FINITE_CHECK_STEPS = 20_000
