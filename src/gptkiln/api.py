@@ -165,12 +165,14 @@ def _prompt_ids(
     ids = encode_prompt(tokenizer, prompt, templated=templated)
     check_ids_fit(max(ids), model, tokenizer, run)
     ctx = model.config.context_length
+    if on_notice is None or len(ids) + new <= ctx:  # nothing to say: the window never slides
+        return ids
     seen = window_seen(tokenizer, ids, ctx)
-    if len(ids) > ctx and on_notice:
+    if len(ids) > ctx:
         on_notice(
             f"{which} has {len(ids)} tokens, more than the model's context of {ctx}; keeping {seen}"
         )
-    elif len(ids) + new > ctx and on_notice:
+    else:
         on_notice(
             f"{which}'s {len(ids)} tokens and up to {new} new ones pass the model's context of "
             f"{ctx}: past it the window slides, each new token seeing {seen} (as the book's "
