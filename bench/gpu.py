@@ -111,7 +111,7 @@ import _common as common  # noqa: E402
 import generate as generate_bench  # noqa: E402
 
 from gptkiln.config.model import rounded_vocab  # noqa: E402
-from gptkiln.config.run import VOCAB_MULTIPLE  # noqa: E402
+from gptkiln.config.train import VOCAB_MULTIPLE  # noqa: E402
 
 SHAPE = dict(vocab=50257, context=1024, n_layer=12, n_head=12, n_embd=768)
 # the smoke run's vocabulary is not a multiple of 64, so that its train row pads (to 256)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 
 from gptkiln.config.model import rounded_vocab  # noqa: E402
-from gptkiln.config.run import VOCAB_MULTIPLE  # noqa: E402
+from gptkiln.config.train import VOCAB_MULTIPLE  # noqa: E402
 
 VOCAB = 50257
 SHAPES = {  # preset: (batch, context)

@@ -244,7 +244,7 @@ def test_a_models_generation_config_sets_the_sampling_no_flag_gives(chat_run, mo
     with a note; a flag given wins; do_sample false is greedy; and the Python API's."""
     from gptkiln.api import complete, stream_text
     from gptkiln.config import SampleConfig
-    from gptkiln.config.run import model_sampling
+    from gptkiln.config.sample import model_sampling
 
     run, _ = chat_run
     config_path = run / "generation_config.json"

@@ -337,7 +337,7 @@ def test_data_prepared_with_a_models_tokenizer_keeps_its_ids_not_its_sampling(tm
     so the run) keeps its generation_config.json's token ids, not Qwen3's temperature 0.6."""
     from hf_tokenizer_dirs import write_qwen3_dir
 
-    from gptkiln.config.run import model_sampling
+    from gptkiln.config.sample import model_sampling
     from gptkiln.data import prepare
 
     directory = write_qwen3_dir(tmp_path / "qwen")

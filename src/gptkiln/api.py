@@ -319,12 +319,12 @@ def _with_model_sampling(
     on_notice: Callable[[str], None] | None,
 ) -> dict[str, Any]:
     """``overrides`` and, where no ``cfg`` is given, what a run's generation_config.json sets
-    of the sampling they leave out (`config.run.model_sampling`: Qwen3's temperature 0.6, top-k
+    of the sampling they leave out (`config.sample.model_sampling`: Qwen3's temperature 0.6, top-k
     20, top-p 0.95), as transformers' ``generate`` takes a model's generation config for the
     settings its call does not give; ``on_notice`` is told which. A `GPT` has no such file."""
     if cfg is not None or isinstance(run, GPT):
         return overrides
-    from gptkiln.config.run import model_sampling, sampling_said
+    from gptkiln.config.sample import model_sampling, sampling_said
 
     taken = {k: v for k, v in model_sampling(run).items() if k not in overrides}
     if taken and on_notice is not None:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from gptkiln.config import SampleConfig
-from gptkiln.config.run import MODEL_SAMPLING, sampling_said
+from gptkiln.config.sample import MODEL_SAMPLING, sampling_said
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -301,7 +301,7 @@ def finetune_configs_from_args(
     args: argparse.Namespace,
 ) -> tuple[FinetuneConfig, TrainConfig]:
     """(`FinetuneConfig`, the loop's `TrainConfig`) of a ``gptkiln finetune`` command line."""
-    from gptkiln.config.run import read_fields
+    from gptkiln.config.finetune import read_fields
     from gptkiln.errors import GptkilnError
     from gptkiln.finetune import train_config
 
@@ -487,7 +487,7 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_chat(args: argparse.Namespace) -> None:
     from gptkiln import chat
-    from gptkiln.config.run import model_sampling
+    from gptkiln.config.sample import model_sampling
     from gptkiln.devices import resolve_device
 
     device = resolve_device(args.device)

@@ -133,7 +133,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from gptkiln.chat_template import is_chat_template
-    from gptkiln.config.run import model_sampling
+    from gptkiln.config.sample import model_sampling
     from gptkiln.devices import resolve_device
 
     prompts = _prompts(args)

@@ -6,7 +6,7 @@ import argparse
 
 from gptkiln.cli.common import add_out_flag, add_quiet_flag, example, note
 from gptkiln.config import TrainConfig
-from gptkiln.config.run import BPE_SAMPLE_BYTES
+from gptkiln.config.train import BPE_SAMPLE_BYTES
 from gptkiln.errors import GptkilnError
 
 

@@ -1,11 +1,14 @@
 """Typed configuration: the model (`GPTConfig`, the families and the presets, in
-`gptkiln.config.model`) apart from run settings (`TrainConfig`, `SampleConfig`, `FinetuneConfig`, in
-`gptkiln.config.run`); `gptkiln.config.checks` holds the type checks they share.
+`gptkiln.config.model`) apart from run settings: training (`TrainConfig`, in
+`gptkiln.config.train`), sampling (`SampleConfig`, in `gptkiln.config.sample`) and fine-tuning
+(`FinetuneConfig`, in `gptkiln.config.finetune`); `gptkiln.config.checks` holds the type checks
+they share.
 
 No torch import here, so the CLI can parse and validate flags before torch loads.
 """
 
 from gptkiln.config.checks import check_values
+from gptkiln.config.finetune import FINETUNE_DEFAULTS, FINETUNE_TASKS, FinetuneConfig
 from gptkiln.config.model import (
     FAMILIES,
     GPT2_VOCAB_SIZE,
@@ -13,17 +16,8 @@ from gptkiln.config.model import (
     ROPE_SCALING_KEYS,
     GPTConfig,
 )
-from gptkiln.config.run import (
-    FINETUNE_DEFAULTS,
-    FINETUNE_TASKS,
-    TRAIN_GROUPS,
-    FinetuneConfig,
-    SampleConfig,
-    TrainConfig,
-    check_sampling,
-    check_stop,
-    setting,
-)
+from gptkiln.config.sample import SampleConfig, check_sampling, check_stop
+from gptkiln.config.train import TRAIN_GROUPS, TrainConfig, setting
 
 __all__ = [
     "FAMILIES",

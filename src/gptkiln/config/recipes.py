@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gptkiln.config.checks import check_values
-from gptkiln.config.run import TrainConfig
+from gptkiln.config.train import TrainConfig
 from gptkiln.errors import GptkilnError
 
 RECIPES_DIR = Path(__file__).parents[1] / "recipes"

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gptkiln.config.run import BPE_SAMPLE_BYTES, DEFAULT_TOKENIZER
+from gptkiln.config.train import BPE_SAMPLE_BYTES, DEFAULT_TOKENIZER
 from gptkiln.data.encoding import encoded_batches
 from gptkiln.data.mixture import (
     Mixture,

@@ -18,7 +18,7 @@ import torch
 
 from gptkiln import distributed as dist_utils
 from gptkiln.config import FinetuneConfig, TrainConfig
-from gptkiln.config.run import read_fields
+from gptkiln.config.finetune import read_fields
 from gptkiln.errors import GptkilnError
 from gptkiln.finetune.lora import LoraSpec, add_lora
 from gptkiln.model import GPT

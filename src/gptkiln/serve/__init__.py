@@ -115,7 +115,7 @@ def serve(
     import uvicorn
 
     from gptkiln.api import load_for_decoding, precision_notice
-    from gptkiln.config.run import model_sampling
+    from gptkiln.config.sample import model_sampling
     from gptkiln.finetune.runs import run_template
     from gptkiln.loading import check_language_model
     from gptkiln.serve.app import create_app
@@ -163,7 +163,7 @@ def _sampling_notice(sampling: dict) -> str:
     """What the startup line says of the model's generation_config.json sampling, if any."""
     if not sampling:
         return ""
-    from gptkiln.config.run import sampling_said
+    from gptkiln.config.sample import sampling_said
 
     said = sampling_said(sampling)  # by the request fields' names
     return f"; a request that leaves them out samples with its generation_config.json's {said}"

@@ -98,7 +98,7 @@ def create_app(
         prefix_cache_bytes: the most the prefix cache holds (`prefix_cache.PrefixCache`); 0
             turns it off.
         sampling_defaults: what a request that leaves a field of `MODEL_SAMPLING` out samples
-            with (the model's generation_config.json: `config.run.model_sampling`), as vLLM's
+            with (the model's generation_config.json: `config.sample.model_sampling`), as vLLM's
             ``--generation-config auto``; OpenAI's defaults for the rest.
     """
     served = Served(

@@ -170,7 +170,7 @@ def sample_config(
         context: the model's context length.
         extra_stop: stop strings added to the request's own (a template's headers).
         source: the request field the prompts came from, named in a too-long error.
-        defaults: the model's sampling (`config.run.model_sampling`) for the fields of
+        defaults: the model's sampling (`config.sample.model_sampling`) for the fields of
             `MODEL_SAMPLING` the request leaves out (vLLM's ``--generation-config auto``).
         vocab: the ids the model and its tokenizer share (a ``logit_bias`` id past them: 400).
     """

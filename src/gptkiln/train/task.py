@@ -21,7 +21,7 @@ from gptkiln import checkpoint, run_guard
 from gptkiln import distributed as dist_utils
 from gptkiln.config import GPTConfig, TrainConfig
 from gptkiln.config.model import rounded_vocab
-from gptkiln.config.run import BPE_SAMPLE_BYTES, DEFAULT_SAMPLE_PROMPT, VOCAB_MULTIPLE
+from gptkiln.config.train import BPE_SAMPLE_BYTES, DEFAULT_SAMPLE_PROMPT, VOCAB_MULTIPLE
 from gptkiln.errors import GptkilnError
 from gptkiln.model import GPT
 from gptkiln.train.agreement import keep_prepared_settings
