@@ -62,6 +62,31 @@ def test_a_batch_of_prompts_gives_what_each_prompt_gives_alone(run):
         assert texts(chunked) == texts(batch)
 
 
+def test_complete_tells_each_batch_as_it_ends(run):
+    """``on_batch``: each batch's samples as soon as it is done (before the next one starts),
+    the same as those returned, so a caller keeps them before the rest are (`gptkiln judge`)."""
+    cfg = SampleConfig(max_new_tokens=6, temperature=0)
+    told, generated = [], []
+    real = gptkiln.sampling.generate_stream
+
+    def counted(model, prompts, *a, **k):  # the batches generated so far, when one is told
+        generated.append(len(prompts))
+        return real(model, prompts, *a, **k)
+
+    def on_batch(samples):
+        told.append((len(generated), samples))
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(gptkiln.sampling, "generate_stream", counted)
+        samples = complete(run, PROMPTS, cfg, batch_size=3, num_samples=2, on_batch=on_batch)
+    assert generated == [3, 3, 2]  # 8 rows
+    assert [(after, len(batch)) for after, batch in told] == [(1, 3), (2, 3), (3, 2)]
+    assert texts([s for _, batch in told for s in batch]) == texts(samples)
+    assert [(s.prompt_index, s.index) for _, batch in told for s in batch][:3] == [
+        (0, 0), (0, 1), (1, 0)
+    ]  # fmt: skip
+
+
 def test_sample_j_of_a_prompt_is_drawn_with_seed_plus_j(run):
     cfg = SampleConfig(max_new_tokens=10, temperature=1.0, seed=40)
     samples = complete(run, PROMPTS[:2], cfg, num_samples=3)

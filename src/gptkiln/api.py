@@ -234,6 +234,7 @@ def complete(
     quantize: str | None = None,
     templated: bool = False,
     precision: str | None = None,
+    on_batch: Callable[[list[Completion]], None] | None = None,
     **overrides,
 ) -> list[Completion]:
     """``num_samples`` samples for each prompt, generated together in batches. ``overrides``
@@ -262,6 +263,8 @@ def complete(
             own; `gptkiln.cpu.ready_for_decoding`).
         templated: the prompts were rendered by the model's chat template and hold their own
             special tokens (`gptkiln.tokenizers.encode_prompt`).
+        on_batch: told each batch's samples as soon as the batch is done, in order (the
+            caller's thread), so they can be kept before the rest are (`gptkiln judge` does).
 
     Without ``cfg``, a run's generation_config.json sets the sampling settings
     ``overrides`` leave out (as transformers' ``generate`` and ``gptkiln generate`` take them:
@@ -289,17 +292,10 @@ def complete(
     ]
     _say_precision(model, precision, on_notice)
     rows = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
-    streams = generate_batched(
-        model,
-        [ids[i] for i, _ in rows],
-        cfg,
-        tokenizer,
-        batch_size=batch_size,
-        row_seeds=None if cfg.seed is None else [cfg.seed + j for _, j in rows],
-        prepare=_decoding(model, precision),
-    )
-    return [
-        Completion(
+
+    def completion(row: int, stream) -> Completion:
+        i, j = rows[row]
+        return Completion(
             prompt_index=i,
             prompt=prompts[i],
             index=j,
@@ -308,8 +304,21 @@ def complete(
             token_ids=[*stream.ids, *(() if stream.end is None else (stream.end,))],
             finish_reason=stream.finish_reason,
         )
-        for (i, j), stream in zip(rows, streams)
-    ]
+
+    def told(batch: range, done: list) -> None:
+        on_batch([completion(r, stream) for r, stream in zip(batch, done, strict=True)])
+
+    streams = generate_batched(
+        model,
+        [ids[i] for i, _ in rows],
+        cfg,
+        tokenizer,
+        batch_size=batch_size,
+        row_seeds=None if cfg.seed is None else [cfg.seed + j for _, j in rows],
+        prepare=_decoding(model, precision),
+        on_batch=None if on_batch is None else told,
+    )
+    return [completion(r, stream) for r, stream in enumerate(streams)]
 
 
 def _with_model_sampling(

@@ -709,12 +709,15 @@ def generate_batched(
     batch_size: int,
     row_seeds: Sequence[int | None] | None = None,
     prepare: Prepare | None = None,
+    on_batch: Callable[[range, list[TextStream]], None] | None = None,
 ) -> list[TextStream]:
     """Generate from every prompt (token ids), ``batch_size`` rows at a time, each row into its
     own `TextStream`: the text ends before a stop string of ``cfg.stop`` or at end-of-text
     (with ``cfg.stop_at_eos``). ``row_seeds``: one seed (or None) a prompt, as
     `generate_stream`'s, and so is ``prepare``. Returns the streams, in the prompts' order, each
-    flushed (what a row that ran out of tokens held back is given out).
+    flushed (what a row that ran out of tokens held back is given out). ``on_batch(rows,
+    streams)`` is told each batch as it ends (the prompts' indices, their flushed streams), so a
+    caller can keep what is done before the rest is (a stop loses the batch in hand only).
 
     `gptkiln.api.complete` and the harness backend (`gptkiln.evaluate`) both generate through
     this; the model is left in the mode it was in, without a cache.
@@ -739,11 +742,13 @@ def generate_batched(
                 keep=kept_ids(tokenizer, [prompts[r] for r in batch], ctx),
             ):
                 pass
+            for r in batch:
+                streams[r].flush()
+            if on_batch is not None:
+                on_batch(batch, [streams[r] for r in batch])
     finally:
         model.clear_cache()
         model.train(was_training)
-    for stream in streams:
-        stream.flush()
     return streams
 
 
