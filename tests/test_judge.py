@@ -27,6 +27,7 @@ from gptkiln.finetune import finetune, train_config
 from gptkiln.finetune.judge import BOOK_PROMPT, Judge, parse_score
 from gptkiln.finetune.judging import judge_run
 from gptkiln.model import GPT
+from gptkiln.sampling import generate_stream
 from gptkiln.tokenizers import build_char_tokenizer
 
 CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
@@ -442,6 +443,154 @@ def test_a_judging_stopped_keeps_what_was_judged_and_the_next_asks_about_the_res
     assert len(app.state.questions) == 4 + 3  # the check and three, then the three not asked
     last = json.loads(out.strip().splitlines()[-1])
     assert last["scored"] == 4 and last["unparsed"] == 2 and last["failed"] == 0
+
+
+GENERATE_STREAM = generate_stream  # gptkiln's own, whatever a test puts in its place
+
+
+def counted_generation(
+    monkeypatch, stop_after: int | None = None, stop=KeyboardInterrupt, on_stop=lambda: None
+):
+    """gptkiln's generation with the rows of each batch it starts counted (the list returned);
+    with ``stop_after``: ``stop`` raised (``on_stop()`` called first) after a first token of
+    the first batch that starts once that many rows have been, so that batch's answers are
+    lost and the others' came."""
+    import gptkiln.sampling
+
+    rows = []
+
+    def generate_stream(model, prompts, *args, **kwargs):
+        stopping = stop_after is not None and sum(rows) >= stop_after
+        rows.append(len(prompts))
+        for n, step in enumerate(GENERATE_STREAM(model, prompts, *args, **kwargs)):
+            if stopping and n == 1:
+                on_stop()
+                raise stop
+            yield step
+
+    monkeypatch.setattr(gptkiln.sampling, "generate_stream", generate_stream)
+    return rows
+
+
+def test_a_stop_while_the_run_answers_keeps_its_answers_and_the_next_answers_the_rest(
+    run, tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C in the third batch of two answers: the verdict, written as each batch ends (not
+    only at the stop), holds the four answers given, the other two not answered; the next
+    judging has the run answer those two alone, and its verdict is that of a judging never
+    stopped. The progress bars count the kept answers."""
+    import gptkiln.finetune.judging
+
+    data, path = six_entries(tmp_path), run / "judgements-six.json"
+    monkeypatch.setattr(gptkiln.finetune.judging, "SAVE_EVERY", 0.0)
+    app = fake_judge()
+    with ServerThread(app) as url:
+        whole = counted_generation(monkeypatch)
+        code, _, err = judge_six(run, data, url, capsys, "--batch-size", 2, "--name", "whole")
+        assert code == 0 and whole == [2, 2, 2], err
+        expected = json.loads((run / "judgements-whole.json").read_text())
+
+        seen = []
+
+        def read():  # the file as the third batch is stopped: written as the answers came
+            saved = json.loads(path.read_text()) if path.is_file() else {"per_entry": []}
+            seen.append(sum(e["response"] is not None for e in saved["per_entry"]))
+
+        path.unlink(missing_ok=True)
+        stopped = counted_generation(monkeypatch, stop_after=4, on_stop=read)
+        code, _, err = judge_six(run, data, url, capsys, "--batch-size", 2, "--overwrite")
+        assert code == 130 and stopped == [2, 2, 2], err
+        assert seen == [4], err
+        assert err.strip().splitlines()[-1] == (
+            "gptkiln judge: interrupted while answering; the run's answers to 4 of 6 entries are "
+            f"kept in {path}: the same command answers the other 2"
+        )
+        saved = json.loads(path.read_text())
+        assert [e["response"] for e in saved["per_entry"][:4]] == [
+            e["response"] for e in expected["per_entry"][:4]
+        ]
+        assert [e["response"] for e in saved["per_entry"][4:]] == [None, None]
+        assert {e["error"] for e in saved["per_entry"]} == {
+            "not asked: the judging stopped before it",
+            "not answered: the run's answering stopped before it",
+        }
+        assert [e["input"] for e in saved["per_entry"]] == [
+            e["input"] for e in expected["per_entry"]
+        ]
+        asked = len(app.state.questions)
+
+        again = counted_generation(monkeypatch)
+        judge = Judge(url=f"{url}/v1", model="fake", concurrency=1)
+        verdict = judge_run(
+            run, judge, data=str(data), max_new_tokens=2, batch_size=2, name="six", progress=True
+        )
+    err = capsys.readouterr().err
+    assert again == [2], err  # the two not answered, in one batch
+    assert len(app.state.questions) - asked == 1 + 6  # the check, then every entry
+    assert (
+        "note: 4 of 6 answers kept from judgements-six.json; answering the other 2, then asking "
+        "the judge about all 6"
+    ) in err, err
+    assert "answering:  67%" in err and "4/6" in err and "answering: 100%" in err, err
+    assert "answering:   0%" not in err, err
+    assert json.loads(path.read_text()) == expected
+    assert verdict.summary() == {k: expected[k] for k in verdict.summary()}
+
+
+def test_kept_answers_are_answered_anew_with_other_max_new_tokens_or_weights(
+    run, tmp_path, capsys, monkeypatch
+):
+    """A crash while the run answers keeps its answers too (and is raised as it was); they
+    are reused only by a judging of the same --max-new-tokens and weights: another answers
+    every entry anew, with a note that says why."""
+    import os
+
+    import gptkiln.finetune.judging
+
+    data, path = six_entries(tmp_path), run / "judgements-six.json"
+    monkeypatch.setattr(gptkiln.finetune.judging, "SAVE_EVERY", 0.0)
+    weights = run / "model.safetensors"
+    app = fake_judge()
+    with ServerThread(app) as url:
+        judge = Judge(url=f"{url}/v1", model="fake", concurrency=1)
+        for more, why in (
+            (["--max-new-tokens", 3], "the run's answers in it are of up to 2 tokens, not 3"),
+            ([], "the run's weights changed since: a weights file or config.json is not the same"),
+        ):  # fmt: skip
+            crashed = counted_generation(monkeypatch, stop_after=2, stop=RuntimeError("a crash"))
+            with pytest.raises(RuntimeError, match="a crash"):
+                judge_run(run, judge, data=str(data), max_new_tokens=2, batch_size=2, name="six",
+                          progress=False, overwrite=True)  # fmt: skip
+            assert crashed == [2, 2]
+            saved = json.loads(path.read_text())
+            answered = [e["response"] is not None for e in saved["per_entry"]]
+            assert answered == [True] * 2 + [False] * 4
+            if not more:  # the weights saved again: their time changes
+                os.utime(weights, ns=(weights.stat().st_atime_ns, time.time_ns()))
+            asked = len(app.state.questions)
+            rows = counted_generation(monkeypatch)
+            code, _, err = judge_six(run, data, url, capsys, "--batch-size", 2, *more)
+            assert code == 0, err
+            assert rows == [2, 2, 2], err  # every entry answered anew
+            assert (
+                f"note: judgements-six.json is not reused ({why}): every entry is answered and "
+                "judged anew"
+            ) in err, err
+            assert len(app.state.questions) - asked == 1 + 6
+
+
+def test_the_judging_bar_counts_the_entries_judged_before(fake, capsys):
+    """A judging that goes on from a kept verdict: its progress bar starts at the entries
+    judged then, and ends at all of them."""
+    from gptkiln.finetune.judge import Entry, judge_entries
+
+    url, _ = fake
+    left = [Entry(input="Say a.", output="a", response="a"), Entry("Say b.", "bb", "b")]
+    judge_entries(Judge(url=f"{url}/v1", model="fake"), left, progress=True, kept=3)
+    err = capsys.readouterr().err
+    assert "judging:  60%" in err and "3/5" in err and "5/5" in err, err
+    assert "0/5" not in err and "/2 " not in err, err
+    assert [e.answer for e in left] == [fake_answer("a"), fake_answer("bb")]
 
 
 def test_a_judge_gone_during_the_asking_keeps_what_was_judged(run, tmp_path, capsys):

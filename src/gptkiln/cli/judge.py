@@ -20,10 +20,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "another gptkiln serve) scores each answer from 0 to 100 against the correct output. "
         "An answer that is not a number is counted as unparsed and kept; a request the judge "
         "refuses (a question too long for it) is that entry's failure, its reason kept. Prints "
-        "the mean of the scores; every entry goes to RUN/judgements.json, written as the "
-        "judging goes; a judging again with the same judge, test entries, --max-new-tokens "
-        "and run weights keeps the entries judged and asks only about those that failed or "
-        "were not asked (the judging stopped by Ctrl-C or a judge gone).",
+        "the mean of the scores; every entry goes to RUN/judgements.json, written as the run "
+        "answers and as the judging goes; a judging again with the same judge, test entries, "
+        "--max-new-tokens and run weights keeps the run's answers and the entries judged, has "
+        "the run answer only the entries it had not and asks only about those that failed or "
+        "were not asked (a judging stopped by Ctrl-C, a crash or a judge gone).",
         epilog=example(
             "gptkiln judge runs/instruct --judge-url http://localhost:11434/v1 "
             "--judge-model llama3",
@@ -88,9 +89,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_overwrite_flag(
         p,
-        help="judge every entry anew, over the verdict in RUN/judgements.json (default: keep "
-        "the entries it judged, when made with the same judge, test entries, --max-new-tokens "
-        "and run weights)",
+        help="answer and judge every entry anew, over the verdict in RUN/judgements.json "
+        "(default: keep its answers and judged entries, when made with the same judge, test "
+        "entries, --max-new-tokens and run weights)",
     )
     p.add_argument(
         "--json",
@@ -101,7 +102,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="a progress bar of the judged entries, at a terminal (default: on)",
+        help="progress bars of the entries answered and judged, at a terminal (default: on)",
     )
     add_device_flag(p)
     p.set_defaults(func=run_judge)

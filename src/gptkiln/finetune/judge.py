@@ -122,7 +122,7 @@ class Entry:
 
     input: str
     output: str
-    response: str
+    response: str | None  # the run's answer; None until it is given (`judging.NOT_ANSWERED`)
     answer: str | None = None  # the judge's, as it came
     score: float | None = None  # None: the answer was not a number in [0, 100], or none came
     error: str | None = None  # why the judge gave no answer (`RequestFailed`)
@@ -300,17 +300,21 @@ def judge_entries(
     progress: bool = True,
     client=None,
     on_judged: Callable[[], None] | None = None,
+    kept: int = 0,
 ) -> Verdict:
     """Each entry's answer and score from the judge, ``judge.concurrency`` at a time. Each
     answer is set in the calling thread as it comes, then ``on_judged()`` is called (so the
     entries can be written while the others are asked); a stop (Ctrl-C, a judge gone) sends
-    no more requests and waits for none, the answers that came before it set."""
+    no more requests and waits for none, the answers that came before it set. ``kept``:
+    entries judged before, counted by the progress bar as done."""
     import httpx
     from tqdm.auto import tqdm
 
     own = client is None
     client = client or httpx.Client()
-    bar = tqdm(total=len(entries), desc="judging", unit="entry", disable=not progress)
+    bar = tqdm(
+        total=kept + len(entries), initial=kept, desc="judging", unit="entry", disable=not progress
+    )
 
     def one(entry: Entry) -> tuple[str | None, str | None]:  # (answer, error)
         question = judge.question(entry.input, entry.output, entry.response)

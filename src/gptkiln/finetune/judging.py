@@ -5,10 +5,12 @@ The test entries are those of ``--data`` (instructions, DPO pairs, conversations
 split of the data the run was fine-tuned on; the run answers them greedily, batched through
 `gptkiln.api.complete`, and the judge is shown each prompt as the run's template writes it.
 
-The verdict is written as the judging goes (`judge_and_keep`), so a judging stopped (Ctrl-C, a
-judge gone) keeps what was judged; the next judging of the run by the same judge keeps it and
-asks only about the entries that failed or were not asked (`kept_entries`), as lm-eval's
-``--use_cache`` keeps a model's answers to the requests it has seen.
+The verdict is written as the run answers (`answer_and_keep`) and as the judging goes
+(`judge_and_keep`), so a judging stopped (Ctrl-C, a crash, a judge gone) keeps the run's
+answers given and what was judged; the next judging of the run by the same judge keeps them
+(`kept_entries`), has the run answer only the entries it had not, and asks only about the
+entries that failed or were not asked, as lm-eval's ``--use_cache`` keeps a model's answers to
+the requests it has seen.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from gptkiln.finetune.judge import (
 )
 
 JUDGEMENTS_FILE = "judgements.json"
+NOT_ANSWERED = "not answered: the run's answering stopped before it"  # error until answered
 NOT_ASKED = "not asked: the judging stopped before it"  # an entry's error until it is asked
-SAVE_EVERY = 2.0  # seconds between writes of the verdict while the judge is asked
+SAVE_EVERY = 2.0  # seconds between writes of the verdict while the run answers, the judge too
 
 
 # -- the run's answers ---------------------------------------------------------------------------
@@ -179,17 +182,29 @@ def answers(
     batch_size: int = 8,
     device: str = "cpu",
     on_notice: Callable[[str], None] | None = None,
+    kept: Sequence[Entry] | None = None,
+    on_answered: Callable[[list[Entry]], None] | None = None,
+    progress: bool = False,
 ) -> list[Entry]:
     """The run's greedy answer to each item, batched; the entries to judge (``input`` is each
     prompt as the run's template writes it, without the trailing response header; ``response``
-    the answer after any ``<think>...</think>`` block, as a judge of a thinking model reads it).
-    ``on_notice`` is told once how many prompts were longer than the run's context (the run
-    answers from their end, as `gptkiln generate` does, while the judge is shown them whole)."""
+    the answer after any ``<think>...</think>`` block, as a judge of a thinking model reads it;
+    ``error`` `NOT_ASKED`, until the judge is). ``on_notice`` is told once how many prompts
+    were longer than the run's context (the run answers from their end, as `gptkiln generate`
+    does, while the judge is shown them whole).
+
+    ``kept``: the entries of an answering that stopped (one an item, in order): those with a
+    ``response`` are kept as they are and only the others answered (a greedy answer is the
+    same alone as in any batch). ``on_answered(entries)`` is told the whole list after each
+    batch, in the calling thread, an entry not answered yet with ``response`` None and error
+    `NOT_ANSWERED`, so the answers can be kept as they come. ``progress``: a bar of the entries
+    answered, the kept ones counted."""
+    from tqdm.auto import tqdm
+
     from gptkiln.api import complete
     from gptkiln.chat_template import is_chat_template
     from gptkiln.config import SampleConfig
     from gptkiln.finetune.runs import require_template
-    from gptkiln.finetune.templates import format_messages, format_prompt
     from gptkiln.loading import load_run
 
     if max_new_tokens < 1:
@@ -201,54 +216,93 @@ def answers(
     model, tokenizer, cfg = load_run(run_dir, device=device)
     template = require_template(cfg, run_dir)
     chat = is_chat_template(template)
-    prompts = []
-    for messages, _ in items:
-        if chat or len(messages) > 1 or ENTRY_KEY not in messages[-1]:
-            plain = [{k: v for k, v in m.items() if k != ENTRY_KEY} for m in messages]
-            prompts.append(format_messages(template, plain))
-        else:
-            prompts.append(format_prompt(template, *_instruction_entry(messages)))
+    prompts = [_prompt(template, messages, chat) for messages, _ in items]
+    entries = list(kept) if kept is not None else _unanswered(template, prompts, items, chat)
+    todo = [i for i, e in enumerate(entries) if e.response is None]
+    if not todo:
+        return entries
     sample = SampleConfig(  # an answer is text, as gptkiln chat shows it: no special tokens
         max_new_tokens=max_new_tokens,
         temperature=0,
         stop=template.stop_strings(),
         skip_special_tokens=True,
     )
-    notices: list[str] = []
-    done = complete(
-        model,
-        prompts,
-        sample,
-        tokenizer=tokenizer,
-        batch_size=batch_size,
-        templated=chat,
-        on_notice=notices.append,
+    bar = tqdm(
+        total=len(entries),
+        initial=len(entries) - len(todo),
+        desc="answering",
+        unit="entry",
+        disable=not progress,
     )
-    if on_notice is not None and (note := _cut_note(notices, len(prompts), model)):
+
+    def answered(done) -> None:  # a batch's completions, each of the prompt todo[prompt_index]
+        for c in done:
+            _set_response(entries[todo[c.prompt_index]], c.text)
+        bar.update(len(done))
+        if on_answered is not None:
+            on_answered(entries)
+
+    notices: list[str] = []
+    try:
+        done = complete(
+            model,
+            [prompts[i] for i in todo],
+            sample,
+            tokenizer=tokenizer,
+            batch_size=batch_size,
+            templated=chat,
+            on_notice=notices.append,
+            on_batch=answered,
+        )
+    finally:
+        bar.close()
+    for i, c in zip(todo, done, strict=True):
+        _set_response(entries[i], c.text)
+    if on_notice is not None and (note := _cut_note(notices, todo, model)):
         on_notice(note)
-    shown = [
-        _shown_input(template, p, messages, chat)
-        for p, (messages, _) in zip(prompts, items, strict=True)
+    return entries
+
+
+def _prompt(template, messages: list[dict], chat: bool) -> str:
+    """The prompt the run answers: the messages in its chat template; an instruction entry in
+    its prompt template, as it was trained."""
+    from gptkiln.finetune.templates import format_messages, format_prompt
+
+    if chat or len(messages) > 1 or ENTRY_KEY not in messages[-1]:
+        plain = [{k: v for k, v in m.items() if k != ENTRY_KEY} for m in messages]
+        return format_messages(template, plain)
+    return format_prompt(template, *_instruction_entry(messages))
+
+
+def _unanswered(template, prompts: list[str], items, chat: bool) -> list[Entry]:
+    """An entry for each item, not answered yet: its input as the judge is shown it."""
+    return [
+        Entry(_shown_input(template, p, messages, chat), output, None, error=NOT_ANSWERED)
+        for p, (messages, output) in zip(prompts, items, strict=True)
     ]
-    return [  # the answer a reader gets: a thinking model's reasoning block left out
-        Entry(input=s, output=output, response=REASONING.sub("", c.text, count=1).strip())
-        for s, (_, output), c in zip(shown, items, done, strict=True)
-    ]
+
+
+def _set_response(entry: Entry, text: str) -> None:
+    """The run's answer as a reader gets it (a thinking model's reasoning block left out): the
+    entry is answered, the judge not asked yet."""
+    entry.response = REASONING.sub("", text, count=1).strip()
+    entry.error = NOT_ASKED
 
 
 _CUT = re.compile(r"prompt (\d+) has \d+ tokens, more than the model's context")  # api's
 
 
-def _cut_note(notices: list[str], n: int, model) -> str | None:
-    """One line for `complete`'s notices of prompts cut to the context (one notice each)."""
+def _cut_note(notices: list[str], asked: list[int], model) -> str | None:
+    """One line for `complete`'s notices of prompts cut to the context (one notice each;
+    prompt k is entry ``asked[k - 1]``, counted from 0)."""
     cut = [int(m.group(1)) for m in map(_CUT.match, notices) if m]
     if not cut:
         return None
     ctx = model.config.context_length
     return (
-        f"{len(cut)} of {n} test prompts are longer than the run's context of {ctx} tokens "
-        f"(the first, entry {cut[0]}): the run answers each from its last {ctx} tokens, while "
-        "the judge is shown it whole"
+        f"{len(cut)} of {len(asked)} test prompts are longer than the run's context of {ctx} "
+        f"tokens (the first, entry {asked[cut[0] - 1] + 1}): the run answers each from its last "
+        f"{ctx} tokens, while the judge is shown it whole"
     )
 
 
@@ -277,10 +331,12 @@ def judge_run(
     verdict written into the run (``judgements.json``, or ``judgements-NAME.json``) as the
     judging goes (`judge_and_keep`), then its notes (`Verdict.notes`) told to ``on_line``.
 
-    A verdict already there that was made the same way (`made_with`: the judge's URL, model,
-    prompt and max tokens, the test entries, ``max_new_tokens``, the run's weights) is kept
-    (`kept_entries`): only its entries that the judge gave no answer about are asked again, with
-    the run's answers it holds (the run is not loaded). ``overwrite``: judge every entry anew.
+    The verdict is written as the run answers, too (`answer_and_keep`). A verdict already
+    there that was made the same way (`made_with`: the judge's URL, model, prompt and max
+    tokens, the test entries, ``max_new_tokens``, the run's weights) is kept (`kept_entries`):
+    the run answers only the entries it holds no answer to (it is not loaded when there are
+    none), and only the entries that the judge gave no answer about are asked again.
+    ``overwrite``: answer and judge every entry anew.
 
     Returns:
         The `Verdict` (entries with their answers, scores and errors; mean, scored, unparsed,
@@ -291,6 +347,7 @@ def judge_run(
             (unreachable, a key refused, no such URL or model: found before the run answers,
             and nothing is written; or once the asking began: what was judged is kept); every
             request failed (the verdict is written first, the run's answers in it).
+        KeyboardInterrupt: a stop, its words saying what is kept where.
     """
     _check_settings(max_new_tokens, batch_size, name)
     run_dir = Path(run_dir)
@@ -301,15 +358,20 @@ def judge_run(
     path = run_dir / (f"judgements-{name}.json" if name else JUDGEMENTS_FILE)
     made = made_with(run_dir, judge, items, data=data, max_new_tokens=max_new_tokens)
     entries = None if overwrite else kept_entries(path, made, len(items), say)
-    if entries is None:
+    if entries is None or any(e.response is None for e in entries):
         check_judge(judge)  # before the answering: a judge down, a key refused, no such model
-        say(f"answering {len(items):,} test entries with {run_dir} ...")
-        entries = answers(
+        if entries is None:
+            say(f"answering {len(items):,} test entries with {run_dir} ...")
+        entries = answer_and_keep(
             run_dir,
             items,
+            path,
+            made,
+            kept=entries,
             max_new_tokens=max_new_tokens,
             batch_size=batch_size,
             device=device,
+            progress=progress,
             on_notice=lambda text: say(f"note: {text}"),
         )
     verdict = judge_and_keep(judge, entries, path, made, progress=progress)
@@ -384,8 +446,9 @@ def kept_entries(
     path: Path, made: dict[str, Any], n: int, say: Callable[[str], None]
 ) -> list[Entry] | None:
     """The entries of the verdict at ``path`` when it was made as this one is (``made``), each
-    as it was, to judge those the judge gave no answer about; else None (no such file, or one
-    made otherwise, which is replaced: a note says why)."""
+    as it was, to answer those the run gave no answer to and judge those the judge gave no
+    answer about; else None (no such file, or one made otherwise, which is replaced: a note
+    says why)."""
     if not path.is_file():
         return None
     try:
@@ -397,8 +460,17 @@ def kept_entries(
     if why is not None:
         say(f"note: {path.name} is not reused ({why}): every entry is answered and judged anew")
         return None
+    not_answered = sum(e.response is None for e in entries)
     not_asked = sum(e.error == NOT_ASKED or (e.answer is None and e.error is None) for e in entries)
-    failed = sum(e.error not in (None, NOT_ASKED) for e in entries)
+    failed = sum(e.error not in (None, NOT_ASKED, NOT_ANSWERED) for e in entries)
+    if not_answered:
+        asked = not_answered + not_asked + failed
+        say(
+            f"note: {n - not_answered} of {n} answers kept from {path.name}; answering the other "
+            f"{not_answered}, then asking the judge about "
+            + (f"all {n}" if asked == n else f"the {asked} not judged")
+        )
+        return entries
     if not failed + not_asked:
         say(
             f"note: all {n} entries of {path.name} are judged: it is kept (--overwrite judges anew)"
@@ -436,6 +508,37 @@ def _why_not_kept(old: dict, made: dict[str, Any], kept: int, n: int) -> str | N
     return None
 
 
+def answer_and_keep(
+    run_dir: Path,
+    items: Sequence[tuple[list[dict], str]],
+    path: Path,
+    made: dict[str, Any],
+    *,
+    kept: list[Entry] | None = None,
+    **settings,
+) -> list[Entry]:
+    """`answers` (``settings``: its own), the verdict written to ``path`` (with ``made`` at its
+    top) as they come: after a batch, at most every `SAVE_EVERY` seconds, and at a stop (Ctrl-C,
+    an error: a stop's words say what is kept), so that the next judging has the run answer
+    the rest only (``kept``: the entries of a verdict that holds some answers)."""
+    keeper = _Keeper(path, made, kept)
+    try:
+        return answers(run_dir, items, kept=kept, on_answered=keeper.changed, **settings)
+    except BaseException as error:
+        if keeper.dirty:
+            keeper.write()
+        n, done = len(items), sum(e.response is not None for e in keeper.entries or ())
+        if not done or not isinstance(error, (KeyboardInterrupt, GptkilnError)):
+            raise
+        said = (
+            f"the run's answers to {done} of {n} entries are kept in {path}: the same command "
+            f"answers the other {n - done}"
+        )
+        if isinstance(error, KeyboardInterrupt):  # the CLI says "interrupted" + this
+            raise KeyboardInterrupt(f"while answering; {said}") from None
+        raise GptkilnError(f"{error}; {said}") from None
+
+
 def judge_and_keep(
     judge: Judge, entries: list[Entry], path: Path, made: dict[str, Any], progress: bool = True
 ) -> Verdict:
@@ -443,37 +546,53 @@ def judge_and_keep(
     request failed), the verdict written to ``path`` (with ``made`` at its top) before the
     asking, every `SAVE_EVERY` seconds during it and at its end or stop (Ctrl-C, a judge gone:
     the error says what is kept), so that the next judging asks about the rest only."""
-    from gptkiln.checkpoint import write_json
-
     verdict = Verdict(entries)
     todo = [e for e in entries if e.answer is None or e.error is not None]
     if not todo:
         return verdict
     for entry in todo:
         entry.error = entry.error or NOT_ASKED
-
-    def write() -> None:
-        per_entry = [asdict(e) for e in entries]
-        write_json(path, {**made, **verdict.summary(), "per_entry": per_entry})
-
-    write()
-    written = time.monotonic()
-
-    def judged() -> None:
-        nonlocal written
-        if time.monotonic() - written >= SAVE_EVERY:
-            write()
-            written = time.monotonic()
-
+    keeper = _Keeper(path, made, entries)
+    keeper.write()
     try:
-        judge_entries(judge, todo, progress=progress, on_judged=judged)
+        judge_entries(
+            judge,
+            todo,
+            progress=progress,
+            on_judged=keeper.changed,
+            kept=len(entries) - len(todo),
+        )
     except BaseException as e:
-        write()
+        keeper.write()
         if isinstance(e, (KeyboardInterrupt, GptkilnError)):
             raise _stopped(e, verdict, path) from None
         raise
-    write()
+    keeper.write()
     return verdict
+
+
+class _Keeper:
+    """The verdict at ``path`` (``made`` at its top, then ``entries``) written (atomically) as
+    its entries change: `changed` writes it when `SAVE_EVERY` seconds have passed since the
+    last write (or since the keeper began), `write` at once."""
+
+    def __init__(self, path: Path, made: dict[str, Any], entries: list[Entry] | None) -> None:
+        self.path, self.made, self.entries = path, made, entries
+        self.written, self.dirty = time.monotonic(), False
+
+    def changed(self, entries: list[Entry] | None = None) -> None:
+        self.entries = self.entries if entries is None else entries
+        self.dirty = True
+        if time.monotonic() - self.written >= SAVE_EVERY:
+            self.write()
+
+    def write(self) -> None:
+        from gptkiln.checkpoint import write_json
+
+        per_entry = [asdict(e) for e in self.entries]
+        summary = Verdict(self.entries).summary()
+        write_json(self.path, {**self.made, **summary, "per_entry": per_entry})
+        self.written, self.dirty = time.monotonic(), False
 
 
 def _stopped(error: BaseException, verdict: Verdict, path: Path) -> BaseException:
