@@ -344,17 +344,50 @@ def test_a_second_judging_asks_only_about_the_entries_that_failed(
             assert now == then
 
 
+def test_another_judge_keeps_the_runs_answers_and_judges_every_entry_anew(
+    run, tmp_path, capsys, monkeypatch
+):
+    """Another judge model or prompt: the run's answers do not depend on the judge, so they
+    are kept (the run is not loaded) and the new judge is asked about every entry."""
+    import gptkiln.finetune.judging as judging
+
+    data = six_entries(tmp_path)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(BOOK_PROMPT + " Be fair.")
+    app = fake_judge()
+    with ServerThread(app) as url:
+        for more, changed in ((["--judge-model", "other"], "model"),
+                              (["--prompt-file", prompt], "prompt")):  # fmt: skip
+            assert judge_six(run, data, url, capsys, "--overwrite")[0] == 0  # the verdict then
+            first = json.loads((run / "judgements-six.json").read_text())
+            with monkeypatch.context() as m:
+                m.setattr(judging, "answers", lambda *a, **k: pytest.fail("the run answered"))
+                asked = len(app.state.questions)
+                code, _, err = judge_six(run, data, url, capsys, *more)
+            assert code == 0, err
+            notes = [line for line in err.splitlines() if "judgements-six.json" in line]
+            assert notes == [
+                f"note: judgements-six.json was judged by another judge {changed}: the run's 6 "
+                "answers in it are kept, and the judge asked about every entry anew"
+            ], err
+            assert len(app.state.questions) - asked == 6  # every entry, no check first
+            saved = json.loads((run / "judgements-six.json").read_text())
+            assert saved["judge"] != first["judge"]
+            for then, now in zip(first["per_entry"], saved["per_entry"], strict=True):
+                assert now["response"] == then["response"]
+                assert now["error"] is None and now["answer"] is not None
+
+
 def test_a_verdict_made_otherwise_is_judged_anew_with_a_note(run, tmp_path, capsys):
-    """Another judge model or prompt, other --max-new-tokens or test entries, weights saved
-    again: every entry answered and judged anew, and a note says why; --overwrite, silently.
-    The judge's way of asking (--timeout, --retries, --concurrency) is no reason, nor the
-    same entries in another file."""
+    """Other --max-new-tokens or test entries, weights saved again: every entry answered and
+    judged anew, and a note says why; --overwrite, silently. The judge's way of asking
+    (--timeout, --retries, --concurrency) is no reason, nor the same entries in another
+    file."""
     import os
 
     data = six_entries(tmp_path)
     (tmp_path / "elsewhere").mkdir()
-    prompt, seven = tmp_path / "prompt.txt", tmp_path / "seven.json"
-    prompt.write_text(BOOK_PROMPT + " Be fair.")
+    seven = tmp_path / "seven.json"
     seven.write_text(json.dumps(json.loads(data.read_text()) + instructions(1)))
     weights = run / "model.safetensors"
     app = fake_judge()
@@ -362,8 +395,6 @@ def test_a_verdict_made_otherwise_is_judged_anew_with_a_note(run, tmp_path, caps
         for more, entries, why in (
             (["--timeout", 30, "--retries", 1, "--concurrency", 2], 0, None),
             (["--data", six_entries(tmp_path / "elsewhere")], 0, None),
-            (["--judge-model", "other"], 6, "it was made with another judge model"),
-            (["--prompt-file", prompt], 6, "it was made with another judge prompt"),
             (["--max-new-tokens", 3], 6, "the run's answers in it are of up to 2 tokens, not 3"),
             (["--data", seven], 7, "it was made of other test entries"),
             ([], 6, "the run's weights changed since: a weights file or config.json is not the "

@@ -24,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "answers and as the judging goes; a judging again with the same judge, test entries, "
         "--max-new-tokens and run weights keeps the run's answers and the entries judged, has "
         "the run answer only the entries it had not and asks only about those that failed or "
-        "were not asked (a judging stopped by Ctrl-C, a crash or a judge gone).",
+        "were not asked (a judging stopped by Ctrl-C, a crash or a judge gone); another judge "
+        "keeps the run's answers and is asked about every entry.",
         epilog=example(
             "gptkiln judge runs/instruct --judge-url http://localhost:11434/v1 "
             "--judge-model llama3",
@@ -90,8 +91,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_overwrite_flag(
         p,
         help="answer and judge every entry anew, over the verdict in RUN/judgements.json "
-        "(default: keep its answers and judged entries, when made with the same judge, test "
-        "entries, --max-new-tokens and run weights)",
+        "(default: keep its answers when made of the same test entries, --max-new-tokens and "
+        "run weights, and its judged entries when by the same judge too)",
     )
     p.add_argument(
         "--json",

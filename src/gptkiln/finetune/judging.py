@@ -10,7 +10,7 @@ The verdict is written as the run answers (`answer_and_keep`) and as the judging
 answers given and what was judged; the next judging of the run by the same judge keeps them
 (`kept_entries`), has the run answer only the entries it had not, and asks only about the
 entries that failed or were not asked, as lm-eval's ``--use_cache`` keeps a model's answers to
-the requests it has seen.
+the requests it has seen; another judge keeps the run's answers and is asked about them all.
 """
 
 from __future__ import annotations
@@ -447,8 +447,9 @@ def kept_entries(
 ) -> list[Entry] | None:
     """The entries of the verdict at ``path`` when it was made as this one is (``made``), each
     as it was, to answer those the run gave no answer to and judge those the judge gave no
-    answer about; else None (no such file, or one made otherwise, which is replaced: a note
-    says why)."""
+    answer about; the run's answers alone, every entry to judge again, when only the judge
+    differs (its URL, model, prompt or max tokens: the answers do not depend on it); else None
+    (no such file, or answers made otherwise, which are replaced: a note says why)."""
     if not path.is_file():
         return None
     try:
@@ -460,6 +461,16 @@ def kept_entries(
     if why is not None:
         say(f"note: {path.name} is not reused ({why}): every entry is answered and judged anew")
         return None
+    if changed := _judge_changed(old, made):
+        for e in entries:  # judged anew; an entry the run gave no answer to stays unanswered
+            e.answer, e.score = None, None
+            e.error = NOT_ANSWERED if e.response is None else NOT_ASKED
+        answered = sum(e.response is not None for e in entries)
+        say(
+            f"note: {path.name} was judged by another judge {changed}: the run's {answered} "
+            f"answers in it are kept, and the judge asked about every entry anew"
+        )
+        return entries
     not_answered = sum(e.response is None for e in entries)
     not_asked = sum(e.error == NOT_ASKED or (e.answer is None and e.error is None) for e in entries)
     failed = sum(e.error not in (None, NOT_ASKED, NOT_ANSWERED) for e in entries)
@@ -488,14 +499,10 @@ _SETTING_NAMES = {"url": "URL", "model": "model", "prompt": "prompt", "max_token
 
 
 def _why_not_kept(old: dict, made: dict[str, Any], kept: int, n: int) -> str | None:
-    """Why the verdict ``old`` (``kept`` entries) cannot be kept by a judging ``made`` so (of
-    ``n`` entries), or None."""
+    """Why the run's answers in the verdict ``old`` (``kept`` entries) cannot be kept by a
+    judging ``made`` so (of ``n`` entries), or None."""
     if any(k not in old for k in ("test_entries_sha256", "max_new_tokens", "weights")):
         return "it records no settings to compare: an older gptkiln wrote it"
-    then, now = old.get("judge") or {}, made["judge"]
-    changed = [_SETTING_NAMES[k] for k in ANSWER_SETTINGS if then.get(k) != now[k]]
-    if changed:
-        return f"it was made with another judge {' and '.join(changed)}"
     if old["test_entries_sha256"] != made["test_entries_sha256"] or kept != n:
         return "it was made of other test entries"
     if old["max_new_tokens"] != made["max_new_tokens"]:
@@ -506,6 +513,13 @@ def _why_not_kept(old: dict, made: dict[str, Any], kept: int, n: int) -> str | N
     if old["weights"] != made["weights"]:
         return "the run's weights changed since: a weights file or config.json is not the same"
     return None
+
+
+def _judge_changed(old: dict, made: dict[str, Any]) -> str:
+    """The judge's settings (`ANSWER_SETTINGS`) the verdict ``old`` was judged with otherwise
+    than ``made``, in words ("model and prompt"); "" when none."""
+    then, now = old.get("judge") or {}, made["judge"]
+    return " and ".join(_SETTING_NAMES[k] for k in ANSWER_SETTINGS if then.get(k) != now[k])
 
 
 def answer_and_keep(
