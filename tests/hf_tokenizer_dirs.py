@@ -133,13 +133,16 @@ def _tokenizer_json(specials: list[str], plain_added: list[str], bos: str | None
     return tok.to_str()
 
 
-def write_llama3_dir(directory: Path, *, template: str = LLAMA3_TEMPLATE) -> Path:
+def write_llama3_dir(
+    directory: Path, *, template: str = LLAMA3_TEMPLATE, more_specials: tuple[str, ...] = ()
+) -> Path:
     """A Llama 3 Instruct-shaped tokenizer: BOS from the post-processor, EOS ``<|eot_id|>``,
-    and the generation config's several stop ids (end_of_text, eom, eot)."""
+    and the generation config's several stop ids (end_of_text, eom, eot); ``more_specials``
+    (Llama 3.1's ``<|python_tag|>``) added as special tokens after them."""
     from tokenizers import Tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
-    text = _tokenizer_json(LLAMA3_SPECIALS, [], "<|begin_of_text|>")
+    text = _tokenizer_json([*LLAMA3_SPECIALS, *more_specials], [], "<|begin_of_text|>")
     (directory / "tokenizer.json").write_text(text, encoding="utf-8")
     ids = {t: Tokenizer.from_str(text).token_to_id(t) for t in LLAMA3_SPECIALS}
     config = {

@@ -13,6 +13,7 @@ with templates that have a tool section, written in the shape of theirs.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -35,6 +36,7 @@ from gptkiln.serve import serve
 from gptkiln.serve.tools import (
     HERMES,
     LLAMA3_JSON,
+    content_text,
     parse_tool_calls,
     settled_content,
     tool_family,
@@ -744,6 +746,9 @@ SAID = {  # answers a model may give with tools in play: calls, text, text that 
         "<|python_tag|> no call",
         "  <b>bold</b> text ",
         "<|python_ta",
+        "<|python_tag|>",  # max_tokens cut it after the tag
+        'I will look.<|python_tag|>{"name": "get_time", "parameters": {}}',  # text first: no call
+        '<|python_tag|>brave_search.call(query="time")',  # a built-in tool's: no call we read
     ],
 }
 
@@ -757,7 +762,7 @@ def test_a_streams_settled_content_begins_the_content_whatever_follows(family):
         content = parse_tool_calls(family, text, ["get_time"])[0] or ""
         settled = [settled_content(family, text[:k]) for k in range(len(text) + 1)]
         for k, n in enumerate(settled):
-            assert n <= k and content.startswith(text[:n]), (text, k)
+            assert n <= k and content.startswith(content_text(family, text[:n])), (text, k)
         assert settled == sorted(settled), text
     assert settled_content(HERMES, SAID[HERMES][0]) == len("Let me see.")
     assert settled_content(HERMES, "It is 3 < 4, and <tool_ca") == len("It is 3 < 4, and")
@@ -765,6 +770,25 @@ def test_a_streams_settled_content_begins_the_content_whatever_follows(family):
     assert settled_content(LLAMA3_JSON, "The sky is blue.") == len("The sky is blue.")
     for text in ("  ", "<|pyth", '  <|python_tag|> {"na', '{"name"'):
         assert settled_content(LLAMA3_JSON, text) == 0
+    assert settled_content(LLAMA3_JSON, "I will look.<|pyth") == len("I will look.")
+
+
+def test_a_llama_3_answer_that_is_no_call_shows_no_python_tag():
+    """``<|python_tag|>`` is a control token of Llama 3.1's template (it opens a call), which an
+    answer without tools never shows (special tokens are skipped): an answer with tools that
+    makes no call leaves it out too (before, its content began with the tag)."""
+    names = ["get_time"]
+    assert parse_tool_calls(LLAMA3_JSON, "<|python_tag|> no call", names) == (" no call", [])
+    assert parse_tool_calls(LLAMA3_JSON, "<|python_tag|>", names) == ("", [])
+    content, calls = parse_tool_calls(LLAMA3_JSON, SAID[LLAMA3_JSON][8], names)
+    assert (content, calls) == ('I will look.{"name": "get_time", "parameters": {}}', [])
+    content, calls = parse_tool_calls(LLAMA3_JSON, SAID[LLAMA3_JSON][9], names)
+    assert (content, calls) == ('brave_search.call(query="time")', [])
+    # Hermes has no such tag: its text is its own
+    assert parse_tool_calls(HERMES, "<|python_tag|> no call", names) == (
+        "<|python_tag|> no call",
+        [],
+    )
 
 
 def says(monkeypatch, text: str) -> None:
@@ -797,6 +821,7 @@ def test_a_stream_with_tools_sends_content_until_a_call_may_begin(
         for i, choice in enumerate(whole.choices):
             message = choice.message
             assert message.content == want_content, text  # the model said the text
+            assert "<|python_tag|>" not in (message.content or "") or family == HERMES
             calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
             assert calls == [(c.function.name, c.function.arguments) for c in want_calls]
             mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
@@ -811,6 +836,32 @@ def test_a_stream_with_tools_sends_content_until_a_call_may_begin(
             assert mine[-1].finish_reason == choice.finish_reason
             scored = [t.token for c in mine if c.logprobs for t in c.logprobs.content]
             assert scored == [t.token for t in choice.logprobs.content]
+
+
+def test_a_special_python_tag_is_left_out_with_tools_as_without(tmp_path, monkeypatch):
+    """With Llama 3.1's tokenizer ``<|python_tag|>`` is one special token: an answer without
+    tools skips it (skip_special_tokens), and one with tools that makes no call, whose text
+    keeps the special tokens for its parser, now leaves it out as well, whole or streamed (its
+    content began with the tag)."""
+    write = functools.partial(write_llama3_dir, more_specials=("<|python_tag|>",))
+    run, hf_dir = make_run(tmp_path, write, LLAMA31_TOOLS_TEMPLATE)
+    tag = load_tokenizer(hf_dir).encode_templated("<|python_tag|>")
+    assert len(tag) == 1  # one token: it comes in one piece
+    from gptkiln.serve import app
+
+    def grammar(req, family, grammars):  # the model says the tag, then text
+        return grammars.lark(f'start: <[{tag[0]}]> " no call"\n')
+
+    monkeypatch.setattr(app, "chat_grammar", grammar)
+    with ServerThread(served(run)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for tools in ({}, {"tools": [CLOCK]}):
+            body = ask(messages=USER, max_tokens=20, **tools)
+            whole = client.chat.completions.create(**body).choices[0].message
+            chunks = client.chat.completions.create(**body, stream=True)
+            pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+            assert (whole.content, whole.tool_calls) == (" no call", None), tools
+            assert "".join(pieces) == " no call", tools
 
 
 def test_a_call_is_read_as_json_whole_so_its_strings_may_hold_the_separators():

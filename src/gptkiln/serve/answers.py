@@ -34,7 +34,7 @@ from gptkiln.serve.schemas import (
     TopLogprob,
     Usage,
 )
-from gptkiln.serve.tools import parse_tool_calls, settled_content
+from gptkiln.serve.tools import content_text, parse_tool_calls, settled_content
 
 
 async def respond(
@@ -329,7 +329,7 @@ class ChatAnswer(Answer):
         super().__init__(req, prompts, tokenizer, model_name)
         self.tool_family = tool_family
         self.held: dict[int, str] = {}  # a streamed choice's text so far, with tools
-        self.sent: dict[int, int] = {}  # how much of it went out as content
+        self.sent: dict[int, int] = {}  # how much of it went out (as `tools.content_text`)
 
     def _shape(self, got: Collected, indexes: list[int]) -> dict[str, Any]:
         choices = []
@@ -430,8 +430,10 @@ class ChatAnswer(Answer):
                 logprobs = ChatLogprobs(
                     content=[self._scored(t, lp) for t, lp, _ in scores.release(piece)]
                 )
-            delta = {"content": piece}
-            yield self._delta(ChatChunkChoice(index=i, delta=delta, logprobs=logprobs))
+            shown = content_text(self.tool_family, piece)  # a <|python_tag|> left out
+            if shown or logprobs is not None:
+                delta = {"content": shown}
+                yield self._delta(ChatChunkChoice(index=i, delta=delta, logprobs=logprobs))
 
     def _tool_end(self, i: int, reason: str, scores: Scores | None) -> Iterator[str]:
         """The whole text read (`_read_calls`): the content not yet sent (what was sent begins
@@ -439,7 +441,7 @@ class ChatAnswer(Answer):
         finish_reason."""
         text, sent = self.held.pop(i), self.sent.pop(i, 0)
         content, calls, reason = self._read_calls(text, reason)
-        rest = (content or "")[sent:]
+        rest = (content or "")[len(content_text(self.tool_family, text[:sent])) :]
         logprobs = None
         if scores is not None:
             scored = scores.release(text[sent:], done=True)

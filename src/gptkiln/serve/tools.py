@@ -136,7 +136,7 @@ def parse_tool_calls(
         return (outside.strip() or None, calls) if calls else (text, [])
     body = text.strip().removeprefix(_PYTHON_TAG).strip()
     calls = _json_calls(family, body, ";", names) if body.startswith("{") else None
-    return (None, calls) if calls else (text, [])
+    return (None, calls) if calls else (content_text(family, text), [])
 
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -144,16 +144,26 @@ _PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
 
 
+def content_text(family: str, text: str) -> str:
+    """The content an answer's text, or a settled piece of it (`settled_content`), shows: a
+    Llama 3 answer's ``<|python_tag|>`` left out. The tag is a control token of its template,
+    which opens a call: an answer without tools never shows it (its text is decoded with the
+    special tokens skipped, as vLLM's by default; llama.cpp's renders it as nothing unless a
+    built-in tool needs it), so an answer with tools that makes no call shows it no more."""
+    return text.replace(_PYTHON_TAG, "") if family == LLAMA3_JSON else text
+
+
 def settled_content(family: str, text: str) -> int:
     """How many characters of an answer's text so far (``text``) are its content whatever the
-    model writes next: ``text[:k]`` begins the content `parse_tool_calls` reads from the whole
-    answer, calls or not, so a stream may send it before the answer ends (vLLM's and llama.cpp's
-    servers stream so). Held back: from a call's marker on (Hermes' ``<tool_call>``), an end
-    that may be the start of one (``<tool``), and the white space before it (the content of an
-    answer with calls is stripped); a Hermes answer that begins with white space, all of it
-    (that space is content only if no call follows); a Llama 3 answer while it may still be a
-    call (nothing yet but white space, ``<|python_tag|>`` or a beginning of it, or a ``{``
-    first), all of it, else none."""
+    model writes next: ``content_text(family, text[:k])`` begins the content `parse_tool_calls`
+    reads from the whole answer, calls or not, so a stream may send it before the answer ends
+    (vLLM's and llama.cpp's servers stream so). Held back: from a call's marker on (Hermes'
+    ``<tool_call>``), an end that may be the start of one (``<tool``), and the white space
+    before it (the content of an answer with calls is stripped); a Hermes answer that begins
+    with white space, all of it (that space is content only if no call follows); a Llama 3
+    answer while it may still be a call (nothing yet but white space, ``<|python_tag|>`` or a
+    beginning of it, or a ``{`` first), all of it, and once it is none, an end that may be the
+    start of a ``<|python_tag|>`` (``<|pyt``), which `content_text` leaves out whole."""
     if family == HERMES:
         if text[:1].isspace():
             return 0
@@ -166,7 +176,9 @@ def settled_content(family: str, text: str) -> int:
         body = body[len(_PYTHON_TAG) :].lstrip()
     elif _PYTHON_TAG.startswith(body):  # nothing yet, or the tag may be starting
         return 0
-    return 0 if not body or body.startswith("{") else len(text)
+    if not body or body.startswith("{"):
+        return 0
+    return len(text) - start_at_end(text, [_PYTHON_TAG])
 
 
 def _hermes_calls(text: str, names: frozenset[str]) -> tuple[list[ToolCall] | None, str]:
