@@ -3,6 +3,8 @@ the ``browser`` fixture, conftest.py): type a prompt, Generate, and the page sho
 greedy text; Stop ends a stream; served a run like the README's first (context 64), the first
 click generates, and a Max tokens past the context is refused before anything is sent."""
 
+import re
+
 import pytest
 import torch
 from browser import fill, wait_for
@@ -58,7 +60,16 @@ def test_the_page_streams_exactly_the_greedy_text(browser, url, run_dir, tmp_pat
     assert shown == greedy[len(prompt) :]
     assert browser.find_element("id", "output-prompt").get_property("textContent") == prompt
     assert browser.find_element("id", "tokens").text == "60"
-    assert float(browser.find_element("id", "rate").text) > 0
+    rate = browser.find_element("id", "rate")  # tokens/s once 0.2 s is timed after the first
+    basis = re.fullmatch(
+        r"(\d+) tokens in (\d+\.\d{3}) s after the first(: too short to time.*)?",
+        rate.get_attribute("title"),
+    )
+    assert basis and 0 < int(basis[1]) <= 59, rate.get_attribute("title")
+    if basis[3]:  # a fast machine: 60 tokens in under 0.2 s
+        assert rate.text == "–"
+    else:
+        assert float(rate.text) == pytest.approx(int(basis[1]) / float(basis[2]), rel=0.01)
     assert browser.find_element("id", "error").text == ""
     browser.save_screenshot(str(tmp_path / "playground.png"))
 
@@ -427,34 +438,79 @@ def test_an_api_key_entered_on_the_page_takes_at_once(browser, keyed_url):
     assert "over 4,096 bytes" in browser.find_element("id", "error").text
 
 
-BURST = r"""
-let clock = 0;  // performance.now: 0.1 ms a reading, and 30 ms till the first token
-performance.now = () => (clock += 0.1);
+STREAM = r"""
+const [reads, wait] = arguments;  // each read's token texts; the first token's wait (ms)
+let clock = 0;  // performance.now: still but for the wait and 10 ms before each later read
+performance.now = () => clock;
 const fetched = window.fetch;
 window.fetch = function (u, o) {
   if (!String(u).includes("/v1/completions")) return fetched.apply(this, arguments);
-  clock += 30;
-  const event = (text, finish) =>
-    `data: ${JSON.stringify({ choices: [{ index: 0, text, finish_reason: finish }] })}\n\n`;
-  const body = ["To", " be", ",", " or"].map((t) => event(t, null)).join("")
-    + event("", "length") + "data: [DONE]\n\n";
+  clock += wait;
+  const event = (chunk) => `data: ${JSON.stringify(chunk)}\n\n`;
+  const texts = reads.map((texts) =>
+    texts.map((text) => event({ choices: [{ index: 0, text, finish_reason: null }] })).join(""));
+  const tokens = reads.flat().length, usage = { completion_tokens: tokens };
+  texts.push(event({ choices: [{ index: 0, text: "", finish_reason: "length" }] })
+    + event({ choices: [], usage }) + "data: [DONE]\n\n");
+  window.shownRates = [];  // every figure the page shows as it comes
+  const shown = (records) => records.forEach((r) => r.addedNodes.forEach(
+    (n) => shownRates.push(n.textContent)));
+  new MutationObserver(shown).observe(document.getElementById("rate"), { childList: true });
+  let n = 0;
+  const body = new ReadableStream({
+    pull(controller) {  // one read at a time (highWaterMark 0), each 10 ms after the last
+      if (n > 0) clock += 10;
+      if (n === texts.length) return controller.close();
+      controller.enqueue(new TextEncoder().encode(texts[n++]));
+    },
+  }, { highWaterMark: 0 });
   return Promise.resolve(new Response(body, { headers: { "Content-Type": "text/event-stream" } }));
 };
 """
 
 
-def test_tokens_per_second_is_not_timed_over_one_burst(browser, url):
-    """Four tokens read in one go were timed over the microseconds between their chunks:
-    tokens/s showed thousands. Over a span that short the rate is the whole request's."""
+def stream_rates(browser, url, reads: list[list[str]], wait_ms: int) -> list[str]:
+    """Generate on the page against a stream of ``reads`` (each read's token texts), its first
+    token after ``wait_ms`` and each later read 10 ms after the one before (a still clock
+    otherwise); the tokens/s figures the page showed as they came."""
     browser.get(url)
     wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
-    browser.execute_script(BURST)
+    browser.execute_script(STREAM, reads, wait_ms)
     fill(browser, "prompt", "To be")
     browser.find_element("id", "generate").click()
     wait_for(lambda: state(browser) == "done")
-    assert browser.find_element("id", "completion").get_property("textContent") == "To be, or"
-    assert browser.find_element("id", "tokens").text == "4"
-    assert 100 < float(browser.find_element("id", "rate").text) < 4 / 0.03  # not 3 / 0.0003
+    assert browser.find_element("id", "completion").get_property("textContent") == "".join(
+        sum(reads, [])
+    )
+    assert browser.find_element("id", "tokens").text == str(len(sum(reads, [])))
+    return browser.execute_script("return window.shownRates")
+
+
+def test_tokens_per_second_is_not_timed_over_one_burst(browser, url):
+    """Four tokens read in one go were timed over the microseconds between their chunks:
+    tokens/s showed thousands. Tokens read with the first took none of the time after it, and a
+    span that short times nothing: the rate is "–", not a figure over the whole request (as
+    it was: 66.7, 100.0, 133.3, then 80.0)."""
+    rates = stream_rates(browser, url, [["To", " be", ",", " or"]], wait_ms=30)
+    assert browser.find_element("id", "rate").text == "–"
+    assert set(rates) <= {"–"}
+    assert browser.find_element("id", "ttft").text == "0.03 s"
+
+
+def test_tokens_per_second_is_the_decode_rate_after_the_first_token(browser, url):
+    """A 2 s wait for the first token (a long prompt's prefill), three tokens in its read, then
+    a token every 10 ms: tokens/s is 100, the tokens after the first read over the time since
+    it, and "–" until that is 0.2 s; the wait is the first token's figure. Before, it showed
+    the whole request's rate until then (1.0, 1.5, ... 10.0, the wait in it), then counted the
+    burst's tokens as come after the first (110.0 ... 106.7)."""
+    reads = [["To", " be", ","]] + [[" or"]] * 30
+    rates = stream_rates(browser, url, reads, wait_ms=2000)
+    assert browser.find_element("id", "ttft").text == "2.00 s"
+    assert browser.find_element("id", "rate").text == "100.0"
+    assert browser.find_element("id", "rate").get_attribute("title") == (
+        "30 tokens in 0.300 s after the first"
+    )
+    assert rates == ["–"] * 19 + ["100.0"] * 11  # 19 reads short of 0.2 s, then 100 each
 
 
 def test_an_inspect_error_stands_alone_not_beside_the_last_inspection(browser, url):
