@@ -8,6 +8,7 @@ perplexity, and info's (`gptkiln.info.run_info`, given here too).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -292,21 +293,10 @@ def complete(
     ]
     _say_precision(model, precision, on_notice)
     rows = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
-
-    def completion(row: int, stream) -> Completion:
-        i, j = rows[row]
-        return Completion(
-            prompt_index=i,
-            prompt=prompts[i],
-            index=j,
-            seed=None if cfg.seed is None else cfg.seed + j,
-            text=stream.text,
-            token_ids=[*stream.ids, *(() if stream.end is None else (stream.end,))],
-            finish_reason=stream.finish_reason,
-        )
+    made = functools.partial(_completion, prompts, rows, cfg.seed)
 
     def told(batch: range, done: list) -> None:
-        on_batch([completion(r, stream) for r, stream in zip(batch, done, strict=True)])
+        on_batch([made(r, stream) for r, stream in zip(batch, done, strict=True)])
 
     streams = generate_batched(
         model,
@@ -318,7 +308,23 @@ def complete(
         prepare=_decoding(model, precision),
         on_batch=None if on_batch is None else told,
     )
-    return [completion(r, stream) for r, stream in enumerate(streams)]
+    return [made(r, stream) for r, stream in enumerate(streams)]
+
+
+def _completion(
+    prompts: list[str], rows: list[tuple[int, int]], seed: int | None, row: int, stream
+) -> Completion:
+    """`complete`'s row ``row`` (``rows[row]``: prompt i's sample j), its stream done."""
+    i, j = rows[row]
+    return Completion(
+        prompt_index=i,
+        prompt=prompts[i],
+        index=j,
+        seed=None if seed is None else seed + j,
+        text=stream.text,
+        token_ids=[*stream.ids, *(() if stream.end is None else (stream.end,))],
+        finish_reason=stream.finish_reason,
+    )
 
 
 def _with_model_sampling(

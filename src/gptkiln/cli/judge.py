@@ -58,6 +58,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="answers generated at once (default: 8)",
     )
+    _add_asking_flags(p)
+    p.add_argument(
+        "--name", metavar="NAME", help="write RUN/judgements-NAME.json (default: judgements.json)"
+    )
+    add_overwrite_flag(
+        p,
+        help="answer and judge every entry anew, over the verdict in RUN/judgements.json "
+        "(default: keep its answers when made of the same test entries, --max-new-tokens and "
+        "run weights, and its judged entries when by the same judge too)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='end with one JSON line {"mean", "scored", "unparsed", "failed", "entries"}',
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="progress bars of the entries answered and judged, at a terminal (default: on)",
+    )
+    add_device_flag(p)
+    p.set_defaults(func=run_judge)
+
+
+def _add_asking_flags(p: argparse.ArgumentParser) -> None:
+    """How the judge is asked: requests at once, their time, retries, its answers' length."""
     p.add_argument(
         "--concurrency",
         type=int,
@@ -85,28 +112,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="the longest answer asked of the judge (default: the endpoint's)",
     )
-    p.add_argument(
-        "--name", metavar="NAME", help="write RUN/judgements-NAME.json (default: judgements.json)"
-    )
-    add_overwrite_flag(
-        p,
-        help="answer and judge every entry anew, over the verdict in RUN/judgements.json "
-        "(default: keep its answers when made of the same test entries, --max-new-tokens and "
-        "run weights, and its judged entries when by the same judge too)",
-    )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help='end with one JSON line {"mean", "scored", "unparsed", "failed", "entries"}',
-    )
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="progress bars of the entries answered and judged, at a terminal (default: on)",
-    )
-    add_device_flag(p)
-    p.set_defaults(func=run_judge)
 
 
 def add_judge_endpoint_flags(p: argparse.ArgumentParser, after_training: bool = False) -> None:

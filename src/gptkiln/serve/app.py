@@ -133,6 +133,7 @@ def create_app(
     _add_error_handlers(app)
     _add_info_routes(app, served, api_key_required=api_key is not None)
     _add_generation_routes(app, served)
+    _add_inspect_route(app, served)
     _add_tokenize_route(app, served)
     return app
 
@@ -292,7 +293,7 @@ def _add_info_routes(app: FastAPI, served: Served, *, api_key_required: bool) ->
 
 
 def _add_generation_routes(app: FastAPI, served: Served) -> None:
-    """``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/inspect``."""
+    """``POST /v1/completions`` and ``/v1/chat/completions``."""
     tokenizer, model_name, template = served.tokenizer, served.model_name, served.template
 
     @app.post("/v1/completions")
@@ -356,6 +357,12 @@ def _add_generation_routes(app: FastAPI, served: Served) -> None:
         answer = ChatAnswer(req, prompts, tokenizer, model_name, tool_family=family)
         answer.skips_special = cfg.skip_special_tokens
         return await respond(answer, queue, seqs, request)
+
+
+def _add_inspect_route(app: FastAPI, served: Served) -> None:
+    """``POST /v1/inspect``: a prompt's attention weights, top-k next tokens and per-token loss
+    (`gptkiln.inspect.inspect_prompt`; the page's inspect tab)."""
+    tokenizer, model_name = served.tokenizer, served.model_name
 
     @app.post("/v1/inspect")
     async def inspect(request: Request) -> JSONResponse:
