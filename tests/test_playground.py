@@ -62,14 +62,12 @@ def test_the_page_streams_exactly_the_greedy_text(browser, url, run_dir, tmp_pat
     assert browser.find_element("id", "tokens").text == "60"
     rate = browser.find_element("id", "rate")  # tokens/s once 0.2 s is timed after the first
     basis = re.fullmatch(
-        r"(\d+) tokens in (\d+\.\d{3}) s after the first(: too short to time.*)?",
+        r"(\d+) tokens in (\d+\.\d{3}) s after the first( \(the server's timings\))?",
         rate.get_attribute("title"),
     )
-    assert basis and 0 < int(basis[1]) <= 59, rate.get_attribute("title")
-    if basis[3]:  # a fast machine: 60 tokens in under 0.2 s
-        assert rate.text == "–"
-    else:
-        assert float(rate.text) == pytest.approx(int(basis[1]) / float(basis[2]), rel=0.01)
+    assert basis and int(basis[1]) == 59, rate.get_attribute("title")  # the server's, at the end
+    assert basis[3] == " (the server's timings)"
+    assert float(rate.text) == pytest.approx(59 / float(basis[2]), rel=0.01)
     assert browser.find_element("id", "error").text == ""
     browser.save_screenshot(str(tmp_path / "playground.png"))
 
@@ -439,7 +437,8 @@ def test_an_api_key_entered_on_the_page_takes_at_once(browser, keyed_url):
 
 
 STREAM = r"""
-const [reads, wait] = arguments;  // each read's token texts; the first token's wait (ms)
+const [reads, wait, timings] = arguments;  // each read's token texts; the first token's wait
+// (ms); the usage chunk's timings (null: none)
 let clock = 0;  // performance.now: still but for the wait and 10 ms before each later read
 performance.now = () => clock;
 const fetched = window.fetch;
@@ -451,7 +450,7 @@ window.fetch = function (u, o) {
     texts.map((text) => event({ choices: [{ index: 0, text, finish_reason: null }] })).join(""));
   const tokens = reads.flat().length, usage = { completion_tokens: tokens };
   texts.push(event({ choices: [{ index: 0, text: "", finish_reason: "length" }] })
-    + event({ choices: [], usage }) + "data: [DONE]\n\n");
+    + event({ choices: [], usage, ...(timings ? { timings } : {}) }) + "data: [DONE]\n\n");
   window.shownRates = [];  // every figure the page shows as it comes
   const shown = (records) => records.forEach((r) => r.addedNodes.forEach(
     (n) => shownRates.push(n.textContent)));
@@ -469,13 +468,16 @@ window.fetch = function (u, o) {
 """
 
 
-def stream_rates(browser, url, reads: list[list[str]], wait_ms: int) -> list[str]:
+def stream_rates(
+    browser, url, reads: list[list[str]], wait_ms: int, timings: dict | None = None
+) -> list[str]:
     """Generate on the page against a stream of ``reads`` (each read's token texts), its first
     token after ``wait_ms`` and each later read 10 ms after the one before (a still clock
-    otherwise); the tokens/s figures the page showed as they came."""
+    otherwise), the usage chunk with ``timings``; the tokens/s figures the page showed as they
+    came."""
     browser.get(url)
     wait_for(lambda: "bard" in browser.find_element("id", "model-info").text)
-    browser.execute_script(STREAM, reads, wait_ms)
+    browser.execute_script(STREAM, reads, wait_ms, timings)
     fill(browser, "prompt", "To be")
     browser.find_element("id", "generate").click()
     wait_for(lambda: state(browser) == "done")
@@ -511,6 +513,25 @@ def test_tokens_per_second_is_the_decode_rate_after_the_first_token(browser, url
         "30 tokens in 0.300 s after the first"
     )
     assert rates == ["–"] * 19 + ["100.0"] * 11  # 19 reads short of 0.2 s, then 100 each
+
+
+def test_tokens_per_second_ends_as_the_servers_own_timing(browser, url):
+    """The usage chunk's ``timings`` (the server's, llama.cpp's fields) are the figure at the
+    end: an answer too short to time on the page gets one, a longer one the server's over the
+    page's; timings without a rate (one token) leave the page's as it was."""
+    timings = {"predicted_n": 4, "predicted_ms": 12.5, "predicted_per_second": 240.0}
+    rates = stream_rates(browser, url, [["To", " be", ",", " or"]], 30, timings)
+    assert rates[-1] == "240.0" and set(rates[:-1]) <= {"–"}
+    assert browser.find_element("id", "rate").get_attribute("title") == (
+        "3 tokens in 0.013 s after the first (the server's timings)"
+    )
+    reads = [["To", " be", ","]] + [[" or"]] * 30
+    timings = {"predicted_n": 33, "predicted_ms": 336.8, "predicted_per_second": 95.0}
+    rates = stream_rates(browser, url, reads, 2000, timings)
+    assert rates[-2:] == ["100.0", "95.0"]  # the page's figure, then the server's
+    timings = {"predicted_n": 1, "predicted_ms": 0.0, "predicted_per_second": None}
+    stream_rates(browser, url, [["To"]], 30, timings)
+    assert browser.find_element("id", "rate").text == "–"
 
 
 def test_an_inspect_error_stands_alone_not_beside_the_last_inspection(browser, url):

@@ -288,6 +288,44 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(url):
     assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
+def check_timings(timings: dict, prompt_n: int, predicted_n: int, choices: int = 1) -> None:
+    """llama.cpp's ``timings``: the counts as said, the times >= 0, the rate the tokens after
+    each choice's first over the time from the first token to the last."""
+    assert set(timings) == {
+        "prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second",
+    }  # fmt: skip
+    assert (timings["prompt_n"], timings["predicted_n"]) == (prompt_n, predicted_n)
+    assert timings["prompt_ms"] > 0 and timings["predicted_ms"] >= 0
+    after, seconds = predicted_n - choices, timings["predicted_ms"] / 1000
+    if after and seconds:
+        assert timings["predicted_per_second"] == pytest.approx(after / seconds, rel=1e-2)
+    else:
+        assert timings["predicted_per_second"] is None
+
+
+def test_an_answer_says_its_timings_as_llama_cpps_server_does(url):
+    """A whole answer and a stream's usage chunk carry ``timings`` (llama.cpp's fields): the
+    prompt tokens prefilled (not those the prefix cache held) and the time to the first token;
+    the tokens generated, the time from the first to the last, the decode rate (none for one
+    token a choice); a stream without usage asked carries none."""
+    body = {"prompt": list(range(4000, 4040)), "max_tokens": 6, "temperature": 0}
+    whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    check_timings(whole["timings"], 40, whole["usage"]["completion_tokens"])
+    assert whole["usage"]["completion_tokens"] == 6
+    two = {**body, "n": 2, "temperature": 1.0, "seed": 1}
+    again = httpx.post(f"{url}/v1/completions", json=two, timeout=60).json()  # 32 cached
+    check_timings(again["timings"], 40 - 32, 12, choices=2)
+    one = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+    check_timings(one.json()["timings"], 8, 1)
+    for options, timed in (({"include_usage": True}, True), (None, False)):
+        streamed = {**body, "stream": True, "stream_options": options}
+        with httpx.stream("POST", f"{url}/v1/completions", json=streamed, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line[6:].startswith("{")]
+        assert [("timings" in c) for c in chunks] == [False] * (len(chunks) - 1) + [timed]
+        if timed:
+            check_timings(chunks[-1]["timings"], 8, 6)
+
+
 def test_a_prompt_of_token_ids_and_an_empty_prompt(client, url, run_dir):
     tokenizer = load_tokenizer("gpt2")
     ids = tokenizer.encode("Hello, I am")

@@ -192,6 +192,14 @@ def test_a_stream_is_the_role_then_the_same_text_then_the_finish(client, runs):
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.completion_tokens == end
     assert usage.total_tokens == usage.prompt_tokens + end
+    timings = chunks[-1].model_extra["timings"]  # llama.cpp's, on the usage chunk alone
+    assert timings["predicted_n"] == end and timings["predicted_per_second"] > 0
+    assert timings["prompt_n"] == usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens
+    assert all(not c.model_extra for c in chunks[:-1])
+    whole = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": message}], max_tokens=3
+    )
+    assert whole.model_extra["timings"]["predicted_n"] == whole.usage.completion_tokens == 3
 
 
 def test_n_samples_draw_with_seed_plus_j_and_penalties_apply(client, runs):

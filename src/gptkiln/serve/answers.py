@@ -244,7 +244,8 @@ class Answer:
                     finish_reason=got.reasons[i],
                 )
             )
-        return self._completion(choices, self._usage(got.used, got.seqs))
+        usage = self._usage(got.used, got.seqs)
+        return _timed(self._completion(choices, usage), got.seqs, usage)
 
     async def stream(self, queue: asyncio.Queue, seqs: list[Sequence]) -> AsyncIterator[str]:
         """Server-sent events: the opening chunks, the chunks of each event, the usage if asked,
@@ -267,7 +268,7 @@ class Answer:
                     yield chunk
             options = self.req.stream_options
             if options is not None and options.include_usage:
-                yield self._usage_chunk(self._usage(used, seqs))
+                yield self._usage_chunk(self._usage(used, seqs), seqs)
             yield "data: [DONE]\n\n"
         finally:
             for seq in seqs:
@@ -305,8 +306,8 @@ class Answer:
                 Choice(text=event.text, index=event.index, logprobs=lp, finish_reason=reason)
             )
 
-    def _usage_chunk(self, usage: Usage) -> str:
-        return _sse(self._completion([], usage))
+    def _usage_chunk(self, usage: Usage, seqs: list[Sequence]) -> str:
+        return _sse(_timed(self._completion([], usage), seqs, usage))
 
     def _chunk(self, choice: Choice) -> str:
         return _sse(self._completion([choice]))
@@ -343,13 +344,11 @@ class ChatAnswer(Answer):
             choices.append(
                 ChatChoice(index=i, message=reply, logprobs=logprobs, finish_reason=reason)
             )
-        return ChatCompletion(
-            id=self.id,
-            created=self.created,
-            model=self.model_name,
-            choices=choices,
-            usage=self._usage(got.used, got.seqs),
-        ).model_dump()
+        usage = self._usage(got.used, got.seqs)
+        whole = ChatCompletion(
+            id=self.id, created=self.created, model=self.model_name, choices=choices, usage=usage
+        )
+        return _timed(whole.model_dump(), got.seqs, usage)
 
     def _read_calls(self, text: str, reason: str) -> tuple[str | None, list[ToolCall], str]:
         """(content, tool calls, finish_reason) of a choice's whole text."""
@@ -457,8 +456,11 @@ class ChatAnswer(Answer):
             yield self._delta(ChatChunkChoice(index=i, delta={"tool_calls": [args]}))
         yield self._delta(ChatChunkChoice(index=i, delta={}, finish_reason=reason))
 
-    def _usage_chunk(self, usage: Usage) -> str:
-        return self._delta(None, usage)
+    def _usage_chunk(self, usage: Usage, seqs: list[Sequence]) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model_name, choices=[], usage=usage
+        )
+        return _sse(_timed(chunk.model_dump(), seqs, usage))
 
     def _delta(self, choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:
         chunk = ChatCompletionChunk(
@@ -477,6 +479,32 @@ async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.25)
     queue.put_nowait(None)
+
+
+def _timed(body: dict[str, Any], seqs: list[Sequence], usage: Usage) -> dict[str, Any]:
+    """``body`` (a whole answer, or a stream's usage chunk) with the request's ``timings``, as
+    llama.cpp's server adds them (its field names), measured where the tokens are handed out:
+    ``prompt_n`` the prompt tokens prefilled (those the prefix cache held left out) and
+    ``prompt_ms`` the time from the request's arrival to its first token (waiting for a row
+    included); ``predicted_n`` the tokens generated and ``predicted_ms`` the time from the first
+    token to the last; ``predicted_per_second`` the decode rate, the tokens after each choice's
+    first over that time (null where there are none, or no time: one token each), what the
+    page's tokens/s shows. None of it where no token came."""
+    firsts = [s.first_token_at for s in seqs if s.first_token_at is not None]
+    if not firsts:
+        return body
+    submitted = min(s.submitted for s in seqs)
+    first, last = min(firsts), max(s.last_token_at for s in seqs if s.last_token_at is not None)
+    after = usage.completion_tokens - len(firsts)
+    span = last - first
+    body["timings"] = {
+        "prompt_n": usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens,
+        "prompt_ms": round((first - submitted) * 1000, 3),
+        "predicted_n": usage.completion_tokens,
+        "predicted_ms": round(span * 1000, 3),
+        "predicted_per_second": round(after / span, 3) if after > 0 and span > 0 else None,
+    }
+    return body
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -102,7 +102,6 @@ class Batcher:
         self.graphs = None  # the decode forward's CUDA graphs, set by `_prepare` on CUDA
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._slots: dict[int, Slot] = {}  # row -> slot
-        self._last_token_at: dict[Sequence, float] = {}
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gptkiln-decode")
         self._task: asyncio.Task | None = None
@@ -192,7 +191,6 @@ class Batcher:
         for row, slot in list(self._slots.items()):
             if slot.seq.cancelled:
                 del self._slots[row]
-                self._last_token_at.pop(slot.seq, None)
         if any(seq.cancelled for seq in self._waiting):
             self._waiting = collections.deque(s for s in self._waiting if not s.cancelled)
 
@@ -236,19 +234,18 @@ class Batcher:
     def _deliver(self, events: Chosen) -> None:
         now = time.perf_counter()
         for seq, event in events:
-            if isinstance(event, Token) and self.on_token is not None:
-                last = self._last_token_at.get(seq)
-                self.on_token(last is None, now - (seq.submitted if last is None else last))
-                self._last_token_at[seq] = now
-            if isinstance(event, (Done, Failed)):
-                self._last_token_at.pop(seq, None)
+            if isinstance(event, Token):
+                last = seq.last_token_at
+                if self.on_token is not None:
+                    self.on_token(last is None, now - (seq.submitted if last is None else last))
+                seq.first_token_at = now if last is None else seq.first_token_at
+                seq.last_token_at = now
             seq.events.put_nowait(event)
         for row, slot in list(self._slots.items()):
             if slot.done:
                 del self._slots[row]
 
     def _fail(self, seq: Sequence, message: str) -> None:
-        self._last_token_at.pop(seq, None)
         seq.events.put_nowait(Failed(seq.index, message))
 
     # -- the worker thread: the only code that runs the model ----------------------------------

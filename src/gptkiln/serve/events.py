@@ -80,6 +80,8 @@ class Sequence:
         cancelled: set by the handler when its client went away; the slot is freed at the next
             step.
         cached: the prompt's tokens the prefix cache held (set at its prefill, for ``usage``).
+        submitted, first_token_at, last_token_at: when it was submitted and its first and
+            latest tokens were handed out (`time.perf_counter`; for metrics and ``timings``).
     """
 
     prompt: list[int]
@@ -92,3 +94,5 @@ class Sequence:
     cancelled: bool = False
     cached: int = 0
     submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
