@@ -572,6 +572,32 @@ def test_a_llama3_gguf_that_does_not_say_whether_to_add_bos_adds_it_as_llama_cpp
         )
 
 
+def test_an_instruction_tuned_run_with_a_bos_comes_back_from_gguf_prompting_as_it_was(tmp_path):
+    """The GGUF's chat template of an Alpaca run on a Llama 3 tokenizer renders the BOS the run
+    was trained with (llama.cpp drops it where its tokenizer adds one), so the run read back
+    prompts with the ids the run did."""
+    from hf_tokenizer_dirs import write_llama3_dir
+
+    from gptkiln.checkpoint import save_model
+    from gptkiln.config import GPTConfig
+    from gptkiln.finetune.runs import run_template
+    from gptkiln.finetune.templates import ALPACA, format_messages
+    from gptkiln.model import GPT
+    from gptkiln.tokenizers import encode_prompt, load_tokenizer
+
+    tokenizer = load_tokenizer(write_llama3_dir(tmp_path / "tokenizer"))
+    config = GPTConfig.from_name("llama3-baby", vocab_size=tokenizer.vocab_size, n_layer=1)
+    run = tmp_path / "run"
+    extra = {"finetune": {"task": "instruct", "template": ALPACA.to_dict()}}
+    save_model(GPT(config), run, tokenizer=tokenizer, extra=extra)
+    import_gguf(export_gguf(run, tmp_path / "m.gguf"), tmp_path / "back")
+    _, back, cfg = load_run(tmp_path / "back")
+    messages = [{"role": "user", "content": "Name a colour."}]
+    template = run_template(cfg, tmp_path / "back")
+    theirs = encode_prompt(back, format_messages(template, messages), templated=True)
+    assert theirs == encode_prompt(tokenizer, format_messages(ALPACA, messages))
+
+
 def test_to_gguf_never_writes_over_a_file_of_a_run_even_with_overwrite(tmp_path, capsys):
     _, _, run = tiny_run(tmp_path, "qwen3", "bpe")
     weights = (run / "model.safetensors").read_bytes()

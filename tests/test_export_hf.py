@@ -151,6 +151,33 @@ def test_an_instruction_tuned_runs_template_goes_out_as_jinja(tmp_path):
     assert "### Response:" in config["chat_template"]
 
 
+def test_an_instruction_tuned_run_whose_tokenizer_adds_a_bos_exports_a_jinja_that_keeps_it(
+    tmp_path,
+):
+    """An Alpaca run on a Llama 3 tokenizer was trained, and is prompted, with the BOS that
+    tokenizer begins every text with; ``apply_chat_template`` adds none to what the template
+    renders, so the exported template renders it: transformers' ids are gptkiln's."""
+    from hf_tokenizer_dirs import write_llama3_dir
+
+    from gptkiln.finetune.templates import ALPACA, format_messages
+    from gptkiln.tokenizers import encode_prompt
+
+    tokenizer = load_tokenizer(write_llama3_dir(tmp_path / "tokenizer"))
+    config = GPTConfig.from_name("llama3-baby", vocab_size=tokenizer.vocab_size, n_layer=1)
+    run = tmp_path / "run"
+    extra = {"finetune": {"task": "instruct", "template": ALPACA.to_dict()}}
+    save_model(GPT(config), run, tokenizer=tokenizer, extra=extra)
+    out = export_hf(run, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ours = encode_prompt(tokenizer, format_messages(ALPACA, messages))
+    assert ours[0] == tokenizer.encode("")[0]  # the BOS
+    theirs = hf_tok.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    assert list(theirs) == ours
+
+
 def test_a_quantized_run_exports_dequantized_and_says_so(tmp_path):
     _, tokenizer, run = tiny_run(tmp_path, "llama3", "char")
     quantize_run(run, tmp_path / "q")

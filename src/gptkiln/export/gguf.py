@@ -210,7 +210,7 @@ def export_gguf(
     if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < len(vocab.tokens):
         vocab.pad_id = pad
     tensors = gguf_tensors(sd, config, str(run_dir))
-    chat = run_chat_jinja(cfg, run_dir)
+    chat = run_chat_jinja(cfg, run_dir, tokenizer)
     name = run_dir.resolve().name
     atomic_write(out_file, lambda tmp: _write(tmp, config, tensors, vocab, chat, type, name))
     write_modelfile(out_file, vocab, chat, cfg, run_dir)

@@ -170,7 +170,7 @@ def write_hf_tokenizer(
     (`Tokenizer.hf_json`) and a tokenizer_config.json naming ``<|endoftext|>`` as bos, eos and
     unk. generation_config.json holds the stop ids.
     """
-    chat = run_chat_jinja(cfg, run_dir)
+    chat = run_chat_jinja(cfg, run_dir, tokenizer)
     stops = list(tokenizer.stop_ids)
     if tokenizer.kind == "hf":
         written = copy_files(run_dir, out_dir, HF_TOKENIZER_FILES)

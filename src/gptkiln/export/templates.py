@@ -7,6 +7,10 @@ Alpaca format, or a template file) is written as the jinja that renders what
 `gptkiln.finetune.templates.format_messages` renders: the system text (a leading system message
 in its place), each user message as the instruction part followed by the response header, each
 assistant message as it is; ``add_generation_prompt`` is where the last response header goes.
+Where the run's tokenizer begins every text with a BOS (Llama 3's), the jinja begins with it too:
+gptkiln trained and prompts the run with it, and ``transformers``' ``apply_chat_template``
+encodes the text it renders without adding one (llama.cpp drops a rendered BOS its tokenizer
+adds anyway).
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ def jinja_literal(text: str) -> str:
     return json.dumps(text)
 
 
-def prompt_template_jinja(template: PromptTemplate) -> str:
-    """The jinja chat template of a `PromptTemplate` (see the module docstring)."""
+def prompt_template_jinja(template: PromptTemplate, *, bos: str = "") -> str:
+    """The jinja chat template of a `PromptTemplate` (see the module docstring); ``bos``: the
+    text of the ids the tokenizer begins every text with, rendered first."""
     before, after = template.instruction.split("{instruction}")
     lit = jinja_literal
     return (
-        "{%- if messages and messages[0]['role'] == 'system' -%}"
+        (f"{{{{- {lit(bos)} }}}}" if bos else "")
+        + "{%- if messages and messages[0]['role'] == 'system' -%}"
         "{{ messages[0]['content'] }}{%- set turns = messages[1:] -%}"
         f"{{%- else -%}}{{{{ {lit(template.system)} }}}}{{%- set turns = messages -%}}"
         "{%- endif -%}"
@@ -45,12 +51,18 @@ def prompt_template_jinja(template: PromptTemplate) -> str:
     )
 
 
-def run_chat_jinja(run_cfg: dict[str, Any], run_dir: str | os.PathLike) -> str | None:
-    """The jinja chat template of a run: its fine-tuning template converted, else the model's
-    own chat template's source; None for a run with neither (a base model)."""
+def run_chat_jinja(
+    run_cfg: dict[str, Any], run_dir: str | os.PathLike, tokenizer: Any = None
+) -> str | None:
+    """The jinja chat template of a run: its fine-tuning template converted (after the BOS
+    ``tokenizer``, the run's, begins a text with), else the model's own chat template's source;
+    None for a run with neither (a base model)."""
+    from gptkiln.tokenizers import leading_ids
+
     template = run_template(run_cfg, Path(run_dir))
     if isinstance(template, PromptTemplate):
-        return prompt_template_jinja(template)
+        lead = leading_ids(tokenizer) if tokenizer is not None else []
+        return prompt_template_jinja(template, bos=tokenizer.decode(lead) if lead else "")
     if isinstance(template, ChatTemplate):
         return template.source
     return None
