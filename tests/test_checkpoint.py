@@ -671,6 +671,17 @@ def test_a_trainer_state_that_cannot_be_written_says_which_checkpoint_is_kept(
     assert read_checkpoint(tmp_path)[1]["step"] == 7
 
 
+def test_a_converted_models_out_no_file_can_be_made_in_is_refused_before_any_work():
+    """A new --out under a folder no file can be made in (``/proc``; read-only alike) and an
+    existing folder of that kind are one line naming the folder, before a model is loaded or
+    downloaded (not a stage folder's failure after the work)."""
+    from gptkiln.run_guard import check_out_dir
+
+    for out in (Path("/proc/gptkiln-new-run"), Path("/proc/sys")):
+        with pytest.raises(GptkilnError, match=r"--out /proc/\S+: cannot write in /proc"):
+            check_out_dir(out, overwrite=False)
+
+
 def test_an_output_under_a_file_is_refused_before_any_work(tmp_path):
     """A converted model's --out and a command's output file both name the file in their way."""
     from gptkiln.run_guard import check_out_dir, check_writable

@@ -191,6 +191,22 @@ def test_a_quantized_run_exports_dequantized_and_says_so(tmp_path):
         torch.testing.assert_close(hf(idx).logits, quantized(idx), rtol=0, atol=1e-4)
 
 
+def test_an_out_that_cannot_be_written_is_one_line_before_the_run_loads(
+    tmp_path, capsys, monkeypatch
+):
+    from gptkiln.cli import main
+
+    _, _, run = tiny_run(tmp_path, "gpt2", "char")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the run was loaded before --out was checked")
+
+    monkeypatch.setattr("gptkiln.export.hf.load_model", never)
+    code = main(["convert", "to-hf", str(run), "--out", "/proc/gptkiln-export"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "cannot write in /proc" in err, err
+
+
 def test_a_classifier_is_refused_in_one_line(tmp_path):
     model = GPT(
         GPTConfig.from_name(

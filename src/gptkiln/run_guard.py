@@ -33,7 +33,9 @@ from gptkiln.tokenizers import TOKENIZER_FILES
 
 def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
     """Check ``out_dir`` before a converted or downloaded model is written there: refuse a file,
-    and a directory that already holds a model unless ``overwrite``.
+    a directory that already holds a model unless ``overwrite``, and a folder no file can be
+    made in (read-only, ``/proc``): the folder itself where it exists (its files are written
+    inside it first, `gptkiln.export.files.staged`), else the nearest one it would be made in.
 
     Returns the files of an old training run there (its trainer state, metrics, plot and
     TensorBoard events), for
@@ -42,14 +44,16 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise GptkilnError(f"--out {out_dir} is a file; give the path of a directory to write")
-    _nearest_folder(out_dir.absolute().parent, "--out", out_dir)
+    there = _nearest_folder(out_dir.absolute().parent, "--out", out_dir)
     if not has_checkpoint(out_dir):
+        _check_can_write_in(out_dir if out_dir.is_dir() else there, "--out", out_dir)
         return []
     if not overwrite:
         raise GptkilnError(
             f"--out {out_dir} already holds a model; pass --overwrite to replace it, "
             "or choose another --out"
         )
+    _check_can_write_in(out_dir, "--out", out_dir)
     names = (TRAINER_STATE_FILE, PREVIOUS_STATE_FILE, ADAPTER_FILE, "metrics.csv", "loss.png")
     files = [out_dir / name for name in names if (out_dir / name).exists()]
     return files + tensorboard_events(out_dir)
@@ -116,7 +120,11 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
     """One line, before any work, where ``path`` could not be written: a file on its way, or a
     folder (its own, or the nearest one there of those it would be made in) where no file can
     be made (read-only, a full disk, ``/proc``). Nothing is left behind: no folder is made."""
-    there = _nearest_folder(Path(path).absolute().parent, flag, path)
+    _check_can_write_in(_nearest_folder(Path(path).absolute().parent, flag, path), flag, path)
+
+
+def _check_can_write_in(there: Path, flag: str, path: str | os.PathLike) -> None:
+    """One line where no file can be made in the folder ``there`` (for ``flag`` ``path``)."""
     try:
         with tempfile.NamedTemporaryFile(dir=there, prefix=".gptkiln-probe-"):
             pass
