@@ -598,6 +598,22 @@ def test_an_instruction_tuned_run_with_a_bos_comes_back_from_gguf_prompting_as_i
     assert theirs == encode_prompt(tokenizer, format_messages(ALPACA, messages))
 
 
+def test_an_out_that_holds_a_model_is_refused_before_the_gguf_is_dequantized(tmp_path, monkeypatch):
+    """`convert gguf` into a run without --overwrite says so at once: dequantizing a large
+    GGUF to float32 first would take minutes and its memory for a refusal."""
+    from gptkiln.export import gguf_import
+
+    _, _, run = tiny_run(tmp_path, "qwen3", "bpe")
+    out = export_gguf(run, tmp_path / "m.gguf")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the tensors were read before --out was checked")
+
+    monkeypatch.setattr(gguf_import, "_hf_state_dict", never)
+    with pytest.raises(GptkilnError, match="already holds a model"):
+        import_gguf(out, run)
+
+
 def test_to_gguf_never_writes_over_a_file_of_a_run_even_with_overwrite(tmp_path, capsys):
     _, _, run = tiny_run(tmp_path, "qwen3", "bpe")
     weights = (run / "model.safetensors").read_bytes()

@@ -69,11 +69,11 @@ def import_gguf(
             f"{path}: a GGUF of the {arch!r} architecture; gptkiln reads "
             f"{', '.join(FAMILY_OF_ARCH)} (GPT-2, Llama 3, Qwen3)"
         )
+    stale = check_out_dir(out, overwrite=overwrite)  # before the tensors are dequantized
     hf_sd, rope_freqs = _hf_state_dict(reader, arch, path)
     hf_config = _hf_config(meta, arch, hf_sd, rope_freqs, path)
     vocab = _vocab(meta, path, hf_config["vocab_size"])
     tokenizer = _tokenizer(vocab, meta, hf_config, path)
-    stale = check_out_dir(out, overwrite=overwrite)
     module = _family_module(arch)
     config = module.config_from_hf(hf_config, str(path))
     model = build_model(
