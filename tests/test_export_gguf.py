@@ -456,8 +456,9 @@ def test_a_tokenizer_without_an_end_of_text_is_refused_before_llama_cpp_stops_on
     assert not (tmp_path / "m.gguf").exists()
 
 
-def _rewritten(good: Path, bad: Path, **edits) -> Path:
-    """``good`` written again as ``bad`` with the metadata ``edits`` (a key's dots as ``__``)."""
+def _rewritten(good: Path, bad: Path, tensors=None, **edits) -> Path:
+    """``good`` written again as ``bad`` with the metadata ``edits`` (a key's dots as ``__``);
+    ``tensors(name, array)``: each f32 tensor's new array, None to leave it out."""
     import gguf
 
     edits = {k.replace("__", "."): v for k, v in edits.items()}
@@ -476,10 +477,33 @@ def _rewritten(good: Path, bad: Path, **edits) -> Path:
         if edits[key] is not None:
             writer.add_key_value(key, edits[key], gguf.GGUFValueType.STRING)
     for t in reader.tensors:
-        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        data = np.array(t.data) if tensors is None else tensors(t.name, np.array(t.data))
+        if data is not None:
+            writer.add_tensor(t.name, np.ascontiguousarray(data), raw_dtype=t.tensor_type)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
     return bad
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama3"])
+def test_a_tensor_the_gguf_lacks_or_holds_at_another_shape_is_named_as_the_file_names_it(
+    tmp_path, family
+):
+    """Not by gptkiln's names (h.1.mlp.down_proj.weight), which its reader never sees; a shape
+    as the file holds it (GPT-2's Conv1D weights (out, in))."""
+    _, _, run = tiny_run(tmp_path, family, "bpe")
+    good = export_gguf(run, tmp_path / "good.gguf")
+    down = "blk.1.ffn_down.weight"
+    cut = _rewritten(good, tmp_path / "cut.gguf", lambda name, a: None if name == down else a)
+    with pytest.raises(GptkilnError, match=rf"cut.gguf: the file lacks tensor {down}, which"):
+        import_gguf(cut, tmp_path / "r1")
+    up = "blk.0.ffn_up.weight"
+    narrow = _rewritten(
+        good, tmp_path / "narrow.gguf", lambda name, a: a[:, :32] if name == up else a
+    )
+    with pytest.raises(GptkilnError, match=rf"tensor {up} is \((\d+), 32\), not \(\1, 64\)"):
+        import_gguf(narrow, tmp_path / "r2")
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
 
 
 @pytest.mark.parametrize(

@@ -76,12 +76,49 @@ def import_gguf(
     tokenizer = _tokenizer(vocab, meta, hf_config, path)
     module = _family_module(arch)
     config = module.config_from_hf(hf_config, str(path))
+    _check_tensors(hf_sd, config, arch, path)
     model = build_model(
         config, module.hf_state_dict_to_gptkiln(hf_sd, config, str(path)), str(path)
     )
     with staged_run(out, stale) as stage:
         save_model(model, stage, tokenizer=tokenizer, extra=_token_ids(vocab))
     return out
+
+
+def _check_tensors(
+    hf_sd: dict[str, torch.Tensor], config: GPTConfig, arch: str, path: Path
+) -> None:
+    """One line naming, as the file names them (``blk.1.ffn_down.weight``), the tensors the
+    model its metadata describes has and the file lacks, or holds at another shape (as the file
+    holds them: GPT-2's Conv1D weights (out, in))."""
+    from gptkiln.interop import gptkiln_state_dict_to_hf
+    from gptkiln.loading.checks import expected_shapes
+
+    meta = {n: torch.empty(s, device="meta") for n, s in expected_shapes(config).items()}
+    wanted = gptkiln_state_dict_to_hf(meta, config)
+    table = HF_TO_GGUF[arch]
+
+    def in_file(name: str, shape: torch.Size) -> tuple[int, ...]:
+        conv1d = arch == "gpt2" and CONV1D.match(name.removeprefix("transformer."))
+        return tuple(shape[::-1] if conv1d else shape)
+
+    missing = [rename(n, table) for n in wanted if n not in hf_sd]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise GptkilnError(
+            f"{path}: the file lacks tensor {', '.join(missing[:3])}{more}, which its metadata's "
+            f"{arch} model has; it is cut short or of another variant, convert it again"
+        )
+    wrong = [
+        f"{rename(n, table)} is {in_file(n, hf_sd[n].shape)}, not {in_file(n, t.shape)}"
+        for n, t in wanted.items()
+        if hf_sd[n].shape != t.shape
+    ]
+    if wrong:
+        raise GptkilnError(
+            f"{path}: tensor {'; '.join(wrong[:3])} as its metadata's {arch} model has it; the "
+            "file's tensors and metadata disagree, convert it again"
+        )
 
 
 def _token_ids(vocab: GGUFVocab) -> dict[str, Any]:
