@@ -5,6 +5,7 @@ each off unless a config has it."""
 import copy
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -379,7 +380,8 @@ def test_a_run_with_a_computed_choice_is_refused_by_both_exports(muon_runs, tmp_
     choices = "relu2, logit_softcap, value_embeds, attention_windows"
     with pytest.raises(GptkilnError, match=f"{choices}, which llama.cpp"):
         export_gguf(whole, tmp_path / "m.gguf")
-    with pytest.raises(GptkilnError, match=f"{choices}, which Hugging Face"):
+    named = f"^{re.escape(str(whole))}: this model uses {choices}, which Hugging Face"
+    with pytest.raises(GptkilnError, match=named):  # the run named, as the GGUF export names it
         export_hf(whole, tmp_path / "hf")
     assert not (tmp_path / "m.gguf").exists()
 

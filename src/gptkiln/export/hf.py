@@ -96,7 +96,10 @@ def export_hf(
     sd, dequantized = float_state_dict(model)
     if dequantized and on_note:
         on_note(f"{run_dir} is quantized (int8): its weights are written dequantized, as float32")
-    hf_config = {**config_to_hf(config), "dtype": _dtype_name(sd)}  # refuses what it cannot hold
+    try:  # refuses what it cannot hold
+        hf_config = {**config_to_hf(config), "dtype": _dtype_name(sd)}
+    except GptkilnError as e:  # in the model's words: say which run
+        raise GptkilnError(f"{run_dir}: {e}") from None
     with staged(out_dir, last=CONFIG_FILE) as stage:  # an export cut short leaves no half of one
         written = _write_hf_weights(stage, gptkiln_state_dict_to_hf(sd, config), shard_bytes)
         kind = tokenizer_name(run_dir)
