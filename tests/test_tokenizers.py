@@ -1,6 +1,7 @@
 """Tokenizers: GPT-2 golden ids, char vocabularies, trained byte BPE, save/load, specs."""
 
 import json
+import re
 
 import pytest
 from conftest import plays_text
@@ -337,3 +338,26 @@ def test_bpe_arrays_in_slices_are_the_plain_batch(chinese_bpe, monkeypatch):
     arrays = chinese_bpe.encode_ordinary_batch_arrays(texts)
     assert [a.tolist() for a in arrays] == plain
     assert calls == [4, 4, 4, 4, 4, 3]  # 4 x ~3,000 characters pass 10,000; 2 texts a core
+
+
+@pytest.mark.parametrize("kind", ["bpe", "char"])
+def test_a_runs_missing_tokenizer_file_is_told_where_its_copy_is(tmp_path, kind):
+    """A run directory keeps its tokenizer's files beside config.json, copied from its
+    prepared data: a lost one is restored from there, not by `gptkiln prepare` (the fix a
+    prepared-data folder's own lost file gets)."""
+    text = "To be, or not to be,\nthat is the question.\n" * 20
+    if kind == "bpe":
+        tokenizer, name = train_bpe_tokenizer([text], 300), "tokenizer.json"
+    else:
+        tokenizer, name = build_char_tokenizer([text], with_eot=True), "char_vocab.json"
+    run = tmp_path / "run"
+    for folder in (run, run / "data"):
+        tokenizer.save(folder)
+    (run / "config.json").write_text("{}")
+    (run / name).unlink()
+    copy = re.escape(f"holds the copy training saved it from, {run / 'data' / name}")
+    with pytest.raises(GptkilnError, match=copy):
+        load_tokenizer(run)
+    (run / "data" / name).unlink()
+    with pytest.raises(GptkilnError, match=r"re-run `gptkiln prepare`$"):
+        load_tokenizer(run / "data")

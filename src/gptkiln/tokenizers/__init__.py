@@ -33,6 +33,7 @@ from gptkiln.tokenizers.base import (
     TOKENIZER_FILES,
     TOKENIZER_KINDS,
     Tokenizer,
+    restore_hint,
 )
 from gptkiln.tokenizers.bpe import (
     BPE_SLICE_CHARS,
@@ -174,7 +175,7 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         kind = meta["kind"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise GptkilnError(f"{meta_path}: unreadable ({e}); re-run `gptkiln prepare`") from None
+        raise GptkilnError(f"{meta_path}: unreadable ({e}); {restore_hint(meta_path)}") from None
     if kind == "gpt2":
         tokenizer: Tokenizer = GPT2Tokenizer()
     elif kind == "char":

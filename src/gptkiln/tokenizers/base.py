@@ -24,6 +24,19 @@ TOKENIZER_KINDS = ("gpt2", "char", "bpe", "hf")
 TOKENIZER_FILES = (META_FILE, CHAR_VOCAB_FILE, BPE_FILE, HF_CONFIG_FILE, *HF_EXTRA_FILES)
 
 
+def restore_hint(path: Path) -> str:
+    """How to get a tokenizer's file ``path`` back: in a run directory (a config.json beside
+    it), from the copy its prepared data holds (``RUN/data``, which training saved it from) or
+    its source; in a prepared-data folder, by preparing it again."""
+    directory = path.parent
+    if not (directory / "config.json").is_file():
+        return "re-run `gptkiln prepare`"
+    copy = directory / "data" / path.name
+    if copy.is_file():
+        return f"restore it: the run's prepared data holds the copy training saved it from, {copy}"
+    return "restore it from the data the run was prepared from, or the model it was tuned from"
+
+
 def byte_level_decoder(tokenizer_json: str) -> bool:
     """Whether a Hugging Face tokenizer.json decodes by its ``ByteLevel`` decoder alone (its
     text the UTF-8 of its tokens' bytes, nothing joined or stripped across tokens)."""

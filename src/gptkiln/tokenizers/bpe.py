@@ -17,6 +17,7 @@ from gptkiln.tokenizers.base import (
     _lead_bytes_per_piece,
     _unicode_to_bytes,
     byte_level_decoder,
+    restore_hint,
 )
 
 DEFAULT_BPE_VOCAB_SIZE = 8192
@@ -126,7 +127,7 @@ class BPETokenizer(Tokenizer):
             return cls(HFTokenizer.from_file(str(path)))
         except Exception as e:  # tokenizers raises plain Exception for bad files
             raise GptkilnError(
-                f"{path}: not a readable tokenizers file ({e}); re-run `gptkiln prepare`"
+                f"{path}: not a readable tokenizers file ({e}); {restore_hint(path)}"
             ) from None
 
 

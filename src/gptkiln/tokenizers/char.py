@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from gptkiln.errors import GptkilnError
-from gptkiln.tokenizers.base import CHAR_VOCAB_FILE, EOT, Tokenizer
+from gptkiln.tokenizers.base import CHAR_VOCAB_FILE, EOT, Tokenizer, restore_hint
 
 
 class CharTokenizer(Tokenizer):
@@ -119,7 +119,7 @@ class CharTokenizer(Tokenizer):
             return cls(payload["chars"], with_eot=bool(payload["with_eot"]))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise GptkilnError(
-                f"{path}: not a readable char vocabulary ({e}); re-run `gptkiln prepare`"
+                f"{path}: not a readable char vocabulary ({e}); {restore_hint(path)}"
             ) from None
 
 
