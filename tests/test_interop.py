@@ -387,6 +387,50 @@ def test_a_pth_that_is_more_than_tensors_is_refused_without_torchs_unsafe_advice
     assert "it names objects that no state dict holds" in said and "weights_only" not in said
 
 
+def openai_checkpoint(directory: Path) -> Path:
+    """The files of OpenAI's TensorFlow GPT-2 checkpoint as the book's ``gpt_download.py``
+    leaves them in ``gpt2/124M`` (their contents do not matter here)."""
+    directory.mkdir(parents=True)
+    (directory / "hparams.json").write_text('{"n_vocab": 50257, "n_embd": 768}')
+    (directory / "checkpoint").write_text('model_checkpoint_path: "model.ckpt"\n')
+    for name in ("model.ckpt.index", "model.ckpt.meta", "model.ckpt.data-00000-of-00001"):
+        (directory / name).write_bytes(b"\x00" * 16)
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["generate", "{pth}", "--prompt", "Hi"], ["model.pth", "gptkiln convert book"]),
+        (["info", "{pth}"], ["model.pth", "gptkiln convert book"]),
+        (["convert", "hf", "{tf}", "--out", "{out}"], ["TensorFlow", "gptkiln convert book"]),
+        (["generate", "{tf}", "--prompt", "Hi"], ["TensorFlow", "load_weights_into_gpt"]),
+        (["convert", "book", "{tf}", "--out", "{out}"], ["TensorFlow", "model.pth"]),
+        (
+            ["convert", "book", "{tf}/model.ckpt.data-00000-of-00001", "--out", "{out}"],
+            ["TensorFlow", "gptkiln convert book"],
+        ),
+    ],
+)
+def test_the_books_own_files_given_where_a_run_goes_say_how_to_convert_them(
+    tmp_path, capsys, argv, needles
+):
+    """A learner's files from the book: the model.pth of its section 5.4 given to a command that
+    takes a run, and the TensorFlow checkpoint its gpt_download.py fetches (gpt2/124M) given
+    anywhere, are each one line that says how to make a run of them, not a bare "config.json
+    is missing" (whose fix was to train into the download's folder)."""
+    from gptkiln.cli import main
+
+    torch.save({"tok_emb.weight": torch.zeros(2, 2)}, tmp_path / "model.pth")
+    tf = openai_checkpoint(tmp_path / "gpt2" / "124M")
+    names = {"pth": tmp_path / "model.pth", "tf": tf, "out": tmp_path / "run"}
+    assert main([arg.format(**names) for arg in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(n in err for n in needles), err
+    assert f"gptkiln train --out {tf}" not in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_book_conversion_infers_the_config_and_needs_n_head():
     _, book = book_model()
     config, sd = book_state_dict_to_gptkiln(book.state_dict(), n_head=4)

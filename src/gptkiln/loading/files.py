@@ -18,6 +18,30 @@ from gptkiln.errors import GptkilnError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+TORCH_SUFFIXES = (".pth", ".pt")
+"""What the book's ``torch.save(model.state_dict(), "model.pth")`` and its kin are called."""
+
+
+def openai_checkpoint(path: Path) -> Path | None:
+    """The folder of OpenAI's TensorFlow GPT-2 checkpoint that ``path`` is or lies in
+    (``hparams.json`` beside ``model.ckpt.*``, as the book's ``gpt_download.py`` leaves it in
+    ``gpt2/124M``), or None."""
+    folder = path if path.is_dir() else path.parent
+    if (folder / "hparams.json").is_file() and any(folder.glob("model.ckpt*")):
+        return folder
+    return None
+
+
+def openai_checkpoint_fix(folder: Path) -> str:
+    """What to do with OpenAI's TensorFlow checkpoint in ``folder``, which gptkiln does not
+    read: the book's own route from it to a PyTorch state dict, then `convert book`."""
+    return (
+        f"{folder} holds OpenAI's TensorFlow GPT-2 checkpoint (hparams.json, model.ckpt.*: what "
+        "the book's gpt_download.py fetches), which gptkiln does not read; load it into the "
+        "book's GPTModel with its load_weights_into_gpt, save that with "
+        'torch.save(model.state_dict(), "model.pth") and make a run of it with `gptkiln convert '
+        "book model.pth --out DIR` (or, with internet, `gptkiln download gpt2 --out DIR`)"
+    )
 
 
 def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -29,14 +53,20 @@ def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
             f"{run_dir} does not exist; give a run directory made by "
             f"`gptkiln train --out DIR` or `gptkiln convert`"
         )
+    if (folder := openai_checkpoint(run_dir)) is not None and not path.is_file():
+        raise GptkilnError(openai_checkpoint_fix(folder))
     if run_dir.is_file():
-        gguf = (
-            " (a GGUF file: `gptkiln convert gguf` makes a run of it)"
-            if run_dir.suffix.lower() == ".gguf"
-            else ""
-        )
+        suffix = run_dir.suffix.lower()
+        kind = ""
+        if suffix == ".gguf":
+            kind = " (a GGUF file: `gptkiln convert gguf` makes a run of it)"
+        elif suffix in TORCH_SUFFIXES:
+            kind = (
+                " (a PyTorch file: the book's model.pth, a state dict of its GPTModel, becomes a "
+                f"run with `gptkiln convert book {run_dir} --out DIR`)"
+            )
         raise GptkilnError(
-            f"{run_dir} is a file, not a run directory{gguf}; give the directory that holds "
+            f"{run_dir} is a file, not a run directory{kind}; give the directory that holds "
             f"{CONFIG_FILE} (made by `gptkiln train --out DIR` or `gptkiln convert`)"
         )
     if not path.is_file() and (run_dir / "meta.json").is_file():
@@ -137,6 +167,13 @@ def unpickler_said(message: str, holder: str) -> str:
 
 def load_torch_file(path: Path) -> dict[str, Any]:
     """``torch.load`` of plain data only (weights_only), memory-mapped where the format allows."""
+    if (folder := openai_checkpoint(path)) is not None:
+        raise GptkilnError(openai_checkpoint_fix(folder))
+    if path.is_dir():
+        raise GptkilnError(
+            f"{path} is a directory; give the checkpoint file in it (the book saves one with "
+            'torch.save(model.state_dict(), "model.pth"))'
+        )
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
