@@ -9,6 +9,7 @@ that need them skip with a message where they are missing. Every model is tiny a
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -275,6 +276,30 @@ def test_the_modelfile_beside_the_gguf(tmp_path):
     _, _, base = tiny_run(tmp_path, "llama3", "gpt2")
     export_gguf(base, tmp_path / "base.gguf")
     assert 'TEMPLATE """{{ .Prompt }}"""' in (tmp_path / "base.Modelfile").read_text()
+    assert "PARAMETER temperature" not in text  # no generation_config.json: Ollama's defaults
+
+
+def test_the_modelfile_samples_as_the_runs_generation_config_asks(tmp_path):
+    """Qwen3's generation_config.json (temperature 0.6, top-k 20, top-p 0.95) becomes Ollama's
+    parameters, as `gptkiln generate` and serve take it; do_sample false is temperature 0 (a
+    repetition penalty kept: Ollama's repeat_penalty)."""
+    _, _, run = tiny_run(tmp_path, "qwen3", "bpe")
+    config = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0}
+    (run / "generation_config.json").write_text(json.dumps(config))
+    export_gguf(run, tmp_path / "q.gguf")
+    lines = (tmp_path / "q.Modelfile").read_text().splitlines()
+    params = [line for line in lines if line.startswith("PARAMETER ") and "stop" not in line]
+    assert params == [
+        "PARAMETER temperature 0.6", "PARAMETER top_k 20", "PARAMETER top_p 0.95",
+    ]  # fmt: skip
+    greedy = {"do_sample": False, "temperature": 0.7, "repetition_penalty": 1.1}
+    (run / "generation_config.json").write_text(json.dumps(greedy))
+    export_gguf(run, tmp_path / "g.gguf")
+    lines = (tmp_path / "g.Modelfile").read_text().splitlines()
+    assert [line for line in lines if line.startswith(("PARAMETER temp", "PARAMETER repeat"))] == [
+        "PARAMETER temperature 0.0",
+        "PARAMETER repeat_penalty 1.1",
+    ]
 
 
 def modelfile_stops(text: str) -> list[str]:

@@ -1,6 +1,8 @@
 """The Ollama Modelfile written beside every GGUF (``NAME.Modelfile`` for ``NAME.gguf``):
 ``FROM`` the file, the chat template in Ollama's template language (Go's ``text/template``) for
-the templates gptkiln knows, and a ``PARAMETER stop`` for every stop token and stop string.
+the templates gptkiln knows, a ``PARAMETER stop`` for every stop token and stop string, and the
+sampling the run's generation_config.json asks for (Qwen3's temperature 0.6, top-k 20, top-p
+0.95) as Ollama's parameters, which `ollama run` and its API then use unless a request says.
 
 The templates: an instruction-tuned run's `PromptTemplate` (the book's Alpaca format or a
 template file: the system text, each user message as its instruction part and the response
@@ -106,6 +108,28 @@ def modelfile_value(text: str) -> str | None:
     return None
 
 
+OLLAMA_SAMPLING = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repeat_penalty",  # Ollama's looks back 64 tokens (repeat_last_n)
+}
+"""`config.sample.model_sampling`'s settings by the names of Ollama's Modelfile parameters."""
+
+
+def sampling_parameters(run_dir: Path) -> list[str]:
+    """``PARAMETER`` lines of the sampling a run's generation_config.json asks for (``do_sample``
+    false: temperature 0, greedy); none where it asks for none (Ollama's defaults then)."""
+    from gptkiln.config.sample import model_sampling
+
+    settings = model_sampling(run_dir)
+    if not settings:
+        return []
+    lines = ["# sampling: as the run's generation_config.json asks"]
+    return lines + [f"PARAMETER {OLLAMA_SAMPLING[k]} {v}" for k, v in settings.items()]
+
+
 def modelfile_text(
     gguf_name: str, vocab: GGUFVocab, chat: str | None, cfg: dict[str, Any], run_dir: Path
 ) -> str:
@@ -133,7 +157,7 @@ def modelfile_text(
             lines.append(f"# a stop Ollama's Modelfile cannot hold (its quotes): {stop!r}")
         else:
             lines.append(f"PARAMETER stop {value}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + sampling_parameters(run_dir)) + "\n"
 
 
 def modelfile_path(gguf_file: Path) -> Path:
