@@ -92,6 +92,27 @@ def test_batch_arrays_equal_batch_lists(kind, gpt2):
     assert tok.eot_id not in arrays[0].tolist()
 
 
+def test_gpt2_batch_encodes_runs_of_texts_on_its_threads_not_a_task_a_text(gpt2, monkeypatch):
+    # A jsonl of many short records: a thread-pool task for each cost as much as encoding them.
+    import concurrent.futures
+
+    import gptkiln.tokenizers.gpt2
+
+    tasks = []
+
+    class Counted(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            tasks.append(fn)
+            return super().submit(fn, *args, **kwargs)
+
+    monkeypatch.setattr(gptkiln.tokenizers.gpt2, "ThreadPoolExecutor", Counted)
+    texts = [f"Record {i}: to be, or not to be." * (1 + i % 7) for i in range(1000)] + [""]
+    arrays = gpt2.encode_ordinary_batch_arrays(texts, num_threads=2)
+    assert [a.tolist() for a in arrays] == [gpt2.encode(t) for t in texts]
+    assert 2 <= len(tasks) <= 8  # a few runs of texts a thread
+    assert gpt2.encode_ordinary_batch_arrays([], num_threads=2) == []
+
+
 def test_gpt2_ranks_are_single_bytes_then_merges():
     ranks = gpt2_mergeable_ranks()
     assert len(ranks) == 50256

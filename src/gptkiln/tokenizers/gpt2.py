@@ -23,6 +23,23 @@ GPT2_EOT_ID = 50256
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
+def _runs(texts: list[str], parts: int) -> list[list[str]]:
+    """``texts`` in order, cut into at most ``parts`` runs of about equal characters."""
+    share = sum(map(len, texts)) / max(parts, 1)
+    runs: list[list[str]] = []
+    run: list[str] = []
+    size = 0
+    for text in texts:
+        run.append(text)
+        size += len(text)
+        if size >= share and len(runs) < parts - 1:
+            runs.append(run)
+            run, size = [], 0
+    if run:
+        runs.append(run)
+    return runs
+
+
 def _package_dir(package: str, pip_name: str) -> Path:
     """Folder of an installed package, found without importing it (imports can be slow)."""
     spec = importlib.util.find_spec(package)
@@ -122,8 +139,13 @@ class GPT2Tokenizer(Tokenizer):
             self._encoding.encode_to_numpy, allowed_special=set(), disallowed_special=()
         )
         threads = num_threads or os.cpu_count() or 1
-        with ThreadPoolExecutor(max_workers=min(len(texts), threads) or 1) as pool:
-            return list(pool.map(encode, texts))
+        # A task a text cost as much as the encoding for short documents (100k jsonl
+        # records of ~170 characters: 5.5 s of CPU against 3.1 s): each thread takes a run of
+        # texts instead, a few runs a thread so that one long text does not hold up the rest.
+        runs = _runs(texts, 4 * threads)
+        with ThreadPoolExecutor(max_workers=min(len(runs), threads) or 1) as pool:
+            encoded = pool.map(lambda run: [encode(text) for text in run], runs)
+            return [ids for run in encoded for ids in run]
 
     def decode(self, ids: Sequence[int]) -> str:
         try:
