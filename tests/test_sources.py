@@ -286,6 +286,21 @@ def test_a_bpe_learns_from_the_first_bytes_of_the_text_and_says_so(tmp_path, cap
         prepare(source, tmp_path / "x", "bpe:400", progress=False, bpe_sample_bytes=0)
 
 
+def test_a_bpe_that_runs_out_of_pairs_before_its_size_says_so(tmp_path, capsys):
+    """Ten Chinese sentences repeated: each sentence up to its punctuation mark is one word,
+    so the BPE stops merging long before bpe:2000; the note says what it gave, and why."""
+    sentences = ["今天天气很好，我们去公园散步吧。", "机器学习是人工智能的一个分支。"] * 5
+    source = tmp_path / "zh.txt"
+    source.write_text("".join(sentences * 40), encoding="utf-8")
+    meta = prepare(source, tmp_path / "out", "bpe:2000", progress=False)
+    err = capsys.readouterr().err
+    assert meta["vocab_size"] < 2000
+    assert f"note: bpe:2000 gave {meta['vocab_size']:,} ids" in err
+    assert f"ask for bpe:{meta['vocab_size']}" in err
+    prepare(source, tmp_path / "again", f"bpe:{meta['vocab_size']}", progress=False)
+    assert "gave" not in capsys.readouterr().err  # as many as asked: no note
+
+
 # -------------------------------------------------------------------------------- bad input
 
 

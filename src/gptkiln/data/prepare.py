@@ -473,6 +473,8 @@ class _Run:
                 "takes more (0: all)",
                 file=sys.stderr,
             )
+        if kind == "bpe":
+            _note_fewer_ids(spec, tok, self.sample)
         documents = 2 if self.mixture is not None else self.survey.documents
         if documents > 1 and tok.eot_id is None:
             what = f"has {documents} documents" if self.mixture is None else "is a mixture"
@@ -487,6 +489,25 @@ class _Run:
         if self.mixture is not None:
             return str(self.mixture)
         return DEFAULT_SOURCE if self.source is None else str(self.source)
+
+
+def _note_fewer_ids(spec: str, tok: Tokenizer, sample: _Sample | None) -> None:
+    """A note on stderr where a BPE trained here has fewer ids than ``bpe:N`` asked: its text
+    ran out of pairs to merge (each word, up to a space or punctuation mark, is one id at most),
+    so the model's vocabulary, and the size of its embedding and head, are not the ones asked."""
+    asked = parse_tokenizer_spec(spec)[1]
+    if tok.vocab_size >= asked:
+        return
+    learned = "its text"
+    if sample is not None and sample.taken:
+        learned = f"the {sample.taken:,} bytes it learned from"
+    more = " (more with --bpe-sample-mb)" if sample is not None and sample.full else ""
+    print(
+        f"note: bpe:{asked} gave {tok.vocab_size:,} ids: {learned} hold no more pairs to merge "
+        f"(a word, up to a space or punctuation mark, becomes one id at most); give it more "
+        f"text{more}, or ask for bpe:{tok.vocab_size}",
+        file=sys.stderr,
+    )
 
 
 def _write_dataset(
