@@ -305,6 +305,27 @@ def test_a_run_stopped_before_its_first_checkpoint_leaves_the_replaced_run_to_ke
     assert not (run / ".replaced").exists()
 
 
+def test_a_run_set_aside_by_a_killed_overwrite_is_named_by_the_commands_that_read_runs(
+    tmp_path, capsys
+):
+    """kill -9 before an --overwrite's first checkpoint: the good run waits in .replaced, and
+    info, generate, perplexity... say where, instead of "not a gptkiln run directory"."""
+    from gptkiln.checkpoint import save_model
+    from gptkiln.cli import main
+    from gptkiln.config import GPTConfig
+    from gptkiln.model import GPT
+
+    run = tmp_path / "run"
+    save_model(GPT(GPTConfig(vocab_size=20, context_length=8, n_layer=1, n_head=1, n_embd=8)),
+               run / ".replaced")  # fmt: skip
+    (run / "metrics.csv").write_text("step\n1\n")  # the killed attempt's
+    for command in (["info", str(run)], ["generate", str(run), "--prompt", "a"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert f"its run waits in {run / '.replaced'}" in err and "--overwrite" in err
+        assert len(err.strip().splitlines()) == 1
+
+
 # -- time and speed --------------------------------------------------------------------------
 def test_the_clock_spends_a_budget_and_without_one_never_runs_out():
     unbounded = TrainingClock(None, World())

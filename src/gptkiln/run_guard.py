@@ -28,6 +28,7 @@ from gptkiln.checkpoint import (
 )
 from gptkiln.errors import GptkilnError
 from gptkiln.loading import CONFIG_FILE, WEIGHTS_FILE
+from gptkiln.loading.files import REPLACED_DIR
 from gptkiln.tokenizers import TOKENIZER_FILES
 
 
@@ -59,8 +60,6 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool) -> list[Path]:
     return files + tensorboard_events(out_dir)
 
 
-REPLACED_DIR = ".replaced"
-"""Where ``train --overwrite`` keeps the run it replaces until the new run's first checkpoint."""
 SETTING_ASIDE_DIR = ".replacing"
 """Where the files of a run being set aside gather before the folder becomes ``.replaced``."""
 RESTORING_DIR = ".restoring"

@@ -18,6 +18,9 @@ from gptkiln.errors import GptkilnError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+REPLACED_DIR = ".replaced"
+"""Where ``train --overwrite`` keeps the run it replaces until the new run's first checkpoint
+(`gptkiln.run_guard`); reading a directory whose run waits there says so."""
 TORCH_SUFFIXES = (".pth", ".pt")
 """What the book's ``torch.save(model.state_dict(), "model.pth")`` and its kin are called."""
 
@@ -73,6 +76,14 @@ def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
         raise GptkilnError(
             f"{run_dir} is prepared data, not a run; train a model on it with "
             f"`gptkiln train --data {run_dir} --out RUN`"
+        )
+    aside = run_dir / REPLACED_DIR
+    if not path.is_file() and (aside / CONFIG_FILE).is_file():
+        raise GptkilnError(
+            f"{run_dir} holds no {CONFIG_FILE}: its run waits in {aside}, set aside by a "
+            "`gptkiln train --overwrite` that stopped before its first checkpoint; move the "
+            f"files in {aside} back into {run_dir} to keep that run (--resume then continues "
+            "it), or train there again with --overwrite"
         )
     if not path.is_file():
         raise GptkilnError(
