@@ -106,6 +106,36 @@ def test_a_run_being_trained_says_so(run):
     assert "training now" not in run_info(run).resume_note
 
 
+def test_rows_past_the_checkpoint_of_a_stopped_run_are_not_its_losses(run, tmp_path):
+    """A run killed after evaluations it never saved (eval every 10, checkpoint every 20,
+    stopped at 45): its rows past the checkpoint are of weights no longer there, which a resume
+    drops; info gave them as the best and last val loss beside "steps 20 of 60". While the
+    run trains, its evaluations run ahead of its checkpoints: then they are its latest."""
+    import csv
+
+    from gptkiln.run_guard import RunLock
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    with open(copy / "metrics.csv", newline="") as f:
+        fields = next(csv.reader(f))
+    with open(copy / "metrics.csv", "a", newline="") as f:
+        for step in (8, 10):
+            row = {k: "" for k in fields} | {"step": step, "tokens": step * 128, "val_loss": 0.5}
+            csv.DictWriter(f, fieldnames=fields).writerow(row)
+    info = run_info(copy)
+    assert info.steps_done == 6
+    assert info.last_val["step"] == 6 and info.best_val["step"] <= 6
+    assert info.best_val["loss"] > 0.5
+    lock = RunLock(copy)
+    lock.acquire()
+    try:
+        training = run_info(copy)
+    finally:
+        lock.release()
+    assert training.last_val["step"] == 10 and training.best_val["loss"] == 0.5
+
+
 def test_a_training_run_starting_while_info_looks_still_takes_its_lock(tmp_path):
     """`RunLock.held` holds a shared lock for an instant; a trainer acquiring then waits that
     instant out instead of being refused."""

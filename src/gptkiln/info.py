@@ -245,7 +245,8 @@ def _training_history(run_dir: Path, weights: Path, train: dict | None) -> dict[
     except GptkilnError as e:  # a truncated or corrupt trainer state
         state, why = None, str(e).split(";")[0]
     info["resumable"], info["resume_note"] = state is not None, why
-    if RunLock.held(run_dir):  # its checkpoint is the last one saved; more are coming
+    training = RunLock.held(run_dir)
+    if training:  # its checkpoint is the last one saved; more are coming
         info["resume_note"] = (
             f"{why}; it is training now (a gptkiln train or finetune holds it): --resume is "
             "refused until that run ends"
@@ -258,7 +259,10 @@ def _training_history(run_dir: Path, weights: Path, train: dict | None) -> dict[
         info["steps_done"] = int(weights_step)
     if info["steps_total"] is None and train and train.get("max_steps"):
         info["steps_total"] = train["max_steps"]
-    info["best_val"], info["last_val"] = _val_losses(run_dir / "metrics.csv")
+    # Stopped, a run's rows past its checkpoint are of weights no longer there (a resume drops
+    # them); training, its evaluations run ahead of its checkpoints.
+    until = None if training else info["steps_done"]
+    info["best_val"], info["last_val"] = _val_losses(run_dir / "metrics.csv", until)
     if train is None and info["steps_done"] is None:
         info["history"] = (
             "none recorded: a model saved for inference (e.g. by gptkiln convert), without "
@@ -321,13 +325,18 @@ def _data_of(run_dir: Path, train: dict) -> dict[str, Any]:
     }
 
 
-def _val_losses(metrics: Path) -> tuple[dict | None, dict | None]:
-    """The lowest and the last validation loss of a metrics.csv (None, None without any)."""
+def _val_losses(metrics: Path, until: int | None = None) -> tuple[dict | None, dict | None]:
+    """The lowest and the last validation loss of a metrics.csv, of its rows up to step
+    ``until`` where given (None, None without any)."""
     from gptkiln.train import read_metrics
 
     if not metrics.is_file():
         return None, None
-    rows = [r for r in read_metrics(metrics) if r.get("val_loss") is not None]
+    rows = [
+        r for r in read_metrics(metrics)
+        if r.get("val_loss") is not None and r.get("step") is not None
+        and (until is None or int(r["step"]) <= until)
+    ]  # fmt: skip
     if not rows:
         return None, None
 
