@@ -274,13 +274,22 @@ class LanguageModeling:
             return
         saved = load_tokenizer(self.run_dir)
         if saved.fingerprint() != tokenizer.fingerprint():
+            data = f"--data {self.cfg.data or 'shakespeare'}"
+            if saved.kind == tokenizer.kind:
+                which = (
+                    f"a {saved.kind!r} tokenizer of another vocabulary than the one of {data} "
+                    f"({saved.vocab_size:,} and {tokenizer.vocab_size:,} ids)"
+                )
+            else:
+                which = (
+                    f"a {saved.kind!r} tokenizer ({saved.vocab_size:,} ids), not the "
+                    f"{tokenizer.kind!r} one of {data} ({tokenizer.vocab_size:,} ids)"
+                )
             raise GptkilnError(
-                f"{self.run_dir} was trained with another {saved.kind!r} tokenizer than the one "
-                f"of --data {self.cfg.data or 'shakespeare'} ({tokenizer.kind!r}, "
-                f"{tokenizer.vocab_size:,} ids): its ids would mean other text. Resume with "
-                "the data the run was trained on, prepare new text with the run's tokenizer "
-                "(gptkiln prepare TEXT --tokenizer RUN_DIR --out DIR), or start a new run with "
-                "--overwrite"
+                f"{self.run_dir} was trained with {which}: its ids would mean other text. "
+                "Resume with the data the run was trained on, prepare new text with the run's "
+                "tokenizer (gptkiln prepare TEXT --tokenizer RUN_DIR --out DIR), or start a new "
+                "run with --overwrite"
             )
 
     def _check_not_a_baseline_run(self) -> None:
