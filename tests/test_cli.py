@@ -280,7 +280,9 @@ def test_perplexity_reads_a_source_as_prepare_names_it(monkeypatch):
     from gptkiln.tokenizers import load_tokenizer
 
     seen = []
-    monkeypatch.setattr(sources, "iter_documents", lambda data: seen.append(data) or ["a b"])
+    monkeypatch.setattr(
+        sources, "iter_documents", lambda data, text_field: seen.append(data) or ["a b"]
+    )
     for name in ("hf:owner/name", "shakespeare"):
         assert eval_tokens(name, load_tokenizer("gpt2")) == [64, 275]
     assert seen == ["hf:owner/name", "shakespeare"]
@@ -369,6 +371,26 @@ def test_perplexity_prints_loss_and_perplexity(run_dir, play_path, capsys):
     assert 0 < loss < 5 and ppl == pytest.approx(2.718281828**loss, rel=1e-3)
     bits = float(out.split(" | ")[2].removesuffix(" bits/char"))  # a char run: the loss in bits
     assert bits == pytest.approx(loss / math.log(2), abs=1e-4)
+
+
+def test_perplexity_reads_the_text_field_a_run_was_trained_on(run_dir, play_path, tmp_path, capsys):
+    """A run trained with --text-field content is scored on held-out records of that shape; the
+    refusal of such a file named a --text-field perplexity did not have."""
+    lines = Path(play_path).read_text().splitlines()[:400]
+    for name, key in (("text.jsonl", "text"), ("content.jsonl", "content")):
+        with open(tmp_path / name, "w") as f:
+            for i in range(0, len(lines), 20):
+                f.write(json.dumps({key: "\n".join(lines[i : i + 20]), "id": i}) + "\n")
+    args = ["--quiet", "--data"]
+    code, by_text, err = cli("perplexity", run_dir, *args, tmp_path / "text.jsonl", capsys=capsys)
+    assert code == 0, err
+    code, by_content, err = cli("perplexity", run_dir, *args, tmp_path / "content.jsonl",
+                                "--text-field", "content", capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    assert by_content == by_text
+    code, _, err = cli("perplexity", run_dir, *args, run_dir / "data", "--text-field", "content",
+                       capsys=capsys)  # fmt: skip
+    assert_one_line_error(code, err, "--text-field content", "is prepared data")
 
 
 def test_the_old_name_eval_says_the_new_one(run_dir, play_path, capsys):

@@ -511,6 +511,7 @@ def perplexity_of_run(
     device: str = "cpu",
     progress: bool = True,
     quantize: str | None = None,
+    text_field: str = "text",
 ) -> PerplexityResult:
     """Cross-entropy, perplexity and bits per character of a model on text.
 
@@ -520,6 +521,7 @@ def perplexity_of_run(
             text: Llama 3's BOS first), every token after the first scored once
             (`perplexity_of_model`); the characters counted are those of the targets scored.
         quantize: "int8" quantizes the weights on load (`gptkiln.loading.load_model`).
+        text_field: the JSON key or column of a ``data`` file that holds the text.
     """
     import numpy as np
 
@@ -529,7 +531,7 @@ def perplexity_of_run(
         raise GptkilnError(f"batch_size must be >= 1, got {batch_size}")
     model, tokenizer, _ = load_run(run_dir, device=device, quantize=quantize)
     check_language_model(model, run_dir)
-    tokens = eval_tokens(data, tokenizer)
+    tokens = eval_tokens(data, tokenizer, text_field=text_field)
     if len(tokens):
         check_ids_fit(int(np.max(tokens)), model, tokenizer, run_dir)
     return perplexity_of_model(model, tokens, tokenizer, batch_size=batch_size, progress=progress)
@@ -593,13 +595,19 @@ def perplexity_of_model(
     )
 
 
-def eval_tokens(data: str | os.PathLike, tokenizer):
+def eval_tokens(data: str | os.PathLike, tokenizer, *, text_field: str = "text"):
     """The ids `perplexity_of_run` scores: a prepared directory's validation split (its tokenizer
-    must be ``tokenizer``), or a text/jsonl file's documents encoded and joined as `prepare`
-    joins them, each begun with the ids the tokenizer puts before a text (`leading_ids`)."""
+    must be ``tokenizer``), or a text/jsonl file's documents (their ``text_field``) encoded and
+    joined as `prepare` joins them, each begun with the ids the tokenizer puts before a text
+    (`leading_ids`)."""
     from gptkiln.data.prepare import is_prepared, load_prepared
     from gptkiln.data.sources import iter_documents
 
+    if is_prepared(data) and text_field != "text":  # its text was read when it was prepared
+        raise GptkilnError(
+            f"--text-field {text_field}: --data {data} is prepared data, its text read already; "
+            "drop --text-field, or pass the text file"
+        )
     if is_prepared(data):  # else a source as prepare takes it (a path, hf:NAME, shakespeare)
         prepared = load_prepared(data)
         if prepared.tokenizer.fingerprint() != tokenizer.fingerprint():
@@ -614,7 +622,8 @@ def eval_tokens(data: str | os.PathLike, tokenizer):
         return prepared.val
     ids: list[int] = []
     lead = leading_ids(tokenizer)  # each document starts as the tokenizer starts a text
-    for i, doc_ids in enumerate(tokenizer.encode_ordinary_batch(list(iter_documents(data)))):
+    documents = list(iter_documents(data, text_field=text_field))
+    for i, doc_ids in enumerate(tokenizer.encode_ordinary_batch(documents)):
         if i and tokenizer.eot_id is not None:  # documents joined as `prepare` joins them
             ids.append(tokenizer.eot_id)
         ids.extend(lead if not i else [t for t in lead if t != tokenizer.eot_id])  # (one end)

@@ -34,6 +34,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "with the run's tokenizer (required)",
     )
     p.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the JSON key, or Parquet or dataset column, of a --data file that holds the text, "
+        "as train's --text-field (default: %(default)s)",
+    )
+    p.add_argument(
         "--batch-size",
         type=int,
         default=8,
@@ -58,6 +65,7 @@ def run(args: argparse.Namespace) -> None:
         device=resolve_device(args.device),
         progress=not args.quiet,
         quantize=args.quantize,
+        text_field=args.text_field,
     )
     print(
         f"loss {r.loss:.4f} | perplexity {r.perplexity:.2f} | {r.bits_per_char:.4f} bits/char "
