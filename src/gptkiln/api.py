@@ -620,14 +620,23 @@ def eval_tokens(data: str | os.PathLike, tokenizer, *, text_field: str = "text")
                 "--tokenizer RUN_DIR --out DIR)"
             )
         return prepared.val
-    ids: list[int] = []
-    lead = leading_ids(tokenizer)  # each document starts as the tokenizer starts a text
-    documents = list(iter_documents(data, text_field=text_field))
-    for i, doc_ids in enumerate(tokenizer.encode_ordinary_batch(documents)):
-        if i and tokenizer.eot_id is not None:  # documents joined as `prepare` joins them
-            ids.append(tokenizer.eot_id)
-        ids.extend(lead if not i else [t for t in lead if t != tokenizer.eot_id])  # (one end)
-        ids.extend(doc_ids)
+    import numpy as np
+
+    from gptkiln.data.encoding import encoded_batches
+    from gptkiln.data.prepare import BATCH_CHARS
+
+    # each document starts as the tokenizer starts a text, and documents are joined as
+    # `prepare` joins them (one end of text between two); the ids as arrays, a batch of
+    # documents at a time: a list of Python ints took about 64 bytes a token
+    lead = np.array(leading_ids(tokenizer), dtype=np.int64)
+    end = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
+    between = np.array(end + [t for t in lead.tolist() if t not in end], dtype=np.int64)
+    documents = iter_documents(data, text_field=text_field)
+    parts: list[np.ndarray] = []
+    for _, arrays in encoded_batches(documents, tokenizer, BATCH_CHARS, text=lambda doc: doc):
+        for doc_ids in arrays:
+            parts += [between if parts else lead, doc_ids.astype(np.int64, copy=False)]
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     if len(ids) < 2:
         raise GptkilnError(f"{data} has {len(ids)} token(s); evaluation needs at least 2")
     return ids
