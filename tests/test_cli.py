@@ -903,6 +903,7 @@ def test_train_refuses_a_tokenizer_or_split_that_prepared_data_contradicts(
     prepare(play_path, bpe, "bpe:300", val_fraction=0.2, progress=False)
     meta = prepare(play_path, big, "bpe:8000", progress=False)
     assert meta["vocab_size"] < 8000  # a small corpus: fewer ids than asked for
+    assert "note: bpe:8000 gave" in capsys.readouterr().err  # said, and out of the way
     run = tmp_path / "run"
     short = [
         "--model",

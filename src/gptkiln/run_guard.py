@@ -122,6 +122,13 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
     _check_can_write_in(_nearest_folder(Path(path).absolute().parent, flag, path), flag, path)
 
 
+def check_folder_writable(folder: str | os.PathLike, flag: str) -> None:
+    """One line, before any work, where no file can be made in ``folder``: itself where it
+    exists, else the nearest one there of those it would be made in (a file on the way, a
+    read-only folder, ``/proc``)."""
+    _check_can_write_in(_nearest_folder(Path(folder).absolute(), flag, folder), flag, folder)
+
+
 def _check_can_write_in(there: Path, flag: str, path: str | os.PathLike) -> None:
     """One line where no file can be made in the folder ``there`` (for ``flag`` ``path``)."""
     try:

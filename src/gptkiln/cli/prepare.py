@@ -86,6 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from gptkiln.data.prepare import prepare, read_meta
+    from gptkiln.run_guard import check_folder_writable
 
     mb = BPE_SAMPLE_BYTES >> 20 if args.bpe_sample_mb is None else args.bpe_sample_mb
     if mb < 0:
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> None:
             "give a SOURCE to prepare (a file, a folder, hf:NAME, a .yaml "
             "mixture or shakespeare), or several with --mix SOURCE:WEIGHT ..."
         )
+    check_folder_writable(args.out, "--out")  # before a tokenizer is trained for it
     before = read_meta(args.out)  # the prepared data there now, if any
     meta = prepare(
         args.source,
