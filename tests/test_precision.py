@@ -57,7 +57,10 @@ def test_auto_keeps_its_rule_on_gpus_and_an_explicit_precision_is_taken_as_asked
     assert choose_precision("auto", "mps", never, never).precision == "fp32"
     for asked in ("fp32", "bf16"):
         choice = choose_precision(asked, "cpu", never, never)
-        assert (choice.precision, choice.reason) == (asked, "as --precision asks")
+        assert (choice.precision, choice.reason) == (
+            asked,
+            "as asked (--precision, or the run's recipe)",
+        )
 
 
 def test_every_process_must_measure_bf16_faster(monkeypatch):

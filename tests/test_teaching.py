@@ -632,7 +632,7 @@ def test_an_input_longer_than_the_context_is_a_sentence(layer):
         "causal": lambda: CausalAttention(3, 2, 4, 0.0),
         "multihead": lambda: MultiHeadAttention(3, 4, 4, 0.0, num_heads=2),
     }[layer]()
-    with pytest.raises(ValueError, match="the input has 6 tokens, more than this layer's"):
+    with pytest.raises(GptkilnError, match="the input has 6 tokens, more than this layer's"):
         built(torch.rand(2, 6, 3))
     assert built(torch.rand(2, 4, 3)).shape[:2] == (2, 4)  # the context itself still fits
 
@@ -648,6 +648,6 @@ def test_an_input_without_its_batch_dimension_is_a_sentence(layer):
         "causal": lambda: CausalAttention(3, 2, 6, 0.0),
         "multihead": lambda: MultiHeadAttention(3, 2, 6, 0.0, num_heads=2),
     }[layer]()
-    with pytest.raises(ValueError, match=r"shape \(6, 3\); .*\(B, T, d_in\).*unsqueeze\(0\)"):
+    with pytest.raises(GptkilnError, match=r"shape \(6, 3\); .*\(B, T, d_in\).*unsqueeze\(0\)"):
         built(JOURNEY_EMBEDDINGS)
     assert built(JOURNEY_EMBEDDINGS.unsqueeze(0)).shape == (1, 6, 2)

@@ -185,13 +185,13 @@ def _fits_context(x: torch.Tensor, mask: torch.Tensor) -> int:
     if x.dim() != 3:
         shape = tuple(x.shape)
         fix = " (one sequence: x.unsqueeze(0), as the book stacks two: torch.stack((x, x)))"
-        raise ValueError(
+        raise GptkilnError(
             f"the input has shape {shape}; these layers take a batch, (B, T, d_in)"
             + (fix if x.dim() == 2 else "")
         )
     num_tokens, context_length = x.shape[1], mask.shape[0]
     if num_tokens > context_length:
-        raise ValueError(
+        raise GptkilnError(
             f"the input has {num_tokens} tokens, more than this layer's context_length "
             f"{context_length} (its causal mask's size); build it with a larger context_length "
             "or pass fewer tokens"

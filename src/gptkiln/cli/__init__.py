@@ -103,7 +103,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 
 EXAMPLES = """\
 examples:
-  gptkiln train                                       a small GPT on the bundled plays
+  gptkiln train                                       a small Qwen3-shaped model on the plays
   gptkiln generate runs/default --prompt "ROMEO:"     more of the play, as it is written
   gptkiln info runs/default                           what a run holds: model, data, losses
 """

@@ -79,7 +79,7 @@ def choose_precision(
         features: this CPU's bf16 instructions (None: `cpu_bf16_features`).
     """
     if requested != "auto":
-        return PrecisionChoice(requested, "as --precision asks")
+        return PrecisionChoice(requested, "as asked (--precision, or the run's recipe)")
     kind = device.split(":")[0]
     if kind == "cuda":
         return PrecisionChoice("bf16", "auto: bf16 autocast on CUDA")
@@ -126,7 +126,7 @@ def resumed_precision(requested: str, saved: str | None, device: str) -> Precisi
     (measuring again could choose the other, and the run would no longer be the one it would
     have been uninterrupted); ``fp32`` or ``bf16`` are taken as asked."""
     if requested != "auto":
-        return PrecisionChoice(requested, "as --precision asks")
+        return PrecisionChoice(requested, "as asked (--precision, or the run's recipe)")
     if saved is None:  # written before choices were recorded: auto was the static rule then
         return PrecisionChoice(static_precision(device), "auto, as this run started (no record)")
     return PrecisionChoice(saved, "kept from the run's start")
