@@ -353,6 +353,8 @@ def prepare(
             ) from None
         raise
     shutil.rmtree(staging, ignore_errors=True)
+    if _kind_to_build(tokenizer) == "bpe":  # said once the data is written, not before an error
+        _note_fewer_ids(tokenizer, tok, run.sample)
     return meta
 
 
@@ -473,8 +475,6 @@ class _Run:
                 "takes more (0: all)",
                 file=sys.stderr,
             )
-        if kind == "bpe":
-            _note_fewer_ids(spec, tok, self.sample)
         documents = 2 if self.mixture is not None else self.survey.documents
         if documents > 1 and tok.eot_id is None:
             what = f"has {documents} documents" if self.mixture is None else "is a mixture"
